@@ -1,0 +1,126 @@
+// moetrain: one binary, one function per subcommand, no argument framework.
+#include <cstdio>
+#include <exception>
+#include <string_view>
+#include <vector>
+
+#ifdef MOETRAIN_WITH_CUDA
+#include "kernels/cuda/device.h"
+#endif
+
+namespace {
+
+using Args = std::vector<std::string_view>;
+
+struct Command {
+  const char* name;
+  const char* summary;
+  const char* usage;
+  int (*run)(const Args& args);  // nullptr: not built yet
+  const char* missing;           // what a run needs that is not built yet
+};
+
+const Command kCommands[] = {
+    {"train", "train a model from a config and overrides",
+     "usage: moetrain train [--config FILE.toml] [--section.key=value ...]\n"
+     "  Every key has a default, so overrides alone can describe a run. Sections:\n"
+     "  [job] [model] [data] [training] [optimizer] [lr_scheduler] [parallelism]\n"
+     "  [checkpoint] [metrics]. Under mpirun or srun every rank runs the same command.\n",
+     nullptr, "the Qwen3-MoE model and trainer"},
+    {"eval", "mean next-token loss of a Hugging Face model on a token matrix",
+     "usage: moetrain eval --model DIR --tokens FILE.npy [--device cpu|cuda]\n"
+     "  Prints {\"loss\": <mean cross-entropy>, \"tokens\": <B*(T-1)>} for the [B,T] int32/int64\n"
+     "  matrix (inputs are columns 0..T-2, labels columns 1..T-1).\n",
+     nullptr, "the Qwen3-MoE model and Hugging Face loading"},
+    {"encode", "encode text with a tokenizer.json, print ids as JSON",
+     "usage: moetrain encode --tokenizer tokenizer.json [--text STR]\n"
+     "  Encodes STR, or all of standard input when --text is absent, as Hugging Face\n"
+     "  tokenizers would, and prints the ids as one JSON array.\n",
+     nullptr, "the byte-level BPE tokenizer"},
+    {"tokenize", "turn JSONL(.zst) files into packed token files",
+     "usage: moetrain tokenize --tokenizer FILE --input PATH... --output DIR [--workers N]\n"
+     "                         [--field text] [--strict]\n"
+     "  Writes one .bin per input file: the tokens, then uint64 cumulative document ends,\n"
+     "  as two consecutive .npy arrays. Reruns redo only unfinished files.\n",
+     nullptr, "the tokenizer and corpus builder"},
+    {"export-hf", "write a checkpoint as a Hugging Face model folder",
+     "usage: moetrain export-hf --checkpoint DIR --output DIR [--dtype bf16|fp32]\n"
+     "                          [--max-shard-size 5GB]\n",
+     nullptr, "checkpoints and the Hugging Face exporter"},
+    {"plan", "print memory per rank and the mesh for a config, before launch",
+     "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n", nullptr,
+     "the model, the trainer and the device mesh"},
+};
+
+void print_help() {
+  std::printf(
+      "moetrain %s: train Mixture-of-Experts language models (C++20/CUDA)\n\n"
+      "usage: moetrain <command> [options]\n       moetrain --version\n\ncommands:\n",
+      MOETRAIN_VERSION);
+  for (const Command& c : kCommands) std::printf("  %-10s %s\n", c.name, c.summary);
+  std::printf("\n'moetrain <command> --help' describes one command.\n");
+}
+
+int print_version() {
+  std::printf("moetrain %s\n", MOETRAIN_VERSION);
+#ifdef MOETRAIN_WITH_CUDA
+  std::printf("cuda: built in (sm_90a)\n");
+  mt::cuda::DeviceInfo d = mt::cuda::query_device();
+  if (!d.error.empty() && d.count == 0)
+    std::printf("cuda devices: none usable (%s)\n", d.error.c_str());
+  else if (d.count == 0)
+    std::printf("cuda devices: none\n");
+  else
+    std::printf("cuda devices: %d, device 0: %s, sm_%d%d, %.1f GiB, probe kernel %s\n", d.count, d.name.c_str(),
+                d.sm_major, d.sm_minor, static_cast<double>(d.memory_bytes) / (1ull << 30),
+                d.kernels_run ? "ran" : "failed");
+#else
+  std::printf("cuda: not built in (CPU backend only)\n");
+#endif
+  return 0;
+}
+
+bool wants_help(const Args& args) {
+  for (std::string_view a : args)
+    if (a == "--help" || a == "-h") return true;
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    print_help();
+    return 2;
+  }
+  std::string_view cmd = argv[1];
+  if (cmd == "--help" || cmd == "-h" || cmd == "help") {
+    print_help();
+    return 0;
+  }
+  if (cmd == "--version") return print_version();
+  Args args(argv + 2, argv + argc);
+  for (const Command& c : kCommands) {
+    if (cmd != c.name) continue;
+    if (wants_help(args)) {
+      std::fputs(c.usage, stdout);
+      if (c.run == nullptr) std::printf("  (not built yet: needs %s)\n", c.missing);
+      return 0;
+    }
+    if (c.run == nullptr) {
+      std::fprintf(stderr, "moetrain %s: not built yet: this build of moetrain %s lacks %s\n", c.name,
+                   MOETRAIN_VERSION, c.missing);
+      return 3;
+    }
+    try {
+      return c.run(args);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "moetrain %s: error: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "moetrain: unknown command '%s' (expected one of:", argv[1]);
+  for (const Command& c : kCommands) std::fprintf(stderr, " %s", c.name);
+  std::fprintf(stderr, "; see moetrain --help)\n");
+  return 2;
+}

@@ -1,0 +1,94 @@
+#include "core/arena.h"
+
+#include <cstdlib>
+#include <utility>
+
+#ifdef MOETRAIN_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace mt {
+
+bool cuda_built() {
+#ifdef MOETRAIN_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+void* device_alloc(Device device, size_t bytes) {
+  if (bytes == 0) return nullptr;
+  if (device == Device::cpu) {
+    size_t rounded = (bytes + Arena::kAlign - 1) / Arena::kAlign * Arena::kAlign;
+    void* p = std::aligned_alloc(Arena::kAlign, rounded);
+    MT_CHECK(p != nullptr) << "out of host memory allocating " << bytes << " bytes";
+    return p;
+  }
+#ifdef MOETRAIN_WITH_CUDA
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  MT_CHECK(e == cudaSuccess) << "cudaMalloc of " << bytes << " bytes: " << cudaGetErrorString(e);
+  return p;
+#else
+  MT_FAIL() << "a cuda tensor was requested but this moetrain was built without CUDA (-DMOETRAIN_CUDA=OFF or no nvcc)";
+  return nullptr;
+#endif
+}
+
+void device_free(Device device, void* p) {
+  if (p == nullptr) return;
+  if (device == Device::cpu) {
+    std::free(p);
+    return;
+  }
+#ifdef MOETRAIN_WITH_CUDA
+  cudaFree(p);
+#endif
+}
+
+Arena::Arena(std::string name, Device device, size_t capacity_bytes)
+    : name_(std::move(name)), device_(device), capacity_(capacity_bytes) {
+  base_ = static_cast<char*>(device_alloc(device, capacity_bytes));
+}
+
+Arena Arena::counting(std::string name, Device device) {
+  Arena a;
+  a.name_ = std::move(name);
+  a.device_ = device;
+  a.counting_ = true;
+  return a;
+}
+
+Arena::~Arena() { device_free(device_, base_); }
+
+Arena::Arena(Arena&& o) noexcept { *this = std::move(o); }
+
+Arena& Arena::operator=(Arena&& o) noexcept {
+  if (this != &o) {
+    device_free(device_, base_);
+    name_ = std::move(o.name_);
+    device_ = o.device_;
+    base_ = std::exchange(o.base_, nullptr);
+    capacity_ = std::exchange(o.capacity_, 0);
+    used_ = std::exchange(o.used_, 0);
+    peak_ = std::exchange(o.peak_, 0);
+    counting_ = o.counting_;
+  }
+  return *this;
+}
+
+Tensor Arena::alloc(DType dtype, Shape shape) {
+  size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+  size_t start = (used_ + kAlign - 1) / kAlign * kAlign;
+  if (!counting_) {
+    MT_CHECK(start + bytes <= capacity_) << "arena '" << name_ << "' is full: " << dtype_name(dtype) << shape.str()
+                                         << " needs " << bytes << " bytes at offset " << start << " of "
+                                         << capacity_;
+  }
+  used_ = start + bytes;
+  if (used_ > peak_) peak_ = used_;
+  return Tensor(counting_ ? nullptr : base_ + start, shape, dtype, device_);
+}
+
+}  // namespace mt

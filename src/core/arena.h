@@ -1,0 +1,55 @@
+// One block of memory carved into tensors by a bump pointer.
+//
+// Parameters, gradients, optimizer state and activations each live in an arena sized
+// up front, so a step allocates nothing and `moetrain plan` can report the numbers
+// before launch. A counting arena hands out storage-less tensors and only measures,
+// which is how the plan is computed with the same code that allocates for real.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace mt {
+
+// Raw device memory: aligned host memory for cpu, cudaMalloc for cuda (an error
+// naming the build when CUDA support is not compiled in).
+void* device_alloc(Device device, size_t bytes);
+void device_free(Device device, void* p);
+bool cuda_built();
+
+class Arena {
+ public:
+  static constexpr size_t kAlign = 256;
+
+  Arena(std::string name, Device device, size_t capacity_bytes);
+  static Arena counting(std::string name, Device device);
+  ~Arena();
+  Arena(Arena&& o) noexcept;
+  Arena& operator=(Arena&& o) noexcept;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  Tensor alloc(DType dtype, Shape shape);
+  // Everything handed out before becomes invalid; the block is kept.
+  void reset() { used_ = 0; }
+
+  size_t used() const { return used_; }
+  size_t peak() const { return peak_; }
+  size_t capacity() const { return capacity_; }
+  Device device() const { return device_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  Arena() = default;
+  std::string name_;
+  Device device_ = Device::cpu;
+  char* base_ = nullptr;
+  size_t capacity_ = 0;
+  size_t used_ = 0;
+  size_t peak_ = 0;
+  bool counting_ = false;
+};
+
+}  // namespace mt

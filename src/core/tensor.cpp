@@ -1,0 +1,70 @@
+#include "core/tensor.h"
+
+#include <sstream>
+
+namespace mt {
+
+Shape::Shape(std::initializer_list<int64_t> dims) {
+  MT_CHECK(static_cast<int>(dims.size()) <= kMaxDims) << "a shape has at most " << kMaxDims << " dims, got " << dims.size();
+  for (int64_t v : dims) {
+    MT_CHECK(v >= 0) << "negative dimension " << v;
+    d[n++] = v;
+  }
+}
+
+int64_t Shape::numel() const {
+  int64_t p = 1;
+  for (int i = 0; i < n; ++i) p *= d[i];
+  return p;
+}
+
+bool Shape::operator==(const Shape& o) const {
+  if (n != o.n) return false;
+  for (int i = 0; i < n; ++i)
+    if (d[i] != o.d[i]) return false;
+  return true;
+}
+
+std::string Shape::str() const {
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < n; ++i) s << (i ? "," : "") << d[i];
+  s << "]";
+  return s.str();
+}
+
+int64_t Tensor::dim(int i) const {
+  int j = i < 0 ? i + shape.n : i;
+  MT_CHECK(j >= 0 && j < shape.n) << "dim " << i << " of " << str();
+  return shape.d[j];
+}
+
+std::string Tensor::str() const {
+  return std::string(dtype_name(dtype)) + shape.str() + (device == Device::cpu ? "@cpu" : "@cuda");
+}
+
+Tensor Tensor::view(Shape s) const {
+  MT_CHECK(s.numel() == numel()) << "cannot view " << str() << " as " << s.str();
+  return Tensor(data, s, dtype, device);
+}
+
+Tensor Tensor::rows(int64_t begin, int64_t end) const {
+  MT_CHECK(shape.n >= 1 && 0 <= begin && begin <= end && end <= shape.d[0])
+      << "rows [" << begin << "," << end << ") of " << str();
+  Shape s = shape;
+  s.d[0] = end - begin;
+  size_t row_bytes = static_cast<size_t>(shape.d[0] ? numel() / shape.d[0] : 0) * dtype_size(dtype);
+  return Tensor(static_cast<char*>(data) + begin * row_bytes, s, dtype, device);
+}
+
+void check_tensor(const Tensor& t, const char* name, DType dtype, Shape shape) {
+  MT_CHECK(t.dtype == dtype && t.shape == shape)
+      << name << " should be " << dtype_name(dtype) << shape.str() << ", got " << t.str();
+  MT_CHECK(t.data != nullptr || shape.numel() == 0) << name << " " << t.str() << " has no storage";
+}
+
+void check_same_device(const Tensor& a, const Tensor& b) {
+  MT_CHECK(a.device == b.device) << a.str() << " and " << b.str() << " are on different devices";
+}
+
+}  // namespace mt

@@ -1,0 +1,32 @@
+// Causal scaled-dot-product attention with grouped-query heads, an optional sliding
+// window and optional learnable per-head sink logits (GPT-OSS).
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace mt::cpu {
+
+struct AttentionArgs {
+  float scale = 1.0f;       // usually 1/sqrt(head_dim)
+  int64_t window = 0;       // 0: full causal; else key j is visible to query i when i - j < window
+  int64_t q_offset = 0;     // absolute position of query row 0 (ring attention passes chunks)
+  int64_t k_offset = 0;     // absolute position of key row 0
+};
+
+// q f32 [B,Tq,Hq,D], k and v f32 [B,Tk,Hkv,D] with Hq % Hkv == 0 (query head h reads
+// kv head h / (Hq/Hkv)); sinks f32 [Hq] or empty: an extra logit per head in the
+// softmax denominator with no value. Query i (position q_offset+i) sees key j
+// (position k_offset+j) when pos_j <= pos_i and, with a window, pos_i - pos_j < window.
+// out f32 [B,Tq,Hq,D]; lse f32 [B,Hq,Tq] = log of the softmax denominator (sink
+// included), -inf for a row that sees nothing (its output is 0).
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
+                       const AttentionArgs& a, const Tensor& out, const Tensor& lse);
+
+// dq, dk, dv overwritten; dsinks [Hq] accumulated (may be empty when sinks is).
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
+                        const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                        const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dsinks);
+
+}  // namespace mt::cpu

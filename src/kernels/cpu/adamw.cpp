@@ -1,0 +1,35 @@
+#include "kernels/adamw.h"
+
+#include <cmath>
+
+namespace mt::cpu {
+
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWStep& s) {
+  int64_t n = param.numel();
+  for (const Tensor* t : {&param, &grad, &m, &v})
+    MT_CHECK(t->dtype == DType::f32 && t->numel() == n)
+        << "adamw wants f32 tensors of " << n << " elements (param " << param.str() << "), got " << t->str();
+  MT_CHECK(s.step >= 1) << "adamw step is 1-based, got " << s.step;
+  float* p = param.f32();
+  const float* g = grad.f32();
+  float* mp = m.f32();
+  float* vp = v.f32();
+  // The same order of operations as torch.optim.AdamW (foreach=False), so a run can
+  // be compared with transformers step for step.
+  double t = static_cast<double>(s.step);
+  float bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(s.beta2, t)));
+  float step_size = static_cast<float>(s.lr / (1.0 - std::pow(s.beta1, t)));
+  float decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
+  float w1 = static_cast<float>(1.0 - s.beta1), b2 = static_cast<float>(s.beta2), w2 = static_cast<float>(1.0 - s.beta2);
+  float eps = static_cast<float>(s.eps);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] *= decay;
+    mp[i] += w1 * (g[i] - mp[i]);
+    vp[i] = vp[i] * b2 + w2 * g[i] * g[i];
+    float denom = std::sqrt(vp[i]) / bias2_sqrt + eps;
+    p[i] -= step_size * mp[i] / denom;
+  }
+}
+
+}  // namespace mt::cpu

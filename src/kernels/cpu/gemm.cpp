@@ -1,0 +1,69 @@
+#include "kernels/gemm.h"
+
+#include <cblas.h>
+
+namespace mt::cpu {
+
+namespace {
+
+struct Dims {
+  int64_t m, n, k;
+};
+
+Dims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb) {
+  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2)
+      << "gemm wants 2-D tensors, got a " << a.str() << ", b " << b.str() << ", c " << c.str();
+  MT_CHECK(a.dtype == DType::f32 && b.dtype == DType::f32 && c.dtype == DType::f32)
+      << "cpu gemm is f32: a " << a.str() << ", b " << b.str() << ", c " << c.str();
+  Dims d{ta ? a.dim(1) : a.dim(0), tb ? b.dim(0) : b.dim(1), ta ? a.dim(0) : a.dim(1)};
+  int64_t kb = tb ? b.dim(1) : b.dim(0);
+  MT_CHECK(kb == d.k && c.dim(0) == d.m && c.dim(1) == d.n)
+      << "gemm shapes disagree: op(a) " << d.m << "x" << d.k << " (a " << a.str() << (ta ? "^T" : "") << "), op(b) "
+      << kb << "x" << d.n << " (b " << b.str() << (tb ? "^T" : "") << "), c " << c.str();
+  return d;
+}
+
+// Row-major sgemm on raw pointers; leading dimensions are the stored row widths.
+void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    // BLAS leaves c untouched only for beta == 1; make the empty sum explicit.
+    for (int64_t i = 0; i < m * n; ++i) c[i] = beta == 0.0f ? 0.0f : beta * c[i];
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
+              c, static_cast<int>(ldc));
+}
+
+}  // namespace
+
+void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
+  Dims d = check_gemm(a, b, c, trans_a, trans_b);
+  sgemm(trans_a, trans_b, d.m, d.n, d.k, alpha, a.f32(), a.dim(1), b.f32(), b.dim(1), beta, c.f32(), d.n);
+}
+
+void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b, const Tensor& da,
+                   const Tensor& db, bool accumulate) {
+  Dims d = check_gemm(a, b, dc, trans_a, trans_b);
+  float beta = accumulate ? 1.0f : 0.0f;
+  // With C = A B: dA = dC B^T and dB = A^T dC. Transposed operands swap the roles:
+  // for A^T the stored gradient is (dC B^T)^T = B dC^T, and likewise for B.
+  if (da.data != nullptr) {
+    check_tensor(da, "da", DType::f32, a.shape);
+    if (!trans_a)
+      sgemm(false, !trans_b, d.m, d.k, d.n, 1.0f, dc.f32(), d.n, b.f32(), b.dim(1), beta, da.f32(), d.k);
+    else
+      sgemm(trans_b, true, d.k, d.m, d.n, 1.0f, b.f32(), b.dim(1), dc.f32(), d.n, beta, da.f32(), d.m);
+  }
+  if (db.data != nullptr) {
+    check_tensor(db, "db", DType::f32, b.shape);
+    if (!trans_b)
+      sgemm(!trans_a, false, d.k, d.n, d.m, 1.0f, a.f32(), a.dim(1), dc.f32(), d.n, beta, db.f32(), d.n);
+    else
+      sgemm(true, trans_a, d.n, d.k, d.m, 1.0f, dc.f32(), d.n, a.f32(), a.dim(1), beta, db.f32(), d.k);
+  }
+}
+
+}  // namespace mt::cpu

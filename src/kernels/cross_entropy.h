@@ -1,0 +1,27 @@
+// Softmax cross-entropy over a vocabulary, fused: the backward overwrites the logits
+// buffer with the gradient, so only one full-vocabulary fp32 copy ever exists.
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace mt::cpu {
+
+struct CrossEntropySum {
+  double loss_sum = 0;  // sum over counted rows of lse - logit[label]
+  int64_t count = 0;    // rows whose label is not ignore_index
+};
+
+// logits f32 [N,V], labels i32 [N] (ignore_index rows skipped, others in [0,V)),
+// lse f32 [N] (log-sum-exp per row, kept for the backward). The mean loss is
+// loss_sum / count; with micro-batches the caller divides by the global count.
+CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
+                                      const Tensor& lse);
+
+// dlogits = scale * (softmax(logits) - onehot(label)), zero on ignored rows. scale is
+// dloss / count for a mean. dlogits may be the logits tensor itself.
+void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& lse, int32_t ignore_index,
+                            float scale, const Tensor& dlogits);
+
+}  // namespace mt::cpu

@@ -1,0 +1,20 @@
+// What the CUDA runtime sees on this machine.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace mt::cuda {
+
+struct DeviceInfo {
+  int count = 0;
+  std::string name;
+  int sm_major = 0, sm_minor = 0;
+  size_t memory_bytes = 0;
+  bool kernels_run = false;  // a probe kernel built for sm_90a ran on device 0
+  std::string error;         // why the runtime could not answer, if it could not
+};
+
+DeviceInfo query_device();
+
+}  // namespace mt::cuda
