@@ -1,6 +1,8 @@
 #include <cmath>
 #include <sstream>
 
+#include <gtest/gtest.h>
+
 #include "kernels/cross_entropy.h"
 #include "ops/cases.h"
 

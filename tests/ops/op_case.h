@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -48,9 +49,15 @@ struct OpCase {
   std::function<Vecs(const Vecs& in, const Vecs& dout)> backward;
   double fwd_tol = 1e-5;  // elementwise, relative; see close_enough() in test_ops.cpp
   double bwd_tol = 1e-4;
-  double fd_step = 1e-6;  // relative step of the central differences
+  // Relative step of the central differences. 1e-4 balances truncation (h^2 f'''/6)
+  // against round-off (~1e-16 |L| / h) for losses summed over many elements; ops
+  // with kinks (clamps, top-k) may want a smaller one.
+  double fd_step = 1e-4;
   uint64_t seed = 1;
 };
+
+// gtest prints a failing row by its name rather than as bytes.
+inline void PrintTo(const OpCase& c, std::ostream* os) { *os << c.name; }
 
 // Helpers for case builders: fp32 tensors over a std::vector, and back to double.
 struct HostTensor {
