@@ -41,12 +41,73 @@ std::vector<OpCase> table() {
   add(adamw_case(7, 0.1f));
   add(adamw_case(1000, 0.01f));
 
-  // grouped gemm: ROWS-GROUPED-GEMM
-  // swiglu and clamped swiglu: ROWS-SWIGLU
-  // router: ROWS-ROUTER
-  // dispatch and combine: ROWS-DISPATCH
-  // rope: ROWS-ROPE
-  // attention: ROWS-ATTENTION
+  // grouped gemm: one row, empty experts (first, last, in between, all but one), K and
+  // O not multiples of 8 or 128, with and without bias, overwriting and accumulating.
+  add(grouped_gemm_case({0, 1, 0}, 5, 3, true, false));
+  add(grouped_gemm_case({0, 3, 0, 5, 0}, 7, 6, false, false));
+  add(grouped_gemm_case({4, 9, 1, 13}, 33, 20, true, true));
+  add(grouped_gemm_case({11}, 129, 9, false, true));
+  add(grouped_gemm_case({6, 0, 3, 9}, 12, 130, true, false));
+
+  // swiglu and clamped swiglu: one row, odd widths; GPT-OSS's limit and alpha, and a
+  // small limit so the clamps bind in most elements.
+  add(swiglu_case(1, 5));
+  add(swiglu_case(13, 131));
+  add(clamped_swiglu_case(1, 3, 7.0f, 1.702f));
+  add(clamped_swiglu_case(17, 45, 7.0f, 1.702f));
+  add(clamped_swiglu_case(5, 9, 1.5f, 0.5f));
+
+  // router: k = 1 and k = E, renormalised and not, scale != 1, DeepSeek groups (with
+  // just enough eligible experts, too), GPT-OSS scoring, with and without dprobs.
+  add(router_case({.rows = 1, .experts = 4, .top_k = 1}));
+  add(router_case({.rows = 6, .experts = 8, .top_k = 2, .normalize = true, .dprobs = true}));
+  add(router_case({.rows = 5, .experts = 6, .top_k = 6, .scale = 2.5f}));
+  add(router_case({.rows = 7, .experts = 8, .top_k = 3, .normalize = true, .scale = 2.5f, .n_group = 4,
+                   .topk_group = 2, .dprobs = true}));
+  add(router_case({.rows = 9, .experts = 16, .top_k = 4, .n_group = 4, .topk_group = 1}));
+  add(router_case({.rows = 5, .experts = 32, .top_k = 4, .gpt_oss = true, .dprobs = true}));
+  add(router_case({.rows = 1, .experts = 5, .top_k = 5, .gpt_oss = true}));
+  add(router_case({.rows = 3, .experts = 7, .top_k = 1, .gpt_oss = true}));
+
+  // dispatch and combine: one token, k = 1, k = E, first and last expert empty, and
+  // capacity dropping (the dropped count is an output of the dispatch rows).
+  for (auto row : {dispatch_case, combine_case}) {
+    add(row(1, 4, 1, 5, 0, false));
+    add(row(13, 6, 2, 7, 0, true));
+    add(row(9, 4, 4, 3, 0, false));
+    add(row(17, 5, 2, 9, 4, false));
+    add(row(20, 8, 3, 6, 5, true));
+  }
+
+  // rope: default and both YaRN presets, halves and interleaved, partial rotary, odd
+  // heads and tokens, positions that are not 0..T-1 (kept small: fp32 angles lose pos * 2^-23).
+  add(rope_case({.batch = 2, .heads = 3, .head_dim = 8, .rotary_dim = 8, .positions = {0, 1, 2}}));
+  add(rope_case({.interleaved = true, .head_dim = 10, .rotary_dim = 6, .positions = {7, 3, 11, 0, 2}}));
+  add(rope_case({.heads = 5, .head_dim = 12, .rotary_dim = 8, .positions = {5, 6, 7, 8, 9, 10, 11}}));
+  add(rope_case({.scaling = RopeScaling::yarn_gpt_oss, .heads = 3, .head_dim = 16, .rotary_dim = 16,
+                 .positions = {13, 2, 9, 4, 17}}));
+  add(rope_case({.scaling = RopeScaling::yarn_gpt_oss, .interleaved = true, .batch = 2, .heads = 1, .head_dim = 20,
+                 .rotary_dim = 16, .positions = {19, 20, 21}}));
+  add(rope_case({.scaling = RopeScaling::yarn_deepseek, .interleaved = true, .batch = 2, .heads = 3, .head_dim = 8,
+                 .rotary_dim = 8, .positions = {1, 4, 9}}));
+  add(rope_case({.scaling = RopeScaling::yarn_deepseek, .heads = 3, .head_dim = 12, .rotary_dim = 8,
+                 .positions = {6, 0, 15, 3, 8, 1, 12}}));
+
+  // attention: MHA and GQA, one token (with a sink: alone, its one key takes all the
+  // weight and dq is 0), decoding one query against a cache, lengths that are not
+  // multiples of 8, a window, sinks (GPT-OSS: GQA + window + sinks), and ring-attention
+  // chunks (Tq != Tk, offsets) including blocks where some query rows see no key.
+  add(attention_case({.tq = 1, .tk = 1, .hq = 2, .hkv = 2, .dim = 5, .sinks = true}));
+  add(attention_case({.tq = 1, .tk = 9, .hq = 4, .hkv = 2, .dim = 16, .q_offset = 8}));
+  add(attention_case({.batch = 2, .tq = 7, .tk = 7, .hq = 3, .hkv = 3, .dim = 16}));
+  add(attention_case({.tq = 13, .tk = 13, .hq = 6, .hkv = 2, .dim = 5}));
+  add(attention_case({.tq = 7, .tk = 7, .hq = 4, .hkv = 1, .dim = 16, .window = 3}));
+  add(attention_case({.tq = 7, .tk = 7, .hq = 2, .hkv = 2, .dim = 5, .sinks = true}));
+  add(attention_case({.batch = 2, .tq = 13, .tk = 13, .hq = 6, .hkv = 2, .dim = 5, .window = 3, .sinks = true}));
+  add(attention_case({.tq = 5, .tk = 7, .hq = 4, .hkv = 2, .dim = 5, .q_offset = 7}));
+  add(attention_case({.batch = 2, .tq = 5, .tk = 7, .hq = 4, .hkv = 1, .dim = 5, .window = 4, .q_offset = 7}));
+  add(attention_case({.tq = 7, .tk = 5, .hq = 6, .hkv = 2, .dim = 5, .k_offset = 4}));
+  add(attention_case({.tq = 7, .tk = 5, .hq = 6, .hkv = 2, .dim = 16, .window = 3, .sinks = true, .k_offset = 4}));
   return t;
 }
 

@@ -18,11 +18,45 @@ OpCase cross_entropy_case(int64_t rows, int64_t vocab, int64_t ignored);
 // adamw.cpp: one update at 1-based step t (no backward: outputs are not differentiable).
 OpCase adamw_case(int64_t step, float weight_decay);
 
-// grouped_gemm.cpp: DECL-GROUPED-GEMM
-// swiglu.cpp: DECL-SWIGLU
-// router.cpp: DECL-ROUTER
-// dispatch.cpp: DECL-DISPATCH
-// rope.cpp: DECL-ROPE
-// attention.cpp: DECL-ATTENTION
+// grouped_gemm.cpp: rows per expert given by `counts` (zeros are empty segments), x [N,K],
+// w [E,O,K]; accumulate checks that the weight gradient adds to what was there.
+OpCase grouped_gemm_case(const std::vector<int32_t>& counts, int64_t k, int64_t o, bool bias, bool accumulate);
+// swiglu.cpp: gate/up halves [N,2I] -> [N,I]; the GPT-OSS variant interleaves and clamps.
+OpCase swiglu_case(int64_t rows, int64_t inter);
+OpCase clamped_swiglu_case(int64_t rows, int64_t inter, float limit, float alpha);
+// router.cpp: one routing setup on random logits [rows, experts]. gpt_oss: top-k of the
+// logits, then softmax over the k; otherwise softmax, then top-k (DeepSeek groups when
+// n_group > 1). dprobs: probs gets an upstream gradient too (a load-balance loss).
+struct RouterRow {
+  int64_t rows = 1, experts = 8, top_k = 2;
+  bool gpt_oss = false, normalize = false;
+  float scale = 1.0f;
+  int64_t n_group = 1, topk_group = 1;
+  bool dprobs = false;
+};
+OpCase router_case(const RouterRow& r);
+// dispatch.cpp: N tokens each routed to k distinct random experts of E (never the first
+// or the last with ends_empty), width D; capacity > 0 drops what does not fit.
+// dispatch: x -> xs (and the counts and the dropped count); combine: ys, weight -> y.
+OpCase dispatch_case(int64_t tokens, int64_t experts, int64_t k, int64_t dim, int64_t capacity, bool ends_empty);
+OpCase combine_case(int64_t tokens, int64_t experts, int64_t k, int64_t dim, int64_t capacity, bool ends_empty);
+// rope.cpp: x [B,T,H,Dh] rotated at `positions` (T = their count), the first rotary_dim
+// dims of each head; tables from the kernel's rope_freqs for one of the presets.
+enum class RopeScaling { none, yarn_gpt_oss, yarn_deepseek };
+struct RopeSpec {
+  RopeScaling scaling = RopeScaling::none;
+  bool interleaved = false;
+  int64_t batch = 1, heads = 1, head_dim = 8, rotary_dim = 8;
+  std::vector<int32_t> positions = {0};
+};
+OpCase rope_case(const RopeSpec& s);
+// attention.cpp: q [B,Tq,Hq,D], k and v [B,Tk,Hkv,D]; query row 0 sits at position
+// q_offset and key row 0 at k_offset; window 0 is full causal; sinks adds a per-head logit.
+struct AttentionSpec {
+  int64_t batch = 1, tq = 1, tk = 1, hq = 1, hkv = 1, dim = 4, window = 0;
+  bool sinks = false;
+  int64_t q_offset = 0, k_offset = 0;
+};
+OpCase attention_case(const AttentionSpec& s);
 
 }  // namespace mt::test

@@ -1,0 +1,160 @@
+#include "kernels/router.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+// topk_softmax (GPT-OSS) weights are the softmax over the k chosen logits: they sum to
+// one already, so `normalize` changes nothing there, and the model has no scaling
+// factor, so a scale other than 1 (or expert groups) is rejected rather than ignored.
+//
+// Experts and groups are ranked by their logits, not their probabilities: softmax is
+// monotonic so the order is the same, but fp32 rounding (or underflow to 0) can make
+// distinct logits give equal probabilities, and then "ties to the lower expert id"
+// would depend on rounding.
+
+namespace mt::cpu {
+
+namespace {
+
+struct Dims {
+  int64_t n, e, k;
+};
+
+Dims check_router(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
+                  const Tensor& probs) {
+  MT_CHECK(logits.ndim() == 2) << "router logits should be [N,E], got " << logits.str();
+  Dims d{logits.dim(0), logits.dim(1), cfg.top_k};
+  MT_CHECK(d.k >= 1 && d.k <= d.e) << "router top_k " << d.k << " should be in [1, " << d.e
+                                   << "] (the number of experts)";
+  MT_CHECK(cfg.n_group >= 1 && d.e % cfg.n_group == 0)
+      << "router n_group " << cfg.n_group << " should divide the " << d.e << " experts";
+  if (cfg.n_group > 1) {
+    MT_CHECK(cfg.topk_group >= 1 && cfg.topk_group <= cfg.n_group)
+        << "router topk_group " << cfg.topk_group << " should be in [1, n_group=" << cfg.n_group << "]";
+    MT_CHECK(cfg.topk_group * (d.e / cfg.n_group) >= d.k)
+        << "router topk_group " << cfg.topk_group << " of " << cfg.n_group << " groups of " << d.e / cfg.n_group
+        << " experts leave fewer than top_k=" << d.k << " experts to choose from";
+  }
+  MT_CHECK(cfg.scoring != RouterScoring::topk_softmax || (cfg.n_group == 1 && cfg.scale == 1.0f))
+      << "topk_softmax routing (GPT-OSS) has no expert groups and no scale, got n_group=" << cfg.n_group
+      << " scale=" << cfg.scale;
+  check_tensor(logits, "router logits", DType::f32, {d.n, d.e});
+  check_tensor(idx, "router idx", DType::i32, {d.n, d.k});
+  check_tensor(weight, "router weight", DType::f32, {d.n, d.k});
+  check_tensor(probs, "router probs", DType::f32, {d.n, d.e});
+  return d;
+}
+
+// Strict order: larger score first, ties to the lower id.
+struct Better {
+  const float* score;
+  bool operator()(int32_t a, int32_t b) const { return score[a] > score[b] || (score[a] == score[b] && a < b); }
+};
+
+}  // namespace
+
+void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
+                    const Tensor& probs) {
+  Dims d = check_router(cfg, logits, idx, weight, probs);
+  const float* lp = logits.f32();
+  int32_t* ip = idx.i32();
+  float* wp = weight.f32();
+  float* pp = probs.f32();
+  int64_t group_size = d.e / cfg.n_group;
+#pragma omp parallel
+  {
+    std::vector<int32_t> cand, groups(static_cast<size_t>(cfg.n_group));
+    std::vector<float> group_max(static_cast<size_t>(cfg.n_group));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < d.n; ++t) {
+      const float* l = lp + t * d.e;
+      float* p = pp + t * d.e;
+      float m = *std::max_element(l, l + d.e), sum = 0.0f;
+      for (int64_t e = 0; e < d.e; ++e) sum += p[e] = std::exp(l[e] - m);
+      for (int64_t e = 0; e < d.e; ++e) p[e] /= sum;
+
+      cand.clear();
+      if (cfg.n_group > 1) {
+        for (int64_t g = 0; g < cfg.n_group; ++g)
+          group_max[g] = *std::max_element(l + g * group_size, l + (g + 1) * group_size);
+        std::iota(groups.begin(), groups.end(), 0);
+        std::partial_sort(groups.begin(), groups.begin() + cfg.topk_group, groups.end(), Better{group_max.data()});
+        for (int64_t j = 0; j < cfg.topk_group; ++j)
+          for (int64_t e = groups[j] * group_size; e < (groups[j] + 1) * group_size; ++e)
+            cand.push_back(static_cast<int32_t>(e));
+      } else {
+        cand.resize(static_cast<size_t>(d.e));
+        std::iota(cand.begin(), cand.end(), 0);
+      }
+      std::partial_sort(cand.begin(), cand.begin() + d.k, cand.end(), Better{l});
+
+      int32_t* it = ip + t * d.k;
+      float* w = wp + t * d.k;
+      std::copy(cand.begin(), cand.begin() + d.k, it);
+      if (cfg.scoring == RouterScoring::topk_softmax) {
+        // it[0] holds the largest logit: the usual shift for a stable softmax.
+        float s = 0.0f;
+        for (int64_t j = 0; j < d.k; ++j) s += w[j] = std::exp(l[it[j]] - l[it[0]]);
+        for (int64_t j = 0; j < d.k; ++j) w[j] /= s;
+      } else {
+        float s = 0.0f;
+        for (int64_t j = 0; j < d.k; ++j) s += w[j] = p[it[j]];
+        float f = cfg.normalize ? cfg.scale / s : cfg.scale;
+        for (int64_t j = 0; j < d.k; ++j) w[j] *= f;
+      }
+    }
+  }
+}
+
+void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
+                     const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits) {
+  Dims d = check_router(cfg, logits, idx, weight, probs);
+  check_tensor(dweight, "router dweight", DType::f32, {d.n, d.k});
+  check_tensor(dlogits, "router dlogits", DType::f32, {d.n, d.e});
+  if (dprobs.data != nullptr) check_tensor(dprobs, "router dprobs", DType::f32, {d.n, d.e});
+  const int32_t* ip = idx.i32();
+  for (int64_t s = 0; s < d.n * d.k; ++s)
+    MT_CHECK(ip[s] >= 0 && ip[s] < d.e) << "router idx of token " << s / d.k << " slot " << s % d.k << " is " << ip[s]
+                                        << ", outside [0, " << d.e << ")";
+  const float* wp = weight.f32();
+  const float* pp = probs.f32();
+  const float* dwp = dweight.f32();
+  const float* dpp = dprobs.data != nullptr ? dprobs.f32() : nullptr;
+  float* out = dlogits.f32();
+  bool topk_softmax = cfg.scoring == RouterScoring::topk_softmax;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < d.n; ++t) {
+    const int32_t* it = ip + t * d.k;
+    const float* p = pp + t * d.e;
+    const float* dw = dwp + t * d.k;
+    // dl first holds the gradient with respect to probs, then goes through the softmax.
+    float* dl = out + t * d.e;
+    for (int64_t e = 0; e < d.e; ++e) dl[e] = dpp != nullptr ? dpp[t * d.e + e] : 0.0f;
+    if (!topk_softmax) {
+      if (cfg.normalize) {
+        // w_j = scale * p_j / S with S the sum of the k chosen probabilities.
+        float s = 0.0f, dot = 0.0f;
+        for (int64_t j = 0; j < d.k; ++j) s += p[it[j]];
+        for (int64_t j = 0; j < d.k; ++j) dot += dw[j] * p[it[j]];
+        dot /= s;
+        for (int64_t j = 0; j < d.k; ++j) dl[it[j]] += cfg.scale / s * (dw[j] - dot);
+      } else {
+        for (int64_t j = 0; j < d.k; ++j) dl[it[j]] += cfg.scale * dw[j];
+      }
+    }
+    float pdot = 0.0f;
+    for (int64_t e = 0; e < d.e; ++e) pdot += p[e] * dl[e];
+    for (int64_t e = 0; e < d.e; ++e) dl[e] = p[e] * (dl[e] - pdot);
+    if (topk_softmax) {
+      // The k weights are a softmax of the k chosen logits on their own.
+      const float* w = wp + t * d.k;
+      float wdot = 0.0f;
+      for (int64_t j = 0; j < d.k; ++j) wdot += w[j] * dw[j];
+      for (int64_t j = 0; j < d.k; ++j) dl[it[j]] += w[j] * (dw[j] - wdot);
+    }
+  }
+}
+
+}  // namespace mt::cpu

@@ -1,0 +1,130 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "kernels/router.h"
+#include "ops/cases.h"
+
+namespace mt::test {
+
+namespace {
+
+cpu::RouterConfig config_of(const RouterRow& r) {
+  cpu::RouterConfig cfg;
+  cfg.top_k = r.top_k;
+  cfg.scoring = r.gpt_oss ? cpu::RouterScoring::topk_softmax : cpu::RouterScoring::softmax_topk;
+  cfg.normalize = r.normalize;
+  cfg.scale = r.scale;
+  cfg.n_group = r.n_group;
+  cfg.topk_group = r.topk_group;
+  return cfg;
+}
+
+// The k best of `score` among `allowed`, best first, ties to the lower index: repeated
+// arg-max, which is a different algorithm from the kernel's partial sort.
+std::vector<int64_t> best_k(const Vec& score, std::vector<bool> allowed, int64_t k) {
+  std::vector<int64_t> out;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < static_cast<int64_t>(score.size()); ++e)
+      if (allowed[e] && (best < 0 || score[e] > score[best])) best = e;
+    out.push_back(best);
+    allowed[best] = false;
+  }
+  return out;
+}
+
+}  // namespace
+
+OpCase router_case(const RouterRow& r) {
+  int64_t n = r.rows, e = r.experts, k = r.top_k;
+  std::ostringstream name;
+  name << "router N=" << n << " E=" << e << " k=" << k << (r.gpt_oss ? " topk_softmax" : " softmax_topk")
+       << " norm=" << r.normalize << " scale=" << r.scale << " groups=" << r.n_group << "/" << r.topk_group
+       << " dprobs=" << r.dprobs;
+  OpCase c;
+  c.name = name.str();
+  // A modest logit range: the top-k choice never sits within a finite-difference step
+  // of a tie, so the reference is smooth where it is probed.
+  c.inputs = {{"logits", {n, e}, -2.0, 2.0}};
+  c.outputs = {{"idx", false}, {"weight"}, {"probs", r.dprobs}};
+  c.reference = [=](const Vecs& in) {
+    Vec idx, weight, probs;
+    int64_t group = e / r.n_group;
+    for (int64_t t = 0; t < n; ++t) {
+      Vec l(in[0].begin() + t * e, in[0].begin() + (t + 1) * e), p(e);
+      double m = l[0], sum = 0;
+      for (double v : l) m = std::max(m, v);
+      for (int64_t x = 0; x < e; ++x) sum += p[x] = std::exp(l[x] - m);
+      for (double& v : p) v /= sum;
+      probs.insert(probs.end(), p.begin(), p.end());
+
+      std::vector<bool> allowed(e, true);
+      if (r.n_group > 1) {
+        Vec group_score(r.n_group, 0.0);
+        for (int64_t x = 0; x < e; ++x) group_score[x / group] = std::max(group_score[x / group], p[x]);
+        std::vector<int64_t> groups = best_k(group_score, std::vector<bool>(r.n_group, true), r.topk_group);
+        for (int64_t x = 0; x < e; ++x) allowed[x] = std::find(groups.begin(), groups.end(), x / group) != groups.end();
+      }
+      std::vector<int64_t> top = best_k(r.gpt_oss ? l : p, allowed, k);
+      Vec w;
+      if (r.gpt_oss) {
+        double s = 0;
+        for (int64_t x : top) s += std::exp(l[x] - l[top[0]]);
+        for (int64_t x : top) w.push_back(std::exp(l[x] - l[top[0]]) / s);
+      } else {
+        double s = 0;
+        for (int64_t x : top) s += p[x];
+        for (int64_t x : top) w.push_back(p[x] * r.scale / (r.normalize ? s : 1.0));
+      }
+      idx.insert(idx.end(), top.begin(), top.end());
+      weight.insert(weight.end(), w.begin(), w.end());
+    }
+    return Vecs{idx, weight, probs};
+  };
+  c.forward = [=](const Vecs& in) {
+    auto logits = HostTensor::f32({n, e}, in[0]), idx = HostTensor::i32({n, k});
+    auto weight = HostTensor::f32({n, k}), probs = HostTensor::f32({n, e});
+    cpu::router_forward(config_of(r), logits.t, idx.t, weight.t, probs.t);
+    return Vecs{idx.vec(), weight.vec(), probs.vec()};
+  };
+  // Without dprobs the kernel gets an empty tensor, the path a model without a
+  // load-balance loss takes.
+  c.backward = [=](const Vecs& in, const Vecs& dout) {
+    cpu::RouterConfig cfg = config_of(r);
+    auto logits = HostTensor::f32({n, e}, in[0]), idx = HostTensor::i32({n, k});
+    auto weight = HostTensor::f32({n, k}), probs = HostTensor::f32({n, e});
+    cpu::router_forward(cfg, logits.t, idx.t, weight.t, probs.t);
+    auto dweight = HostTensor::f32({n, k}, dout[1]);
+    auto dprobs = r.dprobs ? HostTensor::f32({n, e}, dout[2]) : HostTensor{};
+    auto dlogits = HostTensor::f32({n, e}, in[0]);
+    cpu::router_backward(cfg, logits.t, idx.t, weight.t, probs.t, dweight.t, dprobs.t, dlogits.t);
+    return Vecs{dlogits.vec()};
+  };
+  return c;
+}
+
+namespace {
+
+TEST(Router, RejectsBadConfig) {
+  auto expect_error = [](const RouterRow& r, const std::string& part) {
+    auto logits = HostTensor::f32({2, r.experts}), idx = HostTensor::i32({2, r.top_k});
+    auto weight = HostTensor::f32({2, r.top_k}), probs = HostTensor::f32({2, r.experts});
+    try {
+      cpu::router_forward(config_of(r), logits.t, idx.t, weight.t, probs.t);
+      ADD_FAILURE() << "config accepted, expected an error mentioning '" << part << "'";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(part), std::string::npos) << err.what();
+    }
+  };
+  expect_error({.experts = 4, .top_k = 5}, "top_k 5 should be in [1, 4]");
+  expect_error({.experts = 6, .top_k = 2, .n_group = 4}, "n_group 4 should divide the 6 experts");
+  expect_error({.experts = 8, .top_k = 3, .n_group = 4, .topk_group = 1}, "fewer than top_k=3");
+  expect_error({.experts = 8, .top_k = 2, .gpt_oss = true, .scale = 2.0}, "no expert groups and no scale");
+}
+
+}  // namespace
+
+}  // namespace mt::test
