@@ -4,13 +4,14 @@
 #include <string_view>
 #include <vector>
 
+#include "cli/commands.h"
 #ifdef MOETRAIN_WITH_CUDA
 #include "kernels/cuda/device.h"
 #endif
 
 namespace {
 
-using Args = std::vector<std::string_view>;
+using mt::cli::Args;
 
 struct Command {
   const char* name;

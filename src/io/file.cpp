@@ -1,0 +1,59 @@
+#include "io/file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "core/check.h"
+
+namespace mt::io {
+
+std::vector<uint8_t> read_file(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  MT_CHECK(f != nullptr) << "cannot open " << path << ": " << std::strerror(errno);
+  std::vector<uint8_t> out;
+  uint8_t buf[1 << 16];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.insert(out.end(), buf, buf + n);
+  bool bad = std::ferror(f);
+  std::fclose(f);
+  MT_CHECK(!bad) << "error reading " << path;
+  return out;
+}
+
+void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
+  std::string tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  MT_CHECK(fd >= 0) << "cannot write " << tmp << ": " << std::strerror(errno);
+  for (std::string_view p : pieces) {
+    size_t done = 0;
+    while (done < p.size()) {
+      ssize_t w = ::write(fd, p.data() + done, p.size() - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        int e = errno;
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        MT_FAIL() << "writing " << tmp << ": " << std::strerror(e);
+      }
+      done += static_cast<size_t>(w);
+    }
+  }
+  bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  MT_CHECK(synced) << "fsync of " << tmp << ": " << std::strerror(errno);
+  MT_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0)
+      << "renaming " << tmp << " to " << path << ": " << std::strerror(errno);
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+}  // namespace mt::io

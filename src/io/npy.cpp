@@ -1,0 +1,133 @@
+#include "io/npy.h"
+
+#include <cstring>
+
+#include "core/check.h"
+#include "io/file.h"
+
+namespace mt::io {
+
+int64_t NpyHeader::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+namespace {
+
+// The value of 'key' in the header's Python dict literal, as raw text.
+std::string dict_value(const std::string& h, const std::string& key, const std::string& where) {
+  size_t k = h.find("'" + key + "'");
+  MT_CHECK(k != std::string::npos) << where << ": .npy header has no '" << key << "': " << h;
+  size_t colon = h.find(':', k);
+  MT_CHECK(colon != std::string::npos) << where << ": malformed .npy header: " << h;
+  size_t b = h.find_first_not_of(' ', colon + 1);
+  size_t e = b;
+  if (h[b] == '\'') {
+    e = h.find('\'', b + 1);
+    return h.substr(b + 1, e - b - 1);
+  }
+  if (h[b] == '(') {
+    e = h.find(')', b);
+    return h.substr(b, e - b + 1);
+  }
+  e = h.find_first_of(",}", b);
+  return h.substr(b, e - b);
+}
+
+size_t descr_bytes(const std::string& d, const std::string& where) {
+  MT_CHECK(d.size() >= 3 && (d[0] == '<' || d[0] == '|') && (d[1] == 'i' || d[1] == 'u' || d[1] == 'f'))
+      << where << ": unsupported .npy dtype '" << d << "' (expected little-endian int, uint or float)";
+  size_t b = static_cast<size_t>(std::stoul(d.substr(2)));
+  MT_CHECK(b == 1 || b == 2 || b == 4 || b == 8) << where << ": unsupported .npy dtype '" << d << "'";
+  return b;
+}
+
+}  // namespace
+
+NpyHeader parse_npy_header(const uint8_t* p, size_t n, const std::string& where) {
+  MT_CHECK(n >= 10 && std::memcmp(p, "\x93NUMPY", 6) == 0) << where << ": not a .npy array (bad magic)";
+  int major = p[6];
+  size_t len, start;
+  if (major == 1) {
+    len = p[8] | (p[9] << 8);
+    start = 10;
+  } else {
+    MT_CHECK(major == 2 || major == 3) << where << ": .npy format version " << major << " is not supported";
+    MT_CHECK(n >= 12) << where << ": truncated .npy header";
+    len = p[8] | (p[9] << 8) | (static_cast<size_t>(p[10]) << 16) | (static_cast<size_t>(p[11]) << 24);
+    start = 12;
+  }
+  MT_CHECK(start + len <= n) << where << ": truncated .npy header (" << start + len << " bytes needed, " << n
+                             << " present)";
+  std::string h(reinterpret_cast<const char*>(p + start), len);
+  NpyHeader out;
+  out.header_bytes = start + len;
+  out.descr = dict_value(h, "descr", where);
+  out.item_bytes = descr_bytes(out.descr, where);
+  MT_CHECK(dict_value(h, "fortran_order", where) == "False")
+      << where << ": Fortran-ordered .npy arrays are not supported (save with C order)";
+  std::string shape = dict_value(h, "shape", where);
+  for (size_t i = 1; i < shape.size();) {
+    size_t j = shape.find_first_of(",)", i);
+    std::string tok = shape.substr(i, j - i);
+    if (tok.find_first_not_of(' ') != std::string::npos) out.shape.push_back(std::stoll(tok));
+    i = j + 1;
+  }
+  MT_CHECK(out.header_bytes + out.data_bytes() <= n)
+      << where << ": .npy data truncated: shape needs " << out.data_bytes() << " bytes, " << n - out.header_bytes
+      << " present";
+  return out;
+}
+
+std::string make_npy_header(const std::string& descr, const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (int64_t d : shape) s += std::to_string(d) + ", ";
+  if (shape.size() > 1) s.resize(s.size() - 2);
+  else if (shape.size() == 1) s.resize(s.size() - 1);
+  s += ")";
+  std::string dict = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + s + ", }";
+  size_t total = 10 + dict.size() + 1;
+  dict.append((64 - total % 64) % 64, ' ');
+  dict += '\n';
+  std::string out = "\x93NUMPY";
+  out += '\x01';
+  out += '\x00';
+  out += static_cast<char>(dict.size() & 0xff);
+  out += static_cast<char>(dict.size() >> 8);
+  return out + dict;
+}
+
+NpyArray read_npy(const std::string& path) {
+  std::vector<uint8_t> bytes = read_file(path);
+  NpyArray a;
+  a.header = parse_npy_header(bytes.data(), bytes.size(), path);
+  a.data.assign(bytes.begin() + a.header.header_bytes, bytes.begin() + a.header.header_bytes + a.header.data_bytes());
+  return a;
+}
+
+std::vector<int64_t> npy_as_int64(const NpyArray& a, const std::string& where) {
+  const std::string& d = a.header.descr;
+  MT_CHECK(d[1] == 'i' || d[1] == 'u') << where << ": expected an integer array, got dtype '" << d << "'";
+  bool is_signed = d[1] == 'i';
+  std::vector<int64_t> out(static_cast<size_t>(a.header.numel()));
+  const uint8_t* p = a.data.data();
+  for (size_t i = 0; i < out.size(); ++i) {
+    uint64_t v = 0;
+    std::memcpy(&v, p + i * a.header.item_bytes, a.header.item_bytes);
+    if (is_signed && a.header.item_bytes < 8 && (v >> (8 * a.header.item_bytes - 1)) & 1)
+      v |= ~uint64_t{0} << (8 * a.header.item_bytes);  // sign-extend
+    out[i] = static_cast<int64_t>(v);
+  }
+  return out;
+}
+
+void write_npy(const std::string& path, const std::string& descr, const std::vector<int64_t>& shape,
+               const void* data) {
+  std::string header = make_npy_header(descr, shape);
+  size_t bytes = descr_bytes(descr, path);
+  for (int64_t d : shape) bytes *= static_cast<size_t>(d);
+  write_file_atomic(path, {header, std::string_view(static_cast<const char*>(data), bytes)});
+}
+
+}  // namespace mt::io
