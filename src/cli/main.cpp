@@ -27,12 +27,12 @@ const Command kCommands[] = {
      "  Every key has a default, so overrides alone can describe a run. Sections:\n"
      "  [job] [model] [data] [training] [optimizer] [lr_scheduler] [parallelism]\n"
      "  [checkpoint] [metrics]. Under mpirun or srun every rank runs the same command.\n",
-     nullptr, "the Qwen3-MoE model and trainer"},
+     mt::cli::run_train, nullptr},
     {"eval", "mean next-token loss of a Hugging Face model on a token matrix",
      "usage: moetrain eval --model DIR --tokens FILE.npy [--device cpu|cuda]\n"
      "  Prints {\"loss\": <mean cross-entropy>, \"tokens\": <B*(T-1)>} for the [B,T] int32/int64\n"
      "  matrix (inputs are columns 0..T-2, labels columns 1..T-1).\n",
-     nullptr, "the Qwen3-MoE model and Hugging Face loading"},
+     mt::cli::run_eval, nullptr},
     {"encode", "encode text with a tokenizer.json, print ids as JSON",
      "usage: moetrain encode --tokenizer tokenizer.json [--text STR]\n"
      "  Encodes STR, or all of standard input when --text is absent, as Hugging Face\n"

@@ -23,6 +23,7 @@ class Arena {
  public:
   static constexpr size_t kAlign = 256;
 
+  Arena() = default;  // empty: holds nothing until assigned
   Arena(std::string name, Device device, size_t capacity_bytes);
   static Arena counting(std::string name, Device device);
   ~Arena();
@@ -42,7 +43,6 @@ class Arena {
   const std::string& name() const { return name_; }
 
  private:
-  Arena() = default;
   std::string name_;
   Device device_ = Device::cpu;
   char* base_ = nullptr;

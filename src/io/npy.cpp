@@ -1,5 +1,6 @@
 #include "io/npy.h"
 
+#include <charconv>
 #include <cstring>
 
 #include "core/check.h"
@@ -22,25 +23,34 @@ std::string dict_value(const std::string& h, const std::string& key, const std::
   size_t colon = h.find(':', k);
   MT_CHECK(colon != std::string::npos) << where << ": malformed .npy header: " << h;
   size_t b = h.find_first_not_of(' ', colon + 1);
-  size_t e = b;
-  if (h[b] == '\'') {
-    e = h.find('\'', b + 1);
-    return h.substr(b + 1, e - b - 1);
+  MT_CHECK(b != std::string::npos) << where << ": .npy header has no value for '" << key << "': " << h;
+  if (h[b] == '\'' || h[b] == '(') {
+    size_t e = h.find(h[b] == '(' ? ')' : '\'', b + 1);
+    MT_CHECK(e != std::string::npos) << where << ": unterminated value of '" << key << "' in .npy header: " << h;
+    return h[b] == '(' ? h.substr(b, e - b + 1) : h.substr(b + 1, e - b - 1);
   }
-  if (h[b] == '(') {
-    e = h.find(')', b);
-    return h.substr(b, e - b + 1);
-  }
-  e = h.find_first_of(",}", b);
-  return h.substr(b, e - b);
+  return h.substr(b, h.find_first_of(",}", b) - b);
+}
+
+// A whole token of decimal digits (spaces around allowed), as a non-negative int64.
+// from_chars, unlike stoll, neither throws a non-mt::Error nor accepts "-1" or "3x".
+int64_t parse_count(const std::string& tok, const std::string& what, const std::string& where) {
+  size_t b = tok.find_first_not_of(' ');
+  size_t e = tok.find_last_not_of(' ') + 1;
+  int64_t v = -1;
+  auto r = b == std::string::npos ? std::from_chars_result{nullptr, std::errc::invalid_argument}
+                                  : std::from_chars(tok.data() + b, tok.data() + e, v);
+  MT_CHECK(r.ec == std::errc() && r.ptr == tok.data() + e && v >= 0)
+      << where << ": " << what << " '" << tok << "' in the .npy header is not a non-negative integer";
+  return v;
 }
 
 size_t descr_bytes(const std::string& d, const std::string& where) {
   MT_CHECK(d.size() >= 3 && (d[0] == '<' || d[0] == '|') && (d[1] == 'i' || d[1] == 'u' || d[1] == 'f'))
       << where << ": unsupported .npy dtype '" << d << "' (expected little-endian int, uint or float)";
-  size_t b = static_cast<size_t>(std::stoul(d.substr(2)));
+  int64_t b = parse_count(d.substr(2), "item size of dtype", where);
   MT_CHECK(b == 1 || b == 2 || b == 4 || b == 8) << where << ": unsupported .npy dtype '" << d << "'";
-  return b;
+  return static_cast<size_t>(b);
 }
 
 }  // namespace
@@ -71,10 +81,15 @@ NpyHeader parse_npy_header(const uint8_t* p, size_t n, const std::string& where)
   for (size_t i = 1; i < shape.size();) {
     size_t j = shape.find_first_of(",)", i);
     std::string tok = shape.substr(i, j - i);
-    if (tok.find_first_not_of(' ') != std::string::npos) out.shape.push_back(std::stoll(tok));
+    if (tok.find_first_not_of(' ') != std::string::npos) out.shape.push_back(parse_count(tok, "dimension", where));
     i = j + 1;
   }
-  MT_CHECK(out.header_bytes + out.data_bytes() <= n)
+  // Compared without forming header_bytes + data_bytes, which a corrupt shape could overflow.
+  int64_t bytes = static_cast<int64_t>(out.item_bytes);
+  for (int64_t d : out.shape)
+    MT_CHECK(!__builtin_mul_overflow(bytes, d, &bytes))
+        << where << ": .npy shape " << shape << " has more bytes than fit in 64 bits";
+  MT_CHECK(static_cast<uint64_t>(bytes) <= n - out.header_bytes)
       << where << ": .npy data truncated: shape needs " << out.data_bytes() << " bytes, " << n - out.header_bytes
       << " present";
   return out;

@@ -16,4 +16,9 @@ void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool 
 void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b, const Tensor& da,
                    const Tensor& db, bool accumulate);
 
+// The raw row-major product the CPU kernels share: c = alpha op(a) op(b) + beta c
+// with leading dimensions lda/ldb/ldc (stored row widths). k = 0 scales c by beta.
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
 }  // namespace mt::cpu

@@ -2,6 +2,8 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+
 namespace mt::cpu {
 
 namespace {
@@ -23,21 +25,32 @@ Dims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool
   return d;
 }
 
-// Row-major sgemm on raw pointers; leading dimensions are the stored row widths.
+}  // namespace
+
+// OpenBLAS's own thread pool and our OpenMP loops spin against each other on the
+// same cores (a 1000x slowdown was measured on 2 cores), so BLAS runs on one thread
+// and the parallelism comes from OpenMP around it.
+static void single_threaded_blas() {
+  static const bool once = [] {
+    openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)once;
+}
+
 void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+  single_threaded_blas();
   if (k == 0) {
     // BLAS leaves c untouched only for beta == 1; make the empty sum explicit.
     for (int64_t i = 0; i < m * n; ++i) c[i] = beta == 0.0f ? 0.0f : beta * c[i];
     return;
   }
   cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
-              c, static_cast<int>(ldc));
+              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(std::max<int64_t>(lda, 1)), b,
+              static_cast<int>(std::max<int64_t>(ldb, 1)), beta, c, static_cast<int>(std::max<int64_t>(ldc, 1)));
 }
-
-}  // namespace
 
 void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
   Dims d = check_gemm(a, b, c, trans_a, trans_b);

@@ -1,8 +1,8 @@
 #include "kernels/grouped_gemm.h"
 
-#include <cblas.h>
-
 #include <algorithm>
+
+#include "kernels/gemm.h"
 
 namespace mt::cpu {
 
@@ -20,15 +20,6 @@ const int32_t* check_offsets(const Tensor& offsets, int64_t experts, int64_t row
   MT_CHECK(o[experts] == rows) << "grouped_gemm offsets[" << experts << "] should be the row count " << rows << ", got "
                                << o[experts];
   return o;
-}
-
-// Row-major sgemm with k > 0 (callers skip empty products); leading dimensions are
-// at least 1 as BLAS requires even when a matrix has no columns.
-void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-           float beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), 1.0f, a, static_cast<int>(std::max<int64_t>(lda, 1)), b,
-              static_cast<int>(std::max<int64_t>(ldb, 1)), beta, c, static_cast<int>(std::max<int64_t>(ldc, 1)));
 }
 
 }  // namespace
@@ -53,7 +44,7 @@ void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Te
     // The bias goes in first so the product can accumulate onto it (beta = 1).
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < o; ++j) ye[r * o + j] = bp != nullptr ? bp[e * o + j] : 0.0f;
-    if (k > 0) sgemm(false, true, rows, o, k, xp + r0 * k, k, wp + e * o * k, k, 1.0f, ye, o);
+    if (k > 0) sgemm(false, true, rows, o, k, 1.0f, xp + r0 * k, k, wp + e * o * k, k, 1.0f, ye, o);
   }
 }
 
@@ -75,7 +66,7 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
     if (o == 0)
       std::fill(out + r0 * k, out + (r0 + rows) * k, 0.0f);
     else
-      sgemm(false, false, rows, k, o, g + r0 * o, o, wp + e * o * k, k, 0.0f, out + r0 * k, k);
+      sgemm(false, false, rows, k, o, 1.0f, g + r0 * o, o, wp + e * o * k, k, 0.0f, out + r0 * k, k);
   }
 }
 
@@ -98,7 +89,7 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
     int64_t r0 = off[e], rows = off[e + 1] - off[e];
     float* dwe = dwp + e * o * k;
     if (rows > 0 && o > 0 && k > 0)
-      sgemm(true, false, o, k, rows, g + r0 * o, o, xp + r0 * k, k, accumulate ? 1.0f : 0.0f, dwe, k);
+      sgemm(true, false, o, k, rows, 1.0f, g + r0 * o, o, xp + r0 * k, k, accumulate ? 1.0f : 0.0f, dwe, k);
     else if (!accumulate)
       std::fill(dwe, dwe + o * k, 0.0f);
     if (dbp == nullptr) continue;

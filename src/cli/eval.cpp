@@ -1,0 +1,29 @@
+// moetrain eval: mean next-token loss of a Hugging Face model folder on a token matrix.
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/check.h"
+#include "train/trainer.h"
+
+namespace mt::cli {
+
+int run_eval(const Args& args) {
+  Options o("eval", args, {"model", "tokens", "device", "micro-batch"});
+  std::string folder = o.required("model");
+  std::string device = o.get("device", "cpu");
+  MT_CHECK(device == "cpu") << "--device " << device << ": only cpu is built so far";
+  int64_t micro = std::stoll(o.get("micro-batch", "8"));
+  MT_CHECK(micro >= 1) << "--micro-batch should be >= 1";
+  std::unique_ptr<Model> model = make_model(folder + "/config.json");
+  load_hf(*model, folder);
+  TokenBatch data = read_token_batch(o.required("tokens"), model->vocab_size());
+  LossSum l = Trainer::evaluate(*model, data, micro);
+  nlohmann::json j;
+  j["loss"] = l.sum / static_cast<double>(l.count);
+  j["tokens"] = l.count;
+  std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
+
+}  // namespace mt::cli

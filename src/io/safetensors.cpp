@@ -1,0 +1,436 @@
+#include "io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+
+#include "core/check.h"
+#include "core/dtype.h"
+#include "io/file.h"
+
+namespace mt::io {
+
+namespace fs = std::filesystem;
+// Plain (std::map) objects: headers of checkpoints hold tens of thousands of keys,
+// too many for ordered_json's linear lookups; file order comes from the offsets.
+using Json = nlohmann::json;
+
+namespace {
+
+struct DTypeSize {
+  std::string_view name;
+  size_t bytes;
+};
+
+// The byte-sized dtypes of the safetensors format (the sub-byte F4/F6 kinds are not
+// supported: no model we import stores them).
+constexpr DTypeSize kDTypes[] = {
+    {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
+    {"U16", 2},  {"I16", 2}, {"F16", 2}, {"BF16", 2},    {"U32", 4},     {"I32", 4},
+    {"F32", 4},  {"U64", 8}, {"I64", 8}, {"F64", 8},     {"C64", 8},
+};
+
+std::string known_dtypes() {
+  std::string s;
+  for (const DTypeSize& d : kDTypes) s += (s.empty() ? "" : ", ") + std::string(d.name);
+  return s;
+}
+
+// *out = a * b; false when that overflows int64.
+bool mul_fits(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+
+uint64_t read_le64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// A JSON value that must be a non-negative integer; `what` names it in the error.
+uint64_t json_uint(const Json& v, const std::string& where, const std::string& what) {
+  MT_CHECK(v.is_number_unsigned()) << where << ": " << what << " must be a non-negative integer, found " << v.dump();
+  return v.get<uint64_t>();
+}
+
+StTensor parse_entry(const std::string& name, const Json& e, const std::string& path) {
+  std::string where = path + ": tensor '" + name + "'";
+  MT_CHECK(e.is_object()) << where << ": header entry must be an object with dtype, shape and data_offsets, found "
+                          << e.dump();
+  for (const char* key : {"dtype", "shape", "data_offsets"})
+    MT_CHECK(e.contains(key)) << where << ": header entry has no \"" << key << "\": " << e.dump();
+  StTensor t;
+  t.name = name;
+  const Json& dtype = e["dtype"];
+  MT_CHECK(dtype.is_string()) << where << ": dtype must be a string, found " << dtype.dump();
+  t.dtype = dtype.get<std::string>();
+  size_t item = st_dtype_size(t.dtype, where);
+
+  const Json& shape = e["shape"];
+  MT_CHECK(shape.is_array()) << where << ": shape must be an array, found " << shape.dump();
+  int64_t numel = 1;
+  for (const Json& d : shape) {
+    uint64_t v = json_uint(d, where, "each shape entry");
+    MT_CHECK(v <= INT64_MAX && mul_fits(numel, static_cast<int64_t>(v), &numel))
+        << where << ": shape " << shape.dump() << " has more elements than fit in 64 bits";
+    t.shape.push_back(static_cast<int64_t>(v));
+  }
+
+  const Json& off = e["data_offsets"];
+  MT_CHECK(off.is_array() && off.size() == 2) << where << ": data_offsets must be [begin, end], found " << off.dump();
+  t.begin = json_uint(off[0], where, "data_offsets[0]");
+  t.end = json_uint(off[1], where, "data_offsets[1]");
+  MT_CHECK(t.begin <= t.end) << where << ": data_offsets [" << t.begin << ", " << t.end
+                             << "] are out of order (end before begin)";
+  int64_t need;
+  MT_CHECK(mul_fits(numel, static_cast<int64_t>(item), &need))
+      << where << ": shape " << shape_str(t.shape) << " has more bytes than fit in 64 bits";
+  MT_CHECK(t.end - t.begin == static_cast<uint64_t>(need))
+      << where << ": dtype " << t.dtype << " and shape " << shape_str(t.shape) << " need " << need
+      << " bytes, but data_offsets [" << t.begin << ", " << t.end << "] hold " << t.end - t.begin;
+  return t;
+}
+
+// Levenshtein distance, to suggest the keys closest to a missing one.
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+int64_t StTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+size_t st_dtype_size(std::string_view dtype, const std::string& where) {
+  const DTypeSize* it = std::find_if(std::begin(kDTypes), std::end(kDTypes),
+                                     [&](const DTypeSize& d) { return d.name == dtype; });
+  MT_CHECK(it != std::end(kDTypes)) << where << ": unknown dtype '" << dtype << "' (known: " << known_dtypes()
+                                    << ")";
+  return it->bytes;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+float f32_from_f16(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  // Infinity, or NaN with its payload kept in the top mantissa bits.
+  if (exp == 0x1f) return f32_from_bits(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    // Zero or subnormal: man * 2^-24, exact in fp32 (11 significant bits at most).
+    float v = static_cast<float>(man) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  // Rebias the exponent from 15 to 127; the 10 mantissa bits move up unchanged.
+  return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  MT_CHECK(fd >= 0) << "cannot open safetensors file " << path << ": " << std::strerror(errno);
+  struct stat st;
+  bool stat_ok = ::fstat(fd, &st) == 0;
+  int stat_errno = errno;
+  size_t size = stat_ok ? static_cast<size_t>(st.st_size) : 0;
+  if (stat_ok && size >= 8) {
+    void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (m != MAP_FAILED) {
+      map_ = static_cast<const uint8_t*>(m);
+      map_bytes_ = size;
+    }
+  }
+  int map_errno = errno;
+  ::close(fd);
+  MT_CHECK(stat_ok) << "cannot stat " << path << ": " << std::strerror(stat_errno);
+  MT_CHECK(size >= 8) << path << ": not a safetensors file: " << size
+                      << " bytes, shorter than the 8-byte header length";
+  MT_CHECK(map_ != nullptr) << "cannot mmap " << path << ": " << std::strerror(map_errno);
+
+  // From here on a failed check must unmap: the destructor does not run when the
+  // constructor throws.
+  try {
+    uint64_t header_len = read_le64(map_);
+    MT_CHECK(header_len <= size - 8) << path << ": header length " << header_len << " runs past the end of the file ("
+                                     << size << " bytes; truncated, or not a safetensors file)";
+    data_begin_ = 8 + static_cast<size_t>(header_len);
+    std::string_view text(reinterpret_cast<const char*>(map_ + 8), header_len);
+
+    // JSON allows a key twice and nlohmann keeps only the last; catch it while parsing.
+    std::string duplicate;
+    std::set<std::string> seen;
+    Json header;
+    try {
+      header = Json::parse(text, [&](int depth, Json::parse_event_t ev, Json& parsed) {
+        if (depth == 1 && ev == Json::parse_event_t::key && !seen.insert(parsed.get<std::string>()).second &&
+            duplicate.empty())
+          duplicate = parsed.get<std::string>();
+        return true;
+      });
+    } catch (const Json::exception& e) {
+      MT_FAIL() << path << ": header is not valid JSON: " << e.what();
+    }
+    MT_CHECK(header.is_object()) << path << ": header is not a JSON object but " << header.type_name();
+    MT_CHECK(duplicate.empty()) << path << ": tensor '" << duplicate << "' appears twice in the header";
+
+    for (const auto& [name, e] : header.items()) {
+      if (name == "__metadata__") {
+        MT_CHECK(e.is_object()) << path << ": __metadata__ must be an object of strings, found " << e.dump();
+        for (const auto& [k, v] : e.items()) {
+          MT_CHECK(v.is_string()) << path << ": __metadata__ value of '" << k << "' must be a string, found "
+                                  << v.dump();
+          metadata_[k] = v.get<std::string>();
+        }
+        continue;
+      }
+      tensors_.push_back(parse_entry(name, e, path));
+    }
+
+    // The tensors must tile the data section: sorted by offset, each starts where
+    // the previous ends and the last ends at the end of the file. This catches
+    // overlaps, holes, truncation and trailing bytes alike.
+    std::stable_sort(tensors_.begin(), tensors_.end(), [](const StTensor& a, const StTensor& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
+    uint64_t data_bytes = size - data_begin_;
+    uint64_t covered = 0;
+    const StTensor* prev = nullptr;
+    for (const StTensor& t : tensors_) {
+      MT_CHECK(t.end <= data_bytes) << path << ": tensor '" << t.name << "' data_offsets [" << t.begin << ", "
+                                    << t.end << "] run past the end of the file (data section of " << data_bytes
+                                    << " bytes; truncated?)";
+      MT_CHECK(t.begin >= covered) << path << ": tensor '" << t.name << "' data_offsets [" << t.begin << ", " << t.end
+                                   << "] overlap tensor '" << prev->name << "' [" << prev->begin << ", " << prev->end
+                                   << "]";
+      MT_CHECK(t.begin == covered) << path << ": bytes [" << covered << ", " << t.begin
+                                   << ") of the data section belong to no tensor (a gap before '" << t.name << "')";
+      covered = t.end;
+      prev = &t;
+    }
+    MT_CHECK(covered == data_bytes) << path << ": the data section has " << data_bytes
+                                    << " bytes but the tensors cover only " << covered << " (trailing bytes)";
+    for (size_t i = 0; i < tensors_.size(); ++i) by_name_.emplace(tensors_[i].name, i);
+  } catch (...) {
+    unmap();
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() { unmap(); }
+
+void SafetensorsFile::unmap() {
+  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), map_bytes_);
+  map_ = nullptr;
+  map_bytes_ = 0;
+}
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept
+    : path_(std::move(o.path_)),
+      map_(std::exchange(o.map_, nullptr)),
+      map_bytes_(std::exchange(o.map_bytes_, 0)),
+      data_begin_(o.data_begin_),
+      tensors_(std::move(o.tensors_)),
+      by_name_(std::move(o.by_name_)),
+      metadata_(std::move(o.metadata_)) {}
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
+  if (this != &o) {
+    unmap();
+    path_ = std::move(o.path_);
+    map_ = std::exchange(o.map_, nullptr);
+    map_bytes_ = std::exchange(o.map_bytes_, 0);
+    data_begin_ = o.data_begin_;
+    tensors_ = std::move(o.tensors_);
+    by_name_ = std::move(o.by_name_);
+    metadata_ = std::move(o.metadata_);
+  }
+  return *this;
+}
+
+const StTensor* SafetensorsFile::find(std::string_view name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+std::span<const uint8_t> SafetensorsFile::bytes(const StTensor& t) const {
+  MT_CHECK(t.begin <= t.end && t.end <= map_bytes_ - data_begin_)
+      << path_ << ": tensor '" << t.name << "' [" << t.begin << ", " << t.end << "] is not a tensor of this file";
+  return {map_ + data_begin_ + t.begin, t.end - t.begin};
+}
+
+void SafetensorsFile::read_f32(const StTensor& t, float* dst) const {
+  std::span<const uint8_t> b = bytes(t);
+  const uint8_t* p = b.data();
+  size_t n = static_cast<size_t>(t.numel());
+  // The data section need not be aligned for the element type, so elements are
+  // memcpy'd rather than read through a cast pointer.
+  if (t.dtype == "F32") {
+    if (n > 0) std::memcpy(dst, p, n * 4);
+  } else if (t.dtype == "BF16" || t.dtype == "F16") {
+    bool bf16 = t.dtype == "BF16";
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      dst[i] = bf16 ? f32_from_bf16(h) : f32_from_f16(h);
+    }
+  } else if (t.dtype == "F64") {
+    for (size_t i = 0; i < n; ++i) {
+      double d;
+      std::memcpy(&d, p + 8 * i, 8);
+      dst[i] = static_cast<float>(d);
+    }
+  } else {
+    MT_FAIL() << path_ << ": tensor '" << t.name << "' has dtype " << t.dtype
+              << ", which cannot be read as f32 (F32, BF16, F16 or F64 expected)";
+  }
+}
+
+void write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  Json header = Json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::set<std::string_view> names;
+  std::vector<std::string_view> pieces(2);  // length and header, filled in below
+  uint64_t offset = 0;
+  for (const StWrite& t : tensors) {
+    std::string where = path + ": tensor '" + t.name + "'";
+    MT_CHECK(t.name != "__metadata__") << where << ": the name is reserved for the metadata";
+    MT_CHECK(names.insert(t.name).second) << where << ": written twice";
+    int64_t bytes = static_cast<int64_t>(st_dtype_size(t.dtype, where));
+    for (int64_t d : t.shape)
+      MT_CHECK(d >= 0 && mul_fits(bytes, d, &bytes)) << where << ": invalid shape " << shape_str(t.shape);
+    MT_CHECK(t.data != nullptr || bytes == 0) << where << ": no data for " << bytes << " bytes";
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    pieces.emplace_back(static_cast<const char*>(t.data), static_cast<size_t>(bytes));
+    offset += static_cast<uint64_t>(bytes);
+  }
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const Json::exception& e) {
+    MT_FAIL() << path << ": cannot encode the safetensors header (tensor names must be UTF-8): " << e.what();
+  }
+  // Pad with spaces (still valid JSON) so the data section starts 8-byte aligned.
+  text.append((8 - text.size() % 8) % 8, ' ');
+  char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+  pieces[0] = std::string_view(len, 8);
+  pieces[1] = text;
+  write_file_atomic(path, pieces);
+}
+
+HfWeights::HfWeights(const std::string& folder) : folder_(folder) {
+  fs::path dir(folder);
+  fs::path single = dir / "model.safetensors";
+  fs::path index = dir / "model.safetensors.index.json";
+  // transformers prefers the single file when both are present; so do we.
+  if (fs::exists(single)) {
+    files_.emplace_back(single.string());
+    for (const StTensor& t : files_[0].tensors()) entries_.emplace(t.name, Entry{0, &t});
+    return;
+  }
+  MT_CHECK(fs::exists(index)) << folder << ": not a Hugging Face model folder: neither model.safetensors nor "
+                              << "model.safetensors.index.json is there";
+  std::vector<uint8_t> raw = read_file(index.string());
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(raw.begin(), raw.end());
+  } catch (const nlohmann::json::exception& e) {
+    MT_FAIL() << index.string() << ": not valid JSON: " << e.what();
+  }
+  MT_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object())
+      << index.string() << ": expected an object with a \"weight_map\" object (tensor name -> shard file)";
+
+  // Open each shard once, in name order, then point every key at its tensor.
+  std::map<std::string, size_t> shard_index;
+  for (const auto& [key, shard] : j["weight_map"].items()) {
+    MT_CHECK(shard.is_string()) << index.string() << ": weight_map[\"" << key << "\"] must be a file name, found "
+                                << shard.dump();
+    shard_index.emplace(shard.get<std::string>(), 0);
+  }
+  for (auto& [shard, i] : shard_index) {
+    fs::path p = dir / shard;
+    MT_CHECK(fs::exists(p)) << index.string() << " names shard " << shard << ", which is missing from " << folder;
+    i = files_.size();
+    files_.emplace_back(p.string());
+  }
+  for (const auto& [key, shard] : j["weight_map"].items()) {
+    size_t i = shard_index.at(shard.get<std::string>());
+    const StTensor* t = files_[i].find(key);
+    MT_CHECK(t != nullptr) << index.string() << " maps '" << key << "' to " << files_[i].path()
+                           << ", which has no such tensor";
+    entries_.emplace(key, Entry{i, t});
+  }
+}
+
+std::vector<std::string> HfWeights::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, e] : entries_) out.push_back(name);
+  return out;
+}
+
+bool HfWeights::contains(std::string_view name) const { return entries_.find(name) != entries_.end(); }
+
+std::string HfWeights::suggest(std::string_view name) const {
+  // Offer the closest keys, when close enough to be a plausible misspelling.
+  size_t budget = std::max<size_t>(3, name.size() / 4);
+  std::vector<std::pair<size_t, std::string_view>> close;
+  for (const auto& [key, e] : entries_) {
+    size_t d = edit_distance(name, key);
+    if (d <= budget) close.emplace_back(d, key);
+  }
+  std::sort(close.begin(), close.end());
+  std::string hint;
+  for (size_t i = 0; i < close.size() && i < 2; ++i)
+    hint += (i ? " or '" : "; did you mean '") + std::string(close[i].second) + "'";
+  return hint.empty() ? hint : hint + "?";
+}
+
+const HfWeights::Entry& HfWeights::entry(std::string_view name) const {
+  auto it = entries_.find(name);
+  MT_CHECK(it != entries_.end()) << folder_ << ": no tensor '" << name << "' in the model (" << entries_.size()
+                                 << " tensors)" << suggest(name);
+  return it->second;
+}
+
+const StTensor& HfWeights::tensor(std::string_view name) const { return *entry(name).tensor; }
+
+std::span<const uint8_t> HfWeights::bytes(std::string_view name) const {
+  const Entry& e = entry(name);
+  return files_[e.file].bytes(*e.tensor);
+}
+
+void HfWeights::read_f32(std::string_view name, const std::vector<int64_t>& expected_shape, float* dst) const {
+  const Entry& e = entry(name);
+  MT_CHECK(e.tensor->shape == expected_shape)
+      << files_[e.file].path() << ": tensor '" << name << "' has shape " << shape_str(e.tensor->shape)
+      << ", expected " << shape_str(expected_shape);
+  files_[e.file].read_f32(*e.tensor, dst);
+}
+
+}  // namespace mt::io

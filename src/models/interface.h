@@ -1,0 +1,108 @@
+// The stage protocol: what the trainer and the pipeline schedule see of a model.
+//
+// A model is an embedding, L decoder layers and a head. Each layer is cut into five
+// stages (attention + router, dispatch, experts, combine, aggregate); each stage has
+// a forward, a backward_input (B: gradients of its inputs) and a backward_weight
+// (W: gradients of its parameters, which DualPipeV defers). Everything a backward
+// needs lives in the micro-batch's Stash. The trainer never looks inside a layer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/tensor.h"
+
+namespace mt {
+
+enum class Stage : uint8_t { attention, dispatch, experts, combine, aggregate };
+constexpr Stage kStages[] = {Stage::attention, Stage::dispatch, Stage::experts, Stage::combine, Stage::aggregate};
+
+// A block of parameters the optimizer and the sharding see as one tensor. Expert
+// weights are fused (all experts of a layer in one block) and are sharded
+// differently from the rest, hence `expert`.
+struct Param {
+  std::string name;  // an internal name, e.g. "layers.3.experts.gate_up"
+  Tensor value;      // f32 master weights
+  Tensor grad;       // f32, accumulated over micro-batches
+  bool matrix = false;  // 2-D and up: decayed when optimizer.decay = "matrices"
+  bool expert = false;
+};
+
+// One Hugging Face tensor: a view into a Param (an expert's gate_proj is a slice of
+// its layer's fused block). Checkpoints, import and export go through these.
+struct HfTensor {
+  std::string name;  // the Hugging Face key
+  Tensor value;
+  Tensor grad;
+  // Random initialisation: N(0, init_std * init_scale), or the constant `fill` when
+  // init_scale is 0 (norm weights).
+  float init_scale = 1.0f;
+  float fill = 0.0f;
+};
+
+// Per MoE layer, per micro-batch: what the load-balance loss and the metrics need.
+struct RouterStats {
+  int64_t layer = 0;
+  int64_t tokens = 0;                // tokens routed
+  int64_t top_k = 0;
+  std::vector<int64_t> counts;       // slots routed to each expert
+  std::vector<double> prob_sum;      // sum over tokens of the router probability
+};
+
+// A micro-batch: its tokens and every activation its backward will need.
+struct Stash {
+  virtual ~Stash() = default;
+  int64_t batch = 0, seq = 0;
+  size_t bytes = 0;  // activation memory held
+  Tensor ids;     // i32 [batch, seq]
+  Tensor labels;  // i32 [batch, seq]
+};
+
+struct LossSum {
+  double sum = 0;
+  int64_t count = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  virtual int64_t num_layers() const = 0;
+  virtual bool is_moe_layer(int64_t layer) const = 0;
+  virtual int64_t num_experts() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  // Parameters in 6 * N FLOPs terms: all, and those one token uses (top-k experts).
+  virtual int64_t param_count() const = 0;
+  virtual int64_t active_param_count() const = 0;
+
+  virtual std::vector<Param>& params() = 0;
+  virtual std::vector<HfTensor> hf_tensors() = 0;
+
+  // Activations for `batch` sequences of `seq` tokens, from one planned arena.
+  virtual std::unique_ptr<Stash> make_stash(int64_t batch, int64_t seq) = 0;
+
+  virtual void embed_forward(Stash& s) = 0;
+  virtual void stage_forward(int64_t layer, Stage stage, Stash& s) = 0;
+  virtual void stage_backward_input(int64_t layer, Stage stage, Stash& s) = 0;
+  virtual void stage_backward_weight(int64_t layer, Stage stage, Stash& s) = 0;
+  // Final norm, output projection, cross-entropy against s.labels.
+  virtual LossSum head_forward(Stash& s) = 0;
+  // d(loss)/d(logits) = scale * (softmax - onehot); input and weight gradients.
+  virtual void head_backward(Stash& s, float scale) = 0;
+  virtual void embed_backward(Stash& s) = 0;
+
+  // The logits of the last head_forward, [batch * seq, vocab] (parity tests, eval).
+  virtual Tensor logits(Stash& s) = 0;
+  virtual std::vector<RouterStats> router_stats(const Stash& s) const = 0;
+  // The load-balance loss's gradient with respect to each router probability of a
+  // layer: every token's p[e] gets dprob[e]. Applied by that layer's attention B.
+  virtual void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) = 0;
+};
+
+// One switch on config.json's model_type.
+std::unique_ptr<Model> make_model(const std::string& config_json_path);
+
+}  // namespace mt

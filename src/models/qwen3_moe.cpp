@@ -1,0 +1,674 @@
+#include "models/qwen3_moe.h"
+
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "kernels/attention.h"
+#include "kernels/dispatch.h"
+#include "kernels/embedding.h"
+#include "kernels/gemm.h"
+#include "kernels/grouped_gemm.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/router.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/swiglu.h"
+
+namespace mt {
+
+using json = nlohmann::json;
+
+bool Qwen3MoeConfig::is_moe_layer(int64_t layer) const {
+  for (int64_t l : mlp_only_layers)
+    if (l == layer) return false;
+  return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
+}
+
+namespace {
+
+// The first key present among `names`; an error naming them all and the file if none is.
+const json* find_key(const json& j, std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    const json* p = &j;
+    std::string path(n);
+    size_t start = 0;
+    while (p != nullptr) {
+      size_t dot = path.find('.', start);
+      std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+      p = p->is_object() && p->contains(part) && !(*p)[part].is_null() ? &(*p)[part] : nullptr;
+      if (dot == std::string::npos) break;
+      start = dot + 1;
+    }
+    if (p != nullptr) return p;
+  }
+  return nullptr;
+}
+
+template <typename T>
+T get(const json& j, const std::string& where, std::initializer_list<const char*> names, const T* fallback = nullptr) {
+  const json* v = find_key(j, names);
+  std::string list;
+  for (const char* n : names) list += list.empty() ? n : std::string(" or ") + n;
+  if (v == nullptr) {
+    MT_CHECK(fallback != nullptr) << where << ": missing key " << list;
+    return *fallback;
+  }
+  try {
+    return v->get<T>();
+  } catch (const json::exception&) {
+    MT_FAIL() << where << ": key " << list << " has the wrong type: " << v->dump();
+  }
+  return T{};
+}
+
+}  // namespace
+
+Qwen3MoeConfig parse_qwen3_moe_config(const json& j, const std::string& where) {
+  Qwen3MoeConfig c;
+  const int64_t one = 1, zero = 0;
+  const double eps = 1e-6, theta = 10000.0;  // transformers' defaults
+  const bool no = false;
+  const std::vector<int64_t> none;
+  c.vocab_size = get<int64_t>(j, where, {"vocab_size"});
+  c.hidden_size = get<int64_t>(j, where, {"hidden_size"});
+  c.intermediate_size = get<int64_t>(j, where, {"intermediate_size"});
+  c.moe_intermediate_size = get<int64_t>(j, where, {"moe_intermediate_size"});
+  c.num_layers = get<int64_t>(j, where, {"num_hidden_layers"});
+  c.num_heads = get<int64_t>(j, where, {"num_attention_heads"});
+  c.num_kv_heads = get<int64_t>(j, where, {"num_key_value_heads"}, &c.num_heads);
+  int64_t default_head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
+  c.head_dim = get<int64_t>(j, where, {"head_dim"}, &default_head_dim);
+  c.num_experts = get<int64_t>(j, where, {"num_experts", "num_local_experts"}, &zero);
+  c.top_k = get<int64_t>(j, where, {"num_experts_per_tok"}, &one);
+  c.norm_topk_prob = get<bool>(j, where, {"norm_topk_prob"}, &no);
+  c.mlp_only_layers = get<std::vector<int64_t>>(j, where, {"mlp_only_layers"}, &none);
+  c.decoder_sparse_step = get<int64_t>(j, where, {"decoder_sparse_step"}, &one);
+  c.rms_norm_eps = get<double>(j, where, {"rms_norm_eps"}, &eps);
+  c.rope_theta = get<double>(j, where, {"rope_theta", "rope_parameters.rope_theta"}, &theta);
+  c.tie_word_embeddings = get<bool>(j, where, {"tie_word_embeddings"}, &no);
+
+  // What this implementation does not do is an error, never a silent difference.
+  const std::string silu = "silu";
+  std::string act = get<std::string>(j, where, {"hidden_act"}, &silu);
+  MT_CHECK(act == "silu") << where << ": hidden_act '" << act << "' is not supported (Qwen3-MoE uses silu)";
+  MT_CHECK(!get<bool>(j, where, {"attention_bias"}, &no)) << where << ": attention_bias = true is not supported";
+  MT_CHECK(!get<bool>(j, where, {"use_sliding_window"}, &no))
+      << where << ": use_sliding_window = true is not supported for qwen3_moe";
+  const std::string default_rope = "default";
+  std::string rope_type =
+      get<std::string>(j, where, {"rope_parameters.rope_type", "rope_scaling.rope_type", "rope_scaling.type"}, &default_rope);
+  MT_CHECK(rope_type == "default") << where << ": rope type '" << rope_type << "' is not supported for qwen3_moe";
+  MT_CHECK(c.vocab_size > 0 && c.hidden_size > 0 && c.num_layers > 0 && c.num_heads > 0 && c.head_dim > 0)
+      << where << ": vocab_size, hidden_size, num_hidden_layers, num_attention_heads and head_dim must be positive";
+  MT_CHECK(c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0)
+      << where << ": num_attention_heads " << c.num_heads << " must be a multiple of num_key_value_heads "
+      << c.num_kv_heads;
+  MT_CHECK(c.head_dim % 2 == 0) << where << ": head_dim " << c.head_dim << " must be even for RoPE";
+  MT_CHECK(c.decoder_sparse_step >= 1) << where << ": decoder_sparse_step must be >= 1";
+  bool any_moe = false;
+  for (int64_t l = 0; l < c.num_layers; ++l) any_moe = any_moe || c.is_moe_layer(l);
+  if (any_moe) {
+    MT_CHECK(c.top_k >= 1 && c.top_k <= c.num_experts && c.moe_intermediate_size > 0)
+        << where << ": num_experts_per_tok " << c.top_k << " must be in [1, num_experts=" << c.num_experts
+        << "] and moe_intermediate_size positive";
+  }
+  return c;
+}
+
+namespace {
+
+using namespace cpu;
+
+constexpr int32_t kIgnoreIndex = -100;
+
+// Where each layer's parameters sit in params_ (indices, so the vector may grow).
+struct LayerIndex {
+  int in_norm, q, k, v, o, q_norm, k_norm, post_norm;
+  int router = -1;   // MoE layers: [E, D]
+  int gate_up, down;  // MoE: [E, 2I, D] and [E, D, I]; dense: [2I, D] and [D, I]
+};
+
+// Activations of one layer for one micro-batch, and the gradients its W stages need.
+// N = batch * seq tokens, R = N * top_k routed rows.
+struct LayerActs {
+  Tensor xn, rstd1;             // input norm [N,D], [N]
+  Tensor q, k, v;               // projections [N,Hq*Dh], [N,Hkv*Dh]
+  Tensor rstd_q, rstd_k;        // q/k norm per head [N*Hq], [N*Hkv]
+  Tensor qn, kn;                // normed q, k
+  Tensor qr, kr;                // rotated
+  Tensor att, lse;              // attention output [N,Hq*Dh], [B,Hq,S]
+  Tensor hm, y, rstd2;          // residual after attention, its norm
+  Tensor logits, idx, weight, probs, dprobs;        // router
+  Tensor counts, offsets, order, slot_row;          // dispatch plan
+  Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
+  std::vector<float> dprob;     // load-balance gradient per expert
+  // Gradients.
+  Tensor d_ys, d_weight, d_hs, d_gu, d_xs, d_y, d_logits, d_hm, d_att, d_qr, d_kr, d_v, d_qn, d_kn, d_q, d_k, d_xn;
+};
+
+struct Qwen3Stash : Stash {
+  Arena arena;
+  Tensor positions, cos, sin;
+  std::vector<Tensor> h, dh;  // residual stream [L+1] x [N,D] and its gradient
+  std::vector<LayerActs> layers;
+  Tensor hf, rstd_f, logits, lse, d_hf;  // head
+  LossSum loss;
+};
+
+class Qwen3Moe final : public Model {
+ public:
+  explicit Qwen3Moe(const Qwen3MoeConfig& c) : c_(c) { build_params(); }
+
+  int64_t num_layers() const override { return c_.num_layers; }
+  bool is_moe_layer(int64_t layer) const override { return c_.is_moe_layer(layer); }
+  int64_t num_experts() const override { return c_.num_experts; }
+  int64_t vocab_size() const override { return c_.vocab_size; }
+  std::vector<Param>& params() override { return params_; }
+
+  int64_t param_count() const override {
+    int64_t n = 0;
+    for (const Param& p : params_) n += p.value.numel();
+    return n;
+  }
+  int64_t active_param_count() const override {
+    int64_t n = 0;
+    for (const Param& p : params_) n += p.expert ? p.value.numel() / c_.num_experts * c_.top_k : p.value.numel();
+    return n;
+  }
+
+  std::vector<HfTensor> hf_tensors() override;
+  std::unique_ptr<Stash> make_stash(int64_t batch, int64_t seq) override;
+  void embed_forward(Stash& s) override;
+  void stage_forward(int64_t layer, Stage stage, Stash& s) override;
+  void stage_backward_input(int64_t layer, Stage stage, Stash& s) override;
+  void stage_backward_weight(int64_t layer, Stage stage, Stash& s) override;
+  LossSum head_forward(Stash& s) override;
+  void head_backward(Stash& s, float scale) override;
+  void embed_backward(Stash& s) override;
+  Tensor logits(Stash& s) override { return static_cast<Qwen3Stash&>(s).logits; }
+  std::vector<RouterStats> router_stats(const Stash& s) const override;
+  void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override;
+
+ private:
+  int add_param(std::string name, Shape shape, bool expert);
+  void build_params();
+  void allocate(Qwen3Stash& s, Arena& a) const;
+  const Tensor& W(int i) const { return params_[i].value; }
+  const Tensor& G(int i) const { return params_[i].grad; }
+  RouterConfig router_config() const {
+    RouterConfig r;
+    r.top_k = c_.top_k;
+    r.normalize = c_.norm_topk_prob;
+    return r;
+  }
+  AttentionArgs attention_args() const {
+    AttentionArgs a;
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)));
+    return a;
+  }
+  void attention_forward_stage(int64_t l, Qwen3Stash& s);
+  void attention_backward_input(int64_t l, Qwen3Stash& s);
+  void attention_backward_weight(int64_t l, Qwen3Stash& s);
+
+  Qwen3MoeConfig c_;
+  std::vector<Param> params_;
+  Arena values_, grads_;
+  int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  std::vector<LayerIndex> layer_;
+  RopeFreqs rope_;
+};
+
+int Qwen3Moe::add_param(std::string name, Shape shape, bool expert) {
+  Param p;
+  p.name = std::move(name);
+  p.value = Tensor(nullptr, shape, DType::f32);
+  p.matrix = shape.n >= 2;
+  p.expert = expert;
+  params_.push_back(std::move(p));
+  return static_cast<int>(params_.size()) - 1;
+}
+
+void Qwen3Moe::build_params() {
+  const int64_t D = c_.hidden_size, Dh = c_.head_dim, E = c_.num_experts;
+  embed_ = add_param("embed", {c_.vocab_size, D}, false);
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    std::string p = "layers." + std::to_string(l) + ".";
+    LayerIndex x{};
+    x.in_norm = add_param(p + "input_norm", {D}, false);
+    x.q = add_param(p + "q", {c_.num_heads * Dh, D}, false);
+    x.k = add_param(p + "k", {c_.num_kv_heads * Dh, D}, false);
+    x.v = add_param(p + "v", {c_.num_kv_heads * Dh, D}, false);
+    x.o = add_param(p + "o", {D, c_.num_heads * Dh}, false);
+    x.q_norm = add_param(p + "q_norm", {Dh}, false);
+    x.k_norm = add_param(p + "k_norm", {Dh}, false);
+    x.post_norm = add_param(p + "post_norm", {D}, false);
+    if (c_.is_moe_layer(l)) {
+      const int64_t I = c_.moe_intermediate_size;
+      x.router = add_param(p + "router", {E, D}, false);
+      x.gate_up = add_param(p + "experts.gate_up", {E, 2 * I, D}, true);
+      x.down = add_param(p + "experts.down", {E, D, I}, true);
+    } else {
+      const int64_t I = c_.intermediate_size;
+      x.gate_up = add_param(p + "mlp.gate_up", {2 * I, D}, false);
+      x.down = add_param(p + "mlp.down", {D, I}, false);
+    }
+    layer_.push_back(x);
+  }
+  final_norm_ = add_param("final_norm", {D}, false);
+  if (!c_.tie_word_embeddings) lm_head_ = add_param("lm_head", {c_.vocab_size, D}, false);
+
+  // Two arenas of identical layout: master weights and their gradients.
+  Arena count = Arena::counting("parameters", Device::cpu);
+  for (const Param& p : params_) count.alloc(DType::f32, p.value.shape);
+  values_ = Arena("parameters", Device::cpu, count.peak());
+  grads_ = Arena("gradients", Device::cpu, count.peak());
+  for (Param& p : params_) {
+    p.value = values_.alloc(DType::f32, p.value.shape);
+    p.grad = grads_.alloc(DType::f32, p.value.shape);
+    std::memset(p.value.data, 0, p.value.nbytes());
+    std::memset(p.grad.data, 0, p.grad.nbytes());
+  }
+  RopeConfig rc;
+  rc.theta = c_.rope_theta;
+  rc.rotary_dim = c_.head_dim;
+  rope_ = rope_freqs(rc);
+}
+
+std::vector<HfTensor> Qwen3Moe::hf_tensors() {
+  std::vector<HfTensor> out;
+  const float out_scale = static_cast<float>(1.0 / std::sqrt(2.0 * static_cast<double>(c_.num_layers)));
+  auto add = [&](std::string name, const Param& p, float scale = 1.0f, float fill = 0.0f) {
+    out.push_back({std::move(name), p.value, p.grad, scale, fill});
+  };
+  auto add_view = [&](std::string name, Tensor v, Tensor g, float scale) {
+    out.push_back({std::move(name), v, g, scale, 0.0f});
+  };
+  // Rows [r0, r1) of block e of a fused [E, rows, cols] (or [rows, cols]) tensor.
+  auto slice = [](const Tensor& t, int64_t e, int64_t r0, int64_t r1) {
+    Tensor block = t.ndim() == 3 ? t.rows(e, e + 1).view({t.dim(1), t.dim(2)}) : t;
+    return block.rows(r0, r1);
+  };
+  add("model.embed_tokens.weight", params_[embed_]);
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    const LayerIndex& x = layer_[l];
+    std::string p = "model.layers." + std::to_string(l) + ".";
+    add(p + "input_layernorm.weight", params_[x.in_norm], 0.0f, 1.0f);
+    add(p + "self_attn.q_proj.weight", params_[x.q]);
+    add(p + "self_attn.k_proj.weight", params_[x.k]);
+    add(p + "self_attn.v_proj.weight", params_[x.v]);
+    add(p + "self_attn.o_proj.weight", params_[x.o], out_scale);
+    add(p + "self_attn.q_norm.weight", params_[x.q_norm], 0.0f, 1.0f);
+    add(p + "self_attn.k_norm.weight", params_[x.k_norm], 0.0f, 1.0f);
+    add(p + "post_attention_layernorm.weight", params_[x.post_norm], 0.0f, 1.0f);
+    const Param& gu = params_[x.gate_up];
+    const Param& dn = params_[x.down];
+    if (c_.is_moe_layer(l)) {
+      const int64_t I = c_.moe_intermediate_size;
+      add(p + "mlp.gate.weight", params_[x.router]);
+      for (int64_t e = 0; e < c_.num_experts; ++e) {
+        std::string q = p + "mlp.experts." + std::to_string(e) + ".";
+        add_view(q + "gate_proj.weight", slice(gu.value, e, 0, I), slice(gu.grad, e, 0, I), 1.0f);
+        add_view(q + "up_proj.weight", slice(gu.value, e, I, 2 * I), slice(gu.grad, e, I, 2 * I), 1.0f);
+        add_view(q + "down_proj.weight", slice(dn.value, e, 0, c_.hidden_size), slice(dn.grad, e, 0, c_.hidden_size),
+                 out_scale);
+      }
+    } else {
+      const int64_t I = c_.intermediate_size;
+      add_view(p + "mlp.gate_proj.weight", slice(gu.value, 0, 0, I), slice(gu.grad, 0, 0, I), 1.0f);
+      add_view(p + "mlp.up_proj.weight", slice(gu.value, 0, I, 2 * I), slice(gu.grad, 0, I, 2 * I), 1.0f);
+      add(p + "mlp.down_proj.weight", dn, out_scale);
+    }
+  }
+  add("model.norm.weight", params_[final_norm_], 0.0f, 1.0f);
+  if (lm_head_ >= 0) add("lm_head.weight", params_[lm_head_]);
+  return out;
+}
+
+void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
+  const int64_t B = s.batch, S = s.seq, N = B * S, D = c_.hidden_size, Dh = c_.head_dim;
+  const int64_t Hq = c_.num_heads, Hkv = c_.num_kv_heads, E = c_.num_experts, K = c_.top_k;
+  auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
+  auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
+  s.ids = i32({B, S});
+  s.labels = i32({B, S});
+  s.positions = i32({S});
+  s.cos = f32({S, Dh / 2});
+  s.sin = f32({S, Dh / 2});
+  s.h.resize(c_.num_layers + 1);
+  s.dh.resize(c_.num_layers + 1);
+  for (int64_t l = 0; l <= c_.num_layers; ++l) {
+    s.h[l] = f32({N, D});
+    s.dh[l] = f32({N, D});
+  }
+  s.layers.resize(c_.num_layers);
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    LayerActs& x = s.layers[l];
+    x.xn = f32({N, D});
+    x.rstd1 = f32({N});
+    x.q = f32({N, Hq * Dh});
+    x.k = f32({N, Hkv * Dh});
+    x.v = f32({N, Hkv * Dh});
+    x.rstd_q = f32({N * Hq});
+    x.rstd_k = f32({N * Hkv});
+    x.qn = f32({N, Hq * Dh});
+    x.kn = f32({N, Hkv * Dh});
+    x.qr = f32({N, Hq * Dh});
+    x.kr = f32({N, Hkv * Dh});
+    x.att = f32({N, Hq * Dh});
+    x.lse = f32({B, Hq, S});
+    x.hm = f32({N, D});
+    x.y = f32({N, D});
+    x.rstd2 = f32({N});
+    x.d_y = f32({N, D});
+    x.d_hm = f32({N, D});
+    x.d_att = f32({N, Hq * Dh});
+    x.d_qr = f32({N, Hq * Dh});
+    x.d_kr = f32({N, Hkv * Dh});
+    x.d_v = f32({N, Hkv * Dh});
+    x.d_qn = f32({N, Hq * Dh});
+    x.d_kn = f32({N, Hkv * Dh});
+    x.d_q = f32({N, Hq * Dh});
+    x.d_k = f32({N, Hkv * Dh});
+    x.d_xn = f32({N, D});
+    x.mo = f32({N, D});
+    if (c_.is_moe_layer(l)) {
+      const int64_t I = c_.moe_intermediate_size, R = N * K;
+      x.logits = f32({N, E});
+      x.idx = i32({N, K});
+      x.weight = f32({N, K});
+      x.probs = f32({N, E});
+      x.dprobs = f32({N, E});
+      x.counts = i32({E});
+      x.offsets = i32({E + 1});
+      x.order = i32({R});
+      x.slot_row = i32({R});
+      x.xs = f32({R, D});
+      x.gu = f32({R, 2 * I});
+      x.hs = f32({R, I});
+      x.ys = f32({R, D});
+      x.d_ys = f32({R, D});
+      x.d_weight = f32({N, K});
+      x.d_hs = f32({R, I});
+      x.d_gu = f32({R, 2 * I});
+      x.d_xs = f32({R, D});
+      x.d_logits = f32({N, E});
+      x.dprob.assign(static_cast<size_t>(E), 0.0f);
+    } else {
+      const int64_t I = c_.intermediate_size;
+      x.gu = f32({N, 2 * I});
+      x.hs = f32({N, I});
+      x.d_hs = f32({N, I});
+      x.d_gu = f32({N, 2 * I});
+    }
+  }
+  s.hf = f32({N, D});
+  s.rstd_f = f32({N});
+  s.logits = f32({N, c_.vocab_size});
+  s.lse = f32({N});
+  s.d_hf = f32({N, D});
+}
+
+std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
+  MT_CHECK(batch >= 1 && seq >= 1) << "a micro-batch needs at least one sequence of one token, got " << batch << "x"
+                                   << seq;
+  auto s = std::make_unique<Qwen3Stash>();
+  s->batch = batch;
+  s->seq = seq;
+  // Plan with a counting arena, then allocate the same sequence for real.
+  Arena plan = Arena::counting("activations", Device::cpu);
+  allocate(*s, plan);
+  s->arena = Arena("activations", Device::cpu, plan.peak());
+  s->bytes = plan.peak();
+  allocate(*s, s->arena);
+  for (int64_t t = 0; t < seq; ++t) s->positions.i32()[t] = static_cast<int32_t>(t);
+  rope_tables(rope_, s->positions, s->cos, s->sin);
+  return s;
+}
+
+void Qwen3Moe::embed_forward(Stash& base) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  embedding_forward(W(embed_), s.ids.view({s.batch * s.seq}), s.h[0]);
+}
+
+void Qwen3Moe::attention_forward_stage(int64_t l, Qwen3Stash& s) {
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const int64_t B = s.batch, S = s.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
+  gemm(x.xn, W(w.q), x.q, false, true);
+  gemm(x.xn, W(w.k), x.k, false, true);
+  gemm(x.xn, W(w.v), x.v, false, true);
+  // Qwen3 normalises each head of q and k before the rotation.
+  rmsnorm_forward(x.q.view({N * Hq, Dh}), W(w.q_norm), eps, x.qn.view({N * Hq, Dh}), x.rstd_q);
+  rmsnorm_forward(x.k.view({N * Hkv, Dh}), W(w.k_norm), eps, x.kn.view({N * Hkv, Dh}), x.rstd_k);
+  rope_forward(x.qn.view({B, S, Hq, Dh}), s.cos, s.sin, false, x.qr.view({B, S, Hq, Dh}));
+  rope_forward(x.kn.view({B, S, Hkv, Dh}), s.cos, s.sin, false, x.kr.view({B, S, Hkv, Dh}));
+  attention_forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
+                    attention_args(), x.att.view({B, S, Hq, Dh}), x.lse);
+  // hm = h + att @ Wo^T: the residual, then the output projection accumulated onto it.
+  std::memcpy(x.hm.data, s.h[l].data, x.hm.nbytes());
+  gemm(x.att, W(w.o), x.hm, false, true, 1.0f, 1.0f);
+  rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
+  if (c_.is_moe_layer(l)) {
+    gemm(x.y, W(w.router), x.logits, false, true);
+    router_forward(router_config(), x.logits, x.idx, x.weight, x.probs);
+  }
+}
+
+void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const bool moe = c_.is_moe_layer(l);
+  switch (stage) {
+    case Stage::attention:
+      attention_forward_stage(l, s);
+      break;
+    case Stage::dispatch:
+      if (moe) {
+        dispatch_plan(x.idx, c_.num_experts, 0, x.counts, x.offsets, x.order, x.slot_row);
+        dispatch_forward(x.y, x.order, c_.top_k, x.xs);
+      }
+      break;
+    case Stage::experts:
+      if (moe) {
+        grouped_gemm(x.xs, W(w.gate_up), Tensor(), x.offsets, x.gu);
+        swiglu_forward(x.gu, x.hs);
+        grouped_gemm(x.hs, W(w.down), Tensor(), x.offsets, x.ys);
+      } else {
+        gemm(x.y, W(w.gate_up), x.gu, false, true);
+        swiglu_forward(x.gu, x.hs);
+        gemm(x.hs, W(w.down), x.mo, false, true);
+      }
+      break;
+    case Stage::combine:
+      if (moe) combine_forward(x.ys, x.weight, x.slot_row, x.mo);
+      break;
+    case Stage::aggregate: {
+      const float* a = x.hm.f32();
+      const float* b = x.mo.f32();
+      float* out = s.h[l + 1].f32();
+      const int64_t n = x.hm.numel();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+      break;
+    }
+  }
+}
+
+void Qwen3Moe::attention_backward_input(int64_t l, Qwen3Stash& s) {
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const int64_t B = s.batch, S = s.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
+  if (c_.is_moe_layer(l)) {
+    // Router: every token's probability row gets the load-balance gradient.
+    float* dp = x.dprobs.f32();
+    const int64_t E = c_.num_experts;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t e = 0; e < E; ++e) dp[t * E + e] = x.dprob[e];
+    router_backward(router_config(), x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
+    gemm(x.d_logits, W(w.router), x.d_y, false, false, 1.0f, 1.0f);
+  }
+  // d_hm = dh[l+1] (the residual) + the post-attention norm's input gradient.
+  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Tensor());
+  const float* dres = s.dh[l + 1].f32();
+  float* dhm = x.d_hm.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < x.d_hm.numel(); ++i) dhm[i] += dres[i];
+  gemm(x.d_hm, W(w.o), x.d_att, false, false);
+  attention_backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
+                     attention_args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
+                     x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
+                     Tensor());
+  rope_backward(x.d_qr.view({B, S, Hq, Dh}), s.cos, s.sin, false, x.d_qn.view({B, S, Hq, Dh}));
+  rope_backward(x.d_kr.view({B, S, Hkv, Dh}), s.cos, s.sin, false, x.d_kn.view({B, S, Hkv, Dh}));
+  rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}),
+                   x.d_q.view({N * Hq, Dh}), Tensor());
+  rmsnorm_backward(x.k.view({N * Hkv, Dh}), W(w.k_norm), x.rstd_k, x.d_kn.view({N * Hkv, Dh}),
+                   x.d_k.view({N * Hkv, Dh}), Tensor());
+  gemm(x.d_q, W(w.q), x.d_xn, false, false);
+  gemm(x.d_k, W(w.k), x.d_xn, false, false, 1.0f, 1.0f);
+  gemm(x.d_v, W(w.v), x.d_xn, false, false, 1.0f, 1.0f);
+  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Tensor());
+  const float* a = x.d_hm.f32();
+  float* dh = s.dh[l].f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < s.dh[l].numel(); ++i) dh[i] += a[i];
+}
+
+void Qwen3Moe::attention_backward_weight(int64_t l, Qwen3Stash& s) {
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const int64_t N = s.batch * s.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
+  if (c_.is_moe_layer(l)) gemm(x.d_logits, x.y, G(w.router), true, false, 1.0f, 1.0f);
+  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, Tensor(), G(w.post_norm));
+  gemm(x.d_hm, x.att, G(w.o), true, false, 1.0f, 1.0f);
+  rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}), Tensor(), G(w.q_norm));
+  rmsnorm_backward(x.k.view({N * Hkv, Dh}), W(w.k_norm), x.rstd_k, x.d_kn.view({N * Hkv, Dh}), Tensor(),
+                   G(w.k_norm));
+  gemm(x.d_q, x.xn, G(w.q), true, false, 1.0f, 1.0f);
+  gemm(x.d_k, x.xn, G(w.k), true, false, 1.0f, 1.0f);
+  gemm(x.d_v, x.xn, G(w.v), true, false, 1.0f, 1.0f);
+  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, Tensor(), G(w.in_norm));
+}
+
+void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const bool moe = c_.is_moe_layer(l);
+  const Tensor& d_mo = s.dh[l + 1];  // aggregate: h[l+1] = hm + mo, so d_mo = d_hm = dh[l+1]
+  switch (stage) {
+    case Stage::aggregate:
+      break;
+    case Stage::combine:
+      if (moe) combine_backward(x.ys, x.weight, x.slot_row, d_mo, x.d_ys, x.d_weight);
+      break;
+    case Stage::experts:
+      if (moe) {
+        grouped_gemm_backward_input(x.d_ys, W(w.down), x.offsets, x.d_hs);
+        swiglu_backward(x.gu, x.d_hs, x.d_gu);
+        grouped_gemm_backward_input(x.d_gu, W(w.gate_up), x.offsets, x.d_xs);
+      } else {
+        gemm(d_mo, W(w.down), x.d_hs, false, false);
+        swiglu_backward(x.gu, x.d_hs, x.d_gu);
+        gemm(x.d_gu, W(w.gate_up), x.d_y, false, false);
+      }
+      break;
+    case Stage::dispatch:
+      if (moe) dispatch_backward(x.d_xs, x.slot_row, x.d_y);
+      break;
+    case Stage::attention:
+      attention_backward_input(l, s);
+      break;
+  }
+}
+
+void Qwen3Moe::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const bool moe = c_.is_moe_layer(l);
+  switch (stage) {
+    case Stage::experts:
+      if (moe) {
+        grouped_gemm_backward_weight(x.hs, x.d_ys, x.offsets, G(w.down), Tensor(), true);
+        grouped_gemm_backward_weight(x.xs, x.d_gu, x.offsets, G(w.gate_up), Tensor(), true);
+      } else {
+        gemm(s.dh[l + 1], x.hs, G(w.down), true, false, 1.0f, 1.0f);
+        gemm(x.d_gu, x.y, G(w.gate_up), true, false, 1.0f, 1.0f);
+      }
+      break;
+    case Stage::attention:
+      attention_backward_weight(l, s);
+      break;
+    case Stage::dispatch:
+    case Stage::combine:
+    case Stage::aggregate:
+      break;  // no parameters
+  }
+}
+
+LossSum Qwen3Moe::head_forward(Stash& base) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  const int64_t N = s.batch * s.seq;
+  rmsnorm_forward(s.h[c_.num_layers], W(final_norm_), static_cast<float>(c_.rms_norm_eps), s.hf, s.rstd_f);
+  gemm(s.hf, W(lm_head_ >= 0 ? lm_head_ : embed_), s.logits, false, true);
+  CrossEntropySum ce = cross_entropy_forward(s.logits, s.labels.view({N}), kIgnoreIndex, s.lse);
+  s.loss = {ce.loss_sum, ce.count};
+  return s.loss;
+}
+
+void Qwen3Moe::head_backward(Stash& base, float scale) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  const int64_t N = s.batch * s.seq;
+  const int out = lm_head_ >= 0 ? lm_head_ : embed_;
+  // In place: from here on s.logits holds d(loss)/d(logits).
+  cross_entropy_backward(s.logits, s.labels.view({N}), s.lse, kIgnoreIndex, scale, s.logits);
+  gemm(s.logits, W(out), s.d_hf, false, false);
+  gemm(s.logits, s.hf, G(out), true, false, 1.0f, 1.0f);
+  rmsnorm_backward(s.h[c_.num_layers], W(final_norm_), s.rstd_f, s.d_hf, s.dh[c_.num_layers], G(final_norm_));
+}
+
+void Qwen3Moe::embed_backward(Stash& base) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  embedding_backward(s.ids.view({s.batch * s.seq}), s.dh[0], G(embed_));
+}
+
+std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
+  const auto& s = static_cast<const Qwen3Stash&>(base);
+  std::vector<RouterStats> out;
+  const int64_t N = s.batch * s.seq, E = c_.num_experts;
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!c_.is_moe_layer(l)) continue;
+    const LayerActs& x = s.layers[l];
+    RouterStats r;
+    r.layer = l;
+    r.tokens = N;
+    r.top_k = c_.top_k;
+    r.counts.assign(x.counts.i32(), x.counts.i32() + E);
+    r.prob_sum.assign(static_cast<size_t>(E), 0.0);
+    const float* p = x.probs.f32();
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t e = 0; e < E; ++e) r.prob_sum[e] += p[t * E + e];
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+void Qwen3Moe::set_router_prob_grad(Stash& base, int64_t layer, const std::vector<float>& dprob) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  MT_CHECK(c_.is_moe_layer(layer) && static_cast<int64_t>(dprob.size()) == c_.num_experts)
+      << "load-balance gradient for layer " << layer << " with " << dprob.size() << " experts";
+  s.layers[layer].dprob = dprob;
+}
+
+}  // namespace
+
+std::unique_ptr<Model> make_qwen3_moe(const Qwen3MoeConfig& cfg) { return std::make_unique<Qwen3Moe>(cfg); }
+
+}  // namespace mt

@@ -1,0 +1,98 @@
+// Training configuration: TOML sections as torchtitan names them, every key with a
+// default, overridden by --section.key=value on the command line.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mt {
+
+struct JobConfig {
+  std::string dump_folder = "runs/default";
+};
+
+struct ModelConfig {
+  std::string init = "random";  // "random" or "hf:DIR"
+  std::string config;           // an HF config.json; defaults to DIR/config.json for hf:DIR
+  std::string dtype = "bf16";   // compute dtype on cuda; the CPU backend is fp32
+  double init_std = 0.02;       // random init: N(0, init_std), output projections / sqrt(2 * layers)
+};
+
+struct DataConfig {
+  std::string tokens;  // a .npy [B, T] matrix used as the global batch every step
+  std::string corpus;  // a folder of tokenized .bin files
+  int64_t seq_len = 0;  // 0: T - 1 of the tokens matrix (required with a corpus)
+};
+
+struct TrainingConfig {
+  int64_t steps = 10;
+  int64_t global_batch_size = 0;  // sequences per step; 0: all rows of the tokens matrix
+  int64_t micro_batch_size = 0;   // sequences per forward on one rank; 0: the rank's whole share
+  double clip_grad_norm = 1.0;    // 0: no clipping
+  int64_t seed = 0;
+  std::string device = "cpu";     // cpu or cuda
+  bool fp8 = false;
+  double load_balance_coef = 0.0;
+  std::string load_balance_type = "micro_batch";  // micro_batch or global_batch
+  double capacity_factor = 0.0;   // 0: dropless
+};
+
+struct OptimizerConfig {
+  std::string name = "adamw";
+  double lr = 3e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  std::string decay = "matrices";  // which parameters decay: matrices (2-D and up) or all
+};
+
+struct SchedulerConfig {
+  int64_t warmup_steps = 0;
+  std::string decay = "constant";  // constant, linear, cosine or wsd
+  double min_lr_ratio = 0.0;       // the floor, as a fraction of lr
+  double decay_ratio = 0.1;        // wsd: the fraction of the steps spent decaying at the end
+};
+
+struct ParallelismConfig {
+  int64_t pp = 1, cp = 1, ep = 1;
+};
+
+struct CheckpointConfig {
+  int64_t interval = 0;  // steps between checkpoints; 0: never
+  int64_t keep = 3;      // newest complete checkpoints kept
+  std::string load;      // a checkpoint folder to start from instead of the newest
+};
+
+struct MetricsConfig {
+  int64_t log_interval = 1;
+  bool tensorboard = false;
+};
+
+struct Config {
+  JobConfig job;
+  ModelConfig model;
+  DataConfig data;
+  TrainingConfig training;
+  OptimizerConfig optimizer;
+  SchedulerConfig lr_scheduler;
+  ParallelismConfig parallelism;
+  CheckpointConfig checkpoint;
+  MetricsConfig metrics;
+};
+
+// Reads `toml_path` (may be empty: defaults only), then applies the overrides in
+// order. An unknown section or key, a value of the wrong type, or an invalid value is
+// an error naming the file (or "--section.key") and the key.
+Config load_config(const std::string& toml_path, const std::vector<std::pair<std::string, std::string>>& overrides);
+
+// Every key as "section.key = value" lines in TOML syntax (for logs and train_state).
+std::string config_to_toml(const Config& c);
+
+// The learning rate at 0-based `step`: linear warmup to lr over warmup_steps, then
+// the decay shape down to lr * min_lr_ratio at the last step.
+double lr_at(const Config& c, int64_t step);
+
+}  // namespace mt

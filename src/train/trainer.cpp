@@ -1,0 +1,288 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/check.h"
+#include "core/rng.h"
+#include "io/npy.h"
+#include "io/safetensors.h"
+#include "kernels/adamw.h"
+
+namespace mt {
+
+void init_random(Model& m, double init_std, uint64_t seed) {
+  for (const HfTensor& t : m.hf_tensors()) {
+    float* p = t.value.f32();
+    if (t.init_scale == 0.0f) {
+      for (int64_t i = 0; i < t.value.numel(); ++i) p[i] = t.fill;
+    } else {
+      fill_normal(p, t.value.numel(), seed, stream_of(t.name), 0.0f, static_cast<float>(init_std) * t.init_scale);
+    }
+  }
+}
+
+void load_hf(Model& m, const std::string& folder) {
+  io::HfWeights w(folder);
+  std::vector<HfTensor> tensors = m.hf_tensors();
+  for (const HfTensor& t : tensors) {
+    std::vector<int64_t> shape(t.value.shape.d.begin(), t.value.shape.d.begin() + t.value.ndim());
+    w.read_f32(t.name, shape, t.value.f32());
+  }
+  // A key the model does not use is as suspicious as a missing one.
+  for (const std::string& name : w.names()) {
+    bool used = false;
+    for (const HfTensor& t : tensors) used = used || t.name == name;
+    MT_CHECK(used) << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
+  }
+}
+
+TokenBatch read_token_batch(const std::string& npy_path, int64_t vocab_size) {
+  io::NpyArray a = io::read_npy(npy_path);
+  MT_CHECK(a.header.shape.size() == 2 && a.header.shape[1] >= 2)
+      << npy_path << ": expected a [B, T] token matrix with T >= 2, got " << a.header.shape.size() << " dims";
+  std::vector<int64_t> all = io::npy_as_int64(a, npy_path);
+  TokenBatch b;
+  b.rows = a.header.shape[0];
+  b.seq = a.header.shape[1] - 1;
+  b.ids.resize(static_cast<size_t>(b.rows * b.seq));
+  b.labels.resize(b.ids.size());
+  for (int64_t r = 0; r < b.rows; ++r)
+    for (int64_t t = 0; t <= b.seq; ++t) {
+      int64_t v = all[static_cast<size_t>(r * (b.seq + 1) + t)];
+      MT_CHECK(v >= 0 && v < vocab_size) << npy_path << ": token " << v << " at row " << r << ", column " << t
+                                         << " is outside the vocabulary [0, " << vocab_size << ")";
+      if (t < b.seq) b.ids[r * b.seq + t] = static_cast<int32_t>(v);
+      if (t > 0) b.labels[r * b.seq + t - 1] = static_cast<int32_t>(v);
+    }
+  return b;
+}
+
+Trainer::Trainer(Config cfg, Model& model, TokenBatch data) : cfg_(std::move(cfg)), model_(model), data_(std::move(data)) {
+  const TrainingConfig& t = cfg_.training;
+  MT_CHECK(t.device == "cpu") << "training.device = " << t.device
+                              << ": the CUDA backend is not built yet; use training.device = \"cpu\"";
+  MT_CHECK(cfg_.parallelism.pp == 1 && cfg_.parallelism.cp == 1 && cfg_.parallelism.ep == 1)
+      << "parallelism.pp/cp/ep > 1 need the parallel runtime, which is not built yet";
+  MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
+  MT_CHECK(t.capacity_factor == 0.0) << "training.capacity_factor: capacity limits arrive with expert parallelism";
+  int64_t global = t.global_batch_size ? t.global_batch_size : data_.rows;
+  MT_CHECK(global == data_.rows) << "training.global_batch_size = " << global << " but data.tokens has " << data_.rows
+                                 << " rows, and the token matrix is the whole global batch";
+  MT_CHECK(cfg_.data.seq_len == 0 || cfg_.data.seq_len == data_.seq)
+      << "data.seq_len = " << cfg_.data.seq_len << " but the token matrix gives " << data_.seq
+      << " (its width minus one)";
+  micro_batch_ = t.micro_batch_size ? t.micro_batch_size : global;
+  MT_CHECK(global % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
+                                       << " does not divide the global batch of " << global;
+  micro_batches_ = global / micro_batch_;
+  // The global-batch load-balance loss needs every micro-batch's routing before any
+  // backward, so every micro-batch keeps its activations.
+  int64_t live = t.load_balance_type == "global_batch" ? micro_batches_ : 1;
+  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, data_.seq));
+
+  Arena count = Arena::counting("optimizer", Device::cpu);
+  for (const Param& p : model_.params())
+    for (int j = 0; j < 2; ++j) count.alloc(DType::f32, p.value.shape);
+  optimizer_ = Arena("optimizer", Device::cpu, count.peak());
+  for (const Param& p : model_.params()) {
+    m_.push_back(optimizer_.alloc(DType::f32, p.value.shape));
+    v_.push_back(optimizer_.alloc(DType::f32, p.value.shape));
+    std::memset(m_.back().data, 0, m_.back().nbytes());
+    std::memset(v_.back().data, 0, v_.back().nbytes());
+  }
+}
+
+void Trainer::load_micro_batch(Stash& s, int64_t first_row) {
+  size_t n = static_cast<size_t>(s.batch * s.seq), at = static_cast<size_t>(first_row * data_.seq);
+  std::memcpy(s.ids.data, data_.ids.data() + at, n * sizeof(int32_t));
+  std::memcpy(s.labels.data, data_.labels.data() + at, n * sizeof(int32_t));
+}
+
+void Trainer::forward(Stash& s) {
+  model_.embed_forward(s);
+  for (int64_t l = 0; l < model_.num_layers(); ++l)
+    for (Stage st : kStages) model_.stage_forward(l, st, s);
+}
+
+void Trainer::backward(Stash& s, float loss_scale) {
+  model_.head_backward(s, loss_scale);
+  for (int64_t l = model_.num_layers() - 1; l >= 0; --l) {
+    // Stages in reverse; on one device each W runs right after its B.
+    for (int i = 4; i >= 0; --i) {
+      model_.stage_backward_input(l, kStages[i], s);
+      model_.stage_backward_weight(l, kStages[i], s);
+    }
+  }
+  model_.embed_backward(s);
+}
+
+StepResult Trainer::step() {
+  auto start = std::chrono::steady_clock::now();
+  const TrainingConfig& t = cfg_.training;
+  for (Param& p : model_.params()) std::memset(p.grad.data, 0, p.grad.nbytes());
+
+  int64_t count = 0;
+  for (int32_t y : data_.labels) count += y != -100;
+  MT_CHECK(count > 0) << "the batch has no labels to predict";
+  const float loss_scale = static_cast<float>(1.0 / static_cast<double>(count));
+  const bool global_lb = t.load_balance_type == "global_batch";
+  const double coef = t.load_balance_coef;
+
+  StepResult r;
+  r.step = ++step_;
+  double loss_sum = 0;
+  std::vector<std::vector<int64_t>> counts;  // per MoE layer, summed over micro-batches
+  std::vector<std::vector<double>> prob_sums;
+  int64_t routed_tokens = 0;
+
+  auto accumulate_stats = [&](const std::vector<RouterStats>& stats) {
+    if (counts.empty()) {
+      counts.assign(stats.size(), std::vector<int64_t>(static_cast<size_t>(model_.num_experts()), 0));
+      prob_sums.assign(stats.size(), std::vector<double>(static_cast<size_t>(model_.num_experts()), 0.0));
+    }
+    for (size_t i = 0; i < stats.size(); ++i)
+      for (int64_t e = 0; e < model_.num_experts(); ++e) {
+        counts[i][e] += stats[i].counts[e];
+        prob_sums[i][e] += stats[i].prob_sum[e];
+      }
+    if (!stats.empty()) routed_tokens += stats[0].tokens;
+  };
+  // The Switch-style balance term of one layer, in transformers' convention:
+  // E * sum_e (tokens routed to e / tokens) * (mean probability of e); k when balanced.
+  // Its gradient with respect to each token's p[e] is E * f_e / tokens (f is constant).
+  auto balance = [&](const std::vector<int64_t>& c, const std::vector<double>& ps, int64_t tokens, double weight,
+                     std::vector<float>* dprob) {
+    const int64_t E = model_.num_experts();
+    double lb = 0;
+    if (dprob) dprob->assign(static_cast<size_t>(E), 0.0f);
+    for (int64_t e = 0; e < E; ++e) {
+      double f = static_cast<double>(c[e]) / static_cast<double>(tokens);
+      lb += E * f * ps[e] / static_cast<double>(tokens);
+      if (dprob) (*dprob)[e] = static_cast<float>(weight * E * f / static_cast<double>(tokens));
+    }
+    return lb;
+  };
+
+  const int64_t mb_count = micro_batches_;
+  double lb_total = 0;
+  if (!global_lb) {
+    Stash& s = *stashes_[0];
+    for (int64_t mb = 0; mb < mb_count; ++mb) {
+      load_micro_batch(s, mb * micro_batch_);
+      forward(s);
+      loss_sum += model_.head_forward(s).sum;
+      std::vector<RouterStats> stats = model_.router_stats(s);
+      accumulate_stats(stats);
+      for (const RouterStats& st : stats) {
+        std::vector<float> dprob;
+        double w = coef / (static_cast<double>(stats.size()) * static_cast<double>(mb_count));
+        lb_total += balance(st.counts, st.prob_sum, st.tokens, w, &dprob) / static_cast<double>(stats.size() * mb_count);
+        model_.set_router_prob_grad(s, st.layer, dprob);
+      }
+      backward(s, loss_scale);
+    }
+  } else {
+    std::vector<std::vector<RouterStats>> all;
+    for (int64_t mb = 0; mb < mb_count; ++mb) {
+      Stash& s = *stashes_[mb];
+      load_micro_batch(s, mb * micro_batch_);
+      forward(s);
+      loss_sum += model_.head_forward(s).sum;
+      all.push_back(model_.router_stats(s));
+      accumulate_stats(all.back());
+    }
+    for (size_t i = 0; i < counts.size(); ++i) {
+      std::vector<float> dprob;
+      lb_total += balance(counts[i], prob_sums[i], routed_tokens, coef / static_cast<double>(counts.size()), &dprob) /
+                  static_cast<double>(counts.size());
+      for (int64_t mb = 0; mb < mb_count; ++mb) model_.set_router_prob_grad(*stashes_[mb], all[mb][i].layer, dprob);
+    }
+    for (int64_t mb = 0; mb < mb_count; ++mb) backward(*stashes_[mb], loss_scale);
+  }
+
+  // Global gradient norm in double, then torch's clipping rule.
+  double sq = 0;
+  for (const Param& p : model_.params()) {
+    const float* g = p.grad.f32();
+    for (int64_t i = 0; i < p.grad.numel(); ++i) sq += static_cast<double>(g[i]) * g[i];
+  }
+  r.grad_norm = std::sqrt(sq);
+  if (t.clip_grad_norm > 0) {
+    float clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
+    for (const Param& p : model_.params()) {
+      float* g = p.grad.f32();
+      for (int64_t i = 0; i < p.grad.numel(); ++i) g[i] *= clip;
+    }
+  }
+  r.lr = lr_at(cfg_, r.step - 1);
+  cpu::AdamWStep a;
+  a.lr = r.lr;
+  a.beta1 = cfg_.optimizer.beta1;
+  a.beta2 = cfg_.optimizer.beta2;
+  a.eps = cfg_.optimizer.eps;
+  a.step = r.step;
+  std::vector<Param>& ps = model_.params();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    a.weight_decay = (ps[i].matrix || cfg_.optimizer.decay == "all") ? cfg_.optimizer.weight_decay : 0.0;
+    cpu::adamw_step(ps[i].value, ps[i].grad, m_[i], v_[i], a);
+  }
+
+  r.loss = loss_sum / static_cast<double>(count);
+  r.lb_loss = lb_total;
+  r.expert_counts = counts;
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.tokens_per_s = static_cast<double>(data_.rows * data_.seq) / std::max(seconds, 1e-9);
+  size_t param_bytes = 0, act = 0;
+  for (const Param& p : ps) param_bytes += 2 * p.value.nbytes();  // weights and gradients
+  for (const auto& s : stashes_) act += s->bytes;
+  r.memory_bytes = param_bytes + optimizer_.capacity() + act;
+  return r;
+}
+
+LossSum Trainer::evaluate(Model& model, const TokenBatch& data, int64_t micro_batch) {
+  LossSum total;
+  int64_t mb = std::min(micro_batch, data.rows);
+  std::unique_ptr<Stash> s;
+  for (int64_t row = 0; row < data.rows; row += mb) {
+    int64_t n = std::min(mb, data.rows - row);
+    if (!s || s->batch != n) s = model.make_stash(n, data.seq);
+    std::memcpy(s->ids.data, data.ids.data() + row * data.seq, s->ids.nbytes());
+    std::memcpy(s->labels.data, data.labels.data() + row * data.seq, s->labels.nbytes());
+    model.embed_forward(*s);
+    for (int64_t l = 0; l < model.num_layers(); ++l)
+      for (Stage st : kStages) model.stage_forward(l, st, *s);
+    LossSum part = model.head_forward(*s);
+    total.sum += part.sum;
+    total.count += part.count;
+  }
+  return total;
+}
+
+std::string step_json(const StepResult& r) {
+  nlohmann::json j;
+  j["step"] = r.step;
+  j["loss"] = r.loss;
+  j["lb_loss"] = r.lb_loss;
+  j["grad_norm"] = r.grad_norm;
+  j["lr"] = r.lr;
+  j["tokens_per_s"] = r.tokens_per_s;
+  j["memory_bytes"] = r.memory_bytes;
+  j["expert_counts"] = r.expert_counts;
+  return j.dump();
+}
+
+std::string step_line(const StepResult& r) {
+  std::ostringstream s;
+  s << "step " << std::setw(5) << r.step << "  loss " << std::fixed << std::setprecision(4) << r.loss << "  lb_loss "
+    << r.lb_loss << "  grad_norm " << r.grad_norm << "  lr " << std::scientific << std::setprecision(3) << r.lr
+    << "  tokens/s " << std::fixed << std::setprecision(0) << r.tokens_per_s << "  memory " << std::setprecision(1)
+    << static_cast<double>(r.memory_bytes) / (1 << 20) << " MiB";
+  return s.str();
+}
+
+}  // namespace mt

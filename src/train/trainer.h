@@ -1,0 +1,66 @@
+// The training loop on one device: micro-batches through the stage protocol,
+// gradient accumulation, load-balance loss, clipping, AdamW, the learning-rate
+// schedule, and metrics. It knows nothing of any model's internals.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "models/interface.h"
+#include "train/config.h"
+
+namespace mt {
+
+// Fills every parameter: random (seeded, per Hugging Face name, so any layout gives
+// the same values) or from a Hugging Face model folder.
+void init_random(Model& m, double init_std, uint64_t seed);
+void load_hf(Model& m, const std::string& folder);
+
+// Token ids and labels of a [B, T] matrix: inputs are columns 0..T-2, labels 1..T-1.
+struct TokenBatch {
+  int64_t rows = 0, seq = 0;
+  std::vector<int32_t> ids, labels;  // [rows, seq]
+};
+TokenBatch read_token_batch(const std::string& npy_path, int64_t vocab_size);
+
+struct StepResult {
+  int64_t step = 0;          // 1-based
+  double loss = 0;           // mean cross-entropy over the global batch
+  double lb_loss = 0;        // load-balance term, before its coefficient
+  double grad_norm = 0;      // global norm before clipping
+  double lr = 0;
+  double tokens_per_s = 0;
+  size_t memory_bytes = 0;   // parameters, gradients, optimizer state, activations
+  std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert
+};
+
+class Trainer {
+ public:
+  Trainer(Config cfg, Model& model, TokenBatch data);
+  StepResult step();
+  // Mean loss and token count of a batch without touching the weights.
+  static LossSum evaluate(Model& model, const TokenBatch& data, int64_t micro_batch);
+
+ private:
+  void forward(Stash& s);
+  void backward(Stash& s, float loss_scale);
+  void load_micro_batch(Stash& s, int64_t first_row);
+
+  Config cfg_;
+  Model& model_;
+  TokenBatch data_;
+  int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
+  std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
+  Arena optimizer_;                              // AdamW moments, laid out like params
+  std::vector<Tensor> m_, v_;
+  size_t activation_bytes_ = 0;
+};
+
+// One JSON object per line: the metrics.jsonl contract.
+std::string step_json(const StepResult& r);
+// A torchtitan-style step line for stdout.
+std::string step_line(const StepResult& r);
+
+}  // namespace mt
