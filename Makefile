@@ -17,8 +17,10 @@ $(BUILD)/build.ninja: CMakeLists.txt tests/CMakeLists.txt
 build: setup $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
+# Tests run one at a time: each already uses every core through OpenMP, and two
+# OpenMP programs spinning on the same cores slow each other down many times over.
 test: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	cd $(BUILD) && ctest --output-on-failure
 
 demo: build
 	@bash scripts/demo.sh $(BUILD)

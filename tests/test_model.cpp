@@ -1,0 +1,177 @@
+// Qwen3-MoE against Hugging Face transformers (tests/fixtures, made by
+// make_hf_fixtures.py in fp32 with eager attention): loss, logits, every parameter
+// gradient, and five AdamW steps with clipping.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "io/file.h"
+#include "io/safetensors.h"
+#include "models/qwen3_moe.h"
+#include "train/trainer.h"
+
+#ifndef MOETRAIN_FIXTURES
+#error "MOETRAIN_FIXTURES must name tests/fixtures"
+#endif
+
+namespace mt {
+namespace {
+
+std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTURES) + "/" + name; }
+
+std::vector<float> expected(const io::SafetensorsFile& f, const std::string& key) {
+  const io::StTensor* t = f.find(key);
+  EXPECT_NE(t, nullptr) << key;
+  if (t == nullptr) return {};
+  std::vector<float> v(static_cast<size_t>(t->numel()));
+  f.read_f32(*t, v.data());
+  return v;
+}
+
+double rel_err_norm(const float* got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+Config fixture_config(const std::string& name, int64_t steps) {
+  Config c;
+  c.model.init = "hf:" + fixture(name);
+  c.data.tokens = fixture(name + "/tokens.npy");
+  c.training.steps = steps;
+  c.optimizer.lr = 1e-3;
+  c.optimizer.beta1 = 0.9;
+  c.optimizer.beta2 = 0.95;
+  c.optimizer.eps = 1e-8;
+  c.optimizer.weight_decay = 0;
+  c.training.clip_grad_norm = 1.0;
+  return c;
+}
+
+class HfParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(HfParity, LossLogitsAndEveryGradient) {
+  const std::string name = GetParam();
+  io::SafetensorsFile exp(fixture(name + "/expected.safetensors"));
+  std::unique_ptr<Model> model = make_model(fixture(name + "/config.json"));
+  load_hf(*model, fixture(name));
+  TokenBatch data = read_token_batch(fixture(name + "/tokens.npy"), model->vocab_size());
+  std::unique_ptr<Stash> s = model->make_stash(data.rows, data.seq);
+  std::copy(data.ids.begin(), data.ids.end(), s->ids.i32());
+  std::copy(data.labels.begin(), data.labels.end(), s->labels.i32());
+  model->embed_forward(*s);
+  for (int64_t l = 0; l < model->num_layers(); ++l)
+    for (Stage st : kStages) model->stage_forward(l, st, *s);
+  LossSum loss = model->head_forward(*s);
+  double want_loss = expected(exp, "loss")[0];
+  EXPECT_NEAR(loss.sum / loss.count, want_loss, 1e-5 * want_loss);
+
+  std::vector<float> want_logits = expected(exp, "logits");
+  Tensor logits = model->logits(*s);
+  ASSERT_EQ(static_cast<size_t>(logits.numel()), want_logits.size());
+  for (size_t i = 0; i < want_logits.size(); ++i)
+    ASSERT_NEAR(logits.f32()[i], want_logits[i], 1e-4 * std::max(1.0f, std::fabs(want_logits[i]))) << i;
+
+  // Backward with B and W deliberately apart: every B of the layer first, then the Ws.
+  for (const RouterStats& r : model->router_stats(*s))
+    model->set_router_prob_grad(*s, r.layer, std::vector<float>(r.counts.size(), 0.0f));
+  model->head_backward(*s, static_cast<float>(1.0 / loss.count));
+  for (int64_t l = model->num_layers() - 1; l >= 0; --l) {
+    for (int i = 4; i >= 0; --i) model->stage_backward_input(l, kStages[i], *s);
+    for (int i = 4; i >= 0; --i) model->stage_backward_weight(l, kStages[i], *s);
+  }
+  model->embed_backward(*s);
+  int checked = 0;
+  for (const HfTensor& t : model->hf_tensors()) {
+    std::vector<float> g = expected(exp, "grad." + t.name);
+    ASSERT_EQ(static_cast<size_t>(t.grad.numel()), g.size()) << t.name;
+    EXPECT_LT(rel_err_norm(t.grad.f32(), g), 1e-4) << t.name;
+    ++checked;
+  }
+  EXPECT_EQ(checked * 2, static_cast<int>(exp.tensors().size()) - 4) << "every checkpoint key has a gradient";
+}
+
+TEST_P(HfParity, FiveAdamWStepsWithClipping) {
+  const std::string name = GetParam();
+  io::SafetensorsFile exp(fixture(name + "/expected.safetensors"));
+  std::unique_ptr<Model> model = make_model(fixture(name + "/config.json"));
+  load_hf(*model, fixture(name));
+  Trainer trainer(fixture_config(name, 5), *model, read_token_batch(fixture(name + "/tokens.npy"), model->vocab_size()));
+  std::vector<float> losses = expected(exp, "step_loss"), norms = expected(exp, "step_grad_norm");
+  for (int i = 0; i < 5; ++i) {
+    StepResult r = trainer.step();
+    EXPECT_NEAR(r.loss, losses[i], 1e-4 * losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(r.grad_norm, norms[i], 1e-4 * norms[i]) << "step " << i + 1;
+  }
+  for (const HfTensor& t : model->hf_tensors())
+    EXPECT_LT(rel_err_norm(t.value.f32(), expected(exp, "final." + t.name)), 1e-4) << t.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::Values("qwen3_moe_a", "qwen3_moe_b"));
+
+// The same model under the hub's spelling of the config (num_experts, rope_theta)
+// and transformers 5's (num_local_experts, rope_parameters) reads the same.
+TEST(Qwen3MoeConfig, HubAndTransformers5Spellings) {
+  std::vector<uint8_t> b = io::read_file(fixture("qwen3_moe_b/config.json"));
+  nlohmann::json v5 = nlohmann::json::parse(b.begin(), b.end());
+  nlohmann::json hub = v5;
+  hub.erase("num_local_experts");
+  hub["num_experts"] = v5["num_local_experts"];
+  hub.erase("rope_parameters");
+  hub["rope_theta"] = 1e6;
+  Qwen3MoeConfig a = parse_qwen3_moe_config(v5, "v5"), c = parse_qwen3_moe_config(hub, "hub");
+  EXPECT_EQ(a.num_experts, 6);
+  EXPECT_EQ(c.num_experts, 6);
+  EXPECT_EQ(a.rope_theta, 1e6);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_FALSE(a.is_moe_layer(0));  // decoder_sparse_step 2
+  EXPECT_TRUE(a.is_moe_layer(1));
+  hub.erase("hidden_size");
+  try {
+    parse_qwen3_moe_config(hub, "cfg.json");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cfg.json: missing key hidden_size"), std::string::npos) << e.what();
+  }
+  hub = v5;
+  hub["rope_parameters"]["rope_type"] = "yarn";
+  EXPECT_THROW(parse_qwen3_moe_config(hub, "cfg.json"), Error);
+}
+
+// A checkpoint whose tensor has the wrong shape names the key, the file and both shapes.
+TEST(Qwen3MoeLoad, MisShapedTensorIsNamed) {
+  std::string dir = ::testing::TempDir() + "/misshaped";
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(fixture("qwen3_moe_a/config.json"), dir + "/config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  io::SafetensorsFile src(fixture("qwen3_moe_a/model.safetensors"));
+  std::vector<std::vector<float>> keep;
+  std::vector<io::StWrite> out;
+  for (const io::StTensor& t : src.tensors()) {
+    keep.emplace_back(static_cast<size_t>(t.numel()));
+    src.read_f32(t, keep.back().data());
+    std::vector<int64_t> shape = t.shape;
+    if (t.name == "model.layers.0.self_attn.k_proj.weight") std::swap(shape[0], shape[1]);
+    out.push_back(io::st_f32(t.name, shape, keep.back().data()));
+  }
+  io::write_safetensors(dir + "/model.safetensors", out);
+  std::unique_ptr<Model> model = make_model(dir + "/config.json");
+  try {
+    load_hf(*model, dir);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("model.layers.0.self_attn.k_proj.weight"), std::string::npos) << m;
+    EXPECT_NE(m.find("model.safetensors"), std::string::npos) << m;
+    EXPECT_NE(m.find("[24,32]"), std::string::npos) << m;
+    EXPECT_NE(m.find("[32,24]"), std::string::npos) << m;
+  }
+}
+
+}  // namespace
+}  // namespace mt

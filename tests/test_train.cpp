@@ -1,0 +1,312 @@
+// The trainer, its config and the train/eval commands.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "io/file.h"
+#include "io/npy.h"
+#include "io/safetensors.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace mt {
+namespace {
+
+std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTURES) + "/" + name; }
+
+std::string temp_dir(const std::string& name) {
+  std::string d = ::testing::TempDir() + "/moetrain_" + name;
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+// Runs a command, returning its exit status and standard output.
+std::pair<int, std::string> run(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// ---- config -------------------------------------------------------------------------
+
+TEST(Config, DefaultsFileAndOverrides) {
+  std::string d = temp_dir("config");
+  std::ofstream(d + "/run.toml") << "[training]\nsteps = 7\nseed = 3\n[optimizer]\nlr = 1e-3\n";
+  Config c = load_config(d + "/run.toml", {{"training.steps", "9"}, {"model.init", "hf:/x"}, {"training.fp8", "true"}});
+  EXPECT_EQ(c.training.steps, 9);  // the override wins
+  EXPECT_EQ(c.training.seed, 3);
+  EXPECT_EQ(c.optimizer.lr, 1e-3);
+  EXPECT_EQ(c.model.init, "hf:/x");
+  EXPECT_TRUE(c.training.fp8);
+  EXPECT_EQ(c.optimizer.beta2, 0.95);  // untouched default
+  // What config_to_toml prints reads back to the same config.
+  std::ofstream(d + "/again.toml") << config_to_toml(c);
+  Config again = load_config(d + "/again.toml", {});
+  EXPECT_EQ(config_to_toml(again), config_to_toml(c));
+}
+
+TEST(Config, WrongKeysAndValuesAreNamed) {
+  std::string d = temp_dir("config_bad");
+  std::ofstream(d + "/a.toml") << "[training]\nstepz = 7\n";
+  EXPECT_NE(error_of([&] { load_config(d + "/a.toml", {}); }).find("a.toml: unknown key [training] stepz"),
+            std::string::npos);
+  std::ofstream(d + "/b.toml") << "[optimizer]\nlr = \"fast\"\n";
+  EXPECT_NE(error_of([&] { load_config(d + "/b.toml", {}); }).find("b.toml: [optimizer] lr should be a number"),
+            std::string::npos);
+  std::ofstream(d + "/c.toml") << "[training\nsteps = 1\n";
+  EXPECT_NE(error_of([&] { load_config(d + "/c.toml", {}); }).find("c.toml:1:"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_config("", {{"optimizer.lrr", "1"}}); }).find("unknown option --optimizer.lrr"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_config("", {{"training.steps", "ten"}}); })
+                .find("--training.steps should be an integer, got 'ten'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_config("", {{"lr_scheduler.decay", "exp"}}); })
+                .find("lr_scheduler.decay should be one of constant, linear, cosine, wsd, got 'exp'"),
+            std::string::npos);
+}
+
+TEST(Config, LearningRateSchedules) {
+  Config c;
+  c.optimizer.lr = 1.0;
+  c.training.steps = 11;
+  c.lr_scheduler.warmup_steps = 2;
+  c.lr_scheduler.min_lr_ratio = 0.1;
+  EXPECT_DOUBLE_EQ(lr_at(c, 0), 0.5);
+  EXPECT_DOUBLE_EQ(lr_at(c, 1), 1.0);
+  EXPECT_DOUBLE_EQ(lr_at(c, 10), 1.0);  // constant
+  c.lr_scheduler.decay = "linear";      // 9 steps after warmup: 1.0 down to 0.1
+  EXPECT_DOUBLE_EQ(lr_at(c, 2), 1.0);
+  EXPECT_NEAR(lr_at(c, 6), 1.0 - 0.9 * 4.0 / 8.0, 1e-12);
+  EXPECT_NEAR(lr_at(c, 10), 0.1, 1e-12);
+  c.lr_scheduler.decay = "cosine";
+  EXPECT_NEAR(lr_at(c, 6), 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 0.5)), 1e-12);
+  EXPECT_NEAR(lr_at(c, 10), 0.1, 1e-12);
+  c.lr_scheduler.decay = "wsd";  // the last round(0.2 * 11) = 2 steps decay
+  c.lr_scheduler.decay_ratio = 0.2;
+  EXPECT_DOUBLE_EQ(lr_at(c, 8), 1.0);
+  EXPECT_NEAR(lr_at(c, 9), 1.0 - 0.9 * 0.5, 1e-12);
+  EXPECT_NEAR(lr_at(c, 10), 0.1, 1e-12);
+}
+
+// ---- training -------------------------------------------------------------------------
+
+Config overfit_config(const std::string& dump) {
+  Config c;
+  c.model.config = fixture("qwen3_moe_a/config.json");
+  c.data.tokens = fixture("qwen3_moe_a/tokens.npy");
+  c.job.dump_folder = dump;
+  c.training.steps = 300;
+  c.training.seed = 7;
+  c.optimizer.lr = 3e-3;
+  c.optimizer.weight_decay = 0.01;
+  c.lr_scheduler.warmup_steps = 10;
+  c.lr_scheduler.decay = "cosine";
+  c.training.load_balance_coef = 0.01;
+  return c;
+}
+
+TEST(Training, FromScratchTheLossFalls) {
+  Config c = overfit_config(temp_dir("scratch"));
+  std::unique_ptr<Model> model = make_model(c.model.config);
+  init_random(*model, c.model.init_std, 7);
+  Trainer t(c, *model, read_token_batch(c.data.tokens, model->vocab_size()));
+  double first = 0, last = 0;
+  for (int64_t i = 0; i < c.training.steps; ++i) {
+    StepResult r = t.step();
+    ASSERT_TRUE(std::isfinite(r.loss) && std::isfinite(r.grad_norm)) << "step " << r.step;
+    if (i == 0) first = r.loss;
+    last = r.loss;
+  }
+  // ln(96) = 4.56 at the start; 48 tokens are memorised by 300 steps.
+  EXPECT_NEAR(first, std::log(96.0), 0.2);
+  EXPECT_LT(last, 0.25 * first);
+}
+
+TEST(Training, RandomInitIsDeterministicAndFollowsStd) {
+  std::unique_ptr<Model> a = make_model(fixture("qwen3_moe_a/config.json"));
+  std::unique_ptr<Model> b = make_model(fixture("qwen3_moe_a/config.json"));
+  init_random(*a, 0.02, 5);
+  init_random(*b, 0.02, 5);
+  std::vector<HfTensor> ta = a->hf_tensors(), tb = b->hf_tensors();
+  for (size_t i = 0; i < ta.size(); ++i) {
+    ASSERT_EQ(std::memcmp(ta[i].value.data, tb[i].value.data, ta[i].value.nbytes()), 0) << ta[i].name;
+    double ss = 0;
+    for (int64_t j = 0; j < ta[i].value.numel(); ++j) ss += ta[i].value.f32()[j] * ta[i].value.f32()[j];
+    double rms = std::sqrt(ss / ta[i].value.numel());
+    if (ta[i].init_scale == 0) {
+      EXPECT_EQ(rms, 1.0) << ta[i].name;  // norm weights start at 1
+    } else if (ta[i].value.numel() >= 1000) {
+      EXPECT_NEAR(rms, 0.02 * ta[i].init_scale, 0.15 * 0.02 * ta[i].init_scale) << ta[i].name;
+    }
+  }
+}
+
+// The load-balance term's gradient reaches the router weights correctly: compare the
+// trainer's gradient of CE + coef * lb with central differences of that objective.
+double objective(Model& m, const TokenBatch& d, double coef) {
+  std::unique_ptr<Stash> s = m.make_stash(d.rows, d.seq);
+  std::copy(d.ids.begin(), d.ids.end(), s->ids.i32());
+  std::copy(d.labels.begin(), d.labels.end(), s->labels.i32());
+  m.embed_forward(*s);
+  for (int64_t l = 0; l < m.num_layers(); ++l)
+    for (Stage st : kStages) m.stage_forward(l, st, *s);
+  LossSum ls = m.head_forward(*s);
+  double lb = 0;
+  std::vector<RouterStats> rs = m.router_stats(*s);
+  for (const RouterStats& r : rs)
+    for (size_t e = 0; e < r.counts.size(); ++e)
+      lb += r.counts.size() * (double(r.counts[e]) / r.tokens) * (r.prob_sum[e] / r.tokens) / rs.size();
+  return ls.sum / ls.count + coef * lb;
+}
+
+std::vector<float> router_grad(double coef, std::unique_ptr<Model>& model, TokenBatch& data) {
+  model = make_model(fixture("qwen3_moe_a/config.json"));
+  load_hf(*model, fixture("qwen3_moe_a"));
+  data = read_token_batch(fixture("qwen3_moe_a/tokens.npy"), model->vocab_size());
+  Config c;
+  c.training.load_balance_coef = coef;
+  c.training.clip_grad_norm = 0;
+  c.optimizer.lr = 0;  // the step leaves the weights alone; we only want the gradient
+  Trainer t(c, *model, data);
+  t.step();
+  for (const HfTensor& h : model->hf_tensors())
+    if (h.name == "model.layers.2.mlp.gate.weight") return {h.grad.f32(), h.grad.f32() + h.grad.numel()};
+  return {};
+}
+
+TEST(Training, LoadBalanceGradientMatchesFiniteDifferences) {
+  const double coef = 0.5;  // large, so the term's share of the router gradient is visible
+  std::unique_ptr<Model> model;
+  TokenBatch data;
+  std::vector<float> without = router_grad(0.0, model, data);
+  std::vector<float> grad = router_grad(coef, model, data);
+  ASSERT_EQ(grad.size(), 8u * 32u);
+  float* w = nullptr;
+  for (const HfTensor& h : model->hf_tensors())
+    if (h.name == "model.layers.2.mlp.gate.weight") w = h.value.f32();
+  auto fd = [&](int64_t i, float h) {
+    float keep = w[i];
+    w[i] = keep + h;
+    double up = objective(*model, data, coef);
+    w[i] = keep - h;
+    double down = objective(*model, data, coef);
+    w[i] = keep;
+    return (up - down) / (2 * h);
+  };
+  int checked = 0;
+  double lb_share = 0;
+  for (int64_t i = 0; i < 256 && checked < 8; i += 13) {
+    // A step that moves a token across the top-k boundary makes the objective jump;
+    // two step sizes that disagree reveal it, and that element is skipped.
+    double a = fd(i, 1e-2f), b = fd(i, 5e-3f);
+    if (std::fabs(a - b) > 1e-3 + 1e-2 * std::fabs(a)) continue;
+    EXPECT_NEAR(grad[i], b, 1e-3 + 1e-2 * std::fabs(b)) << "element " << i;
+    lb_share = std::max(lb_share, std::fabs(static_cast<double>(grad[i]) - without[i]));
+    ++checked;
+  }
+  EXPECT_GE(checked, 5);
+  EXPECT_GT(lb_share, 1e-2) << "the load-balance term should move the router gradient";
+}
+
+// With one micro-batch the two load-balance variants are the same objective; with
+// three they differ, and micro-batching never changes the cross-entropy gradient.
+TEST(Training, MicroBatchesAndLoadBalanceTypes) {
+  auto one_step = [&](int64_t micro, const std::string& type, double coef) {
+    std::unique_ptr<Model> m = make_model(fixture("qwen3_moe_a/config.json"));
+    load_hf(*m, fixture("qwen3_moe_a"));
+    Config c;
+    c.training.micro_batch_size = micro;
+    c.training.load_balance_type = type;
+    c.training.load_balance_coef = coef;
+    Trainer t(c, *m, read_token_batch(fixture("qwen3_moe_a/tokens.npy"), m->vocab_size()));
+    return t.step();
+  };
+  StepResult full = one_step(3, "micro_batch", 0.0), split = one_step(1, "micro_batch", 0.0);
+  EXPECT_NEAR(full.loss, split.loss, 1e-6 * full.loss);
+  EXPECT_NEAR(full.grad_norm, split.grad_norm, 1e-5 * full.grad_norm);
+  StepResult g1 = one_step(3, "global_batch", 0.1), m1 = one_step(3, "micro_batch", 0.1);
+  EXPECT_NEAR(g1.grad_norm, m1.grad_norm, 1e-6 * g1.grad_norm);
+  EXPECT_NEAR(g1.lb_loss, m1.lb_loss, 1e-9);
+  StepResult g3 = one_step(1, "global_batch", 0.1), m3 = one_step(1, "micro_batch", 0.1);
+  EXPECT_NEAR(g3.lb_loss, g1.lb_loss, 1e-7 * g1.lb_loss);  // the whole batch, however split
+  EXPECT_NE(m3.lb_loss, m1.lb_loss);
+  int64_t routed = 0;
+  for (int64_t n : g3.expert_counts[0]) routed += n;
+  EXPECT_EQ(routed, 48 * 2);  // 48 tokens, top-2, in the first MoE layer
+}
+
+// ---- the commands -------------------------------------------------------------------
+
+TEST(Commands, EvalPrintsTheContractLine) {
+  for (std::string name : {"qwen3_moe_a", "qwen3_moe_b"}) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " eval --model " + fixture(name) + " --tokens " +
+                         fixture(name + "/tokens.npy"));
+    ASSERT_EQ(rc, 0) << out;
+    nlohmann::json j = nlohmann::json::parse(out);
+    io::SafetensorsFile exp(fixture(name + "/expected.safetensors"));
+    float want = 0;
+    exp.read_f32(*exp.find("loss"), &want);
+    EXPECT_NEAR(j["loss"].get<double>(), want, 1e-5 * want);
+    io::NpyArray tokens = io::read_npy(fixture(name + "/tokens.npy"));
+    EXPECT_EQ(j["tokens"].get<int64_t>(), tokens.header.shape[0] * (tokens.header.shape[1] - 1));
+  }
+}
+
+TEST(Commands, TrainFromOverridesMatchesTransformers) {
+  std::string dump = temp_dir("train_cli");
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
+                       " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.steps=5" +
+                       " --optimizer.lr=1e-3 --optimizer.weight_decay=0 --job.dump_folder=" + dump);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("step     5  loss"), std::string::npos) << out;
+  io::SafetensorsFile exp(fixture("qwen3_moe_b/expected.safetensors"));
+  std::vector<float> losses(5), norms(5);
+  exp.read_f32(*exp.find("step_loss"), losses.data());
+  exp.read_f32(*exp.find("step_grad_norm"), norms.data());
+  std::ifstream metrics(dump + "/metrics.jsonl");
+  std::string line;
+  int n = 0;
+  while (std::getline(metrics, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["step"].get<int>(), n + 1);
+    EXPECT_NEAR(j["loss"].get<double>(), losses[n], 1e-4 * losses[n]);
+    EXPECT_NEAR(j["grad_norm"].get<double>(), norms[n], 1e-4 * norms[n]);
+    for (const char* key : {"lb_loss", "lr", "tokens_per_s", "memory_bytes", "expert_counts"})
+      EXPECT_TRUE(j.contains(key)) << key;
+    EXPECT_EQ(j["expert_counts"].size(), 1u);  // qwen3_moe_b has one MoE layer
+    ++n;
+  }
+  EXPECT_EQ(n, 5);
+  EXPECT_TRUE(std::filesystem::exists(dump + "/config.toml"));
+}
+
+TEST(Commands, BadConfigFailsNamingTheKey) {
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --training.stepz=3");
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(out.find("unknown option --training.stepz"), std::string::npos) << out;
+  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " eval --model " + fixture("qwen3_moe_a") + " --tokens " +
+                         fixture("nonexistent.npy"));
+  EXPECT_EQ(rc2, 1);
+  EXPECT_NE(out2.find("nonexistent.npy"), std::string::npos) << out2;
+}
+
+}  // namespace
+}  // namespace mt
