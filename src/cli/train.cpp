@@ -1,11 +1,17 @@
 // moetrain train: a config file and/or --section.key=value overrides describe a run.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "cli/commands.h"
 #include "core/check.h"
 #include "io/file.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -13,47 +19,115 @@ namespace mt::cli {
 
 namespace {
 
+namespace fs = std::filesystem;
+
+// SIGTERM/SIGINT: the first asks the loop to finish its step, save and exit 0 (what
+// a SLURM preemption needs); a second ends the process at once. Saves are atomic, so
+// that cannot leave a half-written checkpoint behind.
+std::atomic<int> g_signals{0};
+
+void on_signal(int sig) {
+  if (g_signals.fetch_add(1) > 0) _exit(128 + sig);
+}
+
+void install_signal_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
 std::string model_config_path(const Config& c) {
   if (!c.model.config.empty()) return c.model.config;
   MT_CHECK(c.model.init.starts_with("hf:"))
       << "model.config is not set: random initialisation needs a Hugging Face config.json for the architecture";
-  return (std::filesystem::path(c.model.init.substr(3)) / "config.json").string();
+  return (fs::path(c.model.init.substr(3)) / "config.json").string();
+}
+
+// metrics.jsonl up to and including `step`: a resumed run continues the file from
+// its checkpoint, dropping lines of steps that will be run again.
+void truncate_metrics(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  std::ostringstream keep;
+  std::string line;
+  while (std::getline(in, line)) {
+    size_t at = line.find("\"step\":");
+    if (at != std::string::npos && std::stoll(line.substr(at + 7)) <= step) keep << line << "\n";
+  }
+  io::write_file_atomic(path, {keep.str()});
 }
 
 }  // namespace
 
 int run_train(const Args& args) {
+  install_signal_handlers();
   Options o("train", args, {"config"});
   Config cfg = load_config(o.get("config"), o.dotted());
-  std::unique_ptr<Model> model = make_model(model_config_path(cfg));
-  if (cfg.model.init == "random")
-    init_random(*model, cfg.model.init_std, static_cast<uint64_t>(cfg.training.seed));
-  else
-    load_hf(*model, cfg.model.init.substr(3));
+  const std::string config_json = model_config_path(cfg);
+  std::unique_ptr<Model> model = make_model(config_json);
   MT_CHECK(cfg.data.corpus.empty()) << "data.corpus: training from a tokenized corpus is not wired into train yet; "
                                        "use data.tokens";
   MT_CHECK(!cfg.data.tokens.empty()) << "data.tokens is not set: give a .npy [B, T] token matrix";
-  MT_CHECK(cfg.checkpoint.interval == 0) << "checkpoint.interval: checkpoints are not built yet";
   TokenBatch data = read_token_batch(cfg.data.tokens, model->vocab_size());
 
-  std::filesystem::create_directories(cfg.job.dump_folder);
-  std::string folder = cfg.job.dump_folder;
+  const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
   io::write_file_atomic(folder + "/config.toml", {config_to_toml(cfg)});
-  std::ofstream metrics(folder + "/metrics.jsonl", std::ios::trunc);
-  MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
 
+  std::string resume = cfg.checkpoint.load.empty() ? latest_checkpoint(checkpoints) : cfg.checkpoint.load;
+  if (resume.empty()) {
+    if (cfg.model.init == "random")
+      init_random(*model, cfg.model.init_std, static_cast<uint64_t>(cfg.training.seed));
+    else
+      load_hf(*model, cfg.model.init.substr(3));
+  }
   std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), %lld x %lld tokens per step\n",
               static_cast<long long>(model->num_layers()), model->param_count() / 1e6,
               model->active_param_count() / 1e6, static_cast<long long>(data.rows),
               static_cast<long long>(data.seq));
   Trainer trainer(cfg, *model, std::move(data));
-  for (int64_t i = 0; i < cfg.training.steps; ++i) {
+  TrainState state;
+  state.seed = cfg.training.seed;
+  state.config_toml = config_to_toml(cfg);
+  if (!resume.empty()) {
+    TrainState from = load_checkpoint(resume, *model, &trainer.optimizer());
+    trainer.set_steps_done(from.step);
+    std::printf("resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
+    truncate_metrics(folder + "/metrics.jsonl", from.step);
+  } else {
+    io::write_file_atomic(folder + "/metrics.jsonl", {});
+  }
+  std::ofstream metrics(folder + "/metrics.jsonl", std::ios::app);
+  MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
+
+  auto save = [&](double lr) {
+    state.step = trainer.steps_done();
+    state.lr = lr;
+    std::string dir = save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep);
+    std::printf("saved %s\n", dir.c_str());
+  };
+  double lr = 0;
+  while (trainer.steps_done() < cfg.training.steps) {
     StepResult r = trainer.step();
+    lr = r.lr;
     metrics << step_json(r) << "\n";
     metrics.flush();
-    if (r.step % cfg.metrics.log_interval == 0 || i + 1 == cfg.training.steps) std::printf("%s\n", step_line(r).c_str());
+    if (r.step % cfg.metrics.log_interval == 0 || r.step == cfg.training.steps)
+      std::printf("%s\n", step_line(r).c_str());
     std::fflush(stdout);
+    bool stop = g_signals.load() > 0;
+    if ((cfg.checkpoint.interval > 0 && r.step % cfg.checkpoint.interval == 0) || stop) save(lr);
+    if (stop) {
+      std::printf("stopped by a signal after step %lld\n", static_cast<long long>(r.step));
+      return 0;
+    }
   }
+  // The end of a run is always kept when checkpoints are on (step 0 too: an export of
+  // the initial weights).
+  if (cfg.checkpoint.interval > 0) save(lr);
   return 0;
 }
 

@@ -41,7 +41,7 @@ constexpr DTypeSize kDTypes[] = {
 
 std::string known_dtypes() {
   std::string s;
-  for (const DTypeSize& d : kDTypes) s += (s.empty() ? "" : ", ") + std::string(d.name);
+  for (const DTypeSize& d : kDTypes) s.append(s.empty() ? "" : ", ").append(d.name);
   return s;
 }
 
@@ -132,7 +132,7 @@ size_t st_dtype_size(std::string_view dtype, const std::string& where) {
 
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) s.append(i ? "," : "").append(std::to_string(shape[i]));
   return s + "]";
 }
 
@@ -152,13 +152,14 @@ float f32_from_f16(uint16_t h) {
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   MT_CHECK(fd >= 0) << "cannot open safetensors file " << path << ": " << std::strerror(errno);
-  struct stat st;
+  struct stat st {};
   bool stat_ok = ::fstat(fd, &st) == 0;
   int stat_errno = errno;
-  size_t size = stat_ok ? static_cast<size_t>(st.st_size) : 0;
-  if (stat_ok && size >= 8) {
+  bool regular = stat_ok && S_ISREG(st.st_mode);
+  size_t size = regular ? static_cast<size_t>(st.st_size) : 0;
+  if (regular && size >= 8) {
     void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (m != MAP_FAILED) {
       map_ = static_cast<const uint8_t*>(m);
@@ -168,6 +169,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   int map_errno = errno;
   ::close(fd);
   MT_CHECK(stat_ok) << "cannot stat " << path << ": " << std::strerror(stat_errno);
+  MT_CHECK(regular) << path << " is not a regular file";
   MT_CHECK(size >= 8) << path << ": not a safetensors file: " << size
                       << " bytes, shorter than the 8-byte header length";
   MT_CHECK(map_ != nullptr) << "cannot mmap " << path << ": " << std::strerror(map_errno);
@@ -348,6 +350,7 @@ HfWeights::HfWeights(const std::string& folder) : folder_(folder) {
   fs::path dir(folder);
   fs::path single = dir / "model.safetensors";
   fs::path index = dir / "model.safetensors.index.json";
+  MT_CHECK(fs::is_directory(dir)) << "Hugging Face model folder " << folder << " does not exist (or is not a folder)";
   // transformers prefers the single file when both are present; so do we.
   if (fs::exists(single)) {
     files_.emplace_back(single.string());
@@ -407,7 +410,7 @@ std::string HfWeights::suggest(std::string_view name) const {
   std::sort(close.begin(), close.end());
   std::string hint;
   for (size_t i = 0; i < close.size() && i < 2; ++i)
-    hint += (i ? " or '" : "; did you mean '") + std::string(close[i].second) + "'";
+    hint.append(i ? " or '" : "; did you mean '").append(close[i].second).append("'");
   return hint.empty() ? hint : hint + "?";
 }
 

@@ -11,7 +11,6 @@
 #include "core/rng.h"
 #include "io/npy.h"
 #include "io/safetensors.h"
-#include "kernels/adamw.h"
 
 namespace mt {
 
@@ -62,7 +61,8 @@ TokenBatch read_token_batch(const std::string& npy_path, int64_t vocab_size) {
   return b;
 }
 
-Trainer::Trainer(Config cfg, Model& model, TokenBatch data) : cfg_(std::move(cfg)), model_(model), data_(std::move(data)) {
+Trainer::Trainer(Config cfg, Model& model, TokenBatch data)
+    : cfg_(std::move(cfg)), model_(model), data_(std::move(data)), optimizer_(model.params()) {
   const TrainingConfig& t = cfg_.training;
   MT_CHECK(t.device == "cpu") << "training.device = " << t.device
                               << ": the CUDA backend is not built yet; use training.device = \"cpu\"";
@@ -84,17 +84,6 @@ Trainer::Trainer(Config cfg, Model& model, TokenBatch data) : cfg_(std::move(cfg
   // backward, so every micro-batch keeps its activations.
   int64_t live = t.load_balance_type == "global_batch" ? micro_batches_ : 1;
   for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, data_.seq));
-
-  Arena count = Arena::counting("optimizer", Device::cpu);
-  for (const Param& p : model_.params())
-    for (int j = 0; j < 2; ++j) count.alloc(DType::f32, p.value.shape);
-  optimizer_ = Arena("optimizer", Device::cpu, count.peak());
-  for (const Param& p : model_.params()) {
-    m_.push_back(optimizer_.alloc(DType::f32, p.value.shape));
-    v_.push_back(optimizer_.alloc(DType::f32, p.value.shape));
-    std::memset(m_.back().data, 0, m_.back().nbytes());
-    std::memset(v_.back().data, 0, v_.back().nbytes());
-  }
 }
 
 void Trainer::load_micro_batch(Stash& s, int64_t first_row) {
@@ -220,27 +209,17 @@ StepResult Trainer::step() {
     }
   }
   r.lr = lr_at(cfg_, r.step - 1);
-  cpu::AdamWStep a;
-  a.lr = r.lr;
-  a.beta1 = cfg_.optimizer.beta1;
-  a.beta2 = cfg_.optimizer.beta2;
-  a.eps = cfg_.optimizer.eps;
-  a.step = r.step;
-  std::vector<Param>& ps = model_.params();
-  for (size_t i = 0; i < ps.size(); ++i) {
-    a.weight_decay = (ps[i].matrix || cfg_.optimizer.decay == "all") ? cfg_.optimizer.weight_decay : 0.0;
-    cpu::adamw_step(ps[i].value, ps[i].grad, m_[i], v_[i], a);
-  }
+  optimizer_.step(cfg_.optimizer, r.lr, r.step);
 
   r.loss = loss_sum / static_cast<double>(count);
   r.lb_loss = lb_total;
   r.expert_counts = counts;
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.tokens_per_s = static_cast<double>(data_.rows * data_.seq) / std::max(seconds, 1e-9);
-  size_t param_bytes = 0, act = 0;
-  for (const Param& p : ps) param_bytes += 2 * p.value.nbytes();  // weights and gradients
-  for (const auto& s : stashes_) act += s->bytes;
-  r.memory_bytes = param_bytes + optimizer_.capacity() + act;
+  size_t bytes = optimizer_.bytes();
+  for (const Param& p : model_.params()) bytes += 2 * p.value.nbytes();  // weights and gradients
+  for (const auto& s : stashes_) bytes += s->bytes;
+  r.memory_bytes = bytes;
   return r;
 }
 

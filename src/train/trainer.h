@@ -10,6 +10,7 @@
 
 #include "models/interface.h"
 #include "train/config.h"
+#include "train/optimizer.h"
 
 namespace mt {
 
@@ -40,6 +41,10 @@ class Trainer {
  public:
   Trainer(Config cfg, Model& model, TokenBatch data);
   StepResult step();
+  int64_t steps_done() const { return step_; }
+  // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
+  void set_steps_done(int64_t step) { step_ = step; }
+  AdamW& optimizer() { return optimizer_; }
   // Mean loss and token count of a batch without touching the weights.
   static LossSum evaluate(Model& model, const TokenBatch& data, int64_t micro_batch);
 
@@ -53,9 +58,7 @@ class Trainer {
   TokenBatch data_;
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
-  Arena optimizer_;                              // AdamW moments, laid out like params
-  std::vector<Tensor> m_, v_;
-  size_t activation_bytes_ = 0;
+  AdamW optimizer_;
 };
 
 // One JSON object per line: the metrics.jsonl contract.

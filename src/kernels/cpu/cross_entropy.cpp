@@ -29,9 +29,7 @@ CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels
   const float* x = logits.f32();
   const int32_t* y = labels.i32();
   float* l = lse.f32();
-  double sum = 0;
-  int64_t count = 0;
-#pragma omp parallel for schedule(static) reduction(+ : sum, count)
+#pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const float* row = x + i * v;
     float m = -std::numeric_limits<float>::infinity();
@@ -39,10 +37,15 @@ CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels
     float s = 0;
     for (int64_t j = 0; j < v; ++j) s += std::exp(row[j] - m);
     l[i] = m + std::log(s);
-    if (y[i] != ignore_index) {
-      sum += static_cast<double>(l[i]) - row[y[i]];
-      ++count;
-    }
+  }
+  // Summed in row order, not by an OpenMP reduction whose combining order varies:
+  // a resumed run must report bit-identical losses.
+  double sum = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (y[i] == ignore_index) continue;
+    sum += static_cast<double>(l[i]) - x[i * v + y[i]];
+    ++count;
   }
   return {sum, count};
 }

@@ -1,0 +1,176 @@
+#include "train/checkpoint.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "core/check.h"
+#include "io/file.h"
+#include "io/safetensors.h"
+
+namespace mt {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kTokenizerFiles[] = {"tokenizer.json",   "tokenizer_config.json", "special_tokens_map.json",
+                                           "vocab.json",       "merges.txt",            "added_tokens.json",
+                                           "chat_template.jinja", "generation_config.json"};
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+// Fault injection for the crash-during-save test: a pause after each file written.
+void test_delay() {
+  static const char* ms = std::getenv("MOETRAIN_CHECKPOINT_DELAY_MS");
+  if (ms != nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
+}
+
+std::vector<int64_t> dims(const Tensor& t) { return {t.shape.d.begin(), t.shape.d.begin() + t.ndim()}; }
+
+void sync_dir(const fs::path& dir) {
+  // The rename of a file or folder is durable only once its parent folder is synced.
+  io::write_file_atomic((dir / ".sync").string(), {});
+  fs::remove(dir / ".sync");
+}
+
+bool complete(const fs::path& dir) { return fs::exists(dir / "COMPLETE"); }
+
+int64_t step_of(const fs::path& dir) {
+  std::string n = dir.filename().string();
+  if (n.size() != 13 || n.rfind("step-", 0) != 0 || n.find_first_not_of("0123456789", 5) != std::string::npos) return -1;
+  return std::stoll(n.substr(5));
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
+                            const std::string& model_config_path, int64_t keep) {
+  fs::path root(checkpoints_dir);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  MT_CHECK(!ec && fs::is_directory(root)) << "cannot create the checkpoint folder " << root.string() << ": "
+                                          << ec.message();
+  fs::path final_dir = root / step_name(st.step);
+  if (complete(final_dir)) return final_dir.string();  // this step is already saved
+  fs::path tmp = root / (step_name(st.step) + ".tmp");
+  fs::remove_all(tmp);
+  fs::remove_all(final_dir);  // an unmarked folder from a crash between rename and mark
+  fs::create_directories(tmp, ec);
+  MT_CHECK(!ec) << "cannot create " << tmp.string() << ": " << ec.message();
+
+  std::vector<HfTensor> tensors = model.hf_tensors();
+  std::vector<io::StWrite> weights, moments;
+  std::vector<std::string> names;
+  names.reserve(2 * tensors.size());
+  for (const HfTensor& t : tensors) {
+    weights.push_back(io::st_f32(t.name, dims(t.value), t.value.f32()));
+    names.push_back(t.name + ".exp_avg");
+    moments.push_back(io::st_f32(names.back(), dims(t.value), opt.exp_avg(t.value).f32()));
+    names.push_back(t.name + ".exp_avg_sq");
+    moments.push_back(io::st_f32(names.back(), dims(t.value), opt.exp_avg_sq(t.value).f32()));
+  }
+  io::write_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
+  test_delay();
+  io::write_safetensors((tmp / "optimizer.safetensors").string(), moments);
+  test_delay();
+  nlohmann::json state;
+  state["format"] = 1;
+  state["step"] = st.step;
+  state["seed"] = st.seed;
+  state["lr"] = st.lr;
+  state["data_cursor"] = nlohmann::json::parse(st.data_cursor);
+  state["config"] = st.config_toml;
+  io::write_file_atomic((tmp / "train_state.json").string(), {state.dump(2)});
+  std::vector<uint8_t> config = io::read_file(model_config_path);
+  io::write_file_atomic((tmp / "config.json").string(),
+                        {std::string_view(reinterpret_cast<const char*>(config.data()), config.size())});
+  fs::path source = fs::path(model_config_path).parent_path();
+  for (const char* f : kTokenizerFiles) {
+    if (!fs::exists(source / f)) continue;
+    std::vector<uint8_t> b = io::read_file((source / f).string());
+    io::write_file_atomic((tmp / f).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
+  }
+  test_delay();
+  sync_dir(tmp);
+  fs::rename(tmp, final_dir, ec);
+  MT_CHECK(!ec) << "renaming " << tmp.string() << " to " << final_dir.string() << ": " << ec.message();
+  sync_dir(root);
+  io::write_file_atomic((final_dir / "COMPLETE").string(), {std::to_string(st.step) + "\n"});
+
+  // Keep the newest `keep` complete checkpoints; drop older ones and leftovers.
+  std::vector<std::pair<int64_t, fs::path>> done;
+  for (const auto& e : fs::directory_iterator(root)) {
+    int64_t s = step_of(e.path());
+    if (s >= 0 && complete(e.path())) done.emplace_back(s, e.path());
+  }
+  std::sort(done.begin(), done.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) fs::remove_all(done[i].second);
+  return final_dir.string();
+}
+
+std::string latest_checkpoint(const std::string& checkpoints_dir) {
+  if (!fs::is_directory(checkpoints_dir)) return "";
+  int64_t best = -1;
+  std::string path;
+  for (const auto& e : fs::directory_iterator(checkpoints_dir)) {
+    int64_t s = step_of(e.path());
+    if (s > best && complete(e.path())) {
+      best = s;
+      path = e.path().string();
+    }
+  }
+  return path;
+}
+
+TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
+  MT_CHECK(complete(dir)) << dir << " is not a complete checkpoint (no COMPLETE marker)";
+  io::HfWeights weights(dir);
+  std::vector<HfTensor> tensors = model.hf_tensors();
+  for (const HfTensor& t : tensors) weights.read_f32(t.name, dims(t.value), t.value.f32());
+  for (const std::string& name : weights.names()) {
+    bool used = std::any_of(tensors.begin(), tensors.end(), [&](const HfTensor& t) { return t.name == name; });
+    MT_CHECK(used) << dir << "/model.safetensors: tensor " << name
+                   << " is not a parameter of this model (was the checkpoint written for another config?)";
+  }
+  if (opt != nullptr) {
+    io::SafetensorsFile moments((fs::path(dir) / "optimizer.safetensors").string());
+    MT_CHECK(moments.tensors().size() == 2 * tensors.size())
+        << moments.path() << ": " << moments.tensors().size() << " tensors, expected " << 2 * tensors.size()
+        << " (two moments for each of the model's " << tensors.size() << " tensors)";
+    for (const HfTensor& t : tensors) {
+      for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
+        std::string key = t.name + suffix;
+        const io::StTensor* s = moments.find(key);
+        MT_CHECK(s != nullptr) << moments.path() << ": missing tensor " << key;
+        MT_CHECK(s->shape == dims(t.value)) << moments.path() << ": tensor " << key << " has shape "
+                                            << io::shape_str(s->shape) << ", the model expects " << t.value.shape.str();
+        bool second = std::string_view(suffix) == ".exp_avg_sq";
+        moments.read_f32(*s, (second ? opt->exp_avg_sq(t.value) : opt->exp_avg(t.value)).f32());
+      }
+    }
+  }
+  std::vector<uint8_t> b = io::read_file((fs::path(dir) / "train_state.json").string());
+  nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
+  MT_CHECK(!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer())
+      << dir << "/train_state.json: expected a JSON object with an integer \"step\"";
+  TrainState st;
+  st.step = j["step"].get<int64_t>();
+  st.seed = j.value("seed", int64_t{0});
+  st.lr = j.value("lr", 0.0);
+  st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
+  st.config_toml = j.value("config", std::string());
+  return st;
+}
+
+}  // namespace mt

@@ -1,0 +1,45 @@
+// Canonical checkpoints: one layout whatever the mesh that wrote them.
+//
+//   checkpoints/step-00001000/
+//     model.safetensors      fp32 master weights under their Hugging Face keys
+//     optimizer.safetensors  AdamW moments: "<key>.exp_avg", "<key>.exp_avg_sq"
+//     train_state.json       step, seed, learning rate, data cursor, the run's config
+//     config.json            the model's Hugging Face config
+//     tokenizer files        copied from beside the model's config when present
+//     COMPLETE               written last: a folder without it is ignored
+//
+// A save goes to step-N.tmp/ (every file fsynced), is renamed to step-N/ and then
+// marked complete, so a crash at any point leaves the previous checkpoint usable.
+// Loading goes key by key, so any layout of the parameters can read any checkpoint.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "models/interface.h"
+#include "train/optimizer.h"
+
+namespace mt {
+
+struct TrainState {
+  int64_t step = 0;
+  int64_t seed = 0;
+  double lr = 0;
+  std::string data_cursor = "null";  // JSON, owned by the data source
+  std::string config_toml;           // the run's config, for the record
+};
+
+// Saves step `st.step` under `checkpoints_dir` and keeps the newest `keep` complete
+// checkpoints. Returns the checkpoint's folder.
+std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
+                            const std::string& model_config_path, int64_t keep);
+
+// The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
+std::string latest_checkpoint(const std::string& checkpoints_dir);
+
+// Reads a checkpoint into the model and (when given) the optimizer. Every key the
+// model has must be there with its shape and no other key may be; errors name the
+// file, the key and the shapes.
+TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt);
+
+}  // namespace mt

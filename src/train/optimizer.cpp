@@ -1,0 +1,47 @@
+#include "train/optimizer.h"
+
+#include <cstring>
+
+#include "core/check.h"
+#include "kernels/adamw.h"
+
+namespace mt {
+
+AdamW::AdamW(std::vector<Param>& params) : params_(params) {
+  Arena count = Arena::counting("optimizer", Device::cpu);
+  for (const Param& p : params_)
+    for (int j = 0; j < 2; ++j) count.alloc(DType::f32, p.value.shape);
+  arena_ = Arena("optimizer", Device::cpu, count.peak());
+  for (const Param& p : params_) {
+    m_.push_back(arena_.alloc(DType::f32, p.value.shape));
+    v_.push_back(arena_.alloc(DType::f32, p.value.shape));
+    std::memset(m_.back().data, 0, m_.back().nbytes());
+    std::memset(v_.back().data, 0, v_.back().nbytes());
+  }
+}
+
+void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step) {
+  cpu::AdamWStep a;
+  a.lr = lr;
+  a.beta1 = cfg.beta1;
+  a.beta2 = cfg.beta2;
+  a.eps = cfg.eps;
+  a.step = step;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    a.weight_decay = (params_[i].matrix || cfg.decay == "all") ? cfg.weight_decay : 0.0;
+    cpu::adamw_step(params_[i].value, params_[i].grad, m_[i], v_[i], a);
+  }
+}
+
+Tensor AdamW::moment(const Tensor& value, const std::vector<Tensor>& which) const {
+  const char* p = static_cast<const char*>(value.data);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const char* base = static_cast<const char*>(params_[i].value.data);
+    if (p >= base && p + value.nbytes() <= base + params_[i].value.nbytes())
+      return Tensor(static_cast<char*>(which[i].data) + (p - base), value.shape, value.dtype, value.device);
+  }
+  MT_FAIL() << "tensor " << value.str() << " is not part of any parameter block";
+  return Tensor();
+}
+
+}  // namespace mt
