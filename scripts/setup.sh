@@ -13,6 +13,7 @@ packages=(
   nlohmann-json3-dev         # config.json, safetensors headers, metrics
   libtomlplusplus-dev        # training configs
   libzstd-dev libpcre2-dev libutf8proc-dev  # corpus reading and the tokenizer
+  bible-kjv zstd             # the demo corpus (data/make_kjv_corpus.py): KJV text, compressed
   python3 python3-numpy      # fixtures and tools inspect .npy files
 )
 

@@ -37,17 +37,17 @@ const Command kCommands[] = {
      "usage: moetrain encode --tokenizer tokenizer.json [--text STR]\n"
      "  Encodes STR, or all of standard input when --text is absent, as Hugging Face\n"
      "  tokenizers would, and prints the ids as one JSON array.\n",
-     nullptr, "the byte-level BPE tokenizer"},
+     mt::cli::run_encode, "the byte-level BPE tokenizer"},
     {"tokenize", "turn JSONL(.zst) files into packed token files",
      "usage: moetrain tokenize --tokenizer FILE --input PATH... --output DIR [--workers N]\n"
      "                         [--field text] [--strict]\n"
      "  Writes one .bin per input file: the tokens, then uint64 cumulative document ends,\n"
      "  as two consecutive .npy arrays. Reruns redo only unfinished files.\n",
-     nullptr, "the tokenizer and corpus builder"},
+     mt::cli::run_tokenize, "the tokenizer and corpus builder"},
     {"export-hf", "write a checkpoint as a Hugging Face model folder",
      "usage: moetrain export-hf --checkpoint DIR --output DIR [--dtype bf16|fp32]\n"
      "                          [--max-shard-size 5GB]\n",
-     nullptr, "checkpoints and the Hugging Face exporter"},
+     mt::cli::run_export_hf, nullptr},
     {"plan", "print memory per rank and the mesh for a config, before launch",
      "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n", nullptr,
      "the model, the trainer and the device mesh"},

@@ -1,0 +1,34 @@
+// moetrain encode: the ids of a text, as one JSON array on stdout.
+#include <cstdio>
+#include <iostream>
+#include <iterator>
+#include <string>
+
+#include "cli/commands.h"
+#include "data/tokenizer.h"
+
+namespace mt::cli {
+
+int run_encode(const Args& args) {
+  Options opt("encode", args, {"tokenizer", "text"});
+  data::Tokenizer tok(opt.required("tokenizer"));
+  std::string text;
+  if (opt.has("text")) {
+    text = opt.get("text");
+  } else {
+    // Standard input byte for byte: no newline is added or removed.
+    std::cin >> std::noskipws;
+    text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+  }
+  std::vector<int32_t> ids = tok.encode(text);
+  std::string out = "[";
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(ids[i]);
+  }
+  out += "]\n";
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return 0;
+}
+
+}  // namespace mt::cli

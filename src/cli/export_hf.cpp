@@ -1,0 +1,115 @@
+// moetrain export-hf: a checkpoint as a Hugging Face model folder that transformers
+// and vLLM load as it is.
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/check.h"
+#include "core/dtype.h"
+#include "io/file.h"
+#include "io/safetensors.h"
+
+namespace mt::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// "5GB", "500MB", "64KB", "1000": decimal units, as transformers reads them.
+int64_t parse_size(const std::string& s) {
+  size_t digits = s.find_first_not_of("0123456789");
+  MT_CHECK(digits != 0) << "--max-shard-size should look like 5GB, 500MB or a byte count, got '" << s << "'";
+  int64_t n = std::stoll(s.substr(0, digits));
+  std::string unit = digits == std::string::npos ? "" : s.substr(digits);
+  if (unit.empty() || unit == "B") return n;
+  if (unit == "KB") return n * 1000;
+  if (unit == "MB") return n * 1000 * 1000;
+  if (unit == "GB") return n * 1000 * 1000 * 1000;
+  MT_FAIL() << "--max-shard-size unit '" << unit << "' is not one of B, KB, MB, GB";
+  return 0;
+}
+
+}  // namespace
+
+int run_export_hf(const Args& args) {
+  Options o("export-hf", args, {"checkpoint", "output", "dtype", "max-shard-size"});
+  const fs::path ckpt = o.required("checkpoint"), out = o.required("output");
+  const std::string dtype = o.get("dtype", "bf16");
+  MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
+  const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
+  MT_CHECK(fs::exists(ckpt / "COMPLETE")) << ckpt.string() << " is not a complete checkpoint (no COMPLETE marker)";
+
+  io::SafetensorsFile weights((ckpt / "model.safetensors").string());
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  MT_CHECK(!ec && fs::is_directory(out)) << "cannot create the output folder " << out.string() << ": " << ec.message();
+
+  // Convert every tensor, then cut the list into shards of at most max_shard bytes.
+  const bool bf16 = dtype == "bf16";
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<io::StWrite> all;
+  for (const io::StTensor& t : weights.tensors()) {
+    std::vector<float> f(static_cast<size_t>(t.numel()));
+    weights.read_f32(t, f.data());
+    std::vector<uint8_t> bytes(f.size() * (bf16 ? 2 : 4));
+    if (bf16) {
+      for (size_t i = 0; i < f.size(); ++i) {
+        uint16_t b = bf16_from_f32(f[i]);
+        std::memcpy(bytes.data() + 2 * i, &b, 2);
+      }
+    } else {
+      std::memcpy(bytes.data(), f.data(), bytes.size());
+    }
+    data.push_back(std::move(bytes));
+    all.push_back({t.name, bf16 ? "BF16" : "F32", t.shape, data.back().data()});
+  }
+  std::vector<std::vector<io::StWrite>> shards(1);
+  int64_t in_shard = 0, total = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    int64_t bytes = static_cast<int64_t>(data[i].size());
+    if (in_shard > 0 && in_shard + bytes > max_shard) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(all[i]);
+    in_shard += bytes;
+    total += bytes;
+  }
+  nlohmann::json index;
+  index["metadata"]["total_size"] = total;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
+    std::string file = shards.size() == 1 ? "model.safetensors" : name;
+    io::write_safetensors((out / file).string(), shards[s], {{"format", "pt"}});
+    for (const io::StWrite& w : shards[s]) index["weight_map"][w.name] = file;
+  }
+  if (shards.size() > 1) io::write_file_atomic((out / "model.safetensors.index.json").string(), {index.dump(2)});
+
+  std::vector<uint8_t> cb = io::read_file((ckpt / "config.json").string());
+  nlohmann::json config = nlohmann::json::parse(cb.begin(), cb.end(), nullptr, false);
+  MT_CHECK(!config.is_discarded() && config.is_object()) << (ckpt / "config.json").string() << ": not a JSON object";
+  const char* torch_dtype = bf16 ? "bfloat16" : "float32";
+  if (config.contains("dtype")) config["dtype"] = torch_dtype;
+  if (config.contains("torch_dtype") || !config.contains("dtype")) config["torch_dtype"] = torch_dtype;
+  io::write_file_atomic((out / "config.json").string(), {config.dump(2) + "\n"});
+  int copied = 0;
+  for (const auto& e : fs::directory_iterator(ckpt)) {
+    std::string n = e.path().filename().string();
+    bool tokenizer = n.starts_with("tokenizer") || n == "special_tokens_map.json" || n == "vocab.json" ||
+                     n == "merges.txt" || n == "added_tokens.json" || n == "chat_template.jinja" ||
+                     n == "generation_config.json";
+    if (!tokenizer) continue;
+    std::vector<uint8_t> b = io::read_file(e.path().string());
+    io::write_file_atomic((out / n).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
+    ++copied;
+  }
+  std::printf("exported %zu tensors (%s, %zu shard%s, %lld bytes) and %d tokenizer file%s to %s\n", all.size(),
+              dtype.c_str(), shards.size(), shards.size() == 1 ? "" : "s", static_cast<long long>(total), copied,
+              copied == 1 ? "" : "s", out.string().c_str());
+  return 0;
+}
+
+}  // namespace mt::cli

@@ -1,0 +1,165 @@
+#include "data/dataset.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "core/check.h"
+#include "core/rng.h"
+#include "io/npy.h"
+
+namespace mt::data {
+namespace fs = std::filesystem;
+
+namespace {
+
+// A bijection of [0, 2^(2*half_bits)): a 6-round Feistel network whose round
+// function is Philox keyed by the seed, with the epoch and round in the counter.
+uint64_t feistel(uint64_t x, int half_bits, uint64_t seed, uint64_t epoch) {
+  uint64_t mask = (uint64_t{1} << half_bits) - 1;
+  uint64_t left = x >> half_bits, right = x & mask;
+  std::array<uint32_t, 2> key{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  for (uint32_t round = 0; round < 6; ++round) {
+    std::array<uint32_t, 4> ctr{static_cast<uint32_t>(right), static_cast<uint32_t>(right >> 32), round,
+                                static_cast<uint32_t>(epoch) ^ static_cast<uint32_t>(epoch >> 32) * 0x9E3779B9u};
+    std::array<uint32_t, 4> r = philox4x32_10(ctr, key);
+    uint64_t f = (static_cast<uint64_t>(r[1]) << 32 | r[0]) & mask;
+    uint64_t next = left ^ f;
+    left = right;
+    right = next;
+  }
+  return (left << half_bits) | right;
+}
+
+}  // namespace
+
+Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed) : seq_len_(seq_len), seed_(seed) {
+  MT_CHECK(seq_len >= 1) << "dataset " << folder << ": seq_len must be at least 1, got " << seq_len;
+  MT_CHECK(fs::is_directory(folder)) << "dataset " << folder
+                                     << " is not a folder (expected the output of moetrain tokenize)";
+  std::vector<fs::path> bins;
+  for (const auto& e : fs::recursive_directory_iterator(folder))
+    if (e.is_regular_file() && e.path().extension() == ".bin") bins.push_back(e.path());
+  std::sort(bins.begin(), bins.end());
+  MT_CHECK(!bins.empty()) << "dataset " << folder << " holds no .bin token files (run moetrain tokenize first)";
+
+  starts_.push_back(0);
+  for (const fs::path& p : bins) {
+    File f;
+    f.path = p.string();
+    MT_CHECK(!fs::exists(f.path + ".lock"))
+        << f.path << " is unfinished (" << f.path << ".lock is there); rerun moetrain tokenize to complete it";
+    int fd = ::open(f.path.c_str(), O_RDONLY);
+    MT_CHECK(fd >= 0) << "cannot open " << f.path << ": " << std::strerror(errno);
+    struct stat st {};
+    ::fstat(fd, &st);
+    f.size = static_cast<size_t>(st.st_size);
+    void* m = f.size ? ::mmap(nullptr, f.size, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+    int err = errno;
+    ::close(fd);
+    MT_CHECK(m != MAP_FAILED) << "cannot map " << f.path << " (" << f.size << " bytes): " << std::strerror(err);
+    f.base = static_cast<const uint8_t*>(m);
+    files_.push_back(f);  // owned from here on, so the destructor unmaps it on any error below
+    File& g = files_.back();
+
+    io::NpyHeader h = io::parse_npy_header(g.base, g.size, g.path + ", tokens array");
+    MT_CHECK(h.shape.size() == 1 && (h.descr == "|u1" || h.descr == "<u2" || h.descr == "<u4"))
+        << g.path << ": tokens array has dtype '" << h.descr << "' and " << h.shape.size()
+        << " dimensions (expected a 1-D uint8, uint16 or uint32 array)";
+    g.tokens = g.base + h.header_bytes;
+    g.width = h.item_bytes;
+    g.count = h.shape[0];
+    size_t off = h.header_bytes + h.data_bytes();
+    io::NpyHeader e = io::parse_npy_header(g.base + off, g.size - off, g.path + ", document ends array");
+    MT_CHECK(e.shape.size() == 1 && e.descr == "<u8")
+        << g.path << ": document ends array has dtype '" << e.descr << "' (expected 1-D uint64)";
+    uint64_t last = 0;
+    if (e.shape[0] > 0) std::memcpy(&last, g.base + off + e.header_bytes + (e.shape[0] - 1) * 8, 8);
+    MT_CHECK(last == static_cast<uint64_t>(g.count))
+        << g.path << ": the last document ends at " << last << " but the file holds " << g.count << " tokens";
+    num_tokens_ += g.count;
+    starts_.push_back(starts_.back() + g.count / (seq_len + 1));
+  }
+  MT_CHECK(num_samples() > 0) << "dataset " << folder
+                              << ": no file holds a whole sample of seq_len + 1 = " << seq_len + 1 << " tokens ("
+                              << num_tokens_ << " tokens in " << files_.size() << " files)";
+}
+
+Dataset::~Dataset() {
+  for (const File& f : files_) ::munmap(const_cast<uint8_t*>(f.base), f.size);
+}
+
+int64_t Dataset::sample_at(uint64_t position) const {
+  uint64_t n = static_cast<uint64_t>(num_samples());
+  uint64_t epoch = position / n, x = position % n;
+  // The smallest even-bit power of two >= n; walking the cycle (re-applying until
+  // the value lands below n) keeps the bijection on [0, n).
+  int half_bits = 1;
+  while (half_bits < 32 && (uint64_t{1} << (2 * half_bits)) < n) ++half_bits;
+  do x = feistel(x, half_bits, seed_, epoch);
+  while (x >= n);
+  return static_cast<int64_t>(x);
+}
+
+void Dataset::read_sample(int64_t index, int64_t begin, int64_t end, int32_t* out) const {
+  MT_CHECK(index >= 0 && index < num_samples() && begin >= 0 && begin <= end && end <= seq_len_ + 1)
+      << "sample " << index << " tokens [" << begin << ", " << end << ") (samples: " << num_samples()
+      << ", tokens per sample: " << seq_len_ + 1 << ")";
+  size_t f = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), index) - starts_.begin() - 1);
+  const File& file = files_[f];
+  int64_t first = (index - starts_[f]) * (seq_len_ + 1) + begin;
+  const uint8_t* p = file.tokens + first * static_cast<int64_t>(file.width);
+  for (int64_t i = 0; i < end - begin; ++i) {
+    uint32_t v = 0;
+    std::memcpy(&v, p + i * static_cast<int64_t>(file.width), file.width);
+    out[i] = static_cast<int32_t>(v);
+  }
+}
+
+std::vector<int64_t> Dataset::positions(int cp_rank, int cp_size) const {
+  MT_CHECK(cp_size >= 1 && cp_rank >= 0 && cp_rank < cp_size) << "cp rank " << cp_rank << " of " << cp_size;
+  MT_CHECK(seq_len_ % (2 * cp_size) == 0 || cp_size == 1)
+      << "seq_len " << seq_len_ << " must be a multiple of 2 * cp = " << 2 * cp_size << " for the zigzag split";
+  std::vector<int64_t> pos;
+  if (cp_size == 1) {
+    for (int64_t t = 0; t < seq_len_; ++t) pos.push_back(t);
+    return pos;
+  }
+  int64_t chunk = seq_len_ / (2 * cp_size);
+  for (int64_t c : {int64_t{cp_rank}, int64_t{2 * cp_size - 1 - cp_rank}})
+    for (int64_t t = 0; t < chunk; ++t) pos.push_back(c * chunk + t);
+  return pos;
+}
+
+void Dataset::next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int64_t micro_batch,
+                         std::span<int32_t> ids, std::span<int32_t> labels) {
+  MT_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size && micro_batch >= 1)
+      << "dp rank " << dp_rank << " of " << dp_size << ", micro_batch " << micro_batch;
+  std::vector<int64_t> pos = positions(cp_rank, cp_size);
+  int64_t cols = static_cast<int64_t>(pos.size());
+  MT_CHECK(static_cast<int64_t>(ids.size()) == micro_batch * cols && labels.size() == ids.size())
+      << "next_batch: ids and labels must hold micro_batch * seq_len / cp = " << micro_batch * cols << " each, got "
+      << ids.size() << " and " << labels.size();
+  // Whole chunks are contiguous in the sample: read each with the one token after it,
+  // which is the chunk's last label.
+  int64_t chunk = cp_size == 1 ? seq_len_ : seq_len_ / (2 * cp_size);
+  std::vector<int32_t> buf(static_cast<size_t>(chunk + 1));
+  for (int64_t b = 0; b < micro_batch; ++b) {
+    int64_t sample = sample_at(cursor_.samples_seen + static_cast<uint64_t>(dp_rank * micro_batch + b));
+    for (int64_t c = 0; c < cols; c += chunk) {
+      read_sample(sample, pos[static_cast<size_t>(c)], pos[static_cast<size_t>(c)] + chunk + 1, buf.data());
+      std::copy(buf.begin(), buf.end() - 1, ids.begin() + b * cols + c);
+      std::copy(buf.begin() + 1, buf.end(), labels.begin() + b * cols + c);
+    }
+  }
+  cursor_.samples_seen += static_cast<uint64_t>(dp_size * micro_batch);
+}
+
+}  // namespace mt::data

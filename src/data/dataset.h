@@ -1,0 +1,97 @@
+// Training samples from a folder of token files (the .bin files `moetrain tokenize`
+// writes, see corpus.h), memory-mapped and read in place.
+//
+// Samples: each file is cut into non-overlapping windows of seq_len + 1 tokens
+// (documents are packed; a window may span several, and the tail of a file shorter
+// than a window is not used). A window gives seq_len inputs, tokens[0..seq_len),
+// and seq_len labels, tokens[1..seq_len]. Windows of all files, taken in sorted
+// path order, are numbered 0..num_samples()-1.
+//
+// Order: epoch e visits every sample once, in a permutation fixed by (seed, e)
+// alone: a keyed Feistel network over the sample indices, so nothing of size
+// num_samples is stored and any position is computed directly. The global order is
+// therefore the same whatever the number of ranks.
+//
+// Batches: every rank calls next_batch() once per micro-batch with the same dp_size
+// and micro_batch. The call takes the next dp_size * micro_batch positions of the
+// global order; data-parallel rank d gets positions [d * micro_batch, (d + 1) *
+// micro_batch) of those, and every rank advances its cursor by dp_size *
+// micro_batch. A global batch of B samples is then the same B samples for any
+// split into dp ranks and micro-batches (as long as B = dp * micro * n_micro).
+//
+// Context parallelism: each sequence is cut into 2 * cp_size chunks of seq_len /
+// (2 * cp_size) positions; cp rank r holds chunks r and 2 * cp_size - 1 - r (the
+// zigzag that balances causal attention), and reads only those tokens. Its rows
+// are [chunk r | chunk 2cp-1-r], inputs and labels alike; positions() gives the
+// sequence position of each column, for RoPE.
+//
+//   mt::data::Dataset ds("corpus/", seq_len, seed);
+//   ds.set_cursor(saved);                                  // on resume
+//   std::vector<int32_t> ids(micro * seq_len / cp), labels(ids.size());
+//   ds.next_batch(dp_rank, dp, cp_rank, cp, micro, ids, labels);
+//   saved = ds.cursor();                                   // into train_state.json
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace mt::data {
+
+// Where the sample order stands: global samples consumed so far, by all ranks
+// together. Resuming from it continues with the next unseen sample; it is the
+// same number on every rank. The order depends on the corpus (its sample count),
+// so resuming on a changed corpus folder continues in a different order.
+struct DataCursor {
+  uint64_t samples_seen = 0;
+};
+
+class Dataset {
+ public:
+  // Maps every .bin under `folder` (recursively). Errors: no .bin files, a file
+  // left unfinished by tokenize (its .lock is there), a malformed file, or fewer
+  // tokens than one sample.
+  Dataset(const std::string& folder, int64_t seq_len, uint64_t seed);
+  ~Dataset();
+  Dataset(const Dataset&) = delete;
+  Dataset& operator=(const Dataset&) = delete;
+
+  int64_t seq_len() const { return seq_len_; }
+  int64_t num_samples() const { return starts_.back(); }
+  int64_t num_tokens() const { return num_tokens_; }
+  int64_t num_files() const { return static_cast<int64_t>(files_.size()); }
+
+  // Fills ids and labels, each [micro_batch, seq_len / cp_size] row-major, with this
+  // rank's share of the next dp_size * micro_batch samples and advances the cursor.
+  void next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int64_t micro_batch, std::span<int32_t> ids,
+                  std::span<int32_t> labels);
+
+  // The sample at `position` of the global order (epoch position / num_samples()).
+  int64_t sample_at(uint64_t position) const;
+  // Tokens [begin, end) of sample `index` (0 <= begin <= end <= seq_len + 1).
+  void read_sample(int64_t index, int64_t begin, int64_t end, int32_t* out) const;
+  // The sequence positions of cp rank cp_rank's columns, [seq_len / cp_size].
+  std::vector<int64_t> positions(int cp_rank, int cp_size) const;
+
+  DataCursor cursor() const { return cursor_; }
+  void set_cursor(DataCursor c) { cursor_ = c; }
+
+ private:
+  struct File {
+    std::string path;
+    const uint8_t* base = nullptr;  // the whole mapped file
+    size_t size = 0;
+    const uint8_t* tokens = nullptr;
+    size_t width = 0;  // bytes per token: 1, 2 or 4
+    int64_t count = 0;
+  };
+  std::vector<File> files_;
+  std::vector<int64_t> starts_;  // starts_[f]: first sample of file f; back() = total
+  int64_t seq_len_;
+  uint64_t seed_;
+  int64_t num_tokens_ = 0;
+  DataCursor cursor_;
+};
+
+}  // namespace mt::data

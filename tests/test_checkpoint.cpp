@@ -1,0 +1,375 @@
+// Checkpoints: exact resume (in the library and across a SIGTERM or a crash in the
+// middle of a save), malformed input, and the Hugging Face export.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "io/file.h"
+#include "io/safetensors.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace mt {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTURES) + "/" + name; }
+
+std::string temp_dir(const std::string& name) {
+  std::string d = ::testing::TempDir() + "/moetrain_ckpt_" + name;
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// A run with state worth restoring: warmup and cosine decay (the step count matters),
+// weight decay, micro-batches, the load-balance loss, clipping.
+Config resume_config(const std::string& dump, int64_t steps) {
+  Config c;
+  c.model.init = "hf:" + fixture("qwen3_moe_a");
+  c.data.tokens = fixture("qwen3_moe_a/tokens.npy");
+  c.job.dump_folder = dump;
+  c.training.steps = steps;
+  c.training.micro_batch_size = 1;
+  c.training.load_balance_coef = 0.01;
+  c.training.clip_grad_norm = 0.5;
+  c.optimizer.lr = 2e-3;
+  c.optimizer.weight_decay = 0.1;
+  c.lr_scheduler.warmup_steps = 2;
+  c.lr_scheduler.decay = "cosine";
+  return c;
+}
+
+std::vector<float> all_weights(Model& m) {
+  std::vector<float> out;
+  for (const HfTensor& t : m.hf_tensors()) out.insert(out.end(), t.value.f32(), t.value.f32() + t.value.numel());
+  return out;
+}
+
+TEST(Checkpoint, ResumeIsBitwiseExact) {
+  const int64_t n = 4;
+  std::string dump = temp_dir("resume");
+  Config straight_cfg = resume_config(dump, 2 * n);
+  std::unique_ptr<Model> straight = make_model(fixture("qwen3_moe_a/config.json"));
+  load_hf(*straight, fixture("qwen3_moe_a"));
+  Trainer a(straight_cfg, *straight, read_token_batch(straight_cfg.data.tokens, straight->vocab_size()));
+  std::vector<StepResult> want;
+  for (int64_t i = 0; i < 2 * n; ++i) want.push_back(a.step());
+
+  std::unique_ptr<Model> first = make_model(fixture("qwen3_moe_a/config.json"));
+  load_hf(*first, fixture("qwen3_moe_a"));
+  Trainer b(straight_cfg, *first, read_token_batch(straight_cfg.data.tokens, first->vocab_size()));
+  for (int64_t i = 0; i < n; ++i) b.step();
+  TrainState st;
+  st.step = b.steps_done();
+  std::string dir = save_checkpoint(dump + "/checkpoints", *first, b.optimizer(), st,
+                                    fixture("qwen3_moe_a/config.json"), 2);
+  EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), dir);
+
+  // A fresh process's view: a new model with other weights, then the checkpoint.
+  std::unique_ptr<Model> second = make_model(fixture("qwen3_moe_a/config.json"));
+  init_random(*second, 0.02, 99);
+  Trainer c(straight_cfg, *second, read_token_batch(straight_cfg.data.tokens, second->vocab_size()));
+  TrainState back = load_checkpoint(dir, *second, &c.optimizer());
+  EXPECT_EQ(back.step, n);
+  c.set_steps_done(back.step);
+  for (int64_t i = n; i < 2 * n; ++i) {
+    StepResult r = c.step();
+    EXPECT_EQ(r.loss, want[i].loss) << "step " << i + 1;
+    EXPECT_EQ(r.grad_norm, want[i].grad_norm) << "step " << i + 1;
+    EXPECT_EQ(r.lr, want[i].lr) << "step " << i + 1;
+  }
+  EXPECT_EQ(all_weights(*second), all_weights(*straight));
+}
+
+TEST(Checkpoint, KeepsTheNewestCompleteOnes) {
+  std::string dump = temp_dir("keep");
+  std::unique_ptr<Model> m = make_model(fixture("qwen3_moe_b/config.json"));
+  load_hf(*m, fixture("qwen3_moe_b"));
+  AdamW opt(m->params());
+  for (int64_t s : {1, 2, 3, 4}) {
+    TrainState st;
+    st.step = s;
+    save_checkpoint(dump, *m, opt, st, fixture("qwen3_moe_b/config.json"), 2);
+  }
+  // A crash after the rename but before the marker: that folder does not count.
+  fs::create_directories(dump + "/step-00000009");
+  EXPECT_FALSE(fs::exists(dump + "/step-00000001"));
+  EXPECT_FALSE(fs::exists(dump + "/step-00000002"));
+  EXPECT_TRUE(fs::exists(dump + "/step-00000003/COMPLETE"));
+  EXPECT_EQ(latest_checkpoint(dump), dump + "/step-00000004");
+}
+
+// ---- malformed input ---------------------------------------------------------------
+
+class BrokenCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dump_ = temp_dir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    model_ = make_model(fixture("qwen3_moe_a/config.json"));
+    load_hf(*model_, fixture("qwen3_moe_a"));
+    opt_ = std::make_unique<AdamW>(model_->params());
+    TrainState st;
+    st.step = 3;
+    dir_ = save_checkpoint(dump_, *model_, *opt_, st, fixture("qwen3_moe_a/config.json"), 1);
+  }
+  // Rewrites model.safetensors through `edit` (which may drop, add or reshape keys).
+  void rewrite(const std::function<void(std::vector<io::StWrite>&)>& edit) {
+    io::SafetensorsFile f(dir_ + "/model.safetensors");
+    std::vector<std::vector<float>> keep;
+    std::vector<io::StWrite> w;
+    keep.reserve(f.tensors().size() + 1);
+    for (const io::StTensor& t : f.tensors()) {
+      keep.emplace_back(static_cast<size_t>(t.numel()));
+      f.read_f32(t, keep.back().data());
+      w.push_back(io::st_f32(t.name, t.shape, keep.back().data()));
+    }
+    edit(w);
+    io::write_safetensors(dir_ + "/model.safetensors.new", w);
+    fs::rename(dir_ + "/model.safetensors.new", dir_ + "/model.safetensors");
+  }
+  std::string load_error() {
+    return error_of([&] { load_checkpoint(dir_, *model_, opt_.get()); });
+  }
+  std::string dump_, dir_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<AdamW> opt_;
+};
+
+TEST_F(BrokenCheckpoint, MissingKey) {
+  rewrite([](std::vector<io::StWrite>& w) {
+    w.erase(std::find_if(w.begin(), w.end(), [](auto& x) { return x.name == "model.layers.1.mlp.up_proj.weight"; }));
+  });
+  std::string e = load_error();
+  EXPECT_NE(e.find("model.layers.1.mlp.up_proj.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find(dir_), std::string::npos) << e;
+}
+
+TEST_F(BrokenCheckpoint, ExtraKey) {
+  static float extra[3] = {1, 2, 3};
+  rewrite([](std::vector<io::StWrite>& w) { w.push_back(io::st_f32("model.layers.9.bogus.weight", {3}, extra)); });
+  std::string e = load_error();
+  EXPECT_NE(e.find("model.layers.9.bogus.weight is not a parameter of this model"), std::string::npos) << e;
+}
+
+TEST_F(BrokenCheckpoint, AnotherModelConfig) {
+  std::unique_ptr<Model> other = make_model(fixture("qwen3_moe_b/config.json"));
+  std::string e = error_of([&] { load_checkpoint(dir_, *other, nullptr); });
+  // The first tensor both models have, with both shapes.
+  EXPECT_NE(e.find("model.embed_tokens.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("[96,32]"), std::string::npos) << e;
+  EXPECT_NE(e.find("[80,24]"), std::string::npos) << e;
+}
+
+TEST_F(BrokenCheckpoint, TruncatedFile) {
+  fs::resize_file(dir_ + "/optimizer.safetensors", fs::file_size(dir_ + "/optimizer.safetensors") - 100);
+  std::string e = load_error();
+  EXPECT_NE(e.find("optimizer.safetensors"), std::string::npos) << e;
+}
+
+TEST_F(BrokenCheckpoint, HeaderLiesAboutOffsets) {
+  // Grow the first tensor's end offset in the JSON header by one element.
+  std::vector<uint8_t> b = io::read_file(dir_ + "/model.safetensors");
+  uint64_t n;
+  std::memcpy(&n, b.data(), 8);
+  std::string header(reinterpret_cast<char*>(b.data()) + 8, n);
+  size_t at = header.find("\"data_offsets\":[0,");
+  ASSERT_NE(at, std::string::npos) << header.substr(0, 200);
+  size_t num = at + 18, end = header.find(']', num);
+  std::string bigger = std::to_string(std::stoll(header.substr(num, end - num)) + 4);
+  std::string lie = header.substr(0, num) + bigger + header.substr(end);
+  lie.resize(n, ' ');  // same header length, so only the offsets lie
+  std::memcpy(b.data() + 8, lie.data(), n);
+  io::write_file_atomic(dir_ + "/model.safetensors", {std::string_view(reinterpret_cast<char*>(b.data()), b.size())});
+  std::string e = load_error();
+  EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
+}
+
+TEST_F(BrokenCheckpoint, IncompleteIsRefused) {
+  fs::remove(dir_ + "/COMPLETE");
+  EXPECT_NE(load_error().find("is not a complete checkpoint"), std::string::npos);
+  EXPECT_EQ(latest_checkpoint(dump_), "");
+}
+
+TEST_F(BrokenCheckpoint, UnwritableFolder) {
+  // A path through a regular file cannot be created, even by root.
+  std::ofstream(dump_ + "/plain_file") << "x";
+  TrainState st;
+  st.step = 4;
+  std::string e = error_of([&] {
+    save_checkpoint(dump_ + "/plain_file/checkpoints", *model_, *opt_, st, fixture("qwen3_moe_a/config.json"), 1);
+  });
+  EXPECT_NE(e.find("plain_file/checkpoints"), std::string::npos) << e;
+}
+
+// ---- the train and export-hf commands ------------------------------------------------
+
+std::pair<int, std::string> run(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t k;
+  while ((k = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, k);
+  int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+std::string train_cmd(const std::string& dump, int64_t steps, const std::string& extra = "") {
+  return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+         " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy") + " --training.micro_batch_size=1" +
+         " --training.load_balance_coef=0.01 --optimizer.lr=2e-3 --lr_scheduler.warmup_steps=3" +
+         " --lr_scheduler.decay=cosine --job.dump_folder=" + dump + " --training.steps=" + std::to_string(steps) +
+         " " + extra;
+}
+
+std::vector<std::string> metric_lines(const std::string& dump) {
+  std::ifstream in(dump + "/metrics.jsonl");
+  std::vector<std::string> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    // tokens_per_s and memory differ between runs; everything else must not.
+    nlohmann::json j = nlohmann::json::parse(line);
+    j.erase("tokens_per_s");
+    out.push_back(j.dump());
+  }
+  return out;
+}
+
+pid_t spawn(const std::string& cmd, const std::string& log) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::string full = "exec " + cmd + " > " + log + " 2>&1";
+    execl("/bin/sh", "sh", "-c", full.c_str(), nullptr);
+    _exit(127);
+  }
+  return pid;
+}
+
+bool wait_for(const std::function<bool()>& cond, double seconds) {
+  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+TEST(CheckpointCommands, SigtermSavesAndResumeIsExact) {
+  std::string dump = temp_dir("sigterm");
+  // A constant schedule after warmup: the cosine horizon depends on training.steps,
+  // which differs between the interrupted run and the reference.
+  const std::string constant = "--lr_scheduler.decay=constant";
+  pid_t pid = spawn(train_cmd(dump, 100000, constant), dump + "/log");
+  ASSERT_TRUE(wait_for([&] { return metric_lines(dump).size() >= 3; }, 60)) << "the run did not start";
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << io::read_file(dump + "/log").size();
+  std::string ckpt = latest_checkpoint(dump + "/checkpoints");
+  ASSERT_FALSE(ckpt.empty());
+  int64_t stopped = static_cast<int64_t>(metric_lines(dump).size());
+  EXPECT_EQ(ckpt, dump + "/checkpoints/step-" + std::string(8 - std::to_string(stopped).size(), '0') +
+                      std::to_string(stopped));
+  // Resume to stopped + 3 and compare with a straight run of as many steps.
+  auto [rc, out] = run(train_cmd(dump, stopped + 3, constant + " --checkpoint.interval=1000000"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+  std::string straight = temp_dir("sigterm_straight");
+  auto [rc2, out2] = run(train_cmd(straight, stopped + 3, constant + " --checkpoint.interval=1000000"));
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_EQ(metric_lines(dump), metric_lines(straight));
+  io::SafetensorsFile a(latest_checkpoint(dump + "/checkpoints") + "/model.safetensors");
+  io::SafetensorsFile b(latest_checkpoint(straight + "/checkpoints") + "/model.safetensors");
+  for (const io::StTensor& t : a.tensors()) {
+    auto x = a.bytes(t), y = b.bytes(*b.find(t.name));
+    ASSERT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << t.name;
+  }
+}
+
+TEST(CheckpointCommands, CrashInTheMiddleOfASaveResumesFromThePreviousOne) {
+  std::string dump = temp_dir("crash");
+  // Each file of a save is followed by a pause, so the kill lands inside the save.
+  pid_t pid = spawn("env MOETRAIN_CHECKPOINT_DELAY_MS=400 " + train_cmd(dump, 6, "--checkpoint.interval=2"),
+                    dump + "/log");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(dump + "/checkpoints/step-00000004.tmp/model.safetensors"); }, 60));
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), dump + "/checkpoints/step-00000002");
+  auto [rc, out] = run(train_cmd(dump, 6, "--checkpoint.interval=2"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("step-00000002 (step 2)"), std::string::npos) << out;
+  std::string straight = temp_dir("crash_straight");
+  auto [rc2, out2] = run(train_cmd(straight, 6));
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_EQ(metric_lines(dump), metric_lines(straight));
+  EXPECT_FALSE(fs::exists(dump + "/checkpoints/step-00000004.tmp"));
+}
+
+TEST(CheckpointCommands, ExportRoundTripsAndEvaluatesTheSame) {
+  std::string dump = temp_dir("export");
+  // Zero steps with checkpoints on saves the initial (imported) weights.
+  auto [rc, out] = run(train_cmd(dump, 0, "--checkpoint.interval=1"));
+  ASSERT_EQ(rc, 0) << out;
+  std::string ckpt = dump + "/checkpoints/step-00000000";
+  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + ckpt + " --output " + dump +
+                         "/hf32 --dtype fp32");
+  ASSERT_EQ(rc2, 0) << out2;
+  // The same tensors, byte for byte, as the model we imported.
+  io::HfWeights src(fixture("qwen3_moe_a")), exported(dump + "/hf32");
+  ASSERT_EQ(src.names(), exported.names());
+  for (const std::string& n : src.names()) {
+    auto x = src.bytes(n), y = exported.bytes(n);
+    ASSERT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << n;
+  }
+  auto eval = [&](const std::string& model) {
+    auto [code, text] = run(std::string(MOETRAIN_BIN) + " eval --model " + model + " --tokens " +
+                            fixture("qwen3_moe_a/tokens.npy"));
+    EXPECT_EQ(code, 0) << text;
+    return nlohmann::json::parse(text)["loss"].get<double>();
+  };
+  double a = eval(fixture("qwen3_moe_a")), b = eval(dump + "/hf32");
+  EXPECT_NEAR(a, b, 1e-6 * a);
+  // Sharded bf16: several files and an index that transformers reads; values are the
+  // fp32 weights rounded to bf16.
+  auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + ckpt + " --output " + dump +
+                         "/hf16 --max-shard-size 40KB");
+  ASSERT_EQ(rc3, 0) << out3;
+  std::vector<uint8_t> ib = io::read_file(dump + "/hf16/model.safetensors.index.json");
+  nlohmann::json index = nlohmann::json::parse(ib.begin(), ib.end());
+  std::set<std::string> files;
+  for (const auto& entry : index["weight_map"].items()) files.insert(entry.value().get<std::string>());
+  EXPECT_GE(files.size(), 2u);
+  EXPECT_EQ(*files.begin(), "model-00001-of-0000" + std::to_string(files.size()) + ".safetensors");
+  io::HfWeights half(dump + "/hf16");
+  ASSERT_EQ(half.names(), src.names());
+  std::vector<uint8_t> cfg = io::read_file(dump + "/hf16/config.json");
+  EXPECT_EQ(nlohmann::json::parse(cfg.begin(), cfg.end())["dtype"], "bfloat16");
+  for (const std::string& n : {std::string("model.embed_tokens.weight"), std::string("lm_head.weight")}) {
+    std::vector<int64_t> shape = src.shape(n);
+    std::vector<float> f(static_cast<size_t>(shape[0] * shape[1])), h(f.size());
+    src.read_f32(n, shape, f.data());
+    half.read_f32(n, shape, h.data());
+    for (size_t i = 0; i < f.size(); ++i) ASSERT_EQ(h[i], f32_from_bf16(bf16_from_f32(f[i]))) << n << " " << i;
+  }
+}
+
+}  // namespace
+}  // namespace mt

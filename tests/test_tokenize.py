@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""`moetrain tokenize` from outside: the .bin files read back with numpy, a run
+killed part-way and resumed, malformed lines reported.
+
+- numpy: documents are the Hugging Face fixture texts (tests/fixtures/tokenizers/
+  qwen_kjv.cases.json), so the expected tokens are Hugging Face's ids plus the
+  end-of-document token; `np.load` twice on one open file must give the tokens
+  (uint16 for a 4,096-id vocabulary) and the uint64 cumulative document ends.
+- kill: a run over many files with one worker is SIGKILLed once its first file is
+  complete and the second under way; the rerun must redo only the unfinished files
+  and give files byte-identical to an uninterrupted run (with two workers).
+- malformed lines: reported with file and line, counted, skipped; fatal with --strict.
+
+Run: test_tokenize.py MOETRAIN_BINARY
+"""
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+try:
+    import numpy as np
+except ImportError:  # the issue's test set-up: numpy from PyPI when no Debian one is found
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "numpy"], check=True)
+    import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOKENIZER = os.path.join(HERE, "..", "data", "tokenizer.json")
+EOS = 0  # <|endoftext|> in data/tokenizer.json
+
+failures = []
+passed = 0
+
+
+def check(ok, what):
+    global passed
+    if ok:
+        passed += 1
+    else:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+def tokenize(binary, inputs, out, *extra):
+    return subprocess.run([binary, "tokenize", "--tokenizer", TOKENIZER, "--input", *inputs, "--output", out, *extra],
+                          capture_output=True, text=True)
+
+
+def read_bin(path):
+    with open(path, "rb") as f:
+        tokens = np.load(f)
+        ends = np.load(f)
+        rest = f.read()
+    return tokens, ends, rest
+
+
+def test_numpy(binary, tmp):
+    with open(os.path.join(HERE, "fixtures", "tokenizers", "qwen_kjv.cases.json"), encoding="utf-8") as f:
+        cases = json.load(f)["cases"]
+    src = os.path.join(tmp, "src")
+    os.makedirs(os.path.join(src, "more"))
+    files = {"one.jsonl": cases, "more/two.jsonl": cases[::-1] + cases[:3]}
+    for name, docs in files.items():
+        with open(os.path.join(src, name), "w", encoding="utf-8") as f:
+            for d in docs:
+                f.write(json.dumps({"text": d["text"], "meta": d["name"]}) + "\n")
+    out = os.path.join(tmp, "out")
+    r = tokenize(binary, [src], out)
+    check(r.returncode == 0, f"tokenize exit {r.returncode}: {r.stderr}")
+    summary = json.loads(r.stdout)
+    check(summary["documents"] == sum(len(d) for d in files.values()) and summary["malformed"] == 0,
+          f"summary {summary}")
+    for name, docs in files.items():
+        tokens, ends, rest = read_bin(os.path.join(out, name.replace(".jsonl", ".bin")))
+        want = [i for d in docs for i in d["ids"] + [EOS]]
+        check(tokens.dtype == np.uint16 and tokens.ndim == 1, f"{name}: tokens dtype {tokens.dtype}")
+        check(ends.dtype == np.uint64 and ends.ndim == 1, f"{name}: ends dtype {ends.dtype}")
+        check(tokens.tolist() == want, f"{name}: tokens differ from Hugging Face's ids")
+        check(ends.tolist() == np.cumsum([len(d["ids"]) + 1 for d in docs]).tolist(), f"{name}: document ends")
+        check(all(tokens[e - 1] == EOS for e in ends), f"{name}: a document does not end with EOS")
+        check(rest == b"", f"{name}: {len(rest)} bytes after the second array")
+
+
+def make_many_files(src, count):
+    """Files of different sizes, words drawn at random so that the tokenizer's word
+    cache does not make the run too quick to interrupt."""
+    rng = random.Random(5)
+    letters = "abcdefghijklmnopqrstuvwxyzéü"
+    pool = ["".join(rng.choices(letters, k=rng.randint(2, 12))) for _ in range(50000)]
+    for i in range(count):
+        docs = []
+        for _ in range(20 + 2 * i):
+            docs.append(json.dumps({"text": " ".join(rng.choices(pool, k=rng.randint(50, 200)))}))
+        with open(os.path.join(src, f"part-{i:03d}.jsonl"), "w", encoding="utf-8") as f:
+            f.write("\n".join(docs) + "\n")
+
+
+def children_of(pid):
+    kids = set()
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(task) as f:
+                kids.update(int(k) for k in f.read().split())
+        except OSError:
+            pass
+    return kids
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kill_and_resume(binary, tmp):
+    src = os.path.join(tmp, "many")
+    os.makedirs(src)
+    n = 40
+    make_many_files(src, n)
+    ref = os.path.join(tmp, "ref")
+    r = tokenize(binary, [src], ref, "--workers", "2")
+    check(r.returncode == 0, f"reference run exit {r.returncode}: {r.stderr}")
+
+    out = os.path.join(tmp, "killed")
+    p = subprocess.Popen([binary, "tokenize", "--tokenizer", TOKENIZER, "--input", src, "--output", out,
+                          "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Kill once the first file is complete and the next one is under way (its .lock
+    # is there): each file takes tens of milliseconds, the polling a few.
+    deadline = time.time() + 60
+    while p.poll() is None and time.time() < deadline:
+        bins = glob.glob(os.path.join(out, "*.bin"))
+        if any(not os.path.exists(b + ".lock") for b in bins) and glob.glob(os.path.join(out, "*.lock")):
+            break
+        time.sleep(0.002)
+    workers = children_of(p.pid)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    # The workers die with their parent (PR_SET_PDEATHSIG); wait until they have.
+    while any(alive(w) for w in workers):
+        time.sleep(0.01)
+    complete = [b for b in glob.glob(os.path.join(out, "*.bin")) if not os.path.exists(b + ".lock")]
+    locks = glob.glob(os.path.join(out, "*.lock"))
+    print(f"killed with {len(complete)} of {n} files complete, {len(locks)} in flight", flush=True)
+    check(p.returncode == -signal.SIGKILL, f"the run ended before it was killed (exit {p.returncode})")
+    check(1 <= len(complete) < n, f"killed part-way: {len(complete)} of {n} files complete")
+    check(len(locks) == 1, f"the file in flight keeps its .lock, found {len(locks)} locks")
+
+    r = tokenize(binary, [src], out, "--workers", "2")
+    check(r.returncode == 0, f"rerun exit {r.returncode}: {r.stderr}")
+    summary = json.loads(r.stdout or "{}")
+    check(summary.get("files_skipped") == len(complete), f"rerun skipped {summary.get('files_skipped')} files, "
+                                                         f"expected the {len(complete)} complete ones")
+    names = sorted(os.listdir(ref))
+    check(sorted(os.listdir(out)) == names and len(names) == n, f"output files differ: {sorted(os.listdir(out))}")
+    same = all(open(os.path.join(ref, x), "rb").read() == open(os.path.join(out, x), "rb").read() for x in names)
+    check(same, "resumed files are not byte-identical to the uninterrupted run")
+
+
+def test_malformed(binary, tmp):
+    path = os.path.join(tmp, "bad.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('{"text": "good"}\n{"text": broken}\n{"other": "x"}\n{"text": "fine", "n": 1}\n')
+    r = tokenize(binary, [path], os.path.join(tmp, "bad"))
+    check(r.returncode == 0, f"malformed lines must not stop the run: exit {r.returncode}: {r.stderr}")
+    check(f"{path}:2: not valid JSON" in r.stderr, f"line 2 not reported: {r.stderr}")
+    check(f'{path}:3: no string field "text"' in r.stderr, f"line 3 not reported: {r.stderr}")
+    check(json.loads(r.stdout)["malformed"] == 2, f"malformed count: {r.stdout}")
+    _, ends, _ = read_bin(os.path.join(tmp, "bad", "bad.bin"))
+    check(len(ends) == 2, f"two good documents, found {len(ends)}")
+
+    r = tokenize(binary, [path], os.path.join(tmp, "strict"), "--strict")
+    check(r.returncode == 1 and f"{path}:2: not valid JSON" in r.stderr and "--strict" in r.stderr,
+          f"--strict: exit {r.returncode}: {r.stderr}")
+    r = tokenize(binary, [path], os.path.join(tmp, "w"), "--workers", "two")
+    check(r.returncode == 1 and "--workers expects a count" in r.stderr, f"--workers two: {r.stderr}")
+    r = tokenize(binary, [path], os.path.join(tmp, "field"), "--field", "other")
+    check(r.returncode == 0 and json.loads(r.stdout)["documents"] == 1, f"--field other: {r.stdout} {r.stderr}")
+
+
+def main():
+    binary = os.path.abspath(sys.argv[1])
+    tmp = tempfile.mkdtemp(prefix="moetrain-test-tokenize-")
+    try:
+        for test in (test_numpy, test_kill_and_resume, test_malformed):
+            t0 = time.time()
+            before = len(failures)
+            test(binary, tmp)
+            print(f"{test.__name__}: {'ok' if len(failures) == before else 'FAILED'} ({time.time() - t0:.1f} s)",
+                  flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"tokenize: {passed} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
