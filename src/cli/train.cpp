@@ -66,10 +66,9 @@ int run_train(const Args& args) {
   Config cfg = load_config(o.get("config"), o.dotted());
   const std::string config_json = model_config_path(cfg);
   std::unique_ptr<Model> model = make_model(config_json);
-  MT_CHECK(cfg.data.corpus.empty()) << "data.corpus: training from a tokenized corpus is not wired into train yet; "
-                                       "use data.tokens";
-  MT_CHECK(!cfg.data.tokens.empty()) << "data.tokens is not set: give a .npy [B, T] token matrix";
-  TokenBatch data = read_token_batch(cfg.data.tokens, model->vocab_size());
+  MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
+      << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";
+  MT_CHECK(cfg.data.corpus.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus";
 
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
   std::error_code ec;
@@ -84,17 +83,23 @@ int run_train(const Args& args) {
     else
       load_hf(*model, cfg.model.init.substr(3));
   }
-  std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), %lld x %lld tokens per step\n",
+  std::unique_ptr<Trainer> made;
+  if (cfg.data.corpus.empty())
+    made = std::make_unique<Trainer>(cfg, *model, read_token_batch(cfg.data.tokens, model->vocab_size()));
+  else
+    made = std::make_unique<Trainer>(cfg, *model, std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
+                                                                                  cfg.training.seed));
+  Trainer& trainer = *made;
+  std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active)\n",
               static_cast<long long>(model->num_layers()), model->param_count() / 1e6,
-              model->active_param_count() / 1e6, static_cast<long long>(data.rows),
-              static_cast<long long>(data.seq));
-  Trainer trainer(cfg, *model, std::move(data));
+              model->active_param_count() / 1e6);
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
   if (!resume.empty()) {
     TrainState from = load_checkpoint(resume, *model, &trainer.optimizer());
     trainer.set_steps_done(from.step);
+    trainer.set_data_cursor(from.data_cursor);
     std::printf("resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
     truncate_metrics(folder + "/metrics.jsonl", from.step);
   } else {
@@ -103,9 +108,13 @@ int run_train(const Args& args) {
   std::ofstream metrics(folder + "/metrics.jsonl", std::ios::app);
   MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
 
+  int64_t saved_step = -1;
   auto save = [&](double lr) {
+    if (saved_step == trainer.steps_done()) return;
+    saved_step = trainer.steps_done();
     state.step = trainer.steps_done();
     state.lr = lr;
+    state.data_cursor = trainer.data_cursor();
     std::string dir = save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep);
     std::printf("saved %s\n", dir.c_str());
   };

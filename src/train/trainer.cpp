@@ -5,6 +5,7 @@
 #include <cstring>
 #include <iomanip>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <sstream>
 
 #include "core/check.h"
@@ -63,6 +64,25 @@ TokenBatch read_token_batch(const std::string& npy_path, int64_t vocab_size) {
 
 Trainer::Trainer(Config cfg, Model& model, TokenBatch data)
     : cfg_(std::move(cfg)), model_(model), data_(std::move(data)), optimizer_(model.params()) {
+  global_batch_ = cfg_.training.global_batch_size ? cfg_.training.global_batch_size : data_.rows;
+  MT_CHECK(global_batch_ == data_.rows) << "training.global_batch_size = " << global_batch_ << " but data.tokens has "
+                                        << data_.rows << " rows, and the token matrix is the whole global batch";
+  MT_CHECK(cfg_.data.seq_len == 0 || cfg_.data.seq_len == data_.seq)
+      << "data.seq_len = " << cfg_.data.seq_len << " but the token matrix gives " << data_.seq
+      << " (its width minus one)";
+  seq_ = data_.seq;
+  setup();
+}
+
+Trainer::Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus)
+    : cfg_(std::move(cfg)), model_(model), corpus_(std::move(corpus)), optimizer_(model.params()) {
+  global_batch_ = cfg_.training.global_batch_size;
+  MT_CHECK(global_batch_ > 0) << "training.global_batch_size must be set (> 0) to train on data.corpus";
+  seq_ = corpus_->seq_len();
+  setup();
+}
+
+void Trainer::setup() {
   const TrainingConfig& t = cfg_.training;
   MT_CHECK(t.device == "cpu") << "training.device = " << t.device
                               << ": the CUDA backend is not built yet; use training.device = \"cpu\"";
@@ -70,26 +90,41 @@ Trainer::Trainer(Config cfg, Model& model, TokenBatch data)
       << "parallelism.pp/cp/ep > 1 need the parallel runtime, which is not built yet";
   MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
   MT_CHECK(t.capacity_factor == 0.0) << "training.capacity_factor: capacity limits arrive with expert parallelism";
-  int64_t global = t.global_batch_size ? t.global_batch_size : data_.rows;
-  MT_CHECK(global == data_.rows) << "training.global_batch_size = " << global << " but data.tokens has " << data_.rows
-                                 << " rows, and the token matrix is the whole global batch";
-  MT_CHECK(cfg_.data.seq_len == 0 || cfg_.data.seq_len == data_.seq)
-      << "data.seq_len = " << cfg_.data.seq_len << " but the token matrix gives " << data_.seq
-      << " (its width minus one)";
-  micro_batch_ = t.micro_batch_size ? t.micro_batch_size : global;
-  MT_CHECK(global % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
-                                       << " does not divide the global batch of " << global;
-  micro_batches_ = global / micro_batch_;
+  micro_batch_ = t.micro_batch_size ? t.micro_batch_size : global_batch_;
+  MT_CHECK(global_batch_ % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
+                                              << " does not divide the global batch of " << global_batch_;
+  micro_batches_ = global_batch_ / micro_batch_;
   // The global-batch load-balance loss needs every micro-batch's routing before any
   // backward, so every micro-batch keeps its activations.
   int64_t live = t.load_balance_type == "global_batch" ? micro_batches_ : 1;
-  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, data_.seq));
+  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, seq_));
 }
 
-void Trainer::load_micro_batch(Stash& s, int64_t first_row) {
-  size_t n = static_cast<size_t>(s.batch * s.seq), at = static_cast<size_t>(first_row * data_.seq);
+void Trainer::load_micro_batch(Stash& s, int64_t index) {
+  size_t n = static_cast<size_t>(s.batch * s.seq);
+  if (corpus_) {
+    corpus_->next_batch(0, 1, 0, 1, s.batch, std::span<int32_t>(s.ids.i32(), n), std::span<int32_t>(s.labels.i32(), n));
+    return;
+  }
+  size_t at = static_cast<size_t>(index * micro_batch_ * seq_);
   std::memcpy(s.ids.data, data_.ids.data() + at, n * sizeof(int32_t));
   std::memcpy(s.labels.data, data_.labels.data() + at, n * sizeof(int32_t));
+}
+
+std::string Trainer::data_cursor() const {
+  if (!corpus_) return "null";
+  nlohmann::json j;
+  j["samples_seen"] = corpus_->cursor().samples_seen;
+  return j.dump();
+}
+
+void Trainer::set_data_cursor(const std::string& json) {
+  if (!corpus_) return;
+  nlohmann::json j = nlohmann::json::parse(json, nullptr, false);
+  MT_CHECK(j.is_object() && j.contains("samples_seen") && j["samples_seen"].is_number_unsigned())
+      << "the checkpoint's data cursor " << json << " is not {\"samples_seen\": N}; was it written by a run on "
+      << "data.tokens?";
+  corpus_->set_cursor({j["samples_seen"].get<uint64_t>()});
 }
 
 void Trainer::forward(Stash& s) {
@@ -115,9 +150,8 @@ StepResult Trainer::step() {
   const TrainingConfig& t = cfg_.training;
   for (Param& p : model_.params()) std::memset(p.grad.data, 0, p.grad.nbytes());
 
-  int64_t count = 0;
-  for (int32_t y : data_.labels) count += y != -100;
-  MT_CHECK(count > 0) << "the batch has no labels to predict";
+  // Token matrices and corpus windows label every position: the mean is over all.
+  const int64_t count = global_batch_ * seq_;
   const float loss_scale = static_cast<float>(1.0 / static_cast<double>(count));
   const bool global_lb = t.load_balance_type == "global_batch";
   const double coef = t.load_balance_coef;
@@ -162,7 +196,7 @@ StepResult Trainer::step() {
   if (!global_lb) {
     Stash& s = *stashes_[0];
     for (int64_t mb = 0; mb < mb_count; ++mb) {
-      load_micro_batch(s, mb * micro_batch_);
+      load_micro_batch(s, mb);
       forward(s);
       loss_sum += model_.head_forward(s).sum;
       std::vector<RouterStats> stats = model_.router_stats(s);
@@ -179,7 +213,7 @@ StepResult Trainer::step() {
     std::vector<std::vector<RouterStats>> all;
     for (int64_t mb = 0; mb < mb_count; ++mb) {
       Stash& s = *stashes_[mb];
-      load_micro_batch(s, mb * micro_batch_);
+      load_micro_batch(s, mb);
       forward(s);
       loss_sum += model_.head_forward(s).sum;
       all.push_back(model_.router_stats(s));
@@ -215,7 +249,7 @@ StepResult Trainer::step() {
   r.lb_loss = lb_total;
   r.expert_counts = counts;
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  r.tokens_per_s = static_cast<double>(data_.rows * data_.seq) / std::max(seconds, 1e-9);
+  r.tokens_per_s = static_cast<double>(count) / std::max(seconds, 1e-9);
   size_t bytes = optimizer_.bytes();
   for (const Param& p : model_.params()) bytes += 2 * p.value.nbytes();  // weights and gradients
   for (const auto& s : stashes_) bytes += s->bytes;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "data/dataset.h"
 #include "models/interface.h"
 #include "train/config.h"
 #include "train/optimizer.h"
@@ -39,23 +40,32 @@ struct StepResult {
 
 class Trainer {
  public:
+  // Every step trains on the same token matrix (data.tokens) ...
   Trainer(Config cfg, Model& model, TokenBatch data);
+  // ... or on the next global batch of a tokenized corpus (data.corpus).
+  Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus);
   StepResult step();
   int64_t steps_done() const { return step_; }
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
   void set_steps_done(int64_t step) { step_ = step; }
   AdamW& optimizer() { return optimizer_; }
+  // Where the corpus stands, as JSON for train_state.json ("null" for a token matrix).
+  std::string data_cursor() const;
+  void set_data_cursor(const std::string& json);
   // Mean loss and token count of a batch without touching the weights.
   static LossSum evaluate(Model& model, const TokenBatch& data, int64_t micro_batch);
 
  private:
   void forward(Stash& s);
   void backward(Stash& s, float loss_scale);
-  void load_micro_batch(Stash& s, int64_t first_row);
+  void setup();
+  void load_micro_batch(Stash& s, int64_t index);
 
   Config cfg_;
   Model& model_;
-  TokenBatch data_;
+  TokenBatch data_;                       // data.tokens
+  std::unique_ptr<data::Dataset> corpus_;  // data.corpus
+  int64_t seq_ = 0, global_batch_ = 0;
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
   AdamW optimizer_;
