@@ -41,6 +41,19 @@ std::vector<OpCase> table() {
   add(adamw_case(7, 0.1f));
   add(adamw_case(1000, 0.01f));
 
+  // elementwise helpers: one element, sizes that are not multiples of 8, both dtypes,
+  // a scale that is not a power of two (so bf16 rounds), a list with an empty tensor.
+  add(cast_case(1));
+  add(cast_case(1001));
+  add(add_case(1, DType::f32));
+  add(add_case(1001, DType::bf16));
+  add(scale_case(37, 0.3f, DType::f32));
+  add(scale_case(1001, 0.3f, DType::bf16));
+  add(fill_case(13, -2.5f, DType::f32));
+  add(fill_case(13, 0.1f, DType::bf16));
+  add(sum_squares_case({1}));
+  add(sum_squares_case({7, 0, 1001, 33}));
+
   // grouped gemm: one row, empty experts (first, last, in between, all but one), K and
   // O not multiples of 8 or 128, with and without bias, overwriting and accumulating.
   add(grouped_gemm_case({0, 1, 0}, 5, 3, true, false));

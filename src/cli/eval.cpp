@@ -12,10 +12,12 @@ int run_eval(const Args& args) {
   Options o("eval", args, {"model", "tokens", "device", "micro-batch"});
   std::string folder = o.required("model");
   std::string device = o.get("device", "cpu");
-  MT_CHECK(device == "cpu") << "--device " << device << ": only cpu is built so far";
+  MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
   int64_t micro = std::stoll(o.get("micro-batch", "8"));
   MT_CHECK(micro >= 1) << "--micro-batch should be >= 1";
-  std::unique_ptr<Model> model = make_model(folder + "/config.json");
+  ModelOptions options;
+  options.device = device == "cuda" ? Device::cuda : Device::cpu;
+  std::unique_ptr<Model> model = make_model(folder + "/config.json", options);
   load_hf(*model, folder);
   TokenBatch data = read_token_batch(o.required("tokens"), model->vocab_size());
   LossSum l = Trainer::evaluate(*model, data, micro);

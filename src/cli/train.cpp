@@ -65,7 +65,10 @@ int run_train(const Args& args) {
   Options o("train", args, {"config"});
   Config cfg = load_config(o.get("config"), o.dotted());
   const std::string config_json = model_config_path(cfg);
-  std::unique_ptr<Model> model = make_model(config_json);
+  ModelOptions options;
+  options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
+  options.force_balanced_routing = cfg.training.force_balanced_routing;
+  std::unique_ptr<Model> model = make_model(config_json, options);
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";
   MT_CHECK(cfg.data.corpus.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus";

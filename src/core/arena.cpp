@@ -1,5 +1,6 @@
 #include "core/arena.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <utility>
 
@@ -8,6 +9,30 @@
 #endif
 
 namespace mt {
+
+#ifdef MOETRAIN_WITH_CUDA
+// One stream-ordered pool for the process's GPU (the device current at first use).
+// Its release threshold is unbounded, so a freed arena's memory stays in the pool for
+// the next one instead of going back to the driver; allocations are queued on the
+// legacy stream and synchronised, so a block is ready for any stream once handed out.
+static cudaMemPool_t cuda_pool() {
+  static cudaMemPool_t pool = [] {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = dev;
+    cudaMemPool_t p = nullptr;
+    if (e == cudaSuccess) e = cudaMemPoolCreate(&p, &props);
+    uint64_t keep = UINT64_MAX;
+    if (e == cudaSuccess) e = cudaMemPoolSetAttribute(p, cudaMemPoolAttrReleaseThreshold, &keep);
+    MT_CHECK(e == cudaSuccess) << "creating the GPU memory pool: " << cudaGetErrorString(e);
+    return p;
+  }();
+  return pool;
+}
+#endif
 
 bool cuda_built() {
 #ifdef MOETRAIN_WITH_CUDA
@@ -27,8 +52,10 @@ void* device_alloc(Device device, size_t bytes) {
   }
 #ifdef MOETRAIN_WITH_CUDA
   void* p = nullptr;
-  cudaError_t e = cudaMalloc(&p, bytes);
-  MT_CHECK(e == cudaSuccess) << "cudaMalloc of " << bytes << " bytes: " << cudaGetErrorString(e);
+  cudaError_t e = cudaMallocFromPoolAsync(&p, bytes, cuda_pool(), cudaStreamLegacy);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
+  MT_CHECK(e == cudaSuccess) << "GPU allocation of " << bytes << " bytes from the stream-ordered pool: "
+                             << cudaGetErrorString(e);
   return p;
 #else
   MT_FAIL() << "a cuda tensor was requested but this moetrain was built without CUDA (-DMOETRAIN_CUDA=OFF or no nvcc)";
@@ -43,7 +70,10 @@ void device_free(Device device, void* p) {
     return;
   }
 #ifdef MOETRAIN_WITH_CUDA
-  cudaFree(p);
+  // Kernels on any stream may still use the block: wait for them before it goes back to
+  // the pool, where the next allocation may reuse it at once.
+  cudaDeviceSynchronize();
+  cudaFreeAsync(p, cudaStreamLegacy);
 #endif
 }
 

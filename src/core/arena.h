@@ -13,8 +13,9 @@
 
 namespace mt {
 
-// Raw device memory: aligned host memory for cpu, cudaMalloc for cuda (an error
-// naming the build when CUDA support is not compiled in).
+// Raw device memory: aligned host memory for cpu; for cuda, a block from CUDA's
+// stream-ordered pool, ready on every stream when returned (an error naming the build
+// when CUDA support is not compiled in). Freeing a cuda block waits for the device.
 void* device_alloc(Device device, size_t bytes);
 void device_free(Device device, void* p);
 bool cuda_built();

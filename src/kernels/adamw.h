@@ -2,8 +2,20 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
+
+namespace mt {
+
+// One parameter block of a multi-tensor step: f32 param, grad, m, v of one element
+// count; decay says whether the step's weight decay applies to it (matrices) or not.
+struct AdamWBlock {
+  Tensor param, grad, m, v;
+  bool decay = true;
+};
+
+}  // namespace mt
 
 namespace mt::cpu {
 
@@ -21,4 +33,42 @@ struct AdamWStep {
 // param, grad, m, v all f32 with the same element count.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWStep& s);
 
+// adamw_step on every block, with s.weight_decay where the block's decay is set and 0
+// elsewhere.
+void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const AdamWStep& s);
+
 }  // namespace mt::cpu
+
+namespace mt::cuda {
+
+// The same update on the GPU, bit for bit: the per-element arithmetic is the CPU's,
+// in the same order, with no fused multiply-adds. adamw_step_multi updates a whole
+// list in one launch (one per 128 blocks), each thread block on one chunk of a tensor.
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                const cpu::AdamWStep& s);
+void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& s);
+
+}  // namespace mt::cuda
+
+// Dispatch on the parameters' device. AdamWStep lives in mt::cpu, so an unqualified
+// call from namespace mt also finds the cpu:: function by argument-dependent lookup
+// and is ambiguous: call these as mt::adamw_step / mt::adamw_step_multi.
+namespace mt {
+
+inline void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                       const cpu::AdamWStep& s) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (param.device == Device::cuda) return cuda::adamw_step(param, grad, m, v, s);
+#endif
+  return cpu::adamw_step(param, grad, m, v, s);
+}
+
+// The device of the first block decides; all must share it.
+inline void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& s) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (!blocks.empty() && blocks.front().param.device == Device::cuda) return cuda::adamw_step_multi(blocks, s);
+#endif
+  return cpu::adamw_step_multi(blocks, s);
+}
+
+}  // namespace mt

@@ -25,3 +25,38 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Te
                             float scale, const Tensor& dlogits);
 
 }  // namespace mt::cpu
+
+namespace mt::cuda {
+
+// logits f32 or bf16, labels i32, lse f32, all on the GPU. The forward sums the row
+// losses in double on the device in a fixed order and waits for the two numbers it
+// returns; a label outside [0, V) (not the ignore index) makes the sum NaN rather than
+// an error. The backward writes dlogits (f32 or bf16; the logits buffer itself, as the
+// model uses it, needs the logits' dtype) with no full-vocabulary temporary.
+cpu::CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
+                                           const Tensor& lse);
+void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& lse, int32_t ignore_index,
+                            float scale, const Tensor& dlogits);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+inline cpu::CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
+                                                  const Tensor& lse) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (lse.device == Device::cuda) return cuda::cross_entropy_forward(logits, labels, ignore_index, lse);
+#endif
+  return cpu::cross_entropy_forward(logits, labels, ignore_index, lse);
+}
+
+inline void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& lse, int32_t ignore_index,
+                                   float scale, const Tensor& dlogits) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dlogits.device == Device::cuda)
+    return cuda::cross_entropy_backward(logits, labels, lse, ignore_index, scale, dlogits);
+#endif
+  return cpu::cross_entropy_backward(logits, labels, lse, ignore_index, scale, dlogits);
+}
+
+}  // namespace mt

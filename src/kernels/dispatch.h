@@ -31,3 +31,60 @@ void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot
                       const Tensor& dys, const Tensor& dweight);
 
 }  // namespace mt::cpu
+
+// The CUDA backend: the same plan (identical, deterministic), bf16 activations with the
+// combine's weighted sums in f32. dispatch_plan synchronises only with a capacity (to
+// return the dropped count); without one it returns 0 at once.
+namespace mt::cuda {
+
+int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
+                      const Tensor& offsets, const Tensor& order, const Tensor& slot_row);
+void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Tensor& xs);
+void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& dx);
+void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y);
+void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
+                      const Tensor& dys, const Tensor& dweight);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+inline int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
+                             const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (slot_row.device == Device::cuda)
+    return cuda::dispatch_plan(idx, num_experts, capacity, counts, offsets, order, slot_row);
+#endif
+  return cpu::dispatch_plan(idx, num_experts, capacity, counts, offsets, order, slot_row);
+}
+
+inline void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Tensor& xs) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (xs.device == Device::cuda) return cuda::dispatch_forward(x, order, k, xs);
+#endif
+  return cpu::dispatch_forward(x, order, k, xs);
+}
+
+inline void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& dx) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dx.device == Device::cuda) return cuda::dispatch_backward(dxs, slot_row, dx);
+#endif
+  return cpu::dispatch_backward(dxs, slot_row, dx);
+}
+
+inline void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (y.device == Device::cuda) return cuda::combine_forward(ys, weight, slot_row, y);
+#endif
+  return cpu::combine_forward(ys, weight, slot_row, y);
+}
+
+inline void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
+                             const Tensor& dys, const Tensor& dweight) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dys.device == Device::cuda) return cuda::combine_backward(ys, weight, slot_row, dy, dys, dweight);
+#endif
+  return cpu::combine_backward(ys, weight, slot_row, dy, dys, dweight);
+}
+
+}  // namespace mt

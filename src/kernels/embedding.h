@@ -13,3 +13,32 @@ void embedding_forward(const Tensor& table, const Tensor& ids, const Tensor& out
 void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable);
 
 }  // namespace mt::cpu
+
+namespace mt::cuda {
+
+// table f32 or bf16 (a f32 master table is read directly, no bf16 copy), out f32 or
+// bf16, ids i32 on the GPU. An id out of range gives a NaN row instead of an error
+// (reporting it would need a host sync). The backward adds dout (f32 or bf16) into
+// the f32 dtable with f32 atomics: repeated ids add in an unspecified order.
+void embedding_forward(const Tensor& table, const Tensor& ids, const Tensor& out);
+void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+inline void embedding_forward(const Tensor& table, const Tensor& ids, const Tensor& out) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (out.device == Device::cuda) return cuda::embedding_forward(table, ids, out);
+#endif
+  return cpu::embedding_forward(table, ids, out);
+}
+
+inline void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dtable.device == Device::cuda) return cuda::embedding_backward(ids, dout, dtable);
+#endif
+  return cpu::embedding_backward(ids, dout, dtable);
+}
+
+}  // namespace mt

@@ -22,3 +22,36 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 }  // namespace mt::cpu
+
+namespace mt::cuda {
+
+// cuBLASLt. a and b bf16, c bf16 or f32 (accumulation is f32 either way); beta = 0
+// never reads c. gemm_backward: dc bf16, da and db bf16 or f32 each (f32 with
+// accumulate for weight gradients).
+void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha = 1.0f,
+          float beta = 0.0f);
+void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b, const Tensor& da,
+                   const Tensor& db, bool accumulate);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+inline void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha = 1.0f,
+                 float beta = 0.0f) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (c.device == Device::cuda) return cuda::gemm(a, b, c, trans_a, trans_b, alpha, beta);
+#endif
+  return cpu::gemm(a, b, c, trans_a, trans_b, alpha, beta);
+}
+
+// By dc's device: either gradient may be empty.
+inline void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b,
+                          const Tensor& da, const Tensor& db, bool accumulate) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dc.device == Device::cuda) return cuda::gemm_backward(a, b, dc, trans_a, trans_b, da, db, accumulate);
+#endif
+  return cpu::gemm_backward(a, b, dc, trans_a, trans_b, da, db, accumulate);
+}
+
+}  // namespace mt

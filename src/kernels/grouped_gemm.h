@@ -20,3 +20,42 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
                                   const Tensor& dbias, bool accumulate);
 
 }  // namespace mt::cpu
+
+namespace mt::cuda {
+
+// One launch per product, no host sync: offsets stay on the device and are trusted
+// (the dispatch kernels make them; the CPU backend is where bad offsets are reported).
+// x, w, dy bf16; y and dx bf16 or f32; bias, dw and dbias f32. Accumulation in f32.
+void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y);
+void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx);
+void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,
+                                  const Tensor& dbias, bool accumulate);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+inline void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets,
+                         const Tensor& y) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (y.device == Device::cuda) return cuda::grouped_gemm(x, w, bias, offsets, y);
+#endif
+  return cpu::grouped_gemm(x, w, bias, offsets, y);
+}
+
+inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dx.device == Device::cuda) return cuda::grouped_gemm_backward_input(dy, w, offsets, dx);
+#endif
+  return cpu::grouped_gemm_backward_input(dy, w, offsets, dx);
+}
+
+inline void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,
+                                         const Tensor& dbias, bool accumulate) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dw.device == Device::cuda) return cuda::grouped_gemm_backward_weight(x, dy, offsets, dw, dbias, accumulate);
+#endif
+  return cpu::grouped_gemm_backward_weight(x, dy, offsets, dw, dbias, accumulate);
+}
+
+}  // namespace mt

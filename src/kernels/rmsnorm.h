@@ -14,3 +14,33 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
                       const Tensor& dw);
 
 }  // namespace mt::cpu
+
+namespace mt::cuda {
+
+// x, y, dy, dx f32 or bf16; w, rstd, dw f32 (statistics and weights stay f32). dw
+// accumulates, summed in a fixed order (repeatable bit for bit).
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd);
+void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
+                      const Tensor& dw);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+inline void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (y.device == Device::cuda) return cuda::rmsnorm_forward(x, w, eps, y, rstd);
+#endif
+  return cpu::rmsnorm_forward(x, w, eps, y, rstd);
+}
+
+// By dy's device: either gradient may be empty.
+inline void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
+                             const Tensor& dw) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dy.device == Device::cuda) return cuda::rmsnorm_backward(x, w, rstd, dy, dx, dw);
+#endif
+  return cpu::rmsnorm_backward(x, w, rstd, dy, dx, dw);
+}
+
+}  // namespace mt

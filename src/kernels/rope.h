@@ -44,3 +44,43 @@ void rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin, bool in
 void rope_backward(const Tensor& dy, const Tensor& cos, const Tensor& sin, bool interleaved, const Tensor& dx);
 
 }  // namespace mt::cpu
+
+namespace mt::cuda {
+
+// The tables are computed on the host by cpu::rope_tables (the same fp32 angles on both
+// backends) and copied into cos/sin f32 on the GPU; positions may be on either device.
+// Meant for once per sequence layout, not per step: it waits for the copies.
+void rope_tables(const cpu::RopeFreqs& f, const Tensor& positions, const Tensor& cos, const Tensor& sin);
+
+// x, y, dy, dx f32 or bf16 (rotated in f32); cos/sin f32 on the GPU; in place allowed.
+void rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, const Tensor& y);
+void rope_backward(const Tensor& dy, const Tensor& cos, const Tensor& sin, bool interleaved, const Tensor& dx);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+// RopeFreqs lives in mt::cpu, so an unqualified call from namespace mt also finds
+// cpu::rope_tables by argument-dependent lookup: call this one as mt::rope_tables.
+inline void rope_tables(const cpu::RopeFreqs& f, const Tensor& positions, const Tensor& cos, const Tensor& sin) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (cos.device == Device::cuda) return cuda::rope_tables(f, positions, cos, sin);
+#endif
+  return cpu::rope_tables(f, positions, cos, sin);
+}
+
+inline void rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, const Tensor& y) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (y.device == Device::cuda) return cuda::rope_forward(x, cos, sin, interleaved, y);
+#endif
+  return cpu::rope_forward(x, cos, sin, interleaved, y);
+}
+
+inline void rope_backward(const Tensor& dy, const Tensor& cos, const Tensor& sin, bool interleaved, const Tensor& dx) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dx.device == Device::cuda) return cuda::rope_backward(dy, cos, sin, interleaved, dx);
+#endif
+  return cpu::rope_backward(dy, cos, sin, interleaved, dx);
+}
+
+}  // namespace mt

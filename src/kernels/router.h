@@ -34,3 +34,36 @@ void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor
                      const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits);
 
 }  // namespace mt::cpu
+
+// The CUDA backend: the same f32 tensors, the same experts chosen from the same logits;
+// at most 64 expert groups.
+namespace mt::cuda {
+
+void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
+                    const Tensor& probs);
+void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
+                     const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+inline void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx,
+                           const Tensor& weight, const Tensor& probs) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (probs.device == Device::cuda) return cuda::router_forward(cfg, logits, idx, weight, probs);
+#endif
+  return cpu::router_forward(cfg, logits, idx, weight, probs);
+}
+
+inline void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx,
+                            const Tensor& weight, const Tensor& probs, const Tensor& dweight, const Tensor& dprobs,
+                            const Tensor& dlogits) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dlogits.device == Device::cuda)
+    return cuda::router_backward(cfg, logits, idx, weight, probs, dweight, dprobs, dlogits);
+#endif
+  return cpu::router_backward(cfg, logits, idx, weight, probs, dweight, dprobs, dlogits);
+}
+
+}  // namespace mt

@@ -4,19 +4,25 @@
 
 #include "core/check.h"
 #include "io/file.h"
+#include "kernels/elementwise.h"
 #include "models/qwen3_moe.h"
 
 namespace mt {
 
-std::unique_ptr<Model> make_model(const std::string& config_json_path) {
+std::unique_ptr<Model> make_model(const std::string& config_json_path, const ModelOptions& options) {
   std::vector<uint8_t> bytes = io::read_file(config_json_path);
   nlohmann::json j = nlohmann::json::parse(bytes.begin(), bytes.end(), nullptr, false);
   MT_CHECK(!j.is_discarded() && j.is_object()) << config_json_path << ": not a JSON object";
   MT_CHECK(j.contains("model_type") && j["model_type"].is_string()) << config_json_path << ": no model_type";
   std::string type = j["model_type"];
-  if (type == "qwen3_moe") return make_qwen3_moe(parse_qwen3_moe_config(j, config_json_path));
+  if (type == "qwen3_moe") return make_qwen3_moe(parse_qwen3_moe_config(j, config_json_path), options);
   MT_FAIL() << config_json_path << ": model_type '" << type << "' is not supported (supported: qwen3_moe)";
   return nullptr;
+}
+
+void refresh_compute_weights(std::vector<Param>& params) {
+  for (Param& p : params)
+    if (p.compute.data != p.value.data) mt::cast(p.value, p.compute);
 }
 
 }  // namespace mt

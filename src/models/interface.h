@@ -27,6 +27,7 @@ struct Param {
   std::string name;  // an internal name, e.g. "layers.3.experts.gate_up"
   Tensor value;      // f32 master weights
   Tensor grad;       // f32, accumulated over micro-batches
+  Tensor compute;    // what the matrix products read: a bf16 copy on the GPU, `value` on the CPU
   bool matrix = false;  // 2-D and up: decayed when optimizer.decay = "matrices"
   bool expert = false;
 };
@@ -66,9 +67,19 @@ struct LossSum {
   int64_t count = 0;
 };
 
+struct ModelOptions {
+  Device device = Device::cpu;  // where parameters, gradients and activations live
+  // Benchmarks: every token goes to experts (t*k + j) mod E with weight 1/k, so speed
+  // does not depend on what the router learned (the router still trains on the
+  // load-balance term).
+  bool force_balanced_routing = false;
+};
+
 class Model {
  public:
   virtual ~Model() = default;
+  virtual Device device() const = 0;
+  virtual bool balanced_routing() const = 0;
 
   virtual int64_t num_layers() const = 0;
   virtual bool is_moe_layer(int64_t layer) const = 0;
@@ -103,6 +114,10 @@ class Model {
 };
 
 // One switch on config.json's model_type.
-std::unique_ptr<Model> make_model(const std::string& config_json_path);
+std::unique_ptr<Model> make_model(const std::string& config_json_path, const ModelOptions& options = {});
+
+// Brings every Param's compute copy up to date with its master value (after an
+// optimizer step or a load); nothing to do on the CPU, where they are the same.
+void refresh_compute_weights(std::vector<Param>& params);
 
 }  // namespace mt

@@ -7,6 +7,7 @@
 #include "core/check.h"
 #include "kernels/attention.h"
 #include "kernels/dispatch.h"
+#include "kernels/elementwise.h"
 #include "kernels/embedding.h"
 #include "kernels/gemm.h"
 #include "kernels/grouped_gemm.h"
@@ -119,7 +120,9 @@ Qwen3MoeConfig parse_qwen3_moe_config(const json& j, const std::string& where) {
 
 namespace {
 
-using namespace cpu;
+// Every kernel call below goes through the family headers' mt:: dispatchers, which
+// pick the backend by the tensors' device. Calls that take a cpu:: struct are written
+// mt::f(...): argument-dependent lookup would also find cpu::f.
 
 constexpr int32_t kIgnoreIndex = -100;
 
@@ -140,17 +143,22 @@ struct LayerActs {
   Tensor qr, kr;                // rotated
   Tensor att, lse;              // attention output [N,Hq*Dh], [B,Hq,S]
   Tensor hm, y, rstd2;          // residual after attention, its norm
-  Tensor logits, idx, weight, probs, dprobs;        // router
+  Tensor logits, idx, weight, probs, dprobs;        // router (f32)
   Tensor counts, offsets, order, slot_row;          // dispatch plan
   Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
   std::vector<float> dprob;     // load-balance gradient per expert
-  // Gradients.
-  Tensor d_ys, d_weight, d_hs, d_gu, d_xs, d_y, d_logits, d_hm, d_att, d_qr, d_kr, d_v, d_qn, d_kn, d_q, d_k, d_xn;
+  // Gradients. d_logits is f32 like the router; d_logits_c is what the matrix products
+  // read (a bf16 copy on the GPU, d_logits itself on the CPU).
+  Tensor d_ys, d_weight, d_hs, d_gu, d_xs, d_y, d_logits, d_logits_c, d_hm, d_att, d_qr, d_kr, d_v, d_qn, d_kn, d_q,
+      d_k, d_xn;
 };
 
 struct Qwen3Stash : Stash {
   Arena arena;
-  Tensor positions, cos, sin;
+  std::vector<int32_t> positions_host;
+  Tensor cos, sin;
+  Tensor balanced_idx;               // force_balanced_routing: the fixed expert choice
+  std::vector<float> dprobs_host;    // [N, E], staging for the load-balance gradient
   std::vector<Tensor> h, dh;  // residual stream [L+1] x [N,D] and its gradient
   std::vector<LayerActs> layers;
   Tensor hf, rstd_f, logits, lse, d_hf;  // head
@@ -159,8 +167,14 @@ struct Qwen3Stash : Stash {
 
 class Qwen3Moe final : public Model {
  public:
-  explicit Qwen3Moe(const Qwen3MoeConfig& c) : c_(c) { build_params(); }
+  Qwen3Moe(const Qwen3MoeConfig& c, const ModelOptions& o)
+      : c_(c), device_(o.device), balanced_(o.force_balanced_routing),
+        act_(o.device == Device::cuda ? DType::bf16 : DType::f32) {
+    build_params();
+  }
 
+  Device device() const override { return device_; }
+  bool balanced_routing() const override { return balanced_; }
   int64_t num_layers() const override { return c_.num_layers; }
   bool is_moe_layer(int64_t layer) const override { return c_.is_moe_layer(layer); }
   int64_t num_experts() const override { return c_.num_experts; }
@@ -195,16 +209,17 @@ class Qwen3Moe final : public Model {
   int add_param(std::string name, Shape shape, bool expert);
   void build_params();
   void allocate(Qwen3Stash& s, Arena& a) const;
-  const Tensor& W(int i) const { return params_[i].value; }
+  const Tensor& W(int i) const { return params_[i].value; }    // f32 master (norms, embedding)
+  const Tensor& C(int i) const { return params_[i].compute; }  // read by matrix products
   const Tensor& G(int i) const { return params_[i].grad; }
-  RouterConfig router_config() const {
-    RouterConfig r;
+  cpu::RouterConfig router_config() const {
+    cpu::RouterConfig r;
     r.top_k = c_.top_k;
     r.normalize = c_.norm_topk_prob;
     return r;
   }
-  AttentionArgs attention_args() const {
-    AttentionArgs a;
+  cpu::AttentionArgs attention_args() const {
+    cpu::AttentionArgs a;
     a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)));
     return a;
   }
@@ -213,11 +228,14 @@ class Qwen3Moe final : public Model {
   void attention_backward_weight(int64_t l, Qwen3Stash& s);
 
   Qwen3MoeConfig c_;
+  Device device_;
+  bool balanced_;
+  DType act_;  // activations: bf16 on the GPU, f32 on the CPU
   std::vector<Param> params_;
-  Arena values_, grads_;
+  Arena values_, grads_, compute_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<LayerIndex> layer_;
-  RopeFreqs rope_;
+  cpu::RopeFreqs rope_;
 };
 
 int Qwen3Moe::add_param(std::string name, Shape shape, bool expert) {
@@ -259,21 +277,29 @@ void Qwen3Moe::build_params() {
   final_norm_ = add_param("final_norm", {D}, false);
   if (!c_.tie_word_embeddings) lm_head_ = add_param("lm_head", {c_.vocab_size, D}, false);
 
-  // Two arenas of identical layout: master weights and their gradients.
-  Arena count = Arena::counting("parameters", Device::cpu);
-  for (const Param& p : params_) count.alloc(DType::f32, p.value.shape);
-  values_ = Arena("parameters", Device::cpu, count.peak());
-  grads_ = Arena("gradients", Device::cpu, count.peak());
+  // Two arenas of identical layout, master weights and their gradients, and on the GPU
+  // a third with the bf16 copies of the matrices that the products read.
+  const bool copies = device_ == Device::cuda;
+  Arena count = Arena::counting("parameters", device_), count_c = Arena::counting("compute weights", device_);
+  for (const Param& p : params_) {
+    count.alloc(DType::f32, p.value.shape);
+    if (copies && p.matrix) count_c.alloc(DType::bf16, p.value.shape);
+  }
+  values_ = Arena("parameters", device_, count.peak());
+  grads_ = Arena("gradients", device_, count.peak());
+  compute_ = Arena("compute weights", device_, count_c.peak());
   for (Param& p : params_) {
     p.value = values_.alloc(DType::f32, p.value.shape);
     p.grad = grads_.alloc(DType::f32, p.value.shape);
-    std::memset(p.value.data, 0, p.value.nbytes());
-    std::memset(p.grad.data, 0, p.grad.nbytes());
+    p.compute = copies && p.matrix ? compute_.alloc(DType::bf16, p.value.shape) : p.value;
+    mt::fill(p.value, 0.0f);
+    mt::fill(p.grad, 0.0f);
   }
-  RopeConfig rc;
+  refresh_compute_weights(params_);
+  cpu::RopeConfig rc;
   rc.theta = c_.rope_theta;
   rc.rotary_dim = c_.head_dim;
-  rope_ = rope_freqs(rc);
+  rope_ = cpu::rope_freqs(rc);
 }
 
 std::vector<HfTensor> Qwen3Moe::hf_tensors() {
@@ -330,49 +356,49 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
   const int64_t B = s.batch, S = s.seq, N = B * S, D = c_.hidden_size, Dh = c_.head_dim;
   const int64_t Hq = c_.num_heads, Hkv = c_.num_kv_heads, E = c_.num_experts, K = c_.top_k;
   auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
+  auto act = [&](Shape sh) { return a.alloc(act_, sh); };
   auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
   s.ids = i32({B, S});
   s.labels = i32({B, S});
-  s.positions = i32({S});
   s.cos = f32({S, Dh / 2});
   s.sin = f32({S, Dh / 2});
   s.h.resize(c_.num_layers + 1);
   s.dh.resize(c_.num_layers + 1);
   for (int64_t l = 0; l <= c_.num_layers; ++l) {
-    s.h[l] = f32({N, D});
-    s.dh[l] = f32({N, D});
+    s.h[l] = act({N, D});
+    s.dh[l] = act({N, D});
   }
   s.layers.resize(c_.num_layers);
   for (int64_t l = 0; l < c_.num_layers; ++l) {
     LayerActs& x = s.layers[l];
-    x.xn = f32({N, D});
+    x.xn = act({N, D});
     x.rstd1 = f32({N});
-    x.q = f32({N, Hq * Dh});
-    x.k = f32({N, Hkv * Dh});
-    x.v = f32({N, Hkv * Dh});
+    x.q = act({N, Hq * Dh});
+    x.k = act({N, Hkv * Dh});
+    x.v = act({N, Hkv * Dh});
     x.rstd_q = f32({N * Hq});
     x.rstd_k = f32({N * Hkv});
-    x.qn = f32({N, Hq * Dh});
-    x.kn = f32({N, Hkv * Dh});
-    x.qr = f32({N, Hq * Dh});
-    x.kr = f32({N, Hkv * Dh});
-    x.att = f32({N, Hq * Dh});
+    x.qn = act({N, Hq * Dh});
+    x.kn = act({N, Hkv * Dh});
+    x.qr = act({N, Hq * Dh});
+    x.kr = act({N, Hkv * Dh});
+    x.att = act({N, Hq * Dh});
     x.lse = f32({B, Hq, S});
-    x.hm = f32({N, D});
-    x.y = f32({N, D});
+    x.hm = act({N, D});
+    x.y = act({N, D});
     x.rstd2 = f32({N});
-    x.d_y = f32({N, D});
-    x.d_hm = f32({N, D});
-    x.d_att = f32({N, Hq * Dh});
-    x.d_qr = f32({N, Hq * Dh});
-    x.d_kr = f32({N, Hkv * Dh});
-    x.d_v = f32({N, Hkv * Dh});
-    x.d_qn = f32({N, Hq * Dh});
-    x.d_kn = f32({N, Hkv * Dh});
-    x.d_q = f32({N, Hq * Dh});
-    x.d_k = f32({N, Hkv * Dh});
-    x.d_xn = f32({N, D});
-    x.mo = f32({N, D});
+    x.d_y = act({N, D});
+    x.d_hm = act({N, D});
+    x.d_att = act({N, Hq * Dh});
+    x.d_qr = act({N, Hq * Dh});
+    x.d_kr = act({N, Hkv * Dh});
+    x.d_v = act({N, Hkv * Dh});
+    x.d_qn = act({N, Hq * Dh});
+    x.d_kn = act({N, Hkv * Dh});
+    x.d_q = act({N, Hq * Dh});
+    x.d_k = act({N, Hkv * Dh});
+    x.d_xn = act({N, D});
+    x.mo = act({N, D});
     if (c_.is_moe_layer(l)) {
       const int64_t I = c_.moe_intermediate_size, R = N * K;
       x.logits = f32({N, E});
@@ -384,30 +410,32 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
       x.offsets = i32({E + 1});
       x.order = i32({R});
       x.slot_row = i32({R});
-      x.xs = f32({R, D});
-      x.gu = f32({R, 2 * I});
-      x.hs = f32({R, I});
-      x.ys = f32({R, D});
-      x.d_ys = f32({R, D});
+      x.xs = act({R, D});
+      x.gu = act({R, 2 * I});
+      x.hs = act({R, I});
+      x.ys = act({R, D});
+      x.d_ys = act({R, D});
       x.d_weight = f32({N, K});
-      x.d_hs = f32({R, I});
-      x.d_gu = f32({R, 2 * I});
-      x.d_xs = f32({R, D});
+      x.d_hs = act({R, I});
+      x.d_gu = act({R, 2 * I});
+      x.d_xs = act({R, D});
       x.d_logits = f32({N, E});
+      x.d_logits_c = act_ == DType::f32 ? x.d_logits : act({N, E});
       x.dprob.assign(static_cast<size_t>(E), 0.0f);
     } else {
       const int64_t I = c_.intermediate_size;
-      x.gu = f32({N, 2 * I});
-      x.hs = f32({N, I});
-      x.d_hs = f32({N, I});
-      x.d_gu = f32({N, 2 * I});
+      x.gu = act({N, 2 * I});
+      x.hs = act({N, I});
+      x.d_hs = act({N, I});
+      x.d_gu = act({N, 2 * I});
     }
   }
-  s.hf = f32({N, D});
+  s.hf = act({N, D});
   s.rstd_f = f32({N});
-  s.logits = f32({N, c_.vocab_size});
+  s.logits = act({N, c_.vocab_size});
+  if (balanced_) s.balanced_idx = i32({N, K});
   s.lse = f32({N});
-  s.d_hf = f32({N, D});
+  s.d_hf = act({N, D});
 }
 
 std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
@@ -417,13 +445,20 @@ std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
   s->batch = batch;
   s->seq = seq;
   // Plan with a counting arena, then allocate the same sequence for real.
-  Arena plan = Arena::counting("activations", Device::cpu);
+  Arena plan = Arena::counting("activations", device_);
   allocate(*s, plan);
-  s->arena = Arena("activations", Device::cpu, plan.peak());
+  s->arena = Arena("activations", device_, plan.peak());
   s->bytes = plan.peak();
   allocate(*s, s->arena);
-  for (int64_t t = 0; t < seq; ++t) s->positions.i32()[t] = static_cast<int32_t>(t);
-  rope_tables(rope_, s->positions, s->cos, s->sin);
+  s->positions_host.resize(static_cast<size_t>(seq));
+  for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);
+  mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
+  s->dprobs_host.resize(static_cast<size_t>(batch * seq * c_.num_experts));
+  if (balanced_) {
+    std::vector<int32_t> idx(static_cast<size_t>(batch * seq * c_.top_k));
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
+    mt::copy(s->balanced_idx, Tensor(idx.data(), s->balanced_idx.shape, DType::i32));
+  }
   return s;
 }
 
@@ -438,23 +473,27 @@ void Qwen3Moe::attention_forward_stage(int64_t l, Qwen3Stash& s) {
   const int64_t B = s.batch, S = s.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
-  gemm(x.xn, W(w.q), x.q, false, true);
-  gemm(x.xn, W(w.k), x.k, false, true);
-  gemm(x.xn, W(w.v), x.v, false, true);
+  gemm(x.xn, C(w.q), x.q, false, true);
+  gemm(x.xn, C(w.k), x.k, false, true);
+  gemm(x.xn, C(w.v), x.v, false, true);
   // Qwen3 normalises each head of q and k before the rotation.
   rmsnorm_forward(x.q.view({N * Hq, Dh}), W(w.q_norm), eps, x.qn.view({N * Hq, Dh}), x.rstd_q);
   rmsnorm_forward(x.k.view({N * Hkv, Dh}), W(w.k_norm), eps, x.kn.view({N * Hkv, Dh}), x.rstd_k);
   rope_forward(x.qn.view({B, S, Hq, Dh}), s.cos, s.sin, false, x.qr.view({B, S, Hq, Dh}));
   rope_forward(x.kn.view({B, S, Hkv, Dh}), s.cos, s.sin, false, x.kr.view({B, S, Hkv, Dh}));
-  attention_forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
-                    attention_args(), x.att.view({B, S, Hq, Dh}), x.lse);
+  mt::attention_forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
+                        attention_args(), x.att.view({B, S, Hq, Dh}), x.lse);
   // hm = h + att @ Wo^T: the residual, then the output projection accumulated onto it.
-  std::memcpy(x.hm.data, s.h[l].data, x.hm.nbytes());
-  gemm(x.att, W(w.o), x.hm, false, true, 1.0f, 1.0f);
+  mt::copy(x.hm, s.h[l]);
+  gemm(x.att, C(w.o), x.hm, false, true, 1.0f, 1.0f);
   rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
   if (c_.is_moe_layer(l)) {
-    gemm(x.y, W(w.router), x.logits, false, true);
-    router_forward(router_config(), x.logits, x.idx, x.weight, x.probs);
+    gemm(x.y, C(w.router), x.logits, false, true);
+    mt::router_forward(router_config(), x.logits, x.idx, x.weight, x.probs);
+    if (balanced_) {
+      mt::copy(x.idx, s.balanced_idx);
+      mt::fill(x.weight, 1.0f / static_cast<float>(c_.top_k));
+    }
   }
 }
 
@@ -469,33 +508,27 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
       break;
     case Stage::dispatch:
       if (moe) {
-        dispatch_plan(x.idx, c_.num_experts, 0, x.counts, x.offsets, x.order, x.slot_row);
-        dispatch_forward(x.y, x.order, c_.top_k, x.xs);
+        mt::dispatch_plan(x.idx, c_.num_experts, 0, x.counts, x.offsets, x.order, x.slot_row);
+        mt::dispatch_forward(x.y, x.order, c_.top_k, x.xs);
       }
       break;
     case Stage::experts:
       if (moe) {
-        grouped_gemm(x.xs, W(w.gate_up), Tensor(), x.offsets, x.gu);
+        grouped_gemm(x.xs, C(w.gate_up), Tensor(), x.offsets, x.gu);
         swiglu_forward(x.gu, x.hs);
-        grouped_gemm(x.hs, W(w.down), Tensor(), x.offsets, x.ys);
+        grouped_gemm(x.hs, C(w.down), Tensor(), x.offsets, x.ys);
       } else {
-        gemm(x.y, W(w.gate_up), x.gu, false, true);
+        gemm(x.y, C(w.gate_up), x.gu, false, true);
         swiglu_forward(x.gu, x.hs);
-        gemm(x.hs, W(w.down), x.mo, false, true);
+        gemm(x.hs, C(w.down), x.mo, false, true);
       }
       break;
     case Stage::combine:
-      if (moe) combine_forward(x.ys, x.weight, x.slot_row, x.mo);
+      if (moe) mt::combine_forward(x.ys, x.weight, x.slot_row, x.mo);
       break;
-    case Stage::aggregate: {
-      const float* a = x.hm.f32();
-      const float* b = x.mo.f32();
-      float* out = s.h[l + 1].f32();
-      const int64_t n = x.hm.numel();
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+    case Stage::aggregate:
+      mt::add(x.hm, x.mo, s.h[l + 1]);
       break;
-    }
   }
 }
 
@@ -505,46 +538,43 @@ void Qwen3Moe::attention_backward_input(int64_t l, Qwen3Stash& s) {
   const int64_t B = s.batch, S = s.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
   if (c_.is_moe_layer(l)) {
     // Router: every token's probability row gets the load-balance gradient.
-    float* dp = x.dprobs.f32();
     const int64_t E = c_.num_experts;
-#pragma omp parallel for schedule(static)
+    float* dp = s.dprobs_host.data();
     for (int64_t t = 0; t < N; ++t)
       for (int64_t e = 0; e < E; ++e) dp[t * E + e] = x.dprob[e];
-    router_backward(router_config(), x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
-    gemm(x.d_logits, W(w.router), x.d_y, false, false, 1.0f, 1.0f);
+    mt::copy(x.dprobs, Tensor(dp, x.dprobs.shape, DType::f32));
+    // Forced routing does not come from the logits: only the balance term reaches them.
+    if (balanced_) mt::fill(x.d_weight, 0.0f);
+    mt::router_backward(router_config(), x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
+    if (x.d_logits_c.data != x.d_logits.data) mt::cast(x.d_logits, x.d_logits_c);
+    gemm(x.d_logits_c, C(w.router), x.d_y, false, false, 1.0f, 1.0f);
   }
   // d_hm = dh[l+1] (the residual) + the post-attention norm's input gradient.
   rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Tensor());
-  const float* dres = s.dh[l + 1].f32();
-  float* dhm = x.d_hm.f32();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < x.d_hm.numel(); ++i) dhm[i] += dres[i];
-  gemm(x.d_hm, W(w.o), x.d_att, false, false);
-  attention_backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
-                     attention_args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
-                     x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
-                     Tensor());
+  mt::add(x.d_hm, s.dh[l + 1], x.d_hm);
+  gemm(x.d_hm, C(w.o), x.d_att, false, false);
+  mt::attention_backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
+                         attention_args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
+                         x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
+                         Tensor());
   rope_backward(x.d_qr.view({B, S, Hq, Dh}), s.cos, s.sin, false, x.d_qn.view({B, S, Hq, Dh}));
   rope_backward(x.d_kr.view({B, S, Hkv, Dh}), s.cos, s.sin, false, x.d_kn.view({B, S, Hkv, Dh}));
   rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}),
                    x.d_q.view({N * Hq, Dh}), Tensor());
   rmsnorm_backward(x.k.view({N * Hkv, Dh}), W(w.k_norm), x.rstd_k, x.d_kn.view({N * Hkv, Dh}),
                    x.d_k.view({N * Hkv, Dh}), Tensor());
-  gemm(x.d_q, W(w.q), x.d_xn, false, false);
-  gemm(x.d_k, W(w.k), x.d_xn, false, false, 1.0f, 1.0f);
-  gemm(x.d_v, W(w.v), x.d_xn, false, false, 1.0f, 1.0f);
+  gemm(x.d_q, C(w.q), x.d_xn, false, false);
+  gemm(x.d_k, C(w.k), x.d_xn, false, false, 1.0f, 1.0f);
+  gemm(x.d_v, C(w.v), x.d_xn, false, false, 1.0f, 1.0f);
   rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Tensor());
-  const float* a = x.d_hm.f32();
-  float* dh = s.dh[l].f32();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < s.dh[l].numel(); ++i) dh[i] += a[i];
+  mt::add(s.dh[l], x.d_hm, s.dh[l]);
 }
 
 void Qwen3Moe::attention_backward_weight(int64_t l, Qwen3Stash& s) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
   const int64_t N = s.batch * s.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
-  if (c_.is_moe_layer(l)) gemm(x.d_logits, x.y, G(w.router), true, false, 1.0f, 1.0f);
+  if (c_.is_moe_layer(l)) gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, 1.0f);
   rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, Tensor(), G(w.post_norm));
   gemm(x.d_hm, x.att, G(w.o), true, false, 1.0f, 1.0f);
   rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}), Tensor(), G(w.q_norm));
@@ -566,21 +596,21 @@ void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
     case Stage::aggregate:
       break;
     case Stage::combine:
-      if (moe) combine_backward(x.ys, x.weight, x.slot_row, d_mo, x.d_ys, x.d_weight);
+      if (moe) mt::combine_backward(x.ys, x.weight, x.slot_row, d_mo, x.d_ys, x.d_weight);
       break;
     case Stage::experts:
       if (moe) {
-        grouped_gemm_backward_input(x.d_ys, W(w.down), x.offsets, x.d_hs);
+        grouped_gemm_backward_input(x.d_ys, C(w.down), x.offsets, x.d_hs);
         swiglu_backward(x.gu, x.d_hs, x.d_gu);
-        grouped_gemm_backward_input(x.d_gu, W(w.gate_up), x.offsets, x.d_xs);
+        grouped_gemm_backward_input(x.d_gu, C(w.gate_up), x.offsets, x.d_xs);
       } else {
-        gemm(d_mo, W(w.down), x.d_hs, false, false);
+        gemm(d_mo, C(w.down), x.d_hs, false, false);
         swiglu_backward(x.gu, x.d_hs, x.d_gu);
-        gemm(x.d_gu, W(w.gate_up), x.d_y, false, false);
+        gemm(x.d_gu, C(w.gate_up), x.d_y, false, false);
       }
       break;
     case Stage::dispatch:
-      if (moe) dispatch_backward(x.d_xs, x.slot_row, x.d_y);
+      if (moe) mt::dispatch_backward(x.d_xs, x.slot_row, x.d_y);
       break;
     case Stage::attention:
       attention_backward_input(l, s);
@@ -617,8 +647,8 @@ LossSum Qwen3Moe::head_forward(Stash& base) {
   auto& s = static_cast<Qwen3Stash&>(base);
   const int64_t N = s.batch * s.seq;
   rmsnorm_forward(s.h[c_.num_layers], W(final_norm_), static_cast<float>(c_.rms_norm_eps), s.hf, s.rstd_f);
-  gemm(s.hf, W(lm_head_ >= 0 ? lm_head_ : embed_), s.logits, false, true);
-  CrossEntropySum ce = cross_entropy_forward(s.logits, s.labels.view({N}), kIgnoreIndex, s.lse);
+  gemm(s.hf, C(lm_head_ >= 0 ? lm_head_ : embed_), s.logits, false, true);
+  cpu::CrossEntropySum ce = cross_entropy_forward(s.logits, s.labels.view({N}), kIgnoreIndex, s.lse);
   s.loss = {ce.loss_sum, ce.count};
   return s.loss;
 }
@@ -629,7 +659,7 @@ void Qwen3Moe::head_backward(Stash& base, float scale) {
   const int out = lm_head_ >= 0 ? lm_head_ : embed_;
   // In place: from here on s.logits holds d(loss)/d(logits).
   cross_entropy_backward(s.logits, s.labels.view({N}), s.lse, kIgnoreIndex, scale, s.logits);
-  gemm(s.logits, W(out), s.d_hf, false, false);
+  gemm(s.logits, C(out), s.d_hf, false, false);
   gemm(s.logits, s.hf, G(out), true, false, 1.0f, 1.0f);
   rmsnorm_backward(s.h[c_.num_layers], W(final_norm_), s.rstd_f, s.d_hf, s.dh[c_.num_layers], G(final_norm_));
 }
@@ -650,11 +680,15 @@ std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
     r.layer = l;
     r.tokens = N;
     r.top_k = c_.top_k;
-    r.counts.assign(x.counts.i32(), x.counts.i32() + E);
+    std::vector<int32_t> counts(static_cast<size_t>(E));
+    mt::copy(Tensor(counts.data(), {E}, DType::i32), x.counts);
+    r.counts.assign(counts.begin(), counts.end());
+    // On the GPU the probabilities come to the host to be summed: N*E floats a layer.
+    std::vector<float> probs(static_cast<size_t>(N * E));
+    mt::copy(Tensor(probs.data(), {N, E}, DType::f32), x.probs);
     r.prob_sum.assign(static_cast<size_t>(E), 0.0);
-    const float* p = x.probs.f32();
     for (int64_t t = 0; t < N; ++t)
-      for (int64_t e = 0; e < E; ++e) r.prob_sum[e] += p[t * E + e];
+      for (int64_t e = 0; e < E; ++e) r.prob_sum[e] += probs[t * E + e];
     out.push_back(std::move(r));
   }
   return out;
@@ -669,6 +703,8 @@ void Qwen3Moe::set_router_prob_grad(Stash& base, int64_t layer, const std::vecto
 
 }  // namespace
 
-std::unique_ptr<Model> make_qwen3_moe(const Qwen3MoeConfig& cfg) { return std::make_unique<Qwen3Moe>(cfg); }
+std::unique_ptr<Model> make_qwen3_moe(const Qwen3MoeConfig& cfg, const ModelOptions& options) {
+  return std::make_unique<Qwen3Moe>(cfg, options);
+}
 
 }  // namespace mt

@@ -37,6 +37,6 @@ struct Qwen3MoeConfig {
 // (the file) is named in errors, with the key.
 Qwen3MoeConfig parse_qwen3_moe_config(const nlohmann::json& j, const std::string& where);
 
-std::unique_ptr<Model> make_qwen3_moe(const Qwen3MoeConfig& cfg);
+std::unique_ptr<Model> make_qwen3_moe(const Qwen3MoeConfig& cfg, const ModelOptions& options);
 
 }  // namespace mt

@@ -13,6 +13,7 @@
 #include "core/check.h"
 #include "io/file.h"
 #include "io/safetensors.h"
+#include "kernels/elementwise.h"
 
 namespace mt {
 
@@ -37,6 +38,13 @@ void test_delay() {
 }
 
 std::vector<int64_t> dims(const Tensor& t) { return {t.shape.d.begin(), t.shape.d.begin() + t.ndim()}; }
+
+// A tensor's values on the host, wherever it lives.
+std::vector<float> to_host(const Tensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  copy(Tensor(v.data(), t.shape, DType::f32), t);
+  return v;
+}
 
 void sync_dir(const fs::path& dir) {
   // The rename of a file or folder is durable only once its parent folder is synced.
@@ -72,13 +80,18 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   std::vector<HfTensor> tensors = model.hf_tensors();
   std::vector<io::StWrite> weights, moments;
   std::vector<std::string> names;
+  std::vector<std::vector<float>> host;  // staging, so GPU tensors save the same way
   names.reserve(2 * tensors.size());
+  host.reserve(3 * tensors.size());
   for (const HfTensor& t : tensors) {
-    weights.push_back(io::st_f32(t.name, dims(t.value), t.value.f32()));
+    host.push_back(to_host(t.value));
+    weights.push_back(io::st_f32(t.name, dims(t.value), host.back().data()));
     names.push_back(t.name + ".exp_avg");
-    moments.push_back(io::st_f32(names.back(), dims(t.value), opt.exp_avg(t.value).f32()));
+    host.push_back(to_host(opt.exp_avg(t.value)));
+    moments.push_back(io::st_f32(names.back(), dims(t.value), host.back().data()));
     names.push_back(t.name + ".exp_avg_sq");
-    moments.push_back(io::st_f32(names.back(), dims(t.value), opt.exp_avg_sq(t.value).f32()));
+    host.push_back(to_host(opt.exp_avg_sq(t.value)));
+    moments.push_back(io::st_f32(names.back(), dims(t.value), host.back().data()));
   }
   io::write_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
   test_delay();
@@ -137,7 +150,14 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
   MT_CHECK(complete(dir)) << dir << " is not a complete checkpoint (no COMPLETE marker)";
   io::HfWeights weights(dir);
   std::vector<HfTensor> tensors = model.hf_tensors();
-  for (const HfTensor& t : tensors) weights.read_f32(t.name, dims(t.value), t.value.f32());
+  std::vector<float> host;
+  auto load = [&](const Tensor& dst) { copy(dst, Tensor(host.data(), dst.shape, DType::f32)); };
+  for (const HfTensor& t : tensors) {
+    host.resize(static_cast<size_t>(t.value.numel()));
+    weights.read_f32(t.name, dims(t.value), host.data());
+    load(t.value);
+  }
+  refresh_compute_weights(model.params());
   for (const std::string& name : weights.names()) {
     bool used = std::any_of(tensors.begin(), tensors.end(), [&](const HfTensor& t) { return t.name == name; });
     MT_CHECK(used) << dir << "/model.safetensors: tensor " << name
@@ -156,7 +176,9 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
         MT_CHECK(s->shape == dims(t.value)) << moments.path() << ": tensor " << key << " has shape "
                                             << io::shape_str(s->shape) << ", the model expects " << t.value.shape.str();
         bool second = std::string_view(suffix) == ".exp_avg_sq";
-        moments.read_f32(*s, (second ? opt->exp_avg_sq(t.value) : opt->exp_avg(t.value)).f32());
+        host.resize(static_cast<size_t>(t.value.numel()));
+        moments.read_f32(*s, host.data());
+        load(second ? opt->exp_avg_sq(t.value) : opt->exp_avg(t.value));
       }
     }
   }

@@ -33,6 +33,7 @@ void visit(Config& c, F&& f) {
   f("training", "load_balance_coef", c.training.load_balance_coef);
   f("training", "load_balance_type", c.training.load_balance_type);
   f("training", "capacity_factor", c.training.capacity_factor);
+  f("training", "force_balanced_routing", c.training.force_balanced_routing);
   f("optimizer", "name", c.optimizer.name);
   f("optimizer", "lr", c.optimizer.lr);
   f("optimizer", "beta1", c.optimizer.beta1);

@@ -37,6 +37,7 @@ struct TrainingConfig {
   double load_balance_coef = 0.0;
   std::string load_balance_type = "micro_batch";  // micro_batch or global_batch
   double capacity_factor = 0.0;   // 0: dropless
+  bool force_balanced_routing = false;  // benchmarks: route round-robin, not by the router
 };
 
 struct OptimizerConfig {

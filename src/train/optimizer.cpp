@@ -1,22 +1,22 @@
 #include "train/optimizer.h"
 
-#include <cstring>
-
 #include "core/check.h"
 #include "kernels/adamw.h"
+#include "kernels/elementwise.h"
 
 namespace mt {
 
 AdamW::AdamW(std::vector<Param>& params) : params_(params) {
-  Arena count = Arena::counting("optimizer", Device::cpu);
+  const Device device = params_.empty() ? Device::cpu : params_.front().value.device;
+  Arena count = Arena::counting("optimizer", device);
   for (const Param& p : params_)
     for (int j = 0; j < 2; ++j) count.alloc(DType::f32, p.value.shape);
-  arena_ = Arena("optimizer", Device::cpu, count.peak());
+  arena_ = Arena("optimizer", device, count.peak());
   for (const Param& p : params_) {
     m_.push_back(arena_.alloc(DType::f32, p.value.shape));
     v_.push_back(arena_.alloc(DType::f32, p.value.shape));
-    std::memset(m_.back().data, 0, m_.back().nbytes());
-    std::memset(v_.back().data, 0, v_.back().nbytes());
+    fill(m_.back(), 0.0f);
+    fill(v_.back(), 0.0f);
   }
 }
 
@@ -27,10 +27,11 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step) {
   a.beta2 = cfg.beta2;
   a.eps = cfg.eps;
   a.step = step;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    a.weight_decay = (params_[i].matrix || cfg.decay == "all") ? cfg.weight_decay : 0.0;
-    cpu::adamw_step(params_[i].value, params_[i].grad, m_[i], v_[i], a);
-  }
+  a.weight_decay = cfg.weight_decay;
+  std::vector<AdamWBlock> blocks;
+  for (size_t i = 0; i < params_.size(); ++i)
+    blocks.push_back({params_[i].value, params_[i].grad, m_[i], v_[i], params_[i].matrix || cfg.decay == "all"});
+  mt::adamw_step_multi(blocks, a);
 }
 
 Tensor AdamW::moment(const Tensor& value, const std::vector<Tensor>& which) const {

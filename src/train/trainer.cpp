@@ -12,27 +12,35 @@
 #include "core/rng.h"
 #include "io/npy.h"
 #include "io/safetensors.h"
+#include "kernels/elementwise.h"
 
 namespace mt {
 
 void init_random(Model& m, double init_std, uint64_t seed) {
+  std::vector<float> host;
   for (const HfTensor& t : m.hf_tensors()) {
-    float* p = t.value.f32();
-    if (t.init_scale == 0.0f) {
-      for (int64_t i = 0; i < t.value.numel(); ++i) p[i] = t.fill;
-    } else {
-      fill_normal(p, t.value.numel(), seed, stream_of(t.name), 0.0f, static_cast<float>(init_std) * t.init_scale);
-    }
+    host.resize(static_cast<size_t>(t.value.numel()));
+    if (t.init_scale == 0.0f)
+      std::fill(host.begin(), host.end(), t.fill);
+    else
+      fill_normal(host.data(), t.value.numel(), seed, stream_of(t.name), 0.0f,
+                  static_cast<float>(init_std) * t.init_scale);
+    copy(t.value, Tensor(host.data(), t.value.shape, DType::f32));
   }
+  refresh_compute_weights(m.params());
 }
 
 void load_hf(Model& m, const std::string& folder) {
   io::HfWeights w(folder);
   std::vector<HfTensor> tensors = m.hf_tensors();
+  std::vector<float> host;
   for (const HfTensor& t : tensors) {
     std::vector<int64_t> shape(t.value.shape.d.begin(), t.value.shape.d.begin() + t.value.ndim());
-    w.read_f32(t.name, shape, t.value.f32());
+    host.resize(static_cast<size_t>(t.value.numel()));
+    w.read_f32(t.name, shape, host.data());
+    copy(t.value, Tensor(host.data(), t.value.shape, DType::f32));
   }
+  refresh_compute_weights(m.params());
   // A key the model does not use is as suspicious as a missing one.
   for (const std::string& name : w.names()) {
     bool used = false;
@@ -84,8 +92,11 @@ Trainer::Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus
 
 void Trainer::setup() {
   const TrainingConfig& t = cfg_.training;
-  MT_CHECK(t.device == "cpu") << "training.device = " << t.device
-                              << ": the CUDA backend is not built yet; use training.device = \"cpu\"";
+  const Device want = t.device == "cuda" ? Device::cuda : Device::cpu;
+  MT_CHECK(model_.device() == want) << "training.device = " << t.device << " but the model was built for the "
+                                    << (model_.device() == Device::cuda ? "cuda" : "cpu") << " device";
+  MT_CHECK(t.force_balanced_routing == model_.balanced_routing())
+      << "training.force_balanced_routing must match the model's option";
   MT_CHECK(cfg_.parallelism.pp == 1 && cfg_.parallelism.cp == 1 && cfg_.parallelism.ep == 1)
       << "parallelism.pp/cp/ep > 1 need the parallel runtime, which is not built yet";
   MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
@@ -102,13 +113,19 @@ void Trainer::setup() {
 
 void Trainer::load_micro_batch(Stash& s, int64_t index) {
   size_t n = static_cast<size_t>(s.batch * s.seq);
+  const int32_t *ids, *labels;
   if (corpus_) {
-    corpus_->next_batch(0, 1, 0, 1, s.batch, std::span<int32_t>(s.ids.i32(), n), std::span<int32_t>(s.labels.i32(), n));
-    return;
+    host_ids_.resize(n);
+    host_labels_.resize(n);
+    corpus_->next_batch(0, 1, 0, 1, s.batch, host_ids_, host_labels_);
+    ids = host_ids_.data();
+    labels = host_labels_.data();
+  } else {
+    ids = data_.ids.data() + index * micro_batch_ * seq_;
+    labels = data_.labels.data() + index * micro_batch_ * seq_;
   }
-  size_t at = static_cast<size_t>(index * micro_batch_ * seq_);
-  std::memcpy(s.ids.data, data_.ids.data() + at, n * sizeof(int32_t));
-  std::memcpy(s.labels.data, data_.labels.data() + at, n * sizeof(int32_t));
+  copy(s.ids, Tensor(const_cast<int32_t*>(ids), s.ids.shape, DType::i32));
+  copy(s.labels, Tensor(const_cast<int32_t*>(labels), s.labels.shape, DType::i32));
 }
 
 std::string Trainer::data_cursor() const {
@@ -148,7 +165,7 @@ void Trainer::backward(Stash& s, float loss_scale) {
 StepResult Trainer::step() {
   auto start = std::chrono::steady_clock::now();
   const TrainingConfig& t = cfg_.training;
-  for (Param& p : model_.params()) std::memset(p.grad.data, 0, p.grad.nbytes());
+  for (Param& p : model_.params()) fill(p.grad, 0.0f);
 
   // Token matrices and corpus windows label every position: the mean is over all.
   const int64_t count = global_batch_ * seq_;
@@ -228,22 +245,19 @@ StepResult Trainer::step() {
     for (int64_t mb = 0; mb < mb_count; ++mb) backward(*stashes_[mb], loss_scale);
   }
 
-  // Global gradient norm in double, then torch's clipping rule.
-  double sq = 0;
-  for (const Param& p : model_.params()) {
-    const float* g = p.grad.f32();
-    for (int64_t i = 0; i < p.grad.numel(); ++i) sq += static_cast<double>(g[i]) * g[i];
-  }
-  r.grad_norm = std::sqrt(sq);
+  // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
+  // changes nothing, so it is skipped).
+  std::vector<Tensor> grads;
+  for (const Param& p : model_.params()) grads.push_back(p.grad);
+  r.grad_norm = std::sqrt(sum_squares(grads));
   if (t.clip_grad_norm > 0) {
     float clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
-    for (const Param& p : model_.params()) {
-      float* g = p.grad.f32();
-      for (int64_t i = 0; i < p.grad.numel(); ++i) g[i] *= clip;
-    }
+    if (clip != 1.0f)
+      for (const Tensor& g : grads) scale(g, clip);
   }
   r.lr = lr_at(cfg_, r.step - 1);
   optimizer_.step(cfg_.optimizer, r.lr, r.step);
+  refresh_compute_weights(model_.params());
 
   r.loss = loss_sum / static_cast<double>(count);
   r.lb_loss = lb_total;
@@ -264,8 +278,8 @@ LossSum Trainer::evaluate(Model& model, const TokenBatch& data, int64_t micro_ba
   for (int64_t row = 0; row < data.rows; row += mb) {
     int64_t n = std::min(mb, data.rows - row);
     if (!s || s->batch != n) s = model.make_stash(n, data.seq);
-    std::memcpy(s->ids.data, data.ids.data() + row * data.seq, s->ids.nbytes());
-    std::memcpy(s->labels.data, data.labels.data() + row * data.seq, s->labels.nbytes());
+    copy(s->ids, Tensor(const_cast<int32_t*>(data.ids.data()) + row * data.seq, s->ids.shape, DType::i32));
+    copy(s->labels, Tensor(const_cast<int32_t*>(data.labels.data()) + row * data.seq, s->labels.shape, DType::i32));
     model.embed_forward(*s);
     for (int64_t l = 0; l < model.num_layers(); ++l)
       for (Stage st : kStages) model.stage_forward(l, st, *s);

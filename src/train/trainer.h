@@ -66,6 +66,7 @@ class Trainer {
   TokenBatch data_;                       // data.tokens
   std::unique_ptr<data::Dataset> corpus_;  // data.corpus
   int64_t seq_ = 0, global_batch_ = 0;
+  std::vector<int32_t> host_ids_, host_labels_;  // a corpus micro-batch on its way to the device
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
   AdamW optimizer_;

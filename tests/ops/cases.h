@@ -17,6 +17,13 @@ OpCase rmsnorm_case(int64_t rows, int64_t dim, float eps);
 OpCase cross_entropy_case(int64_t rows, int64_t vocab, int64_t ignored);
 // adamw.cpp: one update at 1-based step t (no backward: outputs are not differentiable).
 OpCase adamw_case(int64_t step, float weight_decay);
+// elementwise.cpp: the helpers between ops, exact against float64 (no backward):
+// f32 -> bf16 -> f32, out = a + b in place, x *= s, x = value, sum of squares of a list.
+OpCase cast_case(int64_t n);
+OpCase add_case(int64_t n, DType dtype);
+OpCase scale_case(int64_t n, float s, DType dtype);
+OpCase fill_case(int64_t n, float value, DType dtype);
+OpCase sum_squares_case(const std::vector<int64_t>& sizes);
 
 // grouped_gemm.cpp: rows per expert given by `counts` (zeros are empty segments), x [N,K],
 // w [E,O,K]; accumulate checks that the weight gradient adds to what was there.

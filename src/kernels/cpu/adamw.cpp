@@ -32,4 +32,13 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
   }
 }
 
+void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const AdamWStep& s) {
+  AdamWStep block_step = s;
+  for (const AdamWBlock& b : blocks) {
+    block_step.weight_decay = b.decay ? s.weight_decay : 0.0;
+    // Qualified: unqualified, lookup by argument type also finds the mt:: dispatcher.
+    cpu::adamw_step(b.param, b.grad, b.m, b.v, block_step);
+  }
+}
+
 }  // namespace mt::cpu

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Qwen3-30B-A3B cut to N layers on one GPU: moetrain against transformers, same run.
+
+Measures, in one process tree on one GPU:
+  - the bf16 GEMM peak (torch.matmul 8192^3), the denominator of MFU;
+  - the baseline: transformers' Qwen3MoeForCausalLM (sdpa attention, grouped_mm
+    experts, bf16 autocast over fp32 master weights, fused AdamW), eager and under
+    torch.compile;
+  - moetrain: `moetrain train --training.device=cuda` on the same shapes (bf16
+    compute, fp32 master weights, AdamW), learned routing and forced-balanced routing.
+Model FLOPs per token = 6 * active parameters + causal attention (6 * L * S * Hq * Dh),
+active = attention + router + top-k experts + LM head. Prints one markdown row per
+system for bench/RESULTS.md.
+
+  python3 bench/qwen3_moe_bench.py --moetrain build/moetrain --layers 8 [--skip-baseline]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def flops_per_token(cfg, seq):
+    d, hq, hkv, dh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    e, k, i, v, layers = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    attention = d * hq * dh + 2 * d * hkv * dh + hq * dh * d
+    active = layers * (attention + d * e + k * 3 * d * i) + v * d
+    return 6 * active + 6 * layers * seq * hq * dh, active
+
+
+def gemm_peak():
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def baseline(cfg, batch, seq, steps, warmup, compiled):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    conf = Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")},
+                          attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(conf).float()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("grouped_mm")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    tokens = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=tokens[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    fn = torch.compile(step) if compiled else step
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return batch * seq / dt, peak
+
+
+def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab):
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens = np.random.default_rng(0).integers(0, vocab, size=(batch, seq + 1), dtype=np.int64)
+        np.save(os.path.join(tmp, "tokens.npy"), tokens)
+        cmd = [binary, "train", f"--model.config={cfg_path}", f"--data.tokens={tmp}/tokens.npy",
+               f"--training.steps={warmup + steps}", "--training.device=cuda", f"--job.dump_folder={tmp}/run",
+               "--optimizer.lr=1e-4", "--training.clip_grad_norm=1.0", "--training.load_balance_coef=0.001",
+               f"--training.force_balanced_routing={'true' if balanced else 'false'}"]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"moetrain failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        rows = [json.loads(l) for l in open(f"{tmp}/run/metrics.jsonl")]
+        timed = rows[warmup:]
+        tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
+        return tps, max(r.get("peak_device_bytes", r["memory_bytes"]) for r in rows), rows[-1].get("breakdown", {}), out.stdout
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--moetrain", required=True)
+    p.add_argument("--layers", type=int, default=8, choices=(4, 8))
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--skip-compile", action="store_true")
+    p.add_argument("--skip-moetrain", action="store_true")
+    args = p.parse_args()
+    cfg_path = os.path.join(HERE, "configs", f"qwen3_30b_a3b_{args.layers}l.json")
+    cfg = json.load(open(cfg_path))
+    fpt, active = flops_per_token(cfg, args.seq)
+    peak = gemm_peak()
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu}: bf16 GEMM peak {peak:.0f} TFLOPS; {args.layers} layers, active params {active/1e6:.0f}M, "
+          f"{fpt/1e9:.2f} GFLOP/token", flush=True)
+    results = []
+    runs = []
+    if not args.skip_baseline:
+        runs.append(("transformers eager", lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, False)))
+        if not args.skip_compile:
+            runs.append(("transformers torch.compile",
+                         lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, True)))
+    for balanced in (() if args.skip_moetrain else (False, True)):
+        name = "moetrain " + ("balanced routing" if balanced else "learned routing")
+        runs.append((name, lambda b=balanced: ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps,
+                                                   args.warmup, b, cfg["vocab_size"])[:2]))
+    for name, fn in runs:
+        try:
+            tps, mem = fn()
+        except Exception as e:  # report and go on: one system failing must not hide the others
+            print(f"{name}: FAILED: {e}", flush=True)
+            continue
+        tflops = tps * fpt / 1e12
+        results.append((name, tps, tflops, tflops / peak, mem))
+        print(f"{name}: {tps:,.0f} tokens/s, {tflops:.1f} model TFLOPS, MFU {100*tflops/peak:.1f}%, "
+              f"peak memory {mem/1e9:.1f} GB", flush=True)
+    date = time.strftime("%Y-%m-%d")
+    commit = os.environ.get("MOETRAIN_COMMIT", "unknown")
+    for name, tps, tflops, mfu, mem in results:
+        print(f"| {date} | {commit} | {gpu} | qwen3-30b-a3b {args.layers}L seq {args.seq} batch {args.batch} bf16: {name} | "
+              f"{tps:,.0f} tokens/s, {tflops:.1f} TFLOPS, MFU {100*mfu:.1f}% of {peak:.0f}, peak {mem/1e9:.1f} GB |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

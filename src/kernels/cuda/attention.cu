@@ -1,0 +1,734 @@
+// Causal flash attention on the GPU: bf16 q/k/v/out/dout, f32 softmax statistics.
+//
+// Three tiled kernels, 4 warps a block, each warp owning 16 rows of its tile:
+//   forward  one block per 64 query rows of one (b, h), looping over 64-key tiles with
+//            an online softmax. Q stays in registers; K and V pass through shared
+//            memory, the next K tile loading while P V runs and V while Q K^T runs.
+//   dK, dV   one block per 64-key tile of one (b, kv head), looping over every query
+//            head of its group and every 32-row query tile that sees those keys (Q and
+//            dout double-buffered). The block owns its dK and dV rows: no atomics.
+//   dQ       one block per 64 query rows of one (b, h), looping over 32-key tiles
+//            (double-buffered). It recomputes Q K^T and dout V^T, two of the five
+//            products again, which is what keeps dQ free of atomics too.
+// Two small kernels go with the backward: delta = dout . out per row first, and the
+// dsinks reduction last. Every pass recomputes P from lse rather than storing it.
+// Nothing is accumulated in an order that depends on scheduling, so the same inputs
+// give the same bits every run.
+// The products run on the tensor cores through mma.sync m16n8k16 (bf16 in, f32
+// accumulate); wgmma and a warp-specialised pipeline are the later, faster version.
+// Heads are zero-padded to 64 or 128 columns in shared memory, so any head_dim up to
+// 128 works (small ones pay for the padding).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/attention.h"
+#include "kernels/cuda/runtime.h"
+
+namespace mt::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct Params {
+  const bf16 *q, *k, *v, *out, *dout;
+  const float* sinks;  // null without sinks
+  const float* lse;
+  float* lse_out;
+  float* delta;  // backward scratch [B,Hq,Tq]
+  bf16 *o, *dq, *dk, *dv;
+  float* dsinks;
+  int b, tq, tk, hq, hkv, d, group;
+  long long shift;   // q_offset - k_offset: query i sits shift + i - j positions after key j
+  long long window;  // 0: none
+  float scale, scale_log2;
+  bool vec;  // head rows are 16-byte aligned: tiles load with cp.async
+};
+
+// Query i sees key j when it is not earlier and, with a window, less than window back.
+__device__ __forceinline__ bool visible(const Params& p, int i, int j) {
+  if (i >= p.tq || j >= p.tk) return false;
+  const long long back = p.shift + i - j;
+  return back >= 0 && (p.window == 0 || back < p.window);
+}
+
+// Every pair of rows [i0, i1] x keys [j0, j1] visible: the tile needs no mask.
+__device__ __forceinline__ bool all_visible(const Params& p, int i0, int i1, int j0, int j1) {
+  return i1 < p.tq && j1 < p.tk && p.shift + i0 - j1 >= 0 && (p.window == 0 || p.shift + i1 - j0 < p.window);
+}
+
+// Keys [lo, hi] that query rows [i0, i1] can see (empty when lo > hi).
+__device__ __forceinline__ void keys_seen(const Params& p, int i0, int i1, int& lo, int& hi) {
+  long long l = p.window > 0 ? p.shift + i0 - p.window + 1 : 0;
+  long long h = p.shift + i1;
+  lo = static_cast<int>(l < 0 ? 0 : l);
+  hi = static_cast<int>(h >= p.tk ? p.tk - 1 : h);
+}
+
+// Query rows [lo, hi] that can see keys [j0, j1].
+__device__ __forceinline__ void queries_seeing(const Params& p, int j0, int j1, int& lo, int& hi) {
+  long long l = j0 - p.shift;
+  long long h = p.window > 0 ? j1 - p.shift + p.window - 1 : p.tq - 1;
+  lo = static_cast<int>(l < 0 ? 0 : (l > p.tq ? p.tq : l));
+  hi = static_cast<int>(h >= p.tq ? p.tq - 1 : h);
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fill) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  // A source size of 0 writes 16 zero bytes and reads nothing.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p, bool trans) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+// c += a (16x16, row-major fragment) * b (16x8, column fragment), f32 accumulate.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x in one MUFU instruction. Flushing subnormal results to 0 changes nothing that
+// matters here: such probabilities vanish next to the row's largest, which is 1.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Fragments from a shared tile with row stride S elements (ldmatrix: lane l names a row
+// of one of four 8x8 matrices). An A operand at rows m0.., columns k0..: a[0..3].
+template <int S>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int m0, int k0) {
+  const int l = threadIdx.x % 32;
+  ldmatrix_x4(a, tile + (m0 + l % 8 + (l / 8) % 2 * 8) * S + k0 + l / 16 * 8, false);
+}
+// B operands of the n-tiles n0 and n0+8 over k0..k0+15, from a tile stored [n][k]
+// (K rows for Q K^T): b[0..1] for n0, b[2..3] for n0+8.
+template <int S>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const bf16* tile, int n0, int k0) {
+  const int l = threadIdx.x % 32;
+  ldmatrix_x4(b, tile + (n0 + l % 8 + l / 16 * 8) * S + k0 + (l / 8) % 2 * 8, false);
+}
+// The same from a tile stored [k][n] (V rows for P V), through the transposing load.
+template <int S>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* tile, int k0, int n0) {
+  const int l = threadIdx.x % 32;
+  ldmatrix_x4(b, tile + (k0 + l % 8 + (l / 8) % 2 * 8) * S + n0 + l / 16 * 8, true);
+}
+
+// Two accumulator n-tiles (16x8 each, C layout) are one A fragment over their 16 columns.
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = pack_bf16(c0[0], c0[1]);
+  a[1] = pack_bf16(c0[2], c0[3]);
+  a[2] = pack_bf16(c1[0], c1[1]);
+  a[3] = pack_bf16(c1[2], c1[3]);
+}
+
+// Columns D..DP-1 of a tile are zero so padded heads add nothing to the products; the
+// loads below never write them, so this runs once per buffer.
+template <int ROWS, int DP>
+__device__ void zero_pad(bf16* tile, int d) {
+  constexpr int S = DP + 8;
+  const int w = DP - d;
+  for (int c = threadIdx.x; c < ROWS * w; c += kThreads) tile[c / w * S + d + c % w] = __float2bfloat16(0.0f);
+}
+
+// Rows t0..t0+ROWS-1 of one head of a [B,T,H,D] tensor (head0 points at row 0 of the
+// head, stride elements apart) into a [ROWS][DP+8] tile. Rows past T are zero, so masked
+// scores never meet garbage (0 * NaN would poison a product).
+template <int ROWS, int DP>
+__device__ void load_tile(bf16* tile, const bf16* head0, long long stride, int t0, int t_end, int d, bool vec) {
+  constexpr int S = DP + 8;
+  if (vec) {
+    const int chunks = d / 8;
+    for (int c = threadIdx.x; c < ROWS * chunks; c += kThreads) {
+      const int r = c / chunks, x = c % chunks, t = t0 + r;
+      // A zero-filling copy reads nothing, but its address should still be a real one.
+      const bf16* src = head0 + (t < t_end ? t : 0) * stride + x * 8;
+      cp_async16(tile + r * S + x * 8, src, t < t_end);
+    }
+  } else {
+    for (int c = threadIdx.x; c < ROWS * d; c += kThreads) {
+      const int r = c / d, x = c % d, t = t0 + r;
+      tile[r * S + x] = t < t_end ? head0[t * stride + x] : __float2bfloat16(0.0f);
+    }
+  }
+}
+
+template <int DP>
+constexpr int forward_smem() {
+  return 3 * 64 * (DP + 8) * 2;
+}
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
+  constexpr int S = DP + 8, BM = 64, BN = 64;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* qs = reinterpret_cast<bf16*>(smem);
+  bf16* ks = qs + BM * S;
+  bf16* vs = ks + BN * S;
+  // Later query tiles see more keys under the causal mask: start them first.
+  const int i0 = (gridDim.x - 1 - blockIdx.x) * BM;
+  const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
+  const long long q_stride = static_cast<long long>(p.hq) * p.d, kv_stride = static_cast<long long>(p.hkv) * p.d;
+  const bf16* qh = p.q + (static_cast<long long>(b) * p.tq * p.hq + h) * p.d;
+  const bf16* kh = p.k + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
+  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
+  const int i_last = min(i0 + BM, p.tq) - 1;
+  int j_lo, j_hi;
+  keys_seen(p, i0, i_last, j_lo, j_hi);
+  const int n_first = j_lo / BN, n_last = j_lo <= j_hi ? j_hi / BN : n_first - 1;
+
+  zero_pad<BM, DP>(qs, p.d);
+  zero_pad<BN, DP>(ks, p.d);
+  zero_pad<BN, DP>(vs, p.d);
+  load_tile<BM, DP>(qs, qh, q_stride, i0, p.tq, p.d, p.vec);
+  if (n_first <= n_last) load_tile<BN, DP>(ks, kh, kv_stride, n_first * BN, p.tk, p.d, p.vec);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+
+  uint32_t qa[DP / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) load_a<S>(qa[kk], qs, warp * 16, kk * 16);
+  float acc[DP / 8][4] = {};
+  // Scores are kept in log2 units (scaled by log2 e) so exp is one ex2. The sink joins
+  // the running max from the start and the denominator at the end.
+  const float sink2 = p.sinks != nullptr ? p.sinks[h] * kLog2e : -INFINITY;
+  float m[2] = {sink2, sink2}, l[2] = {0.0f, 0.0f};
+  const int row0 = i0 + warp * 16 + grp;  // this thread's rows: row0 and row0 + 8
+
+  for (int n = n_first; n <= n_last; ++n) {
+    const int j0 = n * BN;
+    load_tile<BN, DP>(vs, vh, kv_stride, j0, p.tk, p.d, p.vec);
+    cp_async_commit();
+
+    float s[BN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk)
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t kb[4];
+        load_b_nk<S>(kb, ks, np * 16, kk * 16);
+        mma(s[2 * np], qa[kk], kb[0], kb[1]);
+        mma(s[2 * np + 1], qa[kk], kb[2], kb[3]);
+      }
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale_log2;
+    // Only tiles on the diagonal or the window's edge need the per-element mask; the
+    // test is hoisted so the other tiles skip its index arithmetic.
+    if (!all_visible(p, i0, i_last, j0, j0 + BN - 1)) {
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!visible(p, row0 + e / 2 * 8, j0 + nt * 8 + 2 * quad + e % 2)) s[nt][e] = -INFINITY;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row that has seen nothing yet keeps max -inf; shift by 0 so exp gives 0, not NaN.
+      const float base = mx == -INFINITY ? 0.0f : mx;
+      const float alpha = exp2_ftz(m[r] - base);
+      m[r] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float pr = exp2_ftz(s[nt][2 * r + c] - base);
+          s[nt][2 * r + c] = pr;
+          sum += pr;
+        }
+      l[r] = l[r] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+        acc[dt][2 * r] *= alpha;
+        acc[dt][2 * r + 1] *= alpha;
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();  // V has landed; every warp is done with K
+    if (n < n_last) load_tile<BN, DP>(ks, kh, kv_stride, j0 + BN, p.tk, p.d, p.vec);
+    cp_async_commit();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t pa[4];
+      c_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+      for (int dp = 0; dp < DP / 16; ++dp) {
+        uint32_t vb[4];
+        load_b_kn<S>(vb, vs, kk * 16, dp * 16);
+        mma(acc[2 * dp], pa, vb[0], vb[1]);
+        mma(acc[2 * dp + 1], pa, vb[2], vb[3]);
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();  // the next K has landed; every warp is done with V
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (p.sinks != nullptr) sum += exp2_ftz(sink2 - m[r]);
+    const int row = row0 + 8 * r;
+    if (row >= p.tq) continue;
+    // An empty denominator (no visible key, no sink): lse -inf and output 0.
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    if (quad == 0)
+      p.lse_out[(static_cast<long long>(b) * p.hq + h) * p.tq + row] =
+          sum > 0.0f ? (m[r] + log2f(sum)) * kLn2 : -INFINITY;
+    bf16* orow = p.o + ((static_cast<long long>(b) * p.tq + row) * p.hq + h) * p.d;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      const int col = dt * 8 + 2 * quad;
+      if (col < p.d) orow[col] = __float2bfloat16(acc[dt][2 * r] * inv);
+      if (col + 1 < p.d) orow[col + 1] = __float2bfloat16(acc[dt][2 * r + 1] * inv);
+    }
+  }
+}
+
+// delta[b,h,i] = dout . out over the head, the D_i of dS = P (dP - D_i). One warp a row.
+__global__ void delta_kernel(Params p) {
+  const long long row = static_cast<long long>(blockIdx.x) * kWarps + threadIdx.x / 32;  // (b*Tq + i)*Hq + h
+  if (row >= static_cast<long long>(p.b) * p.tq * p.hq) return;
+  const int lane = threadIdx.x % 32;
+  const bf16* o = p.out + row * p.d;
+  const bf16* g = p.dout + row * p.d;
+  float s = 0.0f;
+  for (int c = lane; c < p.d; c += 32) s += __bfloat162float(o[c]) * __bfloat162float(g[c]);
+#pragma unroll
+  for (int w = 16; w > 0; w /= 2) s += __shfl_xor_sync(0xffffffffu, s, w);
+  const int h = static_cast<int>(row % p.hq);
+  const long long bi = row / p.hq;
+  const int b = static_cast<int>(bi / p.tq), i = static_cast<int>(bi % p.tq);
+  if (lane == 0) p.delta[(static_cast<long long>(b) * p.hq + h) * p.tq + i] = s;
+}
+
+// dsinks[h] += -sum over (b, i) of exp(sink_h - lse) * D_i. One block a head, and a fixed
+// reduction order, so the sum does not depend on scheduling.
+__global__ void dsinks_kernel(Params p) {
+  __shared__ float part[kThreads];
+  const int h = blockIdx.x;
+  float s = 0.0f;
+  for (int x = threadIdx.x; x < p.b * p.tq; x += kThreads) {
+    const long long at = (static_cast<long long>(x / p.tq) * p.hq + h) * p.tq + x % p.tq;
+    s += expf(p.sinks[h] - p.lse[at]) * p.delta[at];
+  }
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.dsinks[h] -= part[0];
+}
+
+template <int DP>
+constexpr int dkdv_smem() {
+  return (2 * 64 + 4 * 32) * (DP + 8) * 2 + 4 * 32 * 4;
+}
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
+  constexpr int S = DP + 8, BN = 64, BM = 32;  // BN keys per block, BM query rows per step
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* ks = reinterpret_cast<bf16*>(smem);
+  bf16* vs = ks + BN * S;
+  // Two buffers each of Q and dout rows, lse (log2 units) and delta; buffer x of qs at
+  // qs + x * BM * S (pointer arithmetic, not an array of pointers, keeps them in registers).
+  bf16* qs = vs + BN * S;
+  bf16* gs = qs + 2 * BM * S;
+  float* lse_s = reinterpret_cast<float*>(gs + 2 * BM * S);
+  float* delta_s = lse_s + 2 * BM;
+  const int j0 = blockIdx.x * BN, g = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
+  const long long q_stride = static_cast<long long>(p.hq) * p.d, kv_stride = static_cast<long long>(p.hkv) * p.d;
+  const int j_last = min(j0 + BN, p.tk) - 1;
+  int i_lo, i_hi;
+  queries_seeing(p, j0, j_last, i_lo, i_hi);
+  const int q_tiles = i_lo <= i_hi ? i_hi / BM - i_lo / BM + 1 : 0;
+  const int steps = p.group * q_tiles;  // (query head of the group, query tile) pairs
+
+  auto load_step = [&](int st, int buf) {
+    const int h = g * p.group + st / q_tiles, i0 = (i_lo / BM + st % q_tiles) * BM;
+    const long long head = static_cast<long long>(b) * p.tq * p.hq + h;
+    load_tile<BM, DP>(qs + buf * BM * S, p.q + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
+    load_tile<BM, DP>(gs + buf * BM * S, p.dout + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
+    for (int r = threadIdx.x; r < BM; r += kThreads) {
+      const long long at = (static_cast<long long>(b) * p.hq + h) * p.tq + i0 + r;
+      const bool in = i0 + r < p.tq;
+      lse_s[buf * BM + r] = in ? p.lse[at] * kLog2e : 0.0f;
+      delta_s[buf * BM + r] = in ? p.delta[at] : 0.0f;
+    }
+  };
+
+  zero_pad<BN, DP>(ks, p.d);
+  zero_pad<BN, DP>(vs, p.d);
+  zero_pad<2 * BM, DP>(qs, p.d);
+  zero_pad<2 * BM, DP>(gs, p.d);
+  const bf16* kh = p.k + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
+  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
+  load_tile<BN, DP>(ks, kh, kv_stride, j0, p.tk, p.d, p.vec);
+  load_tile<BN, DP>(vs, vh, kv_stride, j0, p.tk, p.d, p.vec);
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  float dk[DP / 8][4] = {}, dv[DP / 8][4] = {};
+  const int key0 = j0 + warp * 16 + grp;  // this thread's keys: key0 and key0 + 8
+  for (int st = 0; st < steps; ++st) {
+    const int buf = st & 1;
+    cp_async_wait_all();
+    __syncthreads();  // step st has landed; every warp is done with the other buffer
+    if (st + 1 < steps) load_step(st + 1, buf ^ 1);
+    cp_async_commit();
+    const int i0 = (i_lo / BM + st % q_tiles) * BM;
+    const bf16* qt = qs + buf * BM * S;
+    const bf16* gt = gs + buf * BM * S;
+
+    // S^T = K Q^T and dP^T = V dout^T for this warp's 16 keys and the BM queries.
+    float s[BM / 8][4] = {}, dpt[BM / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      uint32_t ka[4], va[4];
+      load_a<S>(ka, ks, warp * 16, kk * 16);
+      load_a<S>(va, vs, warp * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < BM / 16; ++np) {
+        uint32_t qb[4], gb[4];
+        load_b_nk<S>(qb, qt, np * 16, kk * 16);
+        load_b_nk<S>(gb, gt, np * 16, kk * 16);
+        mma(s[2 * np], ka, qb[0], qb[1]);
+        mma(s[2 * np + 1], ka, qb[2], qb[3]);
+        mma(dpt[2 * np], va, gb[0], gb[1]);
+        mma(dpt[2 * np + 1], va, gb[2], gb[3]);
+      }
+    }
+    // P^T = exp(S^T - lse) and dS^T = P^T (dP^T - D). Masked entries are then set to
+    // exactly 0 (the exp may be inf there: a row that sees nothing has lse -inf).
+    const float* lse_t = lse_s + buf * BM;
+    const float* delta_t = delta_s + buf * BM;
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = exp2_ftz(s[nt][e] * p.scale_log2 - lse_t[nt * 8 + 2 * quad + e % 2]);
+    if (!all_visible(p, i0, i0 + BM - 1, j0, j0 + BN - 1)) {
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!visible(p, i0 + nt * 8 + 2 * quad + e % 2, key0 + e / 2 * 8)) s[nt][e] = 0.0f;
+    }
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[nt][e] = s[nt][e] * (dpt[nt][e] - delta_t[nt * 8 + 2 * quad + e % 2]);
+    // dV += P^T dout and dK += dS^T Q, contracting over the BM queries.
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      uint32_t pa[4], da[4];
+      c_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+      c_to_a(da, dpt[2 * kk], dpt[2 * kk + 1]);
+#pragma unroll
+      for (int dp = 0; dp < DP / 16; ++dp) {
+        uint32_t gb[4], qb[4];
+        load_b_kn<S>(gb, gt, kk * 16, dp * 16);
+        load_b_kn<S>(qb, qt, kk * 16, dp * 16);
+        mma(dv[2 * dp], pa, gb[0], gb[1]);
+        mma(dv[2 * dp + 1], pa, gb[2], gb[3]);
+        mma(dk[2 * dp], da, qb[0], qb[1]);
+        mma(dk[2 * dp + 1], da, qb[2], qb[3]);
+      }
+    }
+  }
+
+  // Every key row of the tile is written, zero when no query sees it.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= p.tk) continue;
+    const long long at = ((static_cast<long long>(b) * p.tk + key) * p.hkv + g) * p.d;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      const int col = dt * 8 + 2 * quad;
+      for (int c = 0; c < 2; ++c)
+        if (col + c < p.d) {
+          p.dk[at + col + c] = __float2bfloat16(dk[dt][2 * r + c] * p.scale);
+          p.dv[at + col + c] = __float2bfloat16(dv[dt][2 * r + c]);
+        }
+    }
+  }
+}
+
+template <int DP>
+constexpr int dq_smem() {
+  return (2 * 64 + 4 * 32) * (DP + 8) * 2;
+}
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
+  constexpr int S = DP + 8, BM = 64, BN = 32;  // BM query rows per block, BN keys per step
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* qs = reinterpret_cast<bf16*>(smem);
+  bf16* gs = qs + BM * S;
+  // Two buffers each of K and V rows, buffer x at ks + x * BN * S.
+  bf16* ks = gs + BM * S;
+  bf16* vs = ks + 2 * BN * S;
+  const int i0 = (gridDim.x - 1 - blockIdx.x) * BM;
+  const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
+  const long long q_stride = static_cast<long long>(p.hq) * p.d, kv_stride = static_cast<long long>(p.hkv) * p.d;
+  const long long head = static_cast<long long>(b) * p.tq * p.hq + h;
+  const bf16* kh = p.k + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
+  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
+  const int i_last = min(i0 + BM, p.tq) - 1;
+  int j_lo, j_hi;
+  keys_seen(p, i0, i_last, j_lo, j_hi);
+  const int n_first = j_lo / BN, n_last = j_lo <= j_hi ? j_hi / BN : n_first - 1;
+  auto load_kv = [&](int n, int buf) {
+    load_tile<BN, DP>(ks + buf * BN * S, kh, kv_stride, n * BN, p.tk, p.d, p.vec);
+    load_tile<BN, DP>(vs + buf * BN * S, vh, kv_stride, n * BN, p.tk, p.d, p.vec);
+  };
+
+  zero_pad<BM, DP>(qs, p.d);
+  zero_pad<BM, DP>(gs, p.d);
+  zero_pad<2 * BN, DP>(ks, p.d);
+  zero_pad<2 * BN, DP>(vs, p.d);
+  load_tile<BM, DP>(qs, p.q + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
+  load_tile<BM, DP>(gs, p.dout + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
+  if (n_first <= n_last) load_kv(n_first, 0);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+
+  uint32_t qa[DP / 16][4], ga[DP / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    load_a<S>(qa[kk], qs, warp * 16, kk * 16);
+    load_a<S>(ga[kk], gs, warp * 16, kk * 16);
+  }
+  const int row0 = i0 + warp * 16 + grp;  // this thread's rows: row0 and row0 + 8
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    const long long at = (static_cast<long long>(b) * p.hq + h) * p.tq + row;
+    lse2[r] = row < p.tq ? p.lse[at] * kLog2e : 0.0f;
+    dlt[r] = row < p.tq ? p.delta[at] : 0.0f;
+  }
+  float dq[DP / 8][4] = {};
+
+  for (int n = n_first; n <= n_last; ++n) {
+    const int buf = (n - n_first) & 1, j0 = n * BN;
+    if (n > n_first) {
+      cp_async_wait_all();
+      __syncthreads();  // tile n has landed; every warp is done with the other buffer
+    }
+    if (n < n_last) load_kv(n + 1, buf ^ 1);
+    cp_async_commit();
+    const bf16* kt = ks + buf * BN * S;
+    const bf16* vt = vs + buf * BN * S;
+
+    float s[BN / 8][4] = {}, dpv[BN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk)
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t kb[4], vb[4];
+        load_b_nk<S>(kb, kt, np * 16, kk * 16);
+        load_b_nk<S>(vb, vt, np * 16, kk * 16);
+        mma(s[2 * np], qa[kk], kb[0], kb[1]);
+        mma(s[2 * np + 1], qa[kk], kb[2], kb[3]);
+        mma(dpv[2 * np], ga[kk], vb[0], vb[1]);
+        mma(dpv[2 * np + 1], ga[kk], vb[2], vb[3]);
+      }
+    // P = exp(S - lse), masked entries then exactly 0 (see the dK/dV kernel).
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = exp2_ftz(s[nt][e] * p.scale_log2 - lse2[e / 2]);
+    if (!all_visible(p, i0, i_last, j0, j0 + BN - 1)) {
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!visible(p, row0 + e / 2 * 8, j0 + nt * 8 + 2 * quad + e % 2)) s[nt][e] = 0.0f;
+    }
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpv[nt][e] = s[nt][e] * (dpv[nt][e] - dlt[e / 2]);
+    // dQ += dS K, contracting over the BN keys.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t da[4];
+      c_to_a(da, dpv[2 * kk], dpv[2 * kk + 1]);
+#pragma unroll
+      for (int dp = 0; dp < DP / 16; ++dp) {
+        uint32_t kb[4];
+        load_b_kn<S>(kb, kt, kk * 16, dp * 16);
+        mma(dq[2 * dp], da, kb[0], kb[1]);
+        mma(dq[2 * dp + 1], da, kb[2], kb[3]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= p.tq) continue;
+    bf16* out = p.dq + ((static_cast<long long>(b) * p.tq + row) * p.hq + h) * p.d;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      const int col = dt * 8 + 2 * quad;
+      if (col < p.d) out[col] = __float2bfloat16(dq[dt][2 * r] * p.scale);
+      if (col + 1 < p.d) out[col + 1] = __float2bfloat16(dq[dt][2 * r + 1] * p.scale);
+    }
+  }
+}
+
+bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
+
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
+
+// Checks the inputs (bf16 on the GPU, f32 sinks) and fills the parameters all kernels share.
+Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
+                   const cpu::AttentionArgs& a) {
+  MT_CHECK(q.ndim() == 4 && k.ndim() == 4) << "attention q should be [B,Tq,Hq,D] and k [B,Tk,Hkv,D], got q "
+                                           << q.str() << ", k " << k.str();
+  const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
+  check_arg(q, "attention q", {DType::bf16}, {b, tq, hq, d});
+  check_arg(k, "attention k", {DType::bf16}, {b, tk, hkv, d});
+  check_arg(v, "attention v", {DType::bf16}, {b, tk, hkv, d});
+  MT_CHECK(hkv > 0 && hq % hkv == 0) << "attention query heads " << hq << " not a multiple of kv heads " << hkv;
+  MT_CHECK(d >= 1 && d <= 128) << "cuda attention supports head_dim 1..128, got " << d;
+  MT_CHECK(a.window >= 0) << "attention window must be >= 0, got " << a.window;
+  const bool has_sinks = present(sinks);
+  if (has_sinks) check_arg(sinks, "attention sinks", {DType::f32}, {hq});
+  Params p{};
+  p.q = static_cast<const bf16*>(q.data);
+  p.k = static_cast<const bf16*>(k.data);
+  p.v = static_cast<const bf16*>(v.data);
+  p.sinks = has_sinks ? sinks.f32() : nullptr;
+  p.b = static_cast<int>(b);
+  p.tq = static_cast<int>(tq);
+  p.tk = static_cast<int>(tk);
+  p.hq = static_cast<int>(hq);
+  p.hkv = static_cast<int>(hkv);
+  p.d = static_cast<int>(d);
+  p.group = static_cast<int>(hq / hkv);
+  p.shift = a.q_offset - a.k_offset;
+  p.window = a.window;
+  p.scale = a.scale;
+  p.scale_log2 = a.scale * kLog2e;
+  p.vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
+  return p;
+}
+
+// Kernels above 48 KB of shared memory must ask for it once.
+template <typename Kernel>
+void launch(Kernel kernel, dim3 grid, int smem, const Params& p) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, kThreads, smem, stream()>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+unsigned tiles(int n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
+
+}  // namespace
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
+                       const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
+  Params p = make_params(q, k, v, sinks, a);
+  check_arg(out, "attention out", {DType::bf16}, q.shape);
+  check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
+  p.o = static_cast<bf16*>(out.data);
+  p.lse_out = lse.f32();
+  p.vec = p.vec && aligned16(out);
+  const dim3 grid(tiles(p.tq, 64), p.hq, p.b);
+  if (p.d <= 64)
+    launch(forward_kernel<64>, grid, forward_smem<64>(), p);
+  else
+    launch(forward_kernel<128>, grid, forward_smem<128>(), p);
+}
+
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
+                        const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                        const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dsinks) {
+  Params p = make_params(q, k, v, sinks, a);
+  check_arg(out, "attention out", {DType::bf16}, q.shape);
+  check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
+  check_arg(dout, "attention dout", {DType::bf16}, q.shape);
+  check_arg(dq, "attention dq", {DType::bf16}, q.shape);
+  check_arg(dk, "attention dk", {DType::bf16}, k.shape);
+  check_arg(dv, "attention dv", {DType::bf16}, k.shape);
+  if (p.sinks != nullptr) {
+    check_arg(dsinks, "attention dsinks", {DType::f32}, {p.hq});
+    p.dsinks = dsinks.f32();
+  }
+  p.out = static_cast<const bf16*>(out.data);
+  p.dout = static_cast<const bf16*>(dout.data);
+  p.lse = lse.f32();
+  p.dq = static_cast<bf16*>(dq.data);
+  p.dk = static_cast<bf16*>(dk.data);
+  p.dv = static_cast<bf16*>(dv.data);
+  p.vec = p.vec && aligned16(dout);
+  const long long rows = static_cast<long long>(p.b) * p.tq * p.hq;
+  p.delta = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(rows)));
+  if (rows > 0) {
+    delta_kernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream()>>>(p);
+    CUDA_CHECK_LAUNCH();
+  }
+  const dim3 kv_grid(tiles(p.tk, 64), p.hkv, p.b), q_grid(tiles(p.tq, 64), p.hq, p.b);
+  if (p.d <= 64) {
+    launch(dkdv_kernel<64>, kv_grid, dkdv_smem<64>(), p);
+    launch(dq_kernel<64>, q_grid, dq_smem<64>(), p);
+  } else {
+    launch(dkdv_kernel<128>, kv_grid, dkdv_smem<128>(), p);
+    launch(dq_kernel<128>, q_grid, dq_smem<128>(), p);
+  }
+  if (p.sinks != nullptr && p.hq > 0) {
+    dsinks_kernel<<<static_cast<unsigned>(p.hq), kThreads, 0, stream()>>>(p);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace mt::cuda

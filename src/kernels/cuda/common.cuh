@@ -1,0 +1,59 @@
+// Device-side helpers the kernel files share: float views of f32-or-bf16 buffers and
+// block reductions. Kernels compute in f32 and choose the storage type per launch
+// with a uniform branch, which keeps one kernel per op instead of one per dtype pair.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace mt::cuda {
+
+// Element i of a f32 or bf16 buffer, as f32.
+struct In {
+  const void* p;
+  bool bf16;
+  __device__ float operator[](int64_t i) const {
+    return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+};
+
+// Writes f32 values into a f32 or bf16 buffer (round to nearest even for bf16).
+struct Out {
+  void* p;
+  bool bf16;
+  __device__ void set(int64_t i, float v) const {
+    if (bf16)
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float*>(p)[i] = v;
+  }
+  __device__ float get(int64_t i) const { return In{p, bf16}[i]; }
+};
+
+inline In as_in(const Tensor& t) { return In{t.data, t.dtype == DType::bf16}; }
+inline Out as_out(const Tensor& t) { return Out{t.data, t.dtype == DType::bf16}; }
+
+inline unsigned blocks_for(int64_t work, int threads) {
+  int64_t b = (work + threads - 1) / threads;
+  return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+// Sum over the block of a per-thread value; every thread gets the total. The order of
+// the additions depends only on blockDim, so results repeat bit for bit. `shared` holds
+// one T per warp; blockDim.x is a multiple of 32.
+template <typename T>
+__device__ T block_sum(T v, T* shared) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __syncthreads();  // `shared` may still be read by a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  T total = 0;
+  for (int w = 0; w < warps; ++w) total += shared[w];
+  return total;
+}
+
+}  // namespace mt::cuda

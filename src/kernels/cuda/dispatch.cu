@@ -1,0 +1,384 @@
+// Token <-> expert permutations on the GPU, same contract as the CPU backend; the
+// activations are bf16 and every weighted sum is taken in f32.
+//
+// dispatch_plan is a stable counting sort in three launches over chunks of slots:
+// count (a histogram per chunk), scan (per expert over the chunks, then over the
+// experts), place. Within a chunk one warp walks the slots in order, 32 at a time, and
+// ranks equal experts among the 32 with __match_any_sync, so a slot's row depends only on
+// the slots before it: the plan is the CPU's, bit for bit, with no atomics.
+//
+// The plan returns the dropped count on the host, which needs a synchronisation; without
+// a capacity nothing is dropped, so that case returns 0 without one (and stays capturable
+// in a CUDA graph). Indices are checked on the device: a bad one traps the kernel,
+// reported at the next synchronising CUDA call, instead of reading or writing out of
+// bounds; a host-side check would need a synchronisation on every call.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/runtime.h"
+#include "kernels/dispatch.h"
+
+namespace mt::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kChunk = 512;  // slots per warp in the plan
+constexpr int kThreads = 128;
+
+struct Plan {
+  const int32_t* idx;
+  int32_t* hist;  // [chunks][E]: counts per chunk, then each chunk's first rank per expert
+  int32_t* counts;
+  int32_t* offsets;
+  int32_t* order;
+  int32_t* slot_row;
+  long long* dropped;
+  int slots, experts, chunks;
+  long long capacity;
+};
+
+// Walks chunk c's slots in order; for each calls at(s, e, rank) where rank counts the
+// earlier slots of expert e in the chunk (plus the starting value of cnt[e]).
+template <typename At>
+__device__ void walk_chunk(const Plan& p, int c, int* cnt, At at) {
+  const int lane = threadIdx.x;
+  const int end = min(p.slots, (c + 1) * kChunk);
+  for (int base = c * kChunk; base < end; base += 32) {
+    const int s = base + lane;
+    const int e = s < end ? p.idx[s] : -1;
+    if (s < end && (e < 0 || e >= p.experts)) __trap();
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    const int rank = e >= 0 ? cnt[e] + __popc(peers & ((1u << lane) - 1)) : 0;
+    __syncwarp();
+    // The highest lane of each expert's group moves that expert's count on.
+    if (e >= 0 && lane == 31 - __clz(peers)) cnt[e] += __popc(peers);
+    __syncwarp();
+    if (e >= 0) at(s, e, rank);
+  }
+}
+
+__global__ void plan_count_kernel(Plan p) {
+  extern __shared__ int cnt[];
+  const int c = blockIdx.x;
+  for (int e = threadIdx.x; e < p.experts; e += 32) cnt[e] = 0;
+  __syncwarp();
+  walk_chunk(p, c, cnt, [](int, int, int) {});
+  __syncwarp();
+  for (int e = threadIdx.x; e < p.experts; e += 32) p.hist[static_cast<long long>(c) * p.experts + e] = cnt[e];
+}
+
+// One block: per expert an exclusive scan over the chunks and the capped count, then an
+// exclusive scan over the experts (a serial one: E is small) for the offsets.
+__global__ void plan_scan_kernel(Plan p) {
+  extern __shared__ int kept[];
+  __shared__ long long dropped[kThreads];
+  long long drop = 0;
+  for (int e = threadIdx.x; e < p.experts; e += kThreads) {
+    int run = 0;
+    for (int c = 0; c < p.chunks; ++c) {
+      int* h = p.hist + static_cast<long long>(c) * p.experts + e;
+      const int n = *h;
+      *h = run;
+      run += n;
+    }
+    const int keep = p.capacity > 0 && run > p.capacity ? static_cast<int>(p.capacity) : run;
+    kept[e] = keep;
+    p.counts[e] = keep;
+    drop += run - keep;
+  }
+  dropped[threadIdx.x] = drop;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int off = 0;
+    long long total = 0;
+    for (int e = 0; e < p.experts; ++e) {
+      p.offsets[e] = off;
+      off += kept[e];
+    }
+    p.offsets[p.experts] = off;
+    for (int x = 0; x < kThreads; ++x) total += dropped[x];
+    *p.dropped = total;
+  }
+}
+
+__global__ void plan_place_kernel(Plan p) {
+  extern __shared__ int cnt[];
+  const int c = blockIdx.x;
+  for (int e = threadIdx.x; e < p.experts; e += 32) cnt[e] = p.hist[static_cast<long long>(c) * p.experts + e];
+  __syncwarp();
+  walk_chunk(p, c, cnt, [&](int s, int e, int rank) {
+    if (p.capacity > 0 && rank >= p.capacity) {
+      p.slot_row[s] = -1;
+      return;
+    }
+    const int row = p.offsets[e] + rank;
+    p.order[row] = s;
+    p.slot_row[s] = row;
+  });
+}
+
+// W consecutive bf16 as f32 (W = 8: one 16-byte access), and back with round to nearest.
+template <int W>
+__device__ __forceinline__ void load(const bf16* src, float (&f)[W]) {
+  if constexpr (W == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(src);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = __bfloat1622float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  } else {
+    f[0] = __bfloat162float(*src);
+  }
+}
+
+template <int W>
+__device__ __forceinline__ void store(bf16* dst, const float (&f)[W]) {
+  if constexpr (W == 8) {
+    uint4 u;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    *reinterpret_cast<uint4*>(dst) = u;
+  } else {
+    *dst = __float2bfloat16(f[0]);
+  }
+}
+
+struct Gather {
+  const bf16* src;
+  bf16* dst;
+  const int32_t* index;  // order (dispatch forward) or slot_row (the others)
+  const float* weight;
+  const bf16* aux;  // combine backward: ys
+  float* dweight;
+  int rows, tokens, d, k;  // rows = R, the expert-ordered rows
+};
+
+// xs[r] = x[order[r] / k]: one block per row.
+template <int W>
+__global__ void dispatch_forward_kernel(Gather g) {
+  const int r = blockIdx.x;
+  const int s = g.index[r];
+  if (s < 0 || s >= g.tokens * g.k) __trap();
+  const bf16* src = g.src + static_cast<long long>(s / g.k) * g.d;
+  bf16* dst = g.dst + static_cast<long long>(r) * g.d;
+  for (int c = threadIdx.x * W; c < g.d; c += kThreads * W) {
+    float f[W];
+    load<W>(src + c, f);
+    store<W>(dst + c, f);
+  }
+}
+
+// dx[t] = sum over kept slots of dxs[row] (no weight), or y[t] = sum of weight * ys[row]
+// (with one): one block per token, the sum in f32 in slot order.
+template <int W>
+__global__ void gather_sum_kernel(Gather g) {
+  const int t = blockIdx.x;
+  const int32_t* sr = g.index + static_cast<long long>(t) * g.k;
+  for (int j = threadIdx.x; j < g.k; j += kThreads)
+    if (sr[j] < -1 || sr[j] >= g.rows) __trap();
+  bf16* dst = g.dst + static_cast<long long>(t) * g.d;
+  for (int c = threadIdx.x * W; c < g.d; c += kThreads * W) {
+    float acc[W] = {};
+    for (int j = 0; j < g.k; ++j) {
+      const int row = sr[j];
+      if (row < 0) continue;
+      const float w = g.weight != nullptr ? g.weight[static_cast<long long>(t) * g.k + j] : 1.0f;
+      float f[W];
+      load<W>(g.src + static_cast<long long>(row) * g.d + c, f);
+#pragma unroll
+      for (int i = 0; i < W; ++i) acc[i] += w * f[i];
+    }
+    store<W>(dst + c, acc);
+  }
+}
+
+// dys[row] = weight * dy[t] and dweight[t,j] = dy[t] . ys[row]: one block per token, each
+// dot reduced in a fixed order.
+template <int W>
+__global__ void combine_backward_kernel(Gather g) {
+  __shared__ float part[kThreads];
+  const int t = blockIdx.x;
+  const int32_t* sr = g.index + static_cast<long long>(t) * g.k;
+  const bf16* dy = g.src + static_cast<long long>(t) * g.d;
+  for (int j = 0; j < g.k; ++j) {
+    const int row = sr[j];
+    if (row < -1 || row >= g.rows) __trap();
+    float dot = 0.0f;
+    if (row >= 0) {
+      const float w = g.weight[static_cast<long long>(t) * g.k + j];
+      for (int c = threadIdx.x * W; c < g.d; c += kThreads * W) {
+        float fy[W], fg[W], out[W];
+        load<W>(dy + c, fg);
+        load<W>(g.aux + static_cast<long long>(row) * g.d + c, fy);
+#pragma unroll
+        for (int i = 0; i < W; ++i) {
+          dot += fg[i] * fy[i];
+          out[i] = w * fg[i];
+        }
+        store<W>(g.dst + static_cast<long long>(row) * g.d + c, out);
+      }
+    }
+    part[threadIdx.x] = dot;
+    __syncthreads();
+    for (int w = kThreads / 2; w > 0; w /= 2) {
+      if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) g.dweight[static_cast<long long>(t) * g.k + j] = part[0];
+    __syncthreads();  // part is reused for the next slot
+  }
+}
+
+// The vector path wants every row 16-byte aligned.
+bool rows_aligned(int64_t d, std::initializer_list<const void*> ptrs) {
+  if (d % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+// [N*k] i32 slot_row for N tokens, as the CPU backend wants it; returns k.
+int64_t check_slot_row(const Tensor& slot_row, int64_t tokens) {
+  MT_CHECK(slot_row.dtype == DType::i32 && slot_row.ndim() == 1 &&
+           (tokens == 0 ? slot_row.dim(0) == 0 : slot_row.dim(0) % tokens == 0))
+      << "slot_row should be i32 [N*k] with N=" << tokens << ", got " << slot_row.str();
+  MT_CHECK(slot_row.device == Device::cuda) << "slot_row " << slot_row.str() << " is not on the GPU";
+  return tokens == 0 ? 0 : slot_row.dim(0) / tokens;
+}
+
+}  // namespace
+
+int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
+                      const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
+  MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2) << "dispatch idx should be i32 [N,k], got " << idx.str();
+  MT_CHECK(num_experts > 0 && capacity >= 0) << "dispatch wants at least one expert and capacity >= 0, got "
+                                             << num_experts << " experts, capacity " << capacity;
+  const int64_t slots = idx.dim(0) * idx.dim(1);
+  check_arg(idx, "dispatch idx", {DType::i32}, idx.shape);
+  check_arg(counts, "dispatch counts", {DType::i32}, {num_experts});
+  check_arg(offsets, "dispatch offsets", {DType::i32}, {num_experts + 1});
+  MT_CHECK(order.ndim() == 1 && order.dim(0) >= slots)
+      << "dispatch order should be i32 with at least " << slots << " entries, got " << order.str();
+  check_arg(order, "dispatch order", {DType::i32}, order.shape);
+  check_arg(slot_row, "dispatch slot_row", {DType::i32}, {slots});
+  Plan p{};
+  p.idx = idx.i32();
+  p.counts = counts.i32();
+  p.offsets = offsets.i32();
+  p.order = order.i32();
+  p.slot_row = slot_row.i32();
+  p.slots = static_cast<int>(slots);
+  p.experts = static_cast<int>(num_experts);
+  p.chunks = static_cast<int>((slots + kChunk - 1) / kChunk);
+  p.capacity = capacity;
+  // The backend's scratch holds the dropped count, then the per-chunk histogram.
+  const size_t hist_bytes = sizeof(int32_t) * static_cast<size_t>(p.chunks) * p.experts;
+  char* buffer = static_cast<char*>(scratch(hist_bytes + 256));
+  p.dropped = reinterpret_cast<long long*>(buffer);
+  p.hist = reinterpret_cast<int32_t*>(buffer + 256);
+  const size_t cnt_bytes = sizeof(int) * static_cast<size_t>(p.experts);
+  if (p.chunks > 0) {
+    plan_count_kernel<<<p.chunks, 32, cnt_bytes, stream()>>>(p);
+    CUDA_CHECK_LAUNCH();
+  }
+  plan_scan_kernel<<<1, kThreads, cnt_bytes, stream()>>>(p);
+  CUDA_CHECK_LAUNCH();
+  if (p.chunks > 0) {
+    plan_place_kernel<<<p.chunks, 32, cnt_bytes, stream()>>>(p);
+    CUDA_CHECK_LAUNCH();
+  }
+  long long dropped = 0;
+  if (capacity > 0) {
+    CUDA_CHECK(cudaMemcpyAsync(&dropped, p.dropped, sizeof(dropped), cudaMemcpyDeviceToHost, stream()));
+    synchronize();
+  }
+  return dropped;
+}
+
+void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Tensor& xs) {
+  MT_CHECK(x.ndim() == 2 && xs.ndim() == 2 && k >= 1)
+      << "dispatch wants x [N,D], xs [R,D] and k >= 1, got x " << x.str() << ", xs " << xs.str() << ", k " << k;
+  const int64_t n = x.dim(0), d = x.dim(1), rows = xs.dim(0);
+  check_arg(x, "dispatch x", {DType::bf16}, {n, d});
+  check_arg(xs, "dispatch xs", {DType::bf16}, {rows, d});
+  MT_CHECK(order.ndim() == 1 && order.dim(0) >= rows)
+      << "dispatch order should be i32 with at least " << rows << " entries, got " << order.str();
+  check_arg(order, "dispatch order", {DType::i32}, order.shape);
+  if (rows == 0 || d == 0) return;
+  Gather g{static_cast<const bf16*>(x.data), static_cast<bf16*>(xs.data), order.i32(), nullptr, nullptr, nullptr,
+           static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  if (rows_aligned(d, {x.data, xs.data}))
+    dispatch_forward_kernel<8><<<static_cast<unsigned>(rows), kThreads, 0, stream()>>>(g);
+  else
+    dispatch_forward_kernel<1><<<static_cast<unsigned>(rows), kThreads, 0, stream()>>>(g);
+  CUDA_CHECK_LAUNCH();
+}
+
+void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& dx) {
+  MT_CHECK(dxs.ndim() == 2 && dx.ndim() == 2)
+      << "dispatch backward wants dxs [R,D] and dx [N,D], got dxs " << dxs.str() << ", dx " << dx.str();
+  const int64_t rows = dxs.dim(0), d = dxs.dim(1), n = dx.dim(0);
+  check_arg(dxs, "dispatch dxs", {DType::bf16}, {rows, d});
+  check_arg(dx, "dispatch dx", {DType::bf16}, {n, d});
+  const int64_t k = check_slot_row(slot_row, n);
+  if (n == 0 || d == 0) return;
+  Gather g{static_cast<const bf16*>(dxs.data), static_cast<bf16*>(dx.data), slot_row.i32(), nullptr, nullptr,
+           nullptr, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  if (rows_aligned(d, {dxs.data, dx.data}))
+    gather_sum_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
+  else
+    gather_sum_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
+  CUDA_CHECK_LAUNCH();
+}
+
+void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y) {
+  MT_CHECK(ys.ndim() == 2 && weight.ndim() == 2 && y.ndim() == 2)
+      << "combine wants ys [R,D], weight [N,k], y [N,D], got ys " << ys.str() << ", weight " << weight.str() << ", y "
+      << y.str();
+  const int64_t rows = ys.dim(0), d = ys.dim(1), n = weight.dim(0), k = weight.dim(1);
+  check_arg(ys, "combine ys", {DType::bf16}, {rows, d});
+  check_arg(weight, "combine weight", {DType::f32}, {n, k});
+  check_arg(y, "combine y", {DType::bf16}, {n, d});
+  check_arg(slot_row, "combine slot_row", {DType::i32}, {n * k});
+  if (n == 0 || d == 0) return;
+  Gather g{static_cast<const bf16*>(ys.data), static_cast<bf16*>(y.data), slot_row.i32(), weight.f32(), nullptr,
+           nullptr, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  if (rows_aligned(d, {ys.data, y.data}))
+    gather_sum_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
+  else
+    gather_sum_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
+  CUDA_CHECK_LAUNCH();
+}
+
+void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
+                      const Tensor& dys, const Tensor& dweight) {
+  MT_CHECK(ys.ndim() == 2 && weight.ndim() == 2 && dy.ndim() == 2)
+      << "combine backward wants ys [R,D], weight [N,k], dy [N,D], got ys " << ys.str() << ", weight " << weight.str()
+      << ", dy " << dy.str();
+  const int64_t rows = ys.dim(0), d = ys.dim(1), n = weight.dim(0), k = weight.dim(1);
+  check_arg(ys, "combine ys", {DType::bf16}, {rows, d});
+  check_arg(weight, "combine weight", {DType::f32}, {n, k});
+  check_arg(dy, "combine dy", {DType::bf16}, {n, d});
+  check_arg(dys, "combine dys", {DType::bf16}, {rows, d});
+  check_arg(dweight, "combine dweight", {DType::f32}, {n, k});
+  check_arg(slot_row, "combine slot_row", {DType::i32}, {n * k});
+  if (n == 0) return;
+  Gather g{static_cast<const bf16*>(dy.data), static_cast<bf16*>(dys.data), slot_row.i32(), weight.f32(),
+           static_cast<const bf16*>(ys.data), dweight.f32(), static_cast<int>(rows), static_cast<int>(n),
+           static_cast<int>(d), static_cast<int>(k)};
+  if (rows_aligned(d, {ys.data, dy.data, dys.data}))
+    combine_backward_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
+  else
+    combine_backward_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,163 @@
+// Elementwise helpers on the GPU: grid-stride loops in f32 over f32-or-bf16 storage,
+// and a multi-tensor sum of squares reduced in double.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/runtime.h"
+#include "kernels/elementwise.h"
+
+namespace mt::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Enough blocks to fill the GPU several times over; the loops stride over the rest.
+unsigned grid_for(int64_t n) { return std::min<unsigned>(blocks_for(n, kThreads), 32u * sm_count()); }
+
+__global__ void cast_kernel(In src, Out dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    dst.set(i, src[i]);
+}
+
+__global__ void add_kernel(In a, In b, Out o, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    o.set(i, a[i] + b[i]);
+}
+
+__global__ void scale_kernel(Out x, float s, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    x.set(i, x.get(i) * s);
+}
+
+__global__ void fill_kernel(Out x, float v, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    x.set(i, v);
+}
+
+// Multi-tensor sum of squares: the tensor list travels in the kernel's parameters, one
+// block per chunk of one tensor, so a whole model's gradients take one launch (or one
+// per kTableSize tensors). Each chunk's partial lands in its own slot and one block
+// adds the slots in order: no atomics, the same bits on every run.
+constexpr int kTableSize = 256;
+constexpr int64_t kChunk = 16384;
+
+struct SumSqTable {
+  const float* p[kTableSize];
+  int64_t n[kTableSize];
+  int64_t first_chunk[kTableSize + 1];  // chunk index of each tensor's first chunk in this launch
+  int count;
+};
+
+__global__ void sum_squares_kernel(SumSqTable t, double* partials) {
+  __shared__ double warp_sums[32];
+  const int64_t b = blockIdx.x;
+  int lo = 0, hi = t.count - 1;  // the last tensor whose first chunk is <= b
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (t.first_chunk[mid] <= b)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int64_t begin = (b - t.first_chunk[lo]) * kChunk;
+  const int64_t end = min(t.n[lo], begin + kChunk);
+  double s = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    double v = t.p[lo][i];
+    s += v * v;
+  }
+  s = block_sum(s, warp_sums);
+  if (threadIdx.x == 0) partials[b] = s;
+}
+
+__global__ void sum_partials_kernel(const double* partials, int64_t n, double* result) {
+  __shared__ double warp_sums[32];
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += partials[i];
+  s = block_sum(s, warp_sums);
+  if (threadIdx.x == 0) *result = s;
+}
+
+void check_float(const Tensor& t, const char* name) { check_arg(t, name, {DType::f32, DType::bf16}, t.shape); }
+
+}  // namespace
+
+void cast(const Tensor& src, const Tensor& dst) {
+  check_float(src, "cast src");
+  check_float(dst, "cast dst");
+  MT_CHECK(src.numel() == dst.numel()) << "cast from " << src.str() << " to " << dst.str()
+                                       << " changes the element count";
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  if (src.dtype == dst.dtype) {
+    if (src.data != dst.data)
+      CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.nbytes(), cudaMemcpyDeviceToDevice, stream()));
+    return;
+  }
+  cast_kernel<<<grid_for(n), kThreads, 0, stream()>>>(as_in(src), as_out(dst), n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void add(const Tensor& a, const Tensor& b, const Tensor& o) {
+  check_float(o, "add out");
+  check_arg(a, "add a", {o.dtype}, o.shape);
+  check_arg(b, "add b", {o.dtype}, o.shape);
+  const int64_t n = o.numel();
+  if (n == 0) return;
+  add_kernel<<<grid_for(n), kThreads, 0, stream()>>>(as_in(a), as_in(b), as_out(o), n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void scale(const Tensor& x, float s) {
+  check_float(x, "scale x");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  scale_kernel<<<grid_for(n), kThreads, 0, stream()>>>(as_out(x), s, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void fill(const Tensor& x, float value) {
+  check_float(x, "fill x");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  fill_kernel<<<grid_for(n), kThreads, 0, stream()>>>(as_out(x), value, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+double sum_squares(const std::vector<Tensor>& xs) {
+  int64_t total_chunks = 0;
+  for (const Tensor& x : xs) {
+    check_arg(x, "sum_squares input", {DType::f32}, x.shape);
+    total_chunks += (x.numel() + kChunk - 1) / kChunk;
+  }
+  if (total_chunks == 0) return 0.0;
+  double* partials = static_cast<double*>(scratch(sizeof(double) * (total_chunks + 1)));
+  double* result = partials + total_chunks;
+  int64_t done = 0;  // chunks launched so far = where this launch's partials start
+  for (size_t first = 0; first < xs.size(); first += kTableSize) {
+    SumSqTable t{};
+    t.count = static_cast<int>(std::min<size_t>(kTableSize, xs.size() - first));
+    int64_t chunks = 0;
+    for (int j = 0; j < t.count; ++j) {
+      const Tensor& x = xs[first + j];
+      t.p[j] = x.f32();
+      t.n[j] = x.numel();
+      t.first_chunk[j] = chunks;
+      chunks += (x.numel() + kChunk - 1) / kChunk;
+    }
+    t.first_chunk[t.count] = chunks;
+    if (chunks == 0) continue;
+    sum_squares_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(t, partials + done);
+    CUDA_CHECK_LAUNCH();
+    done += chunks;
+  }
+  sum_partials_kernel<<<1, 1024, 0, stream()>>>(partials, total_chunks, result);
+  CUDA_CHECK_LAUNCH();
+  double host = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(double), cudaMemcpyDeviceToHost, stream()));
+  synchronize();
+  return host;
+}
+
+}  // namespace mt::cuda

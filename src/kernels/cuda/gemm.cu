@@ -1,0 +1,158 @@
+// Dense matrix products through cuBLASLt: bf16 operands, f32 accumulation, bf16 or
+// f32 output, alpha/beta on the host.
+//
+// Our tensors are row-major and cuBLASLt is column-major. A row-major X [r,c] is the
+// column-major X^T [c,r] with the same leading dimension, so C = op(A) op(B) is
+// computed as the column-major C^T = op(B)^T op(A)^T: operands swapped, no copies.
+#include <map>
+#include <tuple>
+
+#include "kernels/cuda/runtime.h"
+#include "kernels/elementwise.h"
+#include "kernels/gemm.h"
+
+namespace mt::cuda {
+
+namespace {
+
+// Largest power of two (up to 256) dividing the address: cuBLASLt assumes 256-byte
+// aligned operands unless told otherwise, and views (rows of a tensor) are often not.
+uint32_t alignment(const void* p) {
+  uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && a % align != 0) align /= 2;
+  return align;
+}
+
+// Everything the descriptors and the chosen algorithm depend on.
+struct PlanKey {
+  bool ta, tb;
+  int64_t m, n, k, lda, ldb, ldc;
+  bool c_f32;
+  uint32_t align_a, align_b, align_c;
+  auto tie() const { return std::tie(ta, tb, m, n, k, lda, ldb, ldc, c_f32, align_a, align_b, align_c); }
+  bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatmulAlgo_t algo;
+};
+
+// Descriptors and the heuristic's pick, made once per shape: the heuristic query costs
+// far more than the product for small shapes. Kept for the process's lifetime (see
+// runtime.cu on why CUDA-side objects are never destroyed).
+const Plan& plan_for(const PlanKey& key) {
+  static auto* plans = new std::map<PlanKey, Plan>();
+  auto found = plans->find(key);
+  if (found != plans->end()) return found->second;
+
+  Plan p{};
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // Column-major view (see the top of the file): A' = b, B' = a, C' = c.
+  cublasOperation_t op_a = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t op_b = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  // Stored shapes, column-major: b is [K,N] row-major (or [N,K] when transposed).
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.la, CUDA_R_16BF, key.tb ? key.k : key.n, key.tb ? key.n : key.k, key.ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lb, CUDA_R_16BF, key.ta ? key.m : key.k, key.ta ? key.k : key.m, key.lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lc, key.c_f32 ? CUDA_R_32F : CUDA_R_16BF, key.n, key.m, key.ldc));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t workspace = kBlasltWorkspaceBytes;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                    sizeof(workspace)));
+  // A' is b and B' is a, as above.
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_b,
+                                                    sizeof(uint32_t)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_a,
+                                                    sizeof(uint32_t)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c,
+                                                    sizeof(uint32_t)));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c,
+                                                    sizeof(uint32_t)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found_count = 0;
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(blaslt(), p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &result,
+                                              &found_count));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+  MT_CHECK(found_count > 0) << "cuBLASLt has no algorithm for a bf16 gemm with M=" << key.m << " N=" << key.n
+                            << " K=" << key.k << " ta=" << key.ta << " tb=" << key.tb << " lda=" << key.lda
+                            << " ldb=" << key.ldb << " ldc=" << key.ldc << " output "
+                            << (key.c_f32 ? "f32" : "bf16");
+  p.algo = result.algo;
+  return plans->emplace(key, p).first->second;
+}
+
+// Row-major c[m,n] = alpha op(a) op(b) + beta c, a and b bf16 with row widths lda/ldb,
+// c f32 or bf16 with row width ldc. beta = 0 never reads c (it may hold NaN).
+void matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void* a, int64_t lda,
+            const void* b, int64_t ldb, float beta, const Tensor& c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    // An empty sum: cuBLASLt rejects k = 0, and c = beta c is the whole answer.
+    if (beta == 0.0f)
+      cuda::fill(c, 0.0f);
+    else
+      cuda::scale(c, beta);
+    return;
+  }
+  PlanKey key{ta, tb, m, n, k, lda, ldb, ldc, c.dtype == DType::f32, alignment(a), alignment(b), alignment(c.data)};
+  const Plan& p = plan_for(key);
+  CUBLAS_CHECK(cublasLtMatmul(blaslt(), p.desc, &alpha, b, p.la, a, p.lb, &beta, c.data, p.lc, c.data, p.lc,
+                              &p.algo, blaslt_workspace(), kBlasltWorkspaceBytes, stream()));
+}
+
+struct Dims {
+  int64_t m, n, k;
+};
+
+Dims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb, const char* c_name) {
+  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2)
+      << "gemm wants 2-D tensors, got a " << a.str() << ", b " << b.str() << ", " << c_name << " " << c.str();
+  Dims d{ta ? a.dim(1) : a.dim(0), tb ? b.dim(0) : b.dim(1), ta ? a.dim(0) : a.dim(1)};
+  int64_t kb = tb ? b.dim(1) : b.dim(0);
+  MT_CHECK(kb == d.k && c.dim(0) == d.m && c.dim(1) == d.n)
+      << "gemm shapes disagree: op(a) " << d.m << "x" << d.k << " (a " << a.str() << (ta ? "^T" : "") << "), op(b) "
+      << kb << "x" << d.n << " (b " << b.str() << (tb ? "^T" : "") << "), " << c_name << " " << c.str();
+  check_arg(a, "gemm a", {DType::bf16}, a.shape);
+  check_arg(b, "gemm b", {DType::bf16}, b.shape);
+  check_arg(c, c_name, {DType::bf16, DType::f32}, c.shape);
+  return d;
+}
+
+}  // namespace
+
+void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
+  Dims d = check_gemm(a, b, c, trans_a, trans_b, "gemm c");
+  matmul(trans_a, trans_b, d.m, d.n, d.k, alpha, a.data, a.dim(1), b.data, b.dim(1), beta, c, d.n);
+}
+
+void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b, const Tensor& da,
+                   const Tensor& db, bool accumulate) {
+  Dims d = check_gemm(a, b, dc, trans_a, trans_b, "gemm dc");
+  MT_CHECK(dc.dtype == DType::bf16) << "cuda gemm_backward takes a bf16 dc (an operand of the products), got "
+                                    << dc.str();
+  float beta = accumulate ? 1.0f : 0.0f;
+  // The same products as the CPU backend: dA = dC B^T and dB = A^T dC, with transposed
+  // operands swapping roles (for A^T the stored gradient is B dC^T).
+  if (da.data != nullptr) {
+    check_arg(da, "gemm da", {DType::bf16, DType::f32}, a.shape);
+    if (!trans_a)
+      matmul(false, !trans_b, d.m, d.k, d.n, 1.0f, dc.data, d.n, b.data, b.dim(1), beta, da, d.k);
+    else
+      matmul(trans_b, true, d.k, d.m, d.n, 1.0f, b.data, b.dim(1), dc.data, d.n, beta, da, d.m);
+  }
+  if (db.data != nullptr) {
+    check_arg(db, "gemm db", {DType::bf16, DType::f32}, b.shape);
+    if (!trans_b)
+      matmul(!trans_a, false, d.k, d.n, d.m, 1.0f, a.data, a.dim(1), dc.data, d.n, beta, db, d.n);
+    else
+      matmul(true, trans_a, d.n, d.k, d.m, 1.0f, dc.data, d.n, a.data, a.dim(1), beta, db, d.k);
+  }
+}
+
+}  // namespace mt::cuda

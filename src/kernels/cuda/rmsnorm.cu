@@ -1,0 +1,120 @@
+// RMSNorm on the GPU: one warp per row (statistics in f32, rstd kept in f32), and the
+// weight gradient as deterministic column sums in two passes.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/runtime.h"
+#include "kernels/rmsnorm.h"
+
+namespace mt::cuda {
+
+namespace {
+
+constexpr int kRowsPerBlock = 8;  // one warp each
+constexpr int kThreads = 32 * kRowsPerBlock;
+
+__device__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The products are grouped as in the CPU backend, so the two differ only in the order
+// of the row sums.
+__global__ void rmsnorm_forward_kernel(In x, const float* w, float eps, int64_t n, int64_t d, Out y, float* rstd) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const int64_t base = row * d;
+  float ss = 0.0f;
+  for (int64_t c = lane; c < d; c += 32) {
+    float v = x[base + c];
+    ss += v * v;
+  }
+  const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(d) + eps);
+  if (lane == 0) rstd[row] = r;
+  for (int64_t c = lane; c < d; c += 32) y.set(base + c, x[base + c] * r * w[c]);
+}
+
+// dx = r * (w*dy - xhat * mean(w*dy*xhat)), xhat = x * r.
+__global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy, int64_t n, int64_t d, Out dx) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const int64_t base = row * d;
+  const float r = rstd[row];
+  float dot = 0.0f;
+  for (int64_t c = lane; c < d; c += 32) dot += w[c] * dy[base + c] * x[base + c] * r;
+  dot = warp_sum(dot) / static_cast<float>(d);
+  for (int64_t c = lane; c < d; c += 32) dx.set(base + c, r * (w[c] * dy[base + c] - x[base + c] * r * dot));
+}
+
+// dw[c] = sum over rows of dy * x * r: each block sums its chunk of rows per column in
+// row order into partial[chunk][c]; then the chunks are added in order. No atomics, so
+// the gradient repeats bit for bit.
+__global__ void rmsnorm_dw_partial_kernel(In x, const float* rstd, In dy, int64_t n, int64_t d, int64_t rows_per_chunk,
+                                          float* partial) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= d) return;
+  const int64_t r0 = blockIdx.y * rows_per_chunk, r1 = min(n, r0 + rows_per_chunk);
+  float s = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) s += dy[r * d + c] * x[r * d + c] * rstd[r];
+  partial[blockIdx.y * d + c] = s;
+}
+
+__global__ void rmsnorm_dw_sum_kernel(const float* partial, int64_t chunks, int64_t d, float* dw) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= d) return;
+  float s = 0.0f;
+  for (int64_t g = 0; g < chunks; ++g) s += partial[g * d + c];
+  dw[c] += s;
+}
+
+}  // namespace
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd) {
+  MT_CHECK(x.ndim() == 2) << "rmsnorm input should be [N,D], got " << x.str();
+  const int64_t n = x.dim(0), d = x.dim(1);
+  check_arg(x, "rmsnorm x", {DType::bf16, DType::f32}, {n, d});
+  check_arg(w, "rmsnorm weight", {DType::f32}, {d});
+  check_arg(y, "rmsnorm y", {DType::bf16, DType::f32}, {n, d});
+  check_arg(rstd, "rmsnorm rstd", {DType::f32}, {n});
+  if (n == 0) return;
+  rmsnorm_forward_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), eps, n, d,
+                                                                                   as_out(y), rstd.f32());
+  CUDA_CHECK_LAUNCH();
+}
+
+void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
+                      const Tensor& dw) {
+  MT_CHECK(x.ndim() == 2) << "rmsnorm input should be [N,D], got " << x.str();
+  const int64_t n = x.dim(0), d = x.dim(1);
+  check_arg(x, "rmsnorm x", {DType::bf16, DType::f32}, {n, d});
+  check_arg(w, "rmsnorm weight", {DType::f32}, {d});
+  check_arg(rstd, "rmsnorm rstd", {DType::f32}, {n});
+  check_arg(dy, "rmsnorm dy", {DType::bf16, DType::f32}, {n, d});
+  if (dx.data != nullptr) {
+    check_arg(dx, "rmsnorm dx", {DType::bf16, DType::f32}, {n, d});
+    if (n > 0) {
+      rmsnorm_dx_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), rstd.f32(),
+                                                                                  as_in(dy), n, d, as_out(dx));
+      CUDA_CHECK_LAUNCH();
+    }
+  }
+  if (dw.data != nullptr) {
+    check_arg(dw, "rmsnorm dw", {DType::f32}, {d});
+    if (n == 0 || d == 0) return;
+    // Enough row chunks to fill the GPU when D is small (q/k norms: D = head_dim over
+    // many rows), and no more partials than needed when it is large.
+    const int64_t rows_per_chunk = std::max<int64_t>(32, (n + 511) / 512);
+    const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
+    float* partial = static_cast<float*>(scratch(sizeof(float) * chunks * d));
+    dim3 grid(blocks_for(d, 256), static_cast<unsigned>(chunks));
+    rmsnorm_dw_partial_kernel<<<grid, 256, 0, stream()>>>(as_in(x), rstd.f32(), as_in(dy), n, d, rows_per_chunk,
+                                                          partial);
+    CUDA_CHECK_LAUNCH();
+    rmsnorm_dw_sum_kernel<<<blocks_for(d, 256), 256, 0, stream()>>>(partial, chunks, d, dw.f32());
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace mt::cuda

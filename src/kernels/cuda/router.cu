@@ -1,0 +1,260 @@
+// Router on the GPU: one warp per token, f32 throughout, same contract as the CPU backend.
+//
+// Selection ranks experts (and DeepSeek groups) by their logits, larger first, ties to
+// the lower id, exactly as the CPU backend does, so both pick the same experts from the
+// same f32 logits. The j-th pick is the best candidate strictly worse than the (j-1)-th
+// in that total order, which needs no "taken" flags and no per-token storage.
+//
+// idx comes from router_forward; router_backward checks it on the device (a bad entry
+// traps the kernel, reported at the next synchronising CUDA call) rather than on the
+// host, which would need a synchronisation.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/runtime.h"
+#include "kernels/router.h"
+
+namespace mt::cuda {
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr unsigned kFull = 0xffffffffu;  // every lane takes part in the shuffles
+
+struct Dims {
+  int n, e, k;
+};
+
+struct Pick {
+  float v;
+  int id;  // -1: none
+};
+
+// a before b: larger value, then lower id; a pick beats no pick.
+__device__ __forceinline__ bool before(Pick a, Pick b) {
+  return a.id >= 0 && (b.id < 0 || a.v > b.v || (a.v == b.v && a.id < b.id));
+}
+
+__device__ __forceinline__ Pick warp_best(Pick p) {
+#pragma unroll
+  for (int w = 16; w > 0; w /= 2) {
+    Pick o{__shfl_xor_sync(kFull, p.v, w), __shfl_xor_sync(kFull, p.id, w)};
+    if (before(o, p)) p = o;
+  }
+  return p;
+}
+
+__device__ __forceinline__ float warp_sum(float s) {
+#pragma unroll
+  for (int w = 16; w > 0; w /= 2) s += __shfl_xor_sync(kFull, s, w);
+  return s;
+}
+
+__device__ __forceinline__ float warp_max(float s) {
+#pragma unroll
+  for (int w = 16; w > 0; w /= 2) s = fmaxf(s, __shfl_xor_sync(kFull, s, w));
+  return s;
+}
+
+struct Forward {
+  const float* logits;
+  int32_t* idx;
+  float* weight;
+  float* probs;
+  Dims d;
+  int n_group, topk_group;
+  bool topk_softmax, normalize;
+  float scale;
+};
+
+__global__ void router_forward_kernel(Forward f) {
+  const int t = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t >= f.d.n) return;
+  const int e_n = f.d.e, k = f.d.k;
+  const float* l = f.logits + static_cast<long long>(t) * e_n;
+  float* p = f.probs + static_cast<long long>(t) * e_n;
+  int32_t* it = f.idx + static_cast<long long>(t) * k;
+  float* w = f.weight + static_cast<long long>(t) * k;
+
+  float mx = -INFINITY;
+  for (int e = lane; e < e_n; e += 32) mx = fmaxf(mx, l[e]);
+  mx = warp_max(mx);
+  float sum = 0.0f;
+  for (int e = lane; e < e_n; e += 32) sum += expf(l[e] - mx);
+  sum = warp_sum(sum);
+  for (int e = lane; e < e_n; e += 32) p[e] = expf(l[e] - mx) / sum;
+
+  // DeepSeek: groups ranked by their best logit; lane x holds groups x and x + 32.
+  uint64_t allowed = ~0ull;
+  const int group_size = e_n / f.n_group;
+  if (f.n_group > 1) {
+    float gmax[2] = {-INFINITY, -INFINITY};
+    for (int x = 0; x < 2; ++x) {
+      const int grp = lane + 32 * x;
+      if (grp < f.n_group)
+        for (int e = grp * group_size; e < (grp + 1) * group_size; ++e) gmax[x] = fmaxf(gmax[x], l[e]);
+    }
+    allowed = 0;
+    Pick prev{INFINITY, -1};
+    for (int j = 0; j < f.topk_group; ++j) {
+      Pick best{0.0f, -1};
+      for (int x = 0; x < 2; ++x) {
+        const Pick c{gmax[x], lane + 32 * x};
+        if (c.id < f.n_group && (prev.id < 0 || before(prev, c)) && before(c, best)) best = c;
+      }
+      prev = warp_best(best);
+      allowed |= 1ull << prev.id;
+    }
+  }
+
+  Pick prev{INFINITY, -1};
+  for (int j = 0; j < k; ++j) {
+    Pick best{0.0f, -1};
+    for (int e = lane; e < e_n; e += 32) {
+      const Pick c{l[e], e};
+      if ((allowed >> (e / group_size) & 1) && (prev.id < 0 || before(prev, c)) && before(c, best)) best = c;
+    }
+    prev = warp_best(best);
+    if (lane == 0) it[j] = prev.id;
+  }
+  __syncwarp();  // the picks, written by lane 0, are read back by every lane
+
+  if (f.topk_softmax) {
+    // it[0] holds the largest chosen logit: the usual shift for a stable softmax.
+    const float top = l[it[0]];
+    float s = 0.0f;
+    for (int j = lane; j < k; j += 32) s += expf(l[it[j]] - top);
+    s = warp_sum(s);
+    for (int j = lane; j < k; j += 32) w[j] = expf(l[it[j]] - top) / s;
+  } else {
+    float s = 0.0f;
+    for (int j = lane; j < k; j += 32) s += expf(l[it[j]] - mx) / sum;
+    s = warp_sum(s);
+    const float factor = f.normalize ? f.scale / s : f.scale;
+    for (int j = lane; j < k; j += 32) w[j] = expf(l[it[j]] - mx) / sum * factor;
+  }
+}
+
+struct Backward {
+  const int32_t* idx;
+  const float* weight;
+  const float* probs;
+  const float* dweight;
+  const float* dprobs;  // null: no load-balance gradient
+  float* dlogits;
+  Dims d;
+  bool topk_softmax, normalize;
+  float scale;
+};
+
+// dlogits first holds the gradient with respect to probs, then goes through the softmax;
+// the scattered adds touch other lanes' elements, hence the warp barriers between phases.
+__global__ void router_backward_kernel(Backward b) {
+  const int t = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t >= b.d.n) return;
+  const int e_n = b.d.e, k = b.d.k;
+  const int32_t* it = b.idx + static_cast<long long>(t) * k;
+  const float* p = b.probs + static_cast<long long>(t) * e_n;
+  const float* dw = b.dweight + static_cast<long long>(t) * k;
+  const float* w = b.weight + static_cast<long long>(t) * k;
+  float* dl = b.dlogits + static_cast<long long>(t) * e_n;
+  for (int j = lane; j < k; j += 32)
+    if (it[j] < 0 || it[j] >= e_n) __trap();
+
+  const float* dp = b.dprobs != nullptr ? b.dprobs + static_cast<long long>(t) * e_n : nullptr;
+  for (int e = lane; e < e_n; e += 32) dl[e] = dp != nullptr ? dp[e] : 0.0f;
+  __syncwarp();
+  if (!b.topk_softmax) {
+    if (b.normalize) {
+      // w_j = scale * p_j / S with S the sum of the k chosen probabilities.
+      float s = 0.0f, dot = 0.0f;
+      for (int j = lane; j < k; j += 32) {
+        s += p[it[j]];
+        dot += dw[j] * p[it[j]];
+      }
+      s = warp_sum(s);
+      dot = warp_sum(dot) / s;
+      for (int j = lane; j < k; j += 32) dl[it[j]] += b.scale / s * (dw[j] - dot);
+    } else {
+      for (int j = lane; j < k; j += 32) dl[it[j]] += b.scale * dw[j];
+    }
+  }
+  __syncwarp();
+  float pdot = 0.0f;
+  for (int e = lane; e < e_n; e += 32) pdot += p[e] * dl[e];
+  pdot = warp_sum(pdot);
+  for (int e = lane; e < e_n; e += 32) dl[e] = p[e] * (dl[e] - pdot);
+  if (b.topk_softmax) {
+    // The k weights are a softmax of the k chosen logits on their own.
+    __syncwarp();
+    float wdot = 0.0f;
+    for (int j = lane; j < k; j += 32) wdot += w[j] * dw[j];
+    wdot = warp_sum(wdot);
+    for (int j = lane; j < k; j += 32) dl[it[j]] += w[j] * (dw[j] - wdot);
+  }
+}
+
+// The CPU backend's argument rules, plus the GPU's own: everything on the device and at
+// most 64 expert groups (one bit each in a lane's mask).
+Dims check_router(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
+                  const Tensor& probs) {
+  MT_CHECK(logits.ndim() == 2) << "router logits should be [N,E], got " << logits.str();
+  const int64_t n = logits.dim(0), e = logits.dim(1), k = cfg.top_k;
+  MT_CHECK(k >= 1 && k <= e) << "router top_k " << k << " should be in [1, " << e << "] (the number of experts)";
+  MT_CHECK(cfg.n_group >= 1 && e % cfg.n_group == 0)
+      << "router n_group " << cfg.n_group << " should divide the " << e << " experts";
+  MT_CHECK(cfg.n_group <= 64) << "cuda router supports at most 64 expert groups, got n_group=" << cfg.n_group;
+  if (cfg.n_group > 1) {
+    MT_CHECK(cfg.topk_group >= 1 && cfg.topk_group <= cfg.n_group)
+        << "router topk_group " << cfg.topk_group << " should be in [1, n_group=" << cfg.n_group << "]";
+    MT_CHECK(cfg.topk_group * (e / cfg.n_group) >= k)
+        << "router topk_group " << cfg.topk_group << " of " << cfg.n_group << " groups of " << e / cfg.n_group
+        << " experts leave fewer than top_k=" << k << " experts to choose from";
+  }
+  MT_CHECK(cfg.scoring != cpu::RouterScoring::topk_softmax || (cfg.n_group == 1 && cfg.scale == 1.0f))
+      << "topk_softmax routing (GPT-OSS) has no expert groups and no scale, got n_group=" << cfg.n_group
+      << " scale=" << cfg.scale;
+  check_arg(logits, "router logits", {DType::f32}, {n, e});
+  check_arg(idx, "router idx", {DType::i32}, {n, k});
+  check_arg(weight, "router weight", {DType::f32}, {n, k});
+  check_arg(probs, "router probs", {DType::f32}, {n, e});
+  return {static_cast<int>(n), static_cast<int>(e), static_cast<int>(k)};
+}
+
+unsigned blocks(int n) { return static_cast<unsigned>((n + kWarps - 1) / kWarps); }
+
+}  // namespace
+
+void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
+                    const Tensor& probs) {
+  const Dims d = check_router(cfg, logits, idx, weight, probs);
+  if (d.n == 0) return;
+  Forward f{logits.f32(),
+            idx.i32(),
+            weight.f32(),
+            probs.f32(),
+            d,
+            static_cast<int>(cfg.n_group),
+            static_cast<int>(cfg.topk_group),
+            cfg.scoring == cpu::RouterScoring::topk_softmax,
+            cfg.normalize,
+            cfg.scale};
+  router_forward_kernel<<<blocks(d.n), kWarps * 32, 0, stream()>>>(f);
+  CUDA_CHECK_LAUNCH();
+}
+
+void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
+                     const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits) {
+  const Dims d = check_router(cfg, logits, idx, weight, probs);
+  check_arg(dweight, "router dweight", {DType::f32}, {d.n, d.k});
+  check_arg(dlogits, "router dlogits", {DType::f32}, {d.n, d.e});
+  if (dprobs.data != nullptr) check_arg(dprobs, "router dprobs", {DType::f32}, {d.n, d.e});
+  if (d.n == 0) return;
+  Backward b{idx.i32(), weight.f32(), probs.f32(), dweight.f32(), dprobs.data != nullptr ? dprobs.f32() : nullptr,
+             dlogits.f32(), d, cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize, cfg.scale};
+  router_backward_kernel<<<blocks(d.n), kWarps * 32, 0, stream()>>>(b);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,92 @@
+#include "kernels/cuda/runtime.h"
+
+#include <sstream>
+
+#include "core/arena.h"
+
+namespace mt::cuda {
+
+void fail_cuda(cudaError_t e, const char* call, const char* file, int line) {
+  ::mt::CheckFailure(call, file, line) << "CUDA error " << cudaGetErrorName(e) << ": " << cudaGetErrorString(e);
+  __builtin_unreachable();  // CheckFailure's destructor throws
+}
+
+void fail_cublas(cublasStatus_t s, const char* call, const char* file, int line) {
+  ::mt::CheckFailure(call, file, line) << "cuBLAS error " << cublasLtGetStatusName(s) << ": "
+                                       << cublasLtGetStatusString(s);
+  __builtin_unreachable();
+}
+
+// The handles below live for the whole process and are never destroyed: at static
+// destruction the CUDA runtime may already be gone, and destroying them then fails.
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t created = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return s;
+}
+
+void synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+cublasLtHandle_t blaslt() {
+  static cublasLtHandle_t h = [] {
+    cublasLtHandle_t created = nullptr;
+    CUBLAS_CHECK(cublasLtCreate(&created));
+    return created;
+  }();
+  return h;
+}
+
+void* blaslt_workspace() {
+  static void* w = device_alloc(Device::cuda, kBlasltWorkspaceBytes);
+  return w;
+}
+
+void* scratch(size_t bytes) {
+  static void* buffer = nullptr;
+  static size_t capacity = 0;
+  if (bytes > capacity) {
+    // device_free waits for the device, so no queued kernel still reads the old buffer.
+    device_free(Device::cuda, buffer);
+    capacity = bytes;
+    buffer = device_alloc(Device::cuda, capacity);
+  }
+  return buffer;
+}
+
+void copy(const Tensor& dst, const Tensor& src) {
+  MT_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel())
+      << "copy needs the same dtype and element count: dst " << dst.str() << ", src " << src.str();
+  if (dst.numel() == 0) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), cudaMemcpyDefault, stream()));
+  if (dst.device == Device::cpu || src.device == Device::cpu) synchronize();
+}
+
+void check_arg(const Tensor& t, const char* name, std::initializer_list<DType> allowed, Shape shape) {
+  bool dtype_ok = false;
+  for (DType d : allowed) dtype_ok = dtype_ok || t.dtype == d;
+  bool ok = dtype_ok && t.shape == shape && t.device == Device::cuda && (t.data != nullptr || shape.numel() == 0);
+  if (ok) return;
+  std::ostringstream want;
+  const char* sep = "";
+  for (DType d : allowed) {
+    want << sep << dtype_name(d);
+    sep = "|";
+  }
+  MT_FAIL() << name << " should be " << want.str() << shape.str() << "@cuda, got " << t.str()
+            << (t.data == nullptr && shape.numel() != 0 ? " without storage" : "");
+}
+
+int sm_count() {
+  static int n = [] {
+    int dev = 0, count = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
+    return count;
+  }();
+  return n;
+}
+
+}  // namespace mt::cuda

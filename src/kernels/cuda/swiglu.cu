@@ -1,0 +1,115 @@
+// Gated activations on the GPU: elementwise in f32 over f32-or-bf16 storage, with the
+// CPU backend's formulas (and grouping of products) term for term.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/runtime.h"
+#include "kernels/swiglu.h"
+
+namespace mt::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// expf, not __expf: the fast intrinsic's error grows with |x| and the gates reach +-10.
+__device__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+#define MT_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < (n); i += int64_t{gridDim.x} * blockDim.x)
+
+__global__ void swiglu_forward_kernel(In gu, int64_t n, int64_t inter, Out h) {
+  MT_GRID_STRIDE(idx, n * inter) {
+    const int64_t r = idx / inter, c = idx % inter;
+    const float gate = gu[r * 2 * inter + c], up = gu[r * 2 * inter + inter + c];
+    h.set(idx, gate * sigmoid(gate) * up);
+  }
+}
+
+__global__ void swiglu_backward_kernel(In gu, In dh, int64_t n, int64_t inter, Out dgu) {
+  MT_GRID_STRIDE(idx, n * inter) {
+    const int64_t r = idx / inter, c = idx % inter;
+    const float gate = gu[r * 2 * inter + c], up = gu[r * 2 * inter + inter + c];
+    const float s = sigmoid(gate), d = dh[idx];
+    // silu'(x) = s + x s (1 - s)
+    dgu.set(r * 2 * inter + c, d * up * s * (1.0f + gate * (1.0f - s)));
+    dgu.set(r * 2 * inter + inter + c, d * gate * s);
+  }
+}
+
+// fminf/fmaxf would turn a NaN input into the limit; the comparisons keep it NaN, as
+// torch.clamp and the CPU backend do.
+__device__ float clamp_above(float x, float hi) { return x > hi ? hi : x; }
+__device__ float clamp_both(float x, float lim) { return x > lim ? lim : (x < -lim ? -lim : x); }
+
+__global__ void clamped_swiglu_forward_kernel(In gu, float limit, float alpha, int64_t n, int64_t inter, Out h) {
+  MT_GRID_STRIDE(idx, n * inter) {
+    const int64_t r = idx / inter, c = idx % inter;
+    const float gate = clamp_above(gu[r * 2 * inter + 2 * c], limit);
+    const float up = clamp_both(gu[r * 2 * inter + 2 * c + 1], limit);
+    h.set(idx, (up + 1.0f) * gate * sigmoid(alpha * gate));
+  }
+}
+
+// torch.clamp passes the gradient where min <= x <= max, boundaries included.
+__global__ void clamped_swiglu_backward_kernel(In gu, float limit, float alpha, In dh, int64_t n, int64_t inter,
+                                               Out dgu) {
+  MT_GRID_STRIDE(idx, n * inter) {
+    const int64_t r = idx / inter, c = idx % inter;
+    const int64_t g_at = r * 2 * inter + 2 * c;
+    const float graw = gu[g_at], uraw = gu[g_at + 1];
+    const float gate = clamp_above(graw, limit), up = clamp_both(uraw, limit);
+    const float s = sigmoid(alpha * gate), d = dh[idx];
+    dgu.set(g_at, graw <= limit ? d * (up + 1.0f) * s * (1.0f + alpha * gate * (1.0f - s)) : 0.0f);
+    dgu.set(g_at + 1, (uraw >= -limit && uraw <= limit) ? d * gate * s : 0.0f);
+  }
+}
+
+#undef MT_GRID_STRIDE
+
+// gu [N, 2I] and the [N, I] tensor that goes with it; returns I.
+int64_t check_gated(const char* op, const Tensor& gu, const Tensor& half, const char* half_name) {
+  MT_CHECK(gu.ndim() == 2 && gu.dim(1) % 2 == 0) << op << " input should be [N,2I], got " << gu.str();
+  const int64_t n = gu.dim(0), i = gu.dim(1) / 2;
+  check_arg(gu, op, {DType::bf16, DType::f32}, {n, 2 * i});
+  check_arg(half, half_name, {DType::bf16, DType::f32}, {n, i});
+  return i;
+}
+
+unsigned grid_for(int64_t n) { return std::min<unsigned>(blocks_for(n, kThreads), 32u * sm_count()); }
+
+}  // namespace
+
+void swiglu_forward(const Tensor& gu, const Tensor& h) {
+  const int64_t i = check_gated("swiglu gu", gu, h, "swiglu h"), n = gu.dim(0);
+  if (n * i == 0) return;
+  swiglu_forward_kernel<<<grid_for(n * i), kThreads, 0, stream()>>>(as_in(gu), n, i, as_out(h));
+  CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_backward(const Tensor& gu, const Tensor& dh, const Tensor& dgu) {
+  const int64_t i = check_gated("swiglu gu", gu, dh, "swiglu dh"), n = gu.dim(0);
+  check_arg(dgu, "swiglu dgu", {DType::bf16, DType::f32}, gu.shape);
+  if (n * i == 0) return;
+  swiglu_backward_kernel<<<grid_for(n * i), kThreads, 0, stream()>>>(as_in(gu), as_in(dh), n, i, as_out(dgu));
+  CUDA_CHECK_LAUNCH();
+}
+
+void clamped_swiglu_forward(const Tensor& gu, float limit, float alpha, const Tensor& h) {
+  const int64_t i = check_gated("clamped_swiglu gu", gu, h, "clamped_swiglu h"), n = gu.dim(0);
+  if (n * i == 0) return;
+  clamped_swiglu_forward_kernel<<<grid_for(n * i), kThreads, 0, stream()>>>(as_in(gu), limit, alpha, n, i,
+                                                                             as_out(h));
+  CUDA_CHECK_LAUNCH();
+}
+
+void clamped_swiglu_backward(const Tensor& gu, float limit, float alpha, const Tensor& dh, const Tensor& dgu) {
+  const int64_t i = check_gated("clamped_swiglu gu", gu, dh, "clamped_swiglu dh"), n = gu.dim(0);
+  check_arg(dgu, "clamped_swiglu dgu", {DType::bf16, DType::f32}, gu.shape);
+  if (n * i == 0) return;
+  clamped_swiglu_backward_kernel<<<grid_for(n * i), kThreads, 0, stream()>>>(as_in(gu), limit, alpha, as_in(dh), n,
+                                                                              i, as_out(dgu));
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

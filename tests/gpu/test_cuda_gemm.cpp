@@ -1,0 +1,259 @@
+// cuBLASLt gemm and the grouped expert gemm against the CPU backend.
+//
+// Tolerance of a K-term product. The operands are bf16 on both sides (the CPU reads the
+// same rounded values in f32), and a product of two bf16 values is exact in f32, so the
+// backends differ only in how they add the K products in f32: each sum rounds by at
+// most 2^-24 of the running total, and tensor cores may truncate rather than round
+// (2^-23), so each side is within K 2^-23 S of the exact sum, S = sum_k |a_k b_k| (the
+// same product over |a| and |b|, computed here by the CPU op on absolute values).
+// Together: |gpu - cpu| <= K 2^-22 S, plus one rounding of the output to bf16 (2^-8
+// relative) when the output is bf16. Accumulated outputs add |beta c0| to S.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <utility>
+
+#include "gpu/gpu_test.h"
+#include "kernels/gemm.h"
+#include "kernels/grouped_gemm.h"
+
+namespace mt::gpu_test {
+namespace {
+
+Tol product_tol(int64_t k, std::vector<float> s, DType out) {
+  const double factor = static_cast<double>(std::max<int64_t>(k, 1)) * 4.0 * kF32Round;
+  for (float& x : s) x = static_cast<float>(x * factor);
+  return Tol{out == DType::bf16 ? kBf16Round : 0.0, 0.0, std::move(s)};
+}
+
+struct GemmCase {
+  int64_t m, n, k;
+  bool ta, tb;
+  float alpha, beta;
+  DType out;
+};
+
+std::string describe(const GemmCase& g) {
+  std::ostringstream s;
+  s << "M=" << g.m << " N=" << g.n << " K=" << g.k << " ta=" << g.ta << " tb=" << g.tb << " alpha=" << g.alpha
+    << " beta=" << g.beta << " out=" << dtype_name(g.out);
+  return s.str();
+}
+
+// The CPU table's shapes (every transpose pair, one row, one column, K not a multiple of
+// 8, accumulation), then shapes spanning several tiles and an empty reduction.
+std::vector<GemmCase> gemm_cases() {
+  std::vector<GemmCase> cases;
+  for (DType out : {DType::bf16, DType::f32}) {
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) cases.push_back({7, 5, 3, ta, tb, 1.0f, 0.0f, out});
+    cases.push_back({1, 9, 13, false, true, 1.0f, 0.0f, out});
+    cases.push_back({33, 1, 17, true, false, 1.0f, 0.5f, out});
+    cases.push_back({130, 24, 129, false, true, 1.0f, 1.0f, out});
+    cases.push_back({300, 257, 520, true, false, 0.5f, 1.0f, out});
+    cases.push_back({512, 384, 256, false, true, 1.0f, 0.0f, out});
+    cases.push_back({6, 5, 0, false, false, 1.0f, 0.5f, out});
+  }
+  return cases;
+}
+
+TEST(CudaGemm, ForwardMatchesCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 1;
+  for (const GemmCase& g : gemm_cases()) {
+    SCOPED_TRACE(describe(g));
+    Shape sa = g.ta ? Shape{g.k, g.m} : Shape{g.m, g.k};
+    Shape sb = g.tb ? Shape{g.n, g.k} : Shape{g.k, g.n};
+    auto a = round_bf16(random_floats(sa.numel(), -1, 1, ++seed));
+    auto b = round_bf16(random_floats(sb.numel(), -1, 1, ++seed));
+    auto c0 = random_floats(g.m * g.n, -1, 1, ++seed);
+    if (g.out == DType::bf16) c0 = round_bf16(c0);
+
+    auto want = c0;
+    cpu::gemm(host(a, sa), host(b, sb), host(want, {g.m, g.n}), g.ta, g.tb, g.alpha, g.beta);
+    auto aa = abs_of(a), ab = abs_of(b), bound = abs_of(c0);
+    cpu::gemm(host(aa, sa), host(ab, sb), host(bound, {g.m, g.n}), g.ta, g.tb, std::fabs(g.alpha), std::fabs(g.beta));
+
+    auto da = upload(a, DType::bf16, sa), db = upload(b, DType::bf16, sb);
+    // beta = 0 must not read c: poison it. Otherwise c holds c0.
+    auto dc = g.beta == 0.0f ? poisoned(g.out, {g.m, g.n}) : upload(c0, g.out, {g.m, g.n});
+    cuda::gemm(da.t, db.t, dc.t, g.ta, g.tb, g.alpha, g.beta);
+    EXPECT_TRUE(near("c", download(dc.t), want, product_tol(g.k, bound, g.out)));
+  }
+}
+
+// dA and dB of every transpose pair, overwritten (into poison) and accumulated (f32, as
+// weight gradients are).
+TEST(CudaGemm, BackwardMatchesCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 100;
+  for (const GemmCase& g : gemm_cases()) {
+    for (bool accumulate : {false, true}) {
+      const DType gd = accumulate ? DType::f32 : g.out;
+      SCOPED_TRACE(describe(g) + (accumulate ? " accumulate" : ""));
+      Shape sa = g.ta ? Shape{g.k, g.m} : Shape{g.m, g.k};
+      Shape sb = g.tb ? Shape{g.n, g.k} : Shape{g.k, g.n};
+      auto a = round_bf16(random_floats(sa.numel(), -1, 1, ++seed));
+      auto b = round_bf16(random_floats(sb.numel(), -1, 1, ++seed));
+      auto dc = round_bf16(random_floats(g.m * g.n, -1, 1, ++seed));
+      auto da0 = random_floats(sa.numel(), -1, 1, ++seed), db0 = random_floats(sb.numel(), -1, 1, ++seed);
+
+      auto want_da = da0, want_db = db0;
+      cpu::gemm_backward(host(a, sa), host(b, sb), host(dc, {g.m, g.n}), g.ta, g.tb, host(want_da, sa),
+                         host(want_db, sb), accumulate);
+      auto aa = abs_of(a), ab = abs_of(b), adc = abs_of(dc);
+      auto bound_da = accumulate ? abs_of(da0) : std::vector<float>(da0.size(), 0.0f);
+      auto bound_db = accumulate ? abs_of(db0) : std::vector<float>(db0.size(), 0.0f);
+      cpu::gemm_backward(host(aa, sa), host(ab, sb), host(adc, {g.m, g.n}), g.ta, g.tb, host(bound_da, sa),
+                         host(bound_db, sb), true);
+
+      auto d_a = upload(a, DType::bf16, sa), d_b = upload(b, DType::bf16, sb);
+      auto d_dc = upload(dc, DType::bf16, {g.m, g.n});
+      auto d_da = accumulate ? upload(da0, gd, sa) : poisoned(gd, sa);
+      auto d_db = accumulate ? upload(db0, gd, sb) : poisoned(gd, sb);
+      cuda::gemm_backward(d_a.t, d_b.t, d_dc.t, g.ta, g.tb, d_da.t, d_db.t, accumulate);
+      // dA reduces over N, dB over M.
+      EXPECT_TRUE(near("da", download(d_da.t), want_da, product_tol(g.n, bound_da, gd)));
+      EXPECT_TRUE(near("db", download(d_db.t), want_db, product_tol(g.m, bound_db, gd)));
+    }
+  }
+}
+
+struct GroupedCase {
+  std::vector<int32_t> counts;
+  int64_t k, o;
+  bool bias, accumulate;
+  DType out;
+};
+
+// The CPU table's rows (one row, empty experts first, last, between and all but one, K
+// and O not multiples of 8 or 128), then segments spanning several 128-row tiles with
+// the operands 16-byte aligned (vector loads) and not.
+std::vector<GroupedCase> grouped_cases() {
+  return {
+      {{0, 1, 0}, 5, 3, true, false, DType::bf16},
+      {{0, 3, 0, 5, 0}, 7, 6, false, false, DType::bf16},
+      {{4, 9, 1, 13}, 33, 20, true, true, DType::f32},
+      {{11}, 129, 9, false, true, DType::bf16},
+      {{6, 0, 3, 9}, 12, 130, true, false, DType::f32},
+      {{300, 0, 129, 1, 260, 0, 0, 517}, 200, 260, false, true, DType::bf16},
+      {{128, 256, 0, 77, 301}, 256, 384, true, false, DType::bf16},
+      {{0, 0, 0}, 16, 8, true, true, DType::bf16},
+  };
+}
+
+std::string describe(const GroupedCase& g) {
+  std::ostringstream s;
+  s << "counts=";
+  for (size_t i = 0; i < g.counts.size(); ++i) s << (i ? "," : "") << g.counts[i];
+  s << " K=" << g.k << " O=" << g.o << " bias=" << g.bias << " acc=" << g.accumulate << " out=" << dtype_name(g.out);
+  return s.str();
+}
+
+TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 500;
+  for (const GroupedCase& g : grouped_cases()) {
+    SCOPED_TRACE(describe(g));
+    const int64_t e = static_cast<int64_t>(g.counts.size());
+    std::vector<int32_t> offsets{0};
+    int64_t longest = 0;
+    for (int32_t c : g.counts) {
+      offsets.push_back(offsets.back() + c);
+      longest = std::max<int64_t>(longest, c);
+    }
+    const int64_t n = offsets.back();
+    auto x = round_bf16(random_floats(n * g.k, -1, 1, ++seed));
+    auto w = round_bf16(random_floats(e * g.o * g.k, -1, 1, ++seed));
+    auto bias = random_floats(e * g.o, -1, 1, ++seed);
+    auto dy = round_bf16(random_floats(n * g.o, -1, 1, ++seed));
+    auto dw0 = random_floats(e * g.o * g.k, -1, 1, ++seed), db0 = random_floats(e * g.o, -1, 1, ++seed);
+    auto ax = abs_of(x), aw = abs_of(w), ady = abs_of(dy), abias = abs_of(bias);
+    Tensor none;
+    auto off = host(offsets, {e + 1});
+
+    // Forward: y = x w^T + bias.
+    std::vector<float> want_y(n * g.o), bound_y(n * g.o);
+    cpu::grouped_gemm(host(x, {n, g.k}), host(w, {e, g.o, g.k}), g.bias ? host(bias, {e, g.o}) : none, off,
+                      host(want_y, {n, g.o}));
+    cpu::grouped_gemm(host(ax, {n, g.k}), host(aw, {e, g.o, g.k}), g.bias ? host(abias, {e, g.o}) : none, off,
+                      host(bound_y, {n, g.o}));
+    auto d_x = upload(x, DType::bf16, {n, g.k}), d_w = upload(w, DType::bf16, {e, g.o, g.k});
+    auto d_bias = upload(bias, DType::f32, {e, g.o}), d_off = upload(offsets, {e + 1});
+    auto d_y = poisoned(g.out, {n, g.o});
+    cuda::grouped_gemm(d_x.t, d_w.t, g.bias ? d_bias.t : none, d_off.t, d_y.t);
+    EXPECT_TRUE(near("y", download(d_y.t), want_y, product_tol(g.k, bound_y, g.out)));
+
+    // B: dx = dy w, reducing over O.
+    std::vector<float> want_dx(n * g.k), bound_dx(n * g.k);
+    cpu::grouped_gemm_backward_input(host(dy, {n, g.o}), host(w, {e, g.o, g.k}), off, host(want_dx, {n, g.k}));
+    cpu::grouped_gemm_backward_input(host(ady, {n, g.o}), host(aw, {e, g.o, g.k}), off, host(bound_dx, {n, g.k}));
+    auto d_dy = upload(dy, DType::bf16, {n, g.o});
+    auto d_dx = poisoned(g.out, {n, g.k});
+    cuda::grouped_gemm_backward_input(d_dy.t, d_w.t, d_off.t, d_dx.t);
+    EXPECT_TRUE(near("dx", download(d_dx.t), want_dx, product_tol(g.o, bound_dx, g.out)));
+
+    // W: dw = dy^T x and dbias = column sums of dy over each segment, reducing over its
+    // rows (at most `longest`); f32, accumulated onto dw0/db0 or overwriting poison.
+    auto want_dw = dw0, want_db = db0;
+    cpu::grouped_gemm_backward_weight(host(x, {n, g.k}), host(dy, {n, g.o}), off, host(want_dw, {e, g.o, g.k}),
+                                      g.bias ? host(want_db, {e, g.o}) : none, g.accumulate);
+    auto bound_dw = g.accumulate ? abs_of(dw0) : std::vector<float>(dw0.size(), 0.0f);
+    auto bound_db = g.accumulate ? abs_of(db0) : std::vector<float>(db0.size(), 0.0f);
+    cpu::grouped_gemm_backward_weight(host(ax, {n, g.k}), host(ady, {n, g.o}), off, host(bound_dw, {e, g.o, g.k}),
+                                      host(bound_db, {e, g.o}), true);
+    auto d_dw = g.accumulate ? upload(dw0, DType::f32, {e, g.o, g.k}) : poisoned(DType::f32, {e, g.o, g.k});
+    auto d_db = g.accumulate ? upload(db0, DType::f32, {e, g.o}) : poisoned(DType::f32, {e, g.o});
+    cuda::grouped_gemm_backward_weight(d_x.t, d_dy.t, d_off.t, d_dw.t, g.bias ? d_db.t : none, g.accumulate);
+    EXPECT_TRUE(near("dw", download(d_dw.t), want_dw, product_tol(longest, bound_dw, DType::f32)));
+    // The bias gradient adds the same bf16 values in the same row order in f32 on both
+    // backends: equal bit for bit.
+    if (g.bias) {
+      EXPECT_TRUE(near("dbias", download(d_db.t), want_db, Tol{}));
+    }
+  }
+}
+
+// Speed at the benchmark's shapes (Qwen3-30B-A3B: 8192 tokens, top-8 of 128 experts,
+// hidden 2048, expert FFN 768, vocabulary 151936), balanced routing, random bf16 data.
+// Not a correctness test; run with --gtest_also_run_disabled_tests.
+TEST(CudaGemm, DISABLED_TimeBenchmarkShapes) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t tokens = 8192, e = 128, rows = tokens * 8, d = 2048, inter = 768, vocab = 151936;
+  auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
+  std::vector<int32_t> offsets;
+  for (int64_t i = 0; i <= e; ++i) offsets.push_back(static_cast<int32_t>(i * rows / e));
+  auto off = upload(offsets, {e + 1});
+  Tensor none;
+  // (K, O) of gate_up and of down.
+  const std::pair<int64_t, int64_t> shapes[] = {{d, 2 * inter}, {inter, d}};
+  for (auto [k, o] : shapes) {
+    auto x = random_device(DType::bf16, {rows, k}, 1), w = random_device(DType::bf16, {e, o, k}, 2);
+    auto dy = random_device(DType::bf16, {rows, o}, 3);
+    auto y = poisoned(DType::bf16, {rows, o}), dx = poisoned(DType::bf16, {rows, k});
+    auto dw = random_device(DType::f32, {e, o, k}, 4);
+    const double flops = 2.0 * rows * k * o;
+    double f = median_ms(10, [&] { cuda::grouped_gemm(x.t, w.t, none, off.t, y.t); });
+    double b = median_ms(10, [&] { cuda::grouped_gemm_backward_input(dy.t, w.t, off.t, dx.t); });
+    double wg = median_ms(10, [&] { cuda::grouped_gemm_backward_weight(x.t, dy.t, off.t, dw.t, none, true); });
+    std::printf("  grouped_gemm rows=%ld E=%ld K=%ld O=%ld: forward %.3f ms (%.0f TFLOPS), B %.3f ms (%.0f), "
+                "W %.3f ms (%.0f)\n",
+                static_cast<long>(rows), static_cast<long>(e), static_cast<long>(k), static_cast<long>(o), f,
+                tflops(flops, f), b, tflops(flops, b), wg, tflops(flops, wg));
+  }
+  // The LM head through cuBLASLt, f32 logits, and its weight gradient accumulated in f32.
+  auto h = random_device(DType::bf16, {tokens, d}, 5), head = random_device(DType::bf16, {vocab, d}, 6);
+  auto logits = poisoned(DType::f32, {tokens, vocab});
+  auto dlogits = random_device(DType::bf16, {tokens, vocab}, 7);
+  auto dhead = random_device(DType::f32, {vocab, d}, 8);
+  const double flops = 2.0 * tokens * d * vocab;
+  double f = median_ms(10, [&] { cuda::gemm(h.t, head.t, logits.t, false, true); });
+  double wg = median_ms(10, [&] { cuda::gemm(dlogits.t, h.t, dhead.t, true, false, 1.0f, 1.0f); });
+  std::printf("  gemm LM head %ldx%ldx%ld: forward %.3f ms (%.0f TFLOPS), weight gradient %.3f ms (%.0f)\n",
+              static_cast<long>(tokens), static_cast<long>(vocab), static_cast<long>(d), f, tflops(flops, f), wg,
+              tflops(flops, wg));
+}
+
+}  // namespace
+}  // namespace mt::gpu_test

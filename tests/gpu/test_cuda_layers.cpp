@@ -1,0 +1,314 @@
+// Embedding, RMSNorm, RoPE and the gated activations on the GPU against the CPU backend,
+// bf16 activations and f32 weights/statistics as the model runs them, on the CPU op
+// table's shapes plus rows wider than one block or warp. Each tolerance is derived where
+// it is used; kBf16Round (2^-8) is one rounding of an output to bf16.
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "gpu/gpu_test.h"
+#include "kernels/cuda/runtime.h"
+#include "kernels/embedding.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
+
+namespace mt::gpu_test {
+namespace {
+
+struct EmbeddingCase {
+  int64_t vocab, dim, tokens;
+  DType table, out;
+};
+
+TEST(CudaEmbedding, ForwardAndBackwardMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 1000;
+  // The CPU table's shapes (ids repeat; one token), then a row wider than a block.
+  const EmbeddingCase cases[] = {{11, 6, 20, DType::f32, DType::bf16},
+                                 {3, 1, 1, DType::bf16, DType::bf16},
+                                 {50, 1000, 77, DType::f32, DType::f32},
+                                 {7, 2048, 300, DType::bf16, DType::f32}};
+  for (const EmbeddingCase& c : cases) {
+    std::ostringstream what;
+    what << "V=" << c.vocab << " D=" << c.dim << " N=" << c.tokens << " table=" << dtype_name(c.table)
+         << " out=" << dtype_name(c.out);
+    SCOPED_TRACE(what.str());
+    auto table = random_floats(c.vocab * c.dim, -1, 1, ++seed);
+    if (c.table == DType::bf16) table = round_bf16(table);
+    auto ids = random_ints(c.tokens, 0, static_cast<int32_t>(c.vocab - 1), ++seed);
+    auto dout = round_bf16(random_floats(c.tokens * c.dim, -1, 1, ++seed));
+    auto dtable0 = random_floats(c.vocab * c.dim, -1, 1, ++seed);
+
+    // Forward: a copy (and at most one rounding to bf16, the same on both sides): exact.
+    std::vector<float> want(c.tokens * c.dim);
+    cpu::embedding_forward(host(table, {c.vocab, c.dim}), host(ids, {c.tokens}), host(want, {c.tokens, c.dim}));
+    if (c.out == DType::bf16) want = round_bf16(want);
+    auto d_table = upload(table, c.table, {c.vocab, c.dim});
+    auto d_ids = upload(ids, {c.tokens});
+    auto d_out = poisoned(c.out, {c.tokens, c.dim});
+    cuda::embedding_forward(d_table.t, d_ids.t, d_out.t);
+    EXPECT_TRUE(near("out", download(d_out.t), want, Tol{}));
+
+    // Backward into a non-zero f32 gradient. The GPU adds a repeated token's rows in any
+    // order, the CPU in token order: each side rounds once per added row (2^-24 of the
+    // running sum), so |gpu - cpu| <= 2 N 2^-24 (|dtable0| + sum of |dout| added).
+    auto want_dt = dtable0;
+    cpu::embedding_backward(host(ids, {c.tokens}), host(dout, {c.tokens, c.dim}), host(want_dt, {c.vocab, c.dim}));
+    auto bound = abs_of(dtable0), adout = abs_of(dout);
+    cpu::embedding_backward(host(ids, {c.tokens}), host(adout, {c.tokens, c.dim}), host(bound, {c.vocab, c.dim}));
+    for (float& b : bound) b = static_cast<float>(b * 2.0 * c.tokens * kF32Round);
+    auto d_dout = upload(dout, DType::bf16, {c.tokens, c.dim});
+    auto d_dt = upload(dtable0, DType::f32, {c.vocab, c.dim});
+    cuda::embedding_backward(d_ids.t, d_dout.t, d_dt.t);
+    EXPECT_TRUE(near("dtable", download(d_dt.t), want_dt, Tol{0, 0, bound}));
+  }
+}
+
+// An id outside the vocabulary gives a NaN row, not a read out of bounds.
+TEST(CudaEmbedding, BadIdGivesNanRow) {
+  MT_SKIP_WITHOUT_GPU();
+  std::vector<float> table = random_floats(4 * 3, -1, 1, 7);
+  std::vector<int32_t> ids{1, 4};
+  auto d_table = upload(table, DType::f32, {4, 3});
+  auto d_ids = upload(ids, {2});
+  // Zeros, not poison: the NaN must come from the kernel.
+  DeviceTensor d_out(DType::f32, {2, 3});
+  CUDA_CHECK(cudaMemsetAsync(d_out.t.data, 0, d_out.t.nbytes(), cuda::stream()));
+  cuda::embedding_forward(d_table.t, d_ids.t, d_out.t);
+  auto out = download(d_out.t);
+  for (int j = 0; j < 3; ++j) {
+    EXPECT_EQ(out[j], table[3 + j]);
+    EXPECT_TRUE(std::isnan(out[3 + j]));
+  }
+}
+
+struct NormCase {
+  int64_t rows, dim;
+  float eps;
+  DType act;  // x, y, dy, dx
+};
+
+TEST(CudaRmsnorm, ForwardAndBackwardMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 2000;
+  // The CPU table's shapes, a q/k-norm shape (many rows of head_dim), a hidden row, and
+  // the f32 path.
+  const NormCase cases[] = {{1, 5, 1e-6f, DType::bf16},    {9, 131, 1e-5f, DType::bf16},
+                            {1000, 128, 1e-6f, DType::bf16}, {37, 2048, 1e-6f, DType::bf16},
+                            {9, 131, 1e-5f, DType::f32}};
+  for (const NormCase& c : cases) {
+    std::ostringstream what;
+    what << "N=" << c.rows << " D=" << c.dim << " act=" << dtype_name(c.act);
+    SCOPED_TRACE(what.str());
+    const int64_t n = c.rows, d = c.dim;
+    const double u = kF32Round, fd = static_cast<double>(d);
+    auto x = random_floats(n * d, -2, 2, ++seed), dy = random_floats(n * d, -1, 1, ++seed);
+    if (c.act == DType::bf16) {
+      x = round_bf16(x);
+      dy = round_bf16(dy);
+    }
+    auto w = random_floats(d, 0.5f, 1.5f, ++seed), dw0 = random_floats(d, -1, 1, ++seed);
+    const double out_round = c.act == DType::bf16 ? kBf16Round : 0.0;
+
+    // Forward. The sum of squares of D terms differs by the order of the additions,
+    // D 2^-24 relative on each side; rstd (a square root of its inverse) inherits half
+    // of that, y = x rstd w adds two roundings; then y is rounded to bf16.
+    std::vector<float> want_y(n * d), want_r(n);
+    cpu::rmsnorm_forward(host(x, {n, d}), host(w, {d}), c.eps, host(want_y, {n, d}), host(want_r, {n}));
+    auto d_x = upload(x, c.act, {n, d}), d_w = upload(w, DType::f32, {d});
+    auto d_y = poisoned(c.act, {n, d}), d_r = poisoned(DType::f32, {n});
+    cuda::rmsnorm_forward(d_x.t, d_w.t, c.eps, d_y.t, d_r.t);
+    EXPECT_TRUE(near("rstd", download(d_r.t), want_r, Tol{(fd + 4) * u}));
+    EXPECT_TRUE(near("y", download(d_y.t), want_y, Tol{out_round + (2 * fd + 8) * u}));
+
+    // Backward from the CPU's rstd, so only the backward's own arithmetic differs.
+    // dx = r (w dy - xhat dot), dot = mean(w dy xhat) over D terms of three products
+    // each: the sides' dots differ by (2 D + 8) 2^-24 mean|w dy xhat|, and the
+    // subtraction may cancel, so the bound is absolute: r (|xhat| mean|w dy xhat|
+    // (2 D + 8) + (|w dy| + |xhat dot|) 16) 2^-24 (the last term: the five roundings of
+    // the formula on each side), then the bf16 rounding of dx. dw sums N rows of
+    // dy x r (two products each): (2 N + 4) 2^-24 sum|dy x r| plus |dw0| 2^-24.
+    auto dx_bound = std::vector<float>(n * d), dw_bound = abs_of(dw0);
+    for (int64_t i = 0; i < n; ++i) {
+      const double r = want_r[i];
+      double mean_abs = 0, dot = 0;
+      for (int64_t j = 0; j < d; ++j) {
+        const double xhat = x[i * d + j] * r, wdy = w[j] * dy[i * d + j];
+        mean_abs += std::fabs(wdy * xhat) / fd;
+        dot += wdy * xhat / fd;
+      }
+      for (int64_t j = 0; j < d; ++j) {
+        const double xhat = x[i * d + j] * r, wdy = w[j] * dy[i * d + j];
+        dx_bound[i * d + j] = static_cast<float>(
+            r * (std::fabs(xhat) * mean_abs * (2 * fd + 8) + (std::fabs(wdy) + std::fabs(xhat * dot)) * 16) * u);
+        dw_bound[j] += static_cast<float>(std::fabs(dy[i * d + j] * x[i * d + j] * r));
+      }
+    }
+    for (float& b : dw_bound) b = static_cast<float>(b * (2 * n + 4) * u);
+    std::vector<float> want_dx(n * d);
+    auto want_dw = dw0;
+    cpu::rmsnorm_backward(host(x, {n, d}), host(w, {d}), host(want_r, {n}), host(dy, {n, d}), host(want_dx, {n, d}),
+                          host(want_dw, {d}));
+    auto d_rc = upload(want_r, DType::f32, {n}), d_dy = upload(dy, c.act, {n, d});
+    auto d_dx = poisoned(c.act, {n, d}), d_dw = upload(dw0, DType::f32, {d});
+    cuda::rmsnorm_backward(d_x.t, d_w.t, d_rc.t, d_dy.t, d_dx.t, d_dw.t);
+    EXPECT_TRUE(near("dx", download(d_dx.t), want_dx, Tol{out_round, 0, dx_bound}));
+    EXPECT_TRUE(near("dw", download(d_dw.t), want_dw, Tol{0, 0, dw_bound}));
+  }
+}
+
+struct RopeCase {
+  cpu::RopeConfig cfg;
+  bool interleaved;
+  int64_t batch, heads, head_dim;
+  std::vector<int32_t> positions;
+  bool in_place;
+  DType act;
+};
+
+cpu::RopeConfig rope_config(int64_t rotary_dim, bool yarn) {
+  cpu::RopeConfig c;
+  c.rotary_dim = rotary_dim;
+  if (yarn) {  // GPT-OSS's settings
+    c.theta = 150000.0;
+    c.yarn = true;
+    c.factor = 32.0;
+    c.truncate = false;
+  }
+  return c;
+}
+
+TEST(CudaRope, TablesForwardAndBackwardMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 3000;
+  // The CPU table's layouts (halves and interleaved, partial rotary, positions that
+  // are not 0..T-1, YaRN scaling), in place and not, and a Qwen3-sized one.
+  const RopeCase cases[] = {
+      {rope_config(8, false), false, 2, 3, 8, {0, 1, 2}, false, DType::bf16},
+      {rope_config(6, false), true, 1, 1, 10, {7, 3, 11, 0, 2}, false, DType::bf16},
+      {rope_config(8, false), false, 1, 5, 12, {5, 6, 7, 8, 9, 10, 11}, true, DType::bf16},
+      {rope_config(16, true), true, 2, 1, 20, {19, 20, 21}, false, DType::f32},
+      {rope_config(16, true), false, 1, 3, 16, {13, 2, 9, 4, 17}, true, DType::f32},
+      {rope_config(128, false), false, 2, 4, 128, std::vector<int32_t>(), false, DType::bf16},
+  };
+  for (RopeCase c : cases) {
+    if (c.positions.empty())
+      for (int32_t p = 0; p < 300; ++p) c.positions.push_back(p);
+    const int64_t t = static_cast<int64_t>(c.positions.size()), half = c.cfg.rotary_dim / 2;
+    std::ostringstream what;
+    what << "B=" << c.batch << " T=" << t << " H=" << c.heads << " Dh=" << c.head_dim << " rot=" << c.cfg.rotary_dim
+         << " yarn=" << c.cfg.yarn << " interleaved=" << c.interleaved << " in_place=" << c.in_place
+         << " act=" << dtype_name(c.act);
+    SCOPED_TRACE(what.str());
+    Shape s{c.batch, t, c.heads, c.head_dim};
+
+    // Tables: computed by the same host code and copied, so equal bit for bit.
+    cpu::RopeFreqs f = cpu::rope_freqs(c.cfg);
+    std::vector<float> cos_h(t * half), sin_h(t * half);
+    cpu::rope_tables(f, host(c.positions, {t}), host(cos_h, {t, half}), host(sin_h, {t, half}));
+    auto d_pos = upload(c.positions, {t});
+    auto d_cos = poisoned(DType::f32, {t, half}), d_sin = poisoned(DType::f32, {t, half});
+    cuda::rope_tables(f, d_pos.t, d_cos.t, d_sin.t);
+    EXPECT_TRUE(near("cos", download(d_cos.t), cos_h, Tol{}));
+    EXPECT_TRUE(near("sin", download(d_sin.t), sin_h, Tol{}));
+
+    // Each rotated value is a c - e s in f32 on both sides; the GPU may fuse one product
+    // into the subtraction. Each side rounds the two products and the result, all at
+    // most 2 max|x| max(|cos|, |sin|) in size: within 8 2^-24 of that, absolute; then
+    // the bf16 rounding of the output.
+    // Pass-through dims are copies: exact.
+    double table_max = std::max(max_abs(cos_h), max_abs(sin_h));
+    for (bool backward : {false, true}) {
+      auto x = random_floats(s.numel(), -1, 1, ++seed);
+      if (c.act == DType::bf16) x = round_bf16(x);
+      std::vector<float> want(s.numel());
+      if (backward)
+        cpu::rope_backward(host(x, s), host(cos_h, {t, half}), host(sin_h, {t, half}), c.interleaved, host(want, s));
+      else
+        cpu::rope_forward(host(x, s), host(cos_h, {t, half}), host(sin_h, {t, half}), c.interleaved, host(want, s));
+      auto d_x = upload(x, c.act, s);
+      auto d_out = poisoned(c.act, s);
+      const Tensor& dst = c.in_place ? d_x.t : d_out.t;
+      if (backward)
+        cuda::rope_backward(d_x.t, d_cos.t, d_sin.t, c.interleaved, dst);
+      else
+        cuda::rope_forward(d_x.t, d_cos.t, d_sin.t, c.interleaved, dst);
+      const double out_round = c.act == DType::bf16 ? kBf16Round : 0.0;
+      EXPECT_TRUE(near(backward ? "dx" : "y", download(dst), want,
+                       Tol{out_round, 8 * kF32Round * max_abs(x) * table_max}));
+    }
+  }
+}
+
+struct GatedCase {
+  int64_t rows, inter;
+  bool clamped;
+  float limit, alpha;
+  DType act;
+};
+
+TEST(CudaSwiglu, ForwardAndBackwardMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 4000;
+  // The CPU table's shapes (one row, odd widths, GPT-OSS's limit and alpha and a small
+  // limit that binds often), a Qwen3 expert width, and the f32 path.
+  const GatedCase cases[] = {
+      {1, 5, false, 0, 0, DType::bf16},         {13, 131, false, 0, 0, DType::bf16},
+      {300, 768, false, 0, 0, DType::bf16},     {13, 131, false, 0, 0, DType::f32},
+      {1, 3, true, 7.0f, 1.702f, DType::bf16},  {17, 45, true, 7.0f, 1.702f, DType::bf16},
+      {5, 9, true, 1.5f, 0.5f, DType::f32},     {64, 2880, true, 7.0f, 1.702f, DType::bf16},
+  };
+  for (const GatedCase& c : cases) {
+    std::ostringstream what;
+    what << (c.clamped ? "clamped_swiglu" : "swiglu") << " N=" << c.rows << " I=" << c.inter
+         << " act=" << dtype_name(c.act);
+    SCOPED_TRACE(what.str());
+    const int64_t n = c.rows, i = c.inter;
+    const float range = c.clamped ? 10.0f : 4.0f;
+    auto gu = random_floats(n * 2 * i, -range, range, ++seed), dh = random_floats(n * i, -1, 1, ++seed);
+    if (c.act == DType::bf16) {
+      gu = round_bf16(gu);
+      dh = round_bf16(dh);
+    }
+    std::vector<float> want_h(n * i), want_dgu(n * 2 * i);
+    if (c.clamped) {
+      cpu::clamped_swiglu_forward(host(gu, {n, 2 * i}), c.limit, c.alpha, host(want_h, {n, i}));
+      cpu::clamped_swiglu_backward(host(gu, {n, 2 * i}), c.limit, c.alpha, host(dh, {n, i}),
+                                   host(want_dgu, {n, 2 * i}));
+    } else {
+      cpu::swiglu_forward(host(gu, {n, 2 * i}), host(want_h, {n, i}));
+      cpu::swiglu_backward(host(gu, {n, 2 * i}), host(dh, {n, i}), host(want_dgu, {n, 2 * i}));
+    }
+    auto d_gu = upload(gu, c.act, {n, 2 * i}), d_dh = upload(dh, c.act, {n, i});
+    auto d_h = poisoned(c.act, {n, i}), d_dgu = poisoned(c.act, {n, 2 * i});
+    if (c.clamped) {
+      cuda::clamped_swiglu_forward(d_gu.t, c.limit, c.alpha, d_h.t);
+      cuda::clamped_swiglu_backward(d_gu.t, c.limit, c.alpha, d_dh.t, d_dgu.t);
+    } else {
+      cuda::swiglu_forward(d_gu.t, d_h.t);
+      cuda::swiglu_backward(d_gu.t, d_dh.t, d_dgu.t);
+    }
+    // expf differs by at most 2 units in the last place between CUDA and glibc; the
+    // sigmoid and the products add a few roundings: 16 2^-24 relative in the forward.
+    // The backward's 1 + g (1 - s) cancels near silu's minimum, so its error is
+    // absolute, 16 2^-24 of the terms' size |dh| (|up| + 1) (1 + alpha |g|) (alpha = 1
+    // for swiglu); the up gradient |dh| |g| is a plain product. Then the bf16 rounding.
+    const double out_round = c.act == DType::bf16 ? kBf16Round : 0.0;
+    EXPECT_TRUE(near("h", download(d_h.t), want_h, Tol{out_round + 16 * kF32Round}));
+    std::vector<float> bound(n * 2 * i);
+    const double alpha = c.clamped ? c.alpha : 1.0;
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < i; ++j) {
+        const int64_t g_at = c.clamped ? r * 2 * i + 2 * j : r * 2 * i + j;
+        const int64_t u_at = c.clamped ? g_at + 1 : g_at + i;
+        const double d = std::fabs(dh[r * i + j]), g = std::fabs(gu[g_at]), up = std::fabs(gu[u_at]);
+        bound[g_at] = static_cast<float>(16 * kF32Round * d * (up + 1) * (1 + alpha * g));
+        bound[u_at] = static_cast<float>(16 * kF32Round * d * (g + 1));
+      }
+    EXPECT_TRUE(near("dgu", download(d_dgu.t), want_dgu, Tol{out_round, 0, bound}));
+  }
+}
+
+}  // namespace
+}  // namespace mt::gpu_test

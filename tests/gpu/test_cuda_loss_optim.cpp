@@ -1,0 +1,250 @@
+// Cross-entropy, AdamW and the elementwise helpers on the GPU against the CPU backend.
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "gpu/gpu_test.h"
+#include "kernels/adamw.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/elementwise.h"
+
+namespace mt::gpu_test {
+namespace {
+
+constexpr int32_t kIgnore = -100;
+
+struct CeCase {
+  int64_t rows, vocab, ignored;
+  DType logits;
+};
+
+TEST(CudaCrossEntropy, ForwardAndInPlaceBackwardMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 5000;
+  // The CPU table's shapes (ignored labels, one row, V not a multiple of 8), rows read in
+  // 16-byte chunks (V a multiple of 8, or of 4 for f32) and not, and Qwen3's vocabulary.
+  const CeCase cases[] = {{12, 37, 3, DType::bf16},   {1, 5, 0, DType::bf16},     {40, 1001, 7, DType::bf16},
+                          {40, 1001, 7, DType::f32},  {7, 1000, 2, DType::f32},   {9, 4096, 0, DType::bf16},
+                          {3, 151936, 1, DType::bf16}};
+  for (const CeCase& c : cases) {
+    std::ostringstream what;
+    what << "N=" << c.rows << " V=" << c.vocab << " ignored=" << c.ignored << " logits=" << dtype_name(c.logits);
+    SCOPED_TRACE(what.str());
+    const int64_t n = c.rows, v = c.vocab;
+    auto logits = random_floats(n * v, -6, 6, ++seed);
+    if (c.logits == DType::bf16) logits = round_bf16(logits);
+    auto labels = random_ints(n, 0, static_cast<int32_t>(v - 1), ++seed);
+    for (int64_t i = 0; i < c.ignored; ++i) labels[(i * 5) % n] = kIgnore;
+
+    std::vector<float> want_lse(n), want_d = logits;
+    cpu::CrossEntropySum want = cpu::cross_entropy_forward(host(want_d, {n, v}), host(labels, {n}), kIgnore,
+                                                           host(want_lse, {n}));
+    const float scale = want.count > 0 ? 1.0f / static_cast<float>(want.count) : 0.0f;
+    cpu::cross_entropy_backward(host(want_d, {n, v}), host(labels, {n}), host(want_lse, {n}), kIgnore, scale,
+                                host(want_d, {n, v}));
+
+    auto d_logits = upload(logits, c.logits, {n, v}), d_labels = upload(labels, {n});
+    auto d_lse = poisoned(DType::f32, {n});
+    cpu::CrossEntropySum got = cuda::cross_entropy_forward(d_logits.t, d_labels.t, kIgnore, d_lse.t);
+    // lse = m + log(sum of V exponentials): the sums differ by order, V 2^-24 relative on
+    // each side, and expf/logf by a few units in the last place: |dlse| <= 2 (V + 8)
+    // 2^-24 + 4 2^-24 |lse|. The loss sum adds one such error per counted row.
+    const double lse_abs = 2.0 * static_cast<double>(v + 8) * kF32Round;
+    EXPECT_TRUE(near("lse", download(d_lse.t), want_lse, Tol{4 * kF32Round, lse_abs}));
+    EXPECT_EQ(got.count, want.count);
+    EXPECT_NEAR(got.loss_sum, want.loss_sum, static_cast<double>(n) * (lse_abs + 4 * kF32Round * 20));
+
+    // In place, as the model uses it. Each gradient is scale (p - onehot) with p =
+    // exp(x - lse): p moves by p |dlse| plus a few roundings, so |d| <= |scale| (|dlse| +
+    // 8 2^-24) absolute (p <= 1); then the bf16 rounding for bf16 logits.
+    cuda::cross_entropy_backward(d_logits.t, d_labels.t, d_lse.t, kIgnore, scale, d_logits.t);
+    const double out_round = c.logits == DType::bf16 ? kBf16Round : 0.0;
+    EXPECT_TRUE(near("dlogits", download(d_logits.t), want_d,
+                     Tol{out_round, std::fabs(scale) * (lse_abs + 4 * kF32Round * 20 + 8 * kF32Round)}));
+  }
+}
+
+// A separate f32 gradient buffer for bf16 logits, and a label outside the vocabulary,
+// which the GPU reports through a NaN loss.
+TEST(CudaCrossEntropy, SeparateOutputAndBadLabel) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t n = 4, v = 24;
+  auto logits = round_bf16(random_floats(n * v, -3, 3, 77));
+  std::vector<int32_t> labels{3, kIgnore, 23, 0};
+  std::vector<float> want_lse(n), want_d(n * v);
+  auto s = cpu::cross_entropy_forward(host(logits, {n, v}), host(labels, {n}), kIgnore, host(want_lse, {n}));
+  cpu::cross_entropy_backward(host(logits, {n, v}), host(labels, {n}), host(want_lse, {n}), kIgnore, 0.5f,
+                              host(want_d, {n, v}));
+  auto d_logits = upload(logits, DType::bf16, {n, v}), d_labels = upload(labels, {n});
+  auto d_lse = poisoned(DType::f32, {n}), d_grad = poisoned(DType::f32, {n, v});
+  auto got = cuda::cross_entropy_forward(d_logits.t, d_labels.t, kIgnore, d_lse.t);
+  EXPECT_EQ(got.count, s.count);
+  cuda::cross_entropy_backward(d_logits.t, d_labels.t, d_lse.t, kIgnore, 0.5f, d_grad.t);
+  // f32 output: only lse and expf differ (see above), V = 24.
+  EXPECT_TRUE(near("dlogits", download(d_grad.t), want_d, Tol{0, 0.5 * (2 * 32 + 100) * kF32Round}));
+
+  labels[2] = static_cast<int32_t>(v);
+  auto d_bad = upload(labels, {n});
+  EXPECT_TRUE(std::isnan(cuda::cross_entropy_forward(d_logits.t, d_bad.t, kIgnore, d_lse.t).loss_sum));
+}
+
+// AdamW is bit for bit the CPU's update (same operations, same order, no fused
+// multiply-add on the GPU), so the comparison is exact. The list mixes decayed and
+// undecayed blocks, one element, sizes that are not multiples of 4, an empty block,
+// and blocks of several 16384-element chunks.
+TEST(CudaAdamW, MultiTensorStepMatchesCpuExactly) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 6000;
+  const std::vector<int64_t> sizes{1, 103, 0, 40000, 7, 70001};
+  for (int64_t step : {1, 1000}) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    cpu::AdamWStep s;
+    s.lr = 3e-3;
+    s.beta1 = 0.9;
+    s.beta2 = 0.95;
+    s.eps = 1e-8;
+    s.weight_decay = 0.1;
+    s.step = step;
+    std::vector<std::vector<float>> p, g, m, v;
+    std::vector<DeviceTensor> dev;
+    std::vector<AdamWBlock> cpu_blocks, gpu_blocks;
+    for (size_t b = 0; b < sizes.size(); ++b) {
+      const int64_t n = sizes[b];
+      p.push_back(random_floats(n, -1, 1, ++seed));
+      g.push_back(random_floats(n, -1, 1, ++seed));
+      m.push_back(random_floats(n, -0.1f, 0.1f, ++seed));
+      v.push_back(random_floats(n, 1e-4f, 1e-2f, ++seed));
+    }
+    for (size_t b = 0; b < sizes.size(); ++b) {
+      const int64_t n = sizes[b];
+      const bool decay = b % 2 == 0;
+      for (auto* x : {&p[b], &g[b], &m[b], &v[b]}) dev.push_back(upload(*x, DType::f32, {n}));
+      const size_t k = dev.size() - 4;
+      gpu_blocks.push_back({dev[k].t, dev[k + 1].t, dev[k + 2].t, dev[k + 3].t, decay});
+    }
+    for (size_t b = 0; b < sizes.size(); ++b) {
+      const int64_t n = sizes[b];
+      cpu_blocks.push_back({host(p[b], {n}), host(g[b], {n}), host(m[b], {n}), host(v[b], {n}), b % 2 == 0});
+    }
+    cpu::adamw_step_multi(cpu_blocks, s);
+    cuda::adamw_step_multi(gpu_blocks, s);
+    for (size_t b = 0; b < sizes.size(); ++b) {
+      SCOPED_TRACE("block " + std::to_string(b));
+      EXPECT_TRUE(near("param", download(gpu_blocks[b].param), p[b], Tol{}));
+      EXPECT_TRUE(near("m", download(gpu_blocks[b].m), m[b], Tol{}));
+      EXPECT_TRUE(near("v", download(gpu_blocks[b].v), v[b], Tol{}));
+    }
+  }
+}
+
+TEST(CudaAdamW, SingleTensorStepMatchesCpuExactly) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t n = 1001;
+  auto p = random_floats(n, -1, 1, 1), g = random_floats(n, -1, 1, 2);
+  auto m = random_floats(n, -0.1f, 0.1f, 3), v = random_floats(n, 1e-4f, 1e-2f, 4);
+  auto dp = upload(p, DType::f32, {n}), dg = upload(g, DType::f32, {n});
+  auto dm = upload(m, DType::f32, {n}), dv = upload(v, DType::f32, {n});
+  cpu::AdamWStep s;
+  s.lr = 1e-3;
+  s.weight_decay = 0.01;
+  s.step = 7;
+  cpu::adamw_step(host(p, {n}), host(g, {n}), host(m, {n}), host(v, {n}), s);
+  cuda::adamw_step(dp.t, dg.t, dm.t, dv.t, s);
+  EXPECT_TRUE(near("param", download(dp.t), p, Tol{}));
+  EXPECT_TRUE(near("m", download(dm.t), m, Tol{}));
+  EXPECT_TRUE(near("v", download(dv.t), v, Tol{}));
+}
+
+// cast, add, scale and fill compute one f32 operation per element and round once, as
+// the CPU does: equal bit for bit. Sizes: one element, not a multiple of the block,
+// more than one grid's worth of grid-stride iterations.
+TEST(CudaElementwise, MatchCpuExactly) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 7000;
+  for (int64_t n : {int64_t{1}, int64_t{1001}, int64_t{3000000}}) {
+    for (DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + " " + std::string(dtype_name(dt)));
+      auto a = random_floats(n, -2, 2, ++seed), b = random_floats(n, -2, 2, ++seed);
+      auto round = [&](std::vector<float> x) { return dt == DType::bf16 ? round_bf16(std::move(x)) : x; };
+
+      // cast f32 -> dt -> f32 through the GPU, against the same through the CPU.
+      auto d_src = upload(a, DType::f32, {n});
+      auto d_mid = poisoned(dt, {n}), d_back = poisoned(DType::f32, {n});
+      cuda::cast(d_src.t, d_mid.t);
+      cuda::cast(d_mid.t, d_back.t);
+      EXPECT_TRUE(near("cast", download(d_back.t), round(a), Tol{}));
+
+      // add into a poisoned output, then in place.
+      auto ra = round(a), rb = round(b);
+      std::vector<float> want(n);
+      for (int64_t i = 0; i < n; ++i) want[i] = ra[i] + rb[i];
+      want = round(want);
+      auto d_a = upload(ra, dt, {n}), d_b = upload(rb, dt, {n}), d_sum = poisoned(dt, {n});
+      cuda::add(d_a.t, d_b.t, d_sum.t);
+      EXPECT_TRUE(near("add", download(d_sum.t), want, Tol{}));
+      cuda::add(d_a.t, d_b.t, d_a.t);
+      EXPECT_TRUE(near("add in place", download(d_a.t), want, Tol{}));
+
+      for (float& x : want) x *= 0.3f;
+      want = round(want);
+      cuda::scale(d_a.t, 0.3f);
+      EXPECT_TRUE(near("scale", download(d_a.t), want, Tol{}));
+
+      cuda::fill(d_a.t, 0.1f);
+      EXPECT_TRUE(near("fill", download(d_a.t), round(std::vector<float>(n, 0.1f)), Tol{}));
+    }
+  }
+}
+
+// The squares are exact in double and each side adds them in its own order: n
+// additions, each within 2^-53 of the running sum, on each side.
+TEST(CudaElementwise, SumSquaresMatchesCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 8000;
+  std::vector<int64_t> sizes{1, 0, 16384, 16385, 7, 1000003};
+  // More tensors than one launch's table (256) takes, to cover the multi-launch path.
+  for (int i = 0; i < 300; ++i) sizes.push_back(1 + i % 37);
+  std::vector<std::vector<float>> xs;
+  std::vector<DeviceTensor> dev;
+  std::vector<Tensor> cpu_list, gpu_list;
+  int64_t total = 0;
+  for (int64_t n : sizes) {
+    xs.push_back(random_floats(n, -2, 2, ++seed));
+    dev.push_back(upload(xs.back(), DType::f32, {n}));
+    total += n;
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    cpu_list.push_back(host(xs[i], {sizes[i]}));
+    gpu_list.push_back(dev[i].t);
+  }
+  const double want = cpu::sum_squares(cpu_list), got = cuda::sum_squares(gpu_list);
+  EXPECT_NEAR(got, want, 2.0 * static_cast<double>(total) * std::ldexp(1.0, -53) * want);
+  EXPECT_EQ(cuda::sum_squares(gpu_list), got) << "the device reduction must repeat bit for bit";
+  EXPECT_EQ(cuda::sum_squares({}), 0.0);
+}
+
+// Speed of the fused cross-entropy at the benchmark's LM head (8192 rows of 151936),
+// as bytes moved: the forward reads the logits once, the backward reads and writes them.
+// Not a correctness test; run with --gtest_also_run_disabled_tests.
+TEST(CudaCrossEntropy, DISABLED_TimeBenchmarkShape) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t n = 8192, v = 151936;
+  std::vector<int32_t> labels = random_ints(n, 0, static_cast<int32_t>(v - 1), 9);
+  auto d_labels = upload(labels, {n});
+  auto lse = poisoned(DType::f32, {n});
+  for (DType dt : {DType::bf16, DType::f32}) {
+    auto logits = random_device(dt, {n, v}, 10);
+    const double bytes = static_cast<double>(logits.t.nbytes());
+    double f = median_ms(10, [&] { cuda::cross_entropy_forward(logits.t, d_labels.t, kIgnore, lse.t); });
+    double b = median_ms(10, [&] {
+      cuda::cross_entropy_backward(logits.t, d_labels.t, lse.t, kIgnore, 1.0f / n, logits.t);
+    });
+    std::printf("  cross_entropy %s N=%ld V=%ld: forward %.3f ms (%.0f GB/s, with its sync), backward %.3f ms "
+                "(%.0f GB/s)\n",
+                dtype_name(dt).data(), static_cast<long>(n), static_cast<long>(v), f, bytes / (f * 1e6), b,
+                2 * bytes / (b * 1e6));
+  }
+}
+
+}  // namespace
+}  // namespace mt::gpu_test
