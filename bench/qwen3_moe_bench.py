@@ -99,14 +99,19 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab):
         cmd = [binary, "train", f"--model.config={cfg_path}", f"--data.tokens={tmp}/tokens.npy",
                f"--training.steps={warmup + steps}", "--training.device=cuda", f"--job.dump_folder={tmp}/run",
                "--optimizer.lr=1e-4", "--training.clip_grad_norm=1.0", "--training.load_balance_coef=0.001",
-               f"--training.force_balanced_routing={'true' if balanced else 'false'}"]
+               f"--training.force_balanced_routing={'true' if balanced else 'false'}", "--metrics.profile=true"]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"moetrain failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         rows = [json.loads(l) for l in open(f"{tmp}/run/metrics.jsonl")]
         timed = rows[warmup:]
         tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
-        return tps, max(r.get("peak_device_bytes", r["memory_bytes"]) for r in rows), rows[-1].get("breakdown", {}), out.stdout
+        breakdown = rows[-1].get("breakdown_ms", {})
+        total = sum(breakdown.values()) or 1.0
+        print("  step time by stage: " + ", ".join(f"{k} {v:.1f} ms ({100*v/total:.0f}%)"
+                                                   for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])),
+              flush=True)
+        return tps, max(r["memory_bytes"] for r in rows)
 
 
 def main():
@@ -138,7 +143,7 @@ def main():
     for balanced in (() if args.skip_moetrain else (False, True)):
         name = "moetrain " + ("balanced routing" if balanced else "learned routing")
         runs.append((name, lambda b=balanced: ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps,
-                                                   args.warmup, b, cfg["vocab_size"])[:2]))
+                                                   args.warmup, b, cfg["vocab_size"])))
     for name, fn in runs:
         try:
             tps, mem = fn()

@@ -16,29 +16,19 @@
 #include "io/safetensors.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
+#include "test_util.h"
 
 namespace mt {
 namespace {
 
 namespace fs = std::filesystem;
+using test::error_of;
+const auto run = test::run_command;
 
 std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTURES) + "/" + name; }
 
-std::string temp_dir(const std::string& name) {
-  std::string d = ::testing::TempDir() + "/moetrain_ckpt_" + name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+std::string temp_dir(const std::string& name) { return test::temp_dir("ckpt_" + name); }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 // A run with state worth restoring: warmup and cosine decay (the step count matters),
 // weight decay, micro-batches, the load-balance loss, clipping.
@@ -222,15 +212,6 @@ TEST_F(BrokenCheckpoint, UnwritableFolder) {
 
 // ---- the train and export-hf commands ------------------------------------------------
 
-std::pair<int, std::string> run(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t k;
-  while ((k = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, k);
-  int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
 
 std::string train_cmd(const std::string& dump, int64_t steps, const std::string& extra = "") {
   return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +

@@ -18,12 +18,14 @@
 #include "data/tokenizer.h"
 #include "io/file.h"
 #include "io/npy.h"
+#include "test_util.h"
 
 namespace mt::data {
 namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using test::error_of;
 
 const fs::path kRoot = MOETRAIN_SOURCE_DIR;
 const fs::path kFixtures = kRoot / "tests" / "fixtures" / "tokenizers";
@@ -51,14 +53,6 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 // ---- tokenizer ---------------------------------------------------------------------
 

@@ -12,38 +12,19 @@
 #include "io/safetensors.h"
 #include "train/config.h"
 #include "train/trainer.h"
+#include "test_util.h"
 
 namespace mt {
 namespace {
 
+using test::error_of;
+using test::temp_dir;
+const auto run = test::run_command;
+
 std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTURES) + "/" + name; }
 
-std::string temp_dir(const std::string& name) {
-  std::string d = ::testing::TempDir() + "/moetrain_" + name;
-  std::filesystem::remove_all(d);
-  std::filesystem::create_directories(d);
-  return d;
-}
 
-// Runs a command, returning its exit status and standard output.
-std::pair<int, std::string> run(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 // ---- config -------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ void visit(Config& c, F&& f) {
   f("checkpoint", "load", c.checkpoint.load);
   f("metrics", "log_interval", c.metrics.log_interval);
   f("metrics", "tensorboard", c.metrics.tensorboard);
+  f("metrics", "profile", c.metrics.profile);
 }
 
 template <typename T>

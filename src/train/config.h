@@ -70,6 +70,7 @@ struct CheckpointConfig {
 struct MetricsConfig {
   int64_t log_interval = 1;
   bool tensorboard = false;
+  bool profile = false;  // time each stage (a "breakdown" in metrics.jsonl)
 };
 
 struct Config {

@@ -71,7 +71,11 @@ TokenBatch read_token_batch(const std::string& npy_path, int64_t vocab_size) {
 }
 
 Trainer::Trainer(Config cfg, Model& model, TokenBatch data)
-    : cfg_(std::move(cfg)), model_(model), data_(std::move(data)), optimizer_(model.params()) {
+    : cfg_(std::move(cfg)),
+      model_(model),
+      data_(std::move(data)),
+      optimizer_(model.params()),
+      profile_(model.device(), cfg_.metrics.profile) {
   global_batch_ = cfg_.training.global_batch_size ? cfg_.training.global_batch_size : data_.rows;
   MT_CHECK(global_batch_ == data_.rows) << "training.global_batch_size = " << global_batch_ << " but data.tokens has "
                                         << data_.rows << " rows, and the token matrix is the whole global batch";
@@ -83,7 +87,11 @@ Trainer::Trainer(Config cfg, Model& model, TokenBatch data)
 }
 
 Trainer::Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus)
-    : cfg_(std::move(cfg)), model_(model), corpus_(std::move(corpus)), optimizer_(model.params()) {
+    : cfg_(std::move(cfg)),
+      model_(model),
+      corpus_(std::move(corpus)),
+      optimizer_(model.params()),
+      profile_(model.device(), cfg_.metrics.profile) {
   global_batch_ = cfg_.training.global_batch_size;
   MT_CHECK(global_batch_ > 0) << "training.global_batch_size must be set (> 0) to train on data.corpus";
   seq_ = corpus_->seq_len();
@@ -144,27 +152,44 @@ void Trainer::set_data_cursor(const std::string& json) {
   corpus_->set_cursor({j["samples_seen"].get<uint64_t>()});
 }
 
+namespace {
+
+constexpr const char* kForwardNames[] = {"attention+router F", "dispatch F", "experts F", "combine F", "aggregate F"};
+constexpr const char* kInputNames[] = {"attention+router B", "dispatch B", "experts B", "combine B", "aggregate B"};
+constexpr const char* kWeightNames[] = {"attention+router W", "dispatch W", "experts W", "combine W", "aggregate W"};
+
+}  // namespace
+
 void Trainer::forward(Stash& s) {
+  profile_.mark("embedding");
   model_.embed_forward(s);
   for (int64_t l = 0; l < model_.num_layers(); ++l)
-    for (Stage st : kStages) model_.stage_forward(l, st, s);
+    for (int i = 0; i < 5; ++i) {
+      profile_.mark(kForwardNames[i]);
+      model_.stage_forward(l, kStages[i], s);
+    }
 }
 
 void Trainer::backward(Stash& s, float loss_scale) {
+  profile_.mark("head B+W");
   model_.head_backward(s, loss_scale);
   for (int64_t l = model_.num_layers() - 1; l >= 0; --l) {
     // Stages in reverse; on one device each W runs right after its B.
     for (int i = 4; i >= 0; --i) {
+      profile_.mark(kInputNames[i]);
       model_.stage_backward_input(l, kStages[i], s);
+      profile_.mark(kWeightNames[i]);
       model_.stage_backward_weight(l, kStages[i], s);
     }
   }
+  profile_.mark("embedding");
   model_.embed_backward(s);
 }
 
 StepResult Trainer::step() {
   auto start = std::chrono::steady_clock::now();
   const TrainingConfig& t = cfg_.training;
+  profile_.mark("zero gradients");
   for (Param& p : model_.params()) fill(p.grad, 0.0f);
 
   // Token matrices and corpus windows label every position: the mean is over all.
@@ -215,7 +240,9 @@ StepResult Trainer::step() {
     for (int64_t mb = 0; mb < mb_count; ++mb) {
       load_micro_batch(s, mb);
       forward(s);
+      profile_.mark("head F");
       loss_sum += model_.head_forward(s).sum;
+      profile_.mark("router statistics");
       std::vector<RouterStats> stats = model_.router_stats(s);
       accumulate_stats(stats);
       for (const RouterStats& st : stats) {
@@ -232,7 +259,9 @@ StepResult Trainer::step() {
       Stash& s = *stashes_[mb];
       load_micro_batch(s, mb);
       forward(s);
+      profile_.mark("head F");
       loss_sum += model_.head_forward(s).sum;
+      profile_.mark("router statistics");
       all.push_back(model_.router_stats(s));
       accumulate_stats(all.back());
     }
@@ -247,6 +276,7 @@ StepResult Trainer::step() {
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
   // changes nothing, so it is skipped).
+  profile_.mark("gradient norm and clipping");
   std::vector<Tensor> grads;
   for (const Param& p : model_.params()) grads.push_back(p.grad);
   r.grad_norm = std::sqrt(sum_squares(grads));
@@ -256,8 +286,10 @@ StepResult Trainer::step() {
       for (const Tensor& g : grads) scale(g, clip);
   }
   r.lr = lr_at(cfg_, r.step - 1);
+  profile_.mark("optimizer");
   optimizer_.step(cfg_.optimizer, r.lr, r.step);
   refresh_compute_weights(model_.params());
+  r.breakdown_ms = profile_.finish();
 
   r.loss = loss_sum / static_cast<double>(count);
   r.lb_loss = lb_total;
@@ -300,6 +332,11 @@ std::string step_json(const StepResult& r) {
   j["tokens_per_s"] = r.tokens_per_s;
   j["memory_bytes"] = r.memory_bytes;
   j["expert_counts"] = r.expert_counts;
+  if (!r.breakdown_ms.empty()) {
+    nlohmann::json b = nlohmann::json::object();
+    for (const auto& [name, ms] : r.breakdown_ms) b[name] = ms;
+    j["breakdown_ms"] = b;
+  }
   return j.dump();
 }
 

@@ -12,6 +12,7 @@
 #include "models/interface.h"
 #include "train/config.h"
 #include "train/optimizer.h"
+#include "train/profile.h"
 
 namespace mt {
 
@@ -36,6 +37,7 @@ struct StepResult {
   double tokens_per_s = 0;
   size_t memory_bytes = 0;   // parameters, gradients, optimizer state, activations
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert
+  std::vector<std::pair<std::string, double>> breakdown_ms;  // metrics.profile: time per stage
 };
 
 class Trainer {
@@ -70,6 +72,7 @@ class Trainer {
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
   AdamW optimizer_;
+  StepProfile profile_;
 };
 
 // One JSON object per line: the metrics.jsonl contract.

@@ -1,0 +1,566 @@
+#include "comm/communicator.h"
+
+#include <mpi.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "core/check.h"
+
+#ifdef MOETRAIN_WITH_CUDA
+#include <nccl.h>
+
+#include "kernels/cuda/runtime.h"
+#endif
+
+namespace mt::comm {
+
+struct Communicator::Impl {
+  MPI_Comm mpi = MPI_COMM_NULL;  // null for a communicator of this process alone
+#ifdef MOETRAIN_WITH_CUDA
+  ncclComm_t nccl = nullptr;     // created at the first GPU operation
+#endif
+};
+
+struct Request::Impl {
+  std::string where;  // the operation, for errors
+  std::vector<MPI_Request> mpi;
+#ifdef MOETRAIN_WITH_CUDA
+  cudaEvent_t done = nullptr;  // recorded on the communication stream after the batch
+#endif
+};
+
+namespace {
+
+// ---- launch -----------------------------------------------------------------------
+
+bool read_int(const std::function<const char*(const char*)>& env, const char* name, int& out) {
+  const char* v = env(name);
+  if (v == nullptr || *v == '\0') return false;
+  char* end = nullptr;
+  errno = 0;
+  long x = std::strtol(v, &end, 10);
+  MT_CHECK(*end == '\0' && errno == 0 && x >= 0 && x <= INT_MAX)
+      << "environment variable " << name << "=" << v << " is not a non-negative integer";
+  out = static_cast<int>(x);
+  return true;
+}
+
+// ---- MPI --------------------------------------------------------------------------
+
+MPI_Op g_bf16_sum = MPI_OP_NULL;
+
+// bf16 travels as uint16 payloads, which MPI cannot add: sum in fp32, round once.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = bf16_from_f32(f32_from_bf16(a[i]) + f32_from_bf16(b[i]));
+}
+
+MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::f32: return MPI_FLOAT;
+    case DType::bf16: return MPI_UINT16_T;
+    case DType::i32: return MPI_INT32_T;
+    case DType::i64: return MPI_INT64_T;
+    case DType::f8e4m3:
+    case DType::u8: return MPI_UINT8_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpi_sum(DType t) { return t == DType::bf16 ? g_bf16_sum : MPI_SUM; }
+
+void check_mpi(int rc, const std::string& where) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  MT_FAIL() << where << ": MPI error: " << std::string(text, static_cast<size_t>(len));
+}
+
+// MPI counts and displacements are int.
+int mpi_count(int64_t n, const std::string& where) {
+  MT_CHECK(n <= INT_MAX) << where << ": " << n << " elements exceed MPI's int count; split the transfer";
+  return static_cast<int>(n);
+}
+
+bool mpi_finalized() {
+  int fin = 0;
+  MPI_Finalized(&fin);
+  return fin != 0;
+}
+
+// ---- arguments ---------------------------------------------------------------------
+
+void check_storage(const Tensor& t, const char* name, const std::string& where) {
+  MT_CHECK(t.data != nullptr || t.numel() == 0) << where << ": " << name << " " << t.str() << " has no storage";
+}
+
+void check_summable(const Tensor& t, const std::string& where) {
+  MT_CHECK(t.dtype == DType::f32 || t.dtype == DType::bf16 || t.dtype == DType::i32 || t.dtype == DType::i64)
+      << where << ": sums are for f32, bf16, i32 and i64 tensors, got " << t.str();
+}
+
+void check_pair(const Tensor& in, const Tensor& out, const std::string& where) {
+  check_storage(in, "input", where);
+  check_storage(out, "output", where);
+  MT_CHECK(in.dtype == out.dtype && in.device == out.device)
+      << where << ": input " << in.str() << " and output " << out.str() << " differ in dtype or device";
+}
+
+// A GPU tensor here means the NCCL path; without CUDA there cannot be one.
+bool on_gpu(const Tensor& t, [[maybe_unused]] const std::string& where) {
+#ifndef MOETRAIN_WITH_CUDA
+  MT_CHECK(t.device == Device::cpu) << where << ": " << t.str() << " is on the GPU but moetrain was built without CUDA";
+#endif
+  return t.device == Device::cuda;
+}
+
+#ifdef MOETRAIN_WITH_CUDA
+// ---- NCCL -------------------------------------------------------------------------
+
+void check_nccl(ncclResult_t r, const char* call, const std::string& where, ncclComm_t comm) {
+  if (r == ncclSuccess) return;
+  const char* last = comm != nullptr ? ncclGetLastError(comm) : nullptr;
+  MT_FAIL() << where << ": " << call << " failed: " << ncclGetErrorString(r)
+            << (last != nullptr && *last != '\0' ? std::string(" (") + last + ")" : std::string());
+}
+#define NCCL_CHECK(call, where, comm) check_nccl((call), #call, (where), (comm))
+
+char* at(const Tensor& t, int64_t elements) { return static_cast<char*>(t.data) + elements * dtype_size(t.dtype); }
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32: return ncclFloat32;
+    case DType::bf16: return ncclBfloat16;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::f8e4m3:
+    case DType::u8: return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+// Started batches run here, so a ring's transfers overlap the compute on the
+// backend's stream; one per process, like the backend's own stream.
+cudaStream_t comm_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t created = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return s;
+}
+
+// The unique id comes from rank 0 and reaches the others over MPI; a one-rank
+// communicator needs no MPI at all.
+ncclComm_t nccl_comm(Communicator::Impl& im, int rank, int size, const std::string& where) {
+  if (im.nccl != nullptr) return im.nccl;
+  ncclUniqueId id{};
+  if (rank == 0) NCCL_CHECK(ncclGetUniqueId(&id), where, nullptr);
+  if (size > 1) check_mpi(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, im.mpi), where + " (NCCL id broadcast)");
+  NCCL_CHECK(ncclCommInitRank(&im.nccl, size, id, rank), where, nullptr);
+  return im.nccl;
+}
+#endif
+
+}  // namespace
+
+// ---- launch -----------------------------------------------------------------------
+
+Launch detect_launch(const std::function<const char*(const char*)>& env) {
+  struct Source {
+    const char* launcher;
+    const char* rank;
+    std::initializer_list<const char*> size;
+    const char* local;
+  };
+  const Source sources[] = {
+      {"Open MPI", "OMPI_COMM_WORLD_RANK", {"OMPI_COMM_WORLD_SIZE"}, "OMPI_COMM_WORLD_LOCAL_RANK"},
+      {"PMI", "PMI_RANK", {"PMI_SIZE"}, "MPI_LOCALRANKID"},
+      // A batch script has SLURM_NTASKS too; the step's own count is what srun started.
+      {"SLURM", "SLURM_PROCID", {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"}, "SLURM_LOCALID"},
+      {"torchrun", "RANK", {"WORLD_SIZE"}, "LOCAL_RANK"},
+  };
+  for (const Source& s : sources) {
+    Launch l;
+    const char* size_name = nullptr;
+    for (const char* n : s.size)
+      if (size_name == nullptr && read_int(env, n, l.size)) size_name = n;
+    if (!read_int(env, s.rank, l.rank) || size_name == nullptr) continue;
+    MT_CHECK(l.size >= 1 && l.rank < l.size) << s.launcher << " variables give rank " << s.rank << "=" << l.rank
+                                              << " of " << size_name << "=" << l.size;
+    if (!read_int(env, s.local, l.local_rank)) l.local_rank = l.size == 1 ? 0 : -1;
+    l.launcher = s.launcher;
+    return l;
+  }
+  return Launch{};
+}
+
+// ---- Request ----------------------------------------------------------------------
+
+Request::Request() = default;
+Request::Request(Request&&) noexcept = default;
+
+Request& Request::operator=(Request&& o) noexcept {
+  if (this != &o) {
+    if (impl_) {
+      // Assigning over a started batch must not free buffers it still writes.
+      try {
+        wait();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "%s\n", e.what());
+        std::abort();
+      }
+    }
+    impl_ = std::move(o.impl_);
+  }
+  return *this;
+}
+
+Request::~Request() {
+  if (!impl_) return;
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    // A destructor cannot throw; a failed transfer must still not pass silently.
+    std::fprintf(stderr, "%s\n", e.what());
+    std::abort();
+  }
+}
+
+void Request::wait() {
+  if (!impl_) return;
+  std::unique_ptr<Impl> im = std::move(impl_);
+  if (!im->mpi.empty())
+    check_mpi(MPI_Waitall(static_cast<int>(im->mpi.size()), im->mpi.data(), MPI_STATUSES_IGNORE), im->where);
+#ifdef MOETRAIN_WITH_CUDA
+  if (im->done != nullptr) {
+    CUDA_CHECK(cudaStreamWaitEvent(cuda::stream(), im->done, 0));
+    CUDA_CHECK(cudaEventDestroy(im->done));
+  }
+#endif
+}
+
+// ---- Communicator -----------------------------------------------------------------
+
+Communicator::Communicator(std::string name) : name_(std::move(name)), impl_(std::make_unique<Impl>()) {}
+
+Communicator::Communicator(std::string name, int rank, int size, std::unique_ptr<Impl> impl)
+    : name_(std::move(name)), rank_(rank), size_(size), impl_(std::move(impl)) {}
+
+Communicator::Communicator(Communicator&&) noexcept = default;
+
+Communicator::~Communicator() {
+  if (!impl_) return;
+#ifdef MOETRAIN_WITH_CUDA
+  if (impl_->nccl != nullptr) ncclCommDestroy(impl_->nccl);
+#endif
+  if (impl_->mpi != MPI_COMM_NULL && !mpi_finalized()) MPI_Comm_free(&impl_->mpi);
+}
+
+std::string Communicator::where(const char* op) const {
+  return std::string(op) + " on communicator '" + name_ + "' (rank " + std::to_string(rank_) + " of " +
+         std::to_string(size_) + ")";
+}
+
+void Communicator::all_reduce(const Tensor& x) {
+  const std::string w = where("all_reduce") + " of " + x.str();
+  check_storage(x, "tensor", w);
+  check_summable(x, w);
+  if (on_gpu(x, w)) {
+#ifdef MOETRAIN_WITH_CUDA
+    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
+    NCCL_CHECK(ncclAllReduce(x.data, x.data, static_cast<size_t>(x.numel()), nccl_type(x.dtype), ncclSum, c,
+                             cuda::stream()),
+               w, c);
+#endif
+    return;
+  }
+  if (size_ == 1) return;
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, x.data, mpi_count(x.numel(), w), mpi_type(x.dtype), mpi_sum(x.dtype),
+                          impl_->mpi),
+            w);
+}
+
+void Communicator::reduce_scatter(const Tensor& in, const Tensor& out) {
+  const std::string w = where("reduce_scatter") + " of " + in.str() + " into " + out.str();
+  check_pair(in, out, w);
+  check_summable(in, w);
+  MT_CHECK(in.numel() == size_ * out.numel()) << w << ": the input should hold " << size_ << " blocks of the output's "
+                                              << out.numel() << " elements";
+  if (on_gpu(in, w)) {
+#ifdef MOETRAIN_WITH_CUDA
+    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
+    NCCL_CHECK(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), nccl_type(in.dtype), ncclSum, c,
+                                 cuda::stream()),
+               w, c);
+#endif
+    return;
+  }
+  if (size_ == 1) {
+    if (in.data != out.data) std::memcpy(out.data, in.data, out.nbytes());
+    return;
+  }
+  check_mpi(MPI_Reduce_scatter_block(in.data, out.data, mpi_count(out.numel(), w), mpi_type(in.dtype),
+                                     mpi_sum(in.dtype), impl_->mpi),
+            w);
+}
+
+void Communicator::all_gather(const Tensor& in, const Tensor& out) {
+  const std::string w = where("all_gather") + " of " + in.str() + " into " + out.str();
+  check_pair(in, out, w);
+  MT_CHECK(out.numel() == size_ * in.numel()) << w << ": the output should hold " << size_ << " blocks of the input's "
+                                              << in.numel() << " elements";
+  if (on_gpu(in, w)) {
+#ifdef MOETRAIN_WITH_CUDA
+    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
+    NCCL_CHECK(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), c,
+                             cuda::stream()),
+               w, c);
+#endif
+    return;
+  }
+  if (size_ == 1) {
+    if (in.data != out.data) std::memcpy(out.data, in.data, in.nbytes());
+    return;
+  }
+  const int n = mpi_count(in.numel(), w);
+  check_mpi(MPI_Allgather(in.data, n, mpi_type(in.dtype), out.data, n, mpi_type(in.dtype), impl_->mpi), w);
+}
+
+void Communicator::all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
+                                std::span<const int64_t> recv_counts) {
+  const std::string w = where("all_to_all_v") + " of " + in.str() + " into " + out.str();
+  check_pair(in, out, w);
+  MT_CHECK(static_cast<int>(send_counts.size()) == size_ && static_cast<int>(recv_counts.size()) == size_)
+      << w << ": wants one send and one receive count per rank (" << size_ << "), got " << send_counts.size()
+      << " and " << recv_counts.size();
+  // Displacements are the running sums of the counts: the blocks are packed in rank order.
+  std::vector<int64_t> send_at(static_cast<size_t>(size_) + 1, 0), recv_at(send_at.size(), 0);
+  for (int p = 0; p < size_; ++p) {
+    MT_CHECK(send_counts[p] >= 0 && recv_counts[p] >= 0)
+        << w << ": negative count for rank " << p << " (send " << send_counts[p] << ", receive " << recv_counts[p] << ")";
+    send_at[p + 1] = send_at[p] + send_counts[p];
+    recv_at[p + 1] = recv_at[p] + recv_counts[p];
+  }
+  MT_CHECK(send_at[size_] == in.numel() && recv_at[size_] == out.numel())
+      << w << ": the send counts add up to " << send_at[size_] << " and the receive counts to " << recv_at[size_]
+      << ", but the tensors hold " << in.numel() << " and " << out.numel() << " elements";
+  if (on_gpu(in, w)) {
+#ifdef MOETRAIN_WITH_CUDA
+    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
+    const ncclDataType_t t = nccl_type(in.dtype);
+    NCCL_CHECK(ncclGroupStart(), w, c);
+    for (int p = 0; p < size_; ++p) {
+      if (send_counts[p] > 0)
+        NCCL_CHECK(ncclSend(at(in, send_at[p]), static_cast<size_t>(send_counts[p]), t, p, c, cuda::stream()), w, c);
+      if (recv_counts[p] > 0)
+        NCCL_CHECK(ncclRecv(at(out, recv_at[p]), static_cast<size_t>(recv_counts[p]), t, p, c, cuda::stream()), w, c);
+    }
+    NCCL_CHECK(ncclGroupEnd(), w, c);
+#endif
+    return;
+  }
+  if (size_ == 1) {
+    MT_CHECK(send_counts[0] == recv_counts[0])
+        << w << ": one rank sends " << send_counts[0] << " elements to itself but expects " << recv_counts[0];
+    if (in.data != out.data) std::memcpy(out.data, in.data, in.nbytes());
+    return;
+  }
+  std::vector<int> sc(static_cast<size_t>(size_)), sd(sc.size()), rc(sc.size()), rd(sc.size());
+  for (int p = 0; p < size_; ++p) {
+    sc[p] = mpi_count(send_counts[p], w);
+    sd[p] = mpi_count(send_at[p], w);
+    rc[p] = mpi_count(recv_counts[p], w);
+    rd[p] = mpi_count(recv_at[p], w);
+  }
+  const MPI_Datatype t = mpi_type(in.dtype);
+  check_mpi(MPI_Alltoallv(in.data, sc.data(), sd.data(), t, out.data, rc.data(), rd.data(), t, impl_->mpi), w);
+}
+
+void Communicator::broadcast(const Tensor& x, int root) {
+  const std::string w = where("broadcast") + " of " + x.str() + " from rank " + std::to_string(root);
+  check_storage(x, "tensor", w);
+  MT_CHECK(root >= 0 && root < size_) << w << ": the root is not a rank of the communicator";
+  if (on_gpu(x, w)) {
+#ifdef MOETRAIN_WITH_CUDA
+    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
+    NCCL_CHECK(ncclBroadcast(x.data, x.data, static_cast<size_t>(x.numel()), nccl_type(x.dtype), root, c,
+                             cuda::stream()),
+               w, c);
+#endif
+    return;
+  }
+  if (size_ == 1) return;
+  check_mpi(MPI_Bcast(x.data, mpi_count(x.numel(), w), mpi_type(x.dtype), root, impl_->mpi), w);
+}
+
+void Communicator::barrier() {
+  if (size_ == 1) return;
+  check_mpi(MPI_Barrier(impl_->mpi), where("barrier"));
+}
+
+void Communicator::send(const Tensor& x, int peer) { start({send_to(x, peer)}).wait(); }
+
+void Communicator::recv(const Tensor& x, int peer) { start({recv_from(x, peer)}).wait(); }
+
+Request Communicator::start(std::span<const P2P> ops) {
+  std::string w = where("send/recv batch") + " [";
+  for (const P2P& op : ops)
+    w += std::string(op.send ? " send " : " recv ") + op.tensor.str() + (op.send ? " to " : " from ") +
+         std::to_string(op.peer);
+  w += " ]";
+  for (const P2P& op : ops) {
+    check_storage(op.tensor, "tensor", w);
+    MT_CHECK(op.peer >= 0 && op.peer < size_) << w << ": peer " << op.peer << " is not a rank of the communicator";
+    MT_CHECK(op.tensor.device == ops[0].tensor.device) << w << ": a batch is all on the CPU or all on the GPU";
+  }
+  Request r;
+  if (ops.empty()) return r;
+  r.impl_ = std::make_unique<Request::Impl>();
+  r.impl_->where = w;
+  if (on_gpu(ops[0].tensor, w)) {
+#ifdef MOETRAIN_WITH_CUDA
+    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
+    cudaStream_t s = comm_stream();
+    // The batch starts after the work already queued (which may fill its buffers).
+    cudaEvent_t ready = nullptr;
+    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(ready, cuda::stream()));
+    CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
+    CUDA_CHECK(cudaEventDestroy(ready));
+    NCCL_CHECK(ncclGroupStart(), w, c);
+    for (const P2P& op : ops) {
+      const size_t n = static_cast<size_t>(op.tensor.numel());
+      if (op.send)
+        NCCL_CHECK(ncclSend(op.tensor.data, n, nccl_type(op.tensor.dtype), op.peer, c, s), w, c);
+      else
+        NCCL_CHECK(ncclRecv(op.tensor.data, n, nccl_type(op.tensor.dtype), op.peer, c, s), w, c);
+    }
+    NCCL_CHECK(ncclGroupEnd(), w, c);
+    CUDA_CHECK(cudaEventCreateWithFlags(&r.impl_->done, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(r.impl_->done, s));
+#endif
+    return r;
+  }
+  if (size_ == 1) {
+    // Messages to oneself: the i-th send is the i-th receive, as MPI would match them.
+    std::vector<const P2P*> sends, recvs;
+    for (const P2P& op : ops) (op.send ? sends : recvs).push_back(&op);
+    MT_CHECK(sends.size() == recvs.size()) << w << ": " << sends.size() << " sends to oneself but " << recvs.size()
+                                           << " receives";
+    for (size_t i = 0; i < sends.size(); ++i) {
+      const Tensor& a = sends[i]->tensor;
+      const Tensor& b = recvs[i]->tensor;
+      MT_CHECK(a.nbytes() == b.nbytes() && a.dtype == b.dtype) << w << ": message " << i << " sends " << a.str()
+                                                                << " into " << b.str();
+      if (a.data != b.data) std::memcpy(b.data, a.data, a.nbytes());
+    }
+    return r;
+  }
+  r.impl_->mpi.resize(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2P& op = ops[i];
+    const int n = mpi_count(op.tensor.numel(), w);
+    const MPI_Datatype t = mpi_type(op.tensor.dtype);
+    if (op.send)
+      check_mpi(MPI_Isend(op.tensor.data, n, t, op.peer, 0, impl_->mpi, &r.impl_->mpi[i]), w);
+    else
+      check_mpi(MPI_Irecv(op.tensor.data, n, t, op.peer, 0, impl_->mpi, &r.impl_->mpi[i]), w);
+  }
+  return r;
+}
+
+Communicator Communicator::split(int color, int key, std::string name) {
+  if (size_ == 1) return Communicator(std::move(name));
+  const std::string w = where("split") + " into '" + name + "'";
+  auto im = std::make_unique<Impl>();
+  check_mpi(MPI_Comm_split(impl_->mpi, color, key, &im->mpi), w);
+  check_mpi(MPI_Comm_set_errhandler(im->mpi, MPI_ERRORS_RETURN), w);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(im->mpi, &rank);
+  MPI_Comm_size(im->mpi, &size);
+  return Communicator(std::move(name), rank, size, std::move(im));
+}
+
+void Communicator::init_gpu() {
+  const std::string w = where("init_gpu");
+#ifdef MOETRAIN_WITH_CUDA
+  nccl_comm(*impl_, rank_, size_, w);
+#else
+  MT_FAIL() << w << ": moetrain was built without CUDA, so there is no NCCL";
+#endif
+}
+
+// ---- World ------------------------------------------------------------------------
+
+World::World() {
+  launch_ = detect_launch([](const char* n) -> const char* { return std::getenv(n); });
+  if (launch_.size == 1) {
+    launch_.local_rank = 0;
+    comm_.reset(new Communicator("world"));
+    return;
+  }
+  const std::string setup =
+      "MPI setup of " + launch_.launcher + " rank " + std::to_string(launch_.rank) + " of " + std::to_string(launch_.size);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized == 0) {
+    // Only the thread that called MPI_Init makes MPI calls; OpenMP threads compute.
+    int provided = 0;
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    MT_CHECK(rc == MPI_SUCCESS) << setup << ": MPI_Init_thread failed";
+    finalize_ = true;
+    MT_CHECK(provided >= MPI_THREAD_FUNNELED) << setup << ": MPI provides thread level " << provided
+                                              << ", below MPI_THREAD_FUNNELED";
+  }
+  check_mpi(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), setup);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MT_CHECK(rank == launch_.rank && size == launch_.size)
+      << launch_.launcher << " says rank " << launch_.rank << " of " << launch_.size << ", but MPI says rank " << rank
+      << " of " << size << ": start the ranks with mpirun or srun, whose runtime connects them";
+  set_check_rank(rank);
+  if (launch_.local_rank < 0) {
+    // The launcher did not say: the ranks sharing this node's memory number themselves.
+    MPI_Comm node = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node), setup);
+    MPI_Comm_rank(node, &launch_.local_rank);
+    MPI_Comm_free(&node);
+  }
+  check_mpi(MPI_Op_create(bf16_sum, 1, &g_bf16_sum), setup);
+  // A private copy of MPI_COMM_WORLD, so our messages never match another library's.
+  auto im = std::make_unique<Communicator::Impl>();
+  check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &im->mpi), setup);
+  check_mpi(MPI_Comm_set_errhandler(im->mpi, MPI_ERRORS_RETURN), setup);
+  comm_.reset(new Communicator("world", rank, size, std::move(im)));
+}
+
+World::~World() {
+  comm_.reset();
+  if (g_bf16_sum != MPI_OP_NULL && !mpi_finalized()) MPI_Op_free(&g_bf16_sum);
+  if (finalize_ && !mpi_finalized()) MPI_Finalize();
+}
+
+void World::abort(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized != 0 && !mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+World& world() {
+  static World w;
+  return w;
+}
+
+}  // namespace mt::comm

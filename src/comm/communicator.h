@@ -1,0 +1,157 @@
+// Collectives and point-to-point messages between ranks: MPI for host buffers, NCCL
+// for GPU buffers (built with CUDA), chosen by the tensors' device.
+//
+//   comm::World& w = comm::world();          // MPI_Init once, when launched with > 1 rank
+//   w.comm().all_reduce(grad);               // sum over every rank, in place
+//   Request r = cp.start({send_to(k, next), recv_from(k_next, prev)});
+//   ... compute ...
+//   r.wait();
+//
+// Every operation is collective over the communicator's ranks (point-to-point: over
+// the two peers) and checks its arguments before any message moves, so a bad call
+// fails on every rank alike. Errors name the communicator, this rank, the operation
+// and the sizes. Sums are supported for f32, bf16, i32 and i64; data movement for any
+// dtype. Counts are in elements.
+//
+// On GPU buffers the operations are stream-ordered, as NCCL's are: collectives and
+// blocking point-to-point run on the CUDA backend's stream (kernels/cuda/runtime.h)
+// and the host does not wait; a Request from start() runs on a separate communication
+// stream and wait() makes the backend's stream wait for it. A communicator's NCCL
+// communicator is created at its first GPU operation, which all its ranks must reach.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace mt::comm {
+
+// How this process was started, from the launcher's environment variables: Open MPI
+// (OMPI_COMM_WORLD_*), PMI (PMI_RANK/PMI_SIZE, as MPICH and srun --mpi=pmi2 set),
+// SLURM (SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS, SLURM_LOCALID), then
+// torchrun-style RANK/WORLD_SIZE/LOCAL_RANK; none of them is a world of one.
+struct Launch {
+  int rank = 0, size = 1, local_rank = 0;
+  std::string launcher = "none";
+};
+// `env` looks a variable up (nullptr when unset): std::getenv, or a table in tests.
+Launch detect_launch(const std::function<const char*(const char*)>& env);
+
+class Communicator;
+
+// A started batch of sends and receives; wait() returns when all are done (on the
+// GPU: when the backend's stream is ordered after them). The buffers must stay alive
+// until then. Destroying a Request that was not waited for waits.
+class Request {
+ public:
+  Request();
+  ~Request();
+  Request(Request&&) noexcept;
+  Request& operator=(Request&&) noexcept;
+  void wait();
+
+ private:
+  friend class Communicator;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// One message of a batch: send `tensor` to `peer`, or receive into it from `peer`.
+// Between two ranks, messages are matched in the order they were posted.
+struct P2P {
+  bool send = true;
+  Tensor tensor;
+  int peer = 0;
+};
+inline P2P send_to(const Tensor& t, int peer) { return {true, t, peer}; }
+inline P2P recv_from(const Tensor& t, int peer) { return {false, t, peer}; }
+
+class Communicator {
+ public:
+  // A communicator of this process alone: no MPI needed (collectives are copies).
+  explicit Communicator(std::string name);
+  ~Communicator();
+  Communicator(Communicator&&) noexcept;
+  Communicator& operator=(Communicator&&) = delete;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+  // x = sum over ranks of x, in place.
+  void all_reduce(const Tensor& x);
+  // in holds size() blocks of out.numel() elements; out = sum over ranks of block rank().
+  void reduce_scatter(const Tensor& in, const Tensor& out);
+  // out = the in of every rank, concatenated in rank order.
+  void all_gather(const Tensor& in, const Tensor& out);
+  // in holds send_counts[p] elements for each rank p in rank order, out receives
+  // recv_counts[p] from each p in rank order; both sums must equal the tensors' sizes.
+  void all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
+                    std::span<const int64_t> recv_counts);
+  void broadcast(const Tensor& x, int root);
+  void barrier();
+
+  void send(const Tensor& x, int peer);
+  void recv(const Tensor& x, int peer);
+  // Starts every message of the batch at once (on NCCL: one group), so a batch that
+  // both sends and receives cannot deadlock against its peers' batches.
+  Request start(std::span<const P2P> ops);
+  Request start(std::initializer_list<P2P> ops) { return start(std::span<const P2P>(ops.begin(), ops.size())); }
+
+  // A communicator per color of this one's ranks, ordered by key (collective).
+  Communicator split(int color, int key, std::string name);
+  // Creates the NCCL communicator now (collective); GPU operations otherwise do it
+  // at first use. An error in a build without CUDA.
+  void init_gpu();
+
+  struct Impl;  // MPI and NCCL handles, kept out of this header
+
+ private:
+  Communicator(std::string name, int rank, int size, std::unique_ptr<Impl> impl);
+  friend class World;
+  // "all_reduce on comm 'ep' (rank 1 of 4)": what every error of an operation starts with.
+  std::string where(const char* op) const;
+  Request start_gpu(std::span<const P2P> ops, bool own_stream);
+
+  std::string name_;
+  int rank_ = 0, size_ = 1;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The process-wide world. Created at the first world() call: reads the launcher's
+// variables, calls MPI_Init (only when there is more than one rank, so a lone
+// process needs no mpirun), checks that MPI agrees with the launcher, and names the
+// rank in every check message (mt::set_check_rank). MPI_Finalize runs at exit.
+class World {
+ public:
+  const Launch& launch() const { return launch_; }
+  int rank() const { return launch_.rank; }
+  int size() const { return launch_.size; }
+  int local_rank() const { return launch_.local_rank; }
+  Communicator& comm() { return *comm_; }
+  // Ends every rank of the job with `code` (MPI_Abort), so one rank's error does not
+  // leave the others waiting in a collective; without MPI, exits.
+  [[noreturn]] void abort(int code);
+
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
+  ~World();
+
+ private:
+  World();
+  friend World& world();
+  Launch launch_;
+  bool finalize_ = false;  // MPI was initialised here, so it is finalised here
+  std::unique_ptr<Communicator> comm_;
+};
+
+World& world();
+
+}  // namespace mt::comm

@@ -1,0 +1,225 @@
+#include "parallel/context_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/elementwise.h"
+
+namespace mt::parallel {
+
+namespace {
+
+struct Dims {
+  int64_t b, c, hq, hkv, d;  // C: positions per chunk
+};
+
+Dims check_inputs(const comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& sinks, const cpu::AttentionArgs& a, const char* op) {
+  MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && q.dim(1) % 2 == 0)
+      << op << " wants this rank's two zigzag chunks, q [B,2C,Hq,Dh] and k [B,2C,Hkv,Dh], got q " << q.str() << ", k "
+      << k.str() << " (cp " << cp.size() << ")";
+  const Dims n{q.dim(0), q.dim(1) / 2, q.dim(2), k.dim(2), q.dim(3)};
+  check_tensor(q, "ring attention q", DType::f32, {n.b, 2 * n.c, n.hq, n.d});
+  check_tensor(k, "ring attention k", DType::f32, {n.b, 2 * n.c, n.hkv, n.d});
+  check_tensor(v, "ring attention v", DType::f32, {n.b, 2 * n.c, n.hkv, n.d});
+  MT_CHECK(a.q_offset == 0 && a.k_offset == 0) << op << ": the ring sets the position offsets per block, got q_offset "
+                                               << a.q_offset << ", k_offset " << a.k_offset;
+  for (const Tensor* t : {&q, &k, &v, &sinks})
+    MT_CHECK(t->device == Device::cpu) << op << ": the online-softmax merge runs on host tensors for now, got "
+                                       << t->str();
+  return n;
+}
+
+// The chunk cp rank r holds in slot s: r first, then its mirror 2cp-1-r.
+int64_t chunk_of(int r, int cp, int slot) { return slot == 0 ? r : 2 * cp - 1 - r; }
+
+// Batch row b's slot s of a [B,2C,H,Dh] tensor, as the contiguous [1,C,H,Dh] it is.
+Tensor block(const Tensor& t, int64_t b, int slot, int64_t c) {
+  const int64_t first = (b * 2 + slot) * c;
+  return t.view({t.dim(0) * t.dim(1), t.dim(2), t.dim(3)}).rows(first, first + c).view({1, c, t.dim(2), t.dim(3)});
+}
+
+// Whether any query of chunk qc sees any key of chunk kc: causal, and the nearest pair
+// (first query, last key) within the window.
+bool visible(int64_t qc, int64_t kc, int64_t c, int64_t window) {
+  if (kc > qc) return false;
+  return window == 0 || qc * c - (kc * c + c - 1) < window;
+}
+
+cpu::AttentionArgs block_args(const cpu::AttentionArgs& a, int64_t qc, int64_t kc, int64_t c) {
+  cpu::AttentionArgs b = a;
+  b.q_offset = qc * c;
+  b.k_offset = kc * c;
+  return b;
+}
+
+// Two same-shaped buffers that travel the ring together (K and V, or dK and dV).
+struct Pair {
+  std::vector<float> ks, vs;
+  Tensor k, v;
+  explicit Pair(const Tensor& like) : ks(static_cast<size_t>(like.numel())), vs(ks.size()) {
+    k = Tensor(ks.data(), like.shape, DType::f32);
+    v = Tensor(vs.data(), like.shape, DType::f32);
+  }
+  Pair(const Pair&) = delete;  // the views point into this object's own storage
+};
+
+// Folds one block's (o, lse) for batch row b, slot qs into the running (out, lse):
+// softmax over the union of the blocks' keys = the blocks' softmaxes weighted by
+// exp(lse_block - lse_union). A row that sees no key of the block (lse -inf) is
+// left alone; the first block a row sees is copied.
+void merge(const Tensor& o_blk, const Tensor& l_blk, const Tensor& out, const Tensor& lse, int64_t b, int qs,
+           const Dims& n) {
+  const float* ob = o_blk.f32();
+  const float* lb = l_blk.f32();
+  float* op = out.f32();
+  float* lp = lse.f32();
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static)
+  for (int64_t h = 0; h < n.hq; ++h)
+    for (int64_t i = 0; i < n.c; ++i) {
+      const float l_new = lb[h * n.c + i];
+      if (l_new == minus_inf) continue;
+      float& l = lp[(b * n.hq + h) * 2 * n.c + qs * n.c + i];
+      float* o = op + ((b * 2 * n.c + qs * n.c + i) * n.hq + h) * n.d;
+      const float* x = ob + (i * n.hq + h) * n.d;
+      if (l == minus_inf) {
+        std::copy_n(x, n.d, o);
+        l = l_new;
+        continue;
+      }
+      const double m = std::max(l, l_new), w_old = std::exp(l - m), w_new = std::exp(l_new - m), z = w_old + w_new;
+      for (int64_t e = 0; e < n.d; ++e) o[e] = static_cast<float>((w_old * o[e] + w_new * x[e]) / z);
+      l = static_cast<float>(m + std::log(z));
+    }
+}
+
+}  // namespace
+
+void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
+  const Dims n = check_inputs(cp, q, k, v, sinks, a, "ring_attention_forward");
+  check_tensor(out, "ring attention out", DType::f32, q.shape);
+  check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
+  const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
+  mt::fill(out, 0.0f);
+  std::fill_n(lse.f32(), lse.numel(), -std::numeric_limits<float>::infinity());
+  std::vector<float> o_storage(static_cast<size_t>(n.c * n.hq * n.d)), l_storage(static_cast<size_t>(n.hq * n.c));
+  const Tensor o_blk(o_storage.data(), {1, n.c, n.hq, n.d}, DType::f32);
+  const Tensor l_blk(l_storage.data(), {1, n.hq, n.c}, DType::f32);
+  Pair bufs[2] = {Pair(k), Pair(k)};
+  Tensor cur_k = k, cur_v = v;
+  // Step s uses the K/V of rank r - s while those of r - s - 1 arrive.
+  for (int s = 0; s < size; ++s) {
+    const int src = (r - s + size) % size;
+    Pair& nx = bufs[s % 2];
+    comm::Request pass;
+    if (s + 1 < size)
+      pass = cp.start({comm::send_to(cur_k, next), comm::send_to(cur_v, next), comm::recv_from(nx.k, prev),
+                       comm::recv_from(nx.v, prev)});
+    for (int qs = 0; qs < 2; ++qs)
+      for (int ks = 0; ks < 2; ++ks) {
+        const int64_t qc = chunk_of(r, size, qs), kc = chunk_of(src, size, ks);
+        if (!visible(qc, kc, n.c, a.window)) continue;
+        const cpu::AttentionArgs args = block_args(a, qc, kc, n.c);
+        const Tensor blk_sinks = qc == kc ? sinks : Tensor();
+        for (int64_t b = 0; b < n.b; ++b) {
+          mt::attention_forward(block(q, b, qs, n.c), block(cur_k, b, ks, n.c), block(cur_v, b, ks, n.c), blk_sinks,
+                                args, o_blk, l_blk);
+          merge(o_blk, l_blk, out, lse, b, qs, n);
+        }
+      }
+    pass.wait();
+    cur_k = nx.k;
+    cur_v = nx.v;
+  }
+}
+
+void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse,
+                             const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                             const Tensor& dsinks) {
+  const Dims n = check_inputs(cp, q, k, v, sinks, a, "ring_attention_backward");
+  check_tensor(out, "ring attention out", DType::f32, q.shape);
+  check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
+  check_tensor(dout, "ring attention dout", DType::f32, q.shape);
+  check_tensor(dq, "ring attention dq", DType::f32, q.shape);
+  check_tensor(dk, "ring attention dk", DType::f32, k.shape);
+  check_tensor(dv, "ring attention dv", DType::f32, k.shape);
+  const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
+  mt::fill(dq, 0.0f);
+
+  // The final lse of each (batch row, slot) as the contiguous [1,Hq,C] a block takes.
+  std::vector<float> lse_blocks(static_cast<size_t>(n.b * 2 * n.hq * n.c));
+  for (int64_t b = 0; b < n.b; ++b)
+    for (int qs = 0; qs < 2; ++qs)
+      for (int64_t h = 0; h < n.hq; ++h)
+        std::copy_n(lse.f32() + (b * n.hq + h) * 2 * n.c + qs * n.c, n.c,
+                    lse_blocks.begin() + ((b * 2 + qs) * n.hq + h) * n.c);
+  // attention_backward overwrites its gradients: each block's go to scratch first.
+  std::vector<float> dq_storage(static_cast<size_t>(n.c * n.hq * n.d));
+  const Tensor dq_blk(dq_storage.data(), {1, n.c, n.hq, n.d}, DType::f32);
+  Pair dkv_blk(block(k, 0, 0, n.c));
+
+  Pair kv[2] = {Pair(k), Pair(k)};    // K/V arriving for the next step
+  Pair mine[2] = {Pair(k), Pair(k)};  // this step's dK/dV share, then the partial sum passed on
+  Pair partial(k);                    // the partial sum arriving from the previous rank
+  Tensor cur_k = k, cur_v = v;
+  // Step s: K/V of rank r - s. Its dK/dV partial sum (ranks r - s .. r - 1 added)
+  // arrives while this rank computes its share; meanwhile the sum of step s - 1
+  // leaves for the next rank.
+  for (int s = 0; s < size; ++s) {
+    const int src = (r - s + size) % size;
+    Pair& nx = kv[s % 2];
+    Pair& acc = mine[s % 2];
+    std::vector<comm::P2P> ops;
+    if (s + 1 < size)
+      ops = {comm::send_to(cur_k, next), comm::send_to(cur_v, next), comm::recv_from(nx.k, prev),
+             comm::recv_from(nx.v, prev)};
+    if (s > 0) {
+      const Pair& done = mine[(s - 1) % 2];
+      for (comm::P2P op : {comm::send_to(done.k, next), comm::send_to(done.v, next), comm::recv_from(partial.k, prev),
+                           comm::recv_from(partial.v, prev)})
+        ops.push_back(op);
+    }
+    comm::Request pass = cp.start(ops);
+    mt::fill(acc.k, 0.0f);
+    mt::fill(acc.v, 0.0f);
+    for (int qs = 0; qs < 2; ++qs)
+      for (int ks = 0; ks < 2; ++ks) {
+        const int64_t qc = chunk_of(r, size, qs), kc = chunk_of(src, size, ks);
+        if (!visible(qc, kc, n.c, a.window)) continue;
+        const cpu::AttentionArgs args = block_args(a, qc, kc, n.c);
+        const bool diagonal = qc == kc;
+        for (int64_t b = 0; b < n.b; ++b) {
+          const Tensor l_blk(lse_blocks.data() + (b * 2 + qs) * n.hq * n.c, {1, n.hq, n.c}, DType::f32);
+          mt::attention_backward(block(q, b, qs, n.c), block(cur_k, b, ks, n.c), block(cur_v, b, ks, n.c),
+                                 diagonal ? sinks : Tensor(), args, block(out, b, qs, n.c), l_blk,
+                                 block(dout, b, qs, n.c), dq_blk, dkv_blk.k, dkv_blk.v,
+                                 diagonal ? dsinks : Tensor());
+          const Tensor dq_rows = block(dq, b, qs, n.c), dk_rows = block(acc.k, b, ks, n.c),
+                       dv_rows = block(acc.v, b, ks, n.c);
+          mt::add(dq_rows, dq_blk, dq_rows);
+          mt::add(dk_rows, dkv_blk.k, dk_rows);
+          mt::add(dv_rows, dkv_blk.v, dv_rows);
+        }
+      }
+    pass.wait();
+    if (s > 0) {
+      mt::add(acc.k, partial.k, acc.k);
+      mt::add(acc.v, partial.v, acc.v);
+    }
+    cur_k = nx.k;
+    cur_v = nx.v;
+  }
+  // Every rank has added its share to the last K/V held (rank r + 1's): send it home.
+  const Pair& last = mine[(size - 1) % 2];
+  cp.start({comm::send_to(last.k, next), comm::send_to(last.v, next), comm::recv_from(dk, prev),
+            comm::recv_from(dv, prev)})
+      .wait();
+}
+
+}  // namespace mt::parallel

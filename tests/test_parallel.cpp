@@ -1,0 +1,595 @@
+// src/comm and src/parallel on several CPU ranks: ctest runs this program alone (a
+// world of one, no launcher) and under mpirun with 2 and 4 ranks. Every parallel
+// result is compared with the single-rank kernels run on the whole problem, which
+// every rank computes for itself from the same seeded inputs.
+//
+// Under mpirun only rank 0 prints gtest's report; the other ranks print their failed
+// assertions prefixed with their rank. A failure on any rank fails the test on all of
+// them (the fixture's TearDown), and the exit code is the same everywhere. An
+// exception ends its rank at once (and mpirun the job) rather than hang the others.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/mesh.h"
+#include "core/rng.h"
+#include "kernels/attention.h"
+#include "kernels/dispatch.h"
+#include "kernels/grouped_gemm.h"
+#include "parallel/context_parallel.h"
+#include "parallel/expert_parallel.h"
+
+namespace mt {
+namespace {
+
+comm::Communicator& world_comm() { return comm::world().comm(); }
+
+// Propagates failures: every rank learns which ranks failed and fails too.
+class Parallel : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    comm::Communicator& c = world_comm();
+    int32_t mine = HasFailure() ? 1 : 0;
+    std::vector<int32_t> all(static_cast<size_t>(c.size()));
+    c.all_gather(Tensor(&mine, {1}, DType::i32), Tensor(all.data(), {c.size()}, DType::i32));
+    std::string ranks;
+    for (int p = 0; p < c.size(); ++p)
+      if (all[p] != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(p);
+    if (mine == 0 && !ranks.empty()) ADD_FAILURE() << "failed on rank(s) " << ranks;
+  }
+};
+class Launch : public Parallel {};
+class Comm : public Parallel {};
+class Mesh : public Parallel {};
+class ExpertParallel : public Parallel {};
+class ContextParallel : public Parallel {};
+
+// The message of the mt::Error that f throws, or "" when it throws none.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<float> uniform(int64_t n, uint64_t stream, float lo, float hi, uint64_t seed = 8) {
+  std::vector<float> v(static_cast<size_t>(n));
+  fill_uniform(v.data(), n, seed, stream, lo, hi);
+  return v;
+}
+
+Tensor f32(std::vector<float>& v, Shape s) { return Tensor(v.data(), s, DType::f32); }
+
+// max |got - want| <= tol * max |want|: fp32 rounding relative to the tensor's scale.
+void expect_close(const float* got, const float* want, int64_t n, double tol, const std::string& what) {
+  double scale = 0, worst = 0;
+  int64_t at = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+    double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (std::isnan(d)) d = std::numeric_limits<double>::infinity();
+    if (d > worst) worst = d, at = i;
+  }
+  EXPECT_LE(worst, tol * std::max(scale, 1e-30))
+      << what << ": element " << at << " is " << got[at] << ", expected " << want[at] << " (scale " << scale << ")";
+}
+
+// ---- launch -------------------------------------------------------------------------
+
+comm::Launch launch_from(const std::map<std::string, std::string>& env) {
+  return comm::detect_launch([&](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+TEST_F(Launch, ReadsEveryLauncher) {
+  comm::Launch none = launch_from({});
+  EXPECT_EQ(none.launcher, "none");
+  EXPECT_EQ(none.size, 1);
+  EXPECT_EQ(none.rank, 0);
+  EXPECT_EQ(none.local_rank, 0);
+
+  comm::Launch ompi = launch_from({{"OMPI_COMM_WORLD_RANK", "3"},
+                                   {"OMPI_COMM_WORLD_SIZE", "8"},
+                                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                   {"RANK", "0"},
+                                   {"WORLD_SIZE", "2"}});
+  EXPECT_EQ(ompi.launcher, "Open MPI");  // the MPI launcher's variables win
+  EXPECT_EQ(ompi.rank, 3);
+  EXPECT_EQ(ompi.size, 8);
+  EXPECT_EQ(ompi.local_rank, 1);
+
+  comm::Launch pmi = launch_from({{"PMI_RANK", "2"}, {"PMI_SIZE", "4"}});
+  EXPECT_EQ(pmi.launcher, "PMI");
+  EXPECT_EQ(pmi.rank, 2);
+  EXPECT_EQ(pmi.local_rank, -1);  // unknown: MPI finds it
+
+  // srun inside a batch job: the step's task count, not the job's.
+  comm::Launch slurm = launch_from(
+      {{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "16"}, {"SLURM_STEP_NUM_TASKS", "8"}, {"SLURM_LOCALID", "1"}});
+  EXPECT_EQ(slurm.launcher, "SLURM");
+  EXPECT_EQ(slurm.rank, 5);
+  EXPECT_EQ(slurm.size, 8);
+  EXPECT_EQ(slurm.local_rank, 1);
+
+  comm::Launch torchrun = launch_from({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}});
+  EXPECT_EQ(torchrun.launcher, "torchrun");
+  EXPECT_EQ(torchrun.rank, 1);
+  EXPECT_EQ(torchrun.size, 2);
+
+  EXPECT_EQ(launch_from({{"RANK", "1"}}).launcher, "none");  // a rank without a size is no launch
+
+  std::string e = error_of([] { launch_from({{"RANK", "4"}, {"WORLD_SIZE", "4"}}); });
+  EXPECT_NE(e.find("rank RANK=4 of WORLD_SIZE=4"), std::string::npos) << e;
+  e = error_of([] { launch_from({{"PMI_RANK", "one"}, {"PMI_SIZE", "2"}}); });
+  EXPECT_NE(e.find("PMI_RANK=one"), std::string::npos) << e;
+}
+
+TEST_F(Launch, WorldMatchesTheLauncher) {
+  const comm::World& w = comm::world();
+  comm::Launch l = comm::detect_launch([](const char* n) -> const char* { return std::getenv(n); });
+  EXPECT_EQ(w.size(), l.size);
+  EXPECT_EQ(w.rank(), l.rank);
+  EXPECT_GE(w.local_rank(), 0);
+  EXPECT_EQ(world_comm().size(), w.size());
+  EXPECT_EQ(world_comm().rank(), w.rank());
+}
+
+// ---- communicator -------------------------------------------------------------------
+
+TEST_F(Comm, AllReduceSumsEachDtype) {
+  comm::Communicator& c = world_comm();
+  const int n = c.size(), r = c.rank();
+  const int64_t len = 37;
+  std::vector<float> xf(len);
+  std::vector<uint16_t> xb(len);
+  std::vector<int32_t> xi(len);
+  std::vector<int64_t> xl(len);
+  for (int64_t i = 0; i < len; ++i) {
+    xf[i] = 0.25f * static_cast<float>((r + 1) * (i + 1));
+    xb[i] = bf16_from_f32(static_cast<float>((r + 1) * (i % 4 + 1)));
+    xi[i] = static_cast<int32_t>(1000 * r + i);
+    xl[i] = (int64_t{1} << 40) * (r + 1) + i;
+  }
+  c.all_reduce(Tensor(xf.data(), {len}, DType::f32));
+  c.all_reduce(Tensor(xb.data(), {len}, DType::bf16));
+  c.all_reduce(Tensor(xi.data(), {len}, DType::i32));
+  c.all_reduce(Tensor(xl.data(), {len}, DType::i64));
+  const int64_t ranks_sum = int64_t{n} * (n + 1) / 2;  // sum of r + 1
+  for (int64_t i = 0; i < len; ++i) {
+    EXPECT_EQ(xf[i], 0.25f * static_cast<float>(ranks_sum * (i + 1))) << i;
+    EXPECT_EQ(f32_from_bf16(xb[i]), static_cast<float>(ranks_sum * (i % 4 + 1))) << i;
+    EXPECT_EQ(xi[i], 1000 * (ranks_sum - n) + n * i) << i;
+    EXPECT_EQ(xl[i], (int64_t{1} << 40) * ranks_sum + n * i) << i;
+  }
+}
+
+TEST_F(Comm, ReduceScatterAndAllGather) {
+  comm::Communicator& c = world_comm();
+  const int n = c.size(), r = c.rank();
+  const int64_t block = 3;
+  std::vector<float> in(static_cast<size_t>(n * block)), out(block);
+  for (int p = 0; p < n; ++p)
+    for (int64_t i = 0; i < block; ++i) in[p * block + i] = static_cast<float>(10 * r + p + i);
+  c.reduce_scatter(f32(in, {n * block}), f32(out, {block}));
+  for (int64_t i = 0; i < block; ++i) EXPECT_EQ(out[i], static_cast<float>(10 * n * (n - 1) / 2 + n * (r + i))) << i;
+
+  std::vector<int64_t> mine = {r, -r}, all(static_cast<size_t>(2 * n));
+  c.all_gather(Tensor(mine.data(), {2}, DType::i64), Tensor(all.data(), {2 * n}, DType::i64));
+  for (int p = 0; p < n; ++p) {
+    EXPECT_EQ(all[2 * p], p);
+    EXPECT_EQ(all[2 * p + 1], -p);
+  }
+}
+
+TEST_F(Comm, AllToAllVWithUnevenAndEmptyCounts) {
+  comm::Communicator& c = world_comm();
+  const int n = c.size(), r = c.rank();
+  // Rank a sends (a + b) % 3 elements to rank b (none when that is 0), valued by (a, b, i).
+  std::vector<int64_t> send_counts(n), recv_counts(n);
+  std::vector<int32_t> in, want;
+  for (int p = 0; p < n; ++p) {
+    send_counts[p] = (r + p) % 3;
+    recv_counts[p] = (p + r) % 3;
+    for (int64_t i = 0; i < send_counts[p]; ++i) in.push_back(static_cast<int32_t>(10000 * r + 100 * p + i));
+    for (int64_t i = 0; i < recv_counts[p]; ++i) want.push_back(static_cast<int32_t>(10000 * p + 100 * r + i));
+  }
+  std::vector<int32_t> out(want.size(), -1);
+  c.all_to_all_v(Tensor(in.data(), {static_cast<int64_t>(in.size())}, DType::i32), send_counts,
+                 Tensor(out.data(), {static_cast<int64_t>(out.size())}, DType::i32), recv_counts);
+  EXPECT_EQ(out, want);
+}
+
+TEST_F(Comm, PointToPointBlockingAndStarted) {
+  comm::Communicator& c = world_comm();
+  const int n = c.size(), r = c.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+  // A started ring exchange: two messages each way, matched in posting order.
+  std::vector<float> a = {static_cast<float>(r), 0.5f}, b = {static_cast<float>(-r)}, ra(2), rb(1);
+  comm::Request req = c.start({comm::send_to(f32(a, {2}), next), comm::send_to(f32(b, {1}), next),
+                               comm::recv_from(f32(ra, {2}), prev), comm::recv_from(f32(rb, {1}), prev)});
+  req.wait();
+  EXPECT_EQ(ra[0], static_cast<float>(prev));
+  EXPECT_EQ(ra[1], 0.5f);
+  EXPECT_EQ(rb[0], static_cast<float>(-prev));
+
+  // Blocking: a token passed along a chain, each rank adding its number.
+  if (n > 1) {
+    std::vector<int64_t> token = {0};
+    Tensor t(token.data(), {1}, DType::i64);
+    if (r > 0) c.recv(t, r - 1);
+    token[0] += r;
+    if (r + 1 < n) c.send(t, r + 1);
+    if (r == n - 1) {
+      EXPECT_EQ(token[0], int64_t{n} * (n - 1) / 2);
+    }
+  }
+}
+
+TEST_F(Comm, BroadcastAndBarrier) {
+  comm::Communicator& c = world_comm();
+  const int root = c.size() - 1;
+  std::vector<float> x = {c.rank() == root ? 42.0f : 0.0f, static_cast<float>(c.rank() == root)};
+  c.broadcast(f32(x, {2}), root);
+  EXPECT_EQ(x[0], 42.0f);
+  EXPECT_EQ(x[1], 1.0f);
+  c.barrier();
+}
+
+TEST_F(Comm, ErrorsNameTheRankTheOperationAndTheSizes) {
+  // Every rank makes the same bad call; the argument checks run before any message.
+  comm::Communicator& c = world_comm();
+  const std::string who = "communicator 'world' (rank " + std::to_string(c.rank()) + " of " + std::to_string(c.size());
+  std::vector<uint8_t> bytes(4);
+  std::string e = error_of([&] { c.all_reduce(Tensor(bytes.data(), {4}, DType::u8)); });
+  EXPECT_NE(e.find("all_reduce on " + who), std::string::npos) << e;
+  EXPECT_NE(e.find("u8[4]"), std::string::npos) << e;
+
+  std::vector<float> in(5), out(2);
+  e = error_of([&] { c.reduce_scatter(f32(in, {5}), f32(out, {2})); });
+  EXPECT_NE(e.find("reduce_scatter on " + who), std::string::npos) << e;
+  EXPECT_NE(e.find("f32[5]@cpu into f32[2]@cpu"), std::string::npos) << e;
+
+  std::vector<int64_t> counts(static_cast<size_t>(c.size()), 1);
+  e = error_of([&] { c.all_to_all_v(f32(in, {5}), counts, f32(in, {5}), counts); });
+  EXPECT_NE(e.find("all_to_all_v on " + who), std::string::npos) << e;
+  EXPECT_NE(e.find("add up to " + std::to_string(c.size())), std::string::npos) << e;
+
+  e = error_of([&] { c.start({comm::send_to(f32(in, {5}), c.size())}); });
+  EXPECT_NE(e.find("peer " + std::to_string(c.size()) + " is not a rank"), std::string::npos) << e;
+  if (c.size() > 1) {
+    EXPECT_NE(e.find("on rank " + std::to_string(c.rank())), std::string::npos) << e;
+  }
+}
+
+// ---- mesh ---------------------------------------------------------------------------
+
+// The world ranks of the group of `axes` (bits pp=8, dp=4, cp=2, ep=1) that `rank` is
+// in, in the group's rank order, enumerated from the layout formula.
+std::vector<int64_t> group_members(const comm::MeshShape& s, int rank, int axes) {
+  const comm::MeshCoord me = comm::mesh_coord(s, rank);
+  std::vector<int64_t> m;
+  for (int pp = 0; pp < s.pp; ++pp)
+    for (int dp = 0; dp < s.dp; ++dp)
+      for (int cp = 0; cp < s.cp; ++cp)
+        for (int ep = 0; ep < s.ep; ++ep) {
+          comm::MeshCoord c{pp, dp, cp, ep};
+          if ((!(axes & 8) && c.pp != me.pp) || (!(axes & 4) && c.dp != me.dp) || (!(axes & 2) && c.cp != me.cp) ||
+              (!(axes & 1) && c.ep != me.ep))
+            continue;
+          m.push_back(comm::mesh_rank(s, c));
+        }
+  return m;
+}
+
+TEST_F(Mesh, EveryShapeLaysRanksOutAndGroupsThem) {
+  comm::Communicator& w = world_comm();
+  const int n = w.size();
+  int meshes = 0;
+  for (int pp = 1; pp <= n; ++pp)
+    for (int cp = 1; cp <= n; ++cp)
+      for (int ep = 1; ep <= n; ++ep) {
+        if (n % (pp * cp * ep) != 0) continue;
+        comm::DeviceMesh mesh(w, pp, cp, ep);
+        ++meshes;
+        const comm::MeshShape& s = mesh.shape();
+        const std::string name = mesh.str();
+        EXPECT_EQ(s.dp, n / (pp * cp * ep)) << name;
+        const comm::MeshCoord& c = mesh.coord();
+        EXPECT_EQ(((c.pp * s.dp + c.dp) * s.cp + c.cp) * s.ep + c.ep, w.rank()) << name;
+        const std::pair<comm::Communicator*, int> groups[] = {
+            {&mesh.pp(), 8},    {&mesh.dp(), 4},        {&mesh.cp(), 2},       {&mesh.ep(), 1},
+            {&mesh.dp_cp(), 6}, {&mesh.dp_cp_ep(), 7}, {&mesh.cp_ep(), 3}};
+        for (const auto& [g, axes] : groups) {
+          std::vector<int64_t> want = group_members(s, w.rank(), axes);
+          std::vector<int64_t> got(static_cast<size_t>(g->size()));
+          int64_t me = w.rank();
+          g->all_gather(Tensor(&me, {1}, DType::i64), Tensor(got.data(), {g->size()}, DType::i64));
+          EXPECT_EQ(got, want) << name << ", group '" << g->name() << "'";
+        }
+        EXPECT_EQ(mesh.ep().rank(), c.ep) << name;
+        EXPECT_EQ(mesh.cp().rank(), c.cp) << name;
+        EXPECT_EQ(mesh.dp_cp().rank(), c.dp * s.cp + c.cp) << name;
+      }
+  EXPECT_EQ(meshes, n == 4 ? 10 : n == 2 ? 4 : 1);
+}
+
+TEST_F(Mesh, AWorldThatDoesNotDivideIsAnErrorNamingTheNumbers) {
+  std::string e = error_of([] { comm::mesh_shape(4, 1, 3, 1); });
+  EXPECT_NE(e.find("world of 4 ranks does not divide into pp 1 x cp 3 x ep 1 = 3"), std::string::npos) << e;
+  e = error_of([] { comm::mesh_shape(8, 1, 0, 2); });
+  EXPECT_NE(e.find("cp 0"), std::string::npos) << e;
+  comm::MeshShape s = comm::mesh_shape(24, 2, 3, 2);
+  EXPECT_EQ(s.dp, 2);
+  EXPECT_EQ(comm::mesh_rank(s, comm::mesh_coord(s, 17)), 17);
+  // A mesh larger than the world fails on every rank alike, before any split.
+  const int n = world_comm().size();
+  e = error_of([&] { comm::DeviceMesh m(world_comm(), 1, 1, 2 * n); });
+  EXPECT_NE(e.find("does not divide"), std::string::npos) << e;
+}
+
+// ---- expert parallelism -------------------------------------------------------------
+
+enum class Routing { random, skip_experts, all_to_rank0 };
+
+struct EpCase {
+  const char* name;
+  int64_t experts, top_k, d, d_out;
+  Routing routing;
+  bool empty_rank1;  // rank 1 routes no tokens at all
+};
+
+// Tokens of ep rank r: N_r of them, rank after rank, so the global batch is ranks'
+// tokens in rank order.
+int64_t tokens_of(const EpCase& c, int r) { return c.empty_rank1 && r == 1 ? 0 : 5 + 3 * r; }
+
+// k distinct experts per token, in a random order: the best k of random keys over the
+// allowed experts.
+std::vector<int32_t> route(const EpCase& c, int64_t tokens, int ep, uint64_t seed) {
+  const int64_t e_count = c.experts, k = c.top_k;
+  std::vector<float> keys = uniform(tokens * e_count, 1, 0.0f, 1.0f, seed);
+  std::vector<int32_t> idx(static_cast<size_t>(tokens * k));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int32_t> allowed;
+    for (int32_t e = 0; e < e_count; ++e) {
+      if (c.routing == Routing::skip_experts && e % 3 == 1) continue;
+      if (c.routing == Routing::all_to_rank0 && e >= e_count / ep) continue;
+      allowed.push_back(e);
+    }
+    std::sort(allowed.begin(), allowed.end(),
+              [&](int32_t a, int32_t b) { return keys[t * e_count + a] > keys[t * e_count + b]; });
+    for (int64_t j = 0; j < k; ++j) idx[t * k + j] = allowed[j];
+  }
+  return idx;
+}
+
+void run_ep_case(const EpCase& c, comm::Communicator& ep, uint64_t seed) {
+  SCOPED_TRACE(std::string(c.name) + " on '" + ep.name() + "' of " + std::to_string(ep.size()));
+  const int n_ranks = ep.size(), me = ep.rank();
+  const int64_t E = c.experts, k = c.top_k, D = c.d, Do = c.d_out, per = E / n_ranks;
+  int64_t G = 0, first_token = 0;
+  for (int r = 0; r < n_ranks; ++r) {
+    if (r == me) first_token = G;
+    G += tokens_of(c, r);
+  }
+  const int64_t N = tokens_of(c, me);
+
+  // The whole problem, identical on every rank.
+  std::vector<float> x = uniform(G * D, 2, -1, 1, seed), weight = uniform(G * k, 3, 0.1f, 1, seed);
+  std::vector<float> w = uniform(E * Do * D, 4, -0.5f, 0.5f, seed), dy = uniform(G * Do, 5, -1, 1, seed);
+  std::vector<int32_t> idx = route(c, G, n_ranks, seed);
+
+  // Single rank: dispatch, one grouped GEMM, combine, and their backwards.
+  std::vector<int32_t> counts(E), offsets(E + 1), order(G * k), slot_row(G * k);
+  cpu::dispatch_plan(Tensor(idx.data(), {G, k}, DType::i32), E, 0, Tensor(counts.data(), {E}, DType::i32),
+                     Tensor(offsets.data(), {E + 1}, DType::i32), Tensor(order.data(), {G * k}, DType::i32),
+                     Tensor(slot_row.data(), {G * k}, DType::i32));
+  const Tensor off_g(offsets.data(), {E + 1}, DType::i32), sr_g(slot_row.data(), {G * k}, DType::i32);
+  std::vector<float> xs_g(G * k * D), ys_g(G * k * Do), y_g(G * Do), dys_g(G * k * Do), dweight_g(G * k);
+  std::vector<float> dxs_g(G * k * D), dx_g(G * D), dw_g(E * Do * D);
+  cpu::dispatch_forward(f32(x, {G, D}), Tensor(order.data(), {G * k}, DType::i32), k, f32(xs_g, {G * k, D}));
+  cpu::grouped_gemm(f32(xs_g, {G * k, D}), f32(w, {E, Do, D}), Tensor(), off_g, f32(ys_g, {G * k, Do}));
+  cpu::combine_forward(f32(ys_g, {G * k, Do}), f32(weight, {G, k}), sr_g, f32(y_g, {G, Do}));
+  cpu::combine_backward(f32(ys_g, {G * k, Do}), f32(weight, {G, k}), sr_g, f32(dy, {G, Do}),
+                        f32(dys_g, {G * k, Do}), f32(dweight_g, {G, k}));
+  cpu::grouped_gemm_backward_input(f32(dys_g, {G * k, Do}), f32(w, {E, Do, D}), off_g, f32(dxs_g, {G * k, D}));
+  cpu::grouped_gemm_backward_weight(f32(xs_g, {G * k, D}), f32(dys_g, {G * k, Do}), off_g, f32(dw_g, {E, Do, D}),
+                                    Tensor(), false);
+  cpu::dispatch_backward(f32(dxs_g, {G * k, D}), sr_g, f32(dx_g, {G, D}));
+
+  // This rank: its tokens, its experts' weights.
+  const Tensor x_r(x.data() + first_token * D, {N, D}, DType::f32);
+  const Tensor idx_r(idx.data() + first_token * k, {N, k}, DType::i32);
+  const Tensor weight_r(weight.data() + first_token * k, {N, k}, DType::f32);
+  const Tensor dy_r(dy.data() + first_token * Do, {N, Do}, DType::f32);
+  const Tensor w_r(w.data() + me * per * Do * D, {per, Do, D}, DType::f32);
+  parallel::EpPlan plan = parallel::ep_plan(ep, idx_r, E);
+  const int64_t R = plan.local_rows();
+  std::vector<float> xs(R * D), ys(R * Do), back(N * k * Do), y(N * Do), dys(R * Do), dweight(N * k), dxs(R * D);
+  std::vector<float> dx(N * D), dw(per * Do * D);
+  const Tensor off = plan.offsets_tensor();
+  parallel::ep_dispatch_forward(ep, plan, x_r, f32(xs, {R, D}));
+  cpu::grouped_gemm(f32(xs, {R, D}), w_r, Tensor(), off, f32(ys, {R, Do}));
+  parallel::ep_combine_forward(ep, plan, f32(ys, {R, Do}), weight_r, f32(back, {N * k, Do}), f32(y, {N, Do}));
+  parallel::ep_combine_backward(ep, plan, f32(back, {N * k, Do}), weight_r, dy_r, f32(dys, {R, Do}),
+                                f32(dweight, {N, k}));
+  cpu::grouped_gemm_backward_input(f32(dys, {R, Do}), w_r, off, f32(dxs, {R, D}));
+  cpu::grouped_gemm_backward_weight(f32(xs, {R, D}), f32(dys, {R, Do}), off, f32(dw, {per, Do, D}), Tensor(), false);
+  parallel::ep_dispatch_backward(ep, plan, f32(dxs, {R, D}), f32(dx, {N, D}));
+
+  const double tol = 1e-6;
+  expect_close(y.data(), y_g.data() + first_token * Do, N * Do, tol, "y");
+  expect_close(dx.data(), dx_g.data() + first_token * D, N * D, tol, "dx");
+  expect_close(dweight.data(), dweight_g.data() + first_token * k, N * k, tol, "dweight");
+  expect_close(dw.data(), dw_g.data() + me * per * Do * D, per * Do * D, tol, "dW of the local experts");
+
+  // Rows per local expert are the single-rank ones, and each token went once to each
+  // rank owning any of its experts.
+  for (int64_t e = 0; e < per; ++e) EXPECT_EQ(plan.local_counts()[e], counts[me * per + e]) << "expert " << e;
+  int64_t pairs = 0;
+  for (int64_t t = 0; t < N; ++t) {
+    std::vector<bool> hit(static_cast<size_t>(n_ranks), false);
+    for (int64_t j = 0; j < k; ++j) hit[idx_r.i32()[t * k + j] / per] = true;
+    pairs += std::count(hit.begin(), hit.end(), true);
+  }
+  EXPECT_EQ(plan.sent_rows(), pairs);
+}
+
+const EpCase kEpCases[] = {
+    {"random top-2 of 8", 8, 2, 6, 5, Routing::random, false},
+    {"empty experts", 12, 3, 4, 4, Routing::skip_experts, false},
+    {"all tokens to rank 0's experts", 8, 2, 5, 3, Routing::all_to_rank0, false},
+    {"a rank with no tokens", 8, 2, 4, 6, Routing::random, true},
+    {"k = E", 4, 4, 3, 5, Routing::random, false},
+    {"k > experts per rank", 8, 5, 4, 4, Routing::random, false},
+};
+
+TEST_F(ExpertParallel, MatchesSingleRankForwardAndBackward) {
+  for (const EpCase& c : kEpCases) run_ep_case(c, world_comm(), 11);
+  // On four ranks, also two ep groups of two (dp 2) working on different batches.
+  if (world_comm().size() == 4) {
+    comm::DeviceMesh mesh(world_comm(), 1, 1, 2);
+    for (const EpCase& c : kEpCases) run_ep_case(c, mesh.ep(), 20 + mesh.coord().dp);
+  }
+}
+
+TEST_F(ExpertParallel, UnevenExpertSplitIsAnError) {
+  comm::Communicator& c = world_comm();
+  std::vector<int32_t> idx = {0};
+  const int64_t experts = 2 * c.size() + 1;
+  std::string e = error_of([&] { parallel::ep_plan(c, Tensor(idx.data(), {1, 1}, DType::i32), experts); });
+  if (c.size() == 1) {
+    EXPECT_EQ(e, "");  // one rank owns every expert
+    return;
+  }
+  EXPECT_NE(e.find(std::to_string(experts) + " experts do not split evenly over " + std::to_string(c.size())),
+            std::string::npos)
+      << e;
+}
+
+// ---- context parallelism ------------------------------------------------------------
+
+struct CpCase {
+  const char* name;
+  int64_t b, chunk, hq, hkv, dh, window;
+  bool sinks;
+};
+
+// This cp rank's rows of a [B,T,H,Dh] tensor: chunks r and 2cp-1-r of each row.
+std::vector<float> zigzag_rows(const std::vector<float>& full, int64_t b, int64_t t, int64_t row, int r, int cp) {
+  const int64_t c = t / (2 * cp);
+  std::vector<float> out;
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t chunk : {int64_t{r}, int64_t{2 * cp - 1 - r}}) {
+      auto first = full.begin() + (i * t + chunk * c) * row;
+      out.insert(out.end(), first, first + c * row);
+    }
+  return out;
+}
+
+void run_cp_case(const CpCase& c, comm::Communicator& cp, uint64_t seed) {
+  SCOPED_TRACE(std::string(c.name) + " on '" + cp.name() + "' of " + std::to_string(cp.size()));
+  const int n = cp.size(), r = cp.rank();
+  const int64_t B = c.b, C = c.chunk, T = 2 * n * C, Hq = c.hq, Hkv = c.hkv, Dh = c.dh;
+  cpu::AttentionArgs args;
+  args.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Dh)));
+  args.window = c.window;
+  std::vector<float> q = uniform(B * T * Hq * Dh, 6, -2, 2, seed), k = uniform(B * T * Hkv * Dh, 7, -2, 2, seed);
+  std::vector<float> v = uniform(B * T * Hkv * Dh, 8, -1, 1, seed), dout = uniform(B * T * Hq * Dh, 9, -1, 1, seed);
+  std::vector<float> sinks = c.sinks ? uniform(Hq, 10, -1, 2, seed) : std::vector<float>();
+  const Tensor sinks_t = c.sinks ? f32(sinks, {Hq}) : Tensor();
+
+  // Single rank, the whole sequences.
+  std::vector<float> out_g(q.size()), lse_g(B * Hq * T), dq_g(q.size()), dk_g(k.size()), dv_g(v.size()), ds_g(Hq);
+  cpu::attention_forward(f32(q, {B, T, Hq, Dh}), f32(k, {B, T, Hkv, Dh}), f32(v, {B, T, Hkv, Dh}), sinks_t, args,
+                         f32(out_g, {B, T, Hq, Dh}), f32(lse_g, {B, Hq, T}));
+  cpu::attention_backward(f32(q, {B, T, Hq, Dh}), f32(k, {B, T, Hkv, Dh}), f32(v, {B, T, Hkv, Dh}), sinks_t, args,
+                          f32(out_g, {B, T, Hq, Dh}), f32(lse_g, {B, Hq, T}), f32(dout, {B, T, Hq, Dh}),
+                          f32(dq_g, {B, T, Hq, Dh}), f32(dk_g, {B, T, Hkv, Dh}), f32(dv_g, {B, T, Hkv, Dh}),
+                          c.sinks ? f32(ds_g, {Hq}) : Tensor());
+
+  // The ring on this rank's zigzag rows.
+  std::vector<float> q_r = zigzag_rows(q, B, T, Hq * Dh, r, n), k_r = zigzag_rows(k, B, T, Hkv * Dh, r, n);
+  std::vector<float> v_r = zigzag_rows(v, B, T, Hkv * Dh, r, n), dout_r = zigzag_rows(dout, B, T, Hq * Dh, r, n);
+  std::vector<float> out(q_r.size()), lse(B * Hq * 2 * C), dq(q_r.size()), dk(k_r.size()), dv(v_r.size()), ds(Hq);
+  const Shape qs{B, 2 * C, Hq, Dh}, ks{B, 2 * C, Hkv, Dh};
+  parallel::ring_attention_forward(cp, f32(q_r, qs), f32(k_r, ks), f32(v_r, ks), sinks_t, args, f32(out, qs),
+                                   f32(lse, {B, Hq, 2 * C}));
+  parallel::ring_attention_backward(cp, f32(q_r, qs), f32(k_r, ks), f32(v_r, ks), sinks_t, args, f32(out, qs),
+                                    f32(lse, {B, Hq, 2 * C}), f32(dout_r, qs), f32(dq, qs), f32(dk, ks), f32(dv, ks),
+                                    c.sinks ? f32(ds, {Hq}) : Tensor());
+  if (c.sinks) cp.all_reduce(f32(ds, {Hq}));  // each rank has its query rows' share
+
+  const double tol = 1e-5;
+  const std::vector<float> out_want = zigzag_rows(out_g, B, T, Hq * Dh, r, n);
+  expect_close(out.data(), out_want.data(), static_cast<int64_t>(out.size()), tol, "out");
+  // lse [B,Hq,T] is zigzagged along its last axis: one "row" per (batch, head).
+  const std::vector<float> lse_want = zigzag_rows(lse_g, B * Hq, T, 1, r, n);
+  for (size_t i = 0; i < lse.size(); ++i)
+    EXPECT_NEAR(lse[i], lse_want[i], tol * std::max(1.0f, std::fabs(lse_want[i]))) << "lse " << i;
+  expect_close(dq.data(), zigzag_rows(dq_g, B, T, Hq * Dh, r, n).data(), static_cast<int64_t>(dq.size()), tol, "dq");
+  expect_close(dk.data(), zigzag_rows(dk_g, B, T, Hkv * Dh, r, n).data(), static_cast<int64_t>(dk.size()), tol, "dk");
+  expect_close(dv.data(), zigzag_rows(dv_g, B, T, Hkv * Dh, r, n).data(), static_cast<int64_t>(dv.size()), tol, "dv");
+  if (c.sinks) expect_close(ds.data(), ds_g.data(), Hq, tol, "dsinks");
+}
+
+const CpCase kCpCases[] = {
+    {"causal GQA", 2, 3, 4, 2, 8, 0, false},
+    {"causal with sinks", 2, 3, 4, 2, 8, 0, true},
+    {"window inside a chunk, sinks", 1, 4, 2, 1, 6, 3, true},
+    {"window across chunks", 2, 3, 4, 4, 5, 7, false},
+};
+
+TEST_F(ContextParallel, RingAttentionMatchesFullSequence) {
+  for (const CpCase& c : kCpCases) run_cp_case(c, world_comm(), 31);
+  // On four ranks, also cp 2 inside a mesh (two cp groups side by side, ep 2).
+  if (world_comm().size() == 4) {
+    comm::DeviceMesh mesh(world_comm(), 1, 2, 2);
+    for (const CpCase& c : kCpCases) run_cp_case(c, mesh.cp(), 40 + mesh.coord().ep);
+  }
+}
+
+// Under mpirun, gtest's report from rank 0 only; the others name their failures.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    std::printf("[rank %d] %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
+    std::fflush(stdout);
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace mt
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  // An exception on one rank would leave the others waiting in a collective: let it
+  // end the process instead (its message printed), and mpirun ends the job.
+  GTEST_FLAG_SET(catch_exceptions, false);
+  mt::comm::World& w = mt::comm::world();
+  ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  if (w.rank() == 0) {
+    std::printf("test_parallel: a world of %d rank(s), launcher: %s\n", w.size(), w.launch().launcher.c_str());
+  } else {
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new mt::RankFailurePrinter(w.rank()));
+  }
+  int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  w.comm().all_reduce(mt::Tensor(&failed, {1}, mt::DType::i32));
+  return failed != 0 ? 1 : 0;
+}
