@@ -279,6 +279,26 @@ TEST(Commands, TrainFromOverridesMatchesTransformers) {
   EXPECT_TRUE(std::filesystem::exists(dump + "/config.toml"));
 }
 
+// plan counts with the code that allocates: its total is what a run reports holding.
+TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
+  std::string dump = temp_dir("plan");
+  std::string common = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=3" +
+                       " --training.micro_batch_size=1 --training.load_balance_type=global_batch";
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan --data.seq_len=16" + common);
+  ASSERT_EQ(rc, 0) << out;
+  size_t at = out.rfind("GiB (");  // the total line
+  ASSERT_NE(at, std::string::npos) << out;
+  int64_t planned = std::stoll(out.substr(at + 5));
+  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " train --training.steps=1 --data.tokens=" +
+                         fixture("qwen3_moe_a/tokens.npy") + " --job.dump_folder=" + dump + common);
+  ASSERT_EQ(rc2, 0) << out2;
+  std::ifstream metrics(dump + "/metrics.jsonl");
+  std::string line;
+  std::getline(metrics, line);
+  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned) << out;
+  EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
+}
+
 TEST(Commands, BadConfigFailsNamingTheKey) {
   auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --training.stepz=3");
   EXPECT_EQ(rc, 1);

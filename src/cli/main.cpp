@@ -49,8 +49,10 @@ const Command kCommands[] = {
      "                          [--max-shard-size 5GB]\n",
      mt::cli::run_export_hf, nullptr},
     {"plan", "print memory per rank and the mesh for a config, before launch",
-     "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n", nullptr,
-     "the model, the trainer and the device mesh"},
+     "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n"
+     "  The mesh for N ranks and the bytes of weights, gradients, optimizer state and\n"
+     "  activations one rank holds, from the allocation code training uses.\n",
+     mt::cli::run_plan, nullptr},
 };
 
 void print_help() {

@@ -73,6 +73,8 @@ struct ModelOptions {
   // does not depend on what the router learned (the router still trains on the
   // load-balance term).
   bool force_balanced_routing = false;
+  // `moetrain plan`: arenas only count bytes; no memory is allocated or written.
+  bool plan_only = false;
 };
 
 class Model {

@@ -168,7 +168,7 @@ struct Qwen3Stash : Stash {
 class Qwen3Moe final : public Model {
  public:
   Qwen3Moe(const Qwen3MoeConfig& c, const ModelOptions& o)
-      : c_(c), device_(o.device), balanced_(o.force_balanced_routing),
+      : c_(c), device_(o.device), balanced_(o.force_balanced_routing), plan_only_(o.plan_only),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32) {
     build_params();
   }
@@ -230,6 +230,7 @@ class Qwen3Moe final : public Model {
   Qwen3MoeConfig c_;
   Device device_;
   bool balanced_;
+  bool plan_only_;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
   std::vector<Param> params_;
   Arena values_, grads_, compute_;
@@ -285,17 +286,21 @@ void Qwen3Moe::build_params() {
     count.alloc(DType::f32, p.value.shape);
     if (copies && p.matrix) count_c.alloc(DType::bf16, p.value.shape);
   }
-  values_ = Arena("parameters", device_, count.peak());
-  grads_ = Arena("gradients", device_, count.peak());
-  compute_ = Arena("compute weights", device_, count_c.peak());
+  auto arena = [&](const char* name, size_t bytes) {
+    return plan_only_ ? Arena::counting(name, device_) : Arena(name, device_, bytes);
+  };
+  values_ = arena("parameters", count.peak());
+  grads_ = arena("gradients", count.peak());
+  compute_ = arena("compute weights", count_c.peak());
   for (Param& p : params_) {
     p.value = values_.alloc(DType::f32, p.value.shape);
     p.grad = grads_.alloc(DType::f32, p.value.shape);
     p.compute = copies && p.matrix ? compute_.alloc(DType::bf16, p.value.shape) : p.value;
+    if (plan_only_) continue;
     mt::fill(p.value, 0.0f);
     mt::fill(p.grad, 0.0f);
   }
-  refresh_compute_weights(params_);
+  if (!plan_only_) refresh_compute_weights(params_);
   cpu::RopeConfig rc;
   rc.theta = c_.rope_theta;
   rc.rotary_dim = c_.head_dim;
@@ -447,8 +452,9 @@ std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
   // Plan with a counting arena, then allocate the same sequence for real.
   Arena plan = Arena::counting("activations", device_);
   allocate(*s, plan);
-  s->arena = Arena("activations", device_, plan.peak());
   s->bytes = plan.peak();
+  if (plan_only_) return s;
+  s->arena = Arena("activations", device_, plan.peak());
   allocate(*s, s->arena);
   s->positions_host.resize(static_cast<size_t>(seq));
   for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);

@@ -297,7 +297,10 @@ StepResult Trainer::step() {
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.tokens_per_s = static_cast<double>(count) / std::max(seconds, 1e-9);
   size_t bytes = optimizer_.bytes();
-  for (const Param& p : model_.params()) bytes += 2 * p.value.nbytes();  // weights and gradients
+  for (const Param& p : model_.params()) {
+    bytes += 2 * p.value.nbytes();  // weights and gradients
+    if (p.compute.data != p.value.data) bytes += p.compute.nbytes();  // bf16 copies on the GPU
+  }
   for (const auto& s : stashes_) bytes += s->bytes;
   r.memory_bytes = bytes;
   return r;

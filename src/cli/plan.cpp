@@ -1,0 +1,66 @@
+// moetrain plan: the mesh and the memory a run will hold, from the same allocation
+// code that training uses (arenas in counting mode), before anything is launched.
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/commands.h"
+#include "comm/mesh.h"
+#include "core/arena.h"
+#include "core/check.h"
+#include "models/interface.h"
+#include "train/config.h"
+
+namespace mt::cli {
+
+int run_plan(const Args& args) {
+  Options o("plan", args, {"config", "world"});
+  Config cfg = load_config(o.get("config"), o.dotted());
+  const int world = std::stoi(o.get("world", "1"));
+  comm::MeshShape mesh = comm::mesh_shape(world, static_cast<int>(cfg.parallelism.pp),
+                                          static_cast<int>(cfg.parallelism.cp), static_cast<int>(cfg.parallelism.ep));
+  std::string config_json = cfg.model.config;
+  if (config_json.empty()) {
+    MT_CHECK(cfg.model.init.starts_with("hf:")) << "model.config is not set and model.init is not hf:DIR";
+    config_json = (std::filesystem::path(cfg.model.init.substr(3)) / "config.json").string();
+  }
+  ModelOptions options;
+  options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
+  options.plan_only = true;
+  std::unique_ptr<Model> model = make_model(config_json, options);
+
+  int64_t seq = cfg.data.seq_len, global = cfg.training.global_batch_size;
+  MT_CHECK(seq > 0 && global > 0) << "plan needs data.seq_len and training.global_batch_size (> 0)";
+  MT_CHECK(global % mesh.dp == 0) << "training.global_batch_size " << global << " does not split over dp " << mesh.dp;
+  int64_t per_rank = global / mesh.dp;
+  int64_t micro = cfg.training.micro_batch_size ? cfg.training.micro_batch_size : per_rank;
+  MT_CHECK(per_rank % micro == 0) << "training.micro_batch_size " << micro << " does not divide the " << per_rank
+                                  << " sequences of a rank";
+  const int64_t live = cfg.training.load_balance_type == "global_batch" ? per_rank / micro : 1;
+  size_t weights = 0, compute = 0;
+  Arena moments = Arena::counting("optimizer", options.device);  // laid out as AdamW lays them out
+  for (const Param& p : model->params()) {
+    weights += p.value.nbytes();
+    if (p.compute.dtype != p.value.dtype) compute += p.compute.nbytes();
+    for (int j = 0; j < 2; ++j) moments.alloc(DType::f32, p.value.shape);
+  }
+  const size_t activations = model->make_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
+  const size_t total = 2 * weights + moments.peak() + compute + activations;
+  auto gib = [](size_t b) { return static_cast<double>(b) / (1ull << 30); };
+  std::printf("mesh: world %d = pp %d x dp %d x cp %d x ep %d\n", world, mesh.pp, mesh.dp, mesh.cp, mesh.ep);
+  std::printf("model: %lld layers, %.3fB parameters (%.3fB active per token), device %s\n",
+              static_cast<long long>(model->num_layers()), model->param_count() / 1e9,
+              model->active_param_count() / 1e9, cfg.training.device.c_str());
+  std::printf("per rank, as this build runs one rank (parameters replicated, no sharding yet):\n");
+  std::printf("  master weights (f32)      %10.3f GiB\n", gib(weights));
+  std::printf("  gradients (f32)           %10.3f GiB\n", gib(weights));
+  std::printf("  AdamW moments (2 x f32)   %10.3f GiB\n", gib(moments.peak()));
+  std::printf("  bf16 weight copies        %10.3f GiB\n", gib(compute));
+  std::printf("  activations               %10.3f GiB (%lld live micro-batch%s of %lld x %lld tokens)\n",
+              gib(activations), static_cast<long long>(live), live == 1 ? "" : "es", static_cast<long long>(micro),
+              static_cast<long long>(seq / mesh.cp));
+  std::printf("  total                     %10.3f GiB (%zu bytes)\n", gib(total), total);
+  if (world > 1) std::printf("note: multi-rank training is not wired into the trainer yet; train runs one rank\n");
+  return 0;
+}
+
+}  // namespace mt::cli
