@@ -299,6 +299,37 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
 }
 
+// Data parallelism: 2 ranks under mpirun (each with half the global batch, gradients
+// and statistics summed) report the single-rank run's losses and gradient norms, for
+// both load-balance variants.
+TEST(Commands, DataParallelMatchesOneRank) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
+  for (std::string lb : {"micro_batch", "global_batch"}) {
+    std::vector<nlohmann::json> runs[2];
+    for (int np : {1, 2}) {
+      std::string dump = temp_dir("dp" + std::to_string(np) + lb);
+      auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
+                           fixture("qwen3_moe_b") + " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") +
+                           " --training.steps=4 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
+                           " --training.load_balance_type=" + lb + " --job.dump_folder=" + dump);
+      ASSERT_EQ(rc, 0) << out;
+      std::ifstream metrics(dump + "/metrics.jsonl");
+      std::string line;
+      while (std::getline(metrics, line)) runs[np - 1].push_back(nlohmann::json::parse(line));
+    }
+    ASSERT_EQ(runs[0].size(), 4u);
+    ASSERT_EQ(runs[1].size(), 4u);
+    for (size_t i = 0; i < 4; ++i)
+      for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
+        double a = runs[0][i][key], b = runs[1][i][key];
+        EXPECT_NEAR(b, a, 1e-5 * std::fabs(a)) << lb << " step " << i + 1 << " " << key;
+      }
+    EXPECT_EQ(runs[0][3]["expert_counts"], runs[1][3]["expert_counts"]) << lb;
+  }
+}
+
 TEST(Commands, BadConfigFailsNamingTheKey) {
   auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --training.stepz=3");
   EXPECT_EQ(rc, 1);

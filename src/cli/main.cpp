@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "comm/communicator.h"
 #ifdef MOETRAIN_WITH_CUDA
 #include "kernels/cuda/device.h"
 #endif
@@ -119,6 +120,8 @@ int main(int argc, char** argv) {
       return c.run(args);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "moetrain %s: error: %s\n", c.name, e.what());
+      // The other ranks may be waiting in a collective for this one: end them all.
+      if (mt::comm::world().size() > 1) mt::comm::world().abort(1);
       return 1;
     }
   }

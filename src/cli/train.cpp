@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "cli/commands.h"
+#include "comm/mesh.h"
 #include "core/check.h"
 #include "io/file.h"
 #include "train/checkpoint.h"
@@ -64,6 +65,11 @@ int run_train(const Args& args) {
   install_signal_handlers();
   Options o("train", args, {"config"});
   Config cfg = load_config(o.get("config"), o.dotted());
+  // Every rank runs this same function; rank 0 alone writes the run folder.
+  comm::World& world = comm::world();
+  comm::DeviceMesh mesh(world.comm(), static_cast<int>(cfg.parallelism.pp), static_cast<int>(cfg.parallelism.cp),
+                        static_cast<int>(cfg.parallelism.ep));
+  const bool writer = world.rank() == 0;
   const std::string config_json = model_config_path(cfg);
   ModelOptions options;
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
@@ -75,9 +81,12 @@ int run_train(const Args& args) {
 
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
   std::error_code ec;
-  fs::create_directories(folder, ec);
-  MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
-  io::write_file_atomic(folder + "/config.toml", {config_to_toml(cfg)});
+  if (writer) {
+    fs::create_directories(folder, ec);
+    MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
+    io::write_file_atomic(folder + "/config.toml", {config_to_toml(cfg)});
+  }
+  mesh.world().barrier();
 
   std::string resume = cfg.checkpoint.load.empty() ? latest_checkpoint(checkpoints) : cfg.checkpoint.load;
   if (resume.empty()) {
@@ -93,9 +102,11 @@ int run_train(const Args& args) {
     made = std::make_unique<Trainer>(cfg, *model, std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
                                                                                   cfg.training.seed));
   Trainer& trainer = *made;
-  std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active)\n",
-              static_cast<long long>(model->num_layers()), model->param_count() / 1e6,
-              model->active_param_count() / 1e6);
+  trainer.set_data_parallel(&mesh.dp());
+  if (writer)
+    std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), mesh %s\n",
+                static_cast<long long>(model->num_layers()), model->param_count() / 1e6,
+                model->active_param_count() / 1e6, mesh.str().c_str());
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
@@ -103,13 +114,18 @@ int run_train(const Args& args) {
     TrainState from = load_checkpoint(resume, *model, &trainer.optimizer());
     trainer.set_steps_done(from.step);
     trainer.set_data_cursor(from.data_cursor);
-    std::printf("resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
-    truncate_metrics(folder + "/metrics.jsonl", from.step);
-  } else {
+    if (writer) {
+      std::printf("resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
+      truncate_metrics(folder + "/metrics.jsonl", from.step);
+    }
+  } else if (writer) {
     io::write_file_atomic(folder + "/metrics.jsonl", {});
   }
-  std::ofstream metrics(folder + "/metrics.jsonl", std::ios::app);
-  MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
+  std::ofstream metrics;
+  if (writer) {
+    metrics.open(folder + "/metrics.jsonl", std::ios::app);
+    MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
+  }
 
   int64_t saved_step = -1;
   auto save = [&](double lr) {
@@ -118,22 +134,31 @@ int run_train(const Args& args) {
     state.step = trainer.steps_done();
     state.lr = lr;
     state.data_cursor = trainer.data_cursor();
-    std::string dir = save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep);
-    std::printf("saved %s\n", dir.c_str());
+    // Weights are replicated over the data-parallel ranks: rank 0 writes them all.
+    if (writer) {
+      std::string dir = save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep);
+      std::printf("saved %s\n", dir.c_str());
+    }
+    mesh.world().barrier();
   };
   double lr = 0;
   while (trainer.steps_done() < cfg.training.steps) {
     StepResult r = trainer.step();
     lr = r.lr;
-    metrics << step_json(r) << "\n";
-    metrics.flush();
-    if (r.step % cfg.metrics.log_interval == 0 || r.step == cfg.training.steps)
-      std::printf("%s\n", step_line(r).c_str());
-    std::fflush(stdout);
-    bool stop = g_signals.load() > 0;
+    if (writer) {
+      metrics << step_json(r) << "\n";
+      metrics.flush();
+      if (r.step % cfg.metrics.log_interval == 0 || r.step == cfg.training.steps)
+        std::printf("%s\n", step_line(r).c_str());
+      std::fflush(stdout);
+    }
+    // A signal reaches one rank or all; every rank stops at the same step.
+    std::vector<int64_t> signalled = {g_signals.load() > 0 ? 1 : 0};
+    mesh.world().all_reduce(Tensor(signalled.data(), {1}, DType::i64));
+    bool stop = signalled[0] > 0;
     if ((cfg.checkpoint.interval > 0 && r.step % cfg.checkpoint.interval == 0) || stop) save(lr);
     if (stop) {
-      std::printf("stopped by a signal after step %lld\n", static_cast<long long>(r.step));
+      if (writer) std::printf("stopped by a signal after step %lld\n", static_cast<long long>(r.step));
       return 0;
     }
   }

@@ -106,16 +106,35 @@ void Trainer::setup() {
   MT_CHECK(t.force_balanced_routing == model_.balanced_routing())
       << "training.force_balanced_routing must match the model's option";
   MT_CHECK(cfg_.parallelism.pp == 1 && cfg_.parallelism.cp == 1 && cfg_.parallelism.ep == 1)
-      << "parallelism.pp/cp/ep > 1 need the parallel runtime, which is not built yet";
+      << "parallelism.pp/cp/ep > 1 are not wired into training yet (data parallelism is: launch N ranks with "
+         "pp = cp = ep = 1)";
   MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
   MT_CHECK(t.capacity_factor == 0.0) << "training.capacity_factor: capacity limits arrive with expert parallelism";
-  micro_batch_ = t.micro_batch_size ? t.micro_batch_size : global_batch_;
-  MT_CHECK(global_batch_ % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
-                                              << " does not divide the global batch of " << global_batch_;
-  micro_batches_ = global_batch_ / micro_batch_;
+  rank_rows_ = global_batch_;
+  micro_batch_ = t.micro_batch_size ? t.micro_batch_size : rank_rows_;
+  MT_CHECK(rank_rows_ % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
+                                           << " does not divide the global batch of " << global_batch_;
+  micro_batches_ = rank_rows_ / micro_batch_;
   // The global-batch load-balance loss needs every micro-batch's routing before any
   // backward, so every micro-batch keeps its activations.
   int64_t live = t.load_balance_type == "global_batch" ? micro_batches_ : 1;
+  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, seq_));
+}
+
+void Trainer::set_data_parallel(comm::Communicator* dp) {
+  if (dp == nullptr || dp->size() == 1) return;
+  const int64_t ranks = dp->size();
+  MT_CHECK(global_batch_ % ranks == 0) << "training.global_batch_size " << global_batch_ << " does not split over "
+                                       << ranks << " data-parallel ranks";
+  dp_ = dp;
+  rank_rows_ = global_batch_ / ranks;
+  const int64_t micro = cfg_.training.micro_batch_size ? cfg_.training.micro_batch_size : rank_rows_;
+  MT_CHECK(rank_rows_ % micro == 0) << "training.micro_batch_size " << micro << " does not divide the " << rank_rows_
+                                    << " sequences of each of " << ranks << " data-parallel ranks";
+  micro_batch_ = micro;
+  micro_batches_ = rank_rows_ / micro_batch_;
+  stashes_.clear();
+  int64_t live = cfg_.training.load_balance_type == "global_batch" ? micro_batches_ : 1;
   for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, seq_));
 }
 
@@ -125,12 +144,13 @@ void Trainer::load_micro_batch(Stash& s, int64_t index) {
   if (corpus_) {
     host_ids_.resize(n);
     host_labels_.resize(n);
-    corpus_->next_batch(0, 1, 0, 1, s.batch, host_ids_, host_labels_);
+    corpus_->next_batch(dp_ ? dp_->rank() : 0, dp_ ? dp_->size() : 1, 0, 1, s.batch, host_ids_, host_labels_);
     ids = host_ids_.data();
     labels = host_labels_.data();
   } else {
-    ids = data_.ids.data() + index * micro_batch_ * seq_;
-    labels = data_.labels.data() + index * micro_batch_ * seq_;
+    const int64_t row = (dp_ ? dp_->rank() * rank_rows_ : 0) + index * micro_batch_;
+    ids = data_.ids.data() + row * seq_;
+    labels = data_.labels.data() + row * seq_;
   }
   copy(s.ids, Tensor(const_cast<int32_t*>(ids), s.ids.shape, DType::i32));
   copy(s.labels, Tensor(const_cast<int32_t*>(labels), s.labels.shape, DType::i32));
@@ -234,6 +254,17 @@ StepResult Trainer::step() {
   };
 
   const int64_t mb_count = micro_batches_;
+  const int64_t ranks = dp_ ? dp_->size() : 1;
+  // Sums over the data-parallel ranks of host numbers (identity on one rank).
+  auto sum_ranks_f64 = [&](std::vector<double>& v) {
+    if (!dp_ || v.empty()) return;
+    std::vector<float> f(v.begin(), v.end());
+    dp_->all_reduce(Tensor(f.data(), {static_cast<int64_t>(f.size())}, DType::f32));
+    v.assign(f.begin(), f.end());
+  };
+  auto sum_ranks_i64 = [&](std::vector<int64_t>& v) {
+    if (dp_ && !v.empty()) dp_->all_reduce(Tensor(v.data(), {static_cast<int64_t>(v.size())}, DType::i64));
+  };
   double lb_total = 0;
   if (!global_lb) {
     Stash& s = *stashes_[0];
@@ -247,8 +278,9 @@ StepResult Trainer::step() {
       accumulate_stats(stats);
       for (const RouterStats& st : stats) {
         std::vector<float> dprob;
-        double w = coef / (static_cast<double>(stats.size()) * static_cast<double>(mb_count));
-        lb_total += balance(st.counts, st.prob_sum, st.tokens, w, &dprob) / static_cast<double>(stats.size() * mb_count);
+        // Every micro-batch of every rank weighs the same in the mean.
+        double n = static_cast<double>(stats.size() * mb_count * ranks);
+        lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / n;
         model_.set_router_prob_grad(s, st.layer, dprob);
       }
       backward(s, loss_scale);
@@ -265,6 +297,14 @@ StepResult Trainer::step() {
       all.push_back(model_.router_stats(s));
       accumulate_stats(all.back());
     }
+    // Routing over the whole global batch: every rank's counts and probabilities.
+    std::vector<int64_t> routed = {routed_tokens};
+    sum_ranks_i64(routed);
+    routed_tokens = routed[0];
+    for (size_t i = 0; i < counts.size(); ++i) {
+      sum_ranks_i64(counts[i]);
+      sum_ranks_f64(prob_sums[i]);
+    }
     for (size_t i = 0; i < counts.size(); ++i) {
       std::vector<float> dprob;
       lb_total += balance(counts[i], prob_sums[i], routed_tokens, coef / static_cast<double>(counts.size()), &dprob) /
@@ -279,6 +319,16 @@ StepResult Trainer::step() {
   profile_.mark("gradient norm and clipping");
   std::vector<Tensor> grads;
   for (const Param& p : model_.params()) grads.push_back(p.grad);
+  if (dp_) {
+    for (const Tensor& g : grads) dp_->all_reduce(g);
+    std::vector<double> sums = {loss_sum, lb_total};
+    sum_ranks_f64(sums);
+    loss_sum = sums[0];
+    // The global-batch term is the same number on every rank already.
+    if (!global_lb) lb_total = sums[1];
+    if (!global_lb)
+      for (auto& c : counts) sum_ranks_i64(c);
+  }
   r.grad_norm = std::sqrt(sum_squares(grads));
   if (t.clip_grad_norm > 0) {
     float clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));

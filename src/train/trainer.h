@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "data/dataset.h"
 #include "models/interface.h"
 #include "train/config.h"
@@ -46,6 +47,10 @@ class Trainer {
   Trainer(Config cfg, Model& model, TokenBatch data);
   // ... or on the next global batch of a tokenized corpus (data.corpus).
   Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus);
+  // Data parallelism: this rank trains on its share of each global batch, and
+  // gradients, losses and routing statistics are summed over `dp` (weights stay
+  // replicated: every rank takes the same optimizer step). Call before step().
+  void set_data_parallel(comm::Communicator* dp);
   StepResult step();
   int64_t steps_done() const { return step_; }
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
@@ -69,6 +74,8 @@ class Trainer {
   std::unique_ptr<data::Dataset> corpus_;  // data.corpus
   int64_t seq_ = 0, global_batch_ = 0;
   std::vector<int32_t> host_ids_, host_labels_;  // a corpus micro-batch on its way to the device
+  comm::Communicator* dp_ = nullptr;              // null: one rank
+  int64_t rank_rows_ = 0;                         // sequences of the global batch this rank trains on
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
   AdamW optimizer_;
