@@ -299,34 +299,44 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
 }
 
-// Data parallelism: 2 ranks under mpirun (each with half the global batch, gradients
-// and statistics summed) report the single-rank run's losses and gradient norms, for
-// both load-balance variants.
-TEST(Commands, DataParallelMatchesOneRank) {
+// Data and expert parallelism under mpirun: (ranks, ep) = (2, 1) is dp 2, (2, 2) is
+// ep 2, (4, 2) is dp 2 x ep 2. Each reports the single-rank run's losses, gradient
+// norms and routing counts, for both load-balance variants. The batch: the qwen3_moe_a
+// fixture's three sequences and its first again, so that it splits over 4 ranks.
+TEST(Commands, MeshesMatchOneRank) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  std::string dir = temp_dir("meshes");
+  io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
+  std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
+  const int64_t t = a.header.shape[1];
+  tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + t);
+  io::write_npy(dir + "/tokens.npy", "<i8", {4, t}, tokens.data());
   const std::string mpirun =
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
   for (std::string lb : {"micro_batch", "global_batch"}) {
-    std::vector<nlohmann::json> runs[2];
-    for (int np : {1, 2}) {
-      std::string dump = temp_dir("dp" + std::to_string(np) + lb);
+    std::vector<std::vector<nlohmann::json>> runs;
+    for (auto [np, ep] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 2}}) {
+      std::string dump = dir + "/run" + std::to_string(np) + "x" + std::to_string(ep) + lb;
       auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
-                           fixture("qwen3_moe_b") + " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") +
-                           " --training.steps=4 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
-                           " --training.load_balance_type=" + lb + " --job.dump_folder=" + dump);
+                           fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
+                           " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
+                           " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
+                           " --job.dump_folder=" + dump);
       ASSERT_EQ(rc, 0) << out;
       std::ifstream metrics(dump + "/metrics.jsonl");
       std::string line;
-      while (std::getline(metrics, line)) runs[np - 1].push_back(nlohmann::json::parse(line));
+      runs.emplace_back();
+      while (std::getline(metrics, line)) runs.back().push_back(nlohmann::json::parse(line));
+      ASSERT_EQ(runs.back().size(), 3u) << out;
     }
-    ASSERT_EQ(runs[0].size(), 4u);
-    ASSERT_EQ(runs[1].size(), 4u);
-    for (size_t i = 0; i < 4; ++i)
-      for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
-        double a = runs[0][i][key], b = runs[1][i][key];
-        EXPECT_NEAR(b, a, 1e-5 * std::fabs(a)) << lb << " step " << i + 1 << " " << key;
+    for (size_t m = 1; m < runs.size(); ++m)
+      for (size_t i = 0; i < 3; ++i) {
+        for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
+          double want = runs[0][i][key], got = runs[m][i][key];
+          EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << lb << " mesh " << m << " step " << i + 1 << " " << key;
+        }
+        EXPECT_EQ(runs[m][i]["expert_counts"], runs[0][i]["expert_counts"]) << lb << " mesh " << m;
       }
-    EXPECT_EQ(runs[0][3]["expert_counts"], runs[1][3]["expert_counts"]) << lb;
   }
 }
 

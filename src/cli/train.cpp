@@ -74,7 +74,11 @@ int run_train(const Args& args) {
   ModelOptions options;
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
   options.force_balanced_routing = cfg.training.force_balanced_routing;
+  options.ep = &mesh.ep();
   std::unique_ptr<Model> model = make_model(config_json, options);
+  MT_CHECK(mesh.shape().ep == 1 || cfg.checkpoint.interval == 0)
+      << "checkpoint.interval: checkpoints of expert-parallel runs (each rank writing its experts) are not built "
+         "yet; set it to 0 or run with parallelism.ep = 1";
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";
   MT_CHECK(cfg.data.corpus.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus";
@@ -102,7 +106,7 @@ int run_train(const Args& args) {
     made = std::make_unique<Trainer>(cfg, *model, std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
                                                                                   cfg.training.seed));
   Trainer& trainer = *made;
-  trainer.set_data_parallel(&mesh.dp());
+  trainer.set_parallel(&mesh.dp_cp_ep(), &mesh.dp_cp(), &mesh.ep());
   if (writer)
     std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), mesh %s\n",
                 static_cast<long long>(model->num_layers()), model->param_count() / 1e6,

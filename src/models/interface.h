@@ -15,6 +15,10 @@
 #include "core/arena.h"
 #include "core/tensor.h"
 
+namespace mt::comm {
+class Communicator;
+}
+
 namespace mt {
 
 enum class Stage : uint8_t { attention, dispatch, experts, combine, aggregate };
@@ -75,6 +79,9 @@ struct ModelOptions {
   bool force_balanced_routing = false;
   // `moetrain plan`: arenas only count bytes; no memory is allocated or written.
   bool plan_only = false;
+  // Expert parallelism: the experts are split evenly over this group's ranks and the
+  // dispatch and combine stages exchange tokens over it (CPU backend for now).
+  comm::Communicator* ep = nullptr;
 };
 
 class Model {
@@ -92,7 +99,10 @@ class Model {
   virtual int64_t active_param_count() const = 0;
 
   virtual std::vector<Param>& params() = 0;
+  // This rank's tensors; with expert parallelism only its own experts.
   virtual std::vector<HfTensor> hf_tensors() = 0;
+  // A Hugging Face key this model has, on another rank (another rank's expert).
+  virtual bool held_by_another_rank(const std::string& name) const = 0;
 
   // Activations for `batch` sequences of `seq` tokens, from one planned arena.
   virtual std::unique_ptr<Stash> make_stash(int64_t batch, int64_t seq) = 0;

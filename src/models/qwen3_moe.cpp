@@ -1,6 +1,7 @@
 #include "models/qwen3_moe.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -16,6 +17,7 @@
 #include "kernels/router.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/swiglu.h"
+#include "parallel/expert_parallel.h"
 
 namespace mt {
 
@@ -147,6 +149,11 @@ struct LayerActs {
   Tensor counts, offsets, order, slot_row;          // dispatch plan
   Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
   std::vector<float> dprob;     // load-balance gradient per expert
+  // Expert parallelism: the exchange plan, the rows R it brought to this rank's experts
+  // (xs .. d_xs are allocated for the most R can be and used as rows(0, R)), and
+  // `back`, every slot's expert output returned to this rank [N*k, D].
+  parallel::EpPlan plan;
+  Tensor back;
   // Gradients. d_logits is f32 like the router; d_logits_c is what the matrix products
   // read (a bf16 copy on the GPU, d_logits itself on the CPU).
   Tensor d_ys, d_weight, d_hs, d_gu, d_xs, d_y, d_logits, d_logits_c, d_hm, d_att, d_qr, d_kr, d_v, d_qn, d_kn, d_q,
@@ -168,7 +175,7 @@ struct Qwen3Stash : Stash {
 class Qwen3Moe final : public Model {
  public:
   Qwen3Moe(const Qwen3MoeConfig& c, const ModelOptions& o)
-      : c_(c), device_(o.device), balanced_(o.force_balanced_routing), plan_only_(o.plan_only),
+      : c_(c), device_(o.device), balanced_(o.force_balanced_routing), plan_only_(o.plan_only), ep_(o.ep),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32) {
     build_params();
   }
@@ -188,11 +195,17 @@ class Qwen3Moe final : public Model {
   }
   int64_t active_param_count() const override {
     int64_t n = 0;
-    for (const Param& p : params_) n += p.expert ? p.value.numel() / c_.num_experts * c_.top_k : p.value.numel();
+    for (const Param& p : params_) n += p.expert ? p.value.numel() / local_experts_ * c_.top_k : p.value.numel();
     return n;
   }
 
   std::vector<HfTensor> hf_tensors() override;
+  bool held_by_another_rank(const std::string& name) const override {
+    size_t at = name.find(".mlp.experts.");
+    if (ep_ == nullptr || at == std::string::npos) return false;
+    int64_t e = std::atoll(name.c_str() + at + 13);
+    return e >= 0 && e < c_.num_experts && (e < first_expert_ || e >= first_expert_ + local_experts_);
+  }
   std::unique_ptr<Stash> make_stash(int64_t batch, int64_t seq) override;
   void embed_forward(Stash& s) override;
   void stage_forward(int64_t layer, Stage stage, Stash& s) override;
@@ -223,6 +236,17 @@ class Qwen3Moe final : public Model {
     a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)));
     return a;
   }
+  // The expert path of a MoE layer for this micro-batch: every routed row, or with
+  // expert parallelism the R rows the exchange brought to this rank's experts.
+  struct Routed {
+    Tensor xs, gu, hs, ys, d_ys, d_hs, d_gu, d_xs, offsets;
+  };
+  Routed routed(LayerActs& x) const {
+    if (ep_ == nullptr) return {x.xs, x.gu, x.hs, x.ys, x.d_ys, x.d_hs, x.d_gu, x.d_xs, x.offsets};
+    const int64_t r = x.plan.local_rows();
+    return {x.xs.rows(0, r),   x.gu.rows(0, r),   x.hs.rows(0, r),   x.ys.rows(0, r), x.d_ys.rows(0, r),
+            x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r), x.plan.offsets_tensor()};
+  }
   void attention_forward_stage(int64_t l, Qwen3Stash& s);
   void attention_backward_input(int64_t l, Qwen3Stash& s);
   void attention_backward_weight(int64_t l, Qwen3Stash& s);
@@ -231,6 +255,8 @@ class Qwen3Moe final : public Model {
   Device device_;
   bool balanced_;
   bool plan_only_;
+  comm::Communicator* ep_;  // null: every expert lives here
+  int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
   std::vector<Param> params_;
   Arena values_, grads_, compute_;
@@ -250,7 +276,18 @@ int Qwen3Moe::add_param(std::string name, Shape shape, bool expert) {
 }
 
 void Qwen3Moe::build_params() {
-  const int64_t D = c_.hidden_size, Dh = c_.head_dim, E = c_.num_experts;
+  const int64_t D = c_.hidden_size, Dh = c_.head_dim;
+  local_experts_ = c_.num_experts;
+  if (ep_ != nullptr && ep_->size() > 1) {
+    MT_CHECK(device_ == Device::cpu) << "expert parallelism runs on the CPU backend only so far";
+    MT_CHECK(c_.num_experts % ep_->size() == 0)
+        << "num_experts " << c_.num_experts << " does not split over parallelism.ep = " << ep_->size();
+    local_experts_ = c_.num_experts / ep_->size();
+    first_expert_ = ep_->rank() * local_experts_;
+  } else {
+    ep_ = nullptr;
+  }
+  const int64_t E = local_experts_;
   embed_ = add_param("embed", {c_.vocab_size, D}, false);
   for (int64_t l = 0; l < c_.num_layers; ++l) {
     std::string p = "layers." + std::to_string(l) + ".";
@@ -265,7 +302,7 @@ void Qwen3Moe::build_params() {
     x.post_norm = add_param(p + "post_norm", {D}, false);
     if (c_.is_moe_layer(l)) {
       const int64_t I = c_.moe_intermediate_size;
-      x.router = add_param(p + "router", {E, D}, false);
+      x.router = add_param(p + "router", {c_.num_experts, D}, false);
       x.gate_up = add_param(p + "experts.gate_up", {E, 2 * I, D}, true);
       x.down = add_param(p + "experts.down", {E, D, I}, true);
     } else {
@@ -338,8 +375,8 @@ std::vector<HfTensor> Qwen3Moe::hf_tensors() {
     if (c_.is_moe_layer(l)) {
       const int64_t I = c_.moe_intermediate_size;
       add(p + "mlp.gate.weight", params_[x.router]);
-      for (int64_t e = 0; e < c_.num_experts; ++e) {
-        std::string q = p + "mlp.experts." + std::to_string(e) + ".";
+      for (int64_t e = 0; e < local_experts_; ++e) {
+        std::string q = p + "mlp.experts." + std::to_string(first_expert_ + e) + ".";
         add_view(q + "gate_proj.weight", slice(gu.value, e, 0, I), slice(gu.grad, e, 0, I), 1.0f);
         add_view(q + "up_proj.weight", slice(gu.value, e, I, 2 * I), slice(gu.grad, e, I, 2 * I), 1.0f);
         add_view(q + "down_proj.weight", slice(dn.value, e, 0, c_.hidden_size), slice(dn.grad, e, 0, c_.hidden_size),
@@ -405,7 +442,11 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
     x.d_xn = act({N, D});
     x.mo = act({N, D});
     if (c_.is_moe_layer(l)) {
-      const int64_t I = c_.moe_intermediate_size, R = N * K;
+      // With expert parallelism every rank's N tokens may each bring up to
+      // min(k, local experts) rows here.
+      const int64_t I = c_.moe_intermediate_size,
+                    R = ep_ ? ep_->size() * N * std::min(K, local_experts_) : N * K;
+      if (ep_) x.back = act({N * K, D});
       x.logits = f32({N, E});
       x.idx = i32({N, K});
       x.weight = f32({N, K});
@@ -513,16 +554,20 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
       attention_forward_stage(l, s);
       break;
     case Stage::dispatch:
-      if (moe) {
+      if (moe && ep_) {
+        x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts);
+        parallel::ep_dispatch_forward(*ep_, x.plan, x.y, routed(x).xs);
+      } else if (moe) {
         mt::dispatch_plan(x.idx, c_.num_experts, 0, x.counts, x.offsets, x.order, x.slot_row);
         mt::dispatch_forward(x.y, x.order, c_.top_k, x.xs);
       }
       break;
     case Stage::experts:
       if (moe) {
-        grouped_gemm(x.xs, C(w.gate_up), Tensor(), x.offsets, x.gu);
-        swiglu_forward(x.gu, x.hs);
-        grouped_gemm(x.hs, C(w.down), Tensor(), x.offsets, x.ys);
+        Routed r = routed(x);
+        grouped_gemm(r.xs, C(w.gate_up), Tensor(), r.offsets, r.gu);
+        swiglu_forward(r.gu, r.hs);
+        grouped_gemm(r.hs, C(w.down), Tensor(), r.offsets, r.ys);
       } else {
         gemm(x.y, C(w.gate_up), x.gu, false, true);
         swiglu_forward(x.gu, x.hs);
@@ -530,7 +575,10 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
       }
       break;
     case Stage::combine:
-      if (moe) mt::combine_forward(x.ys, x.weight, x.slot_row, x.mo);
+      if (moe && ep_)
+        parallel::ep_combine_forward(*ep_, x.plan, routed(x).ys, x.weight, x.back, x.mo);
+      else if (moe)
+        mt::combine_forward(x.ys, x.weight, x.slot_row, x.mo);
       break;
     case Stage::aggregate:
       mt::add(x.hm, x.mo, s.h[l + 1]);
@@ -602,13 +650,17 @@ void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
     case Stage::aggregate:
       break;
     case Stage::combine:
-      if (moe) mt::combine_backward(x.ys, x.weight, x.slot_row, d_mo, x.d_ys, x.d_weight);
+      if (moe && ep_)
+        parallel::ep_combine_backward(*ep_, x.plan, x.back, x.weight, d_mo, routed(x).d_ys, x.d_weight);
+      else if (moe)
+        mt::combine_backward(x.ys, x.weight, x.slot_row, d_mo, x.d_ys, x.d_weight);
       break;
     case Stage::experts:
       if (moe) {
-        grouped_gemm_backward_input(x.d_ys, C(w.down), x.offsets, x.d_hs);
-        swiglu_backward(x.gu, x.d_hs, x.d_gu);
-        grouped_gemm_backward_input(x.d_gu, C(w.gate_up), x.offsets, x.d_xs);
+        Routed r = routed(x);
+        grouped_gemm_backward_input(r.d_ys, C(w.down), r.offsets, r.d_hs);
+        swiglu_backward(r.gu, r.d_hs, r.d_gu);
+        grouped_gemm_backward_input(r.d_gu, C(w.gate_up), r.offsets, r.d_xs);
       } else {
         gemm(d_mo, C(w.down), x.d_hs, false, false);
         swiglu_backward(x.gu, x.d_hs, x.d_gu);
@@ -616,7 +668,10 @@ void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
       }
       break;
     case Stage::dispatch:
-      if (moe) mt::dispatch_backward(x.d_xs, x.slot_row, x.d_y);
+      if (moe && ep_)
+        parallel::ep_dispatch_backward(*ep_, x.plan, routed(x).d_xs, x.d_y);
+      else if (moe)
+        mt::dispatch_backward(x.d_xs, x.slot_row, x.d_y);
       break;
     case Stage::attention:
       attention_backward_input(l, s);
@@ -632,8 +687,9 @@ void Qwen3Moe::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   switch (stage) {
     case Stage::experts:
       if (moe) {
-        grouped_gemm_backward_weight(x.hs, x.d_ys, x.offsets, G(w.down), Tensor(), true);
-        grouped_gemm_backward_weight(x.xs, x.d_gu, x.offsets, G(w.gate_up), Tensor(), true);
+        Routed r = routed(x);
+        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), Tensor(), true);
+        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), Tensor(), true);
       } else {
         gemm(s.dh[l + 1], x.hs, G(w.down), true, false, 1.0f, 1.0f);
         gemm(x.d_gu, x.y, G(w.gate_up), true, false, 1.0f, 1.0f);
@@ -686,9 +742,16 @@ std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
     r.layer = l;
     r.tokens = N;
     r.top_k = c_.top_k;
-    std::vector<int32_t> counts(static_cast<size_t>(E));
-    mt::copy(Tensor(counts.data(), {E}, DType::i32), x.counts);
-    r.counts.assign(counts.begin(), counts.end());
+    if (ep_) {
+      // The plan counts only this rank's experts: count this rank's tokens' choices.
+      r.counts.assign(static_cast<size_t>(E), 0);
+      const int32_t* idx = x.idx.i32();
+      for (int64_t i = 0; i < N * c_.top_k; ++i) ++r.counts[idx[i]];
+    } else {
+      std::vector<int32_t> counts(static_cast<size_t>(E));
+      mt::copy(Tensor(counts.data(), {E}, DType::i32), x.counts);
+      r.counts.assign(counts.begin(), counts.end());
+    }
     // On the GPU the probabilities come to the host to be summed: N*E floats a layer.
     std::vector<float> probs(static_cast<size_t>(N * E));
     mt::copy(Tensor(probs.data(), {N, E}, DType::f32), x.probs);

@@ -160,6 +160,7 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
   refresh_compute_weights(model.params());
   for (const std::string& name : weights.names()) {
     bool used = std::any_of(tensors.begin(), tensors.end(), [&](const HfTensor& t) { return t.name == name; });
+    used = used || model.held_by_another_rank(name);
     MT_CHECK(used) << dir << "/model.safetensors: tensor " << name
                    << " is not a parameter of this model (was the checkpoint written for another config?)";
   }

@@ -45,6 +45,7 @@ void load_hf(Model& m, const std::string& folder) {
   for (const std::string& name : w.names()) {
     bool used = false;
     for (const HfTensor& t : tensors) used = used || t.name == name;
+    used = used || m.held_by_another_rank(name);
     MT_CHECK(used) << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
   }
 }
@@ -105,9 +106,8 @@ void Trainer::setup() {
                                     << (model_.device() == Device::cuda ? "cuda" : "cpu") << " device";
   MT_CHECK(t.force_balanced_routing == model_.balanced_routing())
       << "training.force_balanced_routing must match the model's option";
-  MT_CHECK(cfg_.parallelism.pp == 1 && cfg_.parallelism.cp == 1 && cfg_.parallelism.ep == 1)
-      << "parallelism.pp/cp/ep > 1 are not wired into training yet (data parallelism is: launch N ranks with "
-         "pp = cp = ep = 1)";
+  MT_CHECK(cfg_.parallelism.pp == 1 && cfg_.parallelism.cp == 1)
+      << "parallelism.pp/cp > 1 are not wired into training yet (data and expert parallelism are)";
   MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
   MT_CHECK(t.capacity_factor == 0.0) << "training.capacity_factor: capacity limits arrive with expert parallelism";
   rank_rows_ = global_batch_;
@@ -121,7 +121,11 @@ void Trainer::setup() {
   for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, seq_));
 }
 
-void Trainer::set_data_parallel(comm::Communicator* dp) {
+void Trainer::set_parallel(comm::Communicator* dp, comm::Communicator* expert_data, comm::Communicator* ep) {
+  if (ep != nullptr && ep->size() > 1) {
+    ep_ = ep;
+    expert_dp_ = expert_data;
+  }
   if (dp == nullptr || dp->size() == 1) return;
   const int64_t ranks = dp->size();
   MT_CHECK(global_batch_ % ranks == 0) << "training.global_batch_size " << global_batch_ << " does not split over "
@@ -320,7 +324,10 @@ StepResult Trainer::step() {
   std::vector<Tensor> grads;
   for (const Param& p : model_.params()) grads.push_back(p.grad);
   if (dp_) {
-    for (const Tensor& g : grads) dp_->all_reduce(g);
+    for (const Param& p : model_.params()) {
+      comm::Communicator* group = p.expert && ep_ ? expert_dp_ : dp_;
+      if (group != nullptr && group->size() > 1) group->all_reduce(p.grad);
+    }
     std::vector<double> sums = {loss_sum, lb_total};
     sum_ranks_f64(sums);
     loss_sum = sums[0];
@@ -329,7 +336,16 @@ StepResult Trainer::step() {
     if (!global_lb)
       for (auto& c : counts) sum_ranks_i64(c);
   }
-  r.grad_norm = std::sqrt(sum_squares(grads));
+  if (ep_) {
+    // Dense gradients are the same on every rank; each rank holds other experts'.
+    std::vector<Tensor> dense, experts;
+    for (const Param& p : model_.params()) (p.expert ? experts : dense).push_back(p.grad);
+    std::vector<float> sq = {static_cast<float>(sum_squares(experts))};
+    ep_->all_reduce(Tensor(sq.data(), {1}, DType::f32));
+    r.grad_norm = std::sqrt(sum_squares(dense) + static_cast<double>(sq[0]));
+  } else {
+    r.grad_norm = std::sqrt(sum_squares(grads));
+  }
   if (t.clip_grad_norm > 0) {
     float clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
     if (clip != 1.0f)

@@ -48,9 +48,13 @@ class Trainer {
   // ... or on the next global batch of a tokenized corpus (data.corpus).
   Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus);
   // Data parallelism: this rank trains on its share of each global batch, and
-  // gradients, losses and routing statistics are summed over `dp` (weights stay
-  // replicated: every rank takes the same optimizer step). Call before step().
-  void set_data_parallel(comm::Communicator* dp);
+  // gradients, losses and routing statistics are summed over `data` (the ranks that
+  // split the batch: dp x ep). With expert parallelism (`ep`, the model built with it)
+  // expert gradients are summed over `expert_data` instead (the dp ranks holding the
+  // same experts) and the gradient norm adds the experts' squares over ep. Dense
+  // weights stay replicated: every rank takes the same step on them. Before step().
+  void set_parallel(comm::Communicator* data, comm::Communicator* expert_data = nullptr,
+                    comm::Communicator* ep = nullptr);
   StepResult step();
   int64_t steps_done() const { return step_; }
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
@@ -74,7 +78,9 @@ class Trainer {
   std::unique_ptr<data::Dataset> corpus_;  // data.corpus
   int64_t seq_ = 0, global_batch_ = 0;
   std::vector<int32_t> host_ids_, host_labels_;  // a corpus micro-batch on its way to the device
-  comm::Communicator* dp_ = nullptr;              // null: one rank
+  comm::Communicator* dp_ = nullptr;              // the data ranks; null: one rank
+  comm::Communicator* expert_dp_ = nullptr;       // ranks holding the same experts
+  comm::Communicator* ep_ = nullptr;              // null: no expert parallelism
   int64_t rank_rows_ = 0;                         // sequences of the global batch this rank trains on
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
