@@ -299,10 +299,11 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
 }
 
-// Data and expert parallelism under mpirun: (ranks, ep) = (2, 1) is dp 2, (2, 2) is
-// ep 2, (4, 2) is dp 2 x ep 2. Each reports the single-rank run's losses, gradient
-// norms and routing counts, for both load-balance variants. The batch: the qwen3_moe_a
-// fixture's three sequences and its first again, so that it splits over 4 ranks.
+// Every mesh (dp, cp, ep) of the parallelism issue, under mpirun: (2,1,1), (1,2,1),
+// (1,1,2), (1,2,2), (2,1,2), (2,2,2). Each reports the single-rank run's losses,
+// gradient norms and routing counts (1e-5), for both load-balance variants. The
+// batch: the qwen3_moe_a fixture's three sequences and its first again, so that it
+// splits over 4 data ranks; its 16 positions split into 2 * cp = 4 chunks.
 TEST(Commands, MeshesMatchOneRank) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
   std::string dir = temp_dir("meshes");
@@ -315,12 +316,18 @@ TEST(Commands, MeshesMatchOneRank) {
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
   for (std::string lb : {"micro_batch", "global_batch"}) {
     std::vector<std::vector<nlohmann::json>> runs;
-    for (auto [np, ep] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 2}}) {
-      std::string dump = dir + "/run" + std::to_string(np) + "x" + std::to_string(ep) + lb;
+    struct Mesh {
+      int dp, cp, ep;
+    };
+    for (Mesh m : {Mesh{1, 1, 1}, Mesh{2, 1, 1}, Mesh{1, 2, 1}, Mesh{1, 1, 2}, Mesh{1, 2, 2}, Mesh{2, 1, 2},
+                   Mesh{2, 2, 2}}) {
+      const int np = m.dp * m.cp * m.ep, ep = m.ep;
+      std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(ep) + lb;
       auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                            fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
                            " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
+                           " --parallelism.cp=" + std::to_string(m.cp) +
                            " --job.dump_folder=" + dump);
       ASSERT_EQ(rc, 0) << out;
       std::ifstream metrics(dump + "/metrics.jsonl");

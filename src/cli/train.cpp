@@ -75,6 +75,7 @@ int run_train(const Args& args) {
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
   options.force_balanced_routing = cfg.training.force_balanced_routing;
   options.ep = &mesh.ep();
+  options.cp = &mesh.cp();
   std::unique_ptr<Model> model = make_model(config_json, options);
   MT_CHECK(mesh.shape().ep == 1 || cfg.checkpoint.interval == 0)
       << "checkpoint.interval: checkpoints of expert-parallel runs (each rank writing its experts) are not built "
@@ -106,7 +107,8 @@ int run_train(const Args& args) {
     made = std::make_unique<Trainer>(cfg, *model, std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
                                                                                   cfg.training.seed));
   Trainer& trainer = *made;
-  trainer.set_parallel(&mesh.dp_cp_ep(), &mesh.dp_cp(), &mesh.ep());
+  trainer.set_parallel(&mesh.dp_cp_ep(), &mesh.dp_cp(), &mesh.ep(), &mesh.cp(),
+                       mesh.coord().dp * mesh.shape().ep + mesh.coord().ep, mesh.shape().dp * mesh.shape().ep);
   if (writer)
     std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), mesh %s\n",
                 static_cast<long long>(model->num_layers()), model->param_count() / 1e6,

@@ -82,6 +82,9 @@ struct ModelOptions {
   // Expert parallelism: the experts are split evenly over this group's ranks and the
   // dispatch and combine stages exchange tokens over it (CPU backend for now).
   comm::Communicator* ep = nullptr;
+  // Context parallelism: a stash's `seq` positions are this rank's zigzag chunks of
+  // sequences cp times longer, and attention runs as ring attention over this group.
+  comm::Communicator* cp = nullptr;
 };
 
 class Model {

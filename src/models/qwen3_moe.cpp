@@ -17,6 +17,7 @@
 #include "kernels/router.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/swiglu.h"
+#include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 
 namespace mt {
@@ -176,6 +177,7 @@ class Qwen3Moe final : public Model {
  public:
   Qwen3Moe(const Qwen3MoeConfig& c, const ModelOptions& o)
       : c_(c), device_(o.device), balanced_(o.force_balanced_routing), plan_only_(o.plan_only), ep_(o.ep),
+        cp_(o.cp != nullptr && o.cp->size() > 1 ? o.cp : nullptr),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32) {
     build_params();
   }
@@ -256,6 +258,7 @@ class Qwen3Moe final : public Model {
   bool balanced_;
   bool plan_only_;
   comm::Communicator* ep_;  // null: every expert lives here
+  comm::Communicator* cp_;  // null: whole sequences here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
   std::vector<Param> params_;
@@ -498,7 +501,13 @@ std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
   s->arena = Arena("activations", device_, plan.peak());
   allocate(*s, s->arena);
   s->positions_host.resize(static_cast<size_t>(seq));
-  for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);
+  if (cp_) {
+    MT_CHECK(device_ == Device::cpu) << "context parallelism runs on the CPU backend only so far";
+    std::vector<int64_t> pos = parallel::zigzag_positions(seq * cp_->size(), cp_->rank(), cp_->size());
+    for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(pos[t]);
+  } else {
+    for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);
+  }
   mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
   s->dprobs_host.resize(static_cast<size_t>(batch * seq * c_.num_experts));
   if (balanced_) {
@@ -528,8 +537,13 @@ void Qwen3Moe::attention_forward_stage(int64_t l, Qwen3Stash& s) {
   rmsnorm_forward(x.k.view({N * Hkv, Dh}), W(w.k_norm), eps, x.kn.view({N * Hkv, Dh}), x.rstd_k);
   rope_forward(x.qn.view({B, S, Hq, Dh}), s.cos, s.sin, false, x.qr.view({B, S, Hq, Dh}));
   rope_forward(x.kn.view({B, S, Hkv, Dh}), s.cos, s.sin, false, x.kr.view({B, S, Hkv, Dh}));
-  mt::attention_forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
-                        attention_args(), x.att.view({B, S, Hq, Dh}), x.lse);
+  if (cp_)
+    parallel::ring_attention_forward(*cp_, x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}),
+                                     x.v.view({B, S, Hkv, Dh}), Tensor(), attention_args(),
+                                     x.att.view({B, S, Hq, Dh}), x.lse);
+  else
+    mt::attention_forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}),
+                          Tensor(), attention_args(), x.att.view({B, S, Hq, Dh}), x.lse);
   // hm = h + att @ Wo^T: the residual, then the output projection accumulated onto it.
   mt::copy(x.hm, s.h[l]);
   gemm(x.att, C(w.o), x.hm, false, true, 1.0f, 1.0f);
@@ -607,10 +621,17 @@ void Qwen3Moe::attention_backward_input(int64_t l, Qwen3Stash& s) {
   rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Tensor());
   mt::add(x.d_hm, s.dh[l + 1], x.d_hm);
   gemm(x.d_hm, C(w.o), x.d_att, false, false);
-  mt::attention_backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
-                         attention_args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
-                         x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
-                         Tensor());
+  if (cp_)
+    parallel::ring_attention_backward(*cp_, x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}),
+                                      x.v.view({B, S, Hkv, Dh}), Tensor(), attention_args(),
+                                      x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
+                                      x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}),
+                                      x.d_v.view({B, S, Hkv, Dh}), Tensor());
+  else
+    mt::attention_backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}),
+                           Tensor(), attention_args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
+                           x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
+                           Tensor());
   rope_backward(x.d_qr.view({B, S, Hq, Dh}), s.cos, s.sin, false, x.d_qn.view({B, S, Hq, Dh}));
   rope_backward(x.d_kr.view({B, S, Hkv, Dh}), s.cos, s.sin, false, x.d_kn.view({B, S, Hkv, Dh}));
   rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}),

@@ -10,6 +10,17 @@
 
 namespace mt::parallel {
 
+std::vector<int64_t> zigzag_positions(int64_t seq, int rank, int cp) {
+  MT_CHECK(cp >= 1 && seq % (2 * cp) == 0)
+      << "a sequence of " << seq << " positions does not split into 2 * cp = " << 2 * cp << " equal chunks";
+  const int64_t c = seq / (2 * cp);
+  std::vector<int64_t> out;
+  for (int64_t chunk : {static_cast<int64_t>(rank), static_cast<int64_t>(2 * cp - 1 - rank)})
+    for (int64_t i = 0; i < c; ++i) out.push_back(chunk * c + i);
+  return out;
+}
+
+
 namespace {
 
 struct Dims {

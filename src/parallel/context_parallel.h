@@ -20,11 +20,17 @@
 // transfers overlap the compute as the K/V ones do.
 #pragma once
 
+#include <vector>
+
 #include "comm/communicator.h"
 #include "core/tensor.h"
 #include "kernels/attention.h"
 
 namespace mt::parallel {
+
+// The sequence positions cp rank `rank` holds of a sequence of `seq` positions:
+// chunks rank and 2cp-1-rank of 2cp (seq must split into 2cp equal chunks).
+std::vector<int64_t> zigzag_positions(int64_t seq, int rank, int cp);
 
 // q f32 [B,2C,Hq,Dh], k and v f32 [B,2C,Hkv,Dh]: this rank's zigzag rows. sinks f32
 // [Hq] or empty. a.scale and a.window as for attention_forward; a.q_offset and

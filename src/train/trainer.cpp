@@ -13,6 +13,7 @@
 #include "io/npy.h"
 #include "io/safetensors.h"
 #include "kernels/elementwise.h"
+#include "parallel/context_parallel.h"
 
 namespace mt {
 
@@ -106,8 +107,7 @@ void Trainer::setup() {
                                     << (model_.device() == Device::cuda ? "cuda" : "cpu") << " device";
   MT_CHECK(t.force_balanced_routing == model_.balanced_routing())
       << "training.force_balanced_routing must match the model's option";
-  MT_CHECK(cfg_.parallelism.pp == 1 && cfg_.parallelism.cp == 1)
-      << "parallelism.pp/cp > 1 are not wired into training yet (data and expert parallelism are)";
+  MT_CHECK(cfg_.parallelism.pp == 1) << "parallelism.pp > 1: pipeline parallelism is not built yet";
   MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
   MT_CHECK(t.capacity_factor == 0.0) << "training.capacity_factor: capacity limits arrive with expert parallelism";
   rank_rows_ = global_batch_;
@@ -118,28 +118,35 @@ void Trainer::setup() {
   // The global-batch load-balance loss needs every micro-batch's routing before any
   // backward, so every micro-batch keeps its activations.
   int64_t live = t.load_balance_type == "global_batch" ? micro_batches_ : 1;
-  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, seq_));
+  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, local_seq()));
 }
 
-void Trainer::set_parallel(comm::Communicator* dp, comm::Communicator* expert_data, comm::Communicator* ep) {
+void Trainer::set_parallel(comm::Communicator* all, comm::Communicator* expert_all, comm::Communicator* ep,
+                           comm::Communicator* cp, int64_t data_rank, int64_t data_ranks) {
   if (ep != nullptr && ep->size() > 1) {
     ep_ = ep;
-    expert_dp_ = expert_data;
+    expert_dp_ = expert_all;
   }
-  if (dp == nullptr || dp->size() == 1) return;
-  const int64_t ranks = dp->size();
-  MT_CHECK(global_batch_ % ranks == 0) << "training.global_batch_size " << global_batch_ << " does not split over "
-                                       << ranks << " data-parallel ranks";
-  dp_ = dp;
-  rank_rows_ = global_batch_ / ranks;
+  if (cp != nullptr && cp->size() > 1) {
+    cp_ = cp;
+    MT_CHECK(seq_ % (2 * cp->size()) == 0) << "sequences of " << seq_ << " positions do not split into 2 * cp = "
+                                           << 2 * cp->size() << " equal chunks";
+  }
+  if (all == nullptr || all->size() == 1) return;
+  dp_ = all;
+  data_rank_ = data_rank;
+  data_ranks_ = data_ranks;
+  MT_CHECK(global_batch_ % data_ranks == 0) << "training.global_batch_size " << global_batch_
+                                            << " does not split over " << data_ranks << " data ranks (dp x ep)";
+  rank_rows_ = global_batch_ / data_ranks;
   const int64_t micro = cfg_.training.micro_batch_size ? cfg_.training.micro_batch_size : rank_rows_;
   MT_CHECK(rank_rows_ % micro == 0) << "training.micro_batch_size " << micro << " does not divide the " << rank_rows_
-                                    << " sequences of each of " << ranks << " data-parallel ranks";
+                                    << " sequences of each of " << data_ranks << " data ranks (dp x ep)";
   micro_batch_ = micro;
   micro_batches_ = rank_rows_ / micro_batch_;
   stashes_.clear();
   int64_t live = cfg_.training.load_balance_type == "global_batch" ? micro_batches_ : 1;
-  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, seq_));
+  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, local_seq()));
 }
 
 void Trainer::load_micro_batch(Stash& s, int64_t index) {
@@ -148,13 +155,28 @@ void Trainer::load_micro_batch(Stash& s, int64_t index) {
   if (corpus_) {
     host_ids_.resize(n);
     host_labels_.resize(n);
-    corpus_->next_batch(dp_ ? dp_->rank() : 0, dp_ ? dp_->size() : 1, 0, 1, s.batch, host_ids_, host_labels_);
+    corpus_->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0,
+                        cp_ ? cp_->size() : 1, s.batch, host_ids_, host_labels_);
     ids = host_ids_.data();
     labels = host_labels_.data();
   } else {
-    const int64_t row = (dp_ ? dp_->rank() * rank_rows_ : 0) + index * micro_batch_;
+    const int64_t row = data_rank_ * rank_rows_ + index * micro_batch_;
     ids = data_.ids.data() + row * seq_;
     labels = data_.labels.data() + row * seq_;
+    if (cp_) {
+      // This rank's zigzag columns of each sequence.
+      std::vector<int64_t> pos = parallel::zigzag_positions(seq_, cp_->rank(), cp_->size());
+      host_ids_.resize(n);
+      host_labels_.resize(n);
+      const int64_t c = static_cast<int64_t>(pos.size());
+      for (int64_t b = 0; b < s.batch; ++b)
+        for (int64_t j = 0; j < c; ++j) {
+          host_ids_[b * c + j] = ids[b * seq_ + pos[j]];
+          host_labels_[b * c + j] = labels[b * seq_ + pos[j]];
+        }
+      ids = host_ids_.data();
+      labels = host_labels_.data();
+    }
   }
   copy(s.ids, Tensor(const_cast<int32_t*>(ids), s.ids.shape, DType::i32));
   copy(s.labels, Tensor(const_cast<int32_t*>(labels), s.labels.shape, DType::i32));
@@ -280,11 +302,26 @@ StepResult Trainer::step() {
       profile_.mark("router statistics");
       std::vector<RouterStats> stats = model_.router_stats(s);
       accumulate_stats(stats);
-      for (const RouterStats& st : stats) {
+      for (RouterStats st : stats) {
         std::vector<float> dprob;
-        // Every micro-batch of every rank weighs the same in the mean.
-        double n = static_cast<double>(stats.size() * mb_count * ranks);
-        lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / n;
+        // A micro-batch's routing is over its whole sequences: with context
+        // parallelism, over every cp rank's chunks.
+        const int64_t cps = cp_ ? cp_->size() : 1;
+        if (cp_) {
+          std::vector<int64_t> c = st.counts;
+          c.push_back(st.tokens);
+          cp_->all_reduce(Tensor(c.data(), {static_cast<int64_t>(c.size())}, DType::i64));
+          st.tokens = c.back();
+          c.pop_back();
+          st.counts = c;
+          std::vector<float> p(st.prob_sum.begin(), st.prob_sum.end());
+          cp_->all_reduce(Tensor(p.data(), {static_cast<int64_t>(p.size())}, DType::f32));
+          st.prob_sum.assign(p.begin(), p.end());
+        }
+        // Every micro-batch of every data rank weighs the same in the mean; its cp
+        // ranks each hold the same term, so each adds 1/cp of it to the sum.
+        double n = static_cast<double>(stats.size() * mb_count * (ranks / cps));
+        lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / (n * static_cast<double>(cps));
         model_.set_router_prob_grad(s, st.layer, dprob);
       }
       backward(s, loss_scale);

@@ -47,14 +47,15 @@ class Trainer {
   Trainer(Config cfg, Model& model, TokenBatch data);
   // ... or on the next global batch of a tokenized corpus (data.corpus).
   Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus);
-  // Data parallelism: this rank trains on its share of each global batch, and
-  // gradients, losses and routing statistics are summed over `data` (the ranks that
-  // split the batch: dp x ep). With expert parallelism (`ep`, the model built with it)
-  // expert gradients are summed over `expert_data` instead (the dp ranks holding the
-  // same experts) and the gradient norm adds the experts' squares over ep. Dense
-  // weights stay replicated: every rank takes the same step on them. Before step().
-  void set_parallel(comm::Communicator* data, comm::Communicator* expert_data = nullptr,
-                    comm::Communicator* ep = nullptr);
+  // The mesh, before step(). The global batch splits over the dp x ep "data ranks"
+  // (this one is `data_rank` of `data_ranks`); the cp ranks of a data rank share its
+  // sequences, each holding its zigzag chunks (the model built with the same cp).
+  // Dense gradients, losses and routing statistics are summed over `all` (dp x cp x
+  // ep); with expert parallelism expert gradients over `expert_all` (dp x cp, the
+  // ranks holding the same experts) and the norm adds the experts' squares over `ep`.
+  // Weights are replicated within those groups: every rank takes the same step.
+  void set_parallel(comm::Communicator* all, comm::Communicator* expert_all, comm::Communicator* ep,
+                    comm::Communicator* cp, int64_t data_rank, int64_t data_ranks);
   StepResult step();
   int64_t steps_done() const { return step_; }
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
@@ -81,6 +82,9 @@ class Trainer {
   comm::Communicator* dp_ = nullptr;              // the data ranks; null: one rank
   comm::Communicator* expert_dp_ = nullptr;       // ranks holding the same experts
   comm::Communicator* ep_ = nullptr;              // null: no expert parallelism
+  comm::Communicator* cp_ = nullptr;              // null: whole sequences on this rank
+  int64_t data_rank_ = 0, data_ranks_ = 1;
+  int64_t local_seq() const { return cp_ ? seq_ / cp_->size() : seq_; }
   int64_t rank_rows_ = 0;                         // sequences of the global batch this rank trains on
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
