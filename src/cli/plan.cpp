@@ -30,8 +30,10 @@ int run_plan(const Args& args) {
 
   int64_t seq = cfg.data.seq_len, global = cfg.training.global_batch_size;
   MT_CHECK(seq > 0 && global > 0) << "plan needs data.seq_len and training.global_batch_size (> 0)";
-  MT_CHECK(global % mesh.dp == 0) << "training.global_batch_size " << global << " does not split over dp " << mesh.dp;
-  int64_t per_rank = global / mesh.dp;
+  const int64_t data_ranks = static_cast<int64_t>(mesh.dp) * mesh.ep;  // the ranks that split the batch
+  MT_CHECK(global % data_ranks == 0) << "training.global_batch_size " << global << " does not split over dp x ep = "
+                                     << data_ranks << " data ranks";
+  int64_t per_rank = global / data_ranks;
   int64_t micro = cfg.training.micro_batch_size ? cfg.training.micro_batch_size : per_rank;
   MT_CHECK(per_rank % micro == 0) << "training.micro_batch_size " << micro << " does not divide the " << per_rank
                                   << " sequences of a rank";
@@ -50,7 +52,8 @@ int run_plan(const Args& args) {
   std::printf("model: %lld layers, %.3fB parameters (%.3fB active per token), device %s\n",
               static_cast<long long>(model->num_layers()), model->param_count() / 1e9,
               model->active_param_count() / 1e9, cfg.training.device.c_str());
-  std::printf("per rank, as this build runs one rank (parameters replicated, no sharding yet):\n");
+  std::printf("per rank, holding every expert (with ep > 1 a rank holds 1/ep of the expert weights, their\n"
+              "gradients and moments; no ZeRO-3 sharding yet, so nothing else divides):\n");
   std::printf("  master weights (f32)      %10.3f GiB\n", gib(weights));
   std::printf("  gradients (f32)           %10.3f GiB\n", gib(weights));
   std::printf("  AdamW moments (2 x f32)   %10.3f GiB\n", gib(moments.peak()));
@@ -59,7 +62,6 @@ int run_plan(const Args& args) {
               gib(activations), static_cast<long long>(live), live == 1 ? "" : "es", static_cast<long long>(micro),
               static_cast<long long>(seq / mesh.cp));
   std::printf("  total                     %10.3f GiB (%zu bytes)\n", gib(total), total);
-  if (world > 1) std::printf("note: multi-rank training is not wired into the trainer yet; train runs one rank\n");
   return 0;
 }
 
