@@ -304,6 +304,49 @@ TEST(CheckpointCommands, CrashInTheMiddleOfASaveResumesFromThePreviousOne) {
   EXPECT_FALSE(fs::exists(dump + "/checkpoints/step-00000004.tmp"));
 }
 
+// Expert parallelism: each ep rank writes its experts (model-ep<r>, with an index);
+// resuming on the same mesh is exact, resuming on one rank reads every expert, and an
+// export of it evaluates like one rank's.
+TEST(CheckpointCommands, ExpertParallelCheckpointsResumeOnAnyMesh) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+  auto cmd = [&](const std::string& dump, int steps, const std::string& extra) {
+    return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
+           " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.load_balance_coef=0.1" +
+           " --training.micro_batch_size=1 --training.steps=" + std::to_string(steps) + " --job.dump_folder=" + dump +
+           " " + extra;
+  };
+  std::string resumed = temp_dir("ep_resumed"), straight = temp_dir("ep_straight"), single = temp_dir("ep_single");
+  auto [rc, out] = run(mpirun + cmd(resumed, 4, "--parallelism.ep=2 --checkpoint.interval=2"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_TRUE(fs::exists(resumed + "/checkpoints/step-00000004/model-ep1.safetensors"));
+  EXPECT_TRUE(fs::exists(resumed + "/checkpoints/step-00000004/optimizer.safetensors.index.json"));
+  auto [rc2, out2] = run(mpirun + cmd(resumed, 6, "--parallelism.ep=2 --checkpoint.interval=2"));
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find("resumed from"), std::string::npos) << out2;
+  auto [rc3, out3] = run(mpirun + cmd(straight, 6, "--parallelism.ep=2"));
+  ASSERT_EQ(rc3, 0) << out3;
+  EXPECT_EQ(metric_lines(resumed), metric_lines(straight));
+  // One rank picks up the expert-parallel checkpoint of step 4 and finishes the run.
+  fs::create_directories(single + "/checkpoints");
+  fs::copy(resumed + "/checkpoints/step-00000004", single + "/checkpoints/step-00000004", fs::copy_options::recursive);
+  auto [rc4, out4] = run(cmd(single, 6, "--checkpoint.interval=6"));
+  ASSERT_EQ(rc4, 0) << out4;
+  std::vector<std::string> a = metric_lines(single), b = metric_lines(straight);
+  ASSERT_EQ(a.size(), 2u);  // steps 5 and 6 (the folder had no metrics before)
+  for (size_t i = 0; i < 2; ++i) {
+    nlohmann::json x = nlohmann::json::parse(a[i]), y = nlohmann::json::parse(b[4 + i]);
+    EXPECT_NEAR(x["loss"].get<double>(), y["loss"].get<double>(), 1e-5 * y["loss"].get<double>());
+    EXPECT_NEAR(x["grad_norm"].get<double>(), y["grad_norm"].get<double>(), 1e-5 * y["grad_norm"].get<double>());
+  }
+  auto [rc5, out5] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + resumed +
+                         "/checkpoints/step-00000006 --output " + resumed + "/hf --dtype fp32");
+  ASSERT_EQ(rc5, 0) << out5;
+  io::HfWeights exported(resumed + "/hf"), source(fixture("qwen3_moe_b"));
+  EXPECT_EQ(exported.names(), source.names());
+}
+
 TEST(CheckpointCommands, ExportRoundTripsAndEvaluatesTheSame) {
   std::string dump = temp_dir("export");
   // Zero steps with checkpoints on saves the initial (imported) weights.

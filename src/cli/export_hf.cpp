@@ -41,7 +41,8 @@ int run_export_hf(const Args& args) {
   const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
   MT_CHECK(fs::exists(ckpt / "COMPLETE")) << ckpt.string() << " is not a complete checkpoint (no COMPLETE marker)";
 
-  io::SafetensorsFile weights((ckpt / "model.safetensors").string());
+  // model.safetensors, or (expert-parallel runs) the per-rank files of its index.
+  io::HfWeights weights(ckpt.string());
   std::error_code ec;
   fs::create_directories(out, ec);
   MT_CHECK(!ec && fs::is_directory(out)) << "cannot create the output folder " << out.string() << ": " << ec.message();
@@ -50,9 +51,10 @@ int run_export_hf(const Args& args) {
   const bool bf16 = dtype == "bf16";
   std::vector<std::vector<uint8_t>> data;
   std::vector<io::StWrite> all;
-  for (const io::StTensor& t : weights.tensors()) {
+  for (const std::string& name : weights.names()) {
+    const io::StTensor& t = weights.tensor(name);
     std::vector<float> f(static_cast<size_t>(t.numel()));
-    weights.read_f32(t, f.data());
+    weights.read_f32(name, t.shape, f.data());
     std::vector<uint8_t> bytes(f.size() * (bf16 ? 2 : 4));
     if (bf16) {
       for (size_t i = 0; i < f.size(); ++i) {
@@ -63,7 +65,7 @@ int run_export_hf(const Args& args) {
       std::memcpy(bytes.data(), f.data(), bytes.size());
     }
     data.push_back(std::move(bytes));
-    all.push_back({t.name, bf16 ? "BF16" : "F32", t.shape, data.back().data()});
+    all.push_back({name, bf16 ? "BF16" : "F32", t.shape, data.back().data()});
   }
   std::vector<std::vector<io::StWrite>> shards(1);
   int64_t in_shard = 0, total = 0;

@@ -77,9 +77,6 @@ int run_train(const Args& args) {
   options.ep = &mesh.ep();
   options.cp = &mesh.cp();
   std::unique_ptr<Model> model = make_model(config_json, options);
-  MT_CHECK(mesh.shape().ep == 1 || cfg.checkpoint.interval == 0)
-      << "checkpoint.interval: checkpoints of expert-parallel runs (each rank writing its experts) are not built "
-         "yet; set it to 0 or run with parallelism.ep = 1";
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";
   MT_CHECK(cfg.data.corpus.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus";
@@ -140,10 +137,12 @@ int run_train(const Args& args) {
     state.step = trainer.steps_done();
     state.lr = lr;
     state.data_cursor = trainer.data_cursor();
-    // Weights are replicated over the data-parallel ranks: rank 0 writes them all.
-    if (writer) {
-      std::string dir = save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep);
-      std::printf("saved %s\n", dir.c_str());
+    // Weights are replicated over dp and cp: the ep ranks of the first replica write,
+    // each its own experts (rank 0 also everything else).
+    if (mesh.coord().dp == 0 && mesh.coord().cp == 0) {
+      std::string dir =
+          save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep, &mesh.ep());
+      if (writer) std::printf("saved %s\n", dir.c_str());
     }
     mesh.world().barrier();
   };

@@ -346,10 +346,10 @@ void write_safetensors(const std::string& path, const std::vector<StWrite>& tens
   write_file_atomic(path, pieces);
 }
 
-HfWeights::HfWeights(const std::string& folder) : folder_(folder) {
+HfWeights::HfWeights(const std::string& folder, const std::string& stem) : folder_(folder) {
   fs::path dir(folder);
-  fs::path single = dir / "model.safetensors";
-  fs::path index = dir / "model.safetensors.index.json";
+  fs::path single = dir / (stem + ".safetensors");
+  fs::path index = dir / (stem + ".safetensors.index.json");
   MT_CHECK(fs::is_directory(dir)) << "Hugging Face model folder " << folder << " does not exist (or is not a folder)";
   // transformers prefers the single file when both are present; so do we.
   if (fs::exists(single)) {
@@ -357,8 +357,8 @@ HfWeights::HfWeights(const std::string& folder) : folder_(folder) {
     for (const StTensor& t : files_[0].tensors()) entries_.emplace(t.name, Entry{0, &t});
     return;
   }
-  MT_CHECK(fs::exists(index)) << folder << ": not a Hugging Face model folder: neither model.safetensors nor "
-                              << "model.safetensors.index.json is there";
+  MT_CHECK(fs::exists(index)) << folder << ": not a Hugging Face model folder: neither " << stem
+                              << ".safetensors nor " << stem << ".safetensors.index.json is there";
   std::vector<uint8_t> raw = read_file(index.string());
   nlohmann::json j;
   try {

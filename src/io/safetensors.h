@@ -85,7 +85,9 @@ void write_safetensors(const std::string& path, const std::vector<StWrite>& tens
 // model.safetensors.index.json's "weight_map" names (which is then the list of keys).
 class HfWeights {
  public:
-  explicit HfWeights(const std::string& folder);
+  // `stem`.safetensors, or the shards of `stem`.safetensors.index.json ("model" for a
+  // Hugging Face folder; checkpoints also keep "optimizer").
+  explicit HfWeights(const std::string& folder, const std::string& stem = "model");
 
   const std::string& folder() const { return folder_; }
   std::vector<std::string> names() const;  // sorted

@@ -46,6 +46,7 @@ struct HfTensor {
   // init_scale is 0 (norm weights).
   float init_scale = 1.0f;
   float fill = 0.0f;
+  bool expert = false;  // an expert's weight (owned by one ep rank)
 };
 
 // Per MoE layer, per micro-batch: what the load-balance loss and the metrics need.

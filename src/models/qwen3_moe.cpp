@@ -353,8 +353,8 @@ std::vector<HfTensor> Qwen3Moe::hf_tensors() {
   auto add = [&](std::string name, const Param& p, float scale = 1.0f, float fill = 0.0f) {
     out.push_back({std::move(name), p.value, p.grad, scale, fill});
   };
-  auto add_view = [&](std::string name, Tensor v, Tensor g, float scale) {
-    out.push_back({std::move(name), v, g, scale, 0.0f});
+  auto add_view = [&](std::string name, Tensor v, Tensor g, float scale, bool expert = false) {
+    out.push_back({std::move(name), v, g, scale, 0.0f, expert});
   };
   // Rows [r0, r1) of block e of a fused [E, rows, cols] (or [rows, cols]) tensor.
   auto slice = [](const Tensor& t, int64_t e, int64_t r0, int64_t r1) {
@@ -380,10 +380,10 @@ std::vector<HfTensor> Qwen3Moe::hf_tensors() {
       add(p + "mlp.gate.weight", params_[x.router]);
       for (int64_t e = 0; e < local_experts_; ++e) {
         std::string q = p + "mlp.experts." + std::to_string(first_expert_ + e) + ".";
-        add_view(q + "gate_proj.weight", slice(gu.value, e, 0, I), slice(gu.grad, e, 0, I), 1.0f);
-        add_view(q + "up_proj.weight", slice(gu.value, e, I, 2 * I), slice(gu.grad, e, I, 2 * I), 1.0f);
+        add_view(q + "gate_proj.weight", slice(gu.value, e, 0, I), slice(gu.grad, e, 0, I), 1.0f, true);
+        add_view(q + "up_proj.weight", slice(gu.value, e, I, 2 * I), slice(gu.grad, e, I, 2 * I), 1.0f, true);
         add_view(q + "down_proj.weight", slice(dn.value, e, 0, c_.hidden_size), slice(dn.grad, e, 0, c_.hidden_size),
-                 out_scale);
+                 out_scale, true);
       }
     } else {
       const int64_t I = c_.intermediate_size;

@@ -12,6 +12,7 @@
 
 #include "core/check.h"
 #include "io/file.h"
+#include "comm/communicator.h"
 #include "io/safetensors.h"
 #include "kernels/elementwise.h"
 
@@ -63,21 +64,41 @@ int64_t step_of(const fs::path& dir) {
 }  // namespace
 
 std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
-                            const std::string& model_config_path, int64_t keep) {
+                            const std::string& model_config_path, int64_t keep, comm::Communicator* writers) {
+  const int rank = writers ? writers->rank() : 0, ranks = writers ? writers->size() : 1;
+  auto barrier = [&] {
+    if (ranks > 1) writers->barrier();
+  };
   fs::path root(checkpoints_dir);
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  MT_CHECK(!ec && fs::is_directory(root)) << "cannot create the checkpoint folder " << root.string() << ": "
-                                          << ec.message();
   fs::path final_dir = root / step_name(st.step);
-  if (complete(final_dir)) return final_dir.string();  // this step is already saved
   fs::path tmp = root / (step_name(st.step) + ".tmp");
-  fs::remove_all(tmp);
-  fs::remove_all(final_dir);  // an unmarked folder from a crash between rename and mark
-  fs::create_directories(tmp, ec);
-  MT_CHECK(!ec) << "cannot create " << tmp.string() << ": " << ec.message();
+  bool done_already = false;
+  if (rank == 0) {
+    std::error_code ec;
+    fs::create_directories(root, ec);
+    MT_CHECK(!ec && fs::is_directory(root)) << "cannot create the checkpoint folder " << root.string() << ": "
+                                            << ec.message();
+    done_already = complete(final_dir);  // this step is already saved
+    if (!done_already) {
+      fs::remove_all(tmp);
+      fs::remove_all(final_dir);  // an unmarked folder from a crash between rename and mark
+      fs::create_directories(tmp, ec);
+      MT_CHECK(!ec) << "cannot create " << tmp.string() << ": " << ec.message();
+    }
+  }
+  if (ranks > 1) {
+    std::vector<int64_t> flag = {done_already ? 1 : 0};
+    writers->broadcast(Tensor(flag.data(), {1}, DType::i64), 0);
+    done_already = flag[0] != 0;
+  }
+  if (done_already) return final_dir.string();
+  barrier();
 
-  std::vector<HfTensor> tensors = model.hf_tensors();
+  // Each writer saves what it owns: the first every tensor it has, the others (expert
+  // parallelism) only their experts; the index files then say which file holds a key.
+  std::vector<HfTensor> tensors;
+  for (HfTensor& t : model.hf_tensors())
+    if (rank == 0 || t.expert) tensors.push_back(t);
   std::vector<io::StWrite> weights, moments;
   std::vector<std::string> names;
   std::vector<std::vector<float>> host;  // staging, so GPU tensors save the same way
@@ -93,10 +114,28 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
     host.push_back(to_host(opt.exp_avg_sq(t.value)));
     moments.push_back(io::st_f32(names.back(), dims(t.value), host.back().data()));
   }
-  io::write_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
+  const std::string suffix = ranks > 1 ? "-ep" + std::to_string(rank) : "";
+  io::write_safetensors((tmp / ("model" + suffix + ".safetensors")).string(), weights, {{"format", "pt"}});
   test_delay();
-  io::write_safetensors((tmp / "optimizer.safetensors").string(), moments);
+  io::write_safetensors((tmp / ("optimizer" + suffix + ".safetensors")).string(), moments);
   test_delay();
+  barrier();
+  if (rank != 0) {
+    barrier();  // rank 0 finishes the checkpoint
+    return final_dir.string();
+  }
+  if (ranks > 1) {
+    // The index of each stem lists every writer's keys.
+    for (const std::string stem : {"model", "optimizer"}) {
+      nlohmann::json index;
+      for (int r = 0; r < ranks; ++r) {
+        std::string file = stem + "-ep" + std::to_string(r) + ".safetensors";
+        io::SafetensorsFile f((tmp / file).string());
+        for (const io::StTensor& t : f.tensors()) index["weight_map"][t.name] = file;
+      }
+      io::write_file_atomic((tmp / (stem + ".safetensors.index.json")).string(), {index.dump(2)});
+    }
+  }
   nlohmann::json state;
   state["format"] = 1;
   state["step"] = st.step;
@@ -116,6 +155,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   }
   test_delay();
   sync_dir(tmp);
+  std::error_code ec;
   fs::rename(tmp, final_dir, ec);
   MT_CHECK(!ec) << "renaming " << tmp.string() << " to " << final_dir.string() << ": " << ec.message();
   sync_dir(root);
@@ -129,6 +169,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   }
   std::sort(done.begin(), done.end());
   for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) fs::remove_all(done[i].second);
+  barrier();
   return final_dir.string();
 }
 
@@ -165,22 +206,19 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
                    << " is not a parameter of this model (was the checkpoint written for another config?)";
   }
   if (opt != nullptr) {
-    io::SafetensorsFile moments((fs::path(dir) / "optimizer.safetensors").string());
-    MT_CHECK(moments.tensors().size() == 2 * tensors.size())
-        << moments.path() << ": " << moments.tensors().size() << " tensors, expected " << 2 * tensors.size()
-        << " (two moments for each of the model's " << tensors.size() << " tensors)";
+    io::HfWeights moments(dir, "optimizer");
     for (const HfTensor& t : tensors) {
       for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
-        std::string key = t.name + suffix;
-        const io::StTensor* s = moments.find(key);
-        MT_CHECK(s != nullptr) << moments.path() << ": missing tensor " << key;
-        MT_CHECK(s->shape == dims(t.value)) << moments.path() << ": tensor " << key << " has shape "
-                                            << io::shape_str(s->shape) << ", the model expects " << t.value.shape.str();
-        bool second = std::string_view(suffix) == ".exp_avg_sq";
         host.resize(static_cast<size_t>(t.value.numel()));
-        moments.read_f32(*s, host.data());
-        load(second ? opt->exp_avg_sq(t.value) : opt->exp_avg(t.value));
+        moments.read_f32(t.name + suffix, dims(t.value), host.data());
+        load(std::string_view(suffix) == ".exp_avg_sq" ? opt->exp_avg_sq(t.value) : opt->exp_avg(t.value));
       }
+    }
+    for (const std::string& name : moments.names()) {
+      std::string base = name.substr(0, name.rfind(".exp_avg"));
+      bool used = std::any_of(tensors.begin(), tensors.end(), [&](const HfTensor& t) { return t.name == base; }) ||
+                  model.held_by_another_rank(base);
+      MT_CHECK(used) << dir << ": optimizer state " << name << " belongs to no parameter of this model";
     }
   }
   std::vector<uint8_t> b = io::read_file((fs::path(dir) / "train_state.json").string());
