@@ -27,6 +27,9 @@ struct AdamWStep {
   double eps = 1e-8;
   double weight_decay = 0;
   int64_t step = 1;  // 1-based, for the bias corrections
+  // Multiplies each gradient as it is read: the clipping factor, applied here instead
+  // of in a pass of its own over every gradient.
+  float grad_scale = 1.0f;
 };
 
 // On a flat f32 shard: p *= 1 - lr*wd; m, v updated; p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).

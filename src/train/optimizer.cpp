@@ -20,13 +20,14 @@ AdamW::AdamW(std::vector<Param>& params) : params_(params) {
   }
 }
 
-void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step) {
+void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale) {
   cpu::AdamWStep a;
   a.lr = lr;
   a.beta1 = cfg.beta1;
   a.beta2 = cfg.beta2;
   a.eps = cfg.eps;
   a.step = step;
+  a.grad_scale = grad_scale;
   a.weight_decay = cfg.weight_decay;
   std::vector<AdamWBlock> blocks;
   for (size_t i = 0; i < params_.size(); ++i)

@@ -357,7 +357,7 @@ StepResult Trainer::step() {
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
   // changes nothing, so it is skipped).
-  profile_.mark("gradient norm and clipping");
+  profile_.mark("gradient reduction and norm");
   std::vector<Tensor> grads;
   for (const Param& p : model_.params()) grads.push_back(p.grad);
   if (dp_) {
@@ -383,14 +383,12 @@ StepResult Trainer::step() {
   } else {
     r.grad_norm = std::sqrt(sum_squares(grads));
   }
-  if (t.clip_grad_norm > 0) {
-    float clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
-    if (clip != 1.0f)
-      for (const Tensor& g : grads) scale(g, clip);
-  }
+  // torch's clipping factor, applied by the optimizer as it reads each gradient.
+  float clip = 1.0f;
+  if (t.clip_grad_norm > 0) clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
   r.lr = lr_at(cfg_, r.step - 1);
   profile_.mark("optimizer");
-  optimizer_.step(cfg_.optimizer, r.lr, r.step);
+  optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);
   refresh_compute_weights(model_.params());
   r.breakdown_ms = profile_.finish();
 

@@ -21,12 +21,13 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
   float step_size = static_cast<float>(s.lr / (1.0 - std::pow(s.beta1, t)));
   float decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
   float w1 = static_cast<float>(1.0 - s.beta1), b2 = static_cast<float>(s.beta2), w2 = static_cast<float>(1.0 - s.beta2);
-  float eps = static_cast<float>(s.eps);
+  float eps = static_cast<float>(s.eps), scale = s.grad_scale;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * scale;
     p[i] *= decay;
-    mp[i] += w1 * (g[i] - mp[i]);
-    vp[i] = vp[i] * b2 + w2 * g[i] * g[i];
+    mp[i] += w1 * (gi - mp[i]);
+    vp[i] = vp[i] * b2 + w2 * gi * gi;
     float denom = std::sqrt(vp[i]) / bias2_sqrt + eps;
     p[i] -= step_size * mp[i] / denom;
   }

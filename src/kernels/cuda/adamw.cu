@@ -24,7 +24,7 @@ struct AdamWTable {
   float decay[kTableSize];               // 1 - lr * wd for this block
   int64_t first_chunk[kTableSize + 1];   // chunk index of each tensor's first chunk
   int count;
-  float step_size, bias2_sqrt, w1, b2, w2, eps;
+  float step_size, bias2_sqrt, w1, b2, w2, eps, grad_scale;
 };
 
 // The CPU backend's expression, operation for operation; the _rn intrinsics keep nvcc
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
   const float decay = t.decay[lo];
   const int64_t begin = (b - t.first_chunk[lo]) * kChunk, end = min(t.n[lo], begin + kChunk);
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float gi = g[i];
+    const float gi = __fmul_rn(g[i], t.grad_scale);
     const float pi = __fmul_rn(p[i], decay);
     const float mi = __fadd_rn(m[i], __fmul_rn(t.w1, __fsub_rn(gi, m[i])));
     const float vi = __fadd_rn(__fmul_rn(v[i], t.b2), __fmul_rn(__fmul_rn(t.w2, gi), gi));
@@ -80,6 +80,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
   t.b2 = static_cast<float>(s.beta2);
   t.w2 = static_cast<float>(1.0 - s.beta2);
   t.eps = static_cast<float>(s.eps);
+  t.grad_scale = s.grad_scale;
   // Without decay the factor is exactly 1, as the CPU's 1 - lr * 0 rounds.
   const float with_decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
   for (size_t first = 0; first < blocks.size(); first += kTableSize) {
