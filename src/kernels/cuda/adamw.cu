@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/adamw.h"
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
 
 namespace mt::cuda {
@@ -32,14 +33,7 @@ struct AdamWTable {
 // for bit (sqrt and division are IEEE-rounded on both).
 __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
   const int64_t b = blockIdx.x;
-  int lo = 0, hi = t.count - 1;  // the last tensor whose first chunk is <= b
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (t.first_chunk[mid] <= b)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
+  const int lo = tensor_of_chunk(t.first_chunk, t.count, b);
   float* p = t.p[lo];
   const float* g = t.g[lo];
   float* m = t.m[lo];

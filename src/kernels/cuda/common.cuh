@@ -56,4 +56,18 @@ __device__ T block_sum(T v, T* shared) {
   return total;
 }
 
+// Multi-tensor launches: block b works on the last tensor whose first chunk is <= b
+// (first_chunk is non-decreasing over `count` tensors).
+__device__ inline int tensor_of_chunk(const int64_t* first_chunk, int count, int64_t b) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (first_chunk[mid] <= b)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 }  // namespace mt::cuda

@@ -52,14 +52,7 @@ struct SumSqTable {
 __global__ void sum_squares_kernel(SumSqTable t, double* partials) {
   __shared__ double warp_sums[32];
   const int64_t b = blockIdx.x;
-  int lo = 0, hi = t.count - 1;  // the last tensor whose first chunk is <= b
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (t.first_chunk[mid] <= b)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
+  const int lo = tensor_of_chunk(t.first_chunk, t.count, b);
   const int64_t begin = (b - t.first_chunk[lo]) * kChunk;
   const int64_t end = min(t.n[lo], begin + kChunk);
   double s = 0;
