@@ -347,6 +347,45 @@ TEST(CheckpointCommands, ExpertParallelCheckpointsResumeOnAnyMesh) {
   EXPECT_EQ(exported.names(), source.names());
 }
 
+// Sharded optimizer state (dp = 2: each rank holds half of every unit's moments) is
+// saved laid out like the weights, so a checkpoint of one mesh resumes on another: on
+// one rank, and on cp = 2, each continuing the single-rank run's losses (1e-5).
+TEST(CheckpointCommands, ShardedCheckpointsResumeOnAnotherMesh) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+  auto cmd = [&](const std::string& dump, int steps, const std::string& extra) {
+    return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
+           " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.load_balance_coef=0.1" +
+           " --training.micro_batch_size=1 --training.steps=" + std::to_string(steps) + " --job.dump_folder=" + dump +
+           " " + extra;
+  };
+  std::string straight = temp_dir("zero_straight"), sharded = temp_dir("zero_dp2");
+  auto [rc, out] = run(cmd(straight, 4, ""));
+  ASSERT_EQ(rc, 0) << out;
+  auto [rc2, out2] = run(mpirun + cmd(sharded, 2, "--checkpoint.interval=2"));
+  ASSERT_EQ(rc2, 0) << out2;
+  const std::vector<std::string> want = metric_lines(straight);
+  ASSERT_EQ(want.size(), 4u);
+  for (const std::string mesh : {"one rank", "cp=2"}) {
+    std::string dump = temp_dir(mesh == "cp=2" ? "zero_cp2" : "zero_one");
+    fs::create_directories(dump + "/checkpoints");
+    fs::copy(sharded + "/checkpoints/step-00000002", dump + "/checkpoints/step-00000002",
+             fs::copy_options::recursive);
+    auto [rc3, out3] = run(mesh == "cp=2" ? mpirun + cmd(dump, 4, "--parallelism.cp=2") : cmd(dump, 4, ""));
+    ASSERT_EQ(rc3, 0) << out3;
+    EXPECT_NE(out3.find("resumed from"), std::string::npos) << out3;
+    std::vector<std::string> got = metric_lines(dump);
+    ASSERT_EQ(got.size(), 2u) << mesh;  // steps 3 and 4
+    for (size_t i = 0; i < 2; ++i) {
+      nlohmann::json x = nlohmann::json::parse(got[i]), y = nlohmann::json::parse(want[2 + i]);
+      for (const char* key : {"loss", "grad_norm"})
+        EXPECT_NEAR(x[key].get<double>(), y[key].get<double>(), 1e-5 * y[key].get<double>())
+            << mesh << " step " << i + 3 << " " << key;
+    }
+  }
+}
+
 TEST(CheckpointCommands, ExportRoundTripsAndEvaluatesTheSame) {
   std::string dump = temp_dir("export");
   // Zero steps with checkpoints on saves the initial (imported) weights.

@@ -26,6 +26,7 @@
 #include "kernels/grouped_gemm.h"
 #include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
+#include "parallel/sharding.h"
 
 namespace mt {
 namespace {
@@ -51,6 +52,7 @@ class Comm : public Parallel {};
 class Mesh : public Parallel {};
 class ExpertParallel : public Parallel {};
 class ContextParallel : public Parallel {};
+class Sharding : public Parallel {};
 
 // The message of the mt::Error that f throws, or "" when it throws none.
 std::string error_of(const std::function<void()>& f) {
@@ -572,6 +574,105 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  private:
   int rank_;
 };
+
+// ---- sharding -------------------------------------------------------------------------
+
+// Blocks of awkward sizes in four units (the embedding, layer 0's dense blocks and its
+// experts, layer 1), so shards pad and pieces cross block ends. Dense units shard over
+// the world, expert units over pairs of ranks (groups of one on a lone rank).
+TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
+  comm::Communicator& w = world_comm();
+  comm::Communicator pairs = w.split(w.rank() / 2, w.rank(), "pairs");
+  struct Block {
+    int64_t layer, n;
+    bool expert;
+  };
+  const std::vector<Block> blocks = {{-1, 5, false}, {0, 3, false}, {0, 7, true}, {0, 4, false},
+                                     {0, 2, true},   {1, 1, false}, {1, 9, false}};
+  std::vector<std::vector<float>> values, grads;
+  std::vector<Param> params;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    // Every rank's gradients differ; the weights start as rank-specific garbage.
+    grads.push_back(uniform(blocks[i].n, 100 + i, -1, 1, 50 + w.rank()));
+    values.push_back(uniform(blocks[i].n, 200 + i, -9, 9, 70 + w.rank()));
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    Param p;
+    p.name = "block" + std::to_string(i);
+    p.value = f32(values[i], {blocks[i].n});
+    p.grad = f32(grads[i], {blocks[i].n});
+    p.expert = blocks[i].expert;
+    p.layer = blocks[i].layer;
+    params.push_back(p);
+  }
+  parallel::ShardLayout layout(params, &w, &pairs);
+  ASSERT_EQ(layout.units().size(), 4u);
+  std::vector<float> shard(static_cast<size_t>(layout.shard_elements()), -1.0f);
+  std::vector<float> scratch(static_cast<size_t>(layout.scratch_elements()));
+  Tensor shard_t = f32(shard, {layout.shard_elements()}), scratch_t = f32(scratch, {layout.scratch_elements()});
+
+  // The reference sum of a block over a group: every rank's gradients, drawn again.
+  auto group_sum = [&](size_t i, comm::Communicator& g) {
+    std::vector<float> sum(static_cast<size_t>(blocks[i].n), 0.0f);
+    for (int r = 0; r < g.size(); ++r) {
+      const int world_rank = &g == &w ? r : (w.rank() / 2) * 2 + r;
+      std::vector<float> gr = uniform(blocks[i].n, 100 + i, -1, 1, 50 + world_rank);
+      for (int64_t e = 0; e < blocks[i].n; ++e) sum[e] += gr[e];
+    }
+    return sum;
+  };
+  layout.reduce_scatter(params, shard_t, scratch_t, false);
+  int64_t covered = 0;
+  for (const parallel::ShardUnit& u : layout.units()) {
+    EXPECT_TRUE(u.group_size * u.shard >= u.length && u.shard <= u.length / u.group_size + 1);
+    for (const parallel::ShardPiece& p : u.pieces) {
+      std::vector<float> want = group_sum(p.param, blocks[p.param].expert ? pairs : w);
+      expect_close(shard.data() + p.at, want.data() + p.offset, p.count, 1e-6, "reduced block " + std::to_string(p.param));
+      covered += p.count;
+    }
+  }
+  // Every element of every unit is on exactly one rank of its group.
+  int64_t dense = 0, expert = 0;
+  for (const Block& b : blocks) (b.expert ? expert : dense) += b.n;
+  std::vector<int64_t> mine(2, 0);
+  for (const parallel::ShardUnit& u : layout.units())
+    for (const parallel::ShardPiece& p : u.pieces) mine[blocks[p.param].expert ? 1 : 0] += p.count;
+  std::vector<int64_t> dense_sum = {mine[0]}, expert_sum = {mine[1]};
+  w.all_reduce(Tensor(dense_sum.data(), {1}, DType::i64));
+  pairs.all_reduce(Tensor(expert_sum.data(), {1}, DType::i64));
+  EXPECT_EQ(dense_sum[0], dense);
+  EXPECT_EQ(expert_sum[0], expert);
+  EXPECT_EQ(covered, mine[0] + mine[1]);
+
+  // all_gather: each rank writes the true weights only where its shard is; afterwards
+  // every rank holds them all.
+  for (const parallel::ShardUnit& u : layout.units())
+    for (const parallel::ShardPiece& p : u.pieces) {
+      std::vector<float> truth = uniform(blocks[p.param].n, 300 + p.param, -2, 2);
+      std::copy_n(truth.begin() + p.offset, p.count, values[p.param].begin() + p.offset);
+    }
+  layout.all_gather(params, scratch_t);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    std::vector<float> truth = uniform(blocks[i].n, 300 + i, -2, 2);
+    expect_close(values[i].data(), truth.data(), blocks[i].n, 0, "gathered block " + std::to_string(i));
+  }
+
+  // scatter then gather gives back state laid out like the weights.
+  std::vector<std::vector<float>> full, back;
+  std::vector<Tensor> full_t, back_t;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    full.push_back(uniform(blocks[i].n, 400 + i, -3, 3));
+    back.emplace_back(static_cast<size_t>(blocks[i].n), 0.0f);
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    full_t.push_back(f32(full[i], {blocks[i].n}));
+    back_t.push_back(f32(back[i], {blocks[i].n}));
+  }
+  layout.scatter(full_t, shard_t);
+  layout.gather(shard_t, back_t, scratch_t);
+  for (size_t i = 0; i < blocks.size(); ++i)
+    expect_close(back[i].data(), full[i].data(), blocks[i].n, 0, "round trip of block " + std::to_string(i));
+}
 
 }  // namespace
 }  // namespace mt

@@ -279,6 +279,58 @@ TEST(Commands, TrainFromOverridesMatchesTransformers) {
   EXPECT_TRUE(std::filesystem::exists(dump + "/config.toml"));
 }
 
+// training.capacity_factor: each expert keeps ceil(f * tokens * k / E) rows of a
+// micro-batch. Before the first update both runs route alike, so the dropless run's
+// counts predict the capped run's kept counts and drops; a factor no expert reaches
+// changes nothing at all.
+TEST(Commands, CapacityFactorCapsEachExpertAndCountsDrops) {
+  auto train = [&](const std::string& name, const std::string& extra) {
+    std::string dump = temp_dir(name);
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                         " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy") + " --training.steps=2" +
+                         " --job.dump_folder=" + dump + " " + extra);
+    EXPECT_EQ(rc, 0) << out;
+    std::ifstream metrics(dump + "/metrics.jsonl");
+    std::vector<nlohmann::json> lines;
+    for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
+    return lines;
+  };
+  std::vector<nlohmann::json> free = train("cap_none", ""), loose = train("cap_loose", "--training.capacity_factor=8"),
+                              tight = train("cap_tight", "--training.capacity_factor=1");
+  ASSERT_EQ(free.size(), 2u);
+  ASSERT_EQ(loose.size(), 2u);
+  ASSERT_EQ(tight.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(loose[i]["loss"], free[i]["loss"]);  // 8x the fair share: nothing dropped
+    EXPECT_EQ(loose[i]["dropped_slots"].get<int64_t>(), 0);
+  }
+  // qwen3_moe_a: 3 x 16 tokens in one micro-batch, top-2 of 8 experts: 12 rows each.
+  // The first MoE layer sees the same inputs in both runs, so its kept counts follow
+  // from the dropless counts; later layers see inputs changed by the drops before.
+  const int64_t cap = 12;
+  int64_t first_dropped = 0;
+  nlohmann::json want_first = nlohmann::json::array();
+  for (const auto& c : free[0]["expert_counts"][0]) {
+    want_first.push_back(std::min<int64_t>(c.get<int64_t>(), cap));
+    first_dropped += std::max<int64_t>(c.get<int64_t>() - cap, 0);
+  }
+  ASSERT_GT(first_dropped, 0) << "the fixture's routing should overflow some expert at factor 1";
+  EXPECT_EQ(tight[0]["expert_counts"][0], want_first);
+  // Every slot of every MoE layer is kept or dropped: 48 tokens x 2 slots x 2 layers.
+  for (size_t i = 0; i < 2; ++i) {
+    int64_t kept = 0;
+    for (const auto& layer : tight[i]["expert_counts"])
+      for (const auto& c : layer) {
+        EXPECT_LE(c.get<int64_t>(), cap);
+        kept += c.get<int64_t>();
+      }
+    EXPECT_EQ(kept + tight[i]["dropped_slots"].get<int64_t>(), 48 * 2 * 2) << "step " << i + 1;
+  }
+  EXPECT_GE(tight[0]["dropped_slots"].get<int64_t>(), first_dropped);
+  EXPECT_NE(tight[0]["loss"], free[0]["loss"]);
+  EXPECT_TRUE(std::isfinite(tight[1]["loss"].get<double>()));
+}
+
 // plan counts with the code that allocates: its total is what a run reports holding.
 TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   std::string dump = temp_dir("plan");
@@ -297,6 +349,26 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   std::getline(metrics, line);
   EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned) << out;
   EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
+
+  // Two ranks (dp = 2) shard the optimizer state: the plan for world 2 is what each holds.
+  if (run("command -v mpirun").first != 0) return;
+  io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
+  std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
+  tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + a.header.shape[1]);
+  io::write_npy(dump + "/tokens4.npy", "<i8", {4, a.header.shape[1]}, tokens.data());
+  std::string two = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=4" +
+                    " --training.micro_batch_size=1 --training.load_balance_type=global_batch";
+  auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " plan --world=2 --data.seq_len=16" + two);
+  ASSERT_EQ(rc3, 0) << out3;
+  int64_t planned2 = std::stoll(out3.substr(out3.rfind("GiB (") + 5));
+  auto [rc4, out4] = run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun "
+                         "--oversubscribe -np 2 " + std::string(MOETRAIN_BIN) + " train --training.steps=1" +
+                         " --data.tokens=" + dump + "/tokens4.npy --job.dump_folder=" + dump + "/two" + two);
+  ASSERT_EQ(rc4, 0) << out4;
+  std::ifstream metrics2(dump + "/two/metrics.jsonl");
+  std::getline(metrics2, line);
+  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned2) << out3;
+  EXPECT_LT(planned2, planned) << "sharding should shrink the optimizer state";
 }
 
 // Every mesh (dp, cp, ep) of the parallelism issue, under mpirun: (2,1,1), (1,2,1),

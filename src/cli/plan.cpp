@@ -8,7 +8,9 @@
 #include "core/arena.h"
 #include "core/check.h"
 #include "models/interface.h"
+#include "parallel/sharding.h"
 #include "train/config.h"
+#include "train/optimizer.h"
 
 namespace mt::cli {
 
@@ -45,18 +47,29 @@ int run_plan(const Args& args) {
     if (p.compute.dtype != p.value.dtype) compute += p.compute.nbytes();
     for (int j = 0; j < 2; ++j) moments.alloc(DType::f32, p.value.shape);
   }
+  // More than one rank shards the moments and the summed gradients (train/optimizer.h).
+  const int replicas = mesh.dp * mesh.cp * mesh.ep;
+  const bool sharded = replicas > 1;
+  const size_t optimizer =
+      sharded ? AdamW::sharded_bytes(parallel::ShardLayout(model->params(), replicas,
+                                                           mesh.ep > 1 ? mesh.dp * mesh.cp : replicas))
+              : moments.peak();
   const size_t activations = model->make_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
-  const size_t total = 2 * weights + moments.peak() + compute + activations;
+  const size_t total = 2 * weights + optimizer + compute + activations;
   auto gib = [](size_t b) { return static_cast<double>(b) / (1ull << 30); };
   std::printf("mesh: world %d = pp %d x dp %d x cp %d x ep %d\n", world, mesh.pp, mesh.dp, mesh.cp, mesh.ep);
   std::printf("model: %lld layers, %.3fB parameters (%.3fB active per token), device %s\n",
               static_cast<long long>(model->num_layers()), model->param_count() / 1e9,
               model->active_param_count() / 1e9, cfg.training.device.c_str());
-  std::printf("per rank, holding every expert (with ep > 1 a rank holds 1/ep of the expert weights, their\n"
-              "gradients and moments; no ZeRO-3 sharding yet, so nothing else divides):\n");
+  std::printf("per rank, holding every expert (with ep > 1 a rank holds 1/ep of the expert weights and\n"
+              "their gradients; weights and accumulating gradients are not sharded yet):\n");
   std::printf("  master weights (f32)      %10.3f GiB\n", gib(weights));
   std::printf("  gradients (f32)           %10.3f GiB\n", gib(weights));
-  std::printf("  AdamW moments (2 x f32)   %10.3f GiB\n", gib(moments.peak()));
+  if (sharded)
+    std::printf("  AdamW shards              %10.3f GiB (moments and summed gradients over %d ranks)\n",
+                gib(optimizer), replicas);
+  else
+    std::printf("  AdamW moments (2 x f32)   %10.3f GiB\n", gib(optimizer));
   std::printf("  bf16 weight copies        %10.3f GiB\n", gib(compute));
   std::printf("  activations               %10.3f GiB (%lld live micro-batch%s of %lld x %lld tokens)\n",
               gib(activations), static_cast<long long>(live), live == 1 ? "" : "es", static_cast<long long>(micro),

@@ -74,6 +74,7 @@ int run_train(const Args& args) {
   ModelOptions options;
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
   options.force_balanced_routing = cfg.training.force_balanced_routing;
+  options.capacity_factor = cfg.training.capacity_factor;
   options.ep = &mesh.ep();
   options.cp = &mesh.cp();
   std::unique_ptr<Model> model = make_model(config_json, options);
@@ -114,7 +115,10 @@ int run_train(const Args& args) {
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
   if (!resume.empty()) {
+    // Sharded moments are read laid out like the weights, then cut into this rank's shards.
+    trainer.optimizer().materialize_moments();
     TrainState from = load_checkpoint(resume, *model, &trainer.optimizer());
+    trainer.optimizer().commit_moments();
     trainer.set_steps_done(from.step);
     trainer.set_data_cursor(from.data_cursor);
     if (writer) {
@@ -138,12 +142,15 @@ int run_train(const Args& args) {
     state.lr = lr;
     state.data_cursor = trainer.data_cursor();
     // Weights are replicated over dp and cp: the ep ranks of the first replica write,
-    // each its own experts (rank 0 also everything else).
+    // each its own experts (rank 0 also everything else). Sharded moments are first
+    // gathered, which every rank takes part in.
+    trainer.optimizer().materialize_moments();
     if (mesh.coord().dp == 0 && mesh.coord().cp == 0) {
       std::string dir =
           save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep, &mesh.ep());
       if (writer) std::printf("saved %s\n", dir.c_str());
     }
+    trainer.optimizer().release_moments();
     mesh.world().barrier();
   };
   double lr = 0;

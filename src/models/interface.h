@@ -34,6 +34,9 @@ struct Param {
   Tensor compute;    // what the matrix products read: a bf16 copy on the GPU, `value` on the CPU
   bool matrix = false;  // 2-D and up: decayed when optimizer.decay = "matrices"
   bool expert = false;
+  // The part of the model it belongs to: -1 the embedding, 0 .. L-1 a decoder layer, L
+  // the head. Sharding cuts units by (layer, expert); pipeline stages will cut by it.
+  int64_t layer = -1;
 };
 
 // One Hugging Face tensor: a view into a Param (an expert's gate_proj is a slice of
@@ -56,6 +59,7 @@ struct RouterStats {
   int64_t top_k = 0;
   std::vector<int64_t> counts;       // slots routed to each expert
   std::vector<double> prob_sum;      // sum over tokens of the router probability
+  int64_t dropped = 0;               // slots over an expert's capacity (capacity_factor)
 };
 
 // A micro-batch: its tokens and every activation its backward will need.
@@ -81,8 +85,12 @@ struct ModelOptions {
   // `moetrain plan`: arenas only count bytes; no memory is allocated or written.
   bool plan_only = false;
   // Expert parallelism: the experts are split evenly over this group's ranks and the
-  // dispatch and combine stages exchange tokens over it (CPU backend for now).
+  // dispatch and combine stages exchange tokens over it.
   comm::Communicator* ep = nullptr;
+  // Capacity factor (training.capacity_factor): each expert keeps at most
+  // ceil(factor * tokens * top_k / experts) rows of a micro-batch, the earliest tokens
+  // first; the others are dropped (their slot adds nothing) and counted. 0: dropless.
+  double capacity_factor = 0.0;
   // Context parallelism: a stash's `seq` positions are this rank's zigzag chunks of
   // sequences cp times longer, and attention runs as ring attention over this group.
   comm::Communicator* cp = nullptr;

@@ -148,6 +148,7 @@ struct LayerActs {
   Tensor hm, y, rstd2;          // residual after attention, its norm
   Tensor logits, idx, weight, probs, dprobs;        // router (f32)
   Tensor counts, offsets, order, slot_row;          // dispatch plan
+  int64_t dropped = 0;                              // slots over capacity
   Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
   std::vector<float> dprob;     // load-balance gradient per expert
   // Expert parallelism: the exchange plan, the rows R it brought to this rank's experts
@@ -176,7 +177,8 @@ struct Qwen3Stash : Stash {
 class Qwen3Moe final : public Model {
  public:
   Qwen3Moe(const Qwen3MoeConfig& c, const ModelOptions& o)
-      : c_(c), device_(o.device), balanced_(o.force_balanced_routing), plan_only_(o.plan_only), ep_(o.ep),
+      : c_(c), device_(o.device), balanced_(o.force_balanced_routing), plan_only_(o.plan_only),
+        capacity_factor_(o.capacity_factor), ep_(o.ep),
         cp_(o.cp != nullptr && o.cp->size() > 1 ? o.cp : nullptr),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32) {
     build_params();
@@ -244,10 +246,20 @@ class Qwen3Moe final : public Model {
     Tensor xs, gu, hs, ys, d_ys, d_hs, d_gu, d_xs, offsets;
   };
   Routed routed(LayerActs& x) const {
-    if (ep_ == nullptr) return {x.xs, x.gu, x.hs, x.ys, x.d_ys, x.d_hs, x.d_gu, x.d_xs, x.offsets};
-    const int64_t r = x.plan.local_rows();
+    if (ep_ == nullptr && x.dropped == 0) return {x.xs, x.gu, x.hs, x.ys, x.d_ys, x.d_hs, x.d_gu, x.d_xs, x.offsets};
+    // A capacity keeps the first R rows; the exchange brings R rows.
+    const int64_t r = ep_ ? x.plan.local_rows() : x.xs.dim(0) - x.dropped;
+    if (ep_ == nullptr)
+      return {x.xs.rows(0, r),   x.gu.rows(0, r),   x.hs.rows(0, r),   x.ys.rows(0, r), x.d_ys.rows(0, r),
+              x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r), x.offsets};
     return {x.xs.rows(0, r),   x.gu.rows(0, r),   x.hs.rows(0, r),   x.ys.rows(0, r), x.d_ys.rows(0, r),
             x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r), x.plan.offsets_tensor()};
+  }
+  // Rows each expert keeps of a micro-batch of n tokens (0: all).
+  int64_t capacity(int64_t n) const {
+    if (capacity_factor_ <= 0.0) return 0;
+    const double fair = static_cast<double>(n * c_.top_k) / static_cast<double>(c_.num_experts);
+    return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(capacity_factor_ * fair)));
   }
   void attention_forward_stage(int64_t l, Qwen3Stash& s);
   void attention_backward_input(int64_t l, Qwen3Stash& s);
@@ -257,6 +269,7 @@ class Qwen3Moe final : public Model {
   Device device_;
   bool balanced_;
   bool plan_only_;
+  double capacity_factor_;  // 0: dropless
   comm::Communicator* ep_;  // null: every expert lives here
   comm::Communicator* cp_;  // null: whole sequences here
   int64_t local_experts_ = 0, first_expert_ = 0;
@@ -286,6 +299,8 @@ void Qwen3Moe::build_params() {
     MT_CHECK(c_.num_experts % ep_->size() == 0)
         << "num_experts " << c_.num_experts << " does not split over parallelism.ep = " << ep_->size();
     local_experts_ = c_.num_experts / ep_->size();
+    MT_CHECK(capacity_factor_ == 0.0) << "training.capacity_factor with parallelism.ep > 1 is not built yet: "
+                                      << "expert-parallel dispatch is dropless only";
     first_expert_ = ep_->rank() * local_experts_;
   } else {
     ep_ = nullptr;
@@ -317,6 +332,10 @@ void Qwen3Moe::build_params() {
   }
   final_norm_ = add_param("final_norm", {D}, false);
   if (!c_.tie_word_embeddings) lm_head_ = add_param("lm_head", {c_.vocab_size, D}, false);
+  for (Param& p : params_) {
+    if (p.name.starts_with("layers.")) p.layer = std::atoll(p.name.c_str() + 7);
+    if (p.name == "final_norm" || p.name == "lm_head") p.layer = c_.num_layers;
+  }
 
   // Two arenas of identical layout, master weights and their gradients, and on the GPU
   // a third with the bf16 copies of the matrices that the products read.
@@ -572,8 +591,9 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
         x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts);
         parallel::ep_dispatch_forward(*ep_, x.plan, x.y, routed(x).xs);
       } else if (moe) {
-        mt::dispatch_plan(x.idx, c_.num_experts, 0, x.counts, x.offsets, x.order, x.slot_row);
-        mt::dispatch_forward(x.y, x.order, c_.top_k, x.xs);
+        x.dropped = mt::dispatch_plan(x.idx, c_.num_experts, capacity(s.batch * s.seq), x.counts, x.offsets,
+                                      x.order, x.slot_row);
+        mt::dispatch_forward(x.y, x.order, c_.top_k, routed(x).xs);
       }
       break;
     case Stage::experts:
@@ -592,7 +612,7 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
       if (moe && ep_)
         parallel::ep_combine_forward(*ep_, x.plan, routed(x).ys, x.weight, x.back, x.mo);
       else if (moe)
-        mt::combine_forward(x.ys, x.weight, x.slot_row, x.mo);
+        mt::combine_forward(routed(x).ys, x.weight, x.slot_row, x.mo);
       break;
     case Stage::aggregate:
       mt::add(x.hm, x.mo, s.h[l + 1]);
@@ -674,7 +694,7 @@ void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
       if (moe && ep_)
         parallel::ep_combine_backward(*ep_, x.plan, x.back, x.weight, d_mo, routed(x).d_ys, x.d_weight);
       else if (moe)
-        mt::combine_backward(x.ys, x.weight, x.slot_row, d_mo, x.d_ys, x.d_weight);
+        mt::combine_backward(routed(x).ys, x.weight, x.slot_row, d_mo, routed(x).d_ys, x.d_weight);
       break;
     case Stage::experts:
       if (moe) {
@@ -692,7 +712,7 @@ void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
       if (moe && ep_)
         parallel::ep_dispatch_backward(*ep_, x.plan, routed(x).d_xs, x.d_y);
       else if (moe)
-        mt::dispatch_backward(x.d_xs, x.slot_row, x.d_y);
+        mt::dispatch_backward(routed(x).d_xs, x.slot_row, x.d_y);
       break;
     case Stage::attention:
       attention_backward_input(l, s);
@@ -763,6 +783,7 @@ std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
     r.layer = l;
     r.tokens = N;
     r.top_k = c_.top_k;
+    r.dropped = x.dropped;
     if (ep_) {
       // The plan counts only this rank's experts: count this rank's tokens' choices.
       r.counts.assign(static_cast<size_t>(E), 0);

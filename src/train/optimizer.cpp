@@ -20,6 +20,71 @@ AdamW::AdamW(std::vector<Param>& params) : params_(params) {
   }
 }
 
+void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert) {
+  layout_ = parallel::ShardLayout(params_, dense, expert);
+  const Device device = params_.empty() ? Device::cpu : params_.front().value.device;
+  const Shape shard{layout_.shard_elements()};
+  arena_ = Arena("optimizer", device, sharded_bytes(layout_));  // the full moments go with the old arena
+  m_.clear();
+  v_.clear();
+  m_shard_ = arena_.alloc(DType::f32, shard);
+  v_shard_ = arena_.alloc(DType::f32, shard);
+  g_shard_ = arena_.alloc(DType::f32, shard);
+  scratch_ = arena_.alloc(DType::f32, {layout_.scratch_elements()});
+  for (const Tensor& t : {m_shard_, v_shard_, g_shard_}) fill(t, 0.0f);
+  sharded_ = true;
+}
+
+size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout) {
+  Arena count = Arena::counting("optimizer", Device::cpu);
+  for (int j = 0; j < 3; ++j) count.alloc(DType::f32, {layout.shard_elements()});  // m, v, gradients
+  count.alloc(DType::f32, {layout.scratch_elements()});
+  return count.peak();
+}
+
+void AdamW::reduce_gradients() {
+  MT_CHECK(sharded_) << "AdamW::reduce_gradients: the optimizer is not sharded";
+  layout_.reduce_scatter(params_, g_shard_, scratch_, false);
+}
+
+double AdamW::grad_sum_squares() const {
+  if (sharded_) return sum_squares({g_shard_});
+  std::vector<Tensor> grads;
+  for (const Param& p : params_) grads.push_back(p.grad);
+  return sum_squares(grads);
+}
+
+void AdamW::materialize_moments() {
+  if (!sharded_) return;
+  Arena count = Arena::counting("optimizer moments (host)", Device::cpu);
+  for (const Param& p : params_)
+    for (int j = 0; j < 2; ++j) count.alloc(DType::f32, p.value.shape);
+  full_ = Arena("optimizer moments (host)", Device::cpu, count.peak());
+  m_.clear();
+  v_.clear();
+  for (const Param& p : params_) {
+    m_.push_back(full_.alloc(DType::f32, p.value.shape));
+    v_.push_back(full_.alloc(DType::f32, p.value.shape));
+  }
+  layout_.gather(m_shard_, m_, scratch_);
+  layout_.gather(v_shard_, v_, scratch_);
+}
+
+void AdamW::commit_moments() {
+  if (!sharded_) return;
+  MT_CHECK(!m_.empty()) << "AdamW::commit_moments without materialize_moments";
+  layout_.scatter(m_, m_shard_);
+  layout_.scatter(v_, v_shard_);
+  release_moments();
+}
+
+void AdamW::release_moments() {
+  if (!sharded_) return;
+  m_.clear();
+  v_.clear();
+  full_ = Arena();
+}
+
 void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale) {
   cpu::AdamWStep a;
   a.lr = lr;
@@ -29,18 +94,35 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   a.step = step;
   a.grad_scale = grad_scale;
   a.weight_decay = cfg.weight_decay;
+  auto decay = [&](const Param& p) { return p.matrix || cfg.decay == "all"; };
   std::vector<AdamWBlock> blocks;
-  for (size_t i = 0; i < params_.size(); ++i)
-    blocks.push_back({params_[i].value, params_[i].grad, m_[i], v_[i], params_[i].matrix || cfg.decay == "all"});
+  if (!sharded_) {
+    for (size_t i = 0; i < params_.size(); ++i)
+      blocks.push_back({params_[i].value, params_[i].grad, m_[i], v_[i], decay(params_[i])});
+    mt::adamw_step_multi(blocks, a);
+    return;
+  }
+  // This rank's pieces of the weights, updated in place, then shared.
+  using parallel::ShardLayout;
+  for (const parallel::ShardUnit& u : layout_.units())
+    for (const parallel::ShardPiece& p : u.pieces) {
+      const Param& w = params_[p.param];
+      Tensor value(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device);
+      blocks.push_back({value, ShardLayout::piece_of(g_shard_, p), ShardLayout::piece_of(m_shard_, p),
+                        ShardLayout::piece_of(v_shard_, p), decay(w)});
+    }
   mt::adamw_step_multi(blocks, a);
+  layout_.all_gather(params_, scratch_);
 }
 
 Tensor AdamW::moment(const Tensor& value, const std::vector<Tensor>& which) const {
+  MT_CHECK(which.size() == params_.size()) << "the optimizer is sharded: its moments laid out like the weights "
+                                           << "exist only between materialize_moments and release_moments";
   const char* p = static_cast<const char*>(value.data);
   for (size_t i = 0; i < params_.size(); ++i) {
     const char* base = static_cast<const char*>(params_[i].value.data);
     if (p >= base && p + value.nbytes() <= base + params_[i].value.nbytes())
-      return Tensor(static_cast<char*>(which[i].data) + (p - base), value.shape, value.dtype, value.device);
+      return Tensor(static_cast<char*>(which[i].data) + (p - base), value.shape, value.dtype, which[i].device);
   }
   MT_FAIL() << "tensor " << value.str() << " is not part of any parameter block";
   return Tensor();

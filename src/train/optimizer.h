@@ -1,10 +1,13 @@
-// AdamW over the model's parameter blocks, with its moments laid out like them.
+// AdamW over the model's parameter blocks, with its moments laid out like them, or,
+// sharded over the ranks that hold the same weights, with only this rank's shard of
+// the moments and of the summed gradients (parallel/sharding.h).
 #pragma once
 
 #include <vector>
 
 #include "core/arena.h"
 #include "models/interface.h"
+#include "parallel/sharding.h"
 #include "train/config.h"
 
 namespace mt {
@@ -15,17 +18,44 @@ class AdamW {
   // One update of every block at 1-based `step` with learning rate `lr`; weight decay
   // applies to matrices, or to everything when optimizer.decay = "all".
   // grad_scale multiplies every gradient as it is read (the clipping factor).
+  // Sharded, the gradients are read from this rank's shards (reduce_gradients) and
+  // the updated shards are all-gathered into every rank's full weights.
   void step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale = 1.0f);
-  // The moments of `value`, a Param's tensor or a view into one (an HfTensor).
+
+  // From here on the moments (zero: call before any step or load) live as this rank's
+  // shards over `dense` (dense blocks) and `expert` (expert blocks); either may be null.
+  void shard(comm::Communicator* dense, comm::Communicator* expert);
+  bool sharded() const { return sharded_; }
+  // What shard() allocates for a layout: moment and gradient shards, exchange buffer.
+  static size_t sharded_bytes(const parallel::ShardLayout& layout);
+  // Sharded: this rank's shard of every rank's gradients, summed (collective).
+  void reduce_gradients();
+  // Sum of squares of the gradients this step reads: this rank's shards when sharded
+  // (every element on exactly one rank of each group), else every block.
+  double grad_sum_squares() const;
+
+  // The moments of `value`, a Param's tensor or a view into one (an HfTensor). Sharded,
+  // they exist laid out like the weights (in host memory) only between
+  // materialize_moments (collective: gathers the shards) and release_moments;
+  // commit_moments first takes this rank's shards back from them (after a load).
   Tensor exp_avg(const Tensor& value) const { return moment(value, m_); }
   Tensor exp_avg_sq(const Tensor& value) const { return moment(value, v_); }
+  void materialize_moments();
+  void commit_moments();
+  void release_moments();
+  // Moments, and when sharded the gradient shards and the exchange buffer.
   size_t bytes() const { return arena_.capacity(); }
 
  private:
   Tensor moment(const Tensor& value, const std::vector<Tensor>& which) const;
   std::vector<Param>& params_;
   Arena arena_;
-  std::vector<Tensor> m_, v_;
+  std::vector<Tensor> m_, v_;  // unsharded: the moments; sharded: views of full_ while materialized
+  // Sharded state.
+  bool sharded_ = false;
+  parallel::ShardLayout layout_;
+  Tensor m_shard_, v_shard_, g_shard_, scratch_;
+  Arena full_;  // host copies of the moments, laid out like the weights
 };
 
 }  // namespace mt

@@ -109,7 +109,8 @@ void Trainer::setup() {
       << "training.force_balanced_routing must match the model's option";
   MT_CHECK(cfg_.parallelism.pp == 1) << "parallelism.pp > 1: pipeline parallelism is not built yet";
   MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
-  MT_CHECK(t.capacity_factor == 0.0) << "training.capacity_factor: capacity limits arrive with expert parallelism";
+  MT_CHECK(t.capacity_factor >= 0.0) << "training.capacity_factor = " << t.capacity_factor
+                                     << ": expected 0 (dropless) or a positive factor";
   rank_rows_ = global_batch_;
   micro_batch_ = t.micro_batch_size ? t.micro_batch_size : rank_rows_;
   MT_CHECK(rank_rows_ % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
@@ -134,6 +135,9 @@ void Trainer::set_parallel(comm::Communicator* all, comm::Communicator* expert_a
   }
   if (all == nullptr || all->size() == 1) return;
   dp_ = all;
+  // AdamW's moments and the summed gradients live as shards: dense blocks over every
+  // rank, experts over the ranks holding the same experts.
+  optimizer_.shard(all, ep_ ? expert_all : all);
   data_rank_ = data_rank;
   data_ranks_ = data_ranks;
   MT_CHECK(global_batch_ % data_ranks == 0) << "training.global_batch_size " << global_batch_
@@ -250,6 +254,7 @@ StepResult Trainer::step() {
   std::vector<std::vector<int64_t>> counts;  // per MoE layer, summed over micro-batches
   std::vector<std::vector<double>> prob_sums;
   int64_t routed_tokens = 0;
+  std::vector<int64_t> dropped = {0};  // slots over an expert's capacity, all layers
 
   auto accumulate_stats = [&](const std::vector<RouterStats>& stats) {
     if (counts.empty()) {
@@ -262,6 +267,7 @@ StepResult Trainer::step() {
         prob_sums[i][e] += stats[i].prob_sum[e];
       }
     if (!stats.empty()) routed_tokens += stats[0].tokens;
+    for (const RouterStats& st : stats) dropped[0] += st.dropped;
   };
   // The Switch-style balance term of one layer, in transformers' convention:
   // E * sum_e (tokens routed to e / tokens) * (mean probability of e); k when balanced.
@@ -358,30 +364,22 @@ StepResult Trainer::step() {
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
   // changes nothing, so it is skipped).
   profile_.mark("gradient reduction and norm");
-  std::vector<Tensor> grads;
-  for (const Param& p : model_.params()) grads.push_back(p.grad);
   if (dp_) {
-    for (const Param& p : model_.params()) {
-      comm::Communicator* group = p.expert && ep_ ? expert_dp_ : dp_;
-      if (group != nullptr && group->size() > 1) group->all_reduce(p.grad);
-    }
-    std::vector<double> sums = {loss_sum, lb_total};
+    // Each rank's shard of the gradients summed over the ranks that share its blocks;
+    // every element then lives on one rank of its group, so the squares of all shards
+    // add up to the global norm over the whole mesh (experts of every ep rank too).
+    optimizer_.reduce_gradients();
+    std::vector<double> sums = {loss_sum, lb_total, optimizer_.grad_sum_squares()};
     sum_ranks_f64(sums);
     loss_sum = sums[0];
     // The global-batch term is the same number on every rank already.
     if (!global_lb) lb_total = sums[1];
+    r.grad_norm = std::sqrt(sums[2]);
     if (!global_lb)
       for (auto& c : counts) sum_ranks_i64(c);
-  }
-  if (ep_) {
-    // Dense gradients are the same on every rank; each rank holds other experts'.
-    std::vector<Tensor> dense, experts;
-    for (const Param& p : model_.params()) (p.expert ? experts : dense).push_back(p.grad);
-    std::vector<float> sq = {static_cast<float>(sum_squares(experts))};
-    ep_->all_reduce(Tensor(sq.data(), {1}, DType::f32));
-    r.grad_norm = std::sqrt(sum_squares(dense) + static_cast<double>(sq[0]));
+    sum_ranks_i64(dropped);
   } else {
-    r.grad_norm = std::sqrt(sum_squares(grads));
+    r.grad_norm = std::sqrt(optimizer_.grad_sum_squares());
   }
   // torch's clipping factor, applied by the optimizer as it reads each gradient.
   float clip = 1.0f;
@@ -395,6 +393,7 @@ StepResult Trainer::step() {
   r.loss = loss_sum / static_cast<double>(count);
   r.lb_loss = lb_total;
   r.expert_counts = counts;
+  r.dropped_slots = dropped[0];
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.tokens_per_s = static_cast<double>(count) / std::max(seconds, 1e-9);
   size_t bytes = optimizer_.bytes();
@@ -436,6 +435,7 @@ std::string step_json(const StepResult& r) {
   j["tokens_per_s"] = r.tokens_per_s;
   j["memory_bytes"] = r.memory_bytes;
   j["expert_counts"] = r.expert_counts;
+  j["dropped_slots"] = r.dropped_slots;
   if (!r.breakdown_ms.empty()) {
     nlohmann::json b = nlohmann::json::object();
     for (const auto& [name, ms] : r.breakdown_ms) b[name] = ms;

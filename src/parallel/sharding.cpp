@@ -1,0 +1,133 @@
+#include "parallel/sharding.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "core/check.h"
+#include "kernels/elementwise.h"
+
+namespace mt::parallel {
+
+namespace {
+
+// Elements [offset, offset + count) of a contiguous f32 tensor, flat.
+Tensor flat(const Tensor& t, int64_t offset, int64_t count) {
+  MT_CHECK(t.dtype == DType::f32 && offset >= 0 && offset + count <= t.numel())
+      << "sharding: elements [" << offset << ", " << offset + count << ") of " << t.str();
+  return Tensor(static_cast<float*>(t.data) + offset, {count}, DType::f32, t.device);
+}
+
+}  // namespace
+
+Tensor ShardLayout::piece_of(const Tensor& v, const ShardPiece& p) { return flat(v, p.at, p.count); }
+
+ShardLayout::ShardLayout(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert) {
+  build(params, dense, expert, dense ? dense->size() : 1, dense ? dense->rank() : 0, expert ? expert->size() : 1,
+        expert ? expert->rank() : 0);
+}
+
+ShardLayout::ShardLayout(const std::vector<Param>& params, int dense_size, int expert_size) {
+  build(params, nullptr, nullptr, dense_size, 0, expert_size, 0);
+}
+
+void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert,
+                        int dense_size, int dense_rank, int expert_size, int expert_rank) {
+  // Units in order of first appearance, keyed by (layer, expert).
+  std::map<std::pair<int64_t, bool>, size_t> index;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    MT_CHECK(p.value.dtype == DType::f32) << "sharding: block " << p.name << " is not f32: " << p.value.str();
+    auto [it, added] = index.try_emplace({p.layer, p.expert}, units_.size());
+    if (added) {
+      ShardUnit u;
+      u.group = p.expert ? expert : dense;
+      u.group_size = p.expert ? expert_size : dense_size;
+      u.group_rank = p.expert ? expert_rank : dense_rank;
+      units_.push_back(std::move(u));
+    }
+    ShardUnit& u = units_[it->second];
+    u.params.push_back(static_cast<int>(i));
+    u.starts.push_back(u.length);
+    u.length += p.value.numel();
+  }
+  for (ShardUnit& u : units_) {
+    u.shard = (u.length + u.group_size - 1) / u.group_size;
+    u.state_at = shard_elements_;
+    shard_elements_ += u.shard;
+    // Room for the padded unit and, after it, one shard (the reduce-scatter's output).
+    scratch_elements_ = std::max(scratch_elements_, (u.group_size + 1) * u.shard);
+    const int64_t begin = u.group_rank * u.shard, end = begin + u.shard;
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      const int64_t b0 = u.starts[j], b1 = b0 + params[u.params[j]].value.numel();
+      const int64_t lo = std::max(begin, b0), hi = std::min(end, b1);
+      if (lo < hi) u.pieces.push_back({u.params[j], lo - b0, hi - lo, u.state_at + lo - begin});
+    }
+  }
+}
+
+void ShardLayout::reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard, const Tensor& scratch,
+                                 bool accumulate) const {
+  for (const ShardUnit& u : units_) {
+    const int64_t n = u.group_size, s = u.shard;
+    Tensor mine = flat(grad_shard, u.state_at, s);
+    Tensor out = flat(scratch, n * s, s);
+    if (u.group == nullptr || n == 1) {
+      // Nothing to sum: this rank's shard is the whole unit.
+      for (const ShardPiece& p : u.pieces) copy(flat(out, p.at - u.state_at, p.count), flat(params[p.param].grad, p.offset, p.count));
+      if (u.length < s) fill(flat(out, u.length, s - u.length), 0.0f);
+    } else {
+      Tensor in = flat(scratch, 0, n * s);
+      for (size_t j = 0; j < u.params.size(); ++j) {
+        const Tensor& g = params[u.params[j]].grad;
+        copy(flat(in, u.starts[j], g.numel()), flat(g, 0, g.numel()));
+      }
+      if (u.length < n * s) fill(flat(in, u.length, n * s - u.length), 0.0f);
+      u.group->reduce_scatter(in, out);
+    }
+    if (accumulate)
+      add(mine, out, mine);
+    else
+      copy(mine, out);
+  }
+}
+
+void ShardLayout::all_gather(const std::vector<Param>& params, const Tensor& scratch) const {
+  for (const ShardUnit& u : units_) {
+    // A group of one updated its full blocks in place.
+    if (u.group == nullptr || u.group_size == 1) continue;
+    const int64_t n = u.group_size, s = u.shard;
+    Tensor mine = flat(scratch, n * s, s), all = flat(scratch, 0, n * s);
+    for (const ShardPiece& p : u.pieces)
+      copy(flat(mine, p.at - u.state_at, p.count), flat(params[p.param].value, p.offset, p.count));
+    u.group->all_gather(mine, all);
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      const Tensor& v = params[u.params[j]].value;
+      copy(flat(v, 0, v.numel()), flat(all, u.starts[j], v.numel()));
+    }
+  }
+}
+
+void ShardLayout::gather(const Tensor& shard, const std::vector<Tensor>& full, const Tensor& scratch) const {
+  for (const ShardUnit& u : units_) {
+    const int64_t n = u.group_size, s = u.shard;
+    Tensor all = flat(scratch, 0, n * s);
+    if (u.group == nullptr || n == 1)
+      copy(flat(all, 0, s), flat(shard, u.state_at, s));
+    else
+      u.group->all_gather(flat(shard, u.state_at, s), all);
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      const Tensor& f = full[u.params[j]];
+      copy(flat(f, 0, f.numel()), flat(all, u.starts[j], f.numel()));
+    }
+  }
+}
+
+void ShardLayout::scatter(const std::vector<Tensor>& full, const Tensor& shard) const {
+  for (const ShardUnit& u : units_) {
+    fill(flat(shard, u.state_at, u.shard), 0.0f);
+    for (const ShardPiece& p : u.pieces) copy(piece_of(shard, p), flat(full[p.param], p.offset, p.count));
+  }
+}
+
+}  // namespace mt::parallel

@@ -1,0 +1,82 @@
+// Sharding of the optimizer state and the gradients over the ranks that hold the same
+// weights (../shared/DESIGN.md, decision 6), in flat per-layer units.
+//
+// A unit is the parameter blocks of one layer part: the embedding, each layer's dense
+// blocks, each layer's experts, the head (Param::layer and Param::expert). Its blocks,
+// laid end to end, form one flat vector of `length` elements, padded to a multiple of
+// its group's size and cut into equal shards: rank r of the group owns elements
+// [r * shard, (r + 1) * shard). Expert units shard over the ranks holding the same
+// experts (dp x cp), all others over dp x cp x ep.
+//
+//   reduce_scatter   every rank's full gradients -> this rank's shard of their sum
+//   all_gather       this rank's shard of the weights -> every rank's full weights
+//   gather / scatter per-block state laid out like the weights <-> the rank's shards
+//
+// What is built: AdamW's moments and the reduced gradients live only as shards (8 + 4
+// bytes per parameter divided by the group), AdamW updates each rank's shard, and
+// the updated shards are all-gathered into the full weights. What is not built yet:
+// the weights and the accumulating gradients themselves are still full on every rank
+// (ZeRO-2 memory, not ZeRO-3): dropping them needs the layer's blocks gathered just
+// before its stages and released after, which the unit layout here is shaped for.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "models/interface.h"
+
+namespace mt::parallel {
+
+// Elements [offset, offset + count) of block `param` sit at `at` in this rank's shard.
+struct ShardPiece {
+  int param = 0;
+  int64_t offset = 0, count = 0, at = 0;
+};
+
+struct ShardUnit {
+  comm::Communicator* group = nullptr;  // null: a group of one
+  int group_size = 1, group_rank = 0;
+  std::vector<int> params;      // its blocks, in params() order
+  std::vector<int64_t> starts;  // flat start of each block
+  int64_t length = 0;           // elements of all its blocks
+  int64_t shard = 0;            // elements per rank, padding included
+  int64_t state_at = 0;         // where its shard starts in the rank's shard vectors
+  std::vector<ShardPiece> pieces;  // this rank's shard, block by block
+};
+
+class ShardLayout {
+ public:
+  ShardLayout() = default;
+  // dense and expert may be null (a group of one). Sizes and ranks only are read at
+  // construction, so `moetrain plan` can lay out a rank's shards with null groups
+  // and the sizes given.
+  ShardLayout(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert);
+  ShardLayout(const std::vector<Param>& params, int dense_size, int expert_size);
+
+  const std::vector<ShardUnit>& units() const { return units_; }
+  int64_t shard_elements() const { return shard_elements_; }      // this rank's, all units
+  int64_t scratch_elements() const { return scratch_elements_; }  // the largest padded unit
+
+  // grad_shard f32 [shard_elements] (+)= this rank's shard of the sum over each unit's
+  // group of the blocks' `grad`. scratch: f32 [scratch_elements] on the grads' device.
+  void reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard, const Tensor& scratch,
+                      bool accumulate) const;
+  // Every rank's shard of each block's `value` -> the full `value` on every rank.
+  void all_gather(const std::vector<Param>& params, const Tensor& scratch) const;
+  // full[i] (laid out like block i) <-> shard (this rank's elements): the moments for
+  // checkpoints. gather is collective; scatter copies this rank's pieces.
+  void gather(const Tensor& shard, const std::vector<Tensor>& full, const Tensor& scratch) const;
+  void scatter(const std::vector<Tensor>& full, const Tensor& shard) const;
+
+  // The elements of shard vector `v` that piece p covers, as a flat f32 tensor.
+  static Tensor piece_of(const Tensor& v, const ShardPiece& p);
+
+ private:
+  void build(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert, int dense_size,
+             int dense_rank, int expert_size, int expert_rank);
+  std::vector<ShardUnit> units_;
+  int64_t shard_elements_ = 0, scratch_elements_ = 0;
+};
+
+}  // namespace mt::parallel
