@@ -29,9 +29,14 @@ void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor&
                     const Tensor& probs);
 
 // dlogits f32 [N,E] (overwritten) from dweight f32 [N,k] and, when not empty,
-// dprobs f32 [N,E] (the load-balance loss's gradient with respect to probs).
+// dprobs f32 [N,E] (the load-balance loss's gradient with respect to probs), or [1,E]:
+// one row that every token gets (the balance term's gradient is the same for all).
 void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
                      const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits);
+
+// sums f32 [E] = sum over the N tokens of probs f32 [N,E], accumulated in double in
+// token order (the load-balance statistics), rounded once to f32.
+void router_prob_sum(const Tensor& probs, const Tensor& sums);
 
 }  // namespace mt::cpu
 
@@ -43,6 +48,9 @@ void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Te
                     const Tensor& probs);
 void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
                      const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits);
+// In double, by chunks of 256 tokens then over the chunks (a fixed order, so repeatable;
+// it may differ from the CPU's token-order sum in the last bit of the f32 result).
+void router_prob_sum(const Tensor& probs, const Tensor& sums);
 
 }  // namespace mt::cuda
 
@@ -64,6 +72,13 @@ inline void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, 
     return cuda::router_backward(cfg, logits, idx, weight, probs, dweight, dprobs, dlogits);
 #endif
   return cpu::router_backward(cfg, logits, idx, weight, probs, dweight, dprobs, dlogits);
+}
+
+inline void router_prob_sum(const Tensor& probs, const Tensor& sums) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (sums.device == Device::cuda) return cuda::router_prob_sum(probs, sums);
+#endif
+  return cpu::router_prob_sum(probs, sums);
 }
 
 }  // namespace mt

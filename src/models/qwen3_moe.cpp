@@ -147,6 +147,7 @@ struct LayerActs {
   Tensor att, lse;              // attention output [N,Hq*Dh], [B,Hq,S]
   Tensor hm, y, rstd2;          // residual after attention, its norm
   Tensor logits, idx, weight, probs, dprobs;        // router (f32)
+  Tensor prob_sum;                                  // [E], probs summed over tokens
   Tensor counts, offsets, order, slot_row;          // dispatch plan
   int64_t dropped = 0;                              // slots over capacity
   Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
@@ -167,7 +168,6 @@ struct Qwen3Stash : Stash {
   std::vector<int32_t> positions_host;
   Tensor cos, sin;
   Tensor balanced_idx;               // force_balanced_routing: the fixed expert choice
-  std::vector<float> dprobs_host;    // [N, E], staging for the load-balance gradient
   std::vector<Tensor> h, dh;  // residual stream [L+1] x [N,D] and its gradient
   std::vector<LayerActs> layers;
   Tensor hf, rstd_f, logits, lse, d_hf;  // head
@@ -473,7 +473,8 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
       x.idx = i32({N, K});
       x.weight = f32({N, K});
       x.probs = f32({N, E});
-      x.dprobs = f32({N, E});
+      x.prob_sum = f32({E});
+      x.dprobs = f32({1, E});  // the same row for every token
       x.counts = i32({E});
       x.offsets = i32({E + 1});
       x.order = i32({R});
@@ -528,7 +529,6 @@ std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
     for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);
   }
   mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
-  s->dprobs_host.resize(static_cast<size_t>(batch * seq * c_.num_experts));
   if (balanced_) {
     std::vector<int32_t> idx(static_cast<size_t>(batch * seq * c_.top_k));
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
@@ -570,6 +570,7 @@ void Qwen3Moe::attention_forward_stage(int64_t l, Qwen3Stash& s) {
   if (c_.is_moe_layer(l)) {
     gemm(x.y, C(w.router), x.logits, false, true);
     mt::router_forward(router_config(), x.logits, x.idx, x.weight, x.probs);
+    mt::router_prob_sum(x.probs, x.prob_sum);
     if (balanced_) {
       mt::copy(x.idx, s.balanced_idx);
       mt::fill(x.weight, 1.0f / static_cast<float>(c_.top_k));
@@ -626,11 +627,7 @@ void Qwen3Moe::attention_backward_input(int64_t l, Qwen3Stash& s) {
   const int64_t B = s.batch, S = s.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
   if (c_.is_moe_layer(l)) {
     // Router: every token's probability row gets the load-balance gradient.
-    const int64_t E = c_.num_experts;
-    float* dp = s.dprobs_host.data();
-    for (int64_t t = 0; t < N; ++t)
-      for (int64_t e = 0; e < E; ++e) dp[t * E + e] = x.dprob[e];
-    mt::copy(x.dprobs, Tensor(dp, x.dprobs.shape, DType::f32));
+    mt::copy(x.dprobs, Tensor(x.dprob.data(), x.dprobs.shape, DType::f32));
     // Forced routing does not come from the logits: only the balance term reaches them.
     if (balanced_) mt::fill(x.d_weight, 0.0f);
     mt::router_backward(router_config(), x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
@@ -794,12 +791,10 @@ std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
       mt::copy(Tensor(counts.data(), {E}, DType::i32), x.counts);
       r.counts.assign(counts.begin(), counts.end());
     }
-    // On the GPU the probabilities come to the host to be summed: N*E floats a layer.
-    std::vector<float> probs(static_cast<size_t>(N * E));
-    mt::copy(Tensor(probs.data(), {N, E}, DType::f32), x.probs);
-    r.prob_sum.assign(static_cast<size_t>(E), 0.0);
-    for (int64_t t = 0; t < N; ++t)
-      for (int64_t e = 0; e < E; ++e) r.prob_sum[e] += probs[t * E + e];
+    // Summed where they were made (router_prob_sum); E floats come to the host.
+    std::vector<float> sums(static_cast<size_t>(E));
+    mt::copy(Tensor(sums.data(), {E}, DType::f32), x.prob_sum);
+    r.prob_sum.assign(sums.begin(), sums.end());
     out.push_back(std::move(r));
   }
   return out;

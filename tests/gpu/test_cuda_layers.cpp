@@ -11,6 +11,7 @@
 #include "kernels/embedding.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
+#include "kernels/router.h"
 #include "kernels/swiglu.h"
 
 namespace mt::gpu_test {
@@ -308,6 +309,35 @@ TEST(CudaSwiglu, ForwardAndBackwardMatchCpu) {
       }
     EXPECT_TRUE(near("dgu", download(d_dgu.t), want_dgu, Tol{out_round, 0, bound}));
   }
+}
+
+// The load-balance statistics summed on the device, and the backward fed one dprobs row
+// for every token, against the CPU (which test_ops checks against float64 and full rows).
+TEST(CudaRouter, ProbSumsAndOneRowDprobsMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t n = 1000, e = 130, k = 4;  // several 256-token chunks, a partial last one
+  std::vector<float> logits = random_floats(n * e, -3, 3, 11), dweight = random_floats(n * k, -1, 1, 12),
+                     row = random_floats(e, -1, 1, 13);
+  cpu::RouterConfig cfg;
+  cfg.top_k = k;
+  cfg.normalize = true;
+  std::vector<int32_t> idx_ref(n * k);
+  std::vector<float> w_ref(n * k), p_ref(n * e), sums_ref(e), dl_ref(n * e);
+  cpu::router_forward(cfg, host(logits, {n, e}), host(idx_ref, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}));
+  cpu::router_prob_sum(host(p_ref, {n, e}), host(sums_ref, {e}));
+  cpu::router_backward(cfg, host(logits, {n, e}), host(idx_ref, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}),
+                       host(dweight, {n, k}), host(row, {1, e}), host(dl_ref, {n, e}));
+  DeviceTensor ld = upload(logits, DType::f32, {n, e}), dwd = upload(dweight, DType::f32, {n, k}),
+               rowd = upload(row, DType::f32, {1, e});
+  DeviceTensor idx = poisoned(DType::i32, {n, k}), w = poisoned(DType::f32, {n, k}), p = poisoned(DType::f32, {n, e}),
+               sums = poisoned(DType::f32, {e}), dl = poisoned(DType::f32, {n, e});
+  mt::router_forward(cfg, ld.t, idx.t, w.t, p.t);
+  mt::router_prob_sum(p.t, sums.t);
+  mt::router_backward(cfg, ld.t, idx.t, w.t, p.t, dwd.t, rowd.t, dl.t);
+  ASSERT_EQ(download_ints(idx.t), idx_ref);
+  // Sums of n probabilities each within f32 rounding of the CPU's: n roundings at most.
+  EXPECT_TRUE(near("prob sums", download(sums.t), sums_ref, Tol(n * kF32Round, 0)));
+  EXPECT_TRUE(near("dlogits", download(dl.t), dl_ref, Tol(1e-5, 1e-6)));
 }
 
 }  // namespace

@@ -125,6 +125,36 @@ TEST(Router, RejectsBadConfig) {
   expect_error({.experts = 8, .top_k = 2, .gpt_oss = true, .scale = 2.0}, "no expert groups and no scale");
 }
 
+// router_prob_sum against sums in float64; and a one-row dprobs [1,E] gives the same
+// dlogits, bit for bit, as the full [N,E] matrix of that row repeated.
+TEST(Router, ProbSumAndOneRowDprobs) {
+  const int64_t n = 37, e = 9, k = 3;
+  cpu::RouterConfig cfg;
+  cfg.top_k = k;
+  cfg.normalize = true;
+  Vec lv(n * e);
+  for (int64_t i = 0; i < n * e; ++i) lv[i] = std::sin(0.37 * static_cast<double>(i)) * 2;
+  auto logits = HostTensor::f32({n, e}, lv), idx = HostTensor::i32({n, k});
+  auto weight = HostTensor::f32({n, k}), probs = HostTensor::f32({n, e}), sums = HostTensor::f32({e});
+  cpu::router_forward(cfg, logits.t, idx.t, weight.t, probs.t);
+  cpu::router_prob_sum(probs.t, sums.t);
+  Vec p = probs.vec(), s = sums.vec();
+  for (int64_t x = 0; x < e; ++x) {
+    double want = 0;
+    for (int64_t t = 0; t < n; ++t) want += p[t * e + x];
+    EXPECT_NEAR(s[x], want, 1e-7 * want) << "expert " << x;
+  }
+  Vec row(e), rows(n * e), dw(n * k);
+  for (int64_t x = 0; x < e; ++x) row[x] = 0.1 * static_cast<double>(x) - 0.3;
+  for (int64_t i = 0; i < n * e; ++i) rows[i] = row[i % e];
+  for (int64_t i = 0; i < n * k; ++i) dw[i] = std::cos(static_cast<double>(i));
+  auto dweight = HostTensor::f32({n, k}, dw), one = HostTensor::f32({1, e}, row), full = HostTensor::f32({n, e}, rows);
+  auto d1 = HostTensor::f32({n, e}), d2 = HostTensor::f32({n, e});
+  cpu::router_backward(cfg, logits.t, idx.t, weight.t, probs.t, dweight.t, one.t, d1.t);
+  cpu::router_backward(cfg, logits.t, idx.t, weight.t, probs.t, dweight.t, full.t, d2.t);
+  EXPECT_EQ(d1.vec(), d2.vec());
+}
+
 }  // namespace
 
 }  // namespace mt::test

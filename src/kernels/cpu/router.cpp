@@ -113,7 +113,9 @@ void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor
   Dims d = check_router(cfg, logits, idx, weight, probs);
   check_tensor(dweight, "router dweight", DType::f32, {d.n, d.k});
   check_tensor(dlogits, "router dlogits", DType::f32, {d.n, d.e});
-  if (dprobs.data != nullptr) check_tensor(dprobs, "router dprobs", DType::f32, {d.n, d.e});
+  const bool one_row = dprobs.data != nullptr && dprobs.ndim() == 2 && dprobs.dim(0) == 1;
+  if (dprobs.data != nullptr) check_tensor(dprobs, "router dprobs", DType::f32, {one_row ? 1 : d.n, d.e});
+  const int64_t dprobs_stride = one_row ? 0 : d.e;
   const int32_t* ip = idx.i32();
   for (int64_t s = 0; s < d.n * d.k; ++s)
     MT_CHECK(ip[s] >= 0 && ip[s] < d.e) << "router idx of token " << s / d.k << " slot " << s % d.k << " is " << ip[s]
@@ -131,7 +133,7 @@ void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor
     const float* dw = dwp + t * d.k;
     // dl first holds the gradient with respect to probs, then goes through the softmax.
     float* dl = out + t * d.e;
-    for (int64_t e = 0; e < d.e; ++e) dl[e] = dpp != nullptr ? dpp[t * d.e + e] : 0.0f;
+    for (int64_t e = 0; e < d.e; ++e) dl[e] = dpp != nullptr ? dpp[t * dprobs_stride + e] : 0.0f;
     if (!topk_softmax) {
       if (cfg.normalize) {
         // w_j = scale * p_j / S with S the sum of the k chosen probabilities.
@@ -154,6 +156,20 @@ void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor
       for (int64_t j = 0; j < d.k; ++j) wdot += w[j] * dw[j];
       for (int64_t j = 0; j < d.k; ++j) dl[it[j]] += w[j] * (dw[j] - wdot);
     }
+  }
+}
+
+void router_prob_sum(const Tensor& probs, const Tensor& sums) {
+  MT_CHECK(probs.dtype == DType::f32 && probs.ndim() == 2) << "router_prob_sum wants probs f32 [N,E], got "
+                                                            << probs.str();
+  const int64_t n = probs.dim(0), e_n = probs.dim(1);
+  check_tensor(sums, "router prob sums", DType::f32, {e_n});
+  const float* p = probs.f32();
+  float* out = sums.f32();
+  for (int64_t e = 0; e < e_n; ++e) {
+    double s = 0;
+    for (int64_t t = 0; t < n; ++t) s += p[t * e_n + e];
+    out[e] = static_cast<float>(s);
   }
 }
 

@@ -10,6 +10,7 @@
 // host, which would need a synchronisation.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/runtime.h"
@@ -142,6 +143,7 @@ struct Backward {
   const float* probs;
   const float* dweight;
   const float* dprobs;  // null: no load-balance gradient
+  long long dprobs_stride;  // e, or 0 when one row serves every token
   float* dlogits;
   Dims d;
   bool topk_softmax, normalize;
@@ -162,7 +164,7 @@ __global__ void router_backward_kernel(Backward b) {
   for (int j = lane; j < k; j += 32)
     if (it[j] < 0 || it[j] >= e_n) __trap();
 
-  const float* dp = b.dprobs != nullptr ? b.dprobs + static_cast<long long>(t) * e_n : nullptr;
+  const float* dp = b.dprobs != nullptr ? b.dprobs + static_cast<long long>(t) * b.dprobs_stride : nullptr;
   for (int e = lane; e < e_n; e += 32) dl[e] = dp != nullptr ? dp[e] : 0.0f;
   __syncwarp();
   if (!b.topk_softmax) {
@@ -249,11 +251,54 @@ void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const T
   const Dims d = check_router(cfg, logits, idx, weight, probs);
   check_arg(dweight, "router dweight", {DType::f32}, {d.n, d.k});
   check_arg(dlogits, "router dlogits", {DType::f32}, {d.n, d.e});
-  if (dprobs.data != nullptr) check_arg(dprobs, "router dprobs", {DType::f32}, {d.n, d.e});
+  const bool one_row = dprobs.data != nullptr && dprobs.ndim() == 2 && dprobs.dim(0) == 1;
+  if (dprobs.data != nullptr) check_arg(dprobs, "router dprobs", {DType::f32}, {one_row ? 1 : d.n, d.e});
   if (d.n == 0) return;
-  Backward b{idx.i32(), weight.f32(), probs.f32(), dweight.f32(), dprobs.data != nullptr ? dprobs.f32() : nullptr,
-             dlogits.f32(), d, cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize, cfg.scale};
+  Backward b{idx.i32(),     weight.f32(), probs.f32(), dweight.f32(), dprobs.data != nullptr ? dprobs.f32() : nullptr,
+             one_row ? 0 : d.e, dlogits.f32(), d, cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
+             cfg.scale};
   router_backward_kernel<<<blocks(d.n), kWarps * 32, 0, stream()>>>(b);
+  CUDA_CHECK_LAUNCH();
+}
+
+// Two passes in a fixed order, so the result does not depend on timing: block (x, c)
+// sums rows [c*kRows, (c+1)*kRows) of 128 columns in double (thread e walks column e,
+// neighbouring threads read neighbouring columns); then one thread per column adds the
+// chunks' partial sums in chunk order.
+constexpr int kProbSumRows = 256;
+
+__global__ void router_prob_partial_kernel(const float* probs, long long n, int e_n, double* partial) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= e_n) return;
+  const long long t0 = static_cast<long long>(blockIdx.y) * kProbSumRows;
+  const long long t1 = t0 + kProbSumRows < n ? t0 + kProbSumRows : n;
+  double s = 0;
+  for (long long t = t0; t < t1; ++t) s += probs[t * e_n + e];
+  partial[static_cast<long long>(blockIdx.y) * e_n + e] = s;
+}
+
+__global__ void router_prob_total_kernel(const double* partial, int chunks, int e_n, float* sums) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= e_n) return;
+  double s = 0;
+  for (int c = 0; c < chunks; ++c) s += partial[static_cast<long long>(c) * e_n + e];
+  sums[e] = static_cast<float>(s);
+}
+
+void router_prob_sum(const Tensor& probs, const Tensor& sums) {
+  MT_CHECK(probs.dtype == DType::f32 && probs.ndim() == 2) << "router_prob_sum wants probs f32 [N,E], got "
+                                                            << probs.str();
+  const int64_t n = probs.dim(0), e_n = probs.dim(1);
+  check_arg(probs, "router probs", {DType::f32}, {n, e_n});
+  check_arg(sums, "router prob sums", {DType::f32}, {e_n});
+  if (e_n == 0) return;
+  const int chunks = static_cast<int>(std::max<int64_t>(1, (n + kProbSumRows - 1) / kProbSumRows));
+  auto* partial = static_cast<double*>(scratch(sizeof(double) * static_cast<size_t>(chunks * e_n)));
+  const unsigned cols = static_cast<unsigned>((e_n + 127) / 128);
+  router_prob_partial_kernel<<<dim3(cols, static_cast<unsigned>(chunks)), 128, 0, stream()>>>(
+      probs.f32(), n, static_cast<int>(e_n), partial);
+  CUDA_CHECK_LAUNCH();
+  router_prob_total_kernel<<<cols, 128, 0, stream()>>>(partial, chunks, static_cast<int>(e_n), sums.f32());
   CUDA_CHECK_LAUNCH();
 }
 
