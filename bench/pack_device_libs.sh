@@ -15,7 +15,7 @@ mkdir -p "$stage/lib"
 ldd "$bin" | awk '$3 ~ /^\// {print $3}' | while read -r lib; do
   case "$(basename "$lib")" in
     libc.so*|libm.so*|ld-linux*|libstdc++*|libgcc_s*|libdl.so*|libpthread.so*|librt.so*) ;;
-    libcuda*|libcublas*|libcudart*|libnccl*|libcudnn*) ;;
+    libcuda*|libcublas*|libcudart*|libnccl*|libcudnn*|libnvrtc*) ;;
     *) cp -L "$lib" "$stage/lib/" ;;
   esac
 done

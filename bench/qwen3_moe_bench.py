@@ -92,18 +92,25 @@ def baseline(cfg, batch, seq, steps, warmup, compiled):
     return batch * seq / dt, peak
 
 
-def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab):
+def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, ep=1, cp=1):
+    """`batch` sequences per data rank (dp x ep = ranks / cp of them); tokens/s for the job."""
     with tempfile.TemporaryDirectory() as tmp:
-        tokens = np.random.default_rng(0).integers(0, vocab, size=(batch, seq + 1), dtype=np.int64)
+        rows = batch * ranks // cp
+        tokens = np.random.default_rng(0).integers(0, vocab, size=(rows, seq + 1), dtype=np.int64)
         np.save(os.path.join(tmp, "tokens.npy"), tokens)
-        cmd = [binary, "train", f"--model.config={cfg_path}", f"--data.tokens={tmp}/tokens.npy",
+        launch = []
+        if ranks > 1:
+            # One process per GPU; NVLink multicast stays off (the device README says why).
+            launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks), "-x", "NCCL_NVLS_ENABLE=0",
+                      "-x", "LD_LIBRARY_PATH"]
+        cmd = launch + [binary, "train", f"--parallelism.ep={ep}", f"--parallelism.cp={cp}", f"--model.config={cfg_path}", f"--data.tokens={tmp}/tokens.npy",
                f"--training.steps={warmup + steps}", "--training.device=cuda", f"--job.dump_folder={tmp}/run",
                "--optimizer.lr=1e-4", "--training.clip_grad_norm=1.0", "--training.load_balance_coef=0.001",
                f"--training.force_balanced_routing={'true' if balanced else 'false'}", "--metrics.profile=true"]
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
         if out.returncode != 0:
             raise RuntimeError(f"moetrain failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        rows = [json.loads(l) for l in open(f"{tmp}/run/metrics.jsonl")]
+        rows = [json.loads(l) for l in open(f"{tmp}/run/metrics.jsonl")]  # rank 0's
         timed = rows[warmup:]
         tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
         breakdown = rows[-1].get("breakdown_ms", {})
@@ -125,6 +132,10 @@ def main():
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--skip-moetrain", action="store_true")
+    p.add_argument("--ranks", type=int, default=1, help="moetrain on this many GPUs (mpirun, one process each)")
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--learned-only", action="store_true", help="skip moetrain's balanced-routing run")
     args = p.parse_args()
     cfg_path = os.path.join(HERE, "configs", f"qwen3_30b_a3b_{args.layers}l.json")
     cfg = json.load(open(cfg_path))
@@ -140,10 +151,13 @@ def main():
         if not args.skip_compile:
             runs.append(("transformers torch.compile",
                          lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, True)))
-    for balanced in (() if args.skip_moetrain else (False, True)):
-        name = "moetrain " + ("balanced routing" if balanced else "learned routing")
-        runs.append((name, lambda b=balanced: ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps,
-                                                   args.warmup, b, cfg["vocab_size"])))
+    mesh = f" on {args.ranks} GPUs (ep {args.ep}, cp {args.cp}), per GPU" if args.ranks > 1 else ""
+    for balanced in (() if args.skip_moetrain else (False,) if args.learned_only else (False, True)):
+        name = "moetrain " + ("balanced routing" if balanced else "learned routing") + mesh
+        # Per GPU: the job's tokens/s over its GPUs (each rank reports the same step time).
+        runs.append((name, lambda b=balanced: (lambda tps, mem: (tps / args.ranks, mem))(
+            *ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps, args.warmup, b, cfg["vocab_size"],
+                  args.ranks, args.ep, args.cp))))
     for name, fn in runs:
         try:
             tps, mem = fn()

@@ -3,6 +3,7 @@
 # everything is present: apt is only touched for packages that are missing.
 # The CUDA toolkit (nvcc, cuBLASLt, cuDNN, NCCL) is not a Debian package here; when
 # /usr/local/cuda is present the CUDA backend is built, otherwise it is skipped.
+# With it, CUTLASS's headers are installed from PyPI (pip, at the end).
 set -euo pipefail
 
 packages=(
@@ -15,6 +16,7 @@ packages=(
   libzstd-dev libpcre2-dev libutf8proc-dev  # corpus reading and the tokenizer
   bible-kjv zstd             # the demo corpus (data/make_kjv_corpus.py): KJV text, compressed
   python3 python3-numpy      # fixtures and tools inspect .npy files
+  python3-pip                # CUTLASS's headers for the CUDA backend (below)
 )
 
 missing=()
@@ -22,13 +24,21 @@ for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-echo "setup: installing ${missing[*]}"
-SUDO=""
-if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# CUTLASS's headers (the CUDA backend's Hopper grouped GEMM) come from PyPI; CMake finds
+# them through python3's cutlass_library. Headers only, so none of its Python dependencies.
+if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null; then
+  python3 -c 'import importlib.metadata as m; assert m.version("nvidia-cutlass") == "4.2.0.0"' 2>/dev/null ||
+    python3 -m pip install --quiet --no-deps --break-system-packages --root-user-action=ignore nvidia-cutlass==4.2.0.0
+  # The cuDNN frontend's C++ headers (fused attention), found by CMake the same way.
+  python3 -c 'import importlib.metadata as m; assert m.version("nvidia-cudnn-frontend") == "1.32.0"' 2>/dev/null ||
+    python3 -m pip install --quiet --no-deps --break-system-packages --root-user-action=ignore nvidia-cudnn-frontend==1.32.0
+fi

@@ -445,6 +445,10 @@ void run_ep_case(const EpCase& c, comm::Communicator& ep, uint64_t seed) {
     pairs += std::count(hit.begin(), hit.end(), true);
   }
   EXPECT_EQ(plan.sent_rows(), pairs);
+  // The routing counts of this rank's tokens (the metrics' expert_counts), every expert.
+  std::vector<int64_t> mine(static_cast<size_t>(E), 0);
+  for (int64_t s = 0; s < N * k; ++s) ++mine[idx_r.i32()[s]];
+  EXPECT_EQ(plan.expert_counts, mine);
 }
 
 const EpCase kEpCases[] = {

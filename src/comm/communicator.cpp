@@ -535,6 +535,10 @@ World::World() {
     MPI_Comm_rank(node, &launch_.local_rank);
     MPI_Comm_free(&node);
   }
+#ifdef MOETRAIN_WITH_CUDA
+  // One GPU per rank, chosen before anything makes CUDA state on the default device.
+  cuda::select_device(launch_.local_rank);
+#endif
   check_mpi(MPI_Op_create(bf16_sum, 1, &g_bf16_sum), setup);
   // A private copy of MPI_COMM_WORLD, so our messages never match another library's.
   auto im = std::make_unique<Communicator::Impl>();

@@ -295,7 +295,6 @@ void Qwen3Moe::build_params() {
   const int64_t D = c_.hidden_size, Dh = c_.head_dim;
   local_experts_ = c_.num_experts;
   if (ep_ != nullptr && ep_->size() > 1) {
-    MT_CHECK(device_ == Device::cpu) << "expert parallelism runs on the CPU backend only so far";
     MT_CHECK(c_.num_experts % ep_->size() == 0)
         << "num_experts " << c_.num_experts << " does not split over parallelism.ep = " << ep_->size();
     local_experts_ = c_.num_experts / ep_->size();
@@ -522,7 +521,6 @@ std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
   allocate(*s, s->arena);
   s->positions_host.resize(static_cast<size_t>(seq));
   if (cp_) {
-    MT_CHECK(device_ == Device::cpu) << "context parallelism runs on the CPU backend only so far";
     std::vector<int64_t> pos = parallel::zigzag_positions(seq * cp_->size(), cp_->rank(), cp_->size());
     for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(pos[t]);
   } else {
@@ -782,10 +780,9 @@ std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
     r.top_k = c_.top_k;
     r.dropped = x.dropped;
     if (ep_) {
-      // The plan counts only this rank's experts: count this rank's tokens' choices.
-      r.counts.assign(static_cast<size_t>(E), 0);
-      const int32_t* idx = x.idx.i32();
-      for (int64_t i = 0; i < N * c_.top_k; ++i) ++r.counts[idx[i]];
+      // x.counts is not made with expert parallelism: the plan counted this rank's
+      // tokens' choices on the host, whatever the device.
+      r.counts = x.plan.expert_counts;
     } else {
       std::vector<int32_t> counts(static_cast<size_t>(E));
       mt::copy(Tensor(counts.data(), {E}, DType::i32), x.counts);

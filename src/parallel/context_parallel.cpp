@@ -1,12 +1,18 @@
 #include "parallel/context_parallel.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "core/check.h"
 #include "kernels/elementwise.h"
+#include "parallel/buffer.h"
+
+#ifdef MOETRAIN_WITH_CUDA
+#include "kernels/ring_merge.h"
+#endif
 
 namespace mt::parallel {
 
@@ -27,20 +33,30 @@ struct Dims {
   int64_t b, c, hq, hkv, d;  // C: positions per chunk
 };
 
+// q, k, v, out and the gradients: f32 on the host, bf16 on the GPU (the attention
+// kernels' dtypes); lse, sinks and dsinks are f32 on both.
+DType activation_dtype(const Tensor& q) { return q.device == Device::cuda ? DType::bf16 : DType::f32; }
+
+// Every tensor of the ring on q's device; an absent one (sinks, dsinks) has no storage.
+void check_devices(const Tensor& q, std::initializer_list<const Tensor*> ts, const char* op) {
+  for (const Tensor* t : ts)
+    MT_CHECK(t->data == nullptr || t->device == q.device) << op << ": " << t->str() << " is not on q's device ("
+                                                          << q.str() << ")";
+}
+
 Dims check_inputs(const comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
                   const Tensor& sinks, const cpu::AttentionArgs& a, const char* op) {
   MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && q.dim(1) % 2 == 0)
       << op << " wants this rank's two zigzag chunks, q [B,2C,Hq,Dh] and k [B,2C,Hkv,Dh], got q " << q.str() << ", k "
       << k.str() << " (cp " << cp.size() << ")";
   const Dims n{q.dim(0), q.dim(1) / 2, q.dim(2), k.dim(2), q.dim(3)};
-  check_tensor(q, "ring attention q", DType::f32, {n.b, 2 * n.c, n.hq, n.d});
-  check_tensor(k, "ring attention k", DType::f32, {n.b, 2 * n.c, n.hkv, n.d});
-  check_tensor(v, "ring attention v", DType::f32, {n.b, 2 * n.c, n.hkv, n.d});
+  const DType act = activation_dtype(q);
+  check_tensor(q, "ring attention q", act, {n.b, 2 * n.c, n.hq, n.d});
+  check_tensor(k, "ring attention k", act, {n.b, 2 * n.c, n.hkv, n.d});
+  check_tensor(v, "ring attention v", act, {n.b, 2 * n.c, n.hkv, n.d});
   MT_CHECK(a.q_offset == 0 && a.k_offset == 0) << op << ": the ring sets the position offsets per block, got q_offset "
                                                << a.q_offset << ", k_offset " << a.k_offset;
-  for (const Tensor* t : {&q, &k, &v, &sinks})
-    MT_CHECK(t->device == Device::cpu) << op << ": the online-softmax merge runs on host tensors for now, got "
-                                       << t->str();
+  check_devices(q, {&k, &v, &sinks}, op);
   return n;
 }
 
@@ -108,13 +124,141 @@ void merge(const Tensor& o_blk, const Tensor& l_blk, const Tensor& out, const Te
     }
 }
 
+#ifdef MOETRAIN_WITH_CUDA
+// The GPU ring: the passes and blocks of the host's, with the running output and every
+// partial gradient sum kept in fp32 buffers (so out, dq, dk and dv are rounded to bf16
+// once, at the end, as by a single attention call), the merge and the sums as kernels
+// (kernels/ring_merge.h), and the passes as NCCL batches on the communication stream,
+// overlapping the blocks' kernels on the backend's stream.
+Buffer gpu_buffer(DType dtype, Shape shape) { return make_buffer(Device::cuda, dtype, shape); }
+
+void ring_forward_gpu(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
+                      const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Dims& n) {
+  const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
+  const Buffer acc = gpu_buffer(DType::f32, q.shape);
+  const Buffer o_blk = gpu_buffer(DType::bf16, {1, n.c, n.hq, n.d}), l_blk = gpu_buffer(DType::f32, {1, n.hq, n.c});
+  const Buffer bufs[2][2] = {{gpu_buffer(DType::bf16, k.shape), gpu_buffer(DType::bf16, k.shape)},
+                             {gpu_buffer(DType::bf16, k.shape), gpu_buffer(DType::bf16, k.shape)}};
+  mt::fill(acc.t, 0.0f);
+  mt::fill(lse, -std::numeric_limits<float>::infinity());
+  Tensor cur_k = k, cur_v = v;
+  // Step s uses the K/V of rank r - s while those of r - s - 1 arrive.
+  for (int s = 0; s < size; ++s) {
+    const int src = (r - s + size) % size;
+    const Buffer* nx = bufs[s % 2];
+    comm::Request pass;
+    if (s + 1 < size)
+      pass = cp.start({comm::send_to(cur_k, next), comm::send_to(cur_v, next), comm::recv_from(nx[0].t, prev),
+                       comm::recv_from(nx[1].t, prev)});
+    for (int qs = 0; qs < 2; ++qs)
+      for (int ks = 0; ks < 2; ++ks) {
+        const int64_t qc = chunk_of(r, size, qs), kc = chunk_of(src, size, ks);
+        if (!visible(qc, kc, n.c, a.window)) continue;
+        const cpu::AttentionArgs args = block_args(a, qc, kc, n.c);
+        const Tensor blk_sinks = qc == kc ? sinks : Tensor();
+        for (int64_t b = 0; b < n.b; ++b) {
+          mt::attention_forward(block(q, b, qs, n.c), block(cur_k, b, ks, n.c), block(cur_v, b, ks, n.c), blk_sinks,
+                                args, o_blk.t, l_blk.t);
+          cuda::ring_merge(o_blk.t, l_blk.t, b, qs, acc.t, lse);
+        }
+      }
+    pass.wait();
+    cur_k = nx[0].t;
+    cur_v = nx[1].t;
+  }
+  mt::cast(acc.t, out);
+}
+
+void ring_backward_gpu(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse,
+                       const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dsinks,
+                       const Dims& n) {
+  const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
+  const Buffer dq_acc = gpu_buffer(DType::f32, q.shape);
+  mt::fill(dq_acc.t, 0.0f);
+  // The final lse of each (batch row, slot) as the contiguous [1,Hq,C] a block takes.
+  const Buffer lse_blocks = gpu_buffer(DType::f32, {n.b * 2, n.hq, n.c});
+  for (int64_t b = 0; b < n.b; ++b)
+    for (int qs = 0; qs < 2; ++qs) cuda::lse_block(lse, b, qs, lse_blocks.t.rows(b * 2 + qs, b * 2 + qs + 1));
+  // attention_backward overwrites its gradients: each block's go to bf16 scratch first,
+  // then into the fp32 sums.
+  const Buffer dq_blk = gpu_buffer(DType::bf16, {1, n.c, n.hq, n.d}),
+               dk_blk = gpu_buffer(DType::bf16, {1, n.c, n.hkv, n.d}),
+               dv_blk = gpu_buffer(DType::bf16, {1, n.c, n.hkv, n.d});
+  auto pair = [&](DType t) {
+    return std::array<Buffer, 2>{gpu_buffer(t, k.shape), gpu_buffer(t, k.shape)};
+  };
+  const std::array<Buffer, 2> kv[2] = {pair(DType::bf16), pair(DType::bf16)};  // K/V arriving for the next step
+  const std::array<Buffer, 2> mine[2] = {pair(DType::f32), pair(DType::f32)};  // this step's dK/dV, then passed on
+  const std::array<Buffer, 2> partial = pair(DType::f32);  // the partial sum arriving from the previous rank
+  Tensor cur_k = k, cur_v = v;
+  // Step s: K/V of rank r - s; its dK/dV partial sum arrives while this rank computes
+  // its share, and the sum of step s - 1 leaves for the next rank (as on the host).
+  for (int s = 0; s < size; ++s) {
+    const int src = (r - s + size) % size;
+    const std::array<Buffer, 2>& nx = kv[s % 2];
+    const std::array<Buffer, 2>& acc = mine[s % 2];
+    std::vector<comm::P2P> ops;
+    if (s + 1 < size)
+      ops = {comm::send_to(cur_k, next), comm::send_to(cur_v, next), comm::recv_from(nx[0].t, prev),
+             comm::recv_from(nx[1].t, prev)};
+    if (s > 0) {
+      const std::array<Buffer, 2>& done = mine[(s - 1) % 2];
+      for (comm::P2P op : {comm::send_to(done[0].t, next), comm::send_to(done[1].t, next),
+                           comm::recv_from(partial[0].t, prev), comm::recv_from(partial[1].t, prev)})
+        ops.push_back(op);
+    }
+    comm::Request pass = cp.start(ops);
+    mt::fill(acc[0].t, 0.0f);
+    mt::fill(acc[1].t, 0.0f);
+    for (int qs = 0; qs < 2; ++qs)
+      for (int ks = 0; ks < 2; ++ks) {
+        const int64_t qc = chunk_of(r, size, qs), kc = chunk_of(src, size, ks);
+        if (!visible(qc, kc, n.c, a.window)) continue;
+        const cpu::AttentionArgs args = block_args(a, qc, kc, n.c);
+        const bool diagonal = qc == kc;
+        for (int64_t b = 0; b < n.b; ++b) {
+          mt::attention_backward(block(q, b, qs, n.c), block(cur_k, b, ks, n.c), block(cur_v, b, ks, n.c),
+                                 diagonal ? sinks : Tensor(), args, block(out, b, qs, n.c),
+                                 lse_blocks.t.rows(b * 2 + qs, b * 2 + qs + 1), block(dout, b, qs, n.c), dq_blk.t,
+                                 dk_blk.t, dv_blk.t, diagonal ? dsinks : Tensor());
+          cuda::accumulate(dq_blk.t, block(dq_acc.t, b, qs, n.c));
+          cuda::accumulate(dk_blk.t, block(acc[0].t, b, ks, n.c));
+          cuda::accumulate(dv_blk.t, block(acc[1].t, b, ks, n.c));
+        }
+      }
+    pass.wait();
+    if (s > 0) {
+      mt::add(acc[0].t, partial[0].t, acc[0].t);
+      mt::add(acc[1].t, partial[1].t, acc[1].t);
+    }
+    cur_k = nx[0].t;
+    cur_v = nx[1].t;
+  }
+  // Every rank has added its share to the last K/V held (rank r + 1's): send it home.
+  const std::array<Buffer, 2>& last = mine[(size - 1) % 2];
+  const std::array<Buffer, 2> home = pair(DType::f32);
+  cp.start({comm::send_to(last[0].t, next), comm::send_to(last[1].t, next), comm::recv_from(home[0].t, prev),
+            comm::recv_from(home[1].t, prev)})
+      .wait();
+  mt::cast(dq_acc.t, dq);
+  mt::cast(home[0].t, dk);
+  mt::cast(home[1].t, dv);
+}
+#endif
+
 }  // namespace
 
 void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
-  const Dims n = check_inputs(cp, q, k, v, sinks, a, "ring_attention_forward");
-  check_tensor(out, "ring attention out", DType::f32, q.shape);
+  const char* op = "ring_attention_forward";
+  const Dims n = check_inputs(cp, q, k, v, sinks, a, op);
+  check_tensor(out, "ring attention out", activation_dtype(q), q.shape);
   check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
+  check_devices(q, {&out, &lse}, op);
+#ifdef MOETRAIN_WITH_CUDA
+  if (q.device == Device::cuda) return ring_forward_gpu(cp, q, k, v, sinks, a, out, lse, n);
+#endif
   const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
   mt::fill(out, 0.0f);
   std::fill_n(lse.f32(), lse.numel(), -std::numeric_limits<float>::infinity());
@@ -153,13 +297,20 @@ void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tens
                              const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse,
                              const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                              const Tensor& dsinks) {
-  const Dims n = check_inputs(cp, q, k, v, sinks, a, "ring_attention_backward");
-  check_tensor(out, "ring attention out", DType::f32, q.shape);
+  const char* op = "ring_attention_backward";
+  const Dims n = check_inputs(cp, q, k, v, sinks, a, op);
+  const DType act = activation_dtype(q);
+  check_tensor(out, "ring attention out", act, q.shape);
   check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
-  check_tensor(dout, "ring attention dout", DType::f32, q.shape);
-  check_tensor(dq, "ring attention dq", DType::f32, q.shape);
-  check_tensor(dk, "ring attention dk", DType::f32, k.shape);
-  check_tensor(dv, "ring attention dv", DType::f32, k.shape);
+  check_tensor(dout, "ring attention dout", act, q.shape);
+  check_tensor(dq, "ring attention dq", act, q.shape);
+  check_tensor(dk, "ring attention dk", act, k.shape);
+  check_tensor(dv, "ring attention dv", act, k.shape);
+  check_devices(q, {&out, &lse, &dout, &dq, &dk, &dv, &dsinks}, op);
+#ifdef MOETRAIN_WITH_CUDA
+  if (q.device == Device::cuda)
+    return ring_backward_gpu(cp, q, k, v, sinks, a, out, lse, dout, dq, dk, dv, dsinks, n);
+#endif
   const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
   mt::fill(dq, 0.0f);
 

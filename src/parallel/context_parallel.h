@@ -18,6 +18,11 @@
 // travel with it, each rank adding its share, until they are back at the owner. A
 // rank adds its share to a partial sum received during its own compute, so the dK/dV
 // transfers overlap the compute as the K/V ones do.
+//
+// On the GPU the blocks run the CUDA attention kernels (bf16 q, k, v, out and
+// gradients), the K/V and dK/dV passes are NCCL batches on the communication stream,
+// and the merge and the partial sums are kernels (kernels/ring_merge.h) over fp32
+// buffers, so the outputs are rounded to bf16 once, at the end.
 #pragma once
 
 #include <vector>
@@ -32,17 +37,19 @@ namespace mt::parallel {
 // chunks rank and 2cp-1-rank of 2cp (seq must split into 2cp equal chunks).
 std::vector<int64_t> zigzag_positions(int64_t seq, int rank, int cp);
 
-// q f32 [B,2C,Hq,Dh], k and v f32 [B,2C,Hkv,Dh]: this rank's zigzag rows. sinks f32
-// [Hq] or empty. a.scale and a.window as for attention_forward; a.q_offset and
-// a.k_offset must be 0 (the ring sets them per block). out f32 [B,2C,Hq,Dh] and lse
-// f32 [B,Hq,2C] (overwritten) are this rank's rows of attention over whole sequences.
+// q [B,2C,Hq,Dh], k and v [B,2C,Hkv,Dh]: this rank's zigzag rows, f32 on the host and
+// bf16 on the GPU. sinks f32 [Hq] or empty. a.scale and a.window as for
+// attention_forward; a.q_offset and a.k_offset must be 0 (the ring sets them per
+// block). out [B,2C,Hq,Dh] (q's dtype) and lse f32 [B,Hq,2C] (overwritten) are this
+// rank's rows of attention over whole sequences.
 // Collective over `cp`. With cp = 1 it is plain attention (call that instead).
 void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse);
 
-// dq, dk, dv (overwritten): the gradients of this rank's rows, dk and dv including
-// every rank's queries. dsinks [Hq] is accumulated with this rank's query rows' share
-// only: sum it over cp (and dp) like any parameter gradient.
+// dout, dq, dk, dv in q's dtype; dq, dk, dv (overwritten): the gradients of this
+// rank's rows, dk and dv including every rank's queries. dsinks [Hq] is accumulated
+// with this rank's query rows' share only: sum it over cp (and dp) like any parameter
+// gradient.
 void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse,
                              const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,

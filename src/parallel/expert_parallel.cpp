@@ -4,6 +4,8 @@
 
 #include "core/check.h"
 #include "kernels/dispatch.h"
+#include "kernels/elementwise.h"
+#include "parallel/buffer.h"
 
 namespace mt::parallel {
 
@@ -15,10 +17,17 @@ Tensor index_tensor(const std::vector<int32_t>& v) {
 
 Tensor i64_tensor(std::vector<int64_t>& v) { return Tensor(v.data(), {static_cast<int64_t>(v.size())}, DType::i64); }
 
-// A transfer buffer of rows x width floats, alive for one call.
-Tensor rows_buffer(std::vector<float>& storage, int64_t rows, int64_t width) {
-  storage.resize(static_cast<size_t>(rows * width));
-  return Tensor(storage.data(), {rows, width}, DType::f32);
+// An index array where the plan's kernels read it: the host vector, or its GPU copy.
+Tensor indices(const EpPlan& p, const std::vector<int32_t>& host, const Tensor& gpu) {
+  return p.device == Device::cuda ? gpu : index_tensor(host);
+}
+
+// The rows that travel: f32 on the host, bf16 on the GPU (the dispatch kernels' dtypes).
+DType row_dtype(const EpPlan& p) { return p.device == Device::cuda ? DType::bf16 : DType::f32; }
+
+// A transfer buffer of rows x width elements on the plan's device, alive for one call.
+Buffer rows_buffer(const EpPlan& p, int64_t rows, int64_t width) {
+  return make_buffer(p.device, row_dtype(p), {rows, width});
 }
 
 // Row counts per rank -> element counts for the all-to-all-v.
@@ -28,15 +37,41 @@ std::vector<int64_t> times(const std::vector<int64_t>& rows, int64_t width) {
   return out;
 }
 
-// The plan's index arrays are host memory; a GPU tensor here needs the GPU version.
-void check_host(std::initializer_list<const Tensor*> ts, const char* op) {
+// The plan's index arrays are where its idx was; every tensor of the exchange must be too.
+void check_device(const EpPlan& p, std::initializer_list<const Tensor*> ts, const char* op) {
   for (const Tensor* t : ts)
-    MT_CHECK(t->device == Device::cpu) << op << ": expert parallelism runs on host tensors for now, got " << t->str();
+    MT_CHECK(t->device == p.device) << op << ": " << t->str() << " is not on the plan's device ("
+                                    << (p.device == Device::cuda ? "cuda" : "cpu")
+                                    << ", where the router's idx was)";
 }
 
 int64_t width_of(const Tensor& t, const char* op, const char* name) {
   MT_CHECK(t.ndim() == 2) << op << ": " << name << " should be 2-D, got " << t.str();
   return t.dim(1);
+}
+
+// The index arrays the kernels read, copied to the GPU in one block (each array
+// 256-byte aligned in it); the host vectors stay for the counts and the metrics.
+void upload(EpPlan& p) {
+  const std::vector<int32_t>* host[] = {&p.sent_token, &p.token_rows, &p.slot_row,   &p.order,
+                                        &p.local_slot_row, &p.return_row, &p.return_pos, &p.offsets};
+  Tensor* dev[] = {&p.gpu.sent_token, &p.gpu.token_rows, &p.gpu.slot_row,   &p.gpu.order,
+                   &p.gpu.local_slot_row, &p.gpu.return_row, &p.gpu.return_pos, &p.gpu.offsets};
+  constexpr int64_t kAlign = 64;  // i32 elements
+  std::vector<int64_t> at;
+  int64_t total = 0;
+  for (const std::vector<int32_t>* v : host) {
+    at.push_back(total);
+    total += (static_cast<int64_t>(v->size()) + kAlign - 1) / kAlign * kAlign;
+  }
+  std::vector<int32_t> packed(static_cast<size_t>(total), -1);
+  for (size_t i = 0; i < at.size(); ++i) std::copy(host[i]->begin(), host[i]->end(), packed.begin() + at[i]);
+  Buffer block = make_buffer(Device::cuda, DType::i32, {total});
+  mt::copy(block.t, Tensor(packed.data(), {total}, DType::i32));  // waits: `packed` may go
+  for (size_t i = 0; i < at.size(); ++i)
+    *dev[i] = block.t.rows(at[i], at[i] + static_cast<int64_t>(host[i]->size()));
+  p.gpu.block = block.storage;
+  p.device = Device::cuda;
 }
 
 }  // namespace
@@ -47,7 +82,7 @@ int64_t EpPlan::received_rows() const {
   return u;
 }
 
-Tensor EpPlan::offsets_tensor() const { return index_tensor(offsets); }
+Tensor EpPlan::offsets_tensor() const { return indices(*this, offsets, gpu.offsets); }
 
 std::vector<int64_t> EpPlan::local_counts() const {
   std::vector<int64_t> c(static_cast<size_t>(local_experts));
@@ -56,8 +91,8 @@ std::vector<int64_t> EpPlan::local_counts() const {
 }
 
 EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts) {
-  MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2 && idx.device == Device::cpu && idx.dim(1) >= 1)
-      << "ep_plan wants router idx i32 [N,k] (k >= 1) on the host, got " << idx.str();
+  MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2 && idx.dim(1) >= 1)
+      << "ep_plan wants router idx i32 [N,k] (k >= 1), got " << idx.str();
   MT_CHECK(idx.data != nullptr || idx.numel() == 0) << "ep_plan: idx " << idx.str() << " has no storage";
   const int64_t n = idx.dim(0), k = idx.dim(1), size = ep.size();
   MT_CHECK(num_experts >= 1 && num_experts % size == 0)
@@ -70,10 +105,19 @@ EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts) {
   p.ep_size = size;
   p.first_expert = ep.rank() * per;
   p.local_experts = per;
-  const int32_t* id = idx.i32();
-  for (int64_t s = 0; s < n * k; ++s)
+  // The plan is built on the host: a GPU idx comes over first (the exchange's one wait).
+  std::vector<int32_t> idx_host;
+  if (idx.device == Device::cuda) {
+    idx_host.resize(static_cast<size_t>(n * k));
+    mt::copy(Tensor(idx_host.data(), idx.shape, DType::i32), idx);
+  }
+  const int32_t* id = idx.device == Device::cuda ? idx_host.data() : idx.i32();
+  p.expert_counts.assign(static_cast<size_t>(num_experts), 0);
+  for (int64_t s = 0; s < n * k; ++s) {
     MT_CHECK(id[s] >= 0 && id[s] < num_experts) << "ep_plan: idx of token " << s / k << " slot " << s % k << " is "
                                                 << id[s] << ", outside [0, " << num_experts << ")";
+    ++p.expert_counts[id[s]];
+  }
 
   // Each token's destination ranks, increasing: token_rows holds them for now and
   // becomes the sent-row numbers below. `seen` dedups a rank owning several of the
@@ -154,69 +198,63 @@ EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts) {
         }
   p.return_pos.resize(p.return_row.size());
   for (size_t i = 0; i < p.return_row.size(); ++i) p.return_pos[p.return_row[i]] = static_cast<int32_t>(i);
+  if (idx.device == Device::cuda) upload(p);
   return p;
 }
 
 void ep_dispatch_forward(comm::Communicator& ep, const EpPlan& plan, const Tensor& x, const Tensor& xs) {
   const char* op = "ep_dispatch_forward";
   const int64_t d = width_of(x, op, "x");
-  check_host({&x, &xs}, op);
-  check_tensor(x, "ep dispatch x", DType::f32, {plan.tokens, d});
-  check_tensor(xs, "ep dispatch xs", DType::f32, {plan.local_rows(), d});
-  std::vector<float> send_storage, recv_storage;
-  Tensor send = rows_buffer(send_storage, plan.sent_rows(), d);
-  Tensor recv = rows_buffer(recv_storage, plan.received_rows(), d);
-  mt::dispatch_forward(x, index_tensor(plan.sent_token), 1, send);
-  ep.all_to_all_v(send, times(plan.sent_rows_to, d), recv, times(plan.recv_rows_from, d));
-  mt::dispatch_forward(recv, index_tensor(plan.order), plan.top_k, xs);
+  check_device(plan, {&x, &xs}, op);
+  check_tensor(x, "ep dispatch x", row_dtype(plan), {plan.tokens, d});
+  check_tensor(xs, "ep dispatch xs", row_dtype(plan), {plan.local_rows(), d});
+  const Buffer send = rows_buffer(plan, plan.sent_rows(), d), recv = rows_buffer(plan, plan.received_rows(), d);
+  mt::dispatch_forward(x, indices(plan, plan.sent_token, plan.gpu.sent_token), 1, send.t);
+  ep.all_to_all_v(send.t, times(plan.sent_rows_to, d), recv.t, times(plan.recv_rows_from, d));
+  mt::dispatch_forward(recv.t, indices(plan, plan.order, plan.gpu.order), plan.top_k, xs);
 }
 
 void ep_dispatch_backward(comm::Communicator& ep, const EpPlan& plan, const Tensor& dxs, const Tensor& dx) {
   const char* op = "ep_dispatch_backward";
   const int64_t d = width_of(dxs, op, "dxs");
-  check_host({&dxs, &dx}, op);
-  check_tensor(dxs, "ep dispatch dxs", DType::f32, {plan.local_rows(), d});
-  check_tensor(dx, "ep dispatch dx", DType::f32, {plan.tokens, d});
-  std::vector<float> recv_storage, send_storage;
-  Tensor drecv = rows_buffer(recv_storage, plan.received_rows(), d);
-  Tensor dsend = rows_buffer(send_storage, plan.sent_rows(), d);
+  check_device(plan, {&dxs, &dx}, op);
+  check_tensor(dxs, "ep dispatch dxs", row_dtype(plan), {plan.local_rows(), d});
+  check_tensor(dx, "ep dispatch dx", row_dtype(plan), {plan.tokens, d});
+  const Buffer drecv = rows_buffer(plan, plan.received_rows(), d), dsend = rows_buffer(plan, plan.sent_rows(), d);
   // A received row's copies (one per local expert) add up here, so one row per
   // (token, rank) travels back, and the token's rank adds the ranks' rows.
-  mt::dispatch_backward(dxs, index_tensor(plan.local_slot_row), drecv);
-  ep.all_to_all_v(drecv, times(plan.recv_rows_from, d), dsend, times(plan.sent_rows_to, d));
-  mt::dispatch_backward(dsend, index_tensor(plan.token_rows), dx);
+  mt::dispatch_backward(dxs, indices(plan, plan.local_slot_row, plan.gpu.local_slot_row), drecv.t);
+  ep.all_to_all_v(drecv.t, times(plan.recv_rows_from, d), dsend.t, times(plan.sent_rows_to, d));
+  mt::dispatch_backward(dsend.t, indices(plan, plan.token_rows, plan.gpu.token_rows), dx);
 }
 
 void ep_combine_forward(comm::Communicator& ep, const EpPlan& plan, const Tensor& ys, const Tensor& weight,
                         const Tensor& back, const Tensor& y) {
   const char* op = "ep_combine_forward";
   const int64_t d = width_of(ys, op, "ys");
-  check_host({&ys, &weight, &back, &y}, op);
-  check_tensor(ys, "ep combine ys", DType::f32, {plan.local_rows(), d});
+  check_device(plan, {&ys, &weight, &back, &y}, op);
+  check_tensor(ys, "ep combine ys", row_dtype(plan), {plan.local_rows(), d});
   check_tensor(weight, "ep combine weight", DType::f32, {plan.tokens, plan.top_k});
-  check_tensor(back, "ep combine back", DType::f32, {plan.returned_rows(), d});
-  check_tensor(y, "ep combine y", DType::f32, {plan.tokens, d});
-  std::vector<float> ret_storage;
-  Tensor ret = rows_buffer(ret_storage, plan.local_rows(), d);
-  mt::dispatch_forward(ys, index_tensor(plan.return_row), 1, ret);
-  ep.all_to_all_v(ret, times(plan.slots_from, d), back, times(plan.slots_to, d));
-  mt::combine_forward(back, weight, index_tensor(plan.slot_row), y);
+  check_tensor(back, "ep combine back", row_dtype(plan), {plan.returned_rows(), d});
+  check_tensor(y, "ep combine y", row_dtype(plan), {plan.tokens, d});
+  const Buffer ret = rows_buffer(plan, plan.local_rows(), d);
+  mt::dispatch_forward(ys, indices(plan, plan.return_row, plan.gpu.return_row), 1, ret.t);
+  ep.all_to_all_v(ret.t, times(plan.slots_from, d), back, times(plan.slots_to, d));
+  mt::combine_forward(back, weight, indices(plan, plan.slot_row, plan.gpu.slot_row), y);
 }
 
 void ep_combine_backward(comm::Communicator& ep, const EpPlan& plan, const Tensor& back, const Tensor& weight,
                          const Tensor& dy, const Tensor& dys, const Tensor& dweight) {
   const char* op = "ep_combine_backward";
   const int64_t d = width_of(dy, op, "dy");
-  check_host({&back, &weight, &dy, &dys, &dweight}, op);
-  check_tensor(back, "ep combine back", DType::f32, {plan.returned_rows(), d});
-  check_tensor(dy, "ep combine dy", DType::f32, {plan.tokens, d});
-  check_tensor(dys, "ep combine dys", DType::f32, {plan.local_rows(), d});
-  std::vector<float> back_storage, ret_storage;
-  Tensor dback = rows_buffer(back_storage, plan.returned_rows(), d);
-  Tensor dret = rows_buffer(ret_storage, plan.local_rows(), d);
-  mt::combine_backward(back, weight, index_tensor(plan.slot_row), dy, dback, dweight);
-  ep.all_to_all_v(dback, times(plan.slots_to, d), dret, times(plan.slots_from, d));
-  mt::dispatch_forward(dret, index_tensor(plan.return_pos), 1, dys);
+  check_device(plan, {&back, &weight, &dy, &dys, &dweight}, op);
+  check_tensor(back, "ep combine back", row_dtype(plan), {plan.returned_rows(), d});
+  check_tensor(dy, "ep combine dy", row_dtype(plan), {plan.tokens, d});
+  check_tensor(dys, "ep combine dys", row_dtype(plan), {plan.local_rows(), d});
+  const Buffer dback = rows_buffer(plan, plan.returned_rows(), d), dret = rows_buffer(plan, plan.local_rows(), d);
+  mt::combine_backward(back, weight, indices(plan, plan.slot_row, plan.gpu.slot_row), dy, dback.t, dweight);
+  ep.all_to_all_v(dback.t, times(plan.slots_to, d), dret.t, times(plan.slots_from, d));
+  mt::dispatch_forward(dret.t, indices(plan, plan.return_pos, plan.gpu.return_pos), 1, dys);
 }
 
 }  // namespace mt::parallel

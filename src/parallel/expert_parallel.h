@@ -23,11 +23,14 @@
 //
 // The plan is built on the host (its counts must be there for the all-to-all-v
 // anyway); the data movement goes through the dispatch kernels and the communicator.
-// Only host tensors for now: a GPU version keeps this structure and copies the plan's
-// index arrays to the device. Dropless: every slot is kept.
+// On the GPU the router's idx comes to the host once (N*k ints: the one synchronisation
+// of a layer's exchange), the plan's index arrays go back to the device in one upload,
+// and the rows travel in bf16 through NCCL; the weighted sums stay in fp32 (the dispatch
+// kernels'). Dropless: every slot is kept.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -57,32 +60,48 @@ struct EpPlan {
   std::vector<int32_t> return_row;      // [R] the xs row of each output sent back, by (rank, token, j)
   std::vector<int32_t> return_pos;      // [R] inverse of return_row
   std::vector<int32_t> offsets;         // [local_experts + 1] xs rows of each local expert
+  std::vector<int64_t> expert_counts;   // [num_experts] this rank's slots routed to each expert
+
+  // Where the kernels read the index arrays above: the host vectors, or (when idx was
+  // on the GPU) their copies in one device block uploaded by ep_plan, which copies of
+  // the plan share and the last one frees.
+  Device device = Device::cpu;
+  struct OnDevice {
+    Tensor sent_token, token_rows, slot_row, order, local_slot_row, return_row, return_pos, offsets;
+    std::shared_ptr<void> block;
+  } gpu;
 
   int64_t sent_rows() const { return static_cast<int64_t>(sent_token.size()); }
   int64_t received_rows() const;                                          // U
   int64_t local_rows() const { return static_cast<int64_t>(order.size()); }  // R, rows of xs and ys
   int64_t returned_rows() const { return tokens * top_k; }                // rows of `back`
-  // The grouped GEMM's segments, i32 [local_experts + 1], a view of `offsets`.
+  // The grouped GEMM's segments, i32 [local_experts + 1] on the plan's device: a view
+  // of `offsets` or of its GPU copy.
   Tensor offsets_tensor() const;
   // Rows each local expert received (from all ranks), for the metrics.
   std::vector<int64_t> local_counts() const;
 };
 
-// Collective over `ep`. idx i32 [N,k] on the host, experts in [0, num_experts);
-// num_experts must be a multiple of ep.size(). N may differ between ranks (even 0).
+// Collective over `ep`. idx i32 [N,k] on the host or the GPU, experts in [0,
+// num_experts); num_experts must be a multiple of ep.size(). N may differ between ranks
+// (even 0). The plan lives on idx's device, and so must every tensor given with it.
 EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts);
 
-// x f32 [N,D] -> xs f32 [R,D] (R = plan.local_rows()), rows of local expert e at
+// The row tensors below (x, xs, dxs, dx, ys, back, y, dy, dys) are f32 on the host and
+// bf16 on the GPU, as the dispatch kernels take them; weight and dweight are f32.
+
+// x [N,D] -> xs [R,D] (R = plan.local_rows()), rows of local expert e at
 // plan.offsets[e] .. offsets[e+1].
 void ep_dispatch_forward(comm::Communicator& ep, const EpPlan& plan, const Tensor& x, const Tensor& xs);
-// dxs f32 [R,D] -> dx f32 [N,D] (overwritten).
+// dxs [R,D] -> dx [N,D] (overwritten). On the GPU a row's local copies are added in
+// fp32 and rounded to bf16 before they travel, then the ranks' rows added in fp32.
 void ep_dispatch_backward(comm::Communicator& ep, const EpPlan& plan, const Tensor& dxs, const Tensor& dx);
 
-// ys f32 [R,Do], weight f32 [N,k] -> back f32 [N*k,Do] (the outputs of this rank's
-// slots, which the backward needs: keep it) and y f32 [N,Do] (overwritten).
+// ys [R,Do], weight f32 [N,k] -> back [N*k,Do] (the outputs of this rank's slots,
+// which the backward needs: keep it) and y [N,Do] (overwritten).
 void ep_combine_forward(comm::Communicator& ep, const EpPlan& plan, const Tensor& ys, const Tensor& weight,
                         const Tensor& back, const Tensor& y);
-// dy f32 [N,Do] -> dys f32 [R,Do] and dweight f32 [N,k] (both overwritten).
+// dy [N,Do] -> dys [R,Do] and dweight f32 [N,k] (both overwritten).
 void ep_combine_backward(comm::Communicator& ep, const EpPlan& plan, const Tensor& back, const Tensor& weight,
                          const Tensor& dy, const Tensor& dys, const Tensor& dweight);
 

@@ -25,8 +25,16 @@
 //                    ulp; combine backward's dys is one product rounded (exact), dweight
 //                    an f32 dot in another order, within 1e-5 of the sum of |terms|.
 //
-// DISABLED_TimeAttention times the Qwen3-30B-A3B attention shape; run it with
-// --gtest_also_run_disabled_tests --gtest_filter='*TimeAttention*'.
+// Attention has two routes on the GPU (kernels/cuda/attention_cudnn.h): cuDNN's fused
+// SDPA for the cases it computes exactly (no sinks, no window, head_dim 64 or 128, plain
+// causal or every key visible), our kernel for the rest. A case marked .cudnn runs both,
+// cuDNN and then our kernel forced, each against the CPU with the same tolerances (cuDNN
+// too feeds P and dS to the tensor cores in bf16); the others must not reach cuDNN. The
+// cuDNN route also prints whether two backwards gave the same bits (its dQ sums with
+// atomics).
+//
+// DISABLED_TimeAttention times the Qwen3-30B-A3B attention shape on both routes; run it
+// with --gtest_also_run_disabled_tests --gtest_filter='*TimeAttention*'.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,6 +50,7 @@
 #include "core/dtype.h"
 #include "gpu/gpu_test.h"
 #include "kernels/attention.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/dispatch.h"
 #include "kernels/router.h"
@@ -78,12 +87,33 @@ struct AttnCase {
   int64_t b = 1, tq = 1, tk = 1, hq = 1, hkv = 1, d = 4, window = 0;
   bool sinks = false;
   int64_t q_offset = 0, k_offset = 0;
+  bool cudnn = false;  // the case is one cuDNN runs
 };
+
+// Sets the cuDNN switch for a scope, and puts back what it was.
+class CudnnRoute {
+ public:
+  explicit CudnnRoute(bool on) : was_(cuda::attention_cudnn_enabled()) { cuda::set_attention_cudnn(on); }
+  ~CudnnRoute() { cuda::set_attention_cudnn(was_); }
+  CudnnRoute(const CudnnRoute&) = delete;
+  CudnnRoute& operator=(const CudnnRoute&) = delete;
+
+ private:
+  bool was_;
+};
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  std::vector<uint8_t> x(a.nbytes()), y(b.nbytes());
+  cuda::copy(Tensor(x.data(), a.shape, a.dtype), a);
+  cuda::copy(Tensor(y.data(), b.shape, b.dtype), b);
+  return x == y;
+}
 
 std::string name_of(const AttnCase& c) {
   std::ostringstream s;
   s << "B=" << c.b << " Tq=" << c.tq << " Tk=" << c.tk << " Hq=" << c.hq << " Hkv=" << c.hkv << " D=" << c.d
-    << " window=" << c.window << (c.sinks ? " sinks" : "") << " q_offset=" << c.q_offset << " k_offset=" << c.k_offset;
+    << " window=" << c.window << (c.sinks ? " sinks" : "") << " q_offset=" << c.q_offset << " k_offset=" << c.k_offset
+    << (c.cudnn ? " (cuDNN)" : "");
   return s.str();
 }
 
@@ -121,44 +151,65 @@ TEST_P(CudaAttention, MatchesCpu) {
 
   auto qd = upload(q, DType::bf16, qs), kd = upload(k, DType::bf16, ks), vd = upload(v, DType::bf16, ks);
   auto gd = upload(dout, DType::bf16, qs), sd = upload(sinks, DType::f32, {c.hq});
-  auto dsd = upload(std::vector<float>(static_cast<size_t>(c.hq), 1.0f), DType::f32, {c.hq});
-  auto out = poisoned(DType::bf16, qs), lse = poisoned(DType::f32, ls), dq = poisoned(DType::bf16, qs);
-  auto dk = poisoned(DType::bf16, ks), dv = poisoned(DType::bf16, ks);
   const Tensor sinks_d = c.sinks ? sd.t : Tensor();
-  mt::attention_forward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t);
-  mt::attention_backward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t, gd.t, dq.t, dk.t, dv.t,
-                         c.sinks ? dsd.t : Tensor());
-  cuda::synchronize();
+  // A cuDNN case runs on cuDNN, then on our kernel forced; any other case runs once, on our kernel.
+  for (const bool use_cudnn : c.cudnn ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
+    const char* route = c.cudnn ? (use_cudnn ? "cudnn" : "kernel") : "kernel";
+    SCOPED_TRACE(std::string("route ") + route);
+    const CudnnRoute on(use_cudnn);
+    auto dsd = upload(std::vector<float>(static_cast<size_t>(c.hq), 1.0f), DType::f32, {c.hq});
+    auto out = poisoned(DType::bf16, qs), lse = poisoned(DType::f32, ls), dq = poisoned(DType::bf16, qs);
+    auto dk = poisoned(DType::bf16, ks), dv = poisoned(DType::bf16, ks);
+    const int64_t calls = cuda::attention_cudnn_calls();
+    mt::attention_forward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t);
+    mt::attention_backward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t, gd.t, dq.t, dk.t, dv.t,
+                           c.sinks ? dsd.t : Tensor());
+    cuda::synchronize();
+    const bool on_cudnn = c.cudnn && use_cudnn;
+    ASSERT_EQ(cuda::attention_cudnn_calls() - calls, on_cudnn ? 2 : 0)
+        << (on_cudnn ? "cuDNN declined the case (see its warning above)" : "the case reached cuDNN");
 
-  const std::vector<float> o = download(out.t), l = download(lse.t);
-  const Err eo = error(o, out_ref);
-  EXPECT_TRUE(near("out", o, out_ref, Tol(0, 2 * kBf16Round)));
-  for (size_t i = 0; i < l.size(); ++i) {
-    if (std::isinf(lse_ref[i])) {
-      EXPECT_EQ(l[i], lse_ref[i]) << "lse row " << i << " sees nothing";
-    } else {
-      ASSERT_NEAR(l[i], lse_ref[i], 1e-4) << "lse at " << i;
+    const std::vector<float> o = download(out.t), l = download(lse.t);
+    const Err eo = error(o, out_ref);
+    EXPECT_TRUE(near("out", o, out_ref, Tol(0, 2 * kBf16Round)));
+    for (size_t i = 0; i < l.size(); ++i) {
+      if (std::isinf(lse_ref[i])) {
+        EXPECT_EQ(l[i], lse_ref[i]) << "lse row " << i << " sees nothing";
+      } else {
+        ASSERT_NEAR(l[i], lse_ref[i], 1e-4) << "lse at " << i;
+      }
     }
+    const std::vector<float> gq = download(dq.t), gk = download(dk.t), gv = download(dv.t);
+    const Err eq = error(gq, dq_ref), ek = error(gk, dk_ref), ev = error(gv, dv_ref);
+    for (auto [e, ref, what] : {std::tuple{eq, &dq_ref, "dq"}, std::tuple{ek, &dk_ref, "dk"},
+                                std::tuple{ev, &dv_ref, "dv"}}) {
+      EXPECT_LE(e.rel, 1e-2) << what;
+      EXPECT_LE(e.max, max_abs(*ref) / 32) << what;
+    }
+    Err es{0, 0};
+    if (c.sinks) {
+      es = error(download(dsd.t), ds_ref);
+      EXPECT_LE(es.rel, 1e-2) << "dsinks";
+    }
+    std::string repeat;
+    if (on_cudnn) {
+      auto dq2 = poisoned(DType::bf16, qs), dk2 = poisoned(DType::bf16, ks), dv2 = poisoned(DType::bf16, ks);
+      mt::attention_backward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t, gd.t, dq2.t, dk2.t, dv2.t, Tensor());
+      cuda::synchronize();
+      repeat = std::string(" | again: dq ") + (same_bits(dq.t, dq2.t) ? "same" : "differs") + ", dk " +
+               (same_bits(dk.t, dk2.t) ? "same" : "differs") + ", dv " + (same_bits(dv.t, dv2.t) ? "same" : "differs");
+    }
+    std::printf("  [attention %s, %s] out max %.2e | rel dq %.2e dk %.2e dv %.2e dsinks %.2e%s\n", name_of(c).c_str(),
+                route, eo.max, eq.rel, ek.rel, ev.rel, es.rel, repeat.c_str());
   }
-  const std::vector<float> gq = download(dq.t), gk = download(dk.t), gv = download(dv.t);
-  const Err eq = error(gq, dq_ref), ek = error(gk, dk_ref), ev = error(gv, dv_ref);
-  for (auto [e, ref, what] : {std::tuple{eq, &dq_ref, "dq"}, std::tuple{ek, &dk_ref, "dk"},
-                              std::tuple{ev, &dv_ref, "dv"}}) {
-    EXPECT_LE(e.rel, 1e-2) << what;
-    EXPECT_LE(e.max, max_abs(*ref) / 32) << what;
-  }
-  Err es{0, 0};
-  if (c.sinks) {
-    es = error(download(dsd.t), ds_ref);
-    EXPECT_LE(es.rel, 1e-2) << "dsinks";
-  }
-  std::printf("  [attention %s] out max %.2e | rel dq %.2e dk %.2e dv %.2e dsinks %.2e\n", name_of(c).c_str(),
-              eo.max, eq.rel, ek.rel, ev.rel, es.rel);
 }
 
 // The CPU table's rows (one token, GQA 6/2 and 4/1, windows, sinks, Tq != Tk with
 // offsets and rows that see no key, B = 2, head dims 5 and 16), then sizes that span
 // several tiles with head dims 8, 64, 96, 128 (the 16-byte load path and both paddings).
+// Then cuDNN's cases: causal GQA at D = 128 (Qwen3's 32/4 heads), causal with equal
+// non-zero offsets, every key visible (a ring attention block, and Tq != Tk at D = 64);
+// and cases it must leave to our kernel: a window, sinks, a causal diagonal shifted by one.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaAttention,
     ::testing::Values(AttnCase{.tq = 1, .tk = 1, .hq = 2, .hkv = 2, .d = 5, .sinks = true},
@@ -173,18 +224,27 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{.tq = 7, .tk = 5, .hq = 6, .hkv = 2, .d = 5, .k_offset = 4},
                       AttnCase{.tq = 7, .tk = 5, .hq = 6, .hkv = 2, .d = 16, .window = 3, .sinks = true, .k_offset = 4},
                       AttnCase{.tq = 33, .tk = 33, .hq = 2, .hkv = 1, .d = 8},
-                      AttnCase{.b = 2, .tq = 130, .tk = 130, .hq = 4, .hkv = 2, .d = 64},
+                      AttnCase{.b = 2, .tq = 130, .tk = 130, .hq = 4, .hkv = 2, .d = 64, .cudnn = true},
                       AttnCase{.tq = 200, .tk = 200, .hq = 4, .hkv = 1, .d = 128, .window = 70, .sinks = true},
                       AttnCase{.tq = 100, .tk = 300, .hq = 2, .hkv = 1, .d = 128, .q_offset = 200},
                       AttnCase{.tq = 150, .tk = 100, .hq = 2, .hkv = 2, .d = 128, .k_offset = 120},
                       AttnCase{.tq = 77, .tk = 77, .hq = 6, .hkv = 2, .d = 96},
-                      AttnCase{.b = 2, .tq = 257, .tk = 257, .hq = 8, .hkv = 1, .d = 64, .sinks = true}),
+                      AttnCase{.b = 2, .tq = 257, .tk = 257, .hq = 8, .hkv = 1, .d = 64, .sinks = true},
+                      AttnCase{.b = 2, .tq = 512, .tk = 512, .hq = 32, .hkv = 4, .d = 128, .cudnn = true},
+                      AttnCase{.tq = 192, .tk = 192, .hq = 8, .hkv = 8, .d = 128, .q_offset = 256, .k_offset = 256,
+                               .cudnn = true},
+                      AttnCase{.b = 2, .tq = 256, .tk = 256, .hq = 16, .hkv = 4, .d = 128, .q_offset = 512,
+                               .k_offset = 256, .cudnn = true},
+                      AttnCase{.tq = 100, .tk = 300, .hq = 4, .hkv = 1, .d = 64, .q_offset = 300, .cudnn = true},
+                      AttnCase{.tq = 256, .tk = 256, .hq = 8, .hkv = 2, .d = 128, .window = 64},
+                      AttnCase{.tq = 128, .tk = 128, .hq = 8, .hkv = 2, .d = 128, .sinks = true},
+                      AttnCase{.tq = 256, .tk = 256, .hq = 8, .hkv = 2, .d = 128, .q_offset = 257, .k_offset = 256}),
     [](const ::testing::TestParamInfo<AttnCase>& i) { return "case" + std::to_string(i.index); });
 
-// B=2, T=4096, Hq=32, Hkv=4, D=128 (Qwen3-30B-A3B), causal: the median of 20 timed runs
-// after 3 warm-ups, with CUDA events. FLOPs count the products the math needs (forward
-// 2, backward 5, each 2*T*T*D per head, halved by the causal mask), not the two that
-// the dQ pass recomputes.
+// B=2, T=4096, Hq=32, Hkv=4, D=128 (Qwen3-30B-A3B), causal, on cuDNN and on our kernel:
+// the median of 20 timed runs after 3 warm-ups, with CUDA events. FLOPs count the
+// products the math needs (forward 2, backward 5, each 2*T*T*D per head, halved by the
+// causal mask), not the ones an implementation recomputes.
 TEST(CudaAttentionTiming, DISABLED_TimeAttention) {
   MT_SKIP_WITHOUT_GPU();
   const int64_t b = 2, t = 4096, hq = 32, hkv = 4, d = 128;
@@ -221,14 +281,17 @@ TEST(CudaAttentionTiming, DISABLED_TimeAttention) {
     std::sort(ms.begin(), ms.end());
     return static_cast<double>(ms[ms.size() / 2]);
   };
-  const double fwd_ms = median_ms(fwd);
-  const double bwd_ms = median_ms(bwd);
   const double product = 2.0 * b * hq * t * t * d / 2;  // one causal T x T x D product
-  std::printf("attention B=%ld T=%ld Hq=%ld Hkv=%ld D=%ld causal: forward %.3f ms (%.1f TFLOPS), backward %.3f ms "
-              "(%.1f TFLOPS), forward+backward %.1f TFLOPS\n",
-              static_cast<long>(b), static_cast<long>(t), static_cast<long>(hq), static_cast<long>(hkv),
-              static_cast<long>(d), fwd_ms, 2 * product / fwd_ms / 1e9, bwd_ms, 5 * product / bwd_ms / 1e9,
-              7 * product / (fwd_ms + bwd_ms) / 1e9);
+  for (const bool use_cudnn : {true, false}) {
+    const CudnnRoute on(use_cudnn);
+    const double fwd_ms = median_ms(fwd);
+    const double bwd_ms = median_ms(bwd);
+    std::printf("attention (%s) B=%ld T=%ld Hq=%ld Hkv=%ld D=%ld causal: forward %.3f ms (%.1f TFLOPS), backward "
+                "%.3f ms (%.1f TFLOPS), forward+backward %.1f TFLOPS\n",
+                use_cudnn ? "cuDNN" : "kernel", static_cast<long>(b), static_cast<long>(t), static_cast<long>(hq),
+                static_cast<long>(hkv), static_cast<long>(d), fwd_ms, 2 * product / fwd_ms / 1e9, bwd_ms,
+                5 * product / bwd_ms / 1e9, 7 * product / (fwd_ms + bwd_ms) / 1e9);
+  }
 }
 
 // ---------------------------------------------------------------- router

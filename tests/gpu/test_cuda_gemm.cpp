@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "gpu/gpu_test.h"
+#include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/gemm.h"
 #include "kernels/grouped_gemm.h"
 
@@ -127,9 +128,21 @@ struct GroupedCase {
   DType out;
 };
 
+// Rows per expert drawn uniformly from [0, 2 * mean], with the experts in `empty` forced
+// to none: the uneven segments routing produces.
+std::vector<int32_t> random_counts(int64_t experts, int32_t mean, std::vector<int64_t> empty, uint64_t seed) {
+  std::vector<int32_t> counts = random_ints(experts, 0, 2 * mean, seed);
+  for (int64_t e : empty) counts[static_cast<size_t>(e)] = 0;
+  return counts;
+}
+
 // The CPU table's rows (one row, empty experts first, last, between and all but one, K
 // and O not multiples of 8 or 128), then segments spanning several 128-row tiles with
-// the operands 16-byte aligned (vector loads) and not.
+// the operands 16-byte aligned (vector loads) and not. Then the cases the CUTLASS path
+// takes (bf16 out, no bias, K and O multiples of 8): empty experts at both ends and
+// between, every expert empty, O not a multiple of the 128 or 256 tile, more experts than
+// a warp scans at once and than one planning block covers, and Qwen3-30B-A3B's two
+// expert products (K=2048, O=1536 and K=768, O=2048) with uneven segments around 512 rows.
 std::vector<GroupedCase> grouped_cases() {
   return {
       {{0, 1, 0}, 5, 3, true, false, DType::bf16},
@@ -140,16 +153,33 @@ std::vector<GroupedCase> grouped_cases() {
       {{300, 0, 129, 1, 260, 0, 0, 517}, 200, 260, false, true, DType::bf16},
       {{128, 256, 0, 77, 301}, 256, 384, true, false, DType::bf16},
       {{0, 0, 0}, 16, 8, true, true, DType::bf16},
+      {{0, 200, 0, 37, 513, 0}, 64, 136, false, false, DType::bf16},
+      {{1, 0, 255, 129, 8}, 256, 512, false, true, DType::bf16},
+      {{0, 0, 0, 0}, 32, 16, false, false, DType::bf16},
+      {{300, 0, 129, 1, 260}, 200, 264, true, true, DType::f32},
+      {random_counts(160, 20, {0, 31, 32, 100, 159}, 71), 64, 96, false, true, DType::bf16},
+      {random_counts(16, 512, {3, 11}, 72), 2048, 1536, false, false, DType::bf16},
+      {random_counts(8, 512, {0}, 73), 768, 2048, false, true, DType::bf16},
   };
 }
 
 std::string describe(const GroupedCase& g) {
   std::ostringstream s;
   s << "counts=";
-  for (size_t i = 0; i < g.counts.size(); ++i) s << (i ? "," : "") << g.counts[i];
+  for (size_t i = 0; i < g.counts.size() && i < 24; ++i) s << (i ? "," : "") << g.counts[i];
+  if (g.counts.size() > 24) s << ",... (" << g.counts.size() << " experts)";
   s << " K=" << g.k << " O=" << g.o << " bias=" << g.bias << " acc=" << g.accumulate << " out=" << dtype_name(g.out);
   return s.str();
 }
+
+// The routes a grouped product can take (kernels/cuda/grouped_gemm_sm90.cuh): the public
+// function's choice, CUTLASS called directly, and the WMMA kernel called directly. A case
+// with K and O multiples of 8 runs all three, so neither implementation goes untested at
+// the shapes CUTLASS takes (and CUTLASS must decline what it was not built for); the
+// others only reach the WMMA kernel, through the public functions.
+enum class Route { dispatch, sm90, wmma };
+
+const char* route_name(Route r) { return r == Route::dispatch ? "dispatch" : r == Route::sm90 ? "sm90" : "wmma"; }
 
 TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
   MT_SKIP_WITHOUT_GPU();
@@ -179,21 +209,10 @@ TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
                       host(want_y, {n, g.o}));
     cpu::grouped_gemm(host(ax, {n, g.k}), host(aw, {e, g.o, g.k}), g.bias ? host(abias, {e, g.o}) : none, off,
                       host(bound_y, {n, g.o}));
-    auto d_x = upload(x, DType::bf16, {n, g.k}), d_w = upload(w, DType::bf16, {e, g.o, g.k});
-    auto d_bias = upload(bias, DType::f32, {e, g.o}), d_off = upload(offsets, {e + 1});
-    auto d_y = poisoned(g.out, {n, g.o});
-    cuda::grouped_gemm(d_x.t, d_w.t, g.bias ? d_bias.t : none, d_off.t, d_y.t);
-    EXPECT_TRUE(near("y", download(d_y.t), want_y, product_tol(g.k, bound_y, g.out)));
-
     // B: dx = dy w, reducing over O.
     std::vector<float> want_dx(n * g.k), bound_dx(n * g.k);
     cpu::grouped_gemm_backward_input(host(dy, {n, g.o}), host(w, {e, g.o, g.k}), off, host(want_dx, {n, g.k}));
     cpu::grouped_gemm_backward_input(host(ady, {n, g.o}), host(aw, {e, g.o, g.k}), off, host(bound_dx, {n, g.k}));
-    auto d_dy = upload(dy, DType::bf16, {n, g.o});
-    auto d_dx = poisoned(g.out, {n, g.k});
-    cuda::grouped_gemm_backward_input(d_dy.t, d_w.t, d_off.t, d_dx.t);
-    EXPECT_TRUE(near("dx", download(d_dx.t), want_dx, product_tol(g.o, bound_dx, g.out)));
-
     // W: dw = dy^T x and dbias = column sums of dy over each segment, reducing over its
     // rows (at most `longest`); f32, accumulated onto dw0/db0 or overwriting poison.
     auto want_dw = dw0, want_db = db0;
@@ -203,14 +222,57 @@ TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
     auto bound_db = g.accumulate ? abs_of(db0) : std::vector<float>(db0.size(), 0.0f);
     cpu::grouped_gemm_backward_weight(host(ax, {n, g.k}), host(ady, {n, g.o}), off, host(bound_dw, {e, g.o, g.k}),
                                       host(bound_db, {e, g.o}), true);
-    auto d_dw = g.accumulate ? upload(dw0, DType::f32, {e, g.o, g.k}) : poisoned(DType::f32, {e, g.o, g.k});
-    auto d_db = g.accumulate ? upload(db0, DType::f32, {e, g.o}) : poisoned(DType::f32, {e, g.o});
-    cuda::grouped_gemm_backward_weight(d_x.t, d_dy.t, d_off.t, d_dw.t, g.bias ? d_db.t : none, g.accumulate);
-    EXPECT_TRUE(near("dw", download(d_dw.t), want_dw, product_tol(longest, bound_dw, DType::f32)));
-    // The bias gradient adds the same bf16 values in the same row order in f32 on both
-    // backends: equal bit for bit.
-    if (g.bias) {
-      EXPECT_TRUE(near("dbias", download(d_db.t), want_db, Tol{}));
+
+    auto d_x = upload(x, DType::bf16, {n, g.k}), d_w = upload(w, DType::bf16, {e, g.o, g.k});
+    auto d_bias = upload(bias, DType::f32, {e, g.o}), d_off = upload(offsets, {e + 1});
+    auto d_dy = upload(dy, DType::bf16, {n, g.o});
+    // What CUTLASS must take (the device buffers are 256-byte aligned): TMA rows of
+    // 16-byte multiples, the model's dtypes, no forward bias.
+    const bool tma = g.k > 0 && g.k % 8 == 0 && g.o > 0 && g.o % 8 == 0;
+    const bool sm90_forward = tma && g.out == DType::bf16 && !g.bias, sm90_input = tma && g.out == DType::bf16;
+    for (Route route : {Route::dispatch, Route::sm90, Route::wmma}) {
+      if (route != Route::dispatch && !tma) continue;
+      SCOPED_TRACE(std::string("route ") + route_name(route));
+
+      auto d_y = poisoned(g.out, {n, g.o});
+      if (route == Route::dispatch) {
+        cuda::grouped_gemm(d_x.t, d_w.t, g.bias ? d_bias.t : none, d_off.t, d_y.t);
+      } else if (route == Route::wmma) {
+        cuda::grouped_gemm_wmma(d_x.t, d_w.t, g.bias ? d_bias.t : none, d_off.t, d_y.t);
+      } else if (!g.bias) {
+        EXPECT_EQ(cuda::grouped_gemm_sm90(d_x.t, d_w.t, d_off.t, d_y.t), sm90_forward);
+      }
+      if (route != Route::sm90 || sm90_forward) {
+        EXPECT_TRUE(near("y", download(d_y.t), want_y, product_tol(g.k, bound_y, g.out)));
+      }
+
+      auto d_dx = poisoned(g.out, {n, g.k});
+      if (route == Route::dispatch) {
+        cuda::grouped_gemm_backward_input(d_dy.t, d_w.t, d_off.t, d_dx.t);
+      } else if (route == Route::wmma) {
+        cuda::grouped_gemm_backward_input_wmma(d_dy.t, d_w.t, d_off.t, d_dx.t);
+      } else {
+        EXPECT_EQ(cuda::grouped_gemm_backward_input_sm90(d_dy.t, d_w.t, d_off.t, d_dx.t), sm90_input);
+      }
+      if (route != Route::sm90 || sm90_input) {
+        EXPECT_TRUE(near("dx", download(d_dx.t), want_dx, product_tol(g.o, bound_dx, g.out)));
+      }
+
+      auto d_dw = g.accumulate ? upload(dw0, DType::f32, {e, g.o, g.k}) : poisoned(DType::f32, {e, g.o, g.k});
+      auto d_db = g.accumulate ? upload(db0, DType::f32, {e, g.o}) : poisoned(DType::f32, {e, g.o});
+      if (route == Route::dispatch) {
+        cuda::grouped_gemm_backward_weight(d_x.t, d_dy.t, d_off.t, d_dw.t, g.bias ? d_db.t : none, g.accumulate);
+      } else if (route == Route::wmma) {
+        cuda::grouped_gemm_backward_weight_wmma(d_x.t, d_dy.t, d_off.t, d_dw.t, g.accumulate);
+      } else {
+        EXPECT_TRUE(cuda::grouped_gemm_backward_weight_sm90(d_x.t, d_dy.t, d_off.t, d_dw.t, g.accumulate));
+      }
+      EXPECT_TRUE(near("dw", download(d_dw.t), want_dw, product_tol(longest, bound_dw, DType::f32)));
+      // The bias gradient adds the same bf16 values in the same row order in f32 on both
+      // backends: equal bit for bit. Only the public function computes it.
+      if (g.bias && route == Route::dispatch) {
+        EXPECT_TRUE(near("dbias", download(d_db.t), want_db, Tol{}));
+      }
     }
   }
 }

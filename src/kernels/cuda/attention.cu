@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "kernels/attention.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/runtime.h"
 
 namespace mt::cuda {
@@ -680,6 +681,8 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   Params p = make_params(q, k, v, sinks, a);
   check_arg(out, "attention out", {DType::bf16}, q.shape);
   check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
+  // cuDNN's fused kernels where they compute exactly this (attention_cudnn.h), ours otherwise.
+  if (cudnn_attention_forward(q, k, v, sinks, a, out, lse)) return;
   p.o = static_cast<bf16*>(out.data);
   p.lse_out = lse.f32();
   p.vec = p.vec && aligned16(out);
@@ -704,6 +707,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
     check_arg(dsinks, "attention dsinks", {DType::f32}, {p.hq});
     p.dsinks = dsinks.f32();
   }
+  if (cudnn_attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv)) return;
   p.out = static_cast<const bf16*>(out.data);
   p.dout = static_cast<const bf16*>(dout.data);
   p.lse = lse.f32();

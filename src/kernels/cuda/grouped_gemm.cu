@@ -11,13 +11,17 @@
 //   forward       y[seg]  = x[seg] @ w[e]^T      rows of the segment tile M
 //   B (input)     dx[seg] = dy[seg] @ w[e]       rows of the segment tile M
 //   W (weight)    dw[e]  (+)= dy[seg]^T @ x[seg]  the segment's rows are the reduction
-// Plain mma.sync, not Hopper's wgmma: correct and sync-free first; the speed work of
-// the benchmark issue can replace the inner loop without touching the scheduling.
+// Plain mma.sync, not Hopper's wgmma, so a fraction of the tensor cores' speed: the
+// public functions below send what the model runs (bf16 y and dx, f32 dw, K and O
+// multiples of 8, no forward bias) to CUTLASS's Hopper grouped GEMM
+// (grouped_gemm_sm90.cu), and this kernel takes the rest: biases, f32 activations out,
+// odd shapes and alignments.
 #include <mma.h>
 
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/cuda/runtime.h"
 #include "kernels/grouped_gemm.h"
 
@@ -317,6 +321,8 @@ unsigned row_tiles(int64_t rows, int64_t experts) { return static_cast<unsigned>
 
 }  // namespace
 
+// The public functions check their arguments, then take the CUTLASS path
+// (grouped_gemm_sm90.cu) when it covers the call and this kernel otherwise.
 void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y) {
   MT_CHECK(x.ndim() == 2 && w.ndim() == 3 && y.ndim() == 2)
       << "grouped_gemm wants x [N,K], w [E,O,K], y [N,O], got x " << x.str() << ", w " << w.str() << ", y "
@@ -326,13 +332,10 @@ void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Te
   check_arg(w, "grouped_gemm w", {DType::bf16}, {experts, o, k});
   check_arg(y, "grouped_gemm y", {DType::bf16, DType::f32}, {n, o});
   if (bias.data != nullptr) check_arg(bias, "grouped_gemm bias", {DType::f32}, {experts, o});
-  Segments seg = segments_of(offsets, experts, n);
+  check_arg(offsets, "grouped_gemm offsets", {DType::i32}, {experts + 1});
   if (n == 0 || o == 0 || experts == 0) return;
-  RowArgs p{seg, static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data), k, o, k,
-            bias.data != nullptr ? bias.f32() : nullptr, y.data, y.dtype == DType::bf16, o};
-  dim3 grid(row_tiles(n, experts), static_cast<unsigned>((o + BN - 1) / BN));
-  row_segment_kernel<true><<<grid, kThreads, 0, stream()>>>(p);
-  CUDA_CHECK_LAUNCH();
+  if (bias.data == nullptr && grouped_gemm_sm90(x, w, offsets, y)) return;
+  grouped_gemm_wmma(x, w, bias, offsets, y);
 }
 
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx) {
@@ -343,13 +346,10 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
   check_arg(dy, "grouped_gemm dy", {DType::bf16}, {n, o});
   check_arg(w, "grouped_gemm w", {DType::bf16}, {experts, o, k});
   check_arg(dx, "grouped_gemm dx", {DType::bf16, DType::f32}, {n, k});
-  Segments seg = segments_of(offsets, experts, n);
+  check_arg(offsets, "grouped_gemm offsets", {DType::i32}, {experts + 1});
   if (n == 0 || k == 0 || experts == 0) return;
-  RowArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(w.data), o, o, k, nullptr, dx.data,
-            dx.dtype == DType::bf16, k};
-  dim3 grid(row_tiles(n, experts), static_cast<unsigned>((k + BN - 1) / BN));
-  row_segment_kernel<false><<<grid, kThreads, 0, stream()>>>(p);
-  CUDA_CHECK_LAUNCH();
+  if (grouped_gemm_backward_input_sm90(dy, w, offsets, dx)) return;
+  grouped_gemm_backward_input_wmma(dy, w, offsets, dx);
 }
 
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,
@@ -364,20 +364,48 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
   if (dbias.data != nullptr) check_arg(dbias, "grouped_gemm dbias", {DType::f32}, {experts, o});
   Segments seg = segments_of(offsets, experts, n);
   if (experts == 0 || o == 0) return;
-  if (k > 0) {
-    WeightArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data), dw.f32(), o, k,
-                 accumulate};
-    dim3 grid(static_cast<unsigned>((o + BM - 1) / BM), static_cast<unsigned>((k + BN - 1) / BN),
-              static_cast<unsigned>(experts));
-    weight_kernel<<<grid, kThreads, 0, stream()>>>(p);
-    CUDA_CHECK_LAUNCH();
-  }
+  if (k > 0 && !grouped_gemm_backward_weight_sm90(x, dy, offsets, dw, accumulate))
+    grouped_gemm_backward_weight_wmma(x, dy, offsets, dw, accumulate);
   if (dbias.data != nullptr) {
     dim3 grid(blocks_for(o, 256), static_cast<unsigned>(experts));
     bias_grad_kernel<<<grid, 256, 0, stream()>>>(seg, static_cast<const bf16*>(dy.data), o, dbias.f32(),
                                                   accumulate);
     CUDA_CHECK_LAUNCH();
   }
+}
+
+void grouped_gemm_wmma(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y) {
+  const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
+  Segments seg = segments_of(offsets, experts, n);
+  if (n == 0 || o == 0 || experts == 0) return;
+  RowArgs p{seg, static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data), k, o, k,
+            bias.data != nullptr ? bias.f32() : nullptr, y.data, y.dtype == DType::bf16, o};
+  dim3 grid(row_tiles(n, experts), static_cast<unsigned>((o + BN - 1) / BN));
+  row_segment_kernel<true><<<grid, kThreads, 0, stream()>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+void grouped_gemm_backward_input_wmma(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx) {
+  const int64_t n = dy.dim(0), experts = w.dim(0), o = w.dim(1), k = w.dim(2);
+  Segments seg = segments_of(offsets, experts, n);
+  if (n == 0 || k == 0 || experts == 0) return;
+  RowArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(w.data), o, o, k, nullptr, dx.data,
+            dx.dtype == DType::bf16, k};
+  dim3 grid(row_tiles(n, experts), static_cast<unsigned>((k + BN - 1) / BN));
+  row_segment_kernel<false><<<grid, kThreads, 0, stream()>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+void grouped_gemm_backward_weight_wmma(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,
+                                       bool accumulate) {
+  const int64_t n = x.dim(0), k = x.dim(1), experts = dw.dim(0), o = dw.dim(1);
+  Segments seg = segments_of(offsets, experts, n);
+  if (experts == 0 || o == 0 || k == 0) return;
+  WeightArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data), dw.f32(), o, k, accumulate};
+  dim3 grid(static_cast<unsigned>((o + BM - 1) / BM), static_cast<unsigned>((k + BN - 1) / BN),
+            static_cast<unsigned>(experts));
+  weight_kernel<<<grid, kThreads, 0, stream()>>>(p);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace mt::cuda

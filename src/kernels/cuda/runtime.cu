@@ -1,5 +1,6 @@
 #include "kernels/cuda/runtime.h"
 
+#include <cstdint>
 #include <sstream>
 
 #include "core/arena.h"
@@ -54,6 +55,38 @@ void* scratch(size_t bytes) {
     buffer = device_alloc(Device::cuda, capacity);
   }
   return buffer;
+}
+
+void* stream_alloc(size_t bytes) {
+  // The default pool's release threshold is 0, which hands freed memory back to the
+  // driver at every synchronisation; keep it instead, as the arenas' pool does.
+  static const bool kept = [] {
+    int dev = 0;
+    cudaMemPool_t pool = nullptr;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+    uint64_t keep = UINT64_MAX;
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    return true;
+  }();
+  (void)kept;
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  CUDA_CHECK(cudaMallocAsync(&p, bytes, stream()));
+  return p;
+}
+
+void stream_free(void* p) {
+  if (p != nullptr) cudaFreeAsync(p, stream());
+}
+
+void select_device(int local_rank) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // no driver or no GPU: clear the error, stay on the CPU
+    return;
+  }
+  CUDA_CHECK(cudaSetDevice(local_rank % count));
 }
 
 void copy(const Tensor& dst, const Tensor& src) {

@@ -42,6 +42,21 @@ void* blaslt_workspace();
 // each use it.
 void* scratch(size_t bytes);
 
+// Device memory ordered on stream(), for temporaries whose size is known only at run
+// time (the expert-parallel plans and transfers, ring attention's blocks): usable at
+// once by work queued on stream() (or on a stream ordered after it), and back in the
+// pool once the work queued before stream_free is done, with no synchronisation
+// either way. From the device's default pool, told to keep what is freed for the next
+// request. stream_free(nullptr) does nothing and never throws (it runs in destructors).
+void* stream_alloc(size_t bytes);
+void stream_free(void* p);
+
+// One process drives one GPU: the ranks of a node take GPUs local_rank % count. Called
+// by the world's setup (comm::World) for multi-rank runs, before any CUDA state exists
+// (streams, pools, NCCL communicators belong to the device current when they are
+// made). Without a usable GPU it does nothing: a CPU run needs none.
+void select_device(int local_rank);
+
 // dst = src, same dtype and element count, any pair of devices. Synchronises when
 // either side is host memory, so the host buffer is free (or filled) on return.
 void copy(const Tensor& dst, const Tensor& src);

@@ -1,0 +1,366 @@
+// Grouped expert products on Hopper through CUTLASS 3.x's grouped GEMM ("ptr-array
+// grouped", CUTLASS example 57): TMA loads, wgmma, persistent warp-specialized kernels
+// that walk the experts' tiles themselves. grouped_gemm.cu's mma.sync kernel gets a
+// fraction of the tensor cores' speed; bench/grouped_gemm_bench.cpp compares the two.
+//
+// No host sync: CUTLASS reads each group's problem shape and operand pointers from device
+// arrays. plan_groups_kernel reads the offsets on the device and writes those arrays into
+// a workspace kept across calls; CUTLASS gets the group count from the host and no host
+// copy of the shapes (host_problem_shapes = nullptr), so it launches one CTA per SM and
+// its group tile scheduler (PersistentTileSchedulerSm90Group) finds every CTA's tiles
+// from the device-side shapes.
+//
+// Three instantiations, the dtypes src/models/qwen3_moe.cpp runs on the GPU:
+//   forward  y[seg]   = x[seg] @ w[e]^T      A row-major, B column-major (w[e] is O x K)
+//   B        dx[seg]  = dy[seg] @ w[e]       A row-major, B row-major
+//   W        dw[e] (+)= dy[seg]^T @ x[seg]   A column-major, B row-major, f32 C = D = dw[e]
+// y and dx bf16, dw f32 with beta 1 (accumulate) or 0 (C is then never read).
+//
+// Empty experts. Forward and B give an empty segment M = 0: no tiles. In W the segment's
+// rows are the reduction; a group with K = 0 would get tiles whose accumulators are never
+// cleared (CUTLASS clears them through the first wgmma's scale-out), so an empty expert
+// gets M = 0 too, and when not accumulating zero_empty_experts_kernel writes its zeros.
+//
+// Tiles. Forward and B: cooperative 128x256x64 in 2x1 clusters (the two M tiles of a
+// cluster share the weight tile through TMA multicast), what PyTorch's grouped_mm runs for
+// bf16 at these sizes. W stores f32 and, accumulating, loads it too: pingpong 128x128x64,
+// whose two consumer warp groups overlap one tile's epilogue with the other's MMAs. The
+// model's O (1536, 2048) is a multiple of 256, so W's 2x1 clusters waste no tiles.
+#include "kernels/cuda/grouped_gemm_sm90.cuh"
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/kernel_hardware_info.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/arena.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/runtime.h"
+
+namespace mt::cuda {
+
+namespace {
+
+using bf16 = cutlass::bfloat16_t;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per expert
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+using RowMajor = cutlass::layout::RowMajor;
+using ColumnMajor = cutlass::layout::ColumnMajor;
+
+template <class LayoutA, class LayoutB, class ElementC, class ElementD, class Tile, class Cluster, bool kPingpong>
+struct Config {
+  using MainloopSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                              cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  // Elements per 16 bytes, TMA's alignment (C, when there is one, has D's type).
+  static constexpr int kAlignAB = 16 / sizeof(bf16);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor*, kAlignD, ElementD, RowMajor*,
+      kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, LayoutA*, kAlignAB, bf16, LayoutB*, kAlignAB, float,
+      Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>>;
+};
+
+using Tile128x256 = cute::Shape<cute::_128, cute::_256, cute::_64>;
+using Tile128x128 = cute::Shape<cute::_128, cute::_128, cute::_64>;
+using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
+using ForwardGemm = Config<RowMajor, ColumnMajor, void, bf16, Tile128x256, Cluster2x1, false>::Gemm;
+using InputGemm = Config<RowMajor, RowMajor, void, bf16, Tile128x256, Cluster2x1, false>::Gemm;
+using WeightGemm = Config<ColumnMajor, RowMajor, float, float, Tile128x128, Cluster2x1, true>::Gemm;
+
+// The types CUTLASS reads per group. ElementC is void when the epilogue has no source.
+template <class Gemm>
+struct Types {
+  using Kernel = typename Gemm::GemmKernel;
+  using A = typename Kernel::ElementA;
+  using B = typename Kernel::ElementB;
+  using C = typename Kernel::ElementC;
+  using D = typename Kernel::ElementD;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  static constexpr bool kHasC = !std::is_void_v<C>;
+};
+
+// A CUTLASS stride of a packed matrix has one dynamic mode, the leading dimension; the
+// others are static 1 (the contiguous mode) and 0 (the batch mode, unused when grouped).
+template <class Stride>
+Stride leading(int64_t ld) {
+  Stride s{};
+  if constexpr (cute::is_static<std::remove_cvref_t<decltype(cute::get<0>(s))>>::value)
+    cute::get<1>(s) = ld;
+  else
+    cute::get<0>(s) = ld;
+  return s;
+}
+
+// Where expert e's part of an operand starts: base + begin * per_row + e * per_expert
+// elements, begin being the first row of its segment.
+template <class T>
+struct Walk {
+  T* base;
+  int64_t per_row, per_expert;
+  __device__ T* at(int e, int64_t begin) const { return base + begin * per_row + e * per_expert; }
+};
+
+// The per-expert arrays of one launch, carved from the workspace.
+template <class Gemm>
+struct Groups {
+  using T = Types<Gemm>;
+  GroupShape* shape;
+  const typename T::A** a;
+  const typename T::B** b;
+  const typename T::C** c;  // unused without a source
+  typename T::D** d;
+  typename T::StrideA* stride_a;
+  typename T::StrideB* stride_b;
+  typename T::StrideC* stride_c;
+  typename T::StrideD* stride_d;
+};
+
+template <class Gemm>
+struct Plan {
+  using T = Types<Gemm>;
+  const int32_t* offsets;  // [experts + 1] on the device
+  int experts;
+  int64_t rows;            // N: offsets are clamped to [0, N], as the WMMA kernel does
+  Walk<const typename T::A> a;
+  Walk<const typename T::B> b;
+  Walk<typename T::D> d;   // also C, when there is one (W accumulates in place)
+  // Forward and B: expert e is (rows_e, n, k). W (rows_reduce): (m, n, rows_e), and
+  // (0, n, rows_e) without rows.
+  int m, n, k;
+  bool rows_reduce;
+  typename T::StrideA stride_a;
+  typename T::StrideB stride_b;
+  typename T::StrideD stride_d;  // C's too
+  Groups<Gemm> out;
+};
+
+template <class Gemm>
+__global__ void plan_groups_kernel(Plan<Gemm> p) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= p.experts) return;
+  const int64_t begin = min(max(int64_t{p.offsets[e]}, int64_t{0}), p.rows);
+  const int64_t end = min(max(int64_t{p.offsets[e + 1]}, begin), p.rows);
+  const int rows = static_cast<int>(end - begin);
+  p.out.shape[e] = p.rows_reduce ? cute::make_shape(rows > 0 ? p.m : 0, p.n, rows) : cute::make_shape(rows, p.n, p.k);
+  p.out.a[e] = p.a.at(e, begin);
+  p.out.b[e] = p.b.at(e, begin);
+  p.out.d[e] = p.d.at(e, begin);
+  p.out.stride_a[e] = p.stride_a;
+  p.out.stride_b[e] = p.stride_b;
+  p.out.stride_d[e] = p.stride_d;
+  if constexpr (Types<Gemm>::kHasC) {
+    p.out.c[e] = p.out.d[e];
+    p.out.stride_c[e] = p.stride_d;
+  }
+}
+
+// dw[e] = 0 for every expert without rows (W without accumulation: CUTLASS skips them).
+__global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t rows, float4* dw, int64_t per_expert) {
+  const int e = blockIdx.y;
+  const int64_t begin = min(max(int64_t{offsets[e]}, int64_t{0}), rows);
+  const int64_t end = min(max(int64_t{offsets[e + 1]}, begin), rows);
+  if (end > begin) return;
+  float4* out = dw + e * per_expert;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < per_expert; i += gridDim.x * int64_t{blockDim.x})
+    out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// Device memory kept across calls: CUTLASS's workspace (a TMA descriptor per SM and
+// operand) followed by the per-expert arrays. It grows when a launch needs more (the
+// first one, or more experts) and is reused after that; launches queue on stream() in
+// order, so each one's arrays are written after the previous one has read its own.
+char* workspace(size_t bytes) {
+  static char* buffer = nullptr;
+  static size_t capacity = 0;
+  if (bytes > capacity) {
+    // device_free waits for the device, so no queued launch still reads the old buffer.
+    device_free(Device::cuda, buffer);
+    capacity = bytes;
+    buffer = static_cast<char*>(device_alloc(Device::cuda, capacity));
+  }
+  return buffer;
+}
+
+// Hands out 256-byte aligned pieces from `base`; with base = nullptr it only measures.
+struct Carve {
+  char* base;
+  size_t used = 0;
+  template <class T>
+  T* take(int64_t count) {
+    T* p = reinterpret_cast<T*>(base == nullptr ? nullptr : base + used);
+    used += (static_cast<size_t>(count) * sizeof(T) + 255) / 256 * 256;
+    return p;
+  }
+};
+
+template <class Gemm>
+Groups<Gemm> carve_groups(Carve& c, int experts) {
+  using T = Types<Gemm>;
+  Groups<Gemm> g{};
+  g.shape = c.take<GroupShape>(experts);
+  g.a = c.take<const typename T::A*>(experts);
+  g.b = c.take<const typename T::B*>(experts);
+  if constexpr (T::kHasC) g.c = c.take<const typename T::C*>(experts);
+  g.d = c.take<typename T::D*>(experts);
+  g.stride_a = c.take<typename T::StrideA>(experts);
+  g.stride_b = c.take<typename T::StrideB>(experts);
+  if constexpr (T::kHasC) g.stride_c = c.take<typename T::StrideC>(experts);
+  g.stride_d = c.take<typename T::StrideD>(experts);
+  return g;
+}
+
+// The SM count and how many clusters fit at once (clusters need whole GPCs' worth of
+// free SMs, so fewer may fit than SMs / cluster size): the persistent grid's size.
+template <class Gemm>
+cutlass::KernelHardwareInfo hardware() {
+  static const cutlass::KernelHardwareInfo info = [] {
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    return cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename Gemm::GemmKernel>(device, sm_count());
+  }();
+  return info;
+}
+
+template <class Gemm>
+void launch(Plan<Gemm> p, float beta) {
+  using T = Types<Gemm>;
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.hw_info = hardware<Gemm>();
+  const size_t cutlass_bytes = Gemm::get_workspace_size(args);
+  Carve measure{nullptr, cutlass_bytes};
+  carve_groups<Gemm>(measure, p.experts);
+  char* ws = workspace(measure.used);
+  Carve carve{ws, cutlass_bytes};
+  p.out = carve_groups<Gemm>(carve, p.experts);
+
+  plan_groups_kernel<Gemm><<<blocks_for(p.experts, 128), 128, 0, stream()>>>(p);
+  CUDA_CHECK_LAUNCH();
+
+  const Groups<Gemm>& g = p.out;
+  args.problem_shape = {p.experts, g.shape, nullptr};
+  args.mainloop = {g.a, g.stride_a, g.b, g.stride_b};
+  args.epilogue.ptr_C = g.c;
+  args.epilogue.dC = g.stride_c;
+  args.epilogue.ptr_D = g.d;
+  args.epilogue.dD = g.stride_d;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = T::kHasC ? beta : 0.0f;
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status == cutlass::Status::kSuccess) status = gemm.initialize(args, ws, stream());
+  if (status == cutlass::Status::kSuccess) status = gemm.run(stream());
+  MT_CHECK(status == cutlass::Status::kSuccess)
+      << "CUTLASS grouped GEMM (" << p.experts << " experts, rows " << p.rows << ", n " << p.n << ", k " << p.k
+      << ") failed: " << cutlass::cutlassGetStatusString(status);
+}
+
+// TMA moves 16-byte aligned rows: a bf16 (or f32) row length a positive multiple of 8 (4)
+// elements, and every tensor's start 16-byte aligned.
+bool tma_length(int64_t elements) { return elements > 0 && elements % 8 == 0 && elements <= INT_MAX; }
+bool tma_base(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
+
+}  // namespace
+
+bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y) {
+  const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
+  if (y.dtype != DType::bf16 || !tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX ||
+      !tma_base(x) || !tma_base(w) || !tma_base(y))
+    return false;
+  using T = Types<ForwardGemm>;
+  Plan<ForwardGemm> p{};
+  p.offsets = offsets.i32();
+  p.experts = static_cast<int>(experts);
+  p.rows = n;
+  p.a = {static_cast<const T::A*>(x.data), k, 0};
+  p.b = {static_cast<const T::B*>(w.data), 0, o * k};
+  p.d = {static_cast<T::D*>(y.data), o, 0};
+  p.n = static_cast<int>(o);
+  p.k = static_cast<int>(k);
+  p.stride_a = leading<T::StrideA>(k);
+  p.stride_b = leading<T::StrideB>(k);
+  p.stride_d = leading<T::StrideD>(o);
+  launch(p, 0.0f);
+  return true;
+}
+
+bool grouped_gemm_backward_input_sm90(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx) {
+  const int64_t n = dy.dim(0), experts = w.dim(0), o = w.dim(1), k = w.dim(2);
+  if (dx.dtype != DType::bf16 || !tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX ||
+      !tma_base(dy) || !tma_base(w) || !tma_base(dx))
+    return false;
+  using T = Types<InputGemm>;
+  Plan<InputGemm> p{};
+  p.offsets = offsets.i32();
+  p.experts = static_cast<int>(experts);
+  p.rows = n;
+  p.a = {static_cast<const T::A*>(dy.data), o, 0};
+  p.b = {static_cast<const T::B*>(w.data), 0, o * k};
+  p.d = {static_cast<T::D*>(dx.data), k, 0};
+  p.n = static_cast<int>(k);
+  p.k = static_cast<int>(o);
+  // B(n, r) = w[e][r][n]: n contiguous, leading dimension K.
+  p.stride_a = leading<T::StrideA>(o);
+  p.stride_b = leading<T::StrideB>(k);
+  p.stride_d = leading<T::StrideD>(k);
+  launch(p, 0.0f);
+  return true;
+}
+
+bool grouped_gemm_backward_weight_sm90(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,
+                                       bool accumulate) {
+  const int64_t n = x.dim(0), k = x.dim(1), experts = dw.dim(0), o = dw.dim(1);
+  if (!tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX || !tma_base(x) || !tma_base(dy) ||
+      !tma_base(dw))
+    return false;
+  using T = Types<WeightGemm>;
+  Plan<WeightGemm> p{};
+  p.offsets = offsets.i32();
+  p.experts = static_cast<int>(experts);
+  p.rows = n;
+  // A(m, r) = dy[r][m] (m contiguous, leading dimension O); B(n, r) = x[r][n] (leading
+  // dimension K); D = dw[e], O x K row-major.
+  p.a = {static_cast<const T::A*>(dy.data), o, 0};
+  p.b = {static_cast<const T::B*>(x.data), k, 0};
+  p.d = {dw.f32(), 0, o * k};
+  p.m = static_cast<int>(o);
+  p.n = static_cast<int>(k);
+  p.rows_reduce = true;
+  p.stride_a = leading<T::StrideA>(o);
+  p.stride_b = leading<T::StrideB>(k);
+  p.stride_d = leading<T::StrideD>(k);
+  if (!accumulate) {
+    const int64_t per_expert = o * k / 4;
+    dim3 grid(std::min(blocks_for(per_expert, 256), 64u), static_cast<unsigned>(experts));
+    zero_empty_experts_kernel<<<grid, 256, 0, stream()>>>(offsets.i32(), n, reinterpret_cast<float4*>(dw.data),
+                                                           per_expert);
+    CUDA_CHECK_LAUNCH();
+  }
+  launch(p, accumulate ? 1.0f : 0.0f);
+  return true;
+}
+
+}  // namespace mt::cuda

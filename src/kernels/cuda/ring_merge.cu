@@ -1,0 +1,122 @@
+// Ring attention's merge and accumulations on the GPU (contract in kernels/ring_merge.h).
+// The merge gives a warp to each (head, query row) of the block: lane 0's running lse
+// and the block's decide two weights, then the lanes rescale the row's Dh values.
+// Everything is f32 and elementwise per row, so results repeat bit for bit.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/runtime.h"
+#include "kernels/ring_merge.h"
+
+namespace mt::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+struct Merge {
+  In o;            // block output [C,H,Dh]
+  const float* l;  // block lse [H,C]
+  float* acc;      // running output [B,2C,H,Dh]
+  float* lse;      // running lse [B,H,2C]
+  int64_t b;
+  int slot, c, h, d;
+};
+
+__global__ void ring_merge_kernel(Merge m) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // h * C + i
+  const int lane = threadIdx.x % 32;
+  if (row >= static_cast<int64_t>(m.h) * m.c) return;
+  const int64_t hh = row / m.c, i = row % m.c;
+  const float l_new = m.l[row];
+  if (l_new == -INFINITY) return;  // this block's keys are all masked for the row
+  float* running = m.lse + (m.b * m.h + hh) * 2 * m.c + m.slot * m.c + i;
+  float* out = m.acc + ((m.b * 2 * m.c + m.slot * m.c + i) * m.h + hh) * m.d;
+  const int64_t x0 = (i * m.h + hh) * m.d;
+  const float l_old = *running;
+  // A row's first block is copied; later ones are weighted by exp(lse - lse_union).
+  float w_old = 0.0f, w_new = 1.0f, l_out = l_new;
+  if (l_old != -INFINITY) {
+    const float mx = fmaxf(l_old, l_new), a = expf(l_old - mx), c = expf(l_new - mx), z = a + c;
+    w_old = a / z;
+    w_new = c / z;
+    l_out = mx + logf(z);
+  }
+  for (int e = lane; e < m.d; e += 32) out[e] = l_old == -INFINITY ? m.o[x0 + e] : w_old * out[e] + w_new * m.o[x0 + e];
+  __syncwarp();  // every lane has read l_old before lane 0 replaces it
+  if (lane == 0) *running = l_out;
+}
+
+__global__ void accumulate_kernel(In x, float* acc, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    acc[i] += x[i];
+}
+
+__global__ void lse_block_kernel(const float* lse, float* out, int64_t b, int slot, int c, int h) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // hh * C + i
+  if (j >= static_cast<int64_t>(h) * c) return;
+  const int64_t hh = j / c, i = j % c;
+  out[j] = lse[(b * h + hh) * 2 * c + slot * c + i];
+}
+
+// Grid-stride launches stop at a grid the GPU can hold at once.
+unsigned grid_for(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads, cap = static_cast<int64_t>(sm_count()) * 8;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
+}
+
+// A block's rows: b in [0, B) and slot 0 or 1 of acc [B,2C,H,Dh].
+void check_block(const Tensor& acc, int64_t b, int slot, const char* op) {
+  MT_CHECK(acc.ndim() == 4 && acc.dim(1) % 2 == 0 && b >= 0 && b < acc.dim(0) && (slot == 0 || slot == 1))
+      << op << ": block (batch row " << b << ", slot " << slot << ") of " << acc.str()
+      << " is not one of a [B,2C,H,Dh] tensor's";
+}
+
+}  // namespace
+
+void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Tensor& acc, const Tensor& lse) {
+  check_block(acc, b, slot, "ring_merge");
+  const int64_t c = acc.dim(1) / 2, h = acc.dim(2), d = acc.dim(3);
+  check_arg(acc, "ring merge acc", {DType::f32}, acc.shape);
+  check_arg(lse, "ring merge lse", {DType::f32}, {acc.dim(0), h, 2 * c});
+  check_arg(o, "ring merge block out", {DType::bf16, DType::f32}, {1, c, h, d});
+  check_arg(l, "ring merge block lse", {DType::f32}, {1, h, c});
+  const int64_t rows = h * c;
+  if (rows == 0 || d == 0) return;
+  Merge m{as_in(o), l.f32(), acc.f32(), lse.f32(), b, slot, static_cast<int>(c), static_cast<int>(h),
+          static_cast<int>(d)};
+  ring_merge_kernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream()>>>(m);
+  CUDA_CHECK_LAUNCH();
+}
+
+void accumulate(const Tensor& x, const Tensor& acc) {
+  check_arg(x, "accumulate x", {DType::f32, DType::bf16}, x.shape);
+  check_arg(acc, "accumulate acc", {DType::f32}, acc.shape);
+  MT_CHECK(x.numel() == acc.numel()) << "accumulate " << x.str() << " into " << acc.str()
+                                     << ": the element counts differ";
+  const int64_t n = acc.numel();
+  if (n == 0) return;
+  accumulate_kernel<<<grid_for(n), kThreads, 0, stream()>>>(as_in(x), acc.f32(), n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void lse_block(const Tensor& lse, int64_t b, int slot, const Tensor& out) {
+  MT_CHECK(lse.ndim() == 3 && lse.dim(2) % 2 == 0 && b >= 0 && b < lse.dim(0) && (slot == 0 || slot == 1))
+      << "lse_block: block (batch row " << b << ", slot " << slot << ") of " << lse.str()
+      << " is not one of a [B,H,2C] tensor's";
+  const int64_t h = lse.dim(1), c = lse.dim(2) / 2;
+  check_arg(lse, "lse_block lse", {DType::f32}, lse.shape);
+  check_arg(out, "lse_block out", {DType::f32}, {1, h, c});
+  const int64_t n = h * c;
+  if (n == 0) return;
+  lse_block_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream()>>>(
+      lse.f32(), out.f32(), b, slot, static_cast<int>(c), static_cast<int>(h));
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

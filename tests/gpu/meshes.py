@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""The GPU mesh check: `moetrain train` on the CUDA backend, one GPU against meshes.
+
+    python3 tests/gpu/meshes.py BUILD/moetrain . [--gpus 2|4|8]
+
+Trains the qwen3_moe_a fixture for a few steps on one GPU, then under
+`mpirun -np N` (one rank per GPU) on every mesh (dp, cp, ep) of N = 2 .. --gpus ranks
+that the fixture allows, and compares each step's loss, lb_loss and grad_norm with the
+one-GPU run (relative tolerance --rtol) and its expert_counts (at most --count-slack
+slots moved per layer), for both load-balance variants. The batch is the one
+tests/test_train.cpp's Commands.MeshesMatchOneRank builds (the fixture's three
+sequences and its first again: 4 rows of 16 positions), so the meshes are those where
+dp * ep divides 4 rows, 2 * cp divides 16 positions and ep divides the 8 experts.
+Prints a table; exits 1 on a mismatch, 2 when a run fails. Everything it starts has
+NCCL_NVLS_ENABLE=0 in its environment (NVLink multicast stays off).
+
+Tolerance. The CPU test compares at 1e-5 because the CPU backend is fp32 throughout.
+On the GPU activations are bf16 (8 significant bits: one rounding is at most 2^-9,
+about 2e-3 relative) with fp32 accumulation, and a mesh changes where roundings and
+summation orders fall, not the mathematics: ring attention rounds each block's output
+to bf16 before its fp32 merge (one kernel rounds once), the expert-parallel dispatch
+backward rounds each rank's partial row sum to bf16 before it travels, smaller
+per-rank batches let cuBLASLt pick other algorithms (another fp32 summation order),
+and gradients are summed over ranks in another order. A handful of such 2e-3
+differences through three layers, amplified by three AdamW steps (whose first updates
+have magnitude lr whatever the gradient's size), stays well inside 2e-2 (about ten bf16
+roundings), while a lost, duplicated or misplaced token, chunk or expert row changes
+grad_norm and the routing counts by far more. The largest differences seen are printed,
+so the tolerance can be tightened (--rtol) once a machine's numbers are known.
+Routing: a bf16-sized difference in a router logit can flip a near-tie between two
+experts, which moves one slot from one expert to another (an L1 difference of 2 in a
+layer's counts). Flips compound over steps once the weights differ in their last bits:
+the first 2-GPU run (H200 x2, cp = 2, whose ring attention sums in another order) moved
+two slots of a layer's 128 at step 3 while loss and grad_norm agreed to 3e-3.
+--count-slack (default 8: four slots, 3% of that fixture's slots per layer) allows that;
+a lost or duplicated row moves counts by its k slots in every layer from step 1.
+"""
+import argparse
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+FIXTURE = "tests/fixtures/qwen3_moe_a"
+ROWS, POSITIONS, EXPERTS = 4, 16, 8  # the batch below and the fixture's expert count
+
+
+def meshes_for(gpus):
+    """(dp, cp, ep) of 2 .. gpus ranks (powers of two) that the fixture's batch allows."""
+    out = []
+    n = 2
+    while n <= gpus:
+        for dp, cp, ep in itertools.product([1, 2, 4, 8], repeat=3):
+            if dp * cp * ep != n:
+                continue
+            if ROWS % (dp * ep) or POSITIONS % (2 * cp) or EXPERTS % ep:
+                continue
+            out.append((dp, cp, ep))
+        n *= 2
+    return out
+
+
+def write_tokens(repo, folder):
+    """The fixture's 3 x 17 token matrix and its first row again, as MeshesMatchOneRank does."""
+    a = np.load(os.path.join(repo, FIXTURE, "tokens.npy")).astype("<i8")
+    b = np.concatenate([a, a[:1]], axis=0)
+    assert b.shape[0] == ROWS and b.shape[1] == POSITIONS + 1, b.shape
+    path = os.path.join(folder, "tokens.npy")
+    np.save(path, b)
+    return path
+
+
+def run_train(args, env, np_ranks, mesh, lb, tokens, dump):
+    dp, cp, ep = mesh
+    cmd = [args.moetrain, "train",
+           "--model.init=hf:" + os.path.join(args.repo, FIXTURE),
+           "--data.tokens=" + tokens,
+           "--training.device=" + args.device,
+           "--training.steps=%d" % args.steps,
+           "--training.load_balance_coef=0.1",
+           "--training.micro_batch_size=1",
+           "--training.load_balance_type=" + lb,
+           "--parallelism.cp=%d" % cp,
+           "--parallelism.ep=%d" % ep,
+           "--job.dump_folder=" + dump]
+    if np_ranks > 1:
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(np_ranks),
+               "-x", "NCCL_NVLS_ENABLE", "-x", "OMP_NUM_THREADS"] + cmd
+    try:
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=args.timeout)
+        rc, out = p.returncode, p.stdout
+    except subprocess.TimeoutExpired as e:  # its captured output is bytes even with text=True
+        rc, out = 124, e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    steps = []
+    path = os.path.join(dump, "metrics.jsonl")
+    if rc == 0 and os.path.exists(path):
+        with open(path) as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+    if rc != 0 or len(steps) != args.steps:
+        print("FAILED: %s (exit %d, %d of %d steps)\n%s" % (" ".join(cmd), rc, len(steps), args.steps, out[-6000:]),
+              file=sys.stderr)
+        return None
+    return steps
+
+
+def visible_gpus():
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES, else nvidia-smi -L), or None if unknown."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return len([d for d in listed.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return None
+    p = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return len([line for line in p.stdout.splitlines() if line.startswith("GPU ")]) if p.returncode == 0 else None
+
+
+def rel(got, want):
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
+def count_moves(got, want):
+    """Per layer, the L1 distance between two routing count vectors; the largest."""
+    if len(got) != len(want):
+        return float("inf")
+    worst = 0
+    for g, w in zip(got, want):
+        if len(g) != len(w):
+            return float("inf")
+        worst = max(worst, sum(abs(a - b) for a, b in zip(g, w)))
+    return worst
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("moetrain", help="path of the moetrain binary (built with -DMOETRAIN_CUDA=ON)")
+    ap.add_argument("repo", help="the repository root (for tests/fixtures)")
+    ap.add_argument("--gpus", type=int, default=2, choices=[2, 4, 8], help="the largest mesh (default 2)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rtol", type=float, default=2e-2, help="relative tolerance of loss, lb_loss, grad_norm")
+    ap.add_argument("--count-slack", type=int, default=8,
+                    help="largest L1 difference of a layer's expert counts (2 = one slot moved)")
+    ap.add_argument("--lb", default="micro_batch,global_batch", help="load-balance variants, comma-separated")
+    ap.add_argument("--meshes", default="", help="dp,cp,ep triples separated by spaces (default: all for --gpus)")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: try the script itself on the CPU backend (any build)")
+    ap.add_argument("--keep", action="store_true", help="keep the run folders")
+    args = ap.parse_args()
+    args.moetrain = os.path.abspath(args.moetrain)
+    args.repo = os.path.abspath(args.repo)
+
+    meshes = ([tuple(int(x) for x in m.split(",")) for m in args.meshes.split()] if args.meshes
+              else meshes_for(args.gpus))
+    # Ranks take GPUs local_rank % count: fewer GPUs than ranks would put two on one GPU,
+    # which NCCL refuses.
+    have = visible_gpus() if args.device == "cuda" else None
+    need = max(dp * cp * ep for dp, cp, ep in meshes)
+    if have is not None and have < need:
+        print("meshes of up to %d ranks need %d GPUs, but %d are visible" % (need, need, have))
+        return 2
+    env = dict(os.environ)
+    env["NCCL_NVLS_ENABLE"] = "0"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+    env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+
+    work = tempfile.mkdtemp(prefix="moetrain_meshes_")
+    tokens = write_tokens(args.repo, work)
+    print("moetrain %s, %d steps, meshes (dp,cp,ep): %s, rtol %g, count slack %d, runs in %s"
+          % (args.moetrain, args.steps, " ".join("(%d,%d,%d)" % m for m in meshes), args.rtol, args.count_slack,
+             work))
+    # One line per (variant, mesh, step): the one-GPU value and the relative difference
+    # of each metric, and the largest L1 difference of a layer's routing counts.
+    header = "%-13s %-8s %4s  %-20s %-20s %-20s %-9s %s" % (
+        "lb", "mesh", "step", "loss (rel diff)", "lb_loss (rel diff)", "grad_norm (rel diff)", "counts", "")
+    failed_runs, mismatches = 0, 0
+    worst = {"loss": 0.0, "lb_loss": 0.0, "grad_norm": 0.0, "expert_counts": 0}
+    for lb in args.lb.split(","):
+        ref = run_train(args, env, 1, (1, 1, 1), lb, tokens, os.path.join(work, "ref_" + lb))
+        if ref is None:
+            failed_runs += 1
+            continue
+        print("\n" + header)
+        for mesh in meshes:
+            dp, cp, ep = mesh
+            name = "(%d,%d,%d)" % mesh
+            got = run_train(args, env, dp * cp * ep, mesh, lb, tokens,
+                            os.path.join(work, "run_%d%d%d_%s" % (dp, cp, ep, lb)))
+            if got is None:
+                failed_runs += 1
+                print("%-13s %-10s  run failed (its output is above)" % (lb, name))
+                continue
+            for i, (w, g) in enumerate(zip(ref, got)):
+                cells, bad = [], False
+                for key in ("loss", "lb_loss", "grad_norm"):
+                    d = rel(g[key], w[key])
+                    worst[key] = max(worst[key], d)
+                    bad = bad or not d <= args.rtol  # NaN is a mismatch
+                    cells.append("%.6g (%.1e)" % (w[key], d))
+                moved = count_moves(g.get("expert_counts", []), w.get("expert_counts", []))
+                worst["expert_counts"] = max(worst["expert_counts"], moved)
+                bad = bad or moved > args.count_slack
+                mismatches += bad
+                print("%-13s %-8s %4d  %-20s %-20s %-20s L1 %-6s %s"
+                      % (lb, name, i + 1, cells[0], cells[1], cells[2], moved, "MISMATCH" if bad else "ok"))
+                if moved > args.count_slack:
+                    print("    expert_counts one GPU %s\n                  mesh    %s"
+                          % (w.get("expert_counts"), g.get("expert_counts")))
+    print("\nlargest differences: loss %.2e, lb_loss %.2e, grad_norm %.2e (relative), expert counts L1 %s"
+          % (worst["loss"], worst["lb_loss"], worst["grad_norm"], worst["expert_counts"]))
+    if not args.keep and failed_runs == 0 and mismatches == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    if failed_runs:
+        print("%d run(s) failed" % failed_runs)
+        return 2
+    if mismatches:
+        print("%d mismatch(es); run folders kept in %s" % (mismatches, work))
+        return 1
+    print("all meshes match the one-GPU run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
