@@ -13,6 +13,9 @@ namespace mt {
 struct AdamWBlock {
   Tensor param, grad, m, v;
   bool decay = true;
+  // Optional bf16 tensor of param's size: gets the updated param rounded to nearest
+  // even, as cast() rounds, in the same pass (the GPU's compute copy, no second read).
+  Tensor compute;
 };
 
 }  // namespace mt

@@ -135,6 +135,9 @@ class Model {
   // The load-balance loss's gradient with respect to each router probability of a
   // layer: every token's p[e] gets dprob[e]. Applied by that layer's attention B.
   virtual void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) = 0;
+  // true: the backwards that follow write every parameter gradient over what is there
+  // (the step's first micro-batch, so no pass zeroes them first); false: they add.
+  virtual void set_overwrite_gradients(bool overwrite) = 0;
 };
 
 // One switch on config.json's model_type.

@@ -221,6 +221,7 @@ class Qwen3Moe final : public Model {
   Tensor logits(Stash& s) override { return static_cast<Qwen3Stash&>(s).logits; }
   std::vector<RouterStats> router_stats(const Stash& s) const override;
   void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override;
+  void set_overwrite_gradients(bool overwrite) override { overwrite_ = overwrite; }
 
  private:
   int add_param(std::string name, Shape shape, bool expert);
@@ -229,6 +230,15 @@ class Qwen3Moe final : public Model {
   const Tensor& W(int i) const { return params_[i].value; }    // f32 master (norms, embedding)
   const Tensor& C(int i) const { return params_[i].compute; }  // read by matrix products
   const Tensor& G(int i) const { return params_[i].grad; }
+  // Gradient writes: added to what is there, or (the step's first backward) written
+  // over it. beta() is the products' factor on the old gradient; Z(i) is the gradient
+  // for kernels that only add (norm weights, the embedding), zeroed first when writing
+  // over.
+  float beta() const { return overwrite_ ? 0.0f : 1.0f; }
+  const Tensor& Z(int i) const {
+    if (overwrite_) mt::fill(params_[i].grad, 0.0f);
+    return params_[i].grad;
+  }
   cpu::RouterConfig router_config() const {
     cpu::RouterConfig r;
     r.top_k = c_.top_k;
@@ -270,6 +280,7 @@ class Qwen3Moe final : public Model {
   bool balanced_;
   bool plan_only_;
   double capacity_factor_;  // 0: dropless
+  bool overwrite_ = false;  // gradient writes replace (true) or add
   comm::Communicator* ep_;  // null: every expert lives here
   comm::Communicator* cp_;  // null: whole sequences here
   int64_t local_experts_ = 0, first_expert_ = 0;
@@ -664,16 +675,16 @@ void Qwen3Moe::attention_backward_weight(int64_t l, Qwen3Stash& s) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
   const int64_t N = s.batch * s.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
-  if (c_.is_moe_layer(l)) gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, 1.0f);
-  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, Tensor(), G(w.post_norm));
-  gemm(x.d_hm, x.att, G(w.o), true, false, 1.0f, 1.0f);
-  rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}), Tensor(), G(w.q_norm));
+  if (c_.is_moe_layer(l)) gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, beta());
+  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, Tensor(), Z(w.post_norm));
+  gemm(x.d_hm, x.att, G(w.o), true, false, 1.0f, beta());
+  rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}), Tensor(), Z(w.q_norm));
   rmsnorm_backward(x.k.view({N * Hkv, Dh}), W(w.k_norm), x.rstd_k, x.d_kn.view({N * Hkv, Dh}), Tensor(),
-                   G(w.k_norm));
-  gemm(x.d_q, x.xn, G(w.q), true, false, 1.0f, 1.0f);
-  gemm(x.d_k, x.xn, G(w.k), true, false, 1.0f, 1.0f);
-  gemm(x.d_v, x.xn, G(w.v), true, false, 1.0f, 1.0f);
-  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, Tensor(), G(w.in_norm));
+                   Z(w.k_norm));
+  gemm(x.d_q, x.xn, G(w.q), true, false, 1.0f, beta());
+  gemm(x.d_k, x.xn, G(w.k), true, false, 1.0f, beta());
+  gemm(x.d_v, x.xn, G(w.v), true, false, 1.0f, beta());
+  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, Tensor(), Z(w.in_norm));
 }
 
 void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
@@ -724,11 +735,11 @@ void Qwen3Moe::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
-        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), Tensor(), true);
-        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), Tensor(), true);
+        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), Tensor(), !overwrite_);
+        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), Tensor(), !overwrite_);
       } else {
-        gemm(s.dh[l + 1], x.hs, G(w.down), true, false, 1.0f, 1.0f);
-        gemm(x.d_gu, x.y, G(w.gate_up), true, false, 1.0f, 1.0f);
+        gemm(s.dh[l + 1], x.hs, G(w.down), true, false, 1.0f, beta());
+        gemm(x.d_gu, x.y, G(w.gate_up), true, false, 1.0f, beta());
       }
       break;
     case Stage::attention:
@@ -758,13 +769,14 @@ void Qwen3Moe::head_backward(Stash& base, float scale) {
   // In place: from here on s.logits holds d(loss)/d(logits).
   cross_entropy_backward(s.logits, s.labels.view({N}), s.lse, kIgnoreIndex, scale, s.logits);
   gemm(s.logits, C(out), s.d_hf, false, false);
-  gemm(s.logits, s.hf, G(out), true, false, 1.0f, 1.0f);
-  rmsnorm_backward(s.h[c_.num_layers], W(final_norm_), s.rstd_f, s.d_hf, s.dh[c_.num_layers], G(final_norm_));
+  gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta());
+  rmsnorm_backward(s.h[c_.num_layers], W(final_norm_), s.rstd_f, s.d_hf, s.dh[c_.num_layers], Z(final_norm_));
 }
 
 void Qwen3Moe::embed_backward(Stash& base) {
   auto& s = static_cast<Qwen3Stash&>(base);
-  embedding_backward(s.ids.view({s.batch * s.seq}), s.dh[0], G(embed_));
+  // Tied, the head has written this gradient already; else it starts here.
+  embedding_backward(s.ids.view({s.batch * s.seq}), s.dh[0], lm_head_ >= 0 ? Z(embed_) : G(embed_));
 }
 
 std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {

@@ -97,8 +97,11 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   auto decay = [&](const Param& p) { return p.matrix || cfg.decay == "all"; };
   std::vector<AdamWBlock> blocks;
   if (!sharded_) {
-    for (size_t i = 0; i < params_.size(); ++i)
-      blocks.push_back({params_[i].value, params_[i].grad, m_[i], v_[i], decay(params_[i])});
+    // The bf16 copies the products read are written in the same pass.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Param& p = params_[i];
+      blocks.push_back({p.value, p.grad, m_[i], v_[i], decay(p), p.compute.data != p.value.data ? p.compute : Tensor()});
+    }
     mt::adamw_step_multi(blocks, a);
     return;
   }
@@ -109,10 +112,11 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
       const Param& w = params_[p.param];
       Tensor value(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device);
       blocks.push_back({value, ShardLayout::piece_of(g_shard_, p), ShardLayout::piece_of(m_shard_, p),
-                        ShardLayout::piece_of(v_shard_, p), decay(w)});
+                        ShardLayout::piece_of(v_shard_, p), decay(w), Tensor()});
     }
   mt::adamw_step_multi(blocks, a);
   layout_.all_gather(params_, scratch_);
+  refresh_compute_weights(params_);
 }
 
 Tensor AdamW::moment(const Tensor& value, const std::vector<Tensor>& which) const {

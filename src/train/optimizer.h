@@ -19,7 +19,8 @@ class AdamW {
   // applies to matrices, or to everything when optimizer.decay = "all".
   // grad_scale multiplies every gradient as it is read (the clipping factor).
   // Sharded, the gradients are read from this rank's shards (reduce_gradients) and
-  // the updated shards are all-gathered into every rank's full weights.
+  // the updated shards are all-gathered into every rank's full weights. Either way
+  // every Param's compute copy is current afterwards.
   void step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale = 1.0f);
 
   // From here on the moments (zero: call before any step or load) live as this rank's

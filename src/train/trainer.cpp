@@ -239,9 +239,6 @@ void Trainer::backward(Stash& s, float loss_scale) {
 StepResult Trainer::step() {
   auto start = std::chrono::steady_clock::now();
   const TrainingConfig& t = cfg_.training;
-  profile_.mark("zero gradients");
-  for (Param& p : model_.params()) fill(p.grad, 0.0f);
-
   // Token matrices and corpus windows label every position: the mean is over all.
   const int64_t count = global_batch_ * seq_;
   const float loss_scale = static_cast<float>(1.0 / static_cast<double>(count));
@@ -330,6 +327,7 @@ StepResult Trainer::step() {
         lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / (n * static_cast<double>(cps));
         model_.set_router_prob_grad(s, st.layer, dprob);
       }
+      model_.set_overwrite_gradients(mb == 0);  // the first backward starts the gradients
       backward(s, loss_scale);
     }
   } else {
@@ -358,7 +356,10 @@ StepResult Trainer::step() {
                   static_cast<double>(counts.size());
       for (int64_t mb = 0; mb < mb_count; ++mb) model_.set_router_prob_grad(*stashes_[mb], all[mb][i].layer, dprob);
     }
-    for (int64_t mb = 0; mb < mb_count; ++mb) backward(*stashes_[mb], loss_scale);
+    for (int64_t mb = 0; mb < mb_count; ++mb) {
+      model_.set_overwrite_gradients(mb == 0);  // the first backward starts the gradients
+      backward(*stashes_[mb], loss_scale);
+    }
   }
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
@@ -386,8 +387,7 @@ StepResult Trainer::step() {
   if (t.clip_grad_norm > 0) clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
   r.lr = lr_at(cfg_, r.step - 1);
   profile_.mark("optimizer");
-  optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);
-  refresh_compute_weights(model_.params());
+  optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
   r.breakdown_ms = profile_.finish();
 
   r.loss = loss_sum / static_cast<double>(count);

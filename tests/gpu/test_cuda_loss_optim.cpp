@@ -106,7 +106,7 @@ TEST(CudaAdamW, MultiTensorStepMatchesCpuExactly) {
     s.weight_decay = 0.1;
     s.step = step;
     std::vector<std::vector<float>> p, g, m, v;
-    std::vector<DeviceTensor> dev;
+    std::vector<DeviceTensor> dev, copies;
     std::vector<AdamWBlock> cpu_blocks, gpu_blocks;
     for (size_t b = 0; b < sizes.size(); ++b) {
       const int64_t n = sizes[b];
@@ -120,11 +120,14 @@ TEST(CudaAdamW, MultiTensorStepMatchesCpuExactly) {
       const bool decay = b % 2 == 0;
       for (auto* x : {&p[b], &g[b], &m[b], &v[b]}) dev.push_back(upload(*x, DType::f32, {n}));
       const size_t k = dev.size() - 4;
-      gpu_blocks.push_back({dev[k].t, dev[k + 1].t, dev[k + 2].t, dev[k + 3].t, decay});
+      // Odd blocks also write their bf16 compute copy in the same pass.
+      copies.push_back(poisoned(DType::bf16, {n}));
+      gpu_blocks.push_back({dev[k].t, dev[k + 1].t, dev[k + 2].t, dev[k + 3].t, decay,
+                            b % 2 == 1 ? copies.back().t : Tensor()});
     }
     for (size_t b = 0; b < sizes.size(); ++b) {
       const int64_t n = sizes[b];
-      cpu_blocks.push_back({host(p[b], {n}), host(g[b], {n}), host(m[b], {n}), host(v[b], {n}), b % 2 == 0});
+      cpu_blocks.push_back({host(p[b], {n}), host(g[b], {n}), host(m[b], {n}), host(v[b], {n}), b % 2 == 0, Tensor()});
     }
     cpu::adamw_step_multi(cpu_blocks, s);
     cuda::adamw_step_multi(gpu_blocks, s);
@@ -133,6 +136,7 @@ TEST(CudaAdamW, MultiTensorStepMatchesCpuExactly) {
       EXPECT_TRUE(near("param", download(gpu_blocks[b].param), p[b], Tol{}));
       EXPECT_TRUE(near("m", download(gpu_blocks[b].m), m[b], Tol{}));
       EXPECT_TRUE(near("v", download(gpu_blocks[b].v), v[b], Tol{}));
+      if (b % 2 == 1) EXPECT_TRUE(near("bf16 copy", download(copies[b].t), round_bf16(p[b]), Tol{}));
     }
   }
 }

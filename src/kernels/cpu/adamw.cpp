@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "kernels/elementwise.h"
+
 namespace mt::cpu {
 
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWStep& s) {
@@ -39,6 +41,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const AdamWStep& s)
     block_step.weight_decay = b.decay ? s.weight_decay : 0.0;
     // Qualified: unqualified, lookup by argument type also finds the mt:: dispatcher.
     cpu::adamw_step(b.param, b.grad, b.m, b.v, block_step);
+    if (b.compute.data != nullptr) cpu::cast(b.param, b.compute);
   }
 }
 

@@ -1,6 +1,8 @@
 // Multi-tensor AdamW on the GPU: the list of parameter blocks travels in the kernel's
 // parameters, each thread block updates one chunk of one tensor, so a model's whole
 // optimizer step is one launch (one per kTableSize blocks).
+#include <cuda_bf16.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -21,6 +23,7 @@ struct AdamWTable {
   const float* g[kTableSize];
   float* m[kTableSize];
   float* v[kTableSize];
+  __nv_bfloat16* c[kTableSize];          // the bf16 copy to write, or null
   int64_t n[kTableSize];
   float decay[kTableSize];               // 1 - lr * wd for this block
   int64_t first_chunk[kTableSize + 1];   // chunk index of each tensor's first chunk
@@ -38,6 +41,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
   const float* g = t.g[lo];
   float* m = t.m[lo];
   float* v = t.v[lo];
+  __nv_bfloat16* c = t.c[lo];
   const float decay = t.decay[lo];
   const int64_t begin = (b - t.first_chunk[lo]) * kChunk, end = min(t.n[lo], begin + kChunk);
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
@@ -46,7 +50,9 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
     const float mi = __fadd_rn(m[i], __fmul_rn(t.w1, __fsub_rn(gi, m[i])));
     const float vi = __fadd_rn(__fmul_rn(v[i], t.b2), __fmul_rn(__fmul_rn(t.w2, gi), gi));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), t.bias2_sqrt), t.eps);
-    p[i] = __fsub_rn(pi, __fdiv_rn(__fmul_rn(t.step_size, mi), denom));
+    const float pn = __fsub_rn(pi, __fdiv_rn(__fmul_rn(t.step_size, mi), denom));
+    p[i] = pn;
+    if (c != nullptr) c[i] = __float2bfloat16_rn(pn);
     m[i] = mi;
     v[i] = vi;
   }
@@ -64,6 +70,11 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
       MT_CHECK(t->dtype == DType::f32 && t->device == Device::cuda && t->numel() == b.param.numel())
           << "adamw wants f32 GPU tensors of " << b.param.numel() << " elements (param " << b.param.str()
           << "), got " << t->str();
+    if (b.compute.data != nullptr)
+      MT_CHECK(b.compute.dtype == DType::bf16 && b.compute.device == Device::cuda &&
+               b.compute.numel() == b.param.numel())
+          << "adamw's compute copy should be a bf16 GPU tensor of " << b.param.numel() << " elements, got "
+          << b.compute.str();
   }
   // Scalars as the CPU backend derives them: in double, then rounded to float.
   const double step = static_cast<double>(s.step);
@@ -86,6 +97,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
       t.g[j] = b.grad.f32();
       t.m[j] = b.m.f32();
       t.v[j] = b.v.f32();
+      t.c[j] = b.compute.data != nullptr ? static_cast<__nv_bfloat16*>(b.compute.data) : nullptr;
       t.n[j] = b.param.numel();
       t.decay[j] = b.decay ? with_decay : 1.0f;
       t.first_chunk[j] = chunks;
@@ -99,7 +111,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
 }
 
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const cpu::AdamWStep& s) {
-  cuda::adamw_step_multi({AdamWBlock{param, grad, m, v, true}}, s);
+  cuda::adamw_step_multi({AdamWBlock{param, grad, m, v, true, Tensor()}}, s);
 }
 
 }  // namespace mt::cuda
