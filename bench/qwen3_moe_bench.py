@@ -131,6 +131,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--skip-compile", action="store_true")
+    p.add_argument("--skip-eager", action="store_true")
     p.add_argument("--skip-moetrain", action="store_true")
     p.add_argument("--ranks", type=int, default=1, help="moetrain on this many GPUs (mpirun, one process each)")
     p.add_argument("--ep", type=int, default=1)
@@ -147,7 +148,9 @@ def main():
     results = []
     runs = []
     if not args.skip_baseline:
-        runs.append(("transformers eager", lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, False)))
+        if not args.skip_eager:
+            runs.append(("transformers eager",
+                         lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, False)))
         if not args.skip_compile:
             runs.append(("transformers torch.compile",
                          lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, True)))
