@@ -386,6 +386,51 @@ TEST(CheckpointCommands, ShardedCheckpointsResumeOnAnotherMesh) {
   }
 }
 
+// ZeRO-3 (parallelism.zero3: the layers' weights live as shards too) writes the same
+// canonical checkpoint: one from a zero3 dp = 2 run resumes on one rank and on a plain
+// dp = 2 run, and a single-rank checkpoint resumes under zero3, each continuing the
+// single-rank run's losses and gradient norms (1e-5).
+TEST(CheckpointCommands, Zero3CheckpointsResumeOnAnyMesh) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+  auto cmd = [&](const std::string& dump, int steps, const std::string& extra) {
+    return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
+           " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.load_balance_coef=0.1" +
+           " --training.micro_batch_size=1 --training.steps=" + std::to_string(steps) + " --job.dump_folder=" + dump +
+           " " + extra;
+  };
+  std::string straight = temp_dir("zero3_straight"), zero3 = temp_dir("zero3_dp2");
+  auto [rc, out] = run(cmd(straight, 4, "--checkpoint.interval=2"));
+  ASSERT_EQ(rc, 0) << out;
+  auto [rc2, out2] = run(mpirun + cmd(zero3, 2, "--checkpoint.interval=2 --parallelism.zero3=true"));
+  ASSERT_EQ(rc2, 0) << out2;
+  const std::vector<std::string> want = metric_lines(straight);
+  ASSERT_EQ(want.size(), 4u);
+  struct Resume {
+    std::string name, dir, from, launch, extra;
+  };
+  for (const Resume& r : {Resume{"zero3 -> one rank", "zero3_to_one", zero3, "", ""},
+                          Resume{"zero3 -> dp=2", "zero3_to_dp2", zero3, mpirun, ""},
+                          Resume{"one rank -> zero3", "one_to_zero3", straight, mpirun, "--parallelism.zero3=true"}}) {
+    std::string dump = temp_dir(r.dir);
+    fs::create_directories(dump + "/checkpoints");
+    fs::copy(r.from + "/checkpoints/step-00000002", dump + "/checkpoints/step-00000002",
+             fs::copy_options::recursive);
+    auto [rc3, out3] = run(r.launch + cmd(dump, 4, r.extra));
+    ASSERT_EQ(rc3, 0) << r.name << "\n" << out3;
+    EXPECT_NE(out3.find("resumed from"), std::string::npos) << out3;
+    std::vector<std::string> got = metric_lines(dump);
+    ASSERT_EQ(got.size(), 2u) << r.name;  // steps 3 and 4
+    for (size_t i = 0; i < 2; ++i) {
+      nlohmann::json x = nlohmann::json::parse(got[i]), y = nlohmann::json::parse(want[2 + i]);
+      for (const char* key : {"loss", "grad_norm"})
+        EXPECT_NEAR(x[key].get<double>(), y[key].get<double>(), 1e-5 * y[key].get<double>())
+            << r.name << " step " << i + 3 << " " << key;
+    }
+  }
+}
+
 TEST(CheckpointCommands, ExportRoundTripsAndEvaluatesTheSame) {
   std::string dump = temp_dir("export");
   // Zero steps with checkpoints on saves the initial (imported) weights.

@@ -369,10 +369,26 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   std::getline(metrics2, line);
   EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned2) << out3;
   EXPECT_LT(planned2, planned) << "sharding should shrink the optimizer state";
+
+  // ZeRO-3 on the same two ranks: the layers' weights and gradients are shards and one
+  // gathered layer, so each rank holds less again, and the plan still says how much.
+  auto [rc5, out5] = run(std::string(MOETRAIN_BIN) + " plan --world=2 --data.seq_len=16 --parallelism.zero3=true" + two);
+  ASSERT_EQ(rc5, 0) << out5;
+  int64_t planned3 = std::stoll(out5.substr(out5.rfind("GiB (") + 5));
+  auto [rc6, out6] = run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun "
+                         "--oversubscribe -np 2 " + std::string(MOETRAIN_BIN) + " train --training.steps=1" +
+                         " --data.tokens=" + dump + "/tokens4.npy --job.dump_folder=" + dump + "/zero3" + two +
+                         " --parallelism.zero3=true");
+  ASSERT_EQ(rc6, 0) << out6;
+  std::ifstream metrics3(dump + "/zero3/metrics.jsonl");
+  std::getline(metrics3, line);
+  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned3) << out5;
+  EXPECT_LT(planned3, planned2) << "zero3 should shrink the weights and gradients";
 }
 
 // Every mesh (dp, cp, ep) of the parallelism issue, under mpirun: (2,1,1), (1,2,1),
-// (1,1,2), (1,2,2), (2,1,2), (2,2,2). Each reports the single-rank run's losses,
+// (1,1,2), (1,2,2), (2,1,2), (2,2,2), and with parallelism.zero3 (2,1,1), (1,2,1),
+// (1,1,2), (2,2,2). Each reports the single-rank run's losses,
 // gradient norms and routing counts (1e-5), for both load-balance variants. The
 // batch: the qwen3_moe_a fixture's three sequences and its first again, so that it
 // splits over 4 data ranks; its 16 positions split into 2 * cp = 4 chunks.
@@ -390,17 +406,20 @@ TEST(Commands, MeshesMatchOneRank) {
     std::vector<std::vector<nlohmann::json>> runs;
     struct Mesh {
       int dp, cp, ep;
+      bool zero3 = false;
     };
     for (Mesh m : {Mesh{1, 1, 1}, Mesh{2, 1, 1}, Mesh{1, 2, 1}, Mesh{1, 1, 2}, Mesh{1, 2, 2}, Mesh{2, 1, 2},
-                   Mesh{2, 2, 2}}) {
+                   Mesh{2, 2, 2}, Mesh{2, 1, 1, true}, Mesh{1, 2, 1, true}, Mesh{1, 1, 2, true},
+                   Mesh{2, 2, 2, true}}) {
       const int np = m.dp * m.cp * m.ep, ep = m.ep;
-      std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(ep) + lb;
+      std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(ep) +
+                         (m.zero3 ? "zero3" : "") + lb;
       auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                            fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
                            " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
                            " --parallelism.cp=" + std::to_string(m.cp) +
-                           " --job.dump_folder=" + dump);
+                           (m.zero3 ? " --parallelism.zero3=true" : "") + " --job.dump_folder=" + dump);
       ASSERT_EQ(rc, 0) << out;
       std::ifstream metrics(dump + "/metrics.jsonl");
       std::string line;

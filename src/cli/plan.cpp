@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "models/interface.h"
 #include "parallel/sharding.h"
+#include "parallel/zero3.h"
 #include "train/config.h"
 #include "train/optimizer.h"
 
@@ -28,6 +29,9 @@ int run_plan(const Args& args) {
   ModelOptions options;
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
   options.plan_only = true;
+  // As `train` builds it: with ZeRO-3 on more than one rank the layers' weights are shards.
+  const bool zero3 = cfg.parallelism.zero3 && world > 1;
+  options.external_layers = zero3;
   std::unique_ptr<Model> model = make_model(config_json, options);
 
   int64_t seq = cfg.data.seq_len, global = cfg.training.global_batch_size;
@@ -42,35 +46,44 @@ int run_plan(const Args& args) {
   const int64_t live = cfg.training.load_balance_type == "global_batch" ? per_rank / micro : 1;
   size_t weights = 0, compute = 0;
   Arena moments = Arena::counting("optimizer", options.device);  // laid out as AdamW lays them out
+  const auto in_layer = [&](const Param& p) { return p.layer >= 0 && p.layer < model->num_layers(); };
   for (const Param& p : model->params()) {
+    for (int j = 0; j < 2; ++j) moments.alloc(DType::f32, p.value.shape);
+    if (zero3 && in_layer(p)) continue;  // in the shards and the slot below
     weights += p.value.nbytes();
     if (p.compute.dtype != p.value.dtype) compute += p.compute.nbytes();
-    for (int j = 0; j < 2; ++j) moments.alloc(DType::f32, p.value.shape);
   }
   // More than one rank shards the moments and the summed gradients (train/optimizer.h).
   const int replicas = mesh.dp * mesh.cp * mesh.ep;
   const bool sharded = replicas > 1;
-  const size_t optimizer =
-      sharded ? AdamW::sharded_bytes(parallel::ShardLayout(model->params(), replicas,
-                                                           mesh.ep > 1 ? mesh.dp * mesh.cp : replicas))
-              : moments.peak();
+  const parallel::ShardLayout layout(model->params(), replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : replicas,
+                                     zero3 ? model->num_layers() : 0);
+  const size_t optimizer = sharded ? AdamW::sharded_bytes(layout) : moments.peak();
+  const size_t slot = zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
   const size_t activations = model->make_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
-  const size_t total = 2 * weights + optimizer + compute + activations;
+  const size_t total = 2 * weights + optimizer + compute + slot + activations;
   auto gib = [](size_t b) { return static_cast<double>(b) / (1ull << 30); };
   std::printf("mesh: world %d = pp %d x dp %d x cp %d x ep %d\n", world, mesh.pp, mesh.dp, mesh.cp, mesh.ep);
   std::printf("model: %lld layers, %.3fB parameters (%.3fB active per token), device %s\n",
               static_cast<long long>(model->num_layers()), model->param_count() / 1e9,
               model->active_param_count() / 1e9, cfg.training.device.c_str());
-  std::printf("per rank, holding every expert (with ep > 1 a rank holds 1/ep of the expert weights and\n"
-              "their gradients; weights and accumulating gradients are not sharded yet):\n");
-  std::printf("  master weights (f32)      %10.3f GiB\n", gib(weights));
-  std::printf("  gradients (f32)           %10.3f GiB\n", gib(weights));
+  if (zero3)
+    std::printf("per rank (with ep > 1 a rank holds 1/ep of the expert weights and their gradients; with\n"
+                "zero3 the layers' weights live in the AdamW shards, the embedding and head in full):\n");
+  else
+    std::printf("per rank, holding every expert (with ep > 1 a rank holds 1/ep of the expert weights and\n"
+                "their gradients; weights and accumulating gradients are sharded only with zero3):\n");
+  std::printf("  master weights (f32)      %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
+  std::printf("  gradients (f32)           %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
   if (sharded)
-    std::printf("  AdamW shards              %10.3f GiB (moments and summed gradients over %d ranks)\n",
-                gib(optimizer), replicas);
+    std::printf("  AdamW shards              %10.3f GiB (moments and summed gradients%s over %d ranks)\n",
+                gib(optimizer), zero3 ? ", layers' weights" : "", replicas);
   else
     std::printf("  AdamW moments (2 x f32)   %10.3f GiB\n", gib(optimizer));
   std::printf("  bf16 weight copies        %10.3f GiB\n", gib(compute));
+  if (zero3)
+    std::printf("  zero3 layer slot          %10.3f GiB (one gathered layer: weights, gradients, copies)\n",
+                gib(slot));
   std::printf("  activations               %10.3f GiB (%lld live micro-batch%s of %lld x %lld tokens)\n",
               gib(activations), static_cast<long long>(live), live == 1 ? "" : "es", static_cast<long long>(micro),
               static_cast<long long>(seq / mesh.cp));

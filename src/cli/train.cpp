@@ -77,6 +77,8 @@ int run_train(const Args& args) {
   options.capacity_factor = cfg.training.capacity_factor;
   options.ep = &mesh.ep();
   options.cp = &mesh.cp();
+  // ZeRO-3 shards the layers' weights over the ranks; one rank keeps them whole.
+  options.external_layers = cfg.parallelism.zero3 && world.size() > 1;
   std::unique_ptr<Model> model = make_model(config_json, options);
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";
@@ -92,12 +94,6 @@ int run_train(const Args& args) {
   mesh.world().barrier();
 
   std::string resume = cfg.checkpoint.load.empty() ? latest_checkpoint(checkpoints) : cfg.checkpoint.load;
-  if (resume.empty()) {
-    if (cfg.model.init == "random")
-      init_random(*model, cfg.model.init_std, static_cast<uint64_t>(cfg.training.seed));
-    else
-      load_hf(*model, cfg.model.init.substr(3));
-  }
   std::unique_ptr<Trainer> made;
   if (cfg.data.corpus.empty())
     made = std::make_unique<Trainer>(cfg, *model, read_token_batch(cfg.data.tokens, model->vocab_size()));
@@ -107,6 +103,16 @@ int run_train(const Args& args) {
   Trainer& trainer = *made;
   trainer.set_parallel(&mesh.dp_cp_ep(), &mesh.dp_cp(), &mesh.ep(), &mesh.cp(),
                        mesh.coord().dp * mesh.shape().ep + mesh.coord().ep, mesh.shape().dp * mesh.shape().ep);
+  // Weights are filled once the trainer has sharded them: with ZeRO-3 through full host
+  // copies of the layers, cut into this rank's shards after.
+  if (resume.empty()) {
+    trainer.materialize_weights();
+    if (cfg.model.init == "random")
+      init_random(*model, cfg.model.init_std, static_cast<uint64_t>(cfg.training.seed));
+    else
+      load_hf(*model, cfg.model.init.substr(3));
+    trainer.commit_weights();
+  }
   if (writer)
     std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), mesh %s\n",
                 static_cast<long long>(model->num_layers()), model->param_count() / 1e6,
@@ -117,7 +123,9 @@ int run_train(const Args& args) {
   if (!resume.empty()) {
     // Sharded moments are read laid out like the weights, then cut into this rank's shards.
     trainer.optimizer().materialize_moments();
+    trainer.materialize_weights();
     TrainState from = load_checkpoint(resume, *model, &trainer.optimizer());
+    trainer.commit_weights();
     trainer.optimizer().commit_moments();
     trainer.set_steps_done(from.step);
     trainer.set_data_cursor(from.data_cursor);
@@ -143,13 +151,15 @@ int run_train(const Args& args) {
     state.data_cursor = trainer.data_cursor();
     // Weights are replicated over dp and cp: the ep ranks of the first replica write,
     // each its own experts (rank 0 also everything else). Sharded moments are first
-    // gathered, which every rank takes part in.
+    // gathered (and with ZeRO-3 the layers' weights), which every rank takes part in.
     trainer.optimizer().materialize_moments();
+    trainer.materialize_weights();
     if (mesh.coord().dp == 0 && mesh.coord().cp == 0) {
       std::string dir =
           save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep, &mesh.ep());
       if (writer) std::printf("saved %s\n", dir.c_str());
     }
+    trainer.release_weights();
     trainer.optimizer().release_moments();
     mesh.world().barrier();
   };

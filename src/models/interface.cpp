@@ -22,7 +22,7 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
 
 void refresh_compute_weights(std::vector<Param>& params) {
   for (Param& p : params)
-    if (p.compute.data != p.value.data) mt::cast(p.value, p.compute);
+    if (p.value.data != nullptr && p.compute.data != p.value.data) mt::cast(p.value, p.compute);
 }
 
 }  // namespace mt

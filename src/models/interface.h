@@ -94,6 +94,11 @@ struct ModelOptions {
   // Context parallelism: a stash's `seq` positions are this rank's zigzag chunks of
   // sequences cp times longer, and attention runs as ring attention over this group.
   comm::Communicator* cp = nullptr;
+  // ZeRO-3 (parallel/zero3.h): the decoder layers' Params (layer 0 .. L-1) get no
+  // storage; they keep their shapes with null data, and whoever gathers a layer points
+  // its value, grad and compute at memory of its own before the layer's stages run.
+  // The embedding and the head are allocated as usual.
+  bool external_layers = false;
 };
 
 class Model {
@@ -144,7 +149,8 @@ class Model {
 std::unique_ptr<Model> make_model(const std::string& config_json_path, const ModelOptions& options = {});
 
 // Brings every Param's compute copy up to date with its master value (after an
-// optimizer step or a load); nothing to do on the CPU, where they are the same.
+// optimizer step or a load); nothing to do on the CPU, where they are the same, nor
+// for a Param without storage (an ungathered ZeRO-3 layer).
 void refresh_compute_weights(std::vector<Param>& params);
 
 }  // namespace mt

@@ -178,7 +178,7 @@ class Qwen3Moe final : public Model {
  public:
   Qwen3Moe(const Qwen3MoeConfig& c, const ModelOptions& o)
       : c_(c), device_(o.device), balanced_(o.force_balanced_routing), plan_only_(o.plan_only),
-        capacity_factor_(o.capacity_factor), ep_(o.ep),
+        external_layers_(o.external_layers), capacity_factor_(o.capacity_factor), ep_(o.ep),
         cp_(o.cp != nullptr && o.cp->size() > 1 ? o.cp : nullptr),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32) {
     build_params();
@@ -279,6 +279,7 @@ class Qwen3Moe final : public Model {
   Device device_;
   bool balanced_;
   bool plan_only_;
+  bool external_layers_;  // ZeRO-3: the decoder layers' Params have no storage here
   double capacity_factor_;  // 0: dropless
   bool overwrite_ = false;  // gradient writes replace (true) or add
   comm::Communicator* ep_;  // null: every expert lives here
@@ -348,10 +349,13 @@ void Qwen3Moe::build_params() {
   }
 
   // Two arenas of identical layout, master weights and their gradients, and on the GPU
-  // a third with the bf16 copies of the matrices that the products read.
+  // a third with the bf16 copies of the matrices that the products read. With external
+  // layers, only the embedding's and the head's.
   const bool copies = device_ == Device::cuda;
+  auto held = [&](const Param& p) { return !external_layers_ || p.layer < 0 || p.layer >= c_.num_layers; };
   Arena count = Arena::counting("parameters", device_), count_c = Arena::counting("compute weights", device_);
   for (const Param& p : params_) {
+    if (!held(p)) continue;
     count.alloc(DType::f32, p.value.shape);
     if (copies && p.matrix) count_c.alloc(DType::bf16, p.value.shape);
   }
@@ -362,6 +366,12 @@ void Qwen3Moe::build_params() {
   grads_ = arena("gradients", count.peak());
   compute_ = arena("compute weights", count_c.peak());
   for (Param& p : params_) {
+    if (!held(p)) {
+      p.value = Tensor(nullptr, p.value.shape, DType::f32, device_);
+      p.grad = p.value;
+      p.compute = copies && p.matrix ? Tensor(nullptr, p.value.shape, DType::bf16, device_) : p.value;
+      continue;
+    }
     p.value = values_.alloc(DType::f32, p.value.shape);
     p.grad = grads_.alloc(DType::f32, p.value.shape);
     p.compute = copies && p.matrix ? compute_.alloc(DType::bf16, p.value.shape) : p.value;

@@ -22,17 +22,18 @@ Tensor flat(const Tensor& t, int64_t offset, int64_t count) {
 
 Tensor ShardLayout::piece_of(const Tensor& v, const ShardPiece& p) { return flat(v, p.at, p.count); }
 
-ShardLayout::ShardLayout(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert) {
+ShardLayout::ShardLayout(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert,
+                         int64_t weight_layers) {
   build(params, dense, expert, dense ? dense->size() : 1, dense ? dense->rank() : 0, expert ? expert->size() : 1,
-        expert ? expert->rank() : 0);
+        expert ? expert->rank() : 0, weight_layers);
 }
 
-ShardLayout::ShardLayout(const std::vector<Param>& params, int dense_size, int expert_size) {
-  build(params, nullptr, nullptr, dense_size, 0, expert_size, 0);
+ShardLayout::ShardLayout(const std::vector<Param>& params, int dense_size, int expert_size, int64_t weight_layers) {
+  build(params, nullptr, nullptr, dense_size, 0, expert_size, 0, weight_layers);
 }
 
 void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert,
-                        int dense_size, int dense_rank, int expert_size, int expert_rank) {
+                        int dense_size, int dense_rank, int expert_size, int expert_rank, int64_t weight_layers) {
   // Units in order of first appearance, keyed by (layer, expert).
   std::map<std::pair<int64_t, bool>, size_t> index;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -44,6 +45,7 @@ void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* de
       u.group = p.expert ? expert : dense;
       u.group_size = p.expert ? expert_size : dense_size;
       u.group_rank = p.expert ? expert_rank : dense_rank;
+      u.layer = p.layer;
       units_.push_back(std::move(u));
     }
     ShardUnit& u = units_[it->second];
@@ -55,6 +57,10 @@ void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* de
     u.shard = (u.length + u.group_size - 1) / u.group_size;
     u.state_at = shard_elements_;
     shard_elements_ += u.shard;
+    if (u.layer >= 0 && u.layer < weight_layers) {
+      u.value_at = value_elements_;
+      value_elements_ += u.shard;
+    }
     // Room for the padded unit and, after it, one shard (the reduce-scatter's output).
     scratch_elements_ = std::max(scratch_elements_, (u.group_size + 1) * u.shard);
     const int64_t begin = u.group_rank * u.shard, end = begin + u.shard;
@@ -69,6 +75,7 @@ void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* de
 void ShardLayout::reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard, const Tensor& scratch,
                                  bool accumulate) const {
   for (const ShardUnit& u : units_) {
+    if (u.value_at >= 0) continue;
     const int64_t n = u.group_size, s = u.shard;
     Tensor mine = flat(grad_shard, u.state_at, s);
     Tensor out = flat(scratch, n * s, s);
@@ -94,8 +101,8 @@ void ShardLayout::reduce_scatter(const std::vector<Param>& params, const Tensor&
 
 void ShardLayout::all_gather(const std::vector<Param>& params, const Tensor& scratch) const {
   for (const ShardUnit& u : units_) {
-    // A group of one updated its full blocks in place.
-    if (u.group == nullptr || u.group_size == 1) continue;
+    // A group of one updated its full blocks in place; ZeRO-3 units keep their shards.
+    if (u.group == nullptr || u.group_size == 1 || u.value_at >= 0) continue;
     const int64_t n = u.group_size, s = u.shard;
     Tensor mine = flat(scratch, n * s, s), all = flat(scratch, 0, n * s);
     for (const ShardPiece& p : u.pieces)

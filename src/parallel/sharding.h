@@ -12,12 +12,14 @@
 //   all_gather       this rank's shard of the weights -> every rank's full weights
 //   gather / scatter per-block state laid out like the weights <-> the rank's shards
 //
-// What is built: AdamW's moments and the reduced gradients live only as shards (8 + 4
-// bytes per parameter divided by the group), AdamW updates each rank's shard, and
-// the updated shards are all-gathered into the full weights. What is not built yet:
-// the weights and the accumulating gradients themselves are still full on every rank
-// (ZeRO-2 memory, not ZeRO-3): dropping them needs the layer's blocks gathered just
-// before its stages and released after, which the unit layout here is shaped for.
+// AdamW's moments and the reduced gradients always live only as shards (8 + 4 bytes
+// per parameter divided by the group), and AdamW updates each rank's shard. By default
+// the weights and the accumulating gradients stay full on every rank (ZeRO-2 memory):
+// the updated shards are all-gathered into them after each step. With ZeRO-3
+// (`weight_layers` > 0, parallel/zero3.h) the units of decoder layers 0 .. weight_layers-1
+// also keep their weights as shards (`value_at` in a separate shard vector), AdamW
+// updates those directly, and the bulk reduce_scatter / all_gather below skip them:
+// their gradients are reduced layer by layer during the backward.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +45,8 @@ struct ShardUnit {
   int64_t shard = 0;            // elements per rank, padding included
   int64_t state_at = 0;         // where its shard starts in the rank's shard vectors
   std::vector<ShardPiece> pieces;  // this rank's shard, block by block
+  int64_t layer = 0;               // Param::layer of its blocks
+  int64_t value_at = -1;           // ZeRO-3: where its weight shard starts; -1: weights full
 };
 
 class ShardLayout {
@@ -51,18 +55,23 @@ class ShardLayout {
   // dense and expert may be null (a group of one). Sizes and ranks only are read at
   // construction, so `moetrain plan` can lay out a rank's shards with null groups
   // and the sizes given.
-  ShardLayout(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert);
-  ShardLayout(const std::vector<Param>& params, int dense_size, int expert_size);
+  // Units of layers [0, weight_layers) keep their weights as shards (ZeRO-3).
+  ShardLayout(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert,
+              int64_t weight_layers = 0);
+  ShardLayout(const std::vector<Param>& params, int dense_size, int expert_size, int64_t weight_layers = 0);
 
   const std::vector<ShardUnit>& units() const { return units_; }
   int64_t shard_elements() const { return shard_elements_; }      // this rank's, all units
   int64_t scratch_elements() const { return scratch_elements_; }  // the largest padded unit
+  int64_t value_elements() const { return value_elements_; }      // ZeRO-3 weight shards, all units
 
   // grad_shard f32 [shard_elements] (+)= this rank's shard of the sum over each unit's
   // group of the blocks' `grad`. scratch: f32 [scratch_elements] on the grads' device.
+  // Units whose weights are shards (ZeRO-3) are skipped.
   void reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard, const Tensor& scratch,
                       bool accumulate) const;
-  // Every rank's shard of each block's `value` -> the full `value` on every rank.
+  // Every rank's shard of each block's `value` -> the full `value` on every rank
+  // (units whose weights are shards skipped).
   void all_gather(const std::vector<Param>& params, const Tensor& scratch) const;
   // full[i] (laid out like block i) <-> shard (this rank's elements): the moments for
   // checkpoints. gather is collective; scatter copies this rank's pieces.
@@ -74,9 +83,9 @@ class ShardLayout {
 
  private:
   void build(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert, int dense_size,
-             int dense_rank, int expert_size, int expert_rank);
+             int dense_rank, int expert_size, int expert_rank, int64_t weight_layers);
   std::vector<ShardUnit> units_;
-  int64_t shard_elements_ = 0, scratch_elements_ = 0;
+  int64_t shard_elements_ = 0, scratch_elements_ = 0, value_elements_ = 0;
 };
 
 }  // namespace mt::parallel

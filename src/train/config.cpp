@@ -48,6 +48,7 @@ void visit(Config& c, F&& f) {
   f("parallelism", "pp", c.parallelism.pp);
   f("parallelism", "cp", c.parallelism.cp);
   f("parallelism", "ep", c.parallelism.ep);
+  f("parallelism", "zero3", c.parallelism.zero3);
   f("checkpoint", "interval", c.checkpoint.interval);
   f("checkpoint", "keep", c.checkpoint.keep);
   f("checkpoint", "load", c.checkpoint.load);
@@ -134,6 +135,8 @@ void validate(const Config& c) {
   MT_CHECK(c.parallelism.pp >= 1 && c.parallelism.cp >= 1 && c.parallelism.ep >= 1)
       << "parallelism.pp, cp and ep should be >= 1, got " << c.parallelism.pp << ", " << c.parallelism.cp << ", "
       << c.parallelism.ep;
+  MT_CHECK(!c.parallelism.zero3 || c.parallelism.pp == 1)
+      << "parallelism.zero3 with parallelism.pp > 1 is not supported (pipeline stages would gather other ranks' layers)";
   MT_CHECK(c.data.tokens.empty() || c.data.corpus.empty())
       << "data.tokens and data.corpus are both set; choose one";
   MT_CHECK(c.metrics.log_interval >= 1) << "metrics.log_interval should be >= 1";

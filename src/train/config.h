@@ -59,6 +59,9 @@ struct SchedulerConfig {
 
 struct ParallelismConfig {
   int64_t pp = 1, cp = 1, ep = 1;
+  // ZeRO-3: with more than one rank, the decoder layers' weights and gradients also
+  // live only as shards, each layer gathered just before its stages (parallel/zero3.h).
+  bool zero3 = false;
 };
 
 struct CheckpointConfig {

@@ -20,8 +20,8 @@ AdamW::AdamW(std::vector<Param>& params) : params_(params) {
   }
 }
 
-void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert) {
-  layout_ = parallel::ShardLayout(params_, dense, expert);
+void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t weight_layers) {
+  layout_ = parallel::ShardLayout(params_, dense, expert, weight_layers);
   const Device device = params_.empty() ? Device::cpu : params_.front().value.device;
   const Shape shard{layout_.shard_elements()};
   arena_ = Arena("optimizer", device, sharded_bytes(layout_));  // the full moments go with the old arena
@@ -31,7 +31,9 @@ void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert) {
   v_shard_ = arena_.alloc(DType::f32, shard);
   g_shard_ = arena_.alloc(DType::f32, shard);
   scratch_ = arena_.alloc(DType::f32, {layout_.scratch_elements()});
+  if (layout_.value_elements() > 0) w_shard_ = arena_.alloc(DType::f32, {layout_.value_elements()});
   for (const Tensor& t : {m_shard_, v_shard_, g_shard_}) fill(t, 0.0f);
+  if (w_shard_.data != nullptr) fill(w_shard_, 0.0f);
   sharded_ = true;
 }
 
@@ -39,6 +41,7 @@ size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout) {
   Arena count = Arena::counting("optimizer", Device::cpu);
   for (int j = 0; j < 3; ++j) count.alloc(DType::f32, {layout.shard_elements()});  // m, v, gradients
   count.alloc(DType::f32, {layout.scratch_elements()});
+  if (layout.value_elements() > 0) count.alloc(DType::f32, {layout.value_elements()});
   return count.peak();
 }
 
@@ -105,12 +108,16 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
     mt::adamw_step_multi(blocks, a);
     return;
   }
-  // This rank's pieces of the weights, updated in place, then shared.
+  // This rank's pieces of the weights, updated in place (the full weights', or with
+  // ZeRO-3 the layers' weight shards), then shared.
   using parallel::ShardLayout;
   for (const parallel::ShardUnit& u : layout_.units())
     for (const parallel::ShardPiece& p : u.pieces) {
       const Param& w = params_[p.param];
-      Tensor value(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device);
+      Tensor value = u.value_at >= 0
+                         ? Tensor(static_cast<float*>(w_shard_.data) + u.value_at + (p.at - u.state_at), {p.count},
+                                  DType::f32, w_shard_.device)
+                         : Tensor(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device);
       blocks.push_back({value, ShardLayout::piece_of(g_shard_, p), ShardLayout::piece_of(m_shard_, p),
                         ShardLayout::piece_of(v_shard_, p), decay(w), Tensor()});
     }

@@ -25,11 +25,18 @@ class AdamW {
 
   // From here on the moments (zero: call before any step or load) live as this rank's
   // shards over `dense` (dense blocks) and `expert` (expert blocks); either may be null.
-  void shard(comm::Communicator* dense, comm::Communicator* expert);
+  // ZeRO-3 (weight_layers = L): the weights of layers 0 .. L-1 are shards too, held here
+  // (weight_shards) and updated in place; parallel::Zero3 gathers them for the stages
+  // and reduces their gradients into grad_shards.
+  void shard(comm::Communicator* dense, comm::Communicator* expert, int64_t weight_layers = 0);
   bool sharded() const { return sharded_; }
+  const parallel::ShardLayout& layout() const { return layout_; }
+  Tensor weight_shards() const { return w_shard_; }
+  Tensor grad_shards() const { return g_shard_; }
   // What shard() allocates for a layout: moment and gradient shards, exchange buffer.
   static size_t sharded_bytes(const parallel::ShardLayout& layout);
-  // Sharded: this rank's shard of every rank's gradients, summed (collective).
+  // Sharded: this rank's shard of every rank's gradients, summed (collective); with
+  // ZeRO-3 only the units outside the layers (those were reduced layer by layer).
   void reduce_gradients();
   // Sum of squares of the gradients this step reads: this rank's shards when sharded
   // (every element on exactly one rank of each group), else every block.
@@ -44,7 +51,8 @@ class AdamW {
   void materialize_moments();
   void commit_moments();
   void release_moments();
-  // Moments, and when sharded the gradient shards and the exchange buffer.
+  // Moments, and when sharded the gradient shards, the exchange buffer and (ZeRO-3) the
+  // layers' weight shards.
   size_t bytes() const { return arena_.capacity(); }
 
  private:
@@ -55,7 +63,7 @@ class AdamW {
   // Sharded state.
   bool sharded_ = false;
   parallel::ShardLayout layout_;
-  Tensor m_shard_, v_shard_, g_shard_, scratch_;
+  Tensor m_shard_, v_shard_, g_shard_, w_shard_, scratch_;
   Arena full_;  // host copies of the moments, laid out like the weights
 };
 

@@ -116,9 +116,14 @@ void Trainer::setup() {
   MT_CHECK(rank_rows_ % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
                                            << " does not divide the global batch of " << global_batch_;
   micro_batches_ = rank_rows_ / micro_batch_;
+}
+
+void Trainer::make_stashes() {
   // The global-batch load-balance loss needs every micro-batch's routing before any
-  // backward, so every micro-batch keeps its activations.
-  int64_t live = t.load_balance_type == "global_batch" ? micro_batches_ : 1;
+  // backward, so every micro-batch keeps its activations. Made at the first step, once
+  // the mesh is known: a stash for the whole batch, dropped when set_parallel splits
+  // it, would leave the GPU pool holding its memory in pieces.
+  int64_t live = cfg_.training.load_balance_type == "global_batch" ? micro_batches_ : 1;
   for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, local_seq()));
 }
 
@@ -133,11 +138,21 @@ void Trainer::set_parallel(comm::Communicator* all, comm::Communicator* expert_a
     MT_CHECK(seq_ % (2 * cp->size()) == 0) << "sequences of " << seq_ << " positions do not split into 2 * cp = "
                                            << 2 * cp->size() << " equal chunks";
   }
+  MT_CHECK(stashes_.empty()) << "Trainer::set_parallel must come before the first step";
+  const bool zero3 = cfg_.parallelism.zero3 && all != nullptr && all->size() > 1;
+  for (const Param& p : model_.params())
+    MT_CHECK(zero3 || !in_layer(p) || p.value.data != nullptr)
+        << p.name << " has no storage (a model built with external_layers) but ZeRO-3 is not on: "
+        << "parallelism.zero3 needs more than one rank";
   if (all == nullptr || all->size() == 1) return;
   dp_ = all;
   // AdamW's moments and the summed gradients live as shards: dense blocks over every
-  // rank, experts over the ranks holding the same experts.
-  optimizer_.shard(all, ep_ ? expert_all : all);
+  // rank, experts over the ranks holding the same experts; with ZeRO-3 the layers'
+  // weights too.
+  optimizer_.shard(all, ep_ ? expert_all : all, zero3 ? model_.num_layers() : 0);
+  if (zero3)
+    zero3_ = std::make_unique<parallel::Zero3>(model_.params(), optimizer_.layout(), optimizer_.weight_shards(),
+                                               optimizer_.grad_shards(), model_.device());
   data_rank_ = data_rank;
   data_ranks_ = data_ranks;
   MT_CHECK(global_batch_ % data_ranks == 0) << "training.global_batch_size " << global_batch_
@@ -148,9 +163,6 @@ void Trainer::set_parallel(comm::Communicator* all, comm::Communicator* expert_a
                                     << " sequences of each of " << data_ranks << " data ranks (dp x ep)";
   micro_batch_ = micro;
   micro_batches_ = rank_rows_ / micro_batch_;
-  stashes_.clear();
-  int64_t live = cfg_.training.load_balance_type == "global_batch" ? micro_batches_ : 1;
-  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, local_seq()));
 }
 
 void Trainer::load_micro_batch(Stash& s, int64_t index) {
@@ -210,20 +222,46 @@ constexpr const char* kWeightNames[] = {"attention+router W", "dispatch W", "exp
 
 }  // namespace
 
+void Trainer::materialize_weights() {
+  if (zero3_) zero3_->materialize();
+}
+
+void Trainer::commit_weights() {
+  if (zero3_) zero3_->commit();
+}
+
+void Trainer::release_weights() {
+  if (zero3_) zero3_->release_all();
+}
+
 void Trainer::forward(Stash& s) {
   profile_.mark("embedding");
   model_.embed_forward(s);
-  for (int64_t l = 0; l < model_.num_layers(); ++l)
+  for (int64_t l = 0; l < model_.num_layers(); ++l) {
+    if (zero3_) {
+      profile_.mark("zero3 gather");
+      zero3_->gather(l);
+    }
     for (int i = 0; i < 5; ++i) {
       profile_.mark(kForwardNames[i]);
       model_.stage_forward(l, kStages[i], s);
     }
+    if (zero3_) zero3_->release(l);
+  }
 }
 
-void Trainer::backward(Stash& s, float loss_scale) {
+void Trainer::backward(Stash& s, float loss_scale, bool first_micro_batch) {
+  model_.set_overwrite_gradients(first_micro_batch);  // the first backward starts the gradients
   profile_.mark("head B+W");
   model_.head_backward(s, loss_scale);
   for (int64_t l = model_.num_layers() - 1; l >= 0; --l) {
+    if (zero3_) {
+      // The slot's gradients are this micro-batch's alone: written over, then summed
+      // into the gradient shards by the reduce-scatter.
+      profile_.mark("zero3 gather");
+      zero3_->gather(l);
+      model_.set_overwrite_gradients(true);
+    }
     // Stages in reverse; on one device each W runs right after its B.
     for (int i = 4; i >= 0; --i) {
       profile_.mark(kInputNames[i]);
@@ -231,12 +269,19 @@ void Trainer::backward(Stash& s, float loss_scale) {
       profile_.mark(kWeightNames[i]);
       model_.stage_backward_weight(l, kStages[i], s);
     }
+    if (zero3_) {
+      profile_.mark("zero3 reduce-scatter");
+      zero3_->reduce_gradients(l, !first_micro_batch);
+      zero3_->release(l);
+    }
   }
+  model_.set_overwrite_gradients(first_micro_batch);
   profile_.mark("embedding");
   model_.embed_backward(s);
 }
 
 StepResult Trainer::step() {
+  if (stashes_.empty()) make_stashes();
   auto start = std::chrono::steady_clock::now();
   const TrainingConfig& t = cfg_.training;
   // Token matrices and corpus windows label every position: the mean is over all.
@@ -327,8 +372,7 @@ StepResult Trainer::step() {
         lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / (n * static_cast<double>(cps));
         model_.set_router_prob_grad(s, st.layer, dprob);
       }
-      model_.set_overwrite_gradients(mb == 0);  // the first backward starts the gradients
-      backward(s, loss_scale);
+      backward(s, loss_scale, mb == 0);
     }
   } else {
     std::vector<std::vector<RouterStats>> all;
@@ -356,19 +400,17 @@ StepResult Trainer::step() {
                   static_cast<double>(counts.size());
       for (int64_t mb = 0; mb < mb_count; ++mb) model_.set_router_prob_grad(*stashes_[mb], all[mb][i].layer, dprob);
     }
-    for (int64_t mb = 0; mb < mb_count; ++mb) {
-      model_.set_overwrite_gradients(mb == 0);  // the first backward starts the gradients
-      backward(*stashes_[mb], loss_scale);
-    }
+    for (int64_t mb = 0; mb < mb_count; ++mb) backward(*stashes_[mb], loss_scale, mb == 0);
   }
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
   // changes nothing, so it is skipped).
   profile_.mark("gradient reduction and norm");
   if (dp_) {
-    // Each rank's shard of the gradients summed over the ranks that share its blocks;
-    // every element then lives on one rank of its group, so the squares of all shards
-    // add up to the global norm over the whole mesh (experts of every ep rank too).
+    // Each rank's shard of the gradients summed over the ranks that share its blocks
+    // (with ZeRO-3 the layers' were summed during the backward, the rest here); every
+    // element then lives on one rank of its group, so the squares of all shards add up
+    // to the global norm over the whole mesh (experts of every ep rank too).
     optimizer_.reduce_gradients();
     std::vector<double> sums = {loss_sum, lb_total, optimizer_.grad_sum_squares()};
     sum_ranks_f64(sums);
@@ -396,8 +438,9 @@ StepResult Trainer::step() {
   r.dropped_slots = dropped[0];
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.tokens_per_s = static_cast<double>(count) / std::max(seconds, 1e-9);
-  size_t bytes = optimizer_.bytes();
+  size_t bytes = optimizer_.bytes() + (zero3_ ? zero3_->bytes() : 0);
   for (const Param& p : model_.params()) {
+    if (zero3_ && in_layer(p)) continue;  // shards (optimizer) and the slot (zero3)
     bytes += 2 * p.value.nbytes();  // weights and gradients
     if (p.compute.data != p.value.data) bytes += p.compute.nbytes();  // bf16 copies on the GPU
   }

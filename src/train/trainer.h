@@ -11,6 +11,7 @@
 #include "comm/communicator.h"
 #include "data/dataset.h"
 #include "models/interface.h"
+#include "parallel/zero3.h"
 #include "train/config.h"
 #include "train/optimizer.h"
 #include "train/profile.h"
@@ -54,7 +55,9 @@ class Trainer {
   // Dense gradients, losses and routing statistics are summed over `all` (dp x cp x
   // ep); with expert parallelism expert gradients over `expert_all` (dp x cp, the
   // ranks holding the same experts) and the norm adds the experts' squares over `ep`.
-  // Weights are replicated within those groups: every rank takes the same step.
+  // Weights are replicated within those groups: every rank takes the same step, or with
+  // parallelism.zero3 (more than one rank; the model built with external_layers) the
+  // decoder layers' weights and gradients are sharded over them too (parallel/zero3.h).
   void set_parallel(comm::Communicator* all, comm::Communicator* expert_all, comm::Communicator* ep,
                     comm::Communicator* cp, int64_t data_rank, int64_t data_ranks);
   StepResult step();
@@ -62,6 +65,13 @@ class Trainer {
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
   void set_steps_done(int64_t step) { step_ = step; }
   AdamW& optimizer() { return optimizer_; }
+  // ZeRO-3: every layer's full weights in host memory, for init_random, load_hf and the
+  // checkpoint functions, which go through the model's hf_tensors() (collective);
+  // commit_weights cuts them back into this rank's shards (after an init or a load),
+  // release_weights drops them (after a save). Without ZeRO-3 they do nothing.
+  void materialize_weights();
+  void commit_weights();
+  void release_weights();
   // Where the corpus stands, as JSON for train_state.json ("null" for a token matrix).
   std::string data_cursor() const;
   void set_data_cursor(const std::string& json);
@@ -70,8 +80,10 @@ class Trainer {
 
  private:
   void forward(Stash& s);
-  void backward(Stash& s, float loss_scale);
+  void backward(Stash& s, float loss_scale, bool first_micro_batch);
+  bool in_layer(const Param& p) const { return p.layer >= 0 && p.layer < model_.num_layers(); }
   void setup();
+  void make_stashes();
   void load_micro_batch(Stash& s, int64_t index);
 
   Config cfg_;
@@ -90,6 +102,7 @@ class Trainer {
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
   AdamW optimizer_;
+  std::unique_ptr<parallel::Zero3> zero3_;  // null: the layers' weights are full here
   StepProfile profile_;
 };
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU mesh check: `moetrain train` on the CUDA backend, one GPU against meshes.
 
-    python3 tests/gpu/meshes.py BUILD/moetrain . [--gpus 2|4|8]
+    python3 tests/gpu/meshes.py BUILD/moetrain . [--gpus 2|4|8] [--extra="--section.key=value ..."]
 
 Trains the qwen3_moe_a fixture for a few steps on one GPU, then under
 `mpirun -np N` (one rank per GPU) on every mesh (dp, cp, ep) of N = 2 .. --gpus ranks
@@ -87,7 +87,7 @@ def run_train(args, env, np_ranks, mesh, lb, tokens, dump):
            "--training.load_balance_type=" + lb,
            "--parallelism.cp=%d" % cp,
            "--parallelism.ep=%d" % ep,
-           "--job.dump_folder=" + dump]
+           "--job.dump_folder=" + dump] + args.extra.split()
     if np_ranks > 1:
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(np_ranks),
                "-x", "NCCL_NVLS_ENABLE", "-x", "OMP_NUM_THREADS"] + cmd
@@ -151,6 +151,9 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: try the script itself on the CPU backend (any build)")
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
+    ap.add_argument("--extra", default="",
+                    help="flags appended to every moetrain command, the one-GPU run's too, separated by spaces "
+                         "(e.g. --extra=--parallelism.zero3=true)")
     args = ap.parse_args()
     args.moetrain = os.path.abspath(args.moetrain)
     args.repo = os.path.abspath(args.repo)
