@@ -331,6 +331,44 @@ TEST(Commands, CapacityFactorCapsEachExpertAndCountsDrops) {
   EXPECT_TRUE(std::isfinite(tight[1]["loss"].get<double>()));
 }
 
+// With expert parallelism an expert keeps the earliest rows of the ep ranks' batches
+// laid end to end, so ep = 2 with capacity drops what one rank drops on the whole
+// batch in one micro-batch: same losses (1e-5), drops and kept counts.
+TEST(Commands, CapacityWithExpertParallelismMatchesOneRank) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  std::string dir = temp_dir("cap_ep");
+  io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
+  std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
+  tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + a.header.shape[1]);
+  io::write_npy(dir + "/tokens.npy", "<i8", {4, a.header.shape[1]}, tokens.data());
+  auto train = [&](const std::string& launch, const std::string& name, const std::string& extra) {
+    std::string dump = dir + "/" + name;
+    auto [rc, out] = run(launch + MOETRAIN_BIN + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                         " --data.tokens=" + dir + "/tokens.npy --training.steps=3 --training.capacity_factor=1" +
+                         " --training.load_balance_coef=0.1 --training.load_balance_type=global_batch" +
+                         " --job.dump_folder=" + dump + " " + extra);
+    EXPECT_EQ(rc, 0) << out;
+    std::ifstream metrics(dump + "/metrics.jsonl");
+    std::vector<nlohmann::json> lines;
+    for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
+    return lines;
+  };
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+  std::vector<nlohmann::json> one = train("", "one", "--training.micro_batch_size=4"),
+                              ep = train(mpirun, "ep2", "--training.micro_batch_size=2 --parallelism.ep=2");
+  ASSERT_EQ(one.size(), 3u);
+  ASSERT_EQ(ep.size(), 3u);
+  EXPECT_GT(one[0]["dropped_slots"].get<int64_t>(), 0) << "factor 1 should drop slots on this batch";
+  for (size_t i = 0; i < 3; ++i) {
+    for (const char* key : {"loss", "grad_norm", "lb_loss"})
+      EXPECT_NEAR(ep[i][key].get<double>(), one[i][key].get<double>(), 1e-5 * one[i][key].get<double>())
+          << "step " << i + 1 << " " << key;
+    EXPECT_EQ(ep[i]["dropped_slots"], one[i]["dropped_slots"]) << "step " << i + 1;
+    EXPECT_EQ(ep[i]["expert_counts"], one[i]["expert_counts"]) << "step " << i + 1;
+  }
+}
+
 // plan counts with the code that allocates: its total is what a run reports holding.
 TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   std::string dump = temp_dir("plan");

@@ -310,8 +310,6 @@ void Qwen3Moe::build_params() {
     MT_CHECK(c_.num_experts % ep_->size() == 0)
         << "num_experts " << c_.num_experts << " does not split over parallelism.ep = " << ep_->size();
     local_experts_ = c_.num_experts / ep_->size();
-    MT_CHECK(capacity_factor_ == 0.0) << "training.capacity_factor with parallelism.ep > 1 is not built yet: "
-                                      << "expert-parallel dispatch is dropless only";
     first_expert_ = ep_->rank() * local_experts_;
   } else {
     ep_ = nullptr;
@@ -608,7 +606,9 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
       break;
     case Stage::dispatch:
       if (moe && ep_) {
-        x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts);
+        // The experts see the ep ranks' micro-batches end to end: the capacity is theirs.
+        x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(s.batch * s.seq * ep_->size()));
+        x.dropped = x.plan.dropped;
         parallel::ep_dispatch_forward(*ep_, x.plan, x.y, routed(x).xs);
       } else if (moe) {
         x.dropped = mt::dispatch_plan(x.idx, c_.num_experts, capacity(s.batch * s.seq), x.counts, x.offsets,
@@ -630,7 +630,8 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
       break;
     case Stage::combine:
       if (moe && ep_)
-        parallel::ep_combine_forward(*ep_, x.plan, routed(x).ys, x.weight, x.back, x.mo);
+        parallel::ep_combine_forward(*ep_, x.plan, routed(x).ys, x.weight, x.back.rows(0, x.plan.returned_rows()),
+                                     x.mo);
       else if (moe)
         mt::combine_forward(routed(x).ys, x.weight, x.slot_row, x.mo);
       break;
@@ -708,7 +709,8 @@ void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
       break;
     case Stage::combine:
       if (moe && ep_)
-        parallel::ep_combine_backward(*ep_, x.plan, x.back, x.weight, d_mo, routed(x).d_ys, x.d_weight);
+        parallel::ep_combine_backward(*ep_, x.plan, x.back.rows(0, x.plan.returned_rows()), x.weight, d_mo,
+                                      routed(x).d_ys, x.d_weight);
       else if (moe)
         mt::combine_backward(routed(x).ys, x.weight, x.slot_row, d_mo, routed(x).d_ys, x.d_weight);
       break;

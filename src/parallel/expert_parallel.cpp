@@ -90,7 +90,13 @@ std::vector<int64_t> EpPlan::local_counts() const {
   return c;
 }
 
-EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts) {
+int64_t EpPlan::returned_rows() const {
+  int64_t n = 0;
+  for (int64_t r : slots_to) n += r;
+  return n;
+}
+
+EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, int64_t capacity) {
   MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2 && idx.dim(1) >= 1)
       << "ep_plan wants router idx i32 [N,k] (k >= 1), got " << idx.str();
   MT_CHECK(idx.data != nullptr || idx.numel() == 0) << "ep_plan: idx " << idx.str() << " has no storage";
@@ -177,13 +183,49 @@ EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts) {
   std::vector<int32_t> counts(static_cast<size_t>(per + 1)), offsets(static_cast<size_t>(per + 2));
   std::vector<int32_t> order(recv_idx.size());
   p.local_slot_row.resize(recv_idx.size());
-  cpu::dispatch_plan(Tensor(recv_idx.data(), {u_rows, k}, DType::i32), per + 1, 0, index_tensor(counts),
+  // A capacity caps the extra bucket too, harmlessly: its slots are dropped anyway.
+  MT_CHECK(capacity >= 0) << "ep_plan: capacity " << capacity << " should be >= 0";
+  cpu::dispatch_plan(Tensor(recv_idx.data(), {u_rows, k}, DType::i32), per + 1, capacity, index_tensor(counts),
                      index_tensor(offsets), index_tensor(order), index_tensor(p.local_slot_row));
   const int32_t local = offsets[per];
   p.order.assign(order.begin(), order.begin() + local);
   p.offsets.assign(offsets.begin(), offsets.begin() + per + 1);
   for (int32_t& r : p.local_slot_row)
     if (r >= local) r = -1;
+  if (capacity > 0) {
+    // Each sender learns which of its slots for this rank's experts were kept (1) or
+    // dropped (0), in the (token, slot) order it numbered them, and renumbers the rows
+    // of `back` over the kept ones.
+    std::vector<int32_t> kept_here, kept_there(static_cast<size_t>(p.returned_rows()));
+    std::vector<int64_t> local_from(static_cast<size_t>(size), 0);
+    int64_t u = 0;
+    for (int64_t r = 0; r < size; ++r)
+      for (int64_t end = u + p.recv_rows_from[r]; u < end; ++u)
+        for (int64_t j = 0; j < k; ++j)
+          if (recv_idx[u * k + j] < per) {
+            kept_here.push_back(p.local_slot_row[u * k + j] >= 0 ? 1 : 0);
+            ++local_from[r];
+          }
+    ep.all_to_all_v(index_tensor(kept_here), local_from, index_tensor(kept_there), p.slots_to);
+    std::vector<int64_t> kept_to(static_cast<size_t>(size), 0), first(static_cast<size_t>(size), 0);
+    for (int64_t r = 0, at = 0; r < size; at += p.slots_to[r], ++r) {
+      first[r] = at;
+      for (int64_t i = 0; i < p.slots_to[r]; ++i) kept_to[r] += kept_there[at + i];
+    }
+    std::vector<int64_t> seen_to(static_cast<size_t>(size), 0), next(static_cast<size_t>(size), 0);
+    for (int64_t r = 1; r < size; ++r) next[r] = next[r - 1] + kept_to[r - 1];
+    for (int64_t s = 0; s < n * k; ++s) {
+      const int64_t r = id[s] / per;
+      if (kept_there[first[r] + seen_to[r]++] != 0) {
+        p.slot_row[s] = static_cast<int32_t>(next[r]++);
+      } else {
+        p.slot_row[s] = -1;
+        --p.expert_counts[id[s]];
+        ++p.dropped;
+      }
+    }
+    p.slots_to = kept_to;
+  }
 
   // Outputs go back in the order the source expects: by source rank, token, slot.
   p.slots_from.assign(static_cast<size_t>(size), 0);

@@ -60,7 +60,8 @@ struct EpPlan {
   std::vector<int32_t> return_row;      // [R] the xs row of each output sent back, by (rank, token, j)
   std::vector<int32_t> return_pos;      // [R] inverse of return_row
   std::vector<int32_t> offsets;         // [local_experts + 1] xs rows of each local expert
-  std::vector<int64_t> expert_counts;   // [num_experts] this rank's slots routed to each expert
+  std::vector<int64_t> expert_counts;   // [num_experts] this rank's slots each expert kept
+  int64_t dropped = 0;                  // this rank's slots over an expert's capacity
 
   // Where the kernels read the index arrays above: the host vectors, or (when idx was
   // on the GPU) their copies in one device block uploaded by ep_plan, which copies of
@@ -74,7 +75,7 @@ struct EpPlan {
   int64_t sent_rows() const { return static_cast<int64_t>(sent_token.size()); }
   int64_t received_rows() const;                                          // U
   int64_t local_rows() const { return static_cast<int64_t>(order.size()); }  // R, rows of xs and ys
-  int64_t returned_rows() const { return tokens * top_k; }                // rows of `back`
+  int64_t returned_rows() const;  // rows of `back`: this rank's kept slots (N*k when dropless)
   // The grouped GEMM's segments, i32 [local_experts + 1] on the plan's device: a view
   // of `offsets` or of its GPU copy.
   Tensor offsets_tensor() const;
@@ -85,7 +86,12 @@ struct EpPlan {
 // Collective over `ep`. idx i32 [N,k] on the host or the GPU, experts in [0,
 // num_experts); num_experts must be a multiple of ep.size(). N may differ between ranks
 // (even 0). The plan lives on idx's device, and so must every tensor given with it.
-EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts);
+// capacity > 0: each expert keeps at most that many of the rows it receives, in
+// (source rank, token, slot) order, so the earliest tokens of the lowest ranks first:
+// the single-rank choice for the ranks' batches laid end to end. Receivers tell the
+// senders which slots they dropped (one more exchange); a dropped slot adds nothing to
+// its token's output (slot_row -1) and is counted in `dropped`.
+EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, int64_t capacity = 0);
 
 // The row tensors below (x, xs, dxs, dx, ys, back, y, dy, dys) are f32 on the host and
 // bf16 on the GPU, as the dispatch kernels take them; weight and dweight are f32.
