@@ -164,7 +164,13 @@ struct SideSums {
 
 SideSums& side() {
   static SideSums s;
-  if (s.stream == nullptr) CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+  if (s.stream == nullptr) {
+    // The lowest priority: its blocks fill what the backend's products leave free
+    // instead of holding SMs a persistent grouped GEMM is waiting for.
+    int lowest = 0, highest = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, lowest));
+  }
   return s;
 }
 
