@@ -39,12 +39,6 @@ void add(const Tensor& a, const Tensor& b, const Tensor& out);
 void scale(const Tensor& x, float s);
 void fill(const Tensor& x, float value);
 double sum_squares(const std::vector<Tensor>& xs);
-// The same sum without waiting: queued on a side stream, after everything queued on
-// the backend's stream so far (so it reads finished tensors), where it runs beside
-// later work. sum_squares_finish makes the backend's stream wait for the side stream
-// and returns the sum of every start since the last finish, added in start order.
-void sum_squares_start(const std::vector<Tensor>& xs);
-double sum_squares_finish();
 void copy(const Tensor& dst, const Tensor& src);  // defined with the runtime (runtime.cu)
 
 }  // namespace mt::cuda
@@ -95,36 +89,5 @@ inline double sum_squares(const std::vector<Tensor>& xs) {
 #endif
   return cpu::sum_squares(xs);
 }
-
-// Sums of squares of tensors taken as they become final (gradient blocks, layer by
-// layer during the backward): on the GPU each add is queued on a side stream, so the
-// memory-bound pass overlaps the backward's products; on the CPU it is summed at once.
-// total() waits and returns the sum of every add since the last total(), in add order.
-class SquareSums {
- public:
-  void add(const std::vector<Tensor>& xs) {
-#ifdef MOETRAIN_WITH_CUDA
-    if (!xs.empty() && xs.front().device == Device::cuda) {
-      cuda::sum_squares_start(xs);
-      gpu_ = true;
-      return;
-    }
-#endif
-    host_ += cpu::sum_squares(xs);
-  }
-  double total() {
-    double t = host_;
-#ifdef MOETRAIN_WITH_CUDA
-    if (gpu_) t += cuda::sum_squares_finish();
-#endif
-    host_ = 0;
-    gpu_ = false;
-    return t;
-  }
-
- private:
-  double host_ = 0;
-  bool gpu_ = false;
-};
 
 }  // namespace mt

@@ -250,20 +250,10 @@ void Trainer::forward(Stash& s) {
   }
 }
 
-void Trainer::add_squares(int64_t layer) {
-  std::vector<Tensor> grads;
-  for (const Param& p : model_.params())
-    if (p.layer == layer) grads.push_back(p.grad);
-  square_sums_.add(grads);
-}
-
-void Trainer::backward(Stash& s, float loss_scale, bool first_micro_batch, bool last_micro_batch) {
-  // Sharded runs take the norm from the reduced shards instead (step()).
-  const bool squares = last_micro_batch && dp_ == nullptr;
+void Trainer::backward(Stash& s, float loss_scale, bool first_micro_batch) {
   model_.set_overwrite_gradients(first_micro_batch);  // the first backward starts the gradients
   profile_.mark("head B+W");
   model_.head_backward(s, loss_scale);
-  if (squares) add_squares(model_.num_layers());
   for (int64_t l = model_.num_layers() - 1; l >= 0; --l) {
     if (zero3_) {
       // The slot's gradients are this micro-batch's alone: written over, then summed
@@ -284,12 +274,10 @@ void Trainer::backward(Stash& s, float loss_scale, bool first_micro_batch, bool 
       zero3_->reduce_gradients(l, !first_micro_batch);
       zero3_->release(l);
     }
-    if (squares) add_squares(l);
   }
   model_.set_overwrite_gradients(first_micro_batch);
   profile_.mark("embedding");
   model_.embed_backward(s);
-  if (squares) add_squares(-1);
 }
 
 StepResult Trainer::step() {
@@ -384,7 +372,7 @@ StepResult Trainer::step() {
         lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / (n * static_cast<double>(cps));
         model_.set_router_prob_grad(s, st.layer, dprob);
       }
-      backward(s, loss_scale, mb == 0, mb == mb_count - 1);
+      backward(s, loss_scale, mb == 0);
     }
   } else {
     std::vector<std::vector<RouterStats>> all;
@@ -412,7 +400,7 @@ StepResult Trainer::step() {
                   static_cast<double>(counts.size());
       for (int64_t mb = 0; mb < mb_count; ++mb) model_.set_router_prob_grad(*stashes_[mb], all[mb][i].layer, dprob);
     }
-    for (int64_t mb = 0; mb < mb_count; ++mb) backward(*stashes_[mb], loss_scale, mb == 0, mb == mb_count - 1);
+    for (int64_t mb = 0; mb < mb_count; ++mb) backward(*stashes_[mb], loss_scale, mb == 0);
   }
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
@@ -434,7 +422,7 @@ StepResult Trainer::step() {
       for (auto& c : counts) sum_ranks_i64(c);
     sum_ranks_i64(dropped);
   } else {
-    r.grad_norm = std::sqrt(square_sums_.total());  // taken during the last backward
+    r.grad_norm = std::sqrt(optimizer_.grad_sum_squares());
   }
   // torch's clipping factor, applied by the optimizer as it reads each gradient.
   float clip = 1.0f;

@@ -10,7 +10,6 @@
 
 #include "comm/communicator.h"
 #include "data/dataset.h"
-#include "kernels/elementwise.h"
 #include "models/interface.h"
 #include "parallel/zero3.h"
 #include "train/config.h"
@@ -81,10 +80,7 @@ class Trainer {
 
  private:
   void forward(Stash& s);
-  // last_micro_batch: each block's gradient is final once its W stage is done, and on
-  // one rank its squares are taken then (square_sums_), beside the rest of the backward.
-  void backward(Stash& s, float loss_scale, bool first_micro_batch, bool last_micro_batch);
-  void add_squares(int64_t layer);
+  void backward(Stash& s, float loss_scale, bool first_micro_batch);
   bool in_layer(const Param& p) const { return p.layer >= 0 && p.layer < model_.num_layers(); }
   void setup();
   void make_stashes();
@@ -106,7 +102,6 @@ class Trainer {
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
   AdamW optimizer_;
-  SquareSums square_sums_;  // one rank: the gradient norm's squares, layer by layer
   std::unique_ptr<parallel::Zero3> zero3_;  // null: the layers' weights are full here
   StepProfile profile_;
 };

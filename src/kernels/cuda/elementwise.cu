@@ -1,8 +1,6 @@
 // Elementwise helpers on the GPU: grid-stride loops in f32 over f32-or-bf16 storage,
 // and a multi-tensor sum of squares reduced in double.
 #include <algorithm>
-#include <utility>
-#include <vector>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
@@ -120,20 +118,15 @@ void fill(const Tensor& x, float value) {
   CUDA_CHECK_LAUNCH();
 }
 
-namespace {
-
-int64_t chunks_of(const std::vector<Tensor>& xs) {
-  int64_t total = 0;
+double sum_squares(const std::vector<Tensor>& xs) {
+  int64_t total_chunks = 0;
   for (const Tensor& x : xs) {
     check_arg(x, "sum_squares input", {DType::f32}, x.shape);
-    total += (x.numel() + kChunk - 1) / kChunk;
+    total_chunks += (x.numel() + kChunk - 1) / kChunk;
   }
-  return total;
-}
-
-// The chunks' partials into partials[0 .. chunks), their ordered sum into *result, on `s`.
-void launch_sum_squares(const std::vector<Tensor>& xs, int64_t total_chunks, double* partials, double* result,
-                        cudaStream_t s) {
+  if (total_chunks == 0) return 0.0;
+  double* partials = static_cast<double*>(scratch(sizeof(double) * (total_chunks + 1)));
+  double* result = partials + total_chunks;
   int64_t done = 0;  // chunks launched so far = where this launch's partials start
   for (size_t first = 0; first < xs.size(); first += kTableSize) {
     SumSqTable t{};
@@ -148,79 +141,16 @@ void launch_sum_squares(const std::vector<Tensor>& xs, int64_t total_chunks, dou
     }
     t.first_chunk[t.count] = chunks;
     if (chunks == 0) continue;
-    sum_squares_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, s>>>(t, partials + done);
+    sum_squares_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(t, partials + done);
     CUDA_CHECK_LAUNCH();
     done += chunks;
   }
-  sum_partials_kernel<<<1, 1024, 0, s>>>(partials, total_chunks, result);
+  sum_partials_kernel<<<1, 1024, 0, stream()>>>(partials, total_chunks, result);
   CUDA_CHECK_LAUNCH();
-}
-
-// The side stream of sum_squares_start and what it has queued since the last finish.
-struct SideSums {
-  cudaStream_t stream = nullptr;
-  std::vector<std::pair<double*, int64_t>> pending;  // (buffer, chunks): the result sits after the partials
-};
-
-SideSums& side() {
-  static SideSums s;
-  if (s.stream == nullptr) {
-    // The lowest priority: its blocks fill what the backend's products leave free
-    // instead of holding SMs a persistent grouped GEMM is waiting for.
-    int lowest = 0, highest = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, lowest));
-  }
-  return s;
-}
-
-// `waiter` waits for everything queued on `on` so far.
-void order_after(cudaStream_t waiter, cudaStream_t on) {
-  cudaEvent_t e;
-  CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  CUDA_CHECK(cudaEventRecord(e, on));
-  CUDA_CHECK(cudaStreamWaitEvent(waiter, e, 0));
-  CUDA_CHECK(cudaEventDestroy(e));  // released once the wait no longer needs it
-}
-
-}  // namespace
-
-double sum_squares(const std::vector<Tensor>& xs) {
-  const int64_t total_chunks = chunks_of(xs);
-  if (total_chunks == 0) return 0.0;
-  double* partials = static_cast<double*>(scratch(sizeof(double) * (total_chunks + 1)));
-  double* result = partials + total_chunks;
-  launch_sum_squares(xs, total_chunks, partials, result, stream());
   double host = 0;
   CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(double), cudaMemcpyDeviceToHost, stream()));
   synchronize();
   return host;
-}
-
-void sum_squares_start(const std::vector<Tensor>& xs) {
-  const int64_t total_chunks = chunks_of(xs);
-  if (total_chunks == 0) return;
-  SideSums& s = side();
-  // Ordered on stream() now, so the side stream may use it once it waits for stream().
-  auto* buffer = static_cast<double*>(stream_alloc(sizeof(double) * (total_chunks + 1)));
-  order_after(s.stream, stream());
-  launch_sum_squares(xs, total_chunks, buffer, buffer + total_chunks, s.stream);
-  s.pending.emplace_back(buffer, total_chunks);
-}
-
-double sum_squares_finish() {
-  SideSums& s = side();
-  order_after(stream(), s.stream);
-  std::vector<double> results(s.pending.size());
-  for (size_t i = 0; i < s.pending.size(); ++i)
-    CUDA_CHECK(cudaMemcpyAsync(&results[i], s.pending[i].first + s.pending[i].second, sizeof(double),
-                               cudaMemcpyDeviceToHost, stream()));
-  synchronize();
-  for (const auto& [buffer, chunks] : s.pending) stream_free(buffer);
-  s.pending.clear();
-  double total = 0;
-  for (double r : results) total += r;
-  return total;
 }
 
 }  // namespace mt::cuda
