@@ -304,19 +304,25 @@ TEST(CheckpointCommands, CrashInTheMiddleOfASaveResumesFromThePreviousOne) {
   EXPECT_FALSE(fs::exists(dump + "/checkpoints/step-00000004.tmp"));
 }
 
+// mpirun with two CPU ranks (CI runs as root, which Open MPI refuses unless told).
+const std::string kMpirun2 =
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+
+// `train` on qwen3_moe_b's tokens, one sequence a micro-batch, `steps` steps.
+std::string train_b(const std::string& dump, int steps, const std::string& extra) {
+  return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
+         " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.load_balance_coef=0.1" +
+         " --training.micro_batch_size=1 --training.steps=" + std::to_string(steps) + " --job.dump_folder=" + dump +
+         " " + extra;
+}
+
 // Expert parallelism: each ep rank writes its experts (model-ep<r>, with an index);
 // resuming on the same mesh is exact, resuming on one rank reads every expert, and an
 // export of it evaluates like one rank's.
 TEST(CheckpointCommands, ExpertParallelCheckpointsResumeOnAnyMesh) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
-  auto cmd = [&](const std::string& dump, int steps, const std::string& extra) {
-    return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
-           " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.load_balance_coef=0.1" +
-           " --training.micro_batch_size=1 --training.steps=" + std::to_string(steps) + " --job.dump_folder=" + dump +
-           " " + extra;
-  };
+  const std::string mpirun = kMpirun2;
+  auto cmd = train_b;
   std::string resumed = temp_dir("ep_resumed"), straight = temp_dir("ep_straight"), single = temp_dir("ep_single");
   auto [rc, out] = run(mpirun + cmd(resumed, 4, "--parallelism.ep=2 --checkpoint.interval=2"));
   ASSERT_EQ(rc, 0) << out;
@@ -352,14 +358,8 @@ TEST(CheckpointCommands, ExpertParallelCheckpointsResumeOnAnyMesh) {
 // one rank, and on cp = 2, each continuing the single-rank run's losses (1e-5).
 TEST(CheckpointCommands, ShardedCheckpointsResumeOnAnotherMesh) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
-  auto cmd = [&](const std::string& dump, int steps, const std::string& extra) {
-    return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
-           " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.load_balance_coef=0.1" +
-           " --training.micro_batch_size=1 --training.steps=" + std::to_string(steps) + " --job.dump_folder=" + dump +
-           " " + extra;
-  };
+  const std::string mpirun = kMpirun2;
+  auto cmd = train_b;
   std::string straight = temp_dir("zero_straight"), sharded = temp_dir("zero_dp2");
   auto [rc, out] = run(cmd(straight, 4, ""));
   ASSERT_EQ(rc, 0) << out;
@@ -392,14 +392,8 @@ TEST(CheckpointCommands, ShardedCheckpointsResumeOnAnotherMesh) {
 // single-rank run's losses and gradient norms (1e-5).
 TEST(CheckpointCommands, Zero3CheckpointsResumeOnAnyMesh) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
-  auto cmd = [&](const std::string& dump, int steps, const std::string& extra) {
-    return std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
-           " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.load_balance_coef=0.1" +
-           " --training.micro_batch_size=1 --training.steps=" + std::to_string(steps) + " --job.dump_folder=" + dump +
-           " " + extra;
-  };
+  const std::string mpirun = kMpirun2;
+  auto cmd = train_b;
   std::string straight = temp_dir("zero3_straight"), zero3 = temp_dir("zero3_dp2");
   auto [rc, out] = run(cmd(straight, 4, "--checkpoint.interval=2"));
   ASSERT_EQ(rc, 0) << out;
