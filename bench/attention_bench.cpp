@@ -23,46 +23,14 @@
 #include "kernels/attention.h"
 #include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/runtime.h"
+#include "bench_util.h"
 
 namespace {
 
 using namespace mt;
-
-// A device tensor owning its memory.
-struct Buffer {
-  Buffer(DType dtype, Shape shape)
-      : t(device_alloc(Device::cuda, static_cast<size_t>(shape.numel()) * dtype_size(dtype)), shape, dtype,
-          Device::cuda) {}
-  ~Buffer() { device_free(Device::cuda, t.data); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  Tensor t;
-};
-
-// Uniform in [lo, hi] as bf16, never zero (zeros run faster than real data).
-void fill_random(const Tensor& t, float lo, float hi, uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<uint16_t> bits(static_cast<size_t>(t.numel()));
-  for (uint16_t& b : bits) {
-    float x = 0.0f;
-    while (x == 0.0f) x = d(g);
-    b = bf16_from_f32(x);
-  }
-  cuda::copy(t, Tensor(bits.data(), t.shape, DType::bf16));
-}
-
-std::vector<float> download(const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  if (t.dtype == DType::bf16) {
-    std::vector<uint16_t> bits(out.size());
-    cuda::copy(Tensor(bits.data(), t.shape, DType::bf16), t);
-    for (size_t i = 0; i < out.size(); ++i) out[i] = f32_from_bf16(bits[i]);
-  } else {
-    cuda::copy(Tensor(out.data(), t.shape, DType::f32), t);
-  }
-  return out;
-}
+using bench::Buffer;
+using bench::download;
+using bench::fill_random;
 
 double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0;
@@ -71,22 +39,7 @@ double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 double median_ms(const std::function<void()>& f) {
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<float> ms(20);
-  for (float& x : ms) {
-    CUDA_CHECK(cudaEventRecord(start, cuda::stream()));
-    f();
-    CUDA_CHECK(cudaEventRecord(stop, cuda::stream()));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    CUDA_CHECK(cudaEventElapsedTime(&x, start, stop));
-  }
-  CUDA_CHECK(cudaEventDestroy(start));
-  CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return bench::median_ms(20, [&](int) { f(); });
 }
 
 }  // namespace

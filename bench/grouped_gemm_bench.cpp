@@ -32,56 +32,17 @@
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/cuda/runtime.h"
 #include "kernels/grouped_gemm.h"
+#include "bench_util.h"
 
 namespace mt {
 namespace {
 
+using bench::Buffer;
+using bench::download;
+using bench::median_ms;
+
 constexpr int64_t kTokens = 8192, kTopK = 8, kExperts = 128, kRows = kTokens * kTopK;
 constexpr int64_t kHidden = 2048, kExpertFfn = 768;
-
-// A GPU tensor owning its memory.
-struct Buffer {
-  Buffer(DType dtype, Shape shape)
-      : t(device_alloc(Device::cuda, static_cast<size_t>(shape.numel()) * dtype_size(dtype)), shape, dtype,
-          Device::cuda) {}
-  ~Buffer() { device_free(Device::cuda, t.data); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  Tensor t;
-};
-
-// Uniform values in [-1, 1]: 2^22 of them drawn on the host and tiled over the tensor.
-void fill_random(const Tensor& t, uint64_t seed) {
-  const int64_t n = t.numel(), tile = std::min<int64_t>(n, int64_t{1} << 22);
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
-  std::vector<float> f(static_cast<size_t>(tile));
-  for (float& v : f) v = d(g);
-  std::vector<uint16_t> b;
-  void* src = f.data();
-  if (t.dtype == DType::bf16) {
-    b.resize(f.size());
-    for (size_t i = 0; i < f.size(); ++i) b[i] = bf16_from_f32(f[i]);
-    src = b.data();
-  }
-  const Tensor flat = t.view({n});
-  for (int64_t at = 0; at < n; at += tile) {
-    const int64_t len = std::min(tile, n - at);
-    cuda::copy(flat.rows(at, at + len), Tensor(src, {len}, t.dtype));
-  }
-}
-
-std::vector<float> download(const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  if (t.dtype == DType::f32) {
-    cuda::copy(Tensor(out.data(), t.shape, DType::f32), t);
-  } else {
-    std::vector<uint16_t> b(out.size());
-    cuda::copy(Tensor(b.data(), t.shape, DType::bf16), t);
-    for (size_t i = 0; i < b.size(); ++i) out[i] = f32_from_bf16(b[i]);
-  }
-  return out;
-}
 
 // max |a - b| / max |b|
 double relative_difference(const Tensor& a, const Tensor& b) {
@@ -92,27 +53,6 @@ double relative_difference(const Tensor& a, const Tensor& b) {
     scale = std::max(scale, std::fabs(static_cast<double>(vb[i])));
   }
   return scale > 0 ? diff / scale : diff;
-}
-
-// Median milliseconds of `reps` runs of f(i), i counting runs, after 3 warm-up runs.
-double median_ms(int reps, const std::function<void(int)>& f) {
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  int run = 0;
-  for (int i = 0; i < 3; ++i) f(run++);
-  std::vector<float> ms(static_cast<size_t>(reps));
-  for (float& t : ms) {
-    CUDA_CHECK(cudaEventRecord(start, cuda::stream()));
-    f(run++);
-    CUDA_CHECK(cudaEventRecord(stop, cuda::stream()));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-  }
-  CUDA_CHECK(cudaEventDestroy(start));
-  CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 // Balanced: 512 rows each. Skewed: log-normal expert popularity (sigma 1, so the busiest
@@ -141,10 +81,10 @@ struct Operands {
   Operands(int64_t k, int64_t o, uint64_t seed)
       : x(DType::bf16, {kRows, k}), w(DType::bf16, {kExperts, o, k}), dy(DType::bf16, {kRows, o}),
         y(DType::bf16, {kRows, o}), dx(DType::bf16, {kRows, k}), dw(DType::f32, {kExperts, o, k}) {
-    fill_random(x.t, seed);
-    fill_random(w.t, seed + 1);
-    fill_random(dy.t, seed + 2);
-    fill_random(dw.t, seed + 3);
+    bench::fill_random(x.t, -1.0f, 1.0f, seed);
+    bench::fill_random(w.t, -1.0f, 1.0f, seed + 1);
+    bench::fill_random(dy.t, -1.0f, 1.0f, seed + 2);
+    bench::fill_random(dw.t, -1.0f, 1.0f, seed + 3);
   }
   size_t bytes() const {
     return x.t.nbytes() + w.t.nbytes() + dy.t.nbytes() + y.t.nbytes() + dx.t.nbytes() + dw.t.nbytes();
