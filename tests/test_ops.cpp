@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <tuple>
 
+#include "core/dtype.h"
+#include "kernels/adamw.h"
 #include "ops/cases.h"
 
 namespace mt::test {
@@ -230,6 +233,74 @@ std::string case_name(const ::testing::TestParamInfo<OpCase>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, OpTable, ::testing::ValuesIn(table()), case_name);
+
+}  // namespace
+}  // namespace mt::test
+
+namespace mt::test {
+namespace {
+
+// bf16 moments (optimizer.state_dtype = bf16). One step from random state against a
+// float64 AdamW: the parameter sees the unrounded f32 moments, so it is as close as the
+// f32 step's; each stored moment is one of the two bf16 values around the exact one.
+TEST(AdamWBf16Moments, StepMatchesFloat64AndStoresANeighbour) {
+  const int64_t n = 517;
+  std::mt19937_64 g(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> p(n), gr(n), m32(n), v32(n);
+  std::vector<uint16_t> m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = u(g), gr[i] = u(g);
+    m[i] = bf16_from_f32(0.1f * u(g));
+    v[i] = bf16_from_f32(1e-4f + 1e-2f * std::fabs(u(g)));
+    m32[i] = f32_from_bf16(m[i]), v32[i] = f32_from_bf16(v[i]);
+  }
+  cpu::AdamWStep s;
+  s.lr = 3e-3, s.beta1 = 0.9, s.beta2 = 0.95, s.eps = 1e-8, s.weight_decay = 0.1, s.step = 5;
+  std::vector<float> p0 = p;
+  cpu::adamw_step(Tensor(p.data(), {n}, DType::f32), Tensor(gr.data(), {n}, DType::f32),
+                  Tensor(m.data(), {n}, DType::bf16), Tensor(v.data(), {n}, DType::bf16), s, 123);
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = gr[i], mi = s.beta1 * m32[i] + (1 - s.beta1) * gi, vi = s.beta2 * v32[i] + (1 - s.beta2) * gi * gi;
+    const double mhat = mi / (1 - std::pow(s.beta1, 5.0)), vhat = vi / (1 - std::pow(s.beta2, 5.0));
+    const double want = p0[i] - s.lr * s.weight_decay * p0[i] - s.lr * mhat / (std::sqrt(vhat) + s.eps);
+    ASSERT_NEAR(p[i], want, 1e-6 + 1e-5 * std::fabs(want)) << "element " << i;
+    for (auto [stored, exact, name] : {std::tuple{m[i], mi, "m"}, std::tuple{v[i], vi, "v"}}) {
+      const uint32_t down = f32_bits(static_cast<float>(exact)) & 0xffff0000u;  // toward zero
+      const double lo = f32_from_bits(down), hi = f32_from_bits(down + 0x10000u);
+      const double got = f32_from_bf16(stored);
+      ASSERT_TRUE(got == lo || got == hi) << name << "[" << i << "] = " << got << ", exact " << exact
+                                          << ", neighbours " << lo << " and " << hi;
+    }
+  }
+}
+
+// The reason for stochastic rounding: with beta2 = 0.999 and a constant gradient of 1,
+// v after t steps is 1 - 0.999^t. Rounded to nearest, each increment 0.001 (1 - v) falls
+// below half a bf16 step long before v nears 1 (it stalls at 0.25); rounded
+// stochastically, v is unbiased, and the mean over many elements tracks the exact value.
+TEST(AdamWBf16Moments, StochasticRoundingKeepsTheSecondMomentMoving) {
+  const int64_t n = 4096, steps = 2000;
+  std::vector<float> p(n, 0.5f), gr(n, 1.0f);
+  std::vector<uint16_t> m(n, 0), v(n, 0);
+  cpu::AdamWStep s;
+  s.lr = 0, s.beta1 = 0.9, s.beta2 = 0.999, s.weight_decay = 0;
+  uint16_t nearest = 0;  // one element's v, rounded to nearest each step
+  for (int64_t t = 1; t <= steps; ++t) {
+    s.step = t;
+    cpu::adamw_step(Tensor(p.data(), {n}, DType::f32), Tensor(gr.data(), {n}, DType::f32),
+                    Tensor(m.data(), {n}, DType::bf16), Tensor(v.data(), {n}, DType::bf16), s, 0);
+    nearest = bf16_from_f32(f32_from_bf16(nearest) * 0.999f + 0.001f);
+  }
+  double mean = 0;
+  for (uint16_t x : v) mean += f32_from_bf16(x);
+  mean /= n;
+  const double exact = 1 - std::pow(0.999, static_cast<double>(steps));  // 0.8648
+  EXPECT_NEAR(mean, exact, 3e-3) << "stochastically rounded v, mean over " << n << " elements";
+  EXPECT_LT(f32_from_bf16(nearest), exact - 0.2) << "round to nearest should have stalled well below";
+  // The first moment (beta1 = 0.9) is 1 - 0.9^t = 1 for every element by now.
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(f32_from_bf16(m[i]), 1.0f) << i;
+}
 
 }  // namespace
 }  // namespace mt::test

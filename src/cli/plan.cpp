@@ -45,10 +45,8 @@ int run_plan(const Args& args) {
                                   << " sequences of a rank";
   const int64_t live = cfg.training.load_balance_type == "global_batch" ? per_rank / micro : 1;
   size_t weights = 0, compute = 0;
-  Arena moments = Arena::counting("optimizer", options.device);  // laid out as AdamW lays them out
   const auto in_layer = [&](const Param& p) { return p.layer >= 0 && p.layer < model->num_layers(); };
   for (const Param& p : model->params()) {
-    for (int j = 0; j < 2; ++j) moments.alloc(DType::f32, p.value.shape);
     if (zero3 && in_layer(p)) continue;  // in the shards and the slot below
     weights += p.value.nbytes();
     if (p.compute.dtype != p.value.dtype) compute += p.compute.nbytes();
@@ -58,7 +56,9 @@ int run_plan(const Args& args) {
   const bool sharded = replicas > 1;
   const parallel::ShardLayout layout(model->params(), replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : replicas,
                                      zero3 ? model->num_layers() : 0);
-  const size_t optimizer = sharded ? AdamW::sharded_bytes(layout) : moments.peak();
+  const DType state = cfg.optimizer.state();
+  const size_t optimizer =
+      sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
   const size_t slot = zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
   const size_t activations = model->make_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
   const size_t total = 2 * weights + optimizer + compute + slot + activations;
@@ -79,7 +79,7 @@ int run_plan(const Args& args) {
     std::printf("  AdamW shards              %10.3f GiB (moments and summed gradients%s over %d ranks)\n",
                 gib(optimizer), zero3 ? ", layers' weights" : "", replicas);
   else
-    std::printf("  AdamW moments (2 x f32)   %10.3f GiB\n", gib(optimizer));
+    std::printf("  AdamW moments (2 x %s)  %10.3f GiB\n", state == DType::bf16 ? "bf16" : "f32 ", gib(optimizer));
   std::printf("  bf16 weight copies        %10.3f GiB\n", gib(compute));
   if (zero3)
     std::printf("  zero3 layer slot          %10.3f GiB (one gathered layer: weights, gradients, copies)\n",

@@ -8,15 +8,44 @@
 
 namespace mt {
 
-// One parameter block of a multi-tensor step: f32 param, grad, m, v of one element
-// count; decay says whether the step's weight decay applies to it (matrices) or not.
+// One parameter block of a multi-tensor step: f32 param and grad, and the moments m, v,
+// f32 or both bf16, of one element count; decay says whether the step's weight decay
+// applies to it (matrices) or not.
 struct AdamWBlock {
   Tensor param, grad, m, v;
   bool decay = true;
   // Optional bf16 tensor of param's size: gets the updated param rounded to nearest
   // even, as cast() rounds, in the same pass (the GPU's compute copy, no second read).
   Tensor compute;
+  // bf16 moments: element i's rounding noise is keyed by key + i (adamw_noise), so a
+  // block names where it starts, e.g. its parameter's index << 40 plus its offset.
+  uint64_t key = 0;
 };
+
+#if defined(__CUDACC__)
+#define MT_HOST_DEVICE __host__ __device__
+#else
+#define MT_HOST_DEVICE
+#endif
+
+// bf16 moments are rounded stochastically: 16 random bits are added below the kept
+// half of the f32 before truncation, so a value rounds up with probability equal to
+// the fraction it lies above the lower bf16 neighbour, and the moment is unbiased.
+// (Rounded to nearest, v's increment (1 - beta2) g^2 is below half a bf16 step once
+// beta2 > 0.996, and v would stop moving.) The bits are a hash of the element's key
+// and the step, so a run repeats bit for bit, on either backend, and resumes exactly.
+MT_HOST_DEVICE inline uint64_t adamw_noise(uint64_t key, uint64_t step) {
+  uint64_t z = key + step * 0x9e3779b97f4a7c15ull;  // splitmix64's finaliser
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// `bits` an f32's bits; the low 16 of `noise` are used. NaN stays the canonical NaN.
+MT_HOST_DEVICE inline uint16_t bf16_stochastic(uint32_t bits, uint64_t noise) {
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+  return static_cast<uint16_t>((bits + static_cast<uint32_t>(noise & 0xffffu)) >> 16);
+}
 
 }  // namespace mt
 
@@ -36,8 +65,10 @@ struct AdamWStep {
 };
 
 // On a flat f32 shard: p *= 1 - lr*wd; m, v updated; p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
-// param, grad, m, v all f32 with the same element count.
-void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWStep& s);
+// param, grad f32, m and v f32 or both bf16 (stored stochastically rounded, noise keyed
+// by key + i), all with the same element count.
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWStep& s,
+                uint64_t key = 0);
 
 // adamw_step on every block, with s.weight_decay where the block's decay is set and 0
 // elsewhere.
@@ -51,7 +82,7 @@ namespace mt::cuda {
 // in the same order, with no fused multiply-adds. adamw_step_multi updates a whole
 // list in one launch (one per 128 blocks), each thread block on one chunk of a tensor.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                const cpu::AdamWStep& s);
+                const cpu::AdamWStep& s, uint64_t key = 0);
 void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& s);
 
 }  // namespace mt::cuda
@@ -62,11 +93,11 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
 namespace mt {
 
 inline void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                       const cpu::AdamWStep& s) {
+                       const cpu::AdamWStep& s, uint64_t key = 0) {
 #ifdef MOETRAIN_WITH_CUDA
-  if (param.device == Device::cuda) return cuda::adamw_step(param, grad, m, v, s);
+  if (param.device == Device::cuda) return cuda::adamw_step(param, grad, m, v, s, key);
 #endif
-  return cpu::adamw_step(param, grad, m, v, s);
+  return cpu::adamw_step(param, grad, m, v, s, key);
 }
 
 // The device of the first block decides; all must share it.

@@ -450,6 +450,19 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
     s.h[l] = act({N, D});
     s.dh[l] = act({N, D});
   }
+  // Gradients that only a layer's own B stages read, each written before it is read:
+  // one set serves every layer (a stash's B stages run one layer at a time). What the
+  // W stages read (d_hm, d_q, d_k, d_v, d_gu, d_ys, d_logits_c) stays per layer.
+  const int64_t R = ep_ ? ep_->size() * N * std::min(K, local_experts_) : N * K;
+  bool any_moe = false;
+  int64_t hidden = 0;  // elements of the widest d_hs
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    any_moe = any_moe || c_.is_moe_layer(l);
+    hidden = std::max(hidden, c_.is_moe_layer(l) ? R * c_.moe_intermediate_size : N * c_.intermediate_size);
+  }
+  const Tensor d_y = act({N, D}), d_att = act({N, Hq * Dh}), d_qr = act({N, Hq * Dh}), d_kr = act({N, Hkv * Dh}),
+               d_qn = act({N, Hq * Dh}), d_kn = act({N, Hkv * Dh}), d_xn = act({N, D}), d_hs = act({hidden}),
+               d_xs = any_moe ? act({R, D}) : Tensor();
   s.layers.resize(c_.num_layers);
   for (int64_t l = 0; l < c_.num_layers; ++l) {
     LayerActs& x = s.layers[l];
@@ -469,23 +482,22 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
     x.hm = act({N, D});
     x.y = act({N, D});
     x.rstd2 = f32({N});
-    x.d_y = act({N, D});
+    x.d_y = d_y;
     x.d_hm = act({N, D});
-    x.d_att = act({N, Hq * Dh});
-    x.d_qr = act({N, Hq * Dh});
-    x.d_kr = act({N, Hkv * Dh});
+    x.d_att = d_att;
+    x.d_qr = d_qr;
+    x.d_kr = d_kr;
     x.d_v = act({N, Hkv * Dh});
-    x.d_qn = act({N, Hq * Dh});
-    x.d_kn = act({N, Hkv * Dh});
+    x.d_qn = d_qn;
+    x.d_kn = d_kn;
     x.d_q = act({N, Hq * Dh});
     x.d_k = act({N, Hkv * Dh});
-    x.d_xn = act({N, D});
+    x.d_xn = d_xn;
     x.mo = act({N, D});
     if (c_.is_moe_layer(l)) {
       // With expert parallelism every rank's N tokens may each bring up to
       // min(k, local experts) rows here.
-      const int64_t I = c_.moe_intermediate_size,
-                    R = ep_ ? ep_->size() * N * std::min(K, local_experts_) : N * K;
+      const int64_t I = c_.moe_intermediate_size;
       if (ep_) x.back = act({N * K, D});
       x.logits = f32({N, E});
       x.idx = i32({N, K});
@@ -503,9 +515,9 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
       x.ys = act({R, D});
       x.d_ys = act({R, D});
       x.d_weight = f32({N, K});
-      x.d_hs = act({R, I});
+      x.d_hs = Tensor(d_hs.data, {R, I}, act_, d_hs.device);
       x.d_gu = act({R, 2 * I});
-      x.d_xs = act({R, D});
+      x.d_xs = d_xs;
       x.d_logits = f32({N, E});
       x.d_logits_c = act_ == DType::f32 ? x.d_logits : act({N, E});
       x.dprob.assign(static_cast<size_t>(E), 0.0f);
@@ -513,7 +525,7 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
       const int64_t I = c_.intermediate_size;
       x.gu = act({N, 2 * I});
       x.hs = act({N, I});
-      x.d_hs = act({N, I});
+      x.d_hs = Tensor(d_hs.data, {N, I}, act_, d_hs.device);
       x.d_gu = act({N, 2 * I});
     }
   }
@@ -655,7 +667,9 @@ void Qwen3Moe::attention_backward_input(int64_t l, Qwen3Stash& s) {
     gemm(x.d_logits_c, C(w.router), x.d_y, false, false, 1.0f, 1.0f);
   }
   // d_hm = dh[l+1] (the residual) + the post-attention norm's input gradient.
-  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Tensor());
+  // The norms' weight gradients are taken here, with their input gradients, not in W:
+  // their dy buffers are shared by every layer (allocate), and the pass is one.
+  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm));
   mt::add(x.d_hm, s.dh[l + 1], x.d_hm);
   gemm(x.d_hm, C(w.o), x.d_att, false, false);
   if (cp_)
@@ -672,30 +686,24 @@ void Qwen3Moe::attention_backward_input(int64_t l, Qwen3Stash& s) {
   rope_backward(x.d_qr.view({B, S, Hq, Dh}), s.cos, s.sin, false, x.d_qn.view({B, S, Hq, Dh}));
   rope_backward(x.d_kr.view({B, S, Hkv, Dh}), s.cos, s.sin, false, x.d_kn.view({B, S, Hkv, Dh}));
   rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}),
-                   x.d_q.view({N * Hq, Dh}), Tensor());
+                   x.d_q.view({N * Hq, Dh}), Z(w.q_norm));
   rmsnorm_backward(x.k.view({N * Hkv, Dh}), W(w.k_norm), x.rstd_k, x.d_kn.view({N * Hkv, Dh}),
-                   x.d_k.view({N * Hkv, Dh}), Tensor());
+                   x.d_k.view({N * Hkv, Dh}), Z(w.k_norm));
   gemm(x.d_q, C(w.q), x.d_xn, false, false);
   gemm(x.d_k, C(w.k), x.d_xn, false, false, 1.0f, 1.0f);
   gemm(x.d_v, C(w.v), x.d_xn, false, false, 1.0f, 1.0f);
-  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Tensor());
+  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Z(w.in_norm));
   mt::add(s.dh[l], x.d_hm, s.dh[l]);
 }
 
 void Qwen3Moe::attention_backward_weight(int64_t l, Qwen3Stash& s) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
-  const int64_t N = s.batch * s.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
   if (c_.is_moe_layer(l)) gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, beta());
-  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, Tensor(), Z(w.post_norm));
   gemm(x.d_hm, x.att, G(w.o), true, false, 1.0f, beta());
-  rmsnorm_backward(x.q.view({N * Hq, Dh}), W(w.q_norm), x.rstd_q, x.d_qn.view({N * Hq, Dh}), Tensor(), Z(w.q_norm));
-  rmsnorm_backward(x.k.view({N * Hkv, Dh}), W(w.k_norm), x.rstd_k, x.d_kn.view({N * Hkv, Dh}), Tensor(),
-                   Z(w.k_norm));
   gemm(x.d_q, x.xn, G(w.q), true, false, 1.0f, beta());
   gemm(x.d_k, x.xn, G(w.k), true, false, 1.0f, beta());
   gemm(x.d_v, x.xn, G(w.v), true, false, 1.0f, beta());
-  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, Tensor(), Z(w.in_norm));
 }
 
 void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {

@@ -13,9 +13,9 @@ namespace {
 
 // Elements [offset, offset + count) of a contiguous f32 tensor, flat.
 Tensor flat(const Tensor& t, int64_t offset, int64_t count) {
-  MT_CHECK(t.dtype == DType::f32 && offset >= 0 && offset + count <= t.numel())
+  MT_CHECK(offset >= 0 && offset + count <= t.numel())
       << "sharding: elements [" << offset << ", " << offset + count << ") of " << t.str();
-  return Tensor(static_cast<float*>(t.data) + offset, {count}, DType::f32, t.device);
+  return Tensor(static_cast<char*>(t.data) + offset * dtype_size(t.dtype), {count}, t.dtype, t.device);
 }
 
 }  // namespace

@@ -41,10 +41,30 @@ void test_delay() {
 std::vector<int64_t> dims(const Tensor& t) { return {t.shape.d.begin(), t.shape.d.begin() + t.ndim()}; }
 
 // A tensor's values on the host, wherever it lives.
+// f32 in host memory, from f32 or bf16 (bf16 moments) anywhere.
 std::vector<float> to_host(const Tensor& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
-  copy(Tensor(v.data(), t.shape, DType::f32), t);
+  Tensor out(v.data(), t.shape, DType::f32);
+  if (t.dtype == DType::f32) {
+    copy(out, t);
+  } else {
+    std::vector<uint8_t> raw(t.nbytes());
+    Tensor staged(raw.data(), t.shape, t.dtype);
+    copy(staged, t);
+    cast(staged, out);
+  }
   return v;
+}
+
+// The other way: host f32 values into `dst`, rounded to nearest if it is bf16 (exact
+// for the bf16 moments this run's checkpoints hold).
+void from_host(const Tensor& dst, const std::vector<float>& host) {
+  Tensor in(const_cast<float*>(host.data()), dst.shape, DType::f32);
+  if (dst.dtype == DType::f32) return copy(dst, in);
+  std::vector<uint8_t> raw(dst.nbytes());
+  Tensor staged(raw.data(), dst.shape, dst.dtype);
+  cast(in, staged);
+  copy(dst, staged);
 }
 
 void sync_dir(const fs::path& dir) {
@@ -192,7 +212,7 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
   io::HfWeights weights(dir);
   std::vector<HfTensor> tensors = model.hf_tensors();
   std::vector<float> host;
-  auto load = [&](const Tensor& dst) { copy(dst, Tensor(host.data(), dst.shape, DType::f32)); };
+  auto load = [&](const Tensor& dst) { from_host(dst, host); };
   for (const HfTensor& t : tensors) {
     host.resize(static_cast<size_t>(t.value.numel()));
     weights.read_f32(t.name, dims(t.value), host.data());

@@ -41,6 +41,7 @@ void visit(Config& c, F&& f) {
   f("optimizer", "eps", c.optimizer.eps);
   f("optimizer", "weight_decay", c.optimizer.weight_decay);
   f("optimizer", "decay", c.optimizer.decay);
+  f("optimizer", "state_dtype", c.optimizer.state_dtype);
   f("lr_scheduler", "warmup_steps", c.lr_scheduler.warmup_steps);
   f("lr_scheduler", "decay", c.lr_scheduler.decay);
   f("lr_scheduler", "min_lr_ratio", c.lr_scheduler.min_lr_ratio);
@@ -118,6 +119,7 @@ void validate(const Config& c) {
   check_one_of(c.training.load_balance_type, {"micro_batch", "global_batch"}, "training.load_balance_type");
   check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");
   check_one_of(c.optimizer.decay, {"matrices", "all"}, "optimizer.decay");
+  check_one_of(c.optimizer.state_dtype, {"fp32", "bf16"}, "optimizer.state_dtype");
   check_one_of(c.lr_scheduler.decay, {"constant", "linear", "cosine", "wsd"}, "lr_scheduler.decay");
   MT_CHECK(c.training.steps >= 0) << "training.steps should be >= 0, got " << c.training.steps;
   MT_CHECK(c.training.global_batch_size >= 0 && c.training.micro_batch_size >= 0)

@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace mt {
 
 struct JobConfig {
@@ -48,6 +50,10 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;
   std::string decay = "matrices";  // which parameters decay: matrices (2-D and up) or all
+  // The moments' storage: fp32, or bf16 rounded stochastically (half the bytes and
+  // traffic; the update itself is computed in fp32 either way).
+  std::string state_dtype = "fp32";
+  DType state() const { return state_dtype == "bf16" ? DType::bf16 : DType::f32; }
 };
 
 struct SchedulerConfig {

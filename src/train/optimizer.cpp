@@ -6,29 +6,44 @@
 
 namespace mt {
 
-AdamW::AdamW(std::vector<Param>& params) : params_(params) {
+namespace {
+
+// Element 0 of a parameter's (or a piece's) rounding-noise key: parameters 2^40 apart.
+uint64_t noise_key(size_t param, int64_t offset) {
+  return (static_cast<uint64_t>(param) << 40) + static_cast<uint64_t>(offset);
+}
+
+}  // namespace
+
+AdamW::AdamW(std::vector<Param>& params, DType state) : params_(params), state_(state) {
+  MT_CHECK(state == DType::f32 || state == DType::bf16)
+      << "AdamW keeps its moments in f32 or bf16, not " << dtype_name(state);
   const Device device = params_.empty() ? Device::cpu : params_.front().value.device;
-  Arena count = Arena::counting("optimizer", device);
-  for (const Param& p : params_)
-    for (int j = 0; j < 2; ++j) count.alloc(DType::f32, p.value.shape);
-  arena_ = Arena("optimizer", device, count.peak());
+  arena_ = Arena("optimizer", device, moment_bytes(params_, state_));
   for (const Param& p : params_) {
-    m_.push_back(arena_.alloc(DType::f32, p.value.shape));
-    v_.push_back(arena_.alloc(DType::f32, p.value.shape));
+    m_.push_back(arena_.alloc(state_, p.value.shape));
+    v_.push_back(arena_.alloc(state_, p.value.shape));
     fill(m_.back(), 0.0f);
     fill(v_.back(), 0.0f);
   }
+}
+
+size_t AdamW::moment_bytes(const std::vector<Param>& params, DType state) {
+  Arena count = Arena::counting("optimizer", Device::cpu);
+  for (const Param& p : params)
+    for (int j = 0; j < 2; ++j) count.alloc(state, p.value.shape);
+  return count.peak();
 }
 
 void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t weight_layers) {
   layout_ = parallel::ShardLayout(params_, dense, expert, weight_layers);
   const Device device = params_.empty() ? Device::cpu : params_.front().value.device;
   const Shape shard{layout_.shard_elements()};
-  arena_ = Arena("optimizer", device, sharded_bytes(layout_));  // the full moments go with the old arena
+  arena_ = Arena("optimizer", device, sharded_bytes(layout_, state_));  // the full moments go with the old arena
   m_.clear();
   v_.clear();
-  m_shard_ = arena_.alloc(DType::f32, shard);
-  v_shard_ = arena_.alloc(DType::f32, shard);
+  m_shard_ = arena_.alloc(state_, shard);
+  v_shard_ = arena_.alloc(state_, shard);
   g_shard_ = arena_.alloc(DType::f32, shard);
   scratch_ = arena_.alloc(DType::f32, {layout_.scratch_elements()});
   if (layout_.value_elements() > 0) w_shard_ = arena_.alloc(DType::f32, {layout_.value_elements()});
@@ -37,9 +52,10 @@ void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t
   sharded_ = true;
 }
 
-size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout) {
+size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout, DType state) {
   Arena count = Arena::counting("optimizer", Device::cpu);
-  for (int j = 0; j < 3; ++j) count.alloc(DType::f32, {layout.shard_elements()});  // m, v, gradients
+  for (int j = 0; j < 2; ++j) count.alloc(state, {layout.shard_elements()});  // m, v
+  count.alloc(DType::f32, {layout.shard_elements()});                          // summed gradients
   count.alloc(DType::f32, {layout.scratch_elements()});
   if (layout.value_elements() > 0) count.alloc(DType::f32, {layout.value_elements()});
   return count.peak();
@@ -69,15 +85,28 @@ void AdamW::materialize_moments() {
     m_.push_back(full_.alloc(DType::f32, p.value.shape));
     v_.push_back(full_.alloc(DType::f32, p.value.shape));
   }
-  layout_.gather(m_shard_, m_, scratch_);
-  layout_.gather(v_shard_, v_, scratch_);
+  // bf16 shards go through the gradient shards (free between steps) as f32.
+  for (auto [shard, full] : {std::pair{&m_shard_, &m_}, std::pair{&v_shard_, &v_}}) {
+    if (state_ == DType::f32) {
+      layout_.gather(*shard, *full, scratch_);
+      continue;
+    }
+    cast(*shard, g_shard_);
+    layout_.gather(g_shard_, *full, scratch_);
+  }
 }
 
 void AdamW::commit_moments() {
   if (!sharded_) return;
   MT_CHECK(!m_.empty()) << "AdamW::commit_moments without materialize_moments";
-  layout_.scatter(m_, m_shard_);
-  layout_.scatter(v_, v_shard_);
+  for (auto [shard, full] : {std::pair{&m_shard_, &m_}, std::pair{&v_shard_, &v_}}) {
+    if (state_ == DType::f32) {
+      layout_.scatter(*full, *shard);
+      continue;
+    }
+    layout_.scatter(*full, g_shard_);
+    cast(g_shard_, *shard);  // exact for moments that were bf16 (what this run saved)
+  }
   release_moments();
 }
 
@@ -103,7 +132,8 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
     // The bf16 copies the products read are written in the same pass.
     for (size_t i = 0; i < params_.size(); ++i) {
       const Param& p = params_[i];
-      blocks.push_back({p.value, p.grad, m_[i], v_[i], decay(p), p.compute.data != p.value.data ? p.compute : Tensor()});
+      blocks.push_back({p.value, p.grad, m_[i], v_[i], decay(p), p.compute.data != p.value.data ? p.compute : Tensor(),
+                        noise_key(i, 0)});
     }
     mt::adamw_step_multi(blocks, a);
     return;
@@ -119,7 +149,7 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
                                   DType::f32, w_shard_.device)
                          : Tensor(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device);
       blocks.push_back({value, ShardLayout::piece_of(g_shard_, p), ShardLayout::piece_of(m_shard_, p),
-                        ShardLayout::piece_of(v_shard_, p), decay(w), Tensor()});
+                        ShardLayout::piece_of(v_shard_, p), decay(w), Tensor(), noise_key(p.param, p.offset)});
     }
   mt::adamw_step_multi(blocks, a);
   layout_.all_gather(params_, scratch_);
@@ -133,7 +163,8 @@ Tensor AdamW::moment(const Tensor& value, const std::vector<Tensor>& which) cons
   for (size_t i = 0; i < params_.size(); ++i) {
     const char* base = static_cast<const char*>(params_[i].value.data);
     if (p >= base && p + value.nbytes() <= base + params_[i].value.nbytes())
-      return Tensor(static_cast<char*>(which[i].data) + (p - base), value.shape, value.dtype, which[i].device);
+      return Tensor(static_cast<char*>(which[i].data) + (p - base) / dtype_size(value.dtype) * dtype_size(which[i].dtype),
+                    value.shape, which[i].dtype, which[i].device);
   }
   MT_FAIL() << "tensor " << value.str() << " is not part of any parameter block";
   return Tensor();

@@ -14,7 +14,12 @@ namespace mt {
 
 class AdamW {
  public:
-  explicit AdamW(std::vector<Param>& params);
+  // The moments in `state` (optimizer.state_dtype): f32, or bf16 rounded stochastically
+  // (kernels/adamw.h), which halves their bytes.
+  explicit AdamW(std::vector<Param>& params, DType state = DType::f32);
+  DType state_dtype() const { return state_; }
+  // What the unsharded moments of `params` take.
+  static size_t moment_bytes(const std::vector<Param>& params, DType state);
   // One update of every block at 1-based `step` with learning rate `lr`; weight decay
   // applies to matrices, or to everything when optimizer.decay = "all".
   // grad_scale multiplies every gradient as it is read (the clipping factor).
@@ -34,7 +39,7 @@ class AdamW {
   Tensor weight_shards() const { return w_shard_; }
   Tensor grad_shards() const { return g_shard_; }
   // What shard() allocates for a layout: moment and gradient shards, exchange buffer.
-  static size_t sharded_bytes(const parallel::ShardLayout& layout);
+  static size_t sharded_bytes(const parallel::ShardLayout& layout, DType state);
   // Sharded: this rank's shard of every rank's gradients, summed (collective); with
   // ZeRO-3 only the units outside the layers (those were reduced layer by layer).
   void reduce_gradients();
@@ -42,7 +47,8 @@ class AdamW {
   // (every element on exactly one rank of each group), else every block.
   double grad_sum_squares() const;
 
-  // The moments of `value`, a Param's tensor or a view into one (an HfTensor). Sharded,
+  // The moments of `value`, a Param's tensor or a view into one (an HfTensor), in the
+  // state dtype unsharded and f32 (host) when materialized. Sharded,
   // they exist laid out like the weights (in host memory) only between
   // materialize_moments (collective: gathers the shards) and release_moments;
   // commit_moments first takes this rank's shards back from them (after a load).
@@ -58,6 +64,7 @@ class AdamW {
  private:
   Tensor moment(const Tensor& value, const std::vector<Tensor>& which) const;
   std::vector<Param>& params_;
+  DType state_ = DType::f32;
   Arena arena_;
   std::vector<Tensor> m_, v_;  // unsharded: the moments; sharded: views of full_ while materialized
   // Sharded state.

@@ -76,7 +76,7 @@ Trainer::Trainer(Config cfg, Model& model, TokenBatch data)
     : cfg_(std::move(cfg)),
       model_(model),
       data_(std::move(data)),
-      optimizer_(model.params()),
+      optimizer_(model.params(), cfg_.optimizer.state()),
       profile_(model.device(), cfg_.metrics.profile) {
   global_batch_ = cfg_.training.global_batch_size ? cfg_.training.global_batch_size : data_.rows;
   MT_CHECK(global_batch_ == data_.rows) << "training.global_batch_size = " << global_batch_ << " but data.tokens has "
@@ -92,7 +92,7 @@ Trainer::Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus
     : cfg_(std::move(cfg)),
       model_(model),
       corpus_(std::move(corpus)),
-      optimizer_(model.params()),
+      optimizer_(model.params(), cfg_.optimizer.state()),
       profile_(model.device(), cfg_.metrics.profile) {
   global_batch_ = cfg_.training.global_batch_size;
   MT_CHECK(global_batch_ > 0) << "training.global_batch_size must be set (> 0) to train on data.corpus";

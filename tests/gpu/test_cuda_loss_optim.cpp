@@ -169,6 +169,64 @@ TEST(CudaAdamW, SingleTensorStepMatchesCpuExactly) {
   EXPECT_TRUE(near("m (offset views)", download(dm.t), m, Tol{}));
 }
 
+// bf16 moments, rounded stochastically with noise keyed by block key + element: the GPU
+// stores exactly the CPU's bits, in the vectorised path (whole blocks, several chunks)
+// and the element-wise one (a view one element in, odd sizes).
+TEST(CudaAdamW, Bf16MomentsMatchCpuExactly) {
+  MT_SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> sizes{1, 103, 40000, 70001};
+  cpu::AdamWStep s;
+  s.lr = 3e-3;
+  s.weight_decay = 0.1;
+  s.step = 17;
+  uint64_t seed = 7000;
+  std::vector<std::vector<float>> p, g, m, v;
+  for (int64_t n : sizes) {
+    p.push_back(random_floats(n, -1, 1, ++seed));
+    g.push_back(random_floats(n, -1, 1, ++seed));
+    m.push_back(round_bf16(random_floats(n, -0.1f, 0.1f, ++seed)));
+    v.push_back(round_bf16(random_floats(n, 1e-4f, 1e-2f, ++seed)));
+  }
+  std::vector<DeviceTensor> dev;
+  std::vector<std::vector<uint16_t>> hm, hv;
+  std::vector<AdamWBlock> cpu_blocks, gpu_blocks;
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    const int64_t n = sizes[b], skip = b == 1 ? 1 : 0;  // block 1: a view one element in
+    const uint64_t key = (static_cast<uint64_t>(b) << 40) + 5;
+    dev.push_back(upload(p[b], DType::f32, {n}));
+    dev.push_back(upload(g[b], DType::f32, {n}));
+    dev.push_back(upload(m[b], DType::bf16, {n}));
+    dev.push_back(upload(v[b], DType::bf16, {n}));
+    const size_t k = dev.size() - 4;
+    auto view = [&](const Tensor& t) {
+      return Tensor(static_cast<char*>(t.data) + skip * dtype_size(t.dtype), {n - skip}, t.dtype, Device::cuda);
+    };
+    gpu_blocks.push_back({view(dev[k].t), view(dev[k + 1].t), view(dev[k + 2].t), view(dev[k + 3].t), true, Tensor(),
+                          key});
+    hm.emplace_back(), hv.emplace_back();
+    for (float x : m[b]) hm.back().push_back(bf16_from_f32(x));
+    for (float x : v[b]) hv.back().push_back(bf16_from_f32(x));
+  }
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    const int64_t n = sizes[b], skip = b == 1 ? 1 : 0;
+    cpu_blocks.push_back({Tensor(p[b].data() + skip, {n - skip}, DType::f32),
+                          Tensor(g[b].data() + skip, {n - skip}, DType::f32),
+                          Tensor(hm[b].data() + skip, {n - skip}, DType::bf16),
+                          Tensor(hv[b].data() + skip, {n - skip}, DType::bf16), true, Tensor(), gpu_blocks[b].key});
+  }
+  cpu::adamw_step_multi(cpu_blocks, s);
+  cuda::adamw_step_multi(gpu_blocks, s);
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    SCOPED_TRACE("block " + std::to_string(b));
+    std::vector<float> want_m, want_v;
+    for (uint16_t x : hm[b]) want_m.push_back(f32_from_bf16(x));
+    for (uint16_t x : hv[b]) want_v.push_back(f32_from_bf16(x));
+    EXPECT_TRUE(near("param", download(dev[4 * b].t), p[b], Tol{}));
+    EXPECT_TRUE(near("m", download(dev[4 * b + 2].t), want_m, Tol{}));
+    EXPECT_TRUE(near("v", download(dev[4 * b + 3].t), want_v, Tol{}));
+  }
+}
+
 // cast, add, scale and fill compute one f32 operation per element and round once, as
 // the CPU does: equal bit for bit. Sizes: one element, not a multiple of the block,
 // more than one grid's worth of grid-stride iterations.

@@ -22,13 +22,16 @@ constexpr int kThreads = 256;
 struct AdamWTable {
   float* p[kTableSize];
   const float* g[kTableSize];
-  float* m[kTableSize];
-  float* v[kTableSize];
+  void* m[kTableSize];  // f32, or bf16 when bf16_moments
+  void* v[kTableSize];
   __nv_bfloat16* c[kTableSize];          // the bf16 copy to write, or null
   int64_t n[kTableSize];
+  uint64_t key[kTableSize];              // bf16 moments: the noise key of element 0
   float decay[kTableSize];               // 1 - lr * wd for this block
   int64_t first_chunk[kTableSize + 1];   // chunk index of each tensor's first chunk
   int count;
+  bool bf16_moments;
+  uint64_t step;
   float step_size, bias2_sqrt, w1, b2, w2, eps, grad_scale;
 };
 
@@ -45,7 +48,42 @@ __device__ __forceinline__ void adamw_element(const AdamWTable& t, float decay, 
   p = __fsub_rn(pi, __fdiv_rn(__fmul_rn(t.step_size, m), denom));
 }
 
-// The step is bound by memory traffic (7 or 8 streams of 4 bytes a parameter), so
+// Four consecutive moments in registers, loaded from and stored to f32 or bf16.
+struct Moments4 {
+  float x[4];
+};
+
+__device__ __forceinline__ Moments4 load4(const void* base, int64_t j, bool bf16) {
+  Moments4 r;
+  if (bf16) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + j);
+    r.x[0] = __uint_as_float(raw.x << 16);
+    r.x[1] = __uint_as_float(raw.x & 0xffff0000u);
+    r.x[2] = __uint_as_float(raw.y << 16);
+    r.x[3] = __uint_as_float(raw.y & 0xffff0000u);
+  } else {
+    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + j);
+    r.x[0] = f.x, r.x[1] = f.y, r.x[2] = f.z, r.x[3] = f.w;
+  }
+  return r;
+}
+
+// bf16: rounded stochastically with 16 bits of each element's noise, from bit `shift`.
+__device__ __forceinline__ void store4(void* base, int64_t j, const Moments4& r, bool bf16, const uint64_t* noise,
+                                       int shift) {
+  if (bf16) {
+    uint16_t h[4];
+    for (int e = 0; e < 4; ++e) h[e] = bf16_stochastic(__float_as_uint(r.x[e]), noise[e] >> shift);
+    uint2 raw;
+    raw.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
+    raw.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + j) = raw;
+  } else {
+    *reinterpret_cast<float4*>(static_cast<float*>(base) + j) = make_float4(r.x[0], r.x[1], r.x[2], r.x[3]);
+  }
+}
+
+// The step is bound by memory traffic (6 to 8 streams of 2 or 4 bytes a parameter), so
 // aligned chunks move four elements per load and store; the tail and unaligned pieces
 // (shards of a sharded optimizer start anywhere) go one by one.
 __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
@@ -53,27 +91,34 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
   const int lo = tensor_of_chunk(t.first_chunk, t.count, b);
   float* p = t.p[lo];
   const float* g = t.g[lo];
-  float* m = t.m[lo];
-  float* v = t.v[lo];
+  void* m = t.m[lo];
+  void* v = t.v[lo];
   __nv_bfloat16* c = t.c[lo];
   const float decay = t.decay[lo];
+  const bool bf16 = t.bf16_moments;
+  const uint64_t key = t.key[lo];
   const int64_t begin = (b - t.first_chunk[lo]) * kChunk, end = min(t.n[lo], begin + kChunk);
   const auto addr = [](const void* x) { return reinterpret_cast<uintptr_t>(x); };
-  const bool aligned = ((addr(p) | addr(g) | addr(m) | addr(v)) % 16 == 0) && addr(c) % 8 == 0;
+  const uintptr_t moment_align = bf16 ? 8 : 16;
+  const bool aligned = ((addr(p) | addr(g)) % 16 == 0) && ((addr(m) | addr(v)) % moment_align == 0) &&
+                       addr(c) % 8 == 0;
   int64_t i = begin;
   if (aligned) {
     const int64_t vec_end = begin + (end - begin) / 4 * 4;
     for (int64_t j = begin + 4 * threadIdx.x; j < vec_end; j += 4 * blockDim.x) {
       const float4 gj = *reinterpret_cast<const float4*>(g + j);
-      float4 pj = *reinterpret_cast<float4*>(p + j), mj = *reinterpret_cast<float4*>(m + j),
-             vj = *reinterpret_cast<float4*>(v + j);
-      adamw_element(t, decay, gj.x, pj.x, mj.x, vj.x);
-      adamw_element(t, decay, gj.y, pj.y, mj.y, vj.y);
-      adamw_element(t, decay, gj.z, pj.z, mj.z, vj.z);
-      adamw_element(t, decay, gj.w, pj.w, mj.w, vj.w);
+      float4 pj = *reinterpret_cast<float4*>(p + j);
+      Moments4 mj = load4(m, j, bf16), vj = load4(v, j, bf16);
+      adamw_element(t, decay, gj.x, pj.x, mj.x[0], vj.x[0]);
+      adamw_element(t, decay, gj.y, pj.y, mj.x[1], vj.x[1]);
+      adamw_element(t, decay, gj.z, pj.z, mj.x[2], vj.x[2]);
+      adamw_element(t, decay, gj.w, pj.w, mj.x[3], vj.x[3]);
       *reinterpret_cast<float4*>(p + j) = pj;
-      *reinterpret_cast<float4*>(m + j) = mj;
-      *reinterpret_cast<float4*>(v + j) = vj;
+      uint64_t noise[4] = {0, 0, 0, 0};
+      if (bf16)
+        for (int e = 0; e < 4; ++e) noise[e] = adamw_noise(key + static_cast<uint64_t>(j + e), t.step);
+      store4(m, j, mj, bf16, noise, 0);
+      store4(v, j, vj, bf16, noise, 16);
       if (c != nullptr) {
         __nv_bfloat162 lo2 = __floats2bfloat162_rn(pj.x, pj.y), hi2 = __floats2bfloat162_rn(pj.z, pj.w);
         uint2 packed;
@@ -85,11 +130,24 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
     i = vec_end;
   }
   for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x) {
-    float pj = p[j], mj = m[j], vj = v[j];
+    float pj = p[j], mj, vj;
+    if (bf16) {
+      mj = __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(m)[j]) << 16);
+      vj = __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(v)[j]) << 16);
+    } else {
+      mj = static_cast<const float*>(m)[j];
+      vj = static_cast<const float*>(v)[j];
+    }
     adamw_element(t, decay, g[j], pj, mj, vj);
     p[j] = pj;
-    m[j] = mj;
-    v[j] = vj;
+    if (bf16) {
+      const uint64_t noise = adamw_noise(key + static_cast<uint64_t>(j), t.step);
+      static_cast<uint16_t*>(m)[j] = bf16_stochastic(__float_as_uint(mj), noise);
+      static_cast<uint16_t*>(v)[j] = bf16_stochastic(__float_as_uint(vj), noise >> 16);
+    } else {
+      static_cast<float*>(m)[j] = mj;
+      static_cast<float*>(v)[j] = vj;
+    }
     if (c != nullptr) c[j] = __float2bfloat16_rn(pj);
   }
 }
@@ -98,14 +156,18 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
 
 void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& s) {
   MT_CHECK(s.step >= 1) << "adamw step is 1-based, got " << s.step;
+  const bool bf16 = !blocks.empty() && blocks.front().m.dtype == DType::bf16;
   for (const AdamWBlock& b : blocks) {
     const Shape shape = b.param.shape;
     check_arg(b.param, "adamw param", {DType::f32}, shape);
-    const Tensor* others[] = {&b.grad, &b.m, &b.v};
-    for (const Tensor* t : others)
-      MT_CHECK(t->dtype == DType::f32 && t->device == Device::cuda && t->numel() == b.param.numel())
-          << "adamw wants f32 GPU tensors of " << b.param.numel() << " elements (param " << b.param.str()
-          << "), got " << t->str();
+    MT_CHECK(b.grad.dtype == DType::f32 && b.grad.device == Device::cuda && b.grad.numel() == b.param.numel())
+        << "adamw wants an f32 GPU gradient of " << b.param.numel() << " elements (param " << b.param.str()
+        << "), got " << b.grad.str();
+    for (const Tensor* t : {&b.m, &b.v})
+      MT_CHECK(t->dtype == (bf16 ? DType::bf16 : DType::f32) && t->device == Device::cuda &&
+               t->numel() == b.param.numel())
+          << "adamw wants " << (bf16 ? "bf16" : "f32") << " GPU moments of " << b.param.numel()
+          << " elements, as the step's first block has (param " << b.param.str() << "), got " << t->str();
     if (b.compute.data != nullptr)
       MT_CHECK(b.compute.dtype == DType::bf16 && b.compute.device == Device::cuda &&
                b.compute.numel() == b.param.numel())
@@ -122,6 +184,8 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
   t.w2 = static_cast<float>(1.0 - s.beta2);
   t.eps = static_cast<float>(s.eps);
   t.grad_scale = s.grad_scale;
+  t.bf16_moments = bf16;
+  t.step = static_cast<uint64_t>(s.step);
   // Without decay the factor is exactly 1, as the CPU's 1 - lr * 0 rounds.
   const float with_decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
   for (size_t first = 0; first < blocks.size(); first += kTableSize) {
@@ -131,8 +195,9 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
       const AdamWBlock& b = blocks[first + j];
       t.p[j] = b.param.f32();
       t.g[j] = b.grad.f32();
-      t.m[j] = b.m.f32();
-      t.v[j] = b.v.f32();
+      t.m[j] = b.m.data;
+      t.v[j] = b.v.data;
+      t.key[j] = b.key;
       t.c[j] = b.compute.data != nullptr ? static_cast<__nv_bfloat16*>(b.compute.data) : nullptr;
       t.n[j] = b.param.numel();
       t.decay[j] = b.decay ? with_decay : 1.0f;
@@ -146,8 +211,9 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
   }
 }
 
-void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const cpu::AdamWStep& s) {
-  cuda::adamw_step_multi({AdamWBlock{param, grad, m, v, true, Tensor()}}, s);
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const cpu::AdamWStep& s,
+                uint64_t key) {
+  cuda::adamw_step_multi({AdamWBlock{param, grad, m, v, true, Tensor(), key}}, s);
 }
 
 }  // namespace mt::cuda
