@@ -7,7 +7,10 @@ Measures, in one process tree on one GPU:
     experts, bf16 autocast over fp32 master weights, fused AdamW), eager and under
     torch.compile;
   - moetrain: `moetrain train --training.device=cuda` on the same shapes (bf16
-    compute, fp32 master weights, AdamW), learned routing and forced-balanced routing.
+    compute, fp32 master weights, AdamW with fp32 moments, or bf16 ones with
+    --state-dtypes), learned routing and forced-balanced routing. Its memory is what
+    the process holds on the device (measured: pools, workspaces, handles), against
+    torch's max_memory_allocated for the baseline.
 Model FLOPs per token = 6 * active parameters + causal attention (6 * L * S * Hq * Dh),
 active = attention + router + top-k experts + LM head. Prints one markdown row per
 system for bench/RESULTS.md.
@@ -92,7 +95,7 @@ def baseline(cfg, batch, seq, steps, warmup, compiled):
     return batch * seq / dt, peak
 
 
-def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, ep=1, cp=1):
+def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, ep=1, cp=1, extra=()):
     """`batch` sequences per data rank (dp x ep = ranks / cp of them); tokens/s for the job."""
     with tempfile.TemporaryDirectory() as tmp:
         rows = batch * ranks // cp
@@ -106,7 +109,8 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, 
         cmd = launch + [binary, "train", f"--parallelism.ep={ep}", f"--parallelism.cp={cp}", f"--model.config={cfg_path}", f"--data.tokens={tmp}/tokens.npy",
                f"--training.steps={warmup + steps}", "--training.device=cuda", f"--job.dump_folder={tmp}/run",
                "--optimizer.lr=1e-4", "--training.clip_grad_norm=1.0", "--training.load_balance_coef=0.001",
-               f"--training.force_balanced_routing={'true' if balanced else 'false'}", "--metrics.profile=true"]
+               f"--training.force_balanced_routing={'true' if balanced else 'false'}", "--metrics.profile=true",
+               *extra]
         out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
         if out.returncode != 0:
             raise RuntimeError(f"moetrain failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
@@ -118,7 +122,12 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, 
         print("  step time by stage: " + ", ".join(f"{k} {v:.1f} ms ({100*v/total:.0f}%)"
                                                    for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])),
               flush=True)
-        return tps, max(r["memory_bytes"] for r in rows)
+        planned = max(r["memory_bytes"] for r in rows)
+        held = max(r.get("device_memory_bytes", 0) for r in rows)
+        print(f"  memory: planned arenas {planned/1e9:.1f} GB, held on the device (measured) {held/1e9:.1f} GB",
+              flush=True)
+        # The measured figure (pools, workspaces and handles included) is the peak.
+        return tps, held or planned
 
 
 def main():
@@ -137,6 +146,8 @@ def main():
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--learned-only", action="store_true", help="skip moetrain's balanced-routing run")
+    p.add_argument("--state-dtypes", default="fp32",
+                   help="comma-separated optimizer.state_dtype values to run moetrain with (fp32, bf16)")
     args = p.parse_args()
     cfg_path = os.path.join(HERE, "configs", f"qwen3_30b_a3b_{args.layers}l.json")
     cfg = json.load(open(cfg_path))
@@ -155,12 +166,14 @@ def main():
             runs.append(("transformers torch.compile",
                          lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, True)))
     mesh = f" on {args.ranks} GPUs (ep {args.ep}, cp {args.cp}), per GPU" if args.ranks > 1 else ""
-    for balanced in (() if args.skip_moetrain else (False,) if args.learned_only else (False, True)):
-        name = "moetrain " + ("balanced routing" if balanced else "learned routing") + mesh
-        # Per GPU: the job's tokens/s over its GPUs (each rank reports the same step time).
-        runs.append((name, lambda b=balanced: (lambda tps, mem: (tps / args.ranks, mem))(
-            *ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps, args.warmup, b, cfg["vocab_size"],
-                  args.ranks, args.ep, args.cp))))
+    for state in args.state_dtypes.split(","):
+        for balanced in (() if args.skip_moetrain else (False,) if args.learned_only else (False, True)):
+            name = ("moetrain " + ("balanced routing" if balanced else "learned routing") + mesh +
+                    (f", {state} AdamW moments" if state != "fp32" else ""))
+            # Per GPU: the job's tokens/s over its GPUs (each rank reports the same step time).
+            runs.append((name, lambda b=balanced, st=state: (lambda tps, mem: (tps / args.ranks, mem))(
+                *ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps, args.warmup, b, cfg["vocab_size"],
+                      args.ranks, args.ep, args.cp, (f"--optimizer.state_dtype={st}",)))))
     for name, fn in runs:
         try:
             tps, mem = fn()

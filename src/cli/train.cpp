@@ -12,6 +12,9 @@
 #include "comm/mesh.h"
 #include "core/check.h"
 #include "io/file.h"
+#ifdef MOETRAIN_WITH_CUDA
+#include "kernels/cuda/device.h"
+#endif
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -79,6 +82,9 @@ int run_train(const Args& args) {
   options.cp = &mesh.cp();
   // ZeRO-3 shards the layers' weights over the ranks; one rank keeps them whole.
   options.external_layers = cfg.parallelism.zero3 && world.size() > 1;
+#ifdef MOETRAIN_WITH_CUDA
+  if (options.device == Device::cuda) cuda::note_memory_baseline();  // before the first allocation
+#endif
   std::unique_ptr<Model> model = make_model(config_json, options);
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";

@@ -13,6 +13,9 @@
 #include "io/npy.h"
 #include "io/safetensors.h"
 #include "kernels/elementwise.h"
+#ifdef MOETRAIN_WITH_CUDA
+#include "kernels/cuda/device.h"
+#endif
 #include "parallel/context_parallel.h"
 
 namespace mt {
@@ -446,6 +449,9 @@ StepResult Trainer::step() {
   }
   for (const auto& s : stashes_) bytes += s->bytes;
   r.memory_bytes = bytes;
+#ifdef MOETRAIN_WITH_CUDA
+  if (model_.device() == Device::cuda) r.device_memory_bytes = cuda::memory_held();
+#endif
   return r;
 }
 
@@ -477,6 +483,7 @@ std::string step_json(const StepResult& r) {
   j["lr"] = r.lr;
   j["tokens_per_s"] = r.tokens_per_s;
   j["memory_bytes"] = r.memory_bytes;
+  if (r.device_memory_bytes > 0) j["device_memory_bytes"] = r.device_memory_bytes;
   j["expert_counts"] = r.expert_counts;
   j["dropped_slots"] = r.dropped_slots;
   if (!r.breakdown_ms.empty()) {

@@ -42,4 +42,38 @@ DeviceInfo query_device() {
   return info;
 }
 
+namespace {
+
+size_t in_use() {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return total - free;
+}
+
+size_t g_baseline = 0;
+bool g_noted = false;
+
+}  // namespace
+
+void note_memory_baseline() {
+  if (g_noted) return;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return;
+  }
+  cudaFree(nullptr);  // makes the context, whose memory is not ours to count
+  g_baseline = in_use();
+  g_noted = true;
+}
+
+size_t memory_held() {
+  if (!g_noted) return 0;
+  const size_t now = in_use();
+  return now > g_baseline ? now - g_baseline : 0;
+}
+
 }  // namespace mt::cuda

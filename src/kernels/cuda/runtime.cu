@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "core/arena.h"
+#include "kernels/cuda/device.h"
 
 namespace mt::cuda {
 
@@ -87,6 +88,7 @@ void select_device(int local_rank) {
     return;
   }
   CUDA_CHECK(cudaSetDevice(local_rank % count));
+  note_memory_baseline();
 }
 
 void copy(const Tensor& dst, const Tensor& src) {
