@@ -93,10 +93,12 @@ struct NormCase {
 TEST(CudaRmsnorm, ForwardAndBackwardMatchCpu) {
   MT_SKIP_WITHOUT_GPU();
   uint64_t seed = 2000;
-  // The CPU table's shapes, a q/k-norm shape (many rows of head_dim), a hidden row, and
-  // the f32 path.
-  const NormCase cases[] = {{1, 5, 1e-6f, DType::bf16},    {9, 131, 1e-5f, DType::bf16},
-                            {1000, 128, 1e-6f, DType::bf16}, {37, 2048, 1e-6f, DType::bf16},
+  // The CPU table's shapes, q/k-norm shapes (many rows of head_dim: the 16-byte dw
+  // path over few and many chunks, chunks that are not whole row groups), a hidden row,
+  // a narrow one, and the f32 path.
+  const NormCase cases[] = {{1, 5, 1e-6f, DType::bf16},      {9, 131, 1e-5f, DType::bf16},
+                            {1000, 128, 1e-6f, DType::bf16},   {40000, 128, 1e-6f, DType::bf16},
+                            {37, 2048, 1e-6f, DType::bf16},    {8, 16, 1e-6f, DType::bf16},
                             {9, 131, 1e-5f, DType::f32}};
   for (const NormCase& c : cases) {
     std::ostringstream what;
