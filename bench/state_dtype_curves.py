@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""fp32 against bf16 AdamW moments: the same training run several times.
+
+One perturbation the size of a rounding sends a run onto another trajectory, so a
+single pair of runs says little. This trains a small Qwen3-MoE (bench/configs/
+kjv_moe_mid.json: 8 layers, 32 experts, top-4) on a tokenized corpus with each state
+dtype at the base learning rate and at +-1e-3 relative, and with beta2 = 0.999 (where
+rounding to nearest would stall the second moment), and prints each run's mean loss
+over its last quarter and each family's mean and spread.
+
+  python3 bench/state_dtype_curves.py --moetrain build/moetrain --corpus build/demo/corpus [--device cuda]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(args, tmp, name, extra):
+    dump = os.path.join(tmp, name)
+    cmd = [args.moetrain, "train", f"--model.config={args.config}", f"--data.corpus={args.corpus}",
+           f"--data.seq_len={args.seq}", f"--training.global_batch_size={args.batch}",
+           f"--training.steps={args.steps}", f"--training.device={args.device}", "--training.load_balance_coef=0.01",
+           "--lr_scheduler.warmup_steps=20", "--lr_scheduler.decay=cosine", "--lr_scheduler.min_lr_ratio=0.1",
+           "--checkpoint.interval=0", f"--job.dump_folder={dump}", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    losses = [json.loads(l)["loss"] for l in open(os.path.join(dump, "metrics.jsonl"))]
+    return statistics.mean(losses[-len(losses) // 4:])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--moetrain", required=True)
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--config", default=os.path.join(HERE, "configs", "kjv_moe_mid.json"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    args = p.parse_args()
+    families = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for beta2 in (0.95, 0.999):
+            for state in ("fp32", "bf16"):
+                rels = (0.0, 1e-3, -1e-3) if beta2 == 0.95 else (0.0,)
+                for rel in rels:
+                    name = f"{state}_b{beta2}_lr{rel:+g}"
+                    loss = run(args, tmp, name, [f"--optimizer.state_dtype={state}", f"--optimizer.beta2={beta2}",
+                                                 f"--optimizer.lr={args.lr * (1 + rel)!r}"])
+                    families.setdefault((state, beta2), []).append(loss)
+                    print(f"{name}: mean loss over the last quarter {loss:.4f}", flush=True)
+    for (state, beta2), v in families.items():
+        spread = max(v) - min(v)
+        print(f"{state} moments, beta2 {beta2}: mean {statistics.mean(v):.4f} over {len(v)} runs, spread {spread:.4f}")
+
+
+if __name__ == "__main__":
+    main()
