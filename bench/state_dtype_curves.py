@@ -45,12 +45,16 @@ def main():
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--beta2", type=float, nargs="*", default=[0.95, 0.999],
+                   help="the beta2 values; the first gets three runs per dtype, the others one, "
+                        "unless --perturb-all")
+    p.add_argument("--perturb-all", action="store_true", help="three runs per dtype for every beta2")
     args = p.parse_args()
     families = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for beta2 in (0.95, 0.999):
+        for beta2 in args.beta2:
             for state in ("fp32", "bf16"):
-                rels = (0.0, 1e-3, -1e-3) if beta2 == 0.95 else (0.0,)
+                rels = (0.0, 1e-3, -1e-3) if beta2 == args.beta2[0] or args.perturb_all else (0.0,)
                 for rel in rels:
                     name = f"{state}_b{beta2}_lr{rel:+g}"
                     loss = run(args, tmp, name, [f"--optimizer.state_dtype={state}", f"--optimizer.beta2={beta2}",
