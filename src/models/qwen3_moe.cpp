@@ -151,7 +151,6 @@ struct LayerActs {
   Tensor counts, offsets, order, slot_row;          // dispatch plan
   int64_t dropped = 0;                              // slots over capacity
   Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
-  std::vector<float> dprob;     // load-balance gradient per expert
   // Expert parallelism: the exchange plan, the rows R it brought to this rank's experts
   // (xs .. d_xs are allocated for the most R can be and used as rows(0, R)), and
   // `back`, every slot's expert output returned to this rank [N*k, D].
@@ -520,7 +519,6 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
       x.d_xs = d_xs;
       x.d_logits = f32({N, E});
       x.d_logits_c = act_ == DType::f32 ? x.d_logits : act({N, E});
-      x.dprob.assign(static_cast<size_t>(E), 0.0f);
     } else {
       const int64_t I = c_.intermediate_size;
       x.gu = act({N, 2 * I});
@@ -558,6 +556,8 @@ std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
     for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);
   }
   mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
+  for (LayerActs& x : s->layers)  // no load-balance gradient until the trainer sets one
+    if (x.dprobs.data != nullptr) mt::fill(x.dprobs, 0.0f);
   if (balanced_) {
     std::vector<int32_t> idx(static_cast<size_t>(batch * seq * c_.top_k));
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
@@ -658,8 +658,8 @@ void Qwen3Moe::attention_backward_input(int64_t l, Qwen3Stash& s) {
   LayerActs& x = s.layers[l];
   const int64_t B = s.batch, S = s.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
   if (c_.is_moe_layer(l)) {
-    // Router: every token's probability row gets the load-balance gradient.
-    mt::copy(x.dprobs, Tensor(x.dprob.data(), x.dprobs.shape, DType::f32));
+    // Router: every token's probability row gets the load-balance gradient (x.dprobs,
+    // uploaded by set_router_prob_grad).
     // Forced routing does not come from the logits: only the balance term reaches them.
     if (balanced_) mt::fill(x.d_weight, 0.0f);
     mt::router_backward(router_config(), x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
@@ -833,7 +833,9 @@ void Qwen3Moe::set_router_prob_grad(Stash& base, int64_t layer, const std::vecto
   auto& s = static_cast<Qwen3Stash&>(base);
   MT_CHECK(c_.is_moe_layer(layer) && static_cast<int64_t>(dprob.size()) == c_.num_experts)
       << "load-balance gradient for layer " << layer << " with " << dprob.size() << " experts";
-  s.layers[layer].dprob = dprob;
+  // Uploaded now, between the forward and the backward, where the trainer has waited
+  // for the device anyway (router statistics), rather than as a stall inside the backward.
+  mt::copy(s.layers[layer].dprobs, Tensor(const_cast<float*>(dprob.data()), {1, c_.num_experts}, DType::f32));
 }
 
 }  // namespace
