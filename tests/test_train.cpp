@@ -388,6 +388,20 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned) << out;
   EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
 
+  // bf16 moments: the plan shrinks by half the moments' bytes, and the run agrees.
+  auto [rc7, out7] = run(std::string(MOETRAIN_BIN) + " plan --data.seq_len=16 --optimizer.state_dtype=bf16" + common);
+  ASSERT_EQ(rc7, 0) << out7;
+  EXPECT_NE(out7.find("AdamW moments (2 x bf16)"), std::string::npos) << out7;
+  int64_t planned16 = std::stoll(out7.substr(out7.rfind("GiB (") + 5));
+  auto [rc8, out8] = run(std::string(MOETRAIN_BIN) + " train --training.steps=1 --data.tokens=" +
+                         fixture("qwen3_moe_a/tokens.npy") + " --job.dump_folder=" + dump + "/bf16" + common +
+                         " --optimizer.state_dtype=bf16");
+  ASSERT_EQ(rc8, 0) << out8;
+  std::ifstream metrics16(dump + "/bf16/metrics.jsonl");
+  std::getline(metrics16, line);
+  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned16) << out7;
+  EXPECT_LT(planned16, planned);
+
   // Two ranks (dp = 2) shard the optimizer state: the plan for world 2 is what each holds.
   if (run("command -v mpirun").first != 0) return;
   io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
