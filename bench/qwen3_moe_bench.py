@@ -146,6 +146,7 @@ def main():
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--learned-only", action="store_true", help="skip moetrain's balanced-routing run")
+    p.add_argument("--extra", default="", help="more moetrain flags, space-separated (e.g. --parallelism.zero3=true)")
     p.add_argument("--state-dtypes", default="fp32",
                    help="comma-separated optimizer.state_dtype values to run moetrain with (fp32, bf16)")
     args = p.parse_args()
@@ -173,7 +174,7 @@ def main():
             # Per GPU: the job's tokens/s over its GPUs (each rank reports the same step time).
             runs.append((name, lambda b=balanced, st=state: (lambda tps, mem: (tps / args.ranks, mem))(
                 *ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps, args.warmup, b, cfg["vocab_size"],
-                      args.ranks, args.ep, args.cp, (f"--optimizer.state_dtype={st}",)))))
+                      args.ranks, args.ep, args.cp, (f"--optimizer.state_dtype={st}", *args.extra.split())))))
     for name, fn in runs:
         try:
             tps, mem = fn()
