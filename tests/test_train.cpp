@@ -436,6 +436,20 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   std::getline(metrics3, line);
   EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned3) << out5;
   EXPECT_LT(planned3, planned2) << "zero3 should shrink the weights and gradients";
+
+  // Expert parallelism on the same two ranks: the plan builds rank 0's model, with half
+  // the experts and buffers for the exchange, and the run holds what it says.
+  auto [rc9, out9] = run(std::string(MOETRAIN_BIN) + " plan --world=2 --data.seq_len=16 --parallelism.ep=2" + two);
+  ASSERT_EQ(rc9, 0) << out9;
+  int64_t planned_ep = std::stoll(out9.substr(out9.rfind("GiB (") + 5));
+  auto [rc10, out10] = run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun "
+                           "--oversubscribe -np 2 " + std::string(MOETRAIN_BIN) + " train --training.steps=1" +
+                           " --data.tokens=" + dump + "/tokens4.npy --job.dump_folder=" + dump + "/ep2" + two +
+                           " --parallelism.ep=2");
+  ASSERT_EQ(rc10, 0) << out10;
+  std::ifstream metrics_ep(dump + "/ep2/metrics.jsonl");
+  std::getline(metrics_ep, line);
+  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned_ep) << out9;
 }
 
 // Every mesh (dp, cp, ep) of the parallelism issue, under mpirun: (2,1,1), (1,2,1),

@@ -32,6 +32,10 @@ int run_plan(const Args& args) {
   // As `train` builds it: with ZeRO-3 on more than one rank the layers' weights are shards.
   const bool zero3 = cfg.parallelism.zero3 && world > 1;
   options.external_layers = zero3;
+  // With ep > 1 the model is built as rank 0 of the ep group builds it: its share of the
+  // experts, and expert buffers sized for the exchange.
+  comm::Communicator ep = comm::Communicator::describing("ep (plan)", 0, mesh.ep);
+  if (mesh.ep > 1) options.ep = &ep;
   std::unique_ptr<Model> model = make_model(config_json, options);
 
   int64_t seq = cfg.data.seq_len, global = cfg.training.global_batch_size;
@@ -68,11 +72,11 @@ int run_plan(const Args& args) {
               static_cast<long long>(model->num_layers()), model->param_count() / 1e9,
               model->active_param_count() / 1e9, cfg.training.device.c_str());
   if (zero3)
-    std::printf("per rank (with ep > 1 a rank holds 1/ep of the expert weights and their gradients; with\n"
-                "zero3 the layers' weights live in the AdamW shards, the embedding and head in full):\n");
+    std::printf("per rank (with zero3 the layers' weights live in the AdamW shards, the embedding and\n"
+                "head in full):\n");
   else
-    std::printf("per rank, holding every expert (with ep > 1 a rank holds 1/ep of the expert weights and\n"
-                "their gradients; weights and accumulating gradients are sharded only with zero3):\n");
+    std::printf("per rank (1/ep of the experts; weights and accumulating gradients are sharded only\n"
+                "with zero3):\n");
   std::printf("  master weights (f32)      %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
   std::printf("  gradients (f32)           %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
   if (sharded)

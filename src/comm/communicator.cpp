@@ -264,7 +264,15 @@ Communicator::~Communicator() {
   if (impl_->mpi != MPI_COMM_NULL && !mpi_finalized()) MPI_Comm_free(&impl_->mpi);
 }
 
+Communicator Communicator::describing(std::string name, int rank, int size) {
+  Communicator c(std::move(name), rank, size, std::make_unique<Impl>());
+  c.shape_only_ = true;
+  return c;
+}
+
 std::string Communicator::where(const char* op) const {
+  MT_CHECK(!shape_only_) << op << " on communicator '" << name_ << "': it only describes rank " << rank_ << " of "
+                         << size_ << " for planning and cannot communicate";
   return std::string(op) + " on communicator '" + name_ + "' (rank " + std::to_string(rank_) + " of " +
          std::to_string(size_) + ")";
 }
@@ -403,7 +411,8 @@ void Communicator::broadcast(const Tensor& x, int root) {
 
 void Communicator::barrier() {
   if (size_ == 1) return;
-  check_mpi(MPI_Barrier(impl_->mpi), where("barrier"));
+  const std::string w = where("barrier");
+  check_mpi(MPI_Barrier(impl_->mpi), w);
 }
 
 void Communicator::send(const Tensor& x, int peer) { start({send_to(x, peer)}).wait(); }

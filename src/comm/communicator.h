@@ -75,6 +75,9 @@ class Communicator {
  public:
   // A communicator of this process alone: no MPI needed (collectives are copies).
   explicit Communicator(std::string name);
+  // One that only describes a group, rank `rank` of `size`, for `moetrain plan` to build
+  // a model as a rank of that mesh would: every operation on it is an error.
+  static Communicator describing(std::string name, int rank, int size);
   ~Communicator();
   Communicator(Communicator&&) noexcept;
   Communicator& operator=(Communicator&&) = delete;
@@ -122,6 +125,7 @@ class Communicator {
 
   std::string name_;
   int rank_ = 0, size_ = 1;
+  bool shape_only_ = false;
   std::unique_ptr<Impl> impl_;
 };
 
