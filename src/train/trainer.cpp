@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <iomanip>
 #include <nlohmann/json.hpp>
@@ -335,9 +336,19 @@ StepResult Trainer::step() {
   // Sums over the data-parallel ranks of host numbers (identity on one rank).
   auto sum_ranks_f64 = [&](std::vector<double>& v) {
     if (!dp_ || v.empty()) return;
-    std::vector<float> f(v.begin(), v.end());
-    dp_->all_reduce(Tensor(f.data(), {static_cast<int64_t>(f.size())}, DType::f32));
-    v.assign(f.begin(), f.end());
+    // Gathered as raw 64-bit words and added here in rank order: exact doubles, and the
+    // same sum on every rank (there is no f64 reduction; an f32 one lost ~1e-7).
+    const int64_t n = static_cast<int64_t>(v.size()), ranks = dp_->size();
+    std::vector<int64_t> mine(v.size()), all(static_cast<size_t>(n * ranks));
+    std::memcpy(mine.data(), v.data(), v.size() * sizeof(double));
+    dp_->all_gather(Tensor(mine.data(), {n}, DType::i64), Tensor(all.data(), {n * ranks}, DType::i64));
+    std::fill(v.begin(), v.end(), 0.0);
+    for (int64_t r = 0; r < ranks; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        double x = 0;
+        std::memcpy(&x, &all[static_cast<size_t>(r * n + i)], sizeof(double));
+        v[static_cast<size_t>(i)] += x;
+      }
   };
   auto sum_ranks_i64 = [&](std::vector<int64_t>& v) {
     if (dp_ && !v.empty()) dp_->all_reduce(Tensor(v.data(), {static_cast<int64_t>(v.size())}, DType::i64));
