@@ -1,8 +1,8 @@
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <algorithm>
 #include <cstring>
 #include <iomanip>
 #include <nlohmann/json.hpp>
