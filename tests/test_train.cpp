@@ -370,86 +370,58 @@ TEST(Commands, CapacityWithExpertParallelismMatchesOneRank) {
 }
 
 // plan counts with the code that allocates: its total is what a run reports holding.
+// Each case plans, trains one step with the same flags (under mpirun for world 2), and
+// compares the plan's total with the run's memory_bytes; the totals must also shrink as
+// the options promise.
 TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   std::string dump = temp_dir("plan");
-  std::string common = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=3" +
-                       " --training.micro_batch_size=1 --training.load_balance_type=global_batch";
-  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan --data.seq_len=16" + common);
-  ASSERT_EQ(rc, 0) << out;
-  size_t at = out.rfind("GiB (");  // the total line
-  ASSERT_NE(at, std::string::npos) << out;
-  int64_t planned = std::stoll(out.substr(at + 5));
-  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " train --training.steps=1 --data.tokens=" +
-                         fixture("qwen3_moe_a/tokens.npy") + " --job.dump_folder=" + dump + common);
-  ASSERT_EQ(rc2, 0) << out2;
-  std::ifstream metrics(dump + "/metrics.jsonl");
-  std::string line;
-  std::getline(metrics, line);
-  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned) << out;
-  EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
+  // The planned total; the run's memory_bytes must equal it.
+  auto plan_and_run = [&](const std::string& name, int world, const std::string& flags, const std::string& tokens) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan --world=" + std::to_string(world) + " --data.seq_len=16" +
+                         flags);
+    EXPECT_EQ(rc, 0) << out;
+    const size_t at = out.rfind("GiB (");  // the total line
+    EXPECT_NE(at, std::string::npos) << out;
+    if (rc != 0 || at == std::string::npos) return int64_t{-1};
+    const int64_t planned = std::stoll(out.substr(at + 5));
+    const std::string launch = world == 1 ? "" : "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+                                                 "OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+    auto [rc2, out2] = run(launch + MOETRAIN_BIN + " train --training.steps=1 --data.tokens=" + tokens +
+                           " --job.dump_folder=" + dump + "/" + name + flags);
+    EXPECT_EQ(rc2, 0) << out2;
+    std::ifstream metrics(dump + "/" + name + "/metrics.jsonl");
+    std::string line;
+    std::getline(metrics, line);
+    if (rc2 == 0) EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned) << name << "\n" << out;
+    if (name == "one") EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
+    if (name == "bf16") EXPECT_NE(out.find("AdamW moments (2 x bf16)"), std::string::npos) << out;
+    return planned;
+  };
+  const std::string tokens3 = fixture("qwen3_moe_a/tokens.npy");
+  const std::string common = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=3" +
+                             " --training.micro_batch_size=1 --training.load_balance_type=global_batch";
+  const int64_t planned = plan_and_run("one", 1, common, tokens3);
+  // bf16 moments: half the moments' bytes.
+  EXPECT_LT(plan_and_run("bf16", 1, common + " --optimizer.state_dtype=bf16", tokens3), planned);
 
-  // bf16 moments: the plan shrinks by half the moments' bytes, and the run agrees.
-  auto [rc7, out7] = run(std::string(MOETRAIN_BIN) + " plan --data.seq_len=16 --optimizer.state_dtype=bf16" + common);
-  ASSERT_EQ(rc7, 0) << out7;
-  EXPECT_NE(out7.find("AdamW moments (2 x bf16)"), std::string::npos) << out7;
-  int64_t planned16 = std::stoll(out7.substr(out7.rfind("GiB (") + 5));
-  auto [rc8, out8] = run(std::string(MOETRAIN_BIN) + " train --training.steps=1 --data.tokens=" +
-                         fixture("qwen3_moe_a/tokens.npy") + " --job.dump_folder=" + dump + "/bf16" + common +
-                         " --optimizer.state_dtype=bf16");
-  ASSERT_EQ(rc8, 0) << out8;
-  std::ifstream metrics16(dump + "/bf16/metrics.jsonl");
-  std::getline(metrics16, line);
-  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned16) << out7;
-  EXPECT_LT(planned16, planned);
-
-  // Two ranks (dp = 2) shard the optimizer state: the plan for world 2 is what each holds.
   if (run("command -v mpirun").first != 0) return;
-  io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
+  // Two ranks: the fixture's three sequences and its first again, so the batch splits.
+  io::NpyArray a = io::read_npy(tokens3);
   std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
   tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + a.header.shape[1]);
   io::write_npy(dump + "/tokens4.npy", "<i8", {4, a.header.shape[1]}, tokens.data());
-  std::string two = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=4" +
-                    " --training.micro_batch_size=1 --training.load_balance_type=global_batch";
-  auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " plan --world=2 --data.seq_len=16" + two);
-  ASSERT_EQ(rc3, 0) << out3;
-  int64_t planned2 = std::stoll(out3.substr(out3.rfind("GiB (") + 5));
-  auto [rc4, out4] = run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun "
-                         "--oversubscribe -np 2 " + std::string(MOETRAIN_BIN) + " train --training.steps=1" +
-                         " --data.tokens=" + dump + "/tokens4.npy --job.dump_folder=" + dump + "/two" + two);
-  ASSERT_EQ(rc4, 0) << out4;
-  std::ifstream metrics2(dump + "/two/metrics.jsonl");
-  std::getline(metrics2, line);
-  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned2) << out3;
+  const std::string tokens4 = dump + "/tokens4.npy";
+  const std::string two = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=4" +
+                          " --training.micro_batch_size=1 --training.load_balance_type=global_batch";
+  // dp = 2 shards the optimizer state.
+  const int64_t planned2 = plan_and_run("two", 2, two, tokens4);
   EXPECT_LT(planned2, planned) << "sharding should shrink the optimizer state";
-
-  // ZeRO-3 on the same two ranks: the layers' weights and gradients are shards and one
-  // gathered layer, so each rank holds less again, and the plan still says how much.
-  auto [rc5, out5] = run(std::string(MOETRAIN_BIN) + " plan --world=2 --data.seq_len=16 --parallelism.zero3=true" + two);
-  ASSERT_EQ(rc5, 0) << out5;
-  int64_t planned3 = std::stoll(out5.substr(out5.rfind("GiB (") + 5));
-  auto [rc6, out6] = run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun "
-                         "--oversubscribe -np 2 " + std::string(MOETRAIN_BIN) + " train --training.steps=1" +
-                         " --data.tokens=" + dump + "/tokens4.npy --job.dump_folder=" + dump + "/zero3" + two +
-                         " --parallelism.zero3=true");
-  ASSERT_EQ(rc6, 0) << out6;
-  std::ifstream metrics3(dump + "/zero3/metrics.jsonl");
-  std::getline(metrics3, line);
-  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned3) << out5;
-  EXPECT_LT(planned3, planned2) << "zero3 should shrink the weights and gradients";
-
-  // Expert parallelism on the same two ranks: the plan builds rank 0's model, with half
-  // the experts and buffers for the exchange, and the run holds what it says.
-  auto [rc9, out9] = run(std::string(MOETRAIN_BIN) + " plan --world=2 --data.seq_len=16 --parallelism.ep=2" + two);
-  ASSERT_EQ(rc9, 0) << out9;
-  int64_t planned_ep = std::stoll(out9.substr(out9.rfind("GiB (") + 5));
-  auto [rc10, out10] = run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun "
-                           "--oversubscribe -np 2 " + std::string(MOETRAIN_BIN) + " train --training.steps=1" +
-                           " --data.tokens=" + dump + "/tokens4.npy --job.dump_folder=" + dump + "/ep2" + two +
-                           " --parallelism.ep=2");
-  ASSERT_EQ(rc10, 0) << out10;
-  std::ifstream metrics_ep(dump + "/ep2/metrics.jsonl");
-  std::getline(metrics_ep, line);
-  EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned_ep) << out9;
+  // ZeRO-3: the layers' weights and gradients are shards and one gathered layer.
+  EXPECT_LT(plan_and_run("zero3", 2, two + " --parallelism.zero3=true", tokens4), planned2)
+      << "zero3 should shrink the weights and gradients";
+  // Expert parallelism: the plan builds rank 0's model, with half the experts and
+  // buffers for the exchange.
+  plan_and_run("ep2", 2, two + " --parallelism.ep=2", tokens4);
 }
 
 // Every mesh (dp, cp, ep) of the parallelism issue, under mpirun: (2,1,1), (1,2,1),
