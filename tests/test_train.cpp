@@ -23,6 +23,14 @@ const auto run = test::run_command;
 
 std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTURES) + "/" + name; }
 
+// A run folder's metrics.jsonl, one JSON object per step.
+std::vector<nlohmann::json> metrics_of(const std::string& dump) {
+  std::ifstream metrics(dump + "/metrics.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
 
 
 
@@ -290,10 +298,7 @@ TEST(Commands, CapacityFactorCapsEachExpertAndCountsDrops) {
                          " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy") + " --training.steps=2" +
                          " --job.dump_folder=" + dump + " " + extra);
     EXPECT_EQ(rc, 0) << out;
-    std::ifstream metrics(dump + "/metrics.jsonl");
-    std::vector<nlohmann::json> lines;
-    for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
-    return lines;
+    return metrics_of(dump);
   };
   std::vector<nlohmann::json> free = train("cap_none", ""), loose = train("cap_loose", "--training.capacity_factor=8"),
                               tight = train("cap_tight", "--training.capacity_factor=1");
@@ -348,10 +353,7 @@ TEST(Commands, CapacityWithExpertParallelismMatchesOneRank) {
                          " --training.load_balance_coef=0.1 --training.load_balance_type=global_batch" +
                          " --job.dump_folder=" + dump + " " + extra);
     EXPECT_EQ(rc, 0) << out;
-    std::ifstream metrics(dump + "/metrics.jsonl");
-    std::vector<nlohmann::json> lines;
-    for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
-    return lines;
+    return metrics_of(dump);
   };
   const std::string mpirun =
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
