@@ -392,6 +392,29 @@ void Communicator::all_to_all_v(const Tensor& in, std::span<const int64_t> send_
   check_mpi(MPI_Alltoallv(in.data, sc.data(), sd.data(), t, out.data, rc.data(), rd.data(), t, impl_->mpi), w);
 }
 
+// Interim: the started collectives complete before they return (the asynchronous
+// versions replace these).
+Request Communicator::start_all_reduce(const Tensor& x, Traffic) {
+  all_reduce(x);
+  return Request();
+}
+
+Request Communicator::start_reduce_scatter(const Tensor& in, const Tensor& out, Traffic) {
+  reduce_scatter(in, out);
+  return Request();
+}
+
+Request Communicator::start_all_gather(const Tensor& in, const Tensor& out, Traffic) {
+  all_gather(in, out);
+  return Request();
+}
+
+Request Communicator::start_all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
+                                         std::span<const int64_t> recv_counts, Traffic) {
+  all_to_all_v(in, send_counts, out, recv_counts);
+  return Request();
+}
+
 void Communicator::broadcast(const Tensor& x, int root) {
   const std::string w = where("broadcast") + " of " + x.str() + " from rank " + std::to_string(root);
   check_storage(x, "tensor", w);

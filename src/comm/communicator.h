@@ -44,6 +44,11 @@ Launch detect_launch(const std::function<const char*(const char*)>& env);
 
 class Communicator;
 
+// The kinds of traffic that may be in flight at once. On the GPU each kind has a
+// communication stream of its own, so one kind's transfers never queue behind
+// another's (a layer's gradient reduction behind the next layer's token exchange).
+enum class Traffic : uint8_t { expert, context, gradient, gather, pipeline };
+
 // A started batch of sends and receives; wait() returns when all are done (on the
 // GPU: when the backend's stream is ordered after them). The buffers must stay alive
 // until then. Destroying a Request that was not waited for waits.
@@ -98,6 +103,18 @@ class Communicator {
   // recv_counts[p] from each p in rank order; both sums must equal the tensors' sizes.
   void all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
                     std::span<const int64_t> recv_counts);
+  // The same collectives in two halves: start_* checks the arguments, starts the
+  // transfer and returns; Request::wait() joins it. Between the two the buffers belong
+  // to the transfer. On the GPU the transfer runs on `traffic`'s communication stream,
+  // after the work already queued on the current stream, and wait() orders the current
+  // stream after it (the host does not wait); on the CPU it is a non-blocking MPI
+  // collective. Started collectives of one communicator must be started in the same
+  // order on every rank, like blocking ones.
+  Request start_all_reduce(const Tensor& x, Traffic traffic);
+  Request start_reduce_scatter(const Tensor& in, const Tensor& out, Traffic traffic);
+  Request start_all_gather(const Tensor& in, const Tensor& out, Traffic traffic);
+  Request start_all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
+                             std::span<const int64_t> recv_counts, Traffic traffic);
   void broadcast(const Tensor& x, int root);
   void barrier();
 

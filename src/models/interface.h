@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/param.h"
 #include "core/tensor.h"
 
 namespace mt::comm {
@@ -23,21 +24,6 @@ namespace mt {
 
 enum class Stage : uint8_t { attention, dispatch, experts, combine, aggregate };
 constexpr Stage kStages[] = {Stage::attention, Stage::dispatch, Stage::experts, Stage::combine, Stage::aggregate};
-
-// A block of parameters the optimizer and the sharding see as one tensor. Expert
-// weights are fused (all experts of a layer in one block) and are sharded
-// differently from the rest, hence `expert`.
-struct Param {
-  std::string name;  // an internal name, e.g. "layers.3.experts.gate_up"
-  Tensor value;      // f32 master weights
-  Tensor grad;       // f32, accumulated over micro-batches
-  Tensor compute;    // what the matrix products read: a bf16 copy on the GPU, `value` on the CPU
-  bool matrix = false;  // 2-D and up: decayed when optimizer.decay = "matrices"
-  bool expert = false;
-  // The part of the model it belongs to: -1 the embedding, 0 .. L-1 a decoder layer, L
-  // the head. Sharding cuts units by (layer, expert); pipeline stages will cut by it.
-  int64_t layer = -1;
-};
 
 // One Hugging Face tensor: a view into a Param (an expert's gate_proj is a slice of
 // its layer's fused block). Checkpoints, import and export go through these.
@@ -128,6 +114,14 @@ class Model {
   virtual void stage_forward(int64_t layer, Stage stage, Stash& s) = 0;
   virtual void stage_backward_input(int64_t layer, Stage stage, Stash& s) = 0;
   virtual void stage_backward_weight(int64_t layer, Stage stage, Stash& s) = 0;
+  // The exchange stages (dispatch and combine; with expert parallelism their tokens
+  // travel between ranks) only start their transfers in stage_forward and
+  // stage_backward_input; these finish them (wait, then complete the stage), so a
+  // schedule can run other work, another micro-batch's stages, while they travel. Every
+  // started stage is finished before anything reads its results; for a stage with
+  // nothing in flight they do nothing.
+  virtual void finish_forward(int64_t layer, Stage stage, Stash& s) = 0;
+  virtual void finish_backward_input(int64_t layer, Stage stage, Stash& s) = 0;
   // Final norm, output projection, cross-entropy against s.labels.
   virtual LossSum head_forward(Stash& s) = 0;
   // d(loss)/d(logits) = scale * (softmax - onehot); input and weight gradients.

@@ -214,6 +214,8 @@ class Qwen3Moe final : public Model {
   void stage_forward(int64_t layer, Stage stage, Stash& s) override;
   void stage_backward_input(int64_t layer, Stage stage, Stash& s) override;
   void stage_backward_weight(int64_t layer, Stage stage, Stash& s) override;
+  void finish_forward(int64_t, Stage, Stash&) override {}
+  void finish_backward_input(int64_t, Stage, Stash&) override {}
   LossSum head_forward(Stash& s) override;
   void head_backward(Stash& s, float scale) override;
   void embed_backward(Stash& s) override;

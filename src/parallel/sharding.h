@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "models/interface.h"
+#include "core/param.h"
 
 namespace mt::parallel {
 

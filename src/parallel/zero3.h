@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "core/arena.h"
-#include "models/interface.h"
+#include "core/param.h"
 #include "parallel/sharding.h"
 
 namespace mt::parallel {

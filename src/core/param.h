@@ -1,0 +1,27 @@
+// Param: a block of parameters as the optimizer, the sharding and the checkpoints see
+// it. It lives here, below models/ and parallel/, because all of them name it and a
+// lower layer may not include an upper one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace mt {
+
+// Expert weights are fused (all experts of a layer in one block) and are sharded
+// differently from the rest, hence `expert`.
+struct Param {
+  std::string name;  // an internal name, e.g. "layers.3.experts.gate_up"
+  Tensor value;      // f32 master weights
+  Tensor grad;       // f32, accumulated over micro-batches
+  Tensor compute;    // what the matrix products read: a bf16 copy on the GPU, `value` on the CPU
+  bool matrix = false;  // 2-D and up: decayed when optimizer.decay = "matrices"
+  bool expert = false;
+  // The part of the model it belongs to: -1 the embedding, 0 .. L-1 a decoder layer, L
+  // the head. Sharding cuts units by (layer, expert); pipeline stages will cut by it.
+  int64_t layer = -1;
+};
+
+}  // namespace mt
