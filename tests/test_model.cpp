@@ -68,7 +68,10 @@ TEST_P(HfParity, LossLogitsAndEveryGradient) {
   std::copy(data.labels.begin(), data.labels.end(), s->labels.i32());
   model->embed_forward(*s);
   for (int64_t l = 0; l < model->num_layers(); ++l)
-    for (Stage st : kStages) model->stage_forward(l, st, *s);
+    for (Stage st : kStages) {
+      model->stage_forward(l, st, *s);
+      model->finish_forward(l, st, *s);
+    }
   LossSum loss = model->head_forward(*s);
   double want_loss = expected(exp, "loss")[0];
   EXPECT_NEAR(loss.sum / loss.count, want_loss, 1e-5 * want_loss);
@@ -79,19 +82,23 @@ TEST_P(HfParity, LossLogitsAndEveryGradient) {
   for (size_t i = 0; i < want_logits.size(); ++i)
     ASSERT_NEAR(logits.f32()[i], want_logits[i], 1e-4 * std::max(1.0f, std::fabs(want_logits[i]))) << i;
 
-  // Backward with B and W deliberately apart: every B of the layer first, then the Ws.
-  // The gradients start as NaN: a backward that writes over them (the step's first
-  // micro-batch) must not read them.
+  // Backward with B and W deliberately apart: every B of a layer first, then its Ws,
+  // and the head's W last of all (deferred, as a pipeline schedule may). The gradients
+  // start as NaN: the first write of each (no mark yet) must not read them.
   for (const RouterStats& r : model->router_stats(*s))
     model->set_router_prob_grad(*s, r.layer, std::vector<float>(r.counts.size(), 0.0f));
   for (Param& p : model->params()) fill(p.grad, std::numeric_limits<float>::quiet_NaN());
-  model->set_overwrite_gradients(true);
-  model->head_backward(*s, static_cast<float>(1.0 / loss.count));
+  clear_gradient_marks(model->params());
+  model->head_backward_input(*s, static_cast<float>(1.0 / loss.count));
   for (int64_t l = model->num_layers() - 1; l >= 0; --l) {
-    for (int i = 4; i >= 0; --i) model->stage_backward_input(l, kStages[i], *s);
+    for (int i = 4; i >= 0; --i) {
+      model->stage_backward_input(l, kStages[i], *s);
+      model->finish_backward_input(l, kStages[i], *s);
+    }
     for (int i = 4; i >= 0; --i) model->stage_backward_weight(l, kStages[i], *s);
   }
   model->embed_backward(*s);
+  model->head_backward_weight(*s);
   int checked = 0;
   for (const HfTensor& t : model->hf_tensors()) {
     std::vector<float> g = expected(exp, "grad." + t.name);

@@ -625,7 +625,7 @@ TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
     }
     return sum;
   };
-  layout.reduce_scatter(params, shard_t, scratch_t, false);
+  layout.reduce_scatter(params, shard_t);
   int64_t covered = 0;
   for (const parallel::ShardUnit& u : layout.units()) {
     EXPECT_TRUE(u.group_size * u.shard >= u.length && u.shard <= u.length / u.group_size + 1);

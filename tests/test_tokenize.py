@@ -83,7 +83,7 @@ def test_numpy(binary, tmp):
         check(ends.dtype == np.uint64 and ends.ndim == 1, f"{name}: ends dtype {ends.dtype}")
         check(tokens.tolist() == want, f"{name}: tokens differ from Hugging Face's ids")
         check(ends.tolist() == np.cumsum([len(d["ids"]) + 1 for d in docs]).tolist(), f"{name}: document ends")
-        check(all(tokens[e - 1] == EOS for e in ends), f"{name}: a document does not end with EOS")
+        check(all(tokens[int(e) - 1] == EOS for e in ends), f"{name}: a document does not end with EOS")
         check(rest == b"", f"{name}: {len(rest)} bytes after the second array")
 
 

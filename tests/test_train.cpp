@@ -11,6 +11,7 @@
 #include "io/npy.h"
 #include "io/safetensors.h"
 #include "train/config.h"
+#include "train/schedule.h"
 #include "train/trainer.h"
 #include "test_util.h"
 
@@ -156,7 +157,10 @@ double objective(Model& m, const TokenBatch& d, double coef) {
   std::copy(d.labels.begin(), d.labels.end(), s->labels.i32());
   m.embed_forward(*s);
   for (int64_t l = 0; l < m.num_layers(); ++l)
-    for (Stage st : kStages) m.stage_forward(l, st, *s);
+    for (Stage st : kStages) {
+      m.stage_forward(l, st, *s);
+      m.finish_forward(l, st, *s);
+    }
   LossSum ls = m.head_forward(*s);
   double lb = 0;
   std::vector<RouterStats> rs = m.router_stats(*s);
@@ -243,6 +247,88 @@ TEST(Training, MicroBatchesAndLoadBalanceTypes) {
 }
 
 // ---- the commands -------------------------------------------------------------------
+
+// The single-rank order, checked against rules written out independently: every stage
+// of every micro-batch once, each exchange finished before the next stage, B in
+// reverse, W after its B, a part reduced only after the last micro-batch's W of it, at
+// most two reductions in flight, every reduction finished.
+TEST(Schedule, SequentialOrderKeepsEveryDependency) {
+  for (bool global : {false, true})
+    for (bool zero3 : {false, true}) {
+      ScheduleShape shape;
+      shape.layers = 3;
+      shape.micro_batches = 3;
+      shape.global_balance = global;
+      shape.zero3 = zero3;
+      shape.reduce = true;
+      const std::vector<Action> a = sequential_schedule(shape);
+      const std::string what = std::string(global ? "global" : "micro") + (zero3 ? " zero3" : "");
+      auto at = [&](Op op, int mb, int64_t layer, Stage st) {
+        int found = -1, n = 0;
+        for (size_t i = 0; i < a.size(); ++i)
+          if (a[i].op == op && a[i].micro_batch == mb && a[i].layer == layer && a[i].stage == st) {
+            found = static_cast<int>(i);
+            ++n;
+          }
+        EXPECT_EQ(n, 1) << what << ": " << describe({op, mb, layer, st});
+        return found;
+      };
+      int last_forward = -1, first_backward = static_cast<int>(a.size());
+      for (int m = 0; m < 3; ++m) {
+        int prev = at(Op::embed_forward, m, 0, Stage::attention);
+        EXPECT_LT(at(Op::load, m, 0, Stage::attention), prev) << what;
+        for (int64_t l = 0; l < 3; ++l)
+          for (Stage st : kStages) {
+            const int f = at(Op::forward, m, l, st), fin = at(Op::finish_forward, m, l, st);
+            EXPECT_TRUE(prev < f && f < fin) << what << ": " << describe(a[f]);
+            prev = fin;
+          }
+        const int head = at(Op::head_forward, m, 0, Stage::attention);
+        EXPECT_LT(prev, head) << what;
+        last_forward = std::max(last_forward, head);
+        prev = at(Op::head_backward_input, m, 0, Stage::attention);
+        first_backward = std::min(first_backward, prev);
+        EXPECT_LT(head, prev) << what;
+        EXPECT_LT(prev, at(Op::head_backward_weight, m, 0, Stage::attention)) << what;
+        for (int64_t l = 2; l >= 0; --l)
+          for (int i = 4; i >= 0; --i) {
+            const int b = at(Op::backward_input, m, l, kStages[i]), fin = at(Op::finish_backward_input, m, l, kStages[i]);
+            EXPECT_TRUE(prev < b && b < fin && fin < at(Op::backward_weight, m, l, kStages[i]))
+                << what << ": " << describe(a[b]);
+            prev = fin;
+          }
+        EXPECT_LT(prev, at(Op::embed_backward, m, 0, Stage::attention)) << what;
+      }
+      if (global) EXPECT_LT(last_forward, first_backward) << what;
+      // Reductions: each part once per step after the last micro-batch's W of it (ZeRO-3
+      // layers once per micro-batch, right after that micro-batch's W), all finished.
+      int in_flight = 0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        if (a[i].op == Op::reduce_start) {
+          EXPECT_LE(++in_flight, 2) << what << " at " << describe(a[i]);
+          const int64_t part = a[i].layer;
+          const int m = a[i].micro_batch;
+          EXPECT_TRUE(m == 2 || (zero3 && part >= 0 && part < 3)) << what << ": " << describe(a[i]);
+          int done = part == 3 ? at(Op::head_backward_weight, m, 0, Stage::attention)
+                     : part < 0 ? at(Op::embed_backward, m, 0, Stage::attention)
+                                : at(Op::backward_weight, m, part, Stage::attention);
+          EXPECT_LT(done, static_cast<int>(i)) << what << ": " << describe(a[i]);
+        }
+        if (a[i].op == Op::reduce_finish) --in_flight;
+      }
+      EXPECT_EQ(in_flight, 0) << what;
+      for (int64_t part = -1; part <= 3; ++part) {
+        int starts = 0, finishes = 0;
+        for (const Action& x : a) {
+          starts += x.op == Op::reduce_start && x.layer == part;
+          finishes += x.op == Op::reduce_finish && x.layer == part;
+        }
+        const int want = zero3 && part >= 0 && part < 3 ? 3 : 1;
+        EXPECT_EQ(starts, want) << what << " part " << part;
+        EXPECT_EQ(finishes, want) << what << " part " << part;
+      }
+    }
+}
 
 TEST(Commands, EvalPrintsTheContractLine) {
   for (std::string name : {"qwen3_moe_a", "qwen3_moe_b"}) {

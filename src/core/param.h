@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -22,6 +23,15 @@ struct Param {
   // The part of the model it belongs to: -1 the embedding, 0 .. L-1 a decoder layer, L
   // the head. Sharding cuts units by (layer, expert); pipeline stages will cut by it.
   int64_t layer = -1;
+  // Whether this step has written `grad` yet. A gradient's first write of a step
+  // replaces what is there and later ones add, in whatever order a schedule runs the
+  // micro-batches, so no pass zeroes the gradients. Cleared by clear_gradient_marks at
+  // a step's start (and by ZeRO-3 when a layer's gradients start afresh in its slot).
+  bool grad_started = false;
 };
+
+inline void clear_gradient_marks(std::vector<Param>& params) {
+  for (Param& p : params) p.grad_started = false;
+}
 
 }  // namespace mt

@@ -124,8 +124,10 @@ class Model {
   virtual void finish_backward_input(int64_t layer, Stage stage, Stash& s) = 0;
   // Final norm, output projection, cross-entropy against s.labels.
   virtual LossSum head_forward(Stash& s) = 0;
-  // d(loss)/d(logits) = scale * (softmax - onehot); input and weight gradients.
-  virtual void head_backward(Stash& s, float scale) = 0;
+  // d(loss)/d(logits) = scale * (softmax - onehot), then the input gradient (B, the
+  // final norm's weight gradient with it) and the output projection's gradient (W).
+  virtual void head_backward_input(Stash& s, float scale) = 0;
+  virtual void head_backward_weight(Stash& s) = 0;
   virtual void embed_backward(Stash& s) = 0;
 
   // The logits of the last head_forward, [batch * seq, vocab] (parity tests, eval).
@@ -134,9 +136,6 @@ class Model {
   // The load-balance loss's gradient with respect to each router probability of a
   // layer: every token's p[e] gets dprob[e]. Applied by that layer's attention B.
   virtual void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) = 0;
-  // true: the backwards that follow write every parameter gradient over what is there
-  // (the step's first micro-batch, so no pass zeroes them first); false: they add.
-  virtual void set_overwrite_gradients(bool overwrite) = 0;
 };
 
 // One switch on config.json's model_type.

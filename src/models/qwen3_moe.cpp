@@ -217,12 +217,12 @@ class Qwen3Moe final : public Model {
   void finish_forward(int64_t, Stage, Stash&) override {}
   void finish_backward_input(int64_t, Stage, Stash&) override {}
   LossSum head_forward(Stash& s) override;
-  void head_backward(Stash& s, float scale) override;
+  void head_backward_input(Stash& s, float scale) override;
+  void head_backward_weight(Stash& s) override;
   void embed_backward(Stash& s) override;
   Tensor logits(Stash& s) override { return static_cast<Qwen3Stash&>(s).logits; }
   std::vector<RouterStats> router_stats(const Stash& s) const override;
   void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override;
-  void set_overwrite_gradients(bool overwrite) override { overwrite_ = overwrite; }
 
  private:
   int add_param(std::string name, Shape shape, bool expert);
@@ -231,13 +231,18 @@ class Qwen3Moe final : public Model {
   const Tensor& W(int i) const { return params_[i].value; }    // f32 master (norms, embedding)
   const Tensor& C(int i) const { return params_[i].compute; }  // read by matrix products
   const Tensor& G(int i) const { return params_[i].grad; }
-  // Gradient writes: added to what is there, or (the step's first backward) written
-  // over it. beta() is the products' factor on the old gradient; Z(i) is the gradient
-  // for kernels that only add (norm weights, the embedding), zeroed first when writing
-  // over.
-  float beta() const { return overwrite_ ? 0.0f : 1.0f; }
-  const Tensor& Z(int i) const {
-    if (overwrite_) mt::fill(params_[i].grad, 0.0f);
+  // Gradient writes: a Param's first write of the step replaces its gradient and later
+  // ones add (Param::grad_started), whatever order the schedule runs micro-batches in.
+  // beta(i) is a product's factor on the old gradient; Z(i) is the gradient for kernels
+  // that only add (norm weights, the embedding), zeroed first when nothing is there yet.
+  bool start_grad(int i) {
+    const bool first = !params_[i].grad_started;
+    params_[i].grad_started = true;
+    return first;
+  }
+  float beta(int i) { return start_grad(i) ? 0.0f : 1.0f; }
+  const Tensor& Z(int i) {
+    if (start_grad(i)) mt::fill(params_[i].grad, 0.0f);
     return params_[i].grad;
   }
   cpu::RouterConfig router_config() const {
@@ -282,7 +287,6 @@ class Qwen3Moe final : public Model {
   bool plan_only_;
   bool external_layers_;  // ZeRO-3: the decoder layers' Params have no storage here
   double capacity_factor_;  // 0: dropless
-  bool overwrite_ = false;  // gradient writes replace (true) or add
   comm::Communicator* ep_;  // null: every expert lives here
   comm::Communicator* cp_;  // null: whole sequences here
   int64_t local_experts_ = 0, first_expert_ = 0;
@@ -701,11 +705,11 @@ void Qwen3Moe::attention_backward_input(int64_t l, Qwen3Stash& s) {
 void Qwen3Moe::attention_backward_weight(int64_t l, Qwen3Stash& s) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
-  if (c_.is_moe_layer(l)) gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, beta());
-  gemm(x.d_hm, x.att, G(w.o), true, false, 1.0f, beta());
-  gemm(x.d_q, x.xn, G(w.q), true, false, 1.0f, beta());
-  gemm(x.d_k, x.xn, G(w.k), true, false, 1.0f, beta());
-  gemm(x.d_v, x.xn, G(w.v), true, false, 1.0f, beta());
+  if (c_.is_moe_layer(l)) gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, beta(w.router));
+  gemm(x.d_hm, x.att, G(w.o), true, false, 1.0f, beta(w.o));
+  gemm(x.d_q, x.xn, G(w.q), true, false, 1.0f, beta(w.q));
+  gemm(x.d_k, x.xn, G(w.k), true, false, 1.0f, beta(w.k));
+  gemm(x.d_v, x.xn, G(w.v), true, false, 1.0f, beta(w.v));
 }
 
 void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
@@ -757,11 +761,11 @@ void Qwen3Moe::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
-        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), Tensor(), !overwrite_);
-        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), Tensor(), !overwrite_);
+        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), Tensor(), !start_grad(w.down));
+        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), Tensor(), !start_grad(w.gate_up));
       } else {
-        gemm(s.dh[l + 1], x.hs, G(w.down), true, false, 1.0f, beta());
-        gemm(x.d_gu, x.y, G(w.gate_up), true, false, 1.0f, beta());
+        gemm(s.dh[l + 1], x.hs, G(w.down), true, false, 1.0f, beta(w.down));
+        gemm(x.d_gu, x.y, G(w.gate_up), true, false, 1.0f, beta(w.gate_up));
       }
       break;
     case Stage::attention:
@@ -784,21 +788,25 @@ LossSum Qwen3Moe::head_forward(Stash& base) {
   return s.loss;
 }
 
-void Qwen3Moe::head_backward(Stash& base, float scale) {
+void Qwen3Moe::head_backward_input(Stash& base, float scale) {
   auto& s = static_cast<Qwen3Stash&>(base);
   const int64_t N = s.batch * s.seq;
-  const int out = lm_head_ >= 0 ? lm_head_ : embed_;
-  // In place: from here on s.logits holds d(loss)/d(logits).
+  // In place: from here on s.logits holds d(loss)/d(logits), which the W half reads.
   cross_entropy_backward(s.logits, s.labels.view({N}), s.lse, kIgnoreIndex, scale, s.logits);
-  gemm(s.logits, C(out), s.d_hf, false, false);
-  gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta());
+  gemm(s.logits, C(lm_head_ >= 0 ? lm_head_ : embed_), s.d_hf, false, false);
   rmsnorm_backward(s.h[c_.num_layers], W(final_norm_), s.rstd_f, s.d_hf, s.dh[c_.num_layers], Z(final_norm_));
+}
+
+void Qwen3Moe::head_backward_weight(Stash& base) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  const int out = lm_head_ >= 0 ? lm_head_ : embed_;
+  gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta(out));
 }
 
 void Qwen3Moe::embed_backward(Stash& base) {
   auto& s = static_cast<Qwen3Stash&>(base);
-  // Tied, the head has written this gradient already; else it starts here.
-  embedding_backward(s.ids.view({s.batch * s.seq}), s.dh[0], lm_head_ >= 0 ? Z(embed_) : G(embed_));
+  // Tied, the head's W may have started this gradient already: Z then adds to it.
+  embedding_backward(s.ids.view({s.batch * s.seq}), s.dh[0], Z(embed_));
 }
 
 std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {

@@ -72,31 +72,46 @@ void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* de
   }
 }
 
-void ShardLayout::reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard, const Tensor& scratch,
-                                 bool accumulate) const {
+void ShardLayout::Reduction::wait() {
+  for (comm::Request& r : requests) r.wait();
+  requests.clear();
+  inputs.clear();  // after the waits: the transfers read them until then
+}
+
+ShardLayout::Reduction ShardLayout::reduce_start(const std::vector<Param>& params, int64_t layer,
+                                                 const Tensor& grad_shard) const {
+  Reduction r;
   for (const ShardUnit& u : units_) {
-    if (u.value_at >= 0) continue;
+    if (u.layer != layer || u.value_at >= 0) continue;
     const int64_t n = u.group_size, s = u.shard;
     Tensor mine = flat(grad_shard, u.state_at, s);
-    Tensor out = flat(scratch, n * s, s);
     if (u.group == nullptr || n == 1) {
       // Nothing to sum: this rank's shard is the whole unit.
-      for (const ShardPiece& p : u.pieces) copy(flat(out, p.at - u.state_at, p.count), flat(params[p.param].grad, p.offset, p.count));
-      if (u.length < s) fill(flat(out, u.length, s - u.length), 0.0f);
-    } else {
-      Tensor in = flat(scratch, 0, n * s);
-      for (size_t j = 0; j < u.params.size(); ++j) {
-        const Tensor& g = params[u.params[j]].grad;
-        copy(flat(in, u.starts[j], g.numel()), flat(g, 0, g.numel()));
-      }
-      if (u.length < n * s) fill(flat(in, u.length, n * s - u.length), 0.0f);
-      u.group->reduce_scatter(in, out);
+      for (const ShardPiece& p : u.pieces)
+        copy(flat(mine, p.at - u.state_at, p.count), flat(params[p.param].grad, p.offset, p.count));
+      if (u.length < s) fill(flat(mine, u.length, s - u.length), 0.0f);
+      continue;
     }
-    if (accumulate)
-      add(mine, out, mine);
-    else
-      copy(mine, out);
+    Buffer in = make_buffer(grad_shard.device, DType::f32, {n * s});
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      const Tensor& g = params[u.params[j]].grad;
+      copy(flat(in.t, u.starts[j], g.numel()), flat(g, 0, g.numel()));
+    }
+    // The padding is no block's: zero, so the padded shard sums to zero.
+    if (u.length < n * s) fill(flat(in.t, u.length, n * s - u.length), 0.0f);
+    r.requests.push_back(u.group->start_reduce_scatter(in.t, mine, comm::Traffic::gradient));
+    r.inputs.push_back(std::move(in));
   }
+  return r;
+}
+
+void ShardLayout::reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard) const {
+  std::vector<int64_t> parts;
+  for (const ShardUnit& u : units_)
+    if (std::find(parts.begin(), parts.end(), u.layer) == parts.end()) parts.push_back(u.layer);
+  std::vector<Reduction> started;
+  for (int64_t part : parts) started.push_back(reduce_start(params, part, grad_shard));
+  for (Reduction& r : started) r.wait();
 }
 
 void ShardLayout::all_gather(const std::vector<Param>& params, const Tensor& scratch) const {

@@ -8,7 +8,8 @@
 // [r * shard, (r + 1) * shard). Expert units shard over the ranks holding the same
 // experts (dp x cp), all others over dp x cp x ep.
 //
-//   reduce_scatter   every rank's full gradients -> this rank's shard of their sum
+//   reduce_start     one part's (a layer's) full gradients on every rank -> this
+//                    rank's shard of their sum, started; Reduction::wait joins it
 //   all_gather       this rank's shard of the weights -> every rank's full weights
 //   gather / scatter per-block state laid out like the weights <-> the rank's shards
 //
@@ -27,6 +28,7 @@
 
 #include "comm/communicator.h"
 #include "core/param.h"
+#include "parallel/buffer.h"
 
 namespace mt::parallel {
 
@@ -65,11 +67,21 @@ class ShardLayout {
   int64_t scratch_elements() const { return scratch_elements_; }  // the largest padded unit
   int64_t value_elements() const { return value_elements_; }      // ZeRO-3 weight shards, all units
 
-  // grad_shard f32 [shard_elements] (+)= this rank's shard of the sum over each unit's
-  // group of the blocks' `grad`. scratch: f32 [scratch_elements] on the grads' device.
-  // Units whose weights are shards (ZeRO-3) are skipped.
-  void reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard, const Tensor& scratch,
-                      bool accumulate) const;
+  // A part's gradients on their way into the shards: the packed inputs (one buffer
+  // per unit, alive until the transfer is done) and the transfers.
+  struct Reduction {
+    std::vector<comm::Request> requests;
+    std::vector<Buffer> inputs;
+    void wait();
+  };
+  // Starts writing, into grad_shard f32 [shard_elements], this rank's shard of the sum
+  // over each unit's group of the blocks' `grad`, for the units of part `layer`
+  // (Param::layer: -1 the embedding, L the head) whose weights are full (ZeRO-3 units
+  // are skipped). The gradients are packed before it returns, so they may change
+  // afterwards; the shard is written once the Reduction is waited for.
+  Reduction reduce_start(const std::vector<Param>& params, int64_t layer, const Tensor& grad_shard) const;
+  // Every part at once (collective), joined before it returns.
+  void reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard) const;
   // Every rank's shard of each block's `value` -> the full `value` on every rank
   // (units whose weights are shards skipped).
   void all_gather(const std::vector<Param>& params, const Tensor& scratch) const;

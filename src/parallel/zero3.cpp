@@ -108,6 +108,7 @@ void Zero3::gather(int64_t layer) {
       const int64_t numel = p.value.numel();
       p.value = Tensor(flat(value_, at + u.starts[j], numel).data, p.value.shape, DType::f32, device_);
       p.grad = Tensor(flat(grad_, at + u.starts[j], numel).data, p.value.shape, DType::f32, device_);
+      p.grad_started = false;  // the slot's gradients are one micro-batch's, written afresh
       if (compute_dtype_[i] == DType::f32) {
         p.compute = p.value;
       } else {

@@ -63,7 +63,21 @@ size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout, DType state) {
 
 void AdamW::reduce_gradients() {
   MT_CHECK(sharded_) << "AdamW::reduce_gradients: the optimizer is not sharded";
-  layout_.reduce_scatter(params_, g_shard_, scratch_, false);
+  MT_CHECK(reducing_.empty()) << "AdamW::reduce_gradients: " << reducing_.size() << " part reductions are in flight";
+  layout_.reduce_scatter(params_, g_shard_);
+}
+
+void AdamW::reduce_start(int64_t layer) {
+  MT_CHECK(sharded_) << "AdamW::reduce_start: the optimizer is not sharded";
+  MT_CHECK(reducing_.count(layer) == 0) << "AdamW::reduce_start: part " << layer << " is already being reduced";
+  reducing_.emplace(layer, layout_.reduce_start(params_, layer, g_shard_));
+}
+
+void AdamW::reduce_finish(int64_t layer) {
+  auto it = reducing_.find(layer);
+  MT_CHECK(it != reducing_.end()) << "AdamW::reduce_finish: part " << layer << " was not started";
+  it->second.wait();
+  reducing_.erase(it);
 }
 
 double AdamW::grad_sum_squares() const {

@@ -3,6 +3,7 @@
 // the moments and of the summed gradients (parallel/sharding.h).
 #pragma once
 
+#include <map>
 #include <vector>
 
 #include "core/arena.h"
@@ -43,6 +44,12 @@ class AdamW {
   // Sharded: this rank's shard of every rank's gradients, summed (collective); with
   // ZeRO-3 only the units outside the layers (those were reduced layer by layer).
   void reduce_gradients();
+  // The same for one part (-1 the embedding, 0 .. L-1 a decoder layer, L the head) in two
+  // halves, so its transfer overlaps the backward of the parts before it: start once
+  // the part's gradients of the step are complete; the shards hold the sums after
+  // reduce_finish. Collective, started in the same order on every rank.
+  void reduce_start(int64_t layer);
+  void reduce_finish(int64_t layer);
   // Sum of squares of the gradients this step reads: this rank's shards when sharded
   // (every element on exactly one rank of each group), else every block.
   double grad_sum_squares() const;
@@ -71,6 +78,7 @@ class AdamW {
   bool sharded_ = false;
   parallel::ShardLayout layout_;
   Tensor m_shard_, v_shard_, g_shard_, w_shard_, scratch_;
+  std::map<int64_t, parallel::ShardLayout::Reduction> reducing_;  // parts in flight
   Arena full_;  // host copies of the moments, laid out like the weights
 };
 

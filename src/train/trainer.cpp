@@ -18,6 +18,7 @@
 #include "kernels/cuda/device.h"
 #endif
 #include "parallel/context_parallel.h"
+#include "train/schedule.h"
 
 namespace mt {
 
@@ -218,14 +219,6 @@ void Trainer::set_data_cursor(const std::string& json) {
   corpus_->set_cursor({j["samples_seen"].get<uint64_t>()});
 }
 
-namespace {
-
-constexpr const char* kForwardNames[] = {"attention+router F", "dispatch F", "experts F", "combine F", "aggregate F"};
-constexpr const char* kInputNames[] = {"attention+router B", "dispatch B", "experts B", "combine B", "aggregate B"};
-constexpr const char* kWeightNames[] = {"attention+router W", "dispatch W", "experts W", "combine W", "aggregate W"};
-
-}  // namespace
-
 void Trainer::materialize_weights() {
   if (zero3_) zero3_->materialize();
 }
@@ -236,52 +229,6 @@ void Trainer::commit_weights() {
 
 void Trainer::release_weights() {
   if (zero3_) zero3_->release_all();
-}
-
-void Trainer::forward(Stash& s) {
-  profile_.mark("embedding");
-  model_.embed_forward(s);
-  for (int64_t l = 0; l < model_.num_layers(); ++l) {
-    if (zero3_) {
-      profile_.mark("zero3 gather");
-      zero3_->gather(l);
-    }
-    for (int i = 0; i < 5; ++i) {
-      profile_.mark(kForwardNames[i]);
-      model_.stage_forward(l, kStages[i], s);
-    }
-    if (zero3_) zero3_->release(l);
-  }
-}
-
-void Trainer::backward(Stash& s, float loss_scale, bool first_micro_batch) {
-  model_.set_overwrite_gradients(first_micro_batch);  // the first backward starts the gradients
-  profile_.mark("head B+W");
-  model_.head_backward(s, loss_scale);
-  for (int64_t l = model_.num_layers() - 1; l >= 0; --l) {
-    if (zero3_) {
-      // The slot's gradients are this micro-batch's alone: written over, then summed
-      // into the gradient shards by the reduce-scatter.
-      profile_.mark("zero3 gather");
-      zero3_->gather(l);
-      model_.set_overwrite_gradients(true);
-    }
-    // Stages in reverse; on one device each W runs right after its B.
-    for (int i = 4; i >= 0; --i) {
-      profile_.mark(kInputNames[i]);
-      model_.stage_backward_input(l, kStages[i], s);
-      profile_.mark(kWeightNames[i]);
-      model_.stage_backward_weight(l, kStages[i], s);
-    }
-    if (zero3_) {
-      profile_.mark("zero3 reduce-scatter");
-      zero3_->reduce_gradients(l, !first_micro_batch);
-      zero3_->release(l);
-    }
-  }
-  model_.set_overwrite_gradients(first_micro_batch);
-  profile_.mark("embedding");
-  model_.embed_backward(s);
 }
 
 StepResult Trainer::step() {
@@ -354,14 +301,17 @@ StepResult Trainer::step() {
     if (dp_ && !v.empty()) dp_->all_reduce(Tensor(v.data(), {static_cast<int64_t>(v.size())}, DType::i64));
   };
   double lb_total = 0;
-  if (!global_lb) {
-    Stash& s = *stashes_[0];
-    for (int64_t mb = 0; mb < mb_count; ++mb) {
-      load_micro_batch(s, mb);
-      forward(s);
-      profile_.mark("head F");
-      loss_sum += model_.head_forward(s).sum;
-      profile_.mark("router statistics");
+  std::vector<std::vector<RouterStats>> all;  // global_batch: every micro-batch's routing
+  auto stash_of = [&](int mb) -> Stash& { return *stashes_[global_lb ? static_cast<size_t>(mb) : 0]; };
+  // The trainer's own actions of the schedule.
+  auto on_action = [&](const Action& a) {
+    Stash& s = stash_of(a.micro_batch);
+    if (a.op == Op::load) {
+      load_micro_batch(s, a.micro_batch);
+    } else if (a.op == Op::statistics && global_lb) {
+      all.push_back(model_.router_stats(s));
+      accumulate_stats(all.back());
+    } else if (a.op == Op::statistics) {
       std::vector<RouterStats> stats = model_.router_stats(s);
       accumulate_stats(stats);
       for (RouterStats st : stats) {
@@ -386,46 +336,51 @@ StepResult Trainer::step() {
         lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / (n * static_cast<double>(cps));
         model_.set_router_prob_grad(s, st.layer, dprob);
       }
-      backward(s, loss_scale, mb == 0);
+    } else if (a.op == Op::balance) {
+      // Routing over the whole global batch: every rank's counts and probabilities.
+      std::vector<int64_t> routed = {routed_tokens};
+      sum_ranks_i64(routed);
+      routed_tokens = routed[0];
+      for (size_t i = 0; i < counts.size(); ++i) {
+        sum_ranks_i64(counts[i]);
+        sum_ranks_f64(prob_sums[i]);
+      }
+      for (size_t i = 0; i < counts.size(); ++i) {
+        std::vector<float> dprob;
+        lb_total += balance(counts[i], prob_sums[i], routed_tokens, coef / static_cast<double>(counts.size()),
+                            &dprob) /
+                    static_cast<double>(counts.size());
+        for (int64_t mb = 0; mb < mb_count; ++mb)
+          model_.set_router_prob_grad(*stashes_[mb], all[mb][i].layer, dprob);
+      }
     }
-  } else {
-    std::vector<std::vector<RouterStats>> all;
-    for (int64_t mb = 0; mb < mb_count; ++mb) {
-      Stash& s = *stashes_[mb];
-      load_micro_batch(s, mb);
-      forward(s);
-      profile_.mark("head F");
-      loss_sum += model_.head_forward(s).sum;
-      profile_.mark("router statistics");
-      all.push_back(model_.router_stats(s));
-      accumulate_stats(all.back());
-    }
-    // Routing over the whole global batch: every rank's counts and probabilities.
-    std::vector<int64_t> routed = {routed_tokens};
-    sum_ranks_i64(routed);
-    routed_tokens = routed[0];
-    for (size_t i = 0; i < counts.size(); ++i) {
-      sum_ranks_i64(counts[i]);
-      sum_ranks_f64(prob_sums[i]);
-    }
-    for (size_t i = 0; i < counts.size(); ++i) {
-      std::vector<float> dprob;
-      lb_total += balance(counts[i], prob_sums[i], routed_tokens, coef / static_cast<double>(counts.size()), &dprob) /
-                  static_cast<double>(counts.size());
-      for (int64_t mb = 0; mb < mb_count; ++mb) model_.set_router_prob_grad(*stashes_[mb], all[mb][i].layer, dprob);
-    }
-    for (int64_t mb = 0; mb < mb_count; ++mb) backward(*stashes_[mb], loss_scale, mb == 0);
-  }
+  };
+  ScheduleShape shape;
+  shape.layers = model_.num_layers();
+  shape.micro_batches = static_cast<int>(mb_count);
+  shape.global_balance = global_lb;
+  shape.zero3 = zero3_ != nullptr;
+  shape.reduce = dp_ != nullptr;
+  ScheduleContext ctx;
+  ctx.model = &model_;
+  for (int mb = 0; mb < shape.micro_batches; ++mb) ctx.stashes.push_back(&stash_of(mb));
+  ctx.loss_scale = loss_scale;
+  ctx.zero3 = zero3_.get();
+  ctx.optimizer = dp_ ? &optimizer_ : nullptr;
+  ctx.profile = &profile_;
+  ctx.trainer = on_action;
+  clear_gradient_marks(model_.params());  // the step's first write of each gradient replaces it
+  run_schedule(sequential_schedule(shape), ctx);
+  for (const LossSum& l : ctx.losses) loss_sum += l.sum;
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
   // changes nothing, so it is skipped).
-  profile_.mark("gradient reduction and norm");
+  profile_.mark("gradient norm");
   if (dp_) {
-    // Each rank's shard of the gradients summed over the ranks that share its blocks
-    // (with ZeRO-3 the layers' were summed during the backward, the rest here); every
-    // element then lives on one rank of its group, so the squares of all shards add up
-    // to the global norm over the whole mesh (experts of every ep rank too).
-    optimizer_.reduce_gradients();
+    // Each rank's shard of the gradients was summed over the ranks that share its
+    // blocks during the backward (the schedule's reductions); every element lives on
+    // one rank of its group, so the squares of all shards add up to the global norm
+    // over the whole mesh (experts of every ep rank too).
     std::vector<double> sums = {loss_sum, lb_total, optimizer_.grad_sum_squares()};
     sum_ranks_f64(sums);
     loss_sum = sums[0];
@@ -477,7 +432,10 @@ LossSum Trainer::evaluate(Model& model, const TokenBatch& data, int64_t micro_ba
     copy(s->labels, Tensor(const_cast<int32_t*>(data.labels.data()) + row * data.seq, s->labels.shape, DType::i32));
     model.embed_forward(*s);
     for (int64_t l = 0; l < model.num_layers(); ++l)
-      for (Stage st : kStages) model.stage_forward(l, st, *s);
+      for (Stage st : kStages) {
+        model.stage_forward(l, st, *s);
+        model.finish_forward(l, st, *s);
+      }
     LossSum part = model.head_forward(*s);
     total.sum += part.sum;
     total.count += part.count;

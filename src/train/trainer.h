@@ -80,8 +80,6 @@ class Trainer {
   static LossSum evaluate(Model& model, const TokenBatch& data, int64_t micro_batch);
 
  private:
-  void forward(Stash& s);
-  void backward(Stash& s, float loss_scale, bool first_micro_batch);
   bool in_layer(const Param& p) const { return p.layer >= 0 && p.layer < model_.num_layers(); }
   void setup();
   void make_stashes();

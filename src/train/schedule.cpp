@@ -1,0 +1,195 @@
+#include "train/schedule.h"
+
+#include <deque>
+#include <set>
+
+#include "core/check.h"
+#include "parallel/zero3.h"
+#include "train/optimizer.h"
+#include "train/profile.h"
+
+namespace mt {
+
+namespace {
+
+// Reductions in flight at once: a part's transfer overlaps the next layer's backward;
+// more would only hold more staging memory.
+constexpr size_t kReductionsInFlight = 2;
+
+constexpr const char* kForwardNames[] = {"attention+router F", "dispatch F", "experts F", "combine F", "aggregate F"};
+constexpr const char* kInputNames[] = {"attention+router B", "dispatch B", "experts B", "combine B", "aggregate B"};
+constexpr const char* kWeightNames[] = {"attention+router W", "dispatch W", "experts W", "combine W", "aggregate W"};
+constexpr const char* kStageNames[] = {"attention", "dispatch", "experts", "combine", "aggregate"};
+
+// Profile names. An exchange's finish is counted with its stage: the wait is its cost.
+const char* profile_name(const Action& a) {
+  const int st = static_cast<int>(a.stage);
+  switch (a.op) {
+    case Op::load: return "load";
+    case Op::embed_forward:
+    case Op::embed_backward: return "embedding";
+    case Op::forward:
+    case Op::finish_forward: return kForwardNames[st];
+    case Op::head_forward: return "head F";
+    case Op::statistics:
+    case Op::balance: return "router statistics";
+    case Op::head_backward_input: return "head B";
+    case Op::head_backward_weight: return "head W";
+    case Op::backward_input:
+    case Op::finish_backward_input: return kInputNames[st];
+    case Op::backward_weight: return kWeightNames[st];
+    case Op::gather: return "zero3 gather";
+    case Op::release: return "zero3 release";
+    case Op::reduce_start:
+    case Op::reduce_finish: return "gradient reduction";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::vector<Action> sequential_schedule(const ScheduleShape& s) {
+  MT_CHECK(s.layers >= 0 && s.micro_batches >= 1)
+      << "sequential_schedule: " << s.layers << " layers and " << s.micro_batches << " micro-batches";
+  std::vector<Action> a;
+  const int64_t L = s.layers;
+  std::deque<int64_t> in_flight;  // parts whose reduction is started and not yet finished
+  auto reduce = [&](int m, int64_t part) {
+    if (in_flight.size() == kReductionsInFlight) {
+      a.push_back({Op::reduce_finish, m, in_flight.front()});
+      in_flight.pop_front();
+    }
+    a.push_back({Op::reduce_start, m, part});
+    in_flight.push_back(part);
+  };
+  auto forward = [&](int m) {
+    a.push_back({Op::load, m});
+    a.push_back({Op::embed_forward, m});
+    for (int64_t l = 0; l < L; ++l) {
+      if (s.zero3) a.push_back({Op::gather, m, l});
+      for (Stage st : kStages) {
+        a.push_back({Op::forward, m, l, st});
+        a.push_back({Op::finish_forward, m, l, st});
+      }
+      if (s.zero3) a.push_back({Op::release, m, l});
+    }
+    a.push_back({Op::head_forward, m});
+    a.push_back({Op::statistics, m});
+  };
+  auto backward = [&](int m) {
+    // Sharded gradients are complete after the last micro-batch's backward of a part.
+    const bool last = s.reduce && m == s.micro_batches - 1;
+    a.push_back({Op::head_backward_input, m});
+    a.push_back({Op::head_backward_weight, m});
+    if (last) reduce(m, L);
+    for (int64_t l = L - 1; l >= 0; --l) {
+      if (s.zero3) a.push_back({Op::gather, m, l});
+      for (int i = 4; i >= 0; --i) {
+        a.push_back({Op::backward_input, m, l, kStages[i]});
+        a.push_back({Op::finish_backward_input, m, l, kStages[i]});
+        a.push_back({Op::backward_weight, m, l, kStages[i]});
+      }
+      if (s.zero3) {
+        // The slot's gradients are this micro-batch's: summed into the shards before
+        // the slot is given back.
+        a.push_back({Op::reduce_start, m, l});
+        a.push_back({Op::reduce_finish, m, l});
+        a.push_back({Op::release, m, l});
+      } else if (last) {
+        reduce(m, l);
+      }
+    }
+    a.push_back({Op::embed_backward, m});
+    if (last) reduce(m, -1);
+  };
+  if (s.global_balance) {
+    for (int m = 0; m < s.micro_batches; ++m) forward(m);
+    a.push_back({Op::balance, 0});
+    for (int m = 0; m < s.micro_batches; ++m) backward(m);
+  } else {
+    for (int m = 0; m < s.micro_batches; ++m) {
+      forward(m);
+      backward(m);
+    }
+  }
+  for (int64_t part : in_flight) a.push_back({Op::reduce_finish, s.micro_batches - 1, part});
+  return a;
+}
+
+void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
+  Model& model = *ctx.model;
+  const int64_t L = model.num_layers();
+  ctx.losses.assign(ctx.stashes.size(), LossSum{});
+  std::set<int64_t> reduced;  // ZeRO-3 layers reduced once this step: later micro-batches add
+  for (const Action& a : actions) {
+    MT_CHECK(a.micro_batch >= 0 && static_cast<size_t>(a.micro_batch) < ctx.stashes.size())
+        << "schedule: " << describe(a) << " but the step has " << ctx.stashes.size() << " micro-batches";
+    Stash& s = *ctx.stashes[static_cast<size_t>(a.micro_batch)];
+    if (ctx.profile != nullptr && a.op != Op::release) ctx.profile->mark(profile_name(a));
+    const bool zero3_layer = ctx.zero3 != nullptr && a.layer >= 0 && a.layer < L;
+    switch (a.op) {
+      case Op::load:
+      case Op::statistics:
+      case Op::balance:
+        ctx.trainer(a);
+        break;
+      case Op::embed_forward: model.embed_forward(s); break;
+      case Op::forward: model.stage_forward(a.layer, a.stage, s); break;
+      case Op::finish_forward: model.finish_forward(a.layer, a.stage, s); break;
+      case Op::head_forward: ctx.losses[static_cast<size_t>(a.micro_batch)] = model.head_forward(s); break;
+      case Op::head_backward_input: model.head_backward_input(s, ctx.loss_scale); break;
+      case Op::head_backward_weight: model.head_backward_weight(s); break;
+      case Op::backward_input: model.stage_backward_input(a.layer, a.stage, s); break;
+      case Op::finish_backward_input: model.finish_backward_input(a.layer, a.stage, s); break;
+      case Op::backward_weight: model.stage_backward_weight(a.layer, a.stage, s); break;
+      case Op::embed_backward: model.embed_backward(s); break;
+      case Op::gather:
+        MT_CHECK(ctx.zero3 != nullptr) << "schedule: " << describe(a) << " without ZeRO-3";
+        ctx.zero3->gather(a.layer);
+        break;
+      case Op::release:
+        MT_CHECK(ctx.zero3 != nullptr) << "schedule: " << describe(a) << " without ZeRO-3";
+        ctx.zero3->release(a.layer);
+        break;
+      case Op::reduce_start:
+        if (zero3_layer) {
+          ctx.zero3->reduce_gradients(a.layer, reduced.count(a.layer) > 0);
+          reduced.insert(a.layer);
+        } else {
+          MT_CHECK(ctx.optimizer != nullptr) << "schedule: " << describe(a) << " without a sharded optimizer";
+          ctx.optimizer->reduce_start(a.layer);
+        }
+        break;
+      case Op::reduce_finish:
+        if (!zero3_layer) ctx.optimizer->reduce_finish(a.layer);
+        break;
+    }
+  }
+}
+
+std::string describe(const Action& a) {
+  static constexpr const char* kOps[] = {"load", "embed F",  "F",        "finish F", "head F",   "statistics",
+                                         "balance", "head B", "head W", "B",        "finish B", "W",
+                                         "embed W", "gather", "release", "reduce",  "finish reduce"};
+  std::string s = kOps[static_cast<int>(a.op)];
+  switch (a.op) {
+    case Op::forward:
+    case Op::finish_forward:
+    case Op::backward_input:
+    case Op::finish_backward_input:
+    case Op::backward_weight:
+      s += " " + std::to_string(a.layer) + " " + kStageNames[static_cast<int>(a.stage)];
+      break;
+    case Op::gather:
+    case Op::release:
+    case Op::reduce_start:
+    case Op::reduce_finish:
+      s += " " + std::to_string(a.layer);
+      break;
+    default:
+      break;
+  }
+  return s + " mb " + std::to_string(a.micro_batch);
+}
+
+}  // namespace mt
