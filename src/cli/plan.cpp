@@ -86,7 +86,7 @@ int run_plan(const Args& args) {
     std::printf("  AdamW moments (2 x %s)  %10.3f GiB\n", state == DType::bf16 ? "bf16" : "f32 ", gib(optimizer));
   std::printf("  bf16 weight copies        %10.3f GiB\n", gib(compute));
   if (zero3)
-    std::printf("  zero3 layer slot          %10.3f GiB (one gathered layer: weights, gradients, copies)\n",
+    std::printf("  zero3 layer slots         %10.3f GiB (two layers' weights and copies, two layers' gradients)\n",
                 gib(slot));
   std::printf("  activations               %10.3f GiB (%lld live micro-batch%s of %lld x %lld tokens)\n",
               gib(activations), static_cast<long long>(live), live == 1 ? "" : "es", static_cast<long long>(micro),

@@ -2,19 +2,23 @@
 //
 // The model is built with ModelOptions::external_layers, so the Params of layers
 // 0 .. L-1 have shapes but no storage. Their weights live only as this rank's shards
-// (AdamW's weight shard vector, laid out by its ShardLayout), and one working slot,
-// sized for the largest layer, holds one layer at a time:
+// (AdamW's weight shard vector, laid out by its ShardLayout). Two weight slots, each
+// sized for the largest layer, hold the layers being computed, so the next layer's
+// all-gather runs while the current one computes; two gradient slots hold a layer's
+// gradients while its backward writes them and while they are reduce-scattered, so
+// that reduction runs while the layer before computes:
 //
-//   gather(l)            all-gather layer l's units into the slot (f32 weights, and the
-//                        bf16 copies the products read on the GPU); point its Params there
-//   reduce_gradients(l)  reduce-scatter the slot's gradients into AdamW's gradient
-//                        shards, summed over micro-batches (the first one overwrites)
-//   release(l)           its Params have no storage again
+//   gather_start(l)     layer l into a free weight slot: its Params point there and
+//                       the all-gathers start (f32 weights)
+//   gather_finish(l)    joined; the bf16 copies the products read made (GPU)
+//   release(l)          its weight slot free again
+//   attach_gradients(l) a free gradient slot becomes its Params' `grad`, written afresh
+//   reduce_start(l, acc) the slot's gradients start summing into AdamW's gradient
+//                       shards (over them, or added: later micro-batches)
+//   reduce_finish(l)    joined; the gradient slot free again
 //
-// The trainer wraps each layer's forward stages in gather/release, and its backward
-// stages in gather/reduce_gradients/release. The embedding and the head are not
-// handled here: they stay full on every rank, as without ZeRO-3. The gathers block
-// (no prefetch of the next layer on a side stream yet), which is why one slot is enough.
+// The schedule (train/schedule.h) emits these around a layer's stages. The embedding
+// and the head are not handled here: they stay full on every rank, as without ZeRO-3.
 //
 // Initialisation, Hugging Face import and checkpoints read and write whole tensors:
 // materialize() gathers every layer's weights into host memory (collective) and points
@@ -25,6 +29,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/arena.h"
 #include "core/param.h"
 #include "parallel/sharding.h"
@@ -34,15 +39,22 @@ namespace mt::parallel {
 class Zero3 {
  public:
   // `layout` was built with weight_layers = L; `weights` and `grads` are the f32 shard
-  // vectors it lays out (value_elements and shard_elements long); the slot goes on `device`.
+  // vectors it lays out (value_elements and shard_elements long); the slots go on `device`.
   Zero3(std::vector<Param>& params, const ShardLayout& layout, Tensor weights, Tensor grads, Device device);
-  // What the constructor allocates on the device: the slot and the reduce-scatter's output.
+  // What the constructor allocates on the device: the weight and gradient slots.
   static size_t slot_bytes(const std::vector<Param>& params, const ShardLayout& layout, Device device);
   size_t bytes() const { return slot_.capacity(); }
 
-  void gather(int64_t layer);
-  void reduce_gradients(int64_t layer, bool accumulate);
+  void gather_start(int64_t layer);
+  void gather_finish(int64_t layer);
+  void gather(int64_t layer) {
+    gather_start(layer);
+    gather_finish(layer);
+  }
   void release(int64_t layer);
+  void attach_gradients(int64_t layer);
+  void reduce_start(int64_t layer, bool accumulate);
+  void reduce_finish(int64_t layer);
 
   void materialize();
   void commit();
@@ -50,11 +62,26 @@ class Zero3 {
 
  private:
   struct Sizes {
-    int64_t value = 0, compute = 0, out = 0;  // slot elements: f32 weights (= gradients), bf16 copies; one shard
+    // slot elements: f32 weights (= gradients), bf16 copies, the layer's shards
+    int64_t value = 0, compute = 0, out = 0;
+  };
+  struct WeightSlot {
+    int64_t layer = -1;  // -1: free
+    Tensor value, compute;
+    std::vector<comm::Request> gathers;
+  };
+  struct GradSlot {
+    int64_t layer = -1;
+    Tensor grad, out;
+    std::vector<comm::Request> reductions;
+    bool accumulate = false;
   };
   static Sizes sizes(const std::vector<Param>& params, const ShardLayout& layout);
   bool is_layer(const Param& p) const;  // in a decoder layer, whose weights are shards
   void detach(int param);                // no storage
+  const std::vector<int>& units_of(int64_t layer, const char* op) const;
+  WeightSlot& weight_slot(int64_t layer, const char* op);
+  GradSlot& grad_slot(int64_t layer, const char* op);
 
   std::vector<Param>& params_;
   ShardLayout layout_;
@@ -63,7 +90,8 @@ class Zero3 {
   std::vector<std::vector<int>> units_of_;  // per layer, its units (indices into layout_.units())
   std::vector<DType> compute_dtype_;        // per Param: what its compute copy is (bf16 on the GPU)
   Arena slot_;
-  Tensor value_, grad_, compute_, out_;
+  WeightSlot wslots_[2];
+  GradSlot gslots_[2];
   Arena host_;  // materialize(): every layer's weights
 };
 

@@ -61,12 +61,6 @@ size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout, DType state) {
   return count.peak();
 }
 
-void AdamW::reduce_gradients() {
-  MT_CHECK(sharded_) << "AdamW::reduce_gradients: the optimizer is not sharded";
-  MT_CHECK(reducing_.empty()) << "AdamW::reduce_gradients: " << reducing_.size() << " part reductions are in flight";
-  layout_.reduce_scatter(params_, g_shard_);
-}
-
 void AdamW::reduce_start(int64_t layer) {
   MT_CHECK(sharded_) << "AdamW::reduce_start: the optimizer is not sharded";
   MT_CHECK(reducing_.count(layer) == 0) << "AdamW::reduce_start: part " << layer << " is already being reduced";

@@ -24,7 +24,7 @@ class AdamW {
   // One update of every block at 1-based `step` with learning rate `lr`; weight decay
   // applies to matrices, or to everything when optimizer.decay = "all".
   // grad_scale multiplies every gradient as it is read (the clipping factor).
-  // Sharded, the gradients are read from this rank's shards (reduce_gradients) and
+  // Sharded, the gradients are read from this rank's shards (reduce_start) and
   // the updated shards are all-gathered into every rank's full weights. Either way
   // every Param's compute copy is current afterwards.
   void step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale = 1.0f);
@@ -41,13 +41,12 @@ class AdamW {
   Tensor grad_shards() const { return g_shard_; }
   // What shard() allocates for a layout: moment and gradient shards, exchange buffer.
   static size_t sharded_bytes(const parallel::ShardLayout& layout, DType state);
-  // Sharded: this rank's shard of every rank's gradients, summed (collective); with
-  // ZeRO-3 only the units outside the layers (those were reduced layer by layer).
-  void reduce_gradients();
-  // The same for one part (-1 the embedding, 0 .. L-1 a decoder layer, L the head) in two
-  // halves, so its transfer overlaps the backward of the parts before it: start once
-  // the part's gradients of the step are complete; the shards hold the sums after
-  // reduce_finish. Collective, started in the same order on every rank.
+  // Sharded: this rank's shard of every rank's gradients of one part (-1 the embedding,
+  // 0 .. L-1 a decoder layer, L the head), summed, in two halves so the transfer
+  // overlaps the backward of the parts before it: start once the part's gradients of
+  // the step are complete; the shards hold the sums after reduce_finish. Collective,
+  // started in the same order on every rank. With ZeRO-3 the layers' units are
+  // skipped (parallel::Zero3 reduces them per micro-batch).
   void reduce_start(int64_t layer);
   void reduce_finish(int64_t layer);
   // Sum of squares of the gradients this step reads: this rank's shards when sharded

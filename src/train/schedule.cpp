@@ -38,7 +38,9 @@ const char* profile_name(const Action& a) {
     case Op::backward_input:
     case Op::finish_backward_input: return kInputNames[st];
     case Op::backward_weight: return kWeightNames[st];
-    case Op::gather: return "zero3 gather";
+    case Op::gather:
+    case Op::finish_gather:
+    case Op::attach_gradients: return "zero3 gather";
     case Op::release: return "zero3 release";
     case Op::reduce_start:
     case Op::reduce_finish: return "gradient reduction";
@@ -63,10 +65,14 @@ std::vector<Action> sequential_schedule(const ScheduleShape& s) {
     in_flight.push_back(part);
   };
   auto forward = [&](int m) {
+    if (s.zero3 && L > 0) a.push_back({Op::gather, m, 0});
     a.push_back({Op::load, m});
     a.push_back({Op::embed_forward, m});
     for (int64_t l = 0; l < L; ++l) {
-      if (s.zero3) a.push_back({Op::gather, m, l});
+      if (s.zero3) {
+        a.push_back({Op::finish_gather, m, l});
+        if (l + 1 < L) a.push_back({Op::gather, m, l + 1});  // the other weight slot
+      }
       for (Stage st : kStages) {
         a.push_back({Op::forward, m, l, st});
         a.push_back({Op::finish_forward, m, l, st});
@@ -79,26 +85,32 @@ std::vector<Action> sequential_schedule(const ScheduleShape& s) {
   auto backward = [&](int m) {
     // Sharded gradients are complete after the last micro-batch's backward of a part.
     const bool last = s.reduce && m == s.micro_batches - 1;
+    if (s.zero3 && L > 0) a.push_back({Op::gather, m, L - 1});
     a.push_back({Op::head_backward_input, m});
     a.push_back({Op::head_backward_weight, m});
     if (last) reduce(m, L);
     for (int64_t l = L - 1; l >= 0; --l) {
-      if (s.zero3) a.push_back({Op::gather, m, l});
+      if (s.zero3) {
+        a.push_back({Op::finish_gather, m, l});
+        if (l > 0) a.push_back({Op::gather, m, l - 1});
+        a.push_back({Op::attach_gradients, m, l});  // free: layer l + 2's reduction is finished
+      }
       for (int i = 4; i >= 0; --i) {
         a.push_back({Op::backward_input, m, l, kStages[i]});
         a.push_back({Op::finish_backward_input, m, l, kStages[i]});
         a.push_back({Op::backward_weight, m, l, kStages[i]});
       }
       if (s.zero3) {
-        // The slot's gradients are this micro-batch's: summed into the shards before
-        // the slot is given back.
-        a.push_back({Op::reduce_start, m, l});
-        a.push_back({Op::reduce_finish, m, l});
+        // The gradient slot holds this micro-batch's gradients of the layer: summed into
+        // the shards during the next layer's backward.
         a.push_back({Op::release, m, l});
+        a.push_back({Op::reduce_start, m, l});
+        if (l + 1 < L) a.push_back({Op::reduce_finish, m, l + 1});
       } else if (last) {
         reduce(m, l);
       }
     }
+    if (s.zero3 && L > 0) a.push_back({Op::reduce_finish, m, 0});
     a.push_back({Op::embed_backward, m});
     if (last) reduce(m, -1);
   };
@@ -144,16 +156,18 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
       case Op::backward_weight: model.stage_backward_weight(a.layer, a.stage, s); break;
       case Op::embed_backward: model.embed_backward(s); break;
       case Op::gather:
-        MT_CHECK(ctx.zero3 != nullptr) << "schedule: " << describe(a) << " without ZeRO-3";
-        ctx.zero3->gather(a.layer);
-        break;
+      case Op::finish_gather:
       case Op::release:
+      case Op::attach_gradients:
         MT_CHECK(ctx.zero3 != nullptr) << "schedule: " << describe(a) << " without ZeRO-3";
-        ctx.zero3->release(a.layer);
+        if (a.op == Op::gather) ctx.zero3->gather_start(a.layer);
+        if (a.op == Op::finish_gather) ctx.zero3->gather_finish(a.layer);
+        if (a.op == Op::release) ctx.zero3->release(a.layer);
+        if (a.op == Op::attach_gradients) ctx.zero3->attach_gradients(a.layer);
         break;
       case Op::reduce_start:
         if (zero3_layer) {
-          ctx.zero3->reduce_gradients(a.layer, reduced.count(a.layer) > 0);
+          ctx.zero3->reduce_start(a.layer, reduced.count(a.layer) > 0);
           reduced.insert(a.layer);
         } else {
           MT_CHECK(ctx.optimizer != nullptr) << "schedule: " << describe(a) << " without a sharded optimizer";
@@ -161,16 +175,20 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
         }
         break;
       case Op::reduce_finish:
-        if (!zero3_layer) ctx.optimizer->reduce_finish(a.layer);
+        if (zero3_layer)
+          ctx.zero3->reduce_finish(a.layer);
+        else
+          ctx.optimizer->reduce_finish(a.layer);
         break;
     }
   }
 }
 
 std::string describe(const Action& a) {
-  static constexpr const char* kOps[] = {"load", "embed F",  "F",        "finish F", "head F",   "statistics",
-                                         "balance", "head B", "head W", "B",        "finish B", "W",
-                                         "embed W", "gather", "release", "reduce",  "finish reduce"};
+  static constexpr const char* kOps[] = {
+      "load", "embed F", "F",      "finish F",      "head F",  "statistics",       "balance", "head B",
+      "head W", "B",     "finish B", "W",           "embed W", "gather",           "finish gather",
+      "release", "attach gradients", "reduce",      "finish reduce"};
   std::string s = kOps[static_cast<int>(a.op)];
   switch (a.op) {
     case Op::forward:
@@ -181,7 +199,9 @@ std::string describe(const Action& a) {
       s += " " + std::to_string(a.layer) + " " + kStageNames[static_cast<int>(a.stage)];
       break;
     case Op::gather:
+    case Op::finish_gather:
     case Op::release:
+    case Op::attach_gradients:
     case Op::reduce_start:
     case Op::reduce_finish:
       s += " " + std::to_string(a.layer);

@@ -13,8 +13,11 @@
 //
 // sequential_schedule is the single-rank order: each micro-batch's forward, head and
 // backward in turn (with global_balance, every forward before any backward), each
-// exchange finished right after it starts, each W right after its B. The pipeline
-// schedules (1F1B, DualPipeV) are further generators over the same actions.
+// exchange finished right after it starts, each W right after its B. Reductions of
+// sharded gradients start as soon as a part's last W is done and are finished two
+// parts later; with ZeRO-3 the next layer's gather starts before the current layer's
+// stages, and a layer's gradient reduction runs during the next layer's backward.
+// The pipeline schedules (1F1B, DualPipeV) are further generators over the same actions.
 #pragma once
 
 #include <cstdint>
@@ -46,8 +49,10 @@ enum class Op : uint8_t {
   finish_backward_input,  // an exchange stage's transfer joined
   backward_weight,        // W
   embed_backward,
-  gather,                 // ZeRO-3: a layer's weights into its slot
-  release,                // ZeRO-3: the slot given back
+  gather,                 // ZeRO-3: a layer's weights start coming into a weight slot
+  finish_gather,          // ZeRO-3: ... and are there
+  release,                // ZeRO-3: the weight slot given back
+  attach_gradients,       // ZeRO-3: a gradient slot for the layer's backward
   reduce_start,           // a part's gradients start summing into the optimizer's shards
   reduce_finish,          // ... and are joined
 };
