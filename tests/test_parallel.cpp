@@ -10,8 +10,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
@@ -23,6 +25,7 @@
 #include "core/rng.h"
 #include "kernels/attention.h"
 #include "kernels/dispatch.h"
+#include "kernels/gemm.h"
 #include "kernels/grouped_gemm.h"
 #include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
@@ -342,7 +345,7 @@ TEST_F(Mesh, AWorldThatDoesNotDivideIsAnErrorNamingTheNumbers) {
 
 // ---- expert parallelism -------------------------------------------------------------
 
-enum class Routing { random, skip_experts, all_to_rank0 };
+enum class Routing { random, skewed, skip_experts, all_to_rank0 };
 
 struct EpCase {
   const char* name;
@@ -356,16 +359,18 @@ struct EpCase {
 int64_t tokens_of(const EpCase& c, int r) { return c.empty_rank1 && r == 1 ? 0 : 5 + 3 * r; }
 
 // k distinct experts per token, in a random order: the best k of random keys over the
-// allowed experts.
+// allowed experts. Skewed: four tokens in five prefer the last rank's experts.
 std::vector<int32_t> route(const EpCase& c, int64_t tokens, int ep, uint64_t seed) {
-  const int64_t e_count = c.experts, k = c.top_k;
+  const int64_t e_count = c.experts, k = c.top_k, per = e_count / ep;
   std::vector<float> keys = uniform(tokens * e_count, 1, 0.0f, 1.0f, seed);
+  std::vector<float> bias = uniform(tokens, 6, 0.0f, 1.0f, seed);
   std::vector<int32_t> idx(static_cast<size_t>(tokens * k));
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<int32_t> allowed;
     for (int32_t e = 0; e < e_count; ++e) {
       if (c.routing == Routing::skip_experts && e % 3 == 1) continue;
-      if (c.routing == Routing::all_to_rank0 && e >= e_count / ep) continue;
+      if (c.routing == Routing::all_to_rank0 && e >= per) continue;
+      if (c.routing == Routing::skewed && bias[t] < 0.8f && e >= (ep - 1) * per) keys[t * e_count + e] += 1.0f;
       allowed.push_back(e);
     }
     std::sort(allowed.begin(), allowed.end(),
@@ -375,8 +380,152 @@ std::vector<int32_t> route(const EpCase& c, int64_t tokens, int ep, uint64_t see
   return idx;
 }
 
-void run_ep_case(const EpCase& c, comm::Communicator& ep, uint64_t seed) {
-  SCOPED_TRACE(std::string(c.name) + " on '" + ep.name() + "' of " + std::to_string(ep.size()));
+const EpCase kEpCases[] = {
+    {"random top-2 of 8", 8, 2, 6, 5, Routing::random, false},
+    {"skewed to the last rank", 8, 3, 5, 4, Routing::skewed, false},
+    {"empty experts", 12, 3, 4, 4, Routing::skip_experts, false},
+    {"all tokens to rank 0's experts", 8, 2, 5, 3, Routing::all_to_rank0, false},
+    {"a rank with no tokens", 8, 2, 4, 6, Routing::random, true},
+    {"k = E", 4, 4, 3, 5, Routing::random, false},
+    {"k > experts per rank", 8, 5, 4, 4, Routing::random, false},
+};
+
+// Capacities that drop slots in these cases (and none).
+const int64_t kEpCapacities[] = {0, 1, 3};
+
+std::vector<int32_t> ints(const Tensor& t) {
+  EXPECT_EQ(t.dtype, DType::i32) << t.str();
+  return std::vector<int32_t>(t.i32(), t.i32() + t.numel());
+}
+
+// What the plan should hold, from plain loops over every rank's routing (idx_of[q] is
+// rank q's [N_q, k]), written for this test independently of the kernels.
+struct RefPlan {
+  std::vector<int64_t> sent_rows_to, slots_to, recv_rows_from, slots_from;
+  int64_t dropped = 0;
+  std::vector<int32_t> sent_slot, token_rows, slot_row, expert_counts, order, local_slot_row, return_row,
+      return_pos, offsets;
+};
+
+RefPlan reference_ep_plan(const std::vector<std::vector<int32_t>>& idx_of, int64_t k, int64_t experts, int me,
+                          int64_t capacity) {
+  const int ranks = static_cast<int>(idx_of.size());
+  const int64_t per = experts / ranks;
+  // Each expert keeps the first `capacity` slots in (rank, token, slot) order.
+  std::vector<std::vector<bool>> kept(ranks);
+  std::vector<int64_t> taken(static_cast<size_t>(experts), 0);
+  for (int q = 0; q < ranks; ++q)
+    for (int32_t e : idx_of[q]) kept[q].push_back(capacity == 0 || taken[e]++ < capacity);
+  // Rank q's rows (destination, token, the token's first slot to it), by destination.
+  auto rows_of = [&](int q) {
+    std::vector<std::array<int64_t, 3>> rows;
+    const int64_t n = static_cast<int64_t>(idx_of[q].size()) / k;
+    for (int64_t r = 0; r < ranks; ++r)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t j = 0; j < k; ++j)
+          if (idx_of[q][t * k + j] / per == r) {
+            rows.push_back({r, t, j});
+            break;
+          }
+    return rows;
+  };
+
+  RefPlan p;
+  const std::vector<int32_t>& mine = idx_of[me];
+  const int64_t slots = static_cast<int64_t>(mine.size());
+  p.sent_rows_to.assign(ranks, 0);
+  p.slots_to.assign(ranks, 0);
+  p.token_rows.assign(slots, -1);
+  for (const auto& [r, t, j] : rows_of(me)) {
+    ++p.sent_rows_to[r];
+    p.token_rows[t * k + j] = static_cast<int32_t>(p.sent_slot.size());
+    p.sent_slot.push_back(static_cast<int32_t>(t * k + j));
+  }
+  // `back`: the kept slots by expert, then token and slot.
+  p.slot_row.assign(slots, -1);
+  p.expert_counts.assign(experts, 0);
+  int32_t next = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t s = 0; s < slots; ++s)
+      if (mine[s] == e && kept[me][s]) {
+        p.slot_row[s] = next++;
+        ++p.expert_counts[e];
+        ++p.slots_to[e / per];
+      }
+  p.dropped = slots - next;
+
+  // Received rows in source rank order: their slots as (source, local expert or -1, kept).
+  struct Slot {
+    int q;
+    int64_t local;
+    bool kept;
+  };
+  std::vector<Slot> recv;
+  p.recv_rows_from.assign(ranks, 0);
+  for (int q = 0; q < ranks; ++q)
+    for (const auto& [r, t, j0] : rows_of(q)) {
+      if (r != me) continue;
+      ++p.recv_rows_from[q];
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = idx_of[q][t * k + j];
+        recv.push_back({q, e / per == me ? e - me * per : -1, kept[q][t * k + j]});
+      }
+    }
+  p.local_slot_row.assign(recv.size(), -1);
+  p.offsets = {0};
+  for (int64_t e = 0; e < per; ++e) {
+    for (size_t s = 0; s < recv.size(); ++s)
+      if (recv[s].local == e && recv[s].kept) {
+        p.local_slot_row[s] = static_cast<int32_t>(p.order.size());
+        p.order.push_back(static_cast<int32_t>(s));
+      }
+    p.offsets.push_back(static_cast<int32_t>(p.order.size()));
+  }
+  // The outputs go back by source rank, each source's in xs order.
+  p.slots_from.assign(ranks, 0);
+  p.return_pos.assign(p.order.size(), -1);
+  for (int q = 0; q < ranks; ++q)
+    for (size_t r = 0; r < p.order.size(); ++r)
+      if (recv[p.order[r]].q == q) {
+        p.return_pos[r] = static_cast<int32_t>(p.return_row.size());
+        p.return_row.push_back(static_cast<int32_t>(r));
+        ++p.slots_from[q];
+      }
+  return p;
+}
+
+void expect_plan_is(const parallel::EpPlan& got, const RefPlan& want) {
+  EXPECT_EQ(got.sent_rows_to, want.sent_rows_to);
+  EXPECT_EQ(got.slots_to, want.slots_to);
+  EXPECT_EQ(got.recv_rows_from, want.recv_rows_from);
+  EXPECT_EQ(got.slots_from, want.slots_from);
+  EXPECT_EQ(got.dropped, want.dropped);
+  EXPECT_EQ(ints(got.sent_slot), want.sent_slot);
+  EXPECT_EQ(ints(got.token_rows), want.token_rows);
+  EXPECT_EQ(ints(got.slot_row), want.slot_row);
+  EXPECT_EQ(ints(got.expert_counts), want.expert_counts);
+  EXPECT_EQ(ints(got.order), want.order);
+  EXPECT_EQ(ints(got.local_slot_row), want.local_slot_row);
+  EXPECT_EQ(ints(got.return_row), want.return_row);
+  EXPECT_EQ(ints(got.return_pos), want.return_pos);
+  EXPECT_EQ(ints(got.offsets), want.offsets);
+}
+
+void run_ep_plan_case(const EpCase& c, int64_t capacity, comm::Communicator& ep, uint64_t seed) {
+  SCOPED_TRACE(std::string(c.name) + ", capacity " + std::to_string(capacity) + " on '" + ep.name() + "' of " +
+               std::to_string(ep.size()));
+  std::vector<std::vector<int32_t>> idx_of;
+  for (int r = 0; r < ep.size(); ++r) idx_of.push_back(route(c, tokens_of(c, r), ep.size(), seed + r));
+  std::vector<int32_t>& mine = idx_of[ep.rank()];
+  const int64_t n = tokens_of(c, ep.rank());
+  parallel::EpPlan plan = parallel::ep_plan(ep, Tensor(mine.data(), {n, c.top_k}, DType::i32), c.experts, capacity);
+  EXPECT_EQ(plan.device, Device::cpu);
+  expect_plan_is(plan, reference_ep_plan(idx_of, c.top_k, c.experts, ep.rank(), capacity));
+}
+
+void run_ep_case(const EpCase& c, int64_t capacity, comm::Communicator& ep, uint64_t seed) {
+  SCOPED_TRACE(std::string(c.name) + ", capacity " + std::to_string(capacity) + " on '" + ep.name() + "' of " +
+               std::to_string(ep.size()));
   const int n_ranks = ep.size(), me = ep.rank();
   const int64_t E = c.experts, k = c.top_k, D = c.d, Do = c.d_out, per = E / n_ranks;
   int64_t G = 0, first_token = 0;
@@ -391,23 +540,25 @@ void run_ep_case(const EpCase& c, comm::Communicator& ep, uint64_t seed) {
   std::vector<float> w = uniform(E * Do * D, 4, -0.5f, 0.5f, seed), dy = uniform(G * Do, 5, -1, 1, seed);
   std::vector<int32_t> idx = route(c, G, n_ranks, seed);
 
-  // Single rank: dispatch, one grouped GEMM, combine, and their backwards.
+  // Single rank: dispatch (with the same capacity over the whole batch), one grouped
+  // GEMM, combine, and their backwards.
   std::vector<int32_t> counts(E), offsets(E + 1), order(G * k), slot_row(G * k);
-  cpu::dispatch_plan(Tensor(idx.data(), {G, k}, DType::i32), E, 0, Tensor(counts.data(), {E}, DType::i32),
+  cpu::dispatch_plan(Tensor(idx.data(), {G, k}, DType::i32), E, capacity, Tensor(counts.data(), {E}, DType::i32),
                      Tensor(offsets.data(), {E + 1}, DType::i32), Tensor(order.data(), {G * k}, DType::i32),
                      Tensor(slot_row.data(), {G * k}, DType::i32));
+  const int64_t Rg = offsets[E];
   const Tensor off_g(offsets.data(), {E + 1}, DType::i32), sr_g(slot_row.data(), {G * k}, DType::i32);
-  std::vector<float> xs_g(G * k * D), ys_g(G * k * Do), y_g(G * Do), dys_g(G * k * Do), dweight_g(G * k);
-  std::vector<float> dxs_g(G * k * D), dx_g(G * D), dw_g(E * Do * D);
-  cpu::dispatch_forward(f32(x, {G, D}), Tensor(order.data(), {G * k}, DType::i32), k, f32(xs_g, {G * k, D}));
-  cpu::grouped_gemm(f32(xs_g, {G * k, D}), f32(w, {E, Do, D}), Tensor(), off_g, f32(ys_g, {G * k, Do}));
-  cpu::combine_forward(f32(ys_g, {G * k, Do}), f32(weight, {G, k}), sr_g, f32(y_g, {G, Do}));
-  cpu::combine_backward(f32(ys_g, {G * k, Do}), f32(weight, {G, k}), sr_g, f32(dy, {G, Do}),
-                        f32(dys_g, {G * k, Do}), f32(dweight_g, {G, k}));
-  cpu::grouped_gemm_backward_input(f32(dys_g, {G * k, Do}), f32(w, {E, Do, D}), off_g, f32(dxs_g, {G * k, D}));
-  cpu::grouped_gemm_backward_weight(f32(xs_g, {G * k, D}), f32(dys_g, {G * k, Do}), off_g, f32(dw_g, {E, Do, D}),
+  std::vector<float> xs_g(Rg * D), ys_g(Rg * Do), y_g(G * Do), dys_g(Rg * Do), dweight_g(G * k);
+  std::vector<float> dxs_g(Rg * D), dx_g(G * D), dw_g(E * Do * D);
+  cpu::dispatch_forward(f32(x, {G, D}), Tensor(order.data(), {Rg}, DType::i32), k, f32(xs_g, {Rg, D}));
+  cpu::grouped_gemm(f32(xs_g, {Rg, D}), f32(w, {E, Do, D}), Tensor(), off_g, f32(ys_g, {Rg, Do}));
+  cpu::combine_forward(f32(ys_g, {Rg, Do}), f32(weight, {G, k}), sr_g, f32(y_g, {G, Do}));
+  cpu::combine_backward(f32(ys_g, {Rg, Do}), f32(weight, {G, k}), sr_g, f32(dy, {G, Do}), f32(dys_g, {Rg, Do}),
+                        f32(dweight_g, {G, k}));
+  cpu::grouped_gemm_backward_input(f32(dys_g, {Rg, Do}), f32(w, {E, Do, D}), off_g, f32(dxs_g, {Rg, D}));
+  cpu::grouped_gemm_backward_weight(f32(xs_g, {Rg, D}), f32(dys_g, {Rg, Do}), off_g, f32(dw_g, {E, Do, D}),
                                     Tensor(), false);
-  cpu::dispatch_backward(f32(dxs_g, {G * k, D}), sr_g, f32(dx_g, {G, D}));
+  cpu::dispatch_backward(f32(dxs_g, {Rg, D}), sr_g, f32(dx_g, {G, D}));
 
   // This rank: its tokens, its experts' weights.
   const Tensor x_r(x.data() + first_token * D, {N, D}, DType::f32);
@@ -415,15 +566,15 @@ void run_ep_case(const EpCase& c, comm::Communicator& ep, uint64_t seed) {
   const Tensor weight_r(weight.data() + first_token * k, {N, k}, DType::f32);
   const Tensor dy_r(dy.data() + first_token * Do, {N, Do}, DType::f32);
   const Tensor w_r(w.data() + me * per * Do * D, {per, Do, D}, DType::f32);
-  parallel::EpPlan plan = parallel::ep_plan(ep, idx_r, E);
-  const int64_t R = plan.local_rows();
-  std::vector<float> xs(R * D), ys(R * Do), back(N * k * Do), y(N * Do), dys(R * Do), dweight(N * k), dxs(R * D);
+  parallel::EpPlan plan = parallel::ep_plan(ep, idx_r, E, capacity);
+  const int64_t R = plan.local_rows(), B = plan.returned_rows();
+  std::vector<float> xs(R * D), ys(R * Do), back(B * Do), y(N * Do), dys(R * Do), dweight(N * k), dxs(R * D);
   std::vector<float> dx(N * D), dw(per * Do * D);
-  const Tensor off = plan.offsets_tensor();
+  const Tensor off = plan.offsets;
   parallel::ep_dispatch_forward(ep, plan, x_r, f32(xs, {R, D}));
   cpu::grouped_gemm(f32(xs, {R, D}), w_r, Tensor(), off, f32(ys, {R, Do}));
-  parallel::ep_combine_forward(ep, plan, f32(ys, {R, Do}), weight_r, f32(back, {N * k, Do}), f32(y, {N, Do}));
-  parallel::ep_combine_backward(ep, plan, f32(back, {N * k, Do}), weight_r, dy_r, f32(dys, {R, Do}),
+  parallel::ep_combine_forward(ep, plan, f32(ys, {R, Do}), weight_r, f32(back, {B, Do}), f32(y, {N, Do}));
+  parallel::ep_combine_backward(ep, plan, f32(back, {B, Do}), weight_r, dy_r, f32(dys, {R, Do}),
                                 f32(dweight, {N, k}));
   cpu::grouped_gemm_backward_input(f32(dys, {R, Do}), w_r, off, f32(dxs, {R, D}));
   cpu::grouped_gemm_backward_weight(f32(xs, {R, D}), f32(dys, {R, Do}), off, f32(dw, {per, Do, D}), Tensor(), false);
@@ -437,7 +588,9 @@ void run_ep_case(const EpCase& c, comm::Communicator& ep, uint64_t seed) {
 
   // Rows per local expert are the single-rank ones, and each token went once to each
   // rank owning any of its experts.
-  for (int64_t e = 0; e < per; ++e) EXPECT_EQ(plan.local_counts()[e], counts[me * per + e]) << "expert " << e;
+  const std::vector<int32_t> local_offsets = ints(plan.offsets);
+  for (int64_t e = 0; e < per; ++e)
+    EXPECT_EQ(local_offsets[e + 1] - local_offsets[e], counts[me * per + e]) << "expert " << e;
   int64_t pairs = 0;
   for (int64_t t = 0; t < N; ++t) {
     std::vector<bool> hit(static_cast<size_t>(n_ranks), false);
@@ -445,28 +598,167 @@ void run_ep_case(const EpCase& c, comm::Communicator& ep, uint64_t seed) {
     pairs += std::count(hit.begin(), hit.end(), true);
   }
   EXPECT_EQ(plan.sent_rows(), pairs);
-  // The routing counts of this rank's tokens (the metrics' expert_counts), every expert.
-  std::vector<int64_t> mine(static_cast<size_t>(E), 0);
-  for (int64_t s = 0; s < N * k; ++s) ++mine[idx_r.i32()[s]];
-  EXPECT_EQ(plan.expert_counts, mine);
+  // The slots of this rank's tokens each expert kept (the metrics' expert_counts), and
+  // the dropped ones, are the single-rank plan's for these tokens.
+  std::vector<int32_t> mine(static_cast<size_t>(E), 0);
+  int64_t dropped = 0;
+  for (int64_t s = first_token * k; s < (first_token + N) * k; ++s) {
+    if (slot_row[s] >= 0) ++mine[idx[s]];
+    dropped += slot_row[s] < 0 ? 1 : 0;
+  }
+  EXPECT_EQ(ints(plan.expert_counts), mine);
+  EXPECT_EQ(plan.dropped, dropped);
 }
 
-const EpCase kEpCases[] = {
-    {"random top-2 of 8", 8, 2, 6, 5, Routing::random, false},
-    {"empty experts", 12, 3, 4, 4, Routing::skip_experts, false},
-    {"all tokens to rank 0's experts", 8, 2, 5, 3, Routing::all_to_rank0, false},
-    {"a rank with no tokens", 8, 2, 4, 6, Routing::random, true},
-    {"k = E", 4, 4, 3, 5, Routing::random, false},
-    {"k > experts per rank", 8, 5, 4, 4, Routing::random, false},
-};
-
 TEST_F(ExpertParallel, MatchesSingleRankForwardAndBackward) {
-  for (const EpCase& c : kEpCases) run_ep_case(c, world_comm(), 11);
+  for (const EpCase& c : kEpCases)
+    for (int64_t capacity : kEpCapacities) run_ep_case(c, capacity, world_comm(), 11);
   // On four ranks, also two ep groups of two (dp 2) working on different batches.
   if (world_comm().size() == 4) {
     comm::DeviceMesh mesh(world_comm(), 1, 1, 2);
-    for (const EpCase& c : kEpCases) run_ep_case(c, mesh.ep(), 20 + mesh.coord().dp);
+    for (const EpCase& c : kEpCases)
+      for (int64_t capacity : kEpCapacities) run_ep_case(c, capacity, mesh.ep(), 20 + mesh.coord().dp);
   }
+}
+
+TEST_F(ExpertParallel, PlanMatchesTheHostReference) {
+  for (const EpCase& c : kEpCases)
+    for (int64_t capacity : kEpCapacities) run_ep_plan_case(c, capacity, world_comm(), 31);
+  if (world_comm().size() == 4) {
+    comm::DeviceMesh mesh(world_comm(), 1, 1, 2);
+    for (const EpCase& c : kEpCases)
+      for (int64_t capacity : kEpCapacities) run_ep_plan_case(c, capacity, mesh.ep(), 40 + mesh.coord().dp);
+  }
+}
+
+// Two micro-batches' exchanges started, then other collectives and compute, then
+// finished (in the other order): every result bit for bit the one-call functions'.
+TEST_F(ExpertParallel, HalvesSeparatedByOtherWorkMatchOneCall) {
+  comm::Communicator& ep = world_comm();
+  const int me = ep.rank();
+  struct Batch {
+    EpCase c;
+    int64_t capacity;
+    std::vector<int32_t> idx;
+    std::vector<float> x, ys, weight, dy, dxs;
+    parallel::EpPlan plan;
+    int64_t n = 0, r = 0, b = 0;
+    std::vector<float> want;  // the one-call functions' outputs, end to end
+  };
+  std::vector<Batch> batches(2);
+  batches[0].c = kEpCases[0];
+  batches[1].c = kEpCases[1];
+  batches[1].capacity = 1;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    Batch& m = batches[i];
+    const uint64_t seed = 50 + i + 10 * me;
+    m.n = tokens_of(m.c, me);
+    m.idx = route(m.c, m.n, ep.size(), seed);
+    m.plan = parallel::ep_plan(ep, Tensor(m.idx.data(), {m.n, m.c.top_k}, DType::i32), m.c.experts, m.capacity);
+    m.r = m.plan.local_rows();
+    m.b = m.plan.returned_rows();
+    const int64_t d = m.c.d, k = m.c.top_k;
+    m.x = uniform(m.n * d, 2, -1, 1, seed);
+    m.ys = uniform(m.r * d, 3, -1, 1, seed);
+    m.weight = uniform(m.n * k, 4, 0.1f, 1, seed);
+    m.dy = uniform(m.n * d, 5, -1, 1, seed);
+    m.dxs = uniform(m.r * d, 6, -1, 1, seed);
+  }
+  // Work between the halves: a collective on the same communicator and a product.
+  auto other_work = [&] {
+    std::vector<float> v = uniform(64, 7, -1, 1, 3), a = uniform(48, 8, -1, 1, 3), out(36);
+    ep.all_reduce(f32(v, {64}));
+    cpu::gemm(f32(a, {6, 8}), f32(a, {6, 8}), f32(out, {6, 6}), false, true);
+  };
+  for (Batch& m : batches) {
+    const int64_t d = m.c.d, n = m.n, r = m.r, bk = m.b, k = m.c.top_k;
+    std::vector<float> xs(r * d), back(bk * d), y(n * d), dys(r * d), dw(n * k), dx(n * d);
+    parallel::ep_dispatch_forward(ep, m.plan, f32(m.x, {n, d}), f32(xs, {r, d}));
+    parallel::ep_combine_forward(ep, m.plan, f32(m.ys, {r, d}), f32(m.weight, {n, k}), f32(back, {bk, d}),
+                                 f32(y, {n, d}));
+    parallel::ep_combine_backward(ep, m.plan, f32(back, {bk, d}), f32(m.weight, {n, k}), f32(m.dy, {n, d}),
+                                  f32(dys, {r, d}), f32(dw, {n, k}));
+    parallel::ep_dispatch_backward(ep, m.plan, f32(m.dxs, {r, d}), f32(dx, {n, d}));
+    for (const auto* v : {&xs, &back, &y, &dys, &dw, &dx}) m.want.insert(m.want.end(), v->begin(), v->end());
+  }
+  struct Out {
+    std::vector<float> xs, back, y, dys, dw, dx;
+  };
+  std::vector<Out> outs(batches.size());
+  std::vector<parallel::EpExchange> ex(batches.size());
+  for (size_t i = 0; i < batches.size(); ++i) {
+    Batch& m = batches[i];
+    Out& o = outs[i];
+    o.xs.resize(m.r * m.c.d);
+    o.back.resize(m.b * m.c.d);
+    o.y.resize(m.n * m.c.d);
+    o.dys.resize(m.r * m.c.d);
+    o.dw.resize(m.n * m.c.top_k);
+    o.dx.resize(m.n * m.c.d);
+  }
+  auto each = [&](const std::function<void(Batch&, Out&, parallel::EpExchange&)>& f, bool reverse) {
+    for (size_t j = 0; j < batches.size(); ++j) {
+      const size_t i = reverse ? batches.size() - 1 - j : j;
+      f(batches[i], outs[i], ex[i]);
+    }
+  };
+  each([&](Batch& m, Out&, parallel::EpExchange& e) {
+    e = parallel::ep_dispatch_forward_start(ep, m.plan, f32(m.x, {m.n, m.c.d}));
+  }, false);
+  other_work();
+  each([&](Batch& m, Out& o, parallel::EpExchange& e) {
+    EXPECT_TRUE(e.in_flight());
+    parallel::ep_dispatch_forward_finish(e, m.plan, f32(o.xs, {m.r, m.c.d}));
+    EXPECT_FALSE(e.in_flight());
+  }, true);
+  each([&](Batch& m, Out& o, parallel::EpExchange& e) {
+    e = parallel::ep_combine_forward_start(ep, m.plan, f32(m.ys, {m.r, m.c.d}), f32(o.back, {m.b, m.c.d}));
+  }, false);
+  other_work();
+  each([&](Batch& m, Out& o, parallel::EpExchange& e) {
+    parallel::ep_combine_forward_finish(e, m.plan, f32(m.weight, {m.n, m.c.top_k}), f32(o.y, {m.n, m.c.d}));
+  }, true);
+  each([&](Batch& m, Out& o, parallel::EpExchange& e) {
+    e = parallel::ep_combine_backward_start(ep, m.plan, f32(o.back, {m.b, m.c.d}), f32(m.weight, {m.n, m.c.top_k}),
+                                            f32(m.dy, {m.n, m.c.d}), f32(o.dw, {m.n, m.c.top_k}));
+  }, false);
+  other_work();
+  each([&](Batch& m, Out& o, parallel::EpExchange& e) {
+    parallel::ep_combine_backward_finish(e, m.plan, f32(o.dys, {m.r, m.c.d}));
+  }, true);
+  each([&](Batch& m, Out&, parallel::EpExchange& e) {
+    e = parallel::ep_dispatch_backward_start(ep, m.plan, f32(m.dxs, {m.r, m.c.d}));
+  }, false);
+  other_work();
+  each([&](Batch& m, Out& o, parallel::EpExchange& e) {
+    parallel::ep_dispatch_backward_finish(e, m.plan, f32(o.dx, {m.n, m.c.d}));
+  }, true);
+
+  for (size_t i = 0; i < batches.size(); ++i) {
+    SCOPED_TRACE(batches[i].c.name);
+    const Batch& m = batches[i];
+    const Out& o = outs[i];
+    std::vector<float> got;
+    for (const auto* v : {&o.xs, &o.back, &o.y, &o.dys, &o.dw, &o.dx}) got.insert(got.end(), v->begin(), v->end());
+    ASSERT_EQ(got.size(), m.want.size());
+    EXPECT_EQ(std::memcmp(got.data(), m.want.data(), got.size() * sizeof(float)), 0)
+        << "the halves' results differ from the one-call functions'";
+  }
+}
+
+TEST_F(ExpertParallel, AFinishOfAnotherKindIsAnError) {
+  comm::Communicator& ep = world_comm();
+  std::vector<int32_t> idx = {0, 1};
+  parallel::EpPlan plan = parallel::ep_plan(ep, Tensor(idx.data(), {1, 2}, DType::i32), 2 * ep.size());
+  std::vector<float> x(4, 1.0f), dx(4);
+  parallel::EpExchange e = parallel::ep_dispatch_forward_start(ep, plan, f32(x, {1, 4}));
+  std::string err = error_of([&] { parallel::ep_dispatch_backward_finish(e, plan, f32(dx, {1, 4})); });
+  EXPECT_NE(err.find("ep_dispatch_backward_finish: the exchange given is ep_dispatch_forward_start's, not "
+                     "ep_dispatch_backward_start's"),
+            std::string::npos)
+      << err;
+  std::vector<float> xs(static_cast<size_t>(plan.local_rows() * 4));
+  parallel::ep_dispatch_forward_finish(e, plan, f32(xs, {plan.local_rows(), 4}));
 }
 
 TEST_F(ExpertParallel, UnevenExpertSplitIsAnError) {

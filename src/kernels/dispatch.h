@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/tensor.h"
 
@@ -30,11 +31,49 @@ void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_
 void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
                       const Tensor& dys, const Tensor& dweight);
 
+// dispatch_plan's counting sort as the expert-parallel plan uses it: buckets i32 [N,k]
+// in [-1, B), where -1 sends a slot nowhere (slot_row -1, neither counted nor placed).
+// order must have room for the offsets[B] placed slots, at most N*k. Nothing comes back
+// to the host (the dropped slots are those of a bucket with slot_row -1), so on the GPU
+// it never synchronises.
+void dispatch_sort(const Tensor& buckets, int64_t num_buckets, int64_t capacity, const Tensor& counts,
+                   const Tensor& offsets, const Tensor& order, const Tensor& slot_row);
+
+// The expert-parallel plan's elementwise steps (parallel/expert_parallel.cpp), for E
+// experts over ranks of `per` experts each (rank r owns [r*per, (r+1)*per)). "Rows" are a
+// token's copies, one per destination rank; "slots" are (token t, j) pairs, j < k.
+//
+// idx i32 [N,k] in [0, E) -> buckets [N,k]: the rank owning expert idx[t,j] when j is
+// token t's first slot going to that rank, else -1 (the row is already counted). A
+// counting sort by them numbers the rows by (rank, token).
+void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const Tensor& buckets);
+// What each sent row tells its rank r: for row i, carrying slot sent_slot[i] of token t
+// = sent_slot[i] / k, buckets[i,j] = idx[t,j] - r*per (a local expert of r) or -1 when
+// r does not own that expert. buckets i32 [S,k] for sent_slot [S].
+void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, const Tensor& buckets);
+// out [ranks,2]: per rank, rows row_counts[r] and slots expert_offsets[(r+1)*per] -
+// expert_offsets[r*per] (the offsets of the slots' counting sort by expert, [E+1]).
+void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int64_t per, const Tensor& out);
+// buckets [M] over the rows of `order`: the source rank of received row order[r] / k for
+// r < R = local_offsets[last] (the rows placed), -1 for r >= R. Rows arrive in source
+// rank order, recv_counts[p, 0] of them from rank p ([ranks,2]).
+void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const Tensor& recv_counts, int64_t k,
+                       const Tensor& buckets);
+// With a capacity: buckets [N,k] = idx[t,j] when the receiver kept slot (t,j), else -1.
+// token_rows [N*k] numbers the sent rows (ep_row_buckets' sort); kept_rows [S*k] holds,
+// for each slot of each sent row, the row the receiver gave it (-1: dropped or not its).
+void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
+                     const Tensor& buckets);
+// Small i32 arrays (a plan's counts) one after another into host memory `out`, which has
+// room for all of them: on the CPU a copy.
+void read_counts(std::initializer_list<Tensor> arrays, int32_t* out);
+
 }  // namespace mt::cpu
 
 // The CUDA backend: the same plan (identical, deterministic), bf16 activations with the
 // combine's weighted sums in f32. dispatch_plan synchronises only with a capacity (to
-// return the dropped count); without one it returns 0 at once.
+// return the dropped count; the single-rank dispatch stage accepts that), without one
+// it returns 0 at once; dispatch_sort and the ep_ steps never synchronise.
 namespace mt::cuda {
 
 int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
@@ -44,6 +83,19 @@ void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& 
 void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y);
 void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
                       const Tensor& dys, const Tensor& dweight);
+void dispatch_sort(const Tensor& buckets, int64_t num_buckets, int64_t capacity, const Tensor& counts,
+                   const Tensor& offsets, const Tensor& order, const Tensor& slot_row);
+void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const Tensor& buckets);
+void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, const Tensor& buckets);
+void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int64_t per, const Tensor& out);
+void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const Tensor& recv_counts, int64_t k,
+                       const Tensor& buckets);
+void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
+                     const Tensor& buckets);
+// Copies small i32 arrays (a plan's counts) one after another into host memory `out`
+// through a pinned buffer allocated once, and waits on an event recorded after the
+// copies: only for the work queued before them, never for the whole device.
+void read_counts(std::initializer_list<Tensor> arrays, int32_t* out);
 
 }  // namespace mt::cuda
 
@@ -85,6 +137,59 @@ inline void combine_backward(const Tensor& ys, const Tensor& weight, const Tenso
   if (dys.device == Device::cuda) return cuda::combine_backward(ys, weight, slot_row, dy, dys, dweight);
 #endif
   return cpu::combine_backward(ys, weight, slot_row, dy, dys, dweight);
+}
+
+inline void dispatch_sort(const Tensor& buckets, int64_t num_buckets, int64_t capacity, const Tensor& counts,
+                          const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (slot_row.device == Device::cuda)
+    return cuda::dispatch_sort(buckets, num_buckets, capacity, counts, offsets, order, slot_row);
+#endif
+  return cpu::dispatch_sort(buckets, num_buckets, capacity, counts, offsets, order, slot_row);
+}
+
+inline void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const Tensor& buckets) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (buckets.device == Device::cuda) return cuda::ep_row_buckets(idx, per, num_experts, buckets);
+#endif
+  return cpu::ep_row_buckets(idx, per, num_experts, buckets);
+}
+
+inline void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, const Tensor& buckets) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (buckets.device == Device::cuda) return cuda::ep_send_buckets(idx, sent_slot, per, buckets);
+#endif
+  return cpu::ep_send_buckets(idx, sent_slot, per, buckets);
+}
+
+inline void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int64_t per, const Tensor& out) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (out.device == Device::cuda) return cuda::ep_pack_counts(row_counts, expert_offsets, per, out);
+#endif
+  return cpu::ep_pack_counts(row_counts, expert_offsets, per, out);
+}
+
+inline void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const Tensor& recv_counts, int64_t k,
+                              const Tensor& buckets) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (buckets.device == Device::cuda) return cuda::ep_return_buckets(order, local_offsets, recv_counts, k, buckets);
+#endif
+  return cpu::ep_return_buckets(order, local_offsets, recv_counts, k, buckets);
+}
+
+inline void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
+                            const Tensor& buckets) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (buckets.device == Device::cuda) return cuda::ep_kept_buckets(idx, token_rows, kept_rows, per, buckets);
+#endif
+  return cpu::ep_kept_buckets(idx, token_rows, kept_rows, per, buckets);
+}
+
+inline void read_counts(std::initializer_list<Tensor> arrays, int32_t* out) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (arrays.size() > 0 && arrays.begin()->device == Device::cuda) return cuda::read_counts(arrays, out);
+#endif
+  return cpu::read_counts(arrays, out);
 }
 
 }  // namespace mt

@@ -147,15 +147,19 @@ struct LayerActs {
   Tensor att, lse;              // attention output [N,Hq*Dh], [B,Hq,S]
   Tensor hm, y, rstd2;          // residual after attention, its norm
   Tensor logits, idx, weight, probs, dprobs;        // router (f32)
-  Tensor prob_sum;                                  // [E], probs summed over tokens
-  Tensor counts, offsets, order, slot_row;          // dispatch plan
+  // prob_sum f32 [E] (probs summed over tokens) and counts i32 [E] (slots each expert
+  // kept) side by side in `stats`, so the metrics read both in one copy.
+  Tensor stats, prob_sum, counts;
+  Tensor offsets, order, slot_row;                  // dispatch plan
   int64_t dropped = 0;                              // slots over capacity
   Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
   // Expert parallelism: the exchange plan, the rows R it brought to this rank's experts
-  // (xs .. d_xs are allocated for the most R can be and used as rows(0, R)), and
-  // `back`, every slot's expert output returned to this rank [N*k, D].
+  // (xs .. d_xs are allocated for the most R can be and used as rows(0, R)), `back`,
+  // every slot's expert output returned to this rank [N*k, D], and the exchange a
+  // dispatch or combine stage started, until its finish.
   parallel::EpPlan plan;
   Tensor back;
+  parallel::EpExchange exchange;
   // Gradients. d_logits is f32 like the router; d_logits_c is what the matrix products
   // read (a bf16 copy on the GPU, d_logits itself on the CPU).
   Tensor d_ys, d_weight, d_hs, d_gu, d_xs, d_y, d_logits, d_logits_c, d_hm, d_att, d_qr, d_kr, d_v, d_qn, d_kn, d_q,
@@ -214,8 +218,8 @@ class Qwen3Moe final : public Model {
   void stage_forward(int64_t layer, Stage stage, Stash& s) override;
   void stage_backward_input(int64_t layer, Stage stage, Stash& s) override;
   void stage_backward_weight(int64_t layer, Stage stage, Stash& s) override;
-  void finish_forward(int64_t, Stage, Stash&) override {}
-  void finish_backward_input(int64_t, Stage, Stash&) override {}
+  void finish_forward(int64_t layer, Stage stage, Stash& s) override;
+  void finish_backward_input(int64_t layer, Stage stage, Stash& s) override;
   LossSum head_forward(Stash& s) override;
   void head_backward_input(Stash& s, float scale) override;
   void head_backward_weight(Stash& s) override;
@@ -269,8 +273,10 @@ class Qwen3Moe final : public Model {
       return {x.xs.rows(0, r),   x.gu.rows(0, r),   x.hs.rows(0, r),   x.ys.rows(0, r), x.d_ys.rows(0, r),
               x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r), x.offsets};
     return {x.xs.rows(0, r),   x.gu.rows(0, r),   x.hs.rows(0, r),   x.ys.rows(0, r), x.d_ys.rows(0, r),
-            x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r), x.plan.offsets_tensor()};
+            x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r), x.plan.offsets};
   }
+  // Finishes the expert-parallel exchange layer x has in flight, whichever it is.
+  void finish_exchange(LayerActs& x) const;
   // Rows each expert keeps of a micro-batch of n tokens (0: all).
   int64_t capacity(int64_t n) const {
     if (capacity_factor_ <= 0.0) return 0;
@@ -508,9 +514,10 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
       x.idx = i32({N, K});
       x.weight = f32({N, K});
       x.probs = f32({N, E});
-      x.prob_sum = f32({E});
+      x.stats = i32({2, E});
+      x.prob_sum = Tensor(x.stats.data, {E}, DType::f32, x.stats.device);
+      x.counts = x.stats.rows(1, 2).view({E});
       x.dprobs = f32({1, E});  // the same row for every token
-      x.counts = i32({E});
       x.offsets = i32({E + 1});
       x.order = i32({R});
       x.slot_row = i32({R});
@@ -613,11 +620,49 @@ void Qwen3Moe::attention_forward_stage(int64_t l, Qwen3Stash& s) {
   }
 }
 
+void Qwen3Moe::finish_exchange(LayerActs& x) const {
+  switch (x.exchange.kind) {
+    case parallel::EpExchange::Kind::none:
+      break;
+    case parallel::EpExchange::Kind::dispatch_forward:
+      parallel::ep_dispatch_forward_finish(x.exchange, x.plan, routed(x).xs);
+      break;
+    case parallel::EpExchange::Kind::combine_forward:
+      parallel::ep_combine_forward_finish(x.exchange, x.plan, x.weight, x.mo);
+      break;
+    case parallel::EpExchange::Kind::combine_backward:
+      parallel::ep_combine_backward_finish(x.exchange, x.plan, routed(x).d_ys);
+      break;
+    case parallel::EpExchange::Kind::dispatch_backward:
+      parallel::ep_dispatch_backward_finish(x.exchange, x.plan, x.d_y);
+      break;
+  }
+}
+
+void Qwen3Moe::finish_forward(int64_t l, Stage stage, Stash& base) {
+  LayerActs& x = static_cast<Qwen3Stash&>(base).layers[l];
+  using Kind = parallel::EpExchange::Kind;
+  if ((stage == Stage::dispatch && x.exchange.kind == Kind::dispatch_forward) ||
+      (stage == Stage::combine && x.exchange.kind == Kind::combine_forward))
+    finish_exchange(x);
+}
+
+void Qwen3Moe::finish_backward_input(int64_t l, Stage stage, Stash& base) {
+  LayerActs& x = static_cast<Qwen3Stash&>(base).layers[l];
+  using Kind = parallel::EpExchange::Kind;
+  if ((stage == Stage::combine && x.exchange.kind == Kind::combine_backward) ||
+      (stage == Stage::dispatch && x.exchange.kind == Kind::dispatch_backward))
+    finish_exchange(x);
+}
+
 void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
   auto& s = static_cast<Qwen3Stash&>(base);
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
   const bool moe = c_.is_moe_layer(l);
+  // A stage after an exchange reads its results: one a schedule has not finished yet is
+  // finished here (correct, only without the overlap).
+  finish_exchange(x);
   switch (stage) {
     case Stage::attention:
       attention_forward_stage(l, s);
@@ -627,7 +672,8 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
         // The experts see the ep ranks' micro-batches end to end: the capacity is theirs.
         x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(s.batch * s.seq * ep_->size()));
         x.dropped = x.plan.dropped;
-        parallel::ep_dispatch_forward(*ep_, x.plan, x.y, routed(x).xs);
+        mt::copy(x.counts, x.plan.expert_counts);
+        x.exchange = parallel::ep_dispatch_forward_start(*ep_, x.plan, x.y);
       } else if (moe) {
         x.dropped = mt::dispatch_plan(x.idx, c_.num_experts, capacity(s.batch * s.seq), x.counts, x.offsets,
                                       x.order, x.slot_row);
@@ -648,8 +694,8 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
       break;
     case Stage::combine:
       if (moe && ep_)
-        parallel::ep_combine_forward(*ep_, x.plan, routed(x).ys, x.weight, x.back.rows(0, x.plan.returned_rows()),
-                                     x.mo);
+        x.exchange =
+            parallel::ep_combine_forward_start(*ep_, x.plan, routed(x).ys, x.back.rows(0, x.plan.returned_rows()));
       else if (moe)
         mt::combine_forward(routed(x).ys, x.weight, x.slot_row, x.mo);
       break;
@@ -718,13 +764,14 @@ void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
   LayerActs& x = s.layers[l];
   const bool moe = c_.is_moe_layer(l);
   const Tensor& d_mo = s.dh[l + 1];  // aggregate: h[l+1] = hm + mo, so d_mo = d_hm = dh[l+1]
+  finish_exchange(x);  // as in stage_forward
   switch (stage) {
     case Stage::aggregate:
       break;
     case Stage::combine:
       if (moe && ep_)
-        parallel::ep_combine_backward(*ep_, x.plan, x.back.rows(0, x.plan.returned_rows()), x.weight, d_mo,
-                                      routed(x).d_ys, x.d_weight);
+        x.exchange = parallel::ep_combine_backward_start(*ep_, x.plan, x.back.rows(0, x.plan.returned_rows()),
+                                                         x.weight, d_mo, x.d_weight);
       else if (moe)
         mt::combine_backward(routed(x).ys, x.weight, x.slot_row, d_mo, routed(x).d_ys, x.d_weight);
       break;
@@ -742,7 +789,7 @@ void Qwen3Moe::stage_backward_input(int64_t l, Stage stage, Stash& base) {
       break;
     case Stage::dispatch:
       if (moe && ep_)
-        parallel::ep_dispatch_backward(*ep_, x.plan, routed(x).d_xs, x.d_y);
+        x.exchange = parallel::ep_dispatch_backward_start(*ep_, x.plan, routed(x).d_xs);
       else if (moe)
         mt::dispatch_backward(routed(x).d_xs, x.slot_row, x.d_y);
       break;
@@ -821,19 +868,14 @@ std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
     r.tokens = N;
     r.top_k = c_.top_k;
     r.dropped = x.dropped;
-    if (ep_) {
-      // x.counts is not made with expert parallelism: the plan counted this rank's
-      // tokens' choices on the host, whatever the device.
-      r.counts = x.plan.expert_counts;
-    } else {
-      std::vector<int32_t> counts(static_cast<size_t>(E));
-      mt::copy(Tensor(counts.data(), {E}, DType::i32), x.counts);
-      r.counts.assign(counts.begin(), counts.end());
-    }
-    // Summed where they were made (router_prob_sum); E floats come to the host.
+    // The probabilities summed where they were made (router_prob_sum) and the slots each
+    // expert kept, counted by the dispatch plan: one copy of both to the host.
+    std::vector<int32_t> stats(static_cast<size_t>(2 * E));
+    mt::copy(Tensor(stats.data(), {2, E}, DType::i32), x.stats);
     std::vector<float> sums(static_cast<size_t>(E));
-    mt::copy(Tensor(sums.data(), {E}, DType::f32), x.prob_sum);
+    std::memcpy(sums.data(), stats.data(), sums.size() * sizeof(float));
     r.prob_sum.assign(sums.begin(), sums.end());
+    r.counts.assign(stats.begin() + E, stats.end());
     out.push_back(std::move(r));
   }
   return out;

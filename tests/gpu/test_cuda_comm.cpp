@@ -3,12 +3,16 @@
 // rank, stream-ordered with the backend's kernels, and must give what the MPI path
 // gives on the same call (tests/test_parallel.cpp covers that path on many ranks).
 // Then the parallel layers' GPU paths on that one-rank world: expert parallelism
-// (device plan, bf16 transfers) must be the single-GPU dispatch bit for bit, and ring
+// (device plan, bf16 transfers) must be the single-GPU dispatch bit for bit, its plan
+// the CPU's plan, its steps for several ranks the CPU's steps, its exchanges in two
+// halves the one-call path bit for bit; and ring
 // attention (merge kernels, fp32 partial sums) the single attention call within bf16
 // roundings. Several ranks: tests/gpu/meshes.py trains on 2..8 GPUs.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
+#include <string>
 #include <tuple>
 
 #include "comm/communicator.h"
@@ -105,10 +109,9 @@ TEST(CudaParallel, OneRankExpertParallelIsTheSingleGpuDispatch) {
   parallel::EpPlan plan = parallel::ep_plan(ep, idx.t, e);
   ASSERT_EQ(plan.local_rows(), r);
   EXPECT_EQ(plan.device, Device::cuda);
-  EXPECT_EQ(plan.offsets_tensor().device, Device::cuda);
-  EXPECT_EQ(download_ints(plan.offsets_tensor()), download_ints(offsets.t));
-  const std::vector<int32_t> c = download_ints(counts.t);
-  EXPECT_EQ(plan.expert_counts, std::vector<int64_t>(c.begin(), c.end()));
+  EXPECT_EQ(plan.offsets.device, Device::cuda);
+  EXPECT_EQ(download_ints(plan.offsets), download_ints(offsets.t));
+  EXPECT_EQ(download_ints(plan.expert_counts), download_ints(counts.t));
   DeviceTensor xs = poisoned(DType::bf16, {r, d}), y = poisoned(DType::bf16, {n, d});
   DeviceTensor back = poisoned(DType::bf16, {r, d}), dys = poisoned(DType::bf16, {r, d});
   DeviceTensor dw = poisoned(DType::f32, {n, k}), dx = poisoned(DType::bf16, {n, d});
@@ -121,6 +124,206 @@ TEST(CudaParallel, OneRankExpertParallelIsTheSingleGpuDispatch) {
   EXPECT_TRUE(near("dys", download(dys.t), download(dys_1.t), Tol()));
   EXPECT_TRUE(near("dweight", download(dw.t), download(dw_1.t), Tol()));
   EXPECT_TRUE(near("dx", download(dx.t), download(dx_1.t), Tol()));
+}
+
+// Routings for the plan tests: k distinct experts of E per token by random keys;
+// skewed: three tokens in four prefer the first quarter of the experts; sparse: experts
+// 1, 4, 7, ... are never chosen.
+enum class Routing { random, skewed, sparse };
+
+std::vector<int32_t> routing(int64_t n, int64_t k, int64_t e, Routing kind, uint64_t seed) {
+  const std::vector<int32_t> keys = random_ints(n * e, 0, 1 << 20, seed);
+  std::vector<int32_t> idx;
+  for (int64_t t = 0; t < n; ++t) {
+    std::vector<int32_t> allowed;
+    for (int32_t x = 0; x < e; ++x)
+      if (kind != Routing::sparse || x % 3 != 1) allowed.push_back(x);
+    auto key = [&](int32_t x) {
+      const bool favoured = kind == Routing::skewed && t % 4 != 0 && x < e / 4;
+      return std::make_pair(favoured ? 0 : 1, keys[t * e + x]);
+    };
+    std::sort(allowed.begin(), allowed.end(), [&](int32_t a, int32_t b) { return key(a) < key(b); });
+    idx.insert(idx.end(), allowed.begin(), allowed.begin() + k);
+  }
+  return idx;
+}
+
+std::vector<int32_t> host_ints(const Tensor& t) { return std::vector<int32_t>(t.i32(), t.i32() + t.numel()); }
+
+// The plan built on the GPU is the plan built on the CPU from the same idx (one rank:
+// the whole plan runs, every array and count compared), with and without a capacity.
+TEST(CudaParallel, DevicePlanIsTheCpuPlan) {
+  MT_SKIP_WITHOUT_GPU();
+  comm::Communicator& ep = comm::world().comm();
+  ASSERT_EQ(ep.size(), 1) << "run this test without mpirun: it checks the one-rank world";
+  struct Case {
+    const char* name;
+    int64_t n, k, e;
+    Routing kind;
+  };
+  for (Case c : {Case{"random top-2 of 8", 37, 2, 8, Routing::random},
+                 Case{"skewed, several chunks", 300, 4, 16, Routing::skewed},
+                 Case{"empty experts", 40, 3, 12, Routing::sparse}, Case{"no tokens", 0, 2, 8, Routing::random},
+                 Case{"k = E", 20, 4, 4, Routing::random}}) {
+    for (int64_t capacity : {0, 1, 5}) {
+      SCOPED_TRACE(std::string(c.name) + ", capacity " + std::to_string(capacity));
+      std::vector<int32_t> idx = routing(c.n, c.k, c.e, c.kind, 96 + c.n);
+      DeviceTensor idx_d = upload(idx, {c.n, c.k});
+      const parallel::EpPlan want = parallel::ep_plan(ep, host(idx, {c.n, c.k}), c.e, capacity);
+      const parallel::EpPlan got = parallel::ep_plan(ep, idx_d.t, c.e, capacity);
+      EXPECT_EQ(got.device, Device::cuda);
+      EXPECT_EQ(got.sent_rows_to, want.sent_rows_to);
+      EXPECT_EQ(got.slots_to, want.slots_to);
+      EXPECT_EQ(got.recv_rows_from, want.recv_rows_from);
+      EXPECT_EQ(got.slots_from, want.slots_from);
+      EXPECT_EQ(got.dropped, want.dropped);
+      if (capacity == 1 && c.n > 0) {
+        EXPECT_GT(want.dropped, 0) << "a capacity of 1 should drop slots here";
+      }
+      for (auto [name, g, w] : {std::tuple{"sent_slot", &got.sent_slot, &want.sent_slot},
+                                std::tuple{"token_rows", &got.token_rows, &want.token_rows},
+                                std::tuple{"slot_row", &got.slot_row, &want.slot_row},
+                                std::tuple{"expert_counts", &got.expert_counts, &want.expert_counts},
+                                std::tuple{"order", &got.order, &want.order},
+                                std::tuple{"local_slot_row", &got.local_slot_row, &want.local_slot_row},
+                                std::tuple{"return_row", &got.return_row, &want.return_row},
+                                std::tuple{"return_pos", &got.return_pos, &want.return_pos},
+                                std::tuple{"offsets", &got.offsets, &want.offsets}})
+        EXPECT_EQ(download_ints(*g), host_ints(*w)) << name;
+    }
+  }
+}
+
+// The plan's steps for several ranks (which the one-rank world cannot exercise): E = 16
+// experts over 4 ranks, each step on the GPU from the inputs the CPU's steps made.
+TEST(CudaParallel, PlanStepsForFourRanksMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t n = 150, k = 5, e = 16, ranks = 4, per = e / ranks, slots = n * k;
+  std::vector<int32_t> idx = routing(n, k, e, Routing::skewed, 120);
+  DeviceTensor idx_d = upload(idx, {n, k});
+
+  // Rows by (rank, token): the first slot of each token to a rank, and their sort.
+  std::vector<int32_t> buckets(slots);
+  cpu::ep_row_buckets(host(idx, {n, k}), per, e, host(buckets, {n, k}));
+  DeviceTensor buckets_d = poisoned(DType::i32, {n, k});
+  mt::ep_row_buckets(idx_d.t, per, e, buckets_d.t);
+  EXPECT_EQ(download_ints(buckets_d.t), buckets);
+  for (int64_t capacity : {0, 7}) {
+    SCOPED_TRACE("dispatch_sort with capacity " + std::to_string(capacity));
+    std::vector<int32_t> counts(ranks), offsets(ranks + 1), order(slots), slot_row(slots);
+    cpu::dispatch_sort(host(buckets, {n, k}), ranks, capacity, host(counts, {ranks}), host(offsets, {ranks + 1}),
+                       host(order, {slots}), host(slot_row, {slots}));
+    DeviceTensor counts_d = poisoned(DType::i32, {ranks}), offsets_d = poisoned(DType::i32, {ranks + 1});
+    DeviceTensor order_d = poisoned(DType::i32, {offsets[ranks]}), slot_row_d = poisoned(DType::i32, {slots});
+    mt::dispatch_sort(buckets_d.t, ranks, capacity, counts_d.t, offsets_d.t, order_d.t, slot_row_d.t);
+    EXPECT_EQ(download_ints(counts_d.t), counts);
+    EXPECT_EQ(download_ints(offsets_d.t), offsets);
+    EXPECT_EQ(download_ints(order_d.t), std::vector<int32_t>(order.begin(), order.begin() + offsets[ranks]));
+    EXPECT_EQ(download_ints(slot_row_d.t), slot_row);
+  }
+  std::vector<int32_t> row_counts(ranks), row_offsets(ranks + 1), sent_slot(slots), token_rows(slots);
+  cpu::dispatch_sort(host(buckets, {n, k}), ranks, 0, host(row_counts, {ranks}), host(row_offsets, {ranks + 1}),
+                     host(sent_slot, {slots}), host(token_rows, {slots}));
+  const int64_t sent = row_offsets[ranks];
+  sent_slot.resize(static_cast<size_t>(sent));
+
+  // What each row tells its rank, and the counts per rank.
+  std::vector<int32_t> send(sent * k);
+  cpu::ep_send_buckets(host(idx, {n, k}), host(sent_slot, {sent}), per, host(send, {sent, k}));
+  DeviceTensor sent_slot_d = upload(sent_slot, {sent}), send_d = poisoned(DType::i32, {sent, k});
+  mt::ep_send_buckets(idx_d.t, sent_slot_d.t, per, send_d.t);
+  EXPECT_EQ(download_ints(send_d.t), send);
+  std::vector<int32_t> expert_counts(e), expert_offsets(e + 1), expert_order(slots), back_row(slots), packed(2 * ranks);
+  cpu::dispatch_plan(host(idx, {n, k}), e, 0, host(expert_counts, {e}), host(expert_offsets, {e + 1}),
+                     host(expert_order, {slots}), host(back_row, {slots}));
+  cpu::ep_pack_counts(host(row_counts, {ranks}), host(expert_offsets, {e + 1}), per, host(packed, {ranks, 2}));
+  DeviceTensor row_counts_d = upload(row_counts, {ranks}), expert_offsets_d = upload(expert_offsets, {e + 1});
+  DeviceTensor packed_d = poisoned(DType::i32, {ranks, 2});
+  mt::ep_pack_counts(row_counts_d.t, expert_offsets_d.t, per, packed_d.t);
+  EXPECT_EQ(download_ints(packed_d.t), packed);
+
+  // A receiver (rank 1) gets this batch's rows for it, as if from four sources (the
+  // counts split its rows), sorts their copies with a capacity and buckets the xs rows
+  // by source rank.
+  const int64_t first = row_offsets[1], received = row_offsets[2] - first, capacity = 6;
+  std::vector<int32_t> recv(send.begin() + first * k, send.begin() + (first + received) * k);
+  std::vector<int32_t> recv_counts = {static_cast<int32_t>(received / 3), 0, static_cast<int32_t>(received / 3), 0,
+                                      0, 0, static_cast<int32_t>(received - 2 * (received / 3)), 0};
+  std::vector<int32_t> local_counts(per), local_offsets(per + 1), order(received * k), local_slot_row(received * k);
+  cpu::dispatch_sort(host(recv, {received, k}), per, capacity, host(local_counts, {per}),
+                     host(local_offsets, {per + 1}), host(order, {received * k}),
+                     host(local_slot_row, {received * k}));
+  std::vector<int32_t> source(received * k);
+  cpu::ep_return_buckets(host(order, {received * k}), host(local_offsets, {per + 1}), host(recv_counts, {ranks, 2}),
+                         k, host(source, {received * k}));
+  DeviceTensor order_d = upload(order, {received * k}), local_offsets_d = upload(local_offsets, {per + 1});
+  DeviceTensor recv_counts_d = upload(recv_counts, {ranks, 2}), source_d = poisoned(DType::i32, {received * k});
+  mt::ep_return_buckets(order_d.t, local_offsets_d.t, recv_counts_d.t, k, source_d.t);
+  EXPECT_EQ(download_ints(source_d.t), source);
+
+  // The sender learns which slots were kept (random rows here, -1 for dropped ones).
+  std::vector<int32_t> kept_rows = random_ints(sent * k, -1, 3, 121), kept(slots);
+  cpu::ep_kept_buckets(host(idx, {n, k}), host(token_rows, {slots}), host(kept_rows, {sent * k}), per,
+                       host(kept, {n, k}));
+  DeviceTensor token_rows_d = upload(token_rows, {slots}), kept_rows_d = upload(kept_rows, {sent * k});
+  DeviceTensor kept_d = poisoned(DType::i32, {n, k});
+  mt::ep_kept_buckets(idx_d.t, token_rows_d.t, kept_rows_d.t, per, kept_d.t);
+  EXPECT_EQ(download_ints(kept_d.t), kept);
+}
+
+// The exchanges in two halves, started together and finished after other work (a
+// collective and a product on the same stream), give the one-call results bit for bit.
+TEST(CudaParallel, ExchangeHalvesAreTheOneCallPath) {
+  MT_SKIP_WITHOUT_GPU();
+  comm::Communicator& ep = comm::world().comm();
+  ASSERT_EQ(ep.size(), 1) << "run this test without mpirun: it checks the one-rank world";
+  const int64_t n = 45, k = 3, e = 8, d = 32;
+  for (int64_t capacity : {0, 4}) {
+    SCOPED_TRACE("capacity " + std::to_string(capacity));
+    DeviceTensor idx = upload(routing(n, k, e, Routing::skewed, 130), {n, k});
+    const parallel::EpPlan plan = parallel::ep_plan(ep, idx.t, e, capacity);
+    const int64_t r = plan.local_rows(), b = plan.returned_rows();
+    DeviceTensor x = upload(random_floats(n * d, -2, 2, 131), DType::bf16, {n, d});
+    DeviceTensor weight = upload(random_floats(n * k, 0.1f, 1, 132), DType::f32, {n, k});
+    DeviceTensor ys = upload(random_floats(r * d, -2, 2, 133), DType::bf16, {r, d});
+    DeviceTensor dy = upload(random_floats(n * d, -1, 1, 134), DType::bf16, {n, d});
+    DeviceTensor dxs = upload(random_floats(r * d, -1, 1, 135), DType::bf16, {r, d});
+    DeviceTensor other = upload(random_floats(4096, -1, 1, 136), DType::f32, {4096});
+
+    DeviceTensor xs_1 = poisoned(DType::bf16, {r, d}), back_1 = poisoned(DType::bf16, {b, d});
+    DeviceTensor y_1 = poisoned(DType::bf16, {n, d}), dys_1 = poisoned(DType::bf16, {r, d});
+    DeviceTensor dw_1 = poisoned(DType::f32, {n, k}), dx_1 = poisoned(DType::bf16, {n, d});
+    parallel::ep_dispatch_forward(ep, plan, x.t, xs_1.t);
+    parallel::ep_combine_forward(ep, plan, ys.t, weight.t, back_1.t, y_1.t);
+    parallel::ep_combine_backward(ep, plan, back_1.t, weight.t, dy.t, dys_1.t, dw_1.t);
+    parallel::ep_dispatch_backward(ep, plan, dxs.t, dx_1.t);
+
+    DeviceTensor xs = poisoned(DType::bf16, {r, d}), back = poisoned(DType::bf16, {b, d});
+    DeviceTensor y = poisoned(DType::bf16, {n, d}), dys = poisoned(DType::bf16, {r, d});
+    DeviceTensor dw = poisoned(DType::f32, {n, k}), dx = poisoned(DType::bf16, {n, d});
+    auto other_work = [&] {
+      ep.all_reduce(other.t);
+      mt::dispatch_forward(x.t, plan.sent_slot, k, poisoned(DType::bf16, {plan.sent_rows(), d}).t);
+    };
+    parallel::EpExchange a = parallel::ep_dispatch_forward_start(ep, plan, x.t);
+    parallel::EpExchange c = parallel::ep_combine_forward_start(ep, plan, ys.t, back.t);
+    other_work();
+    parallel::ep_combine_forward_finish(c, plan, weight.t, y.t);
+    parallel::ep_dispatch_forward_finish(a, plan, xs.t);
+    c = parallel::ep_combine_backward_start(ep, plan, back.t, weight.t, dy.t, dw.t);
+    a = parallel::ep_dispatch_backward_start(ep, plan, dxs.t);
+    other_work();
+    parallel::ep_dispatch_backward_finish(a, plan, dx.t);
+    parallel::ep_combine_backward_finish(c, plan, dys.t);
+
+    for (auto [name, got, want] : {std::tuple{"xs", &xs, &xs_1}, std::tuple{"back", &back, &back_1},
+                                   std::tuple{"y", &y, &y_1}, std::tuple{"dys", &dys, &dys_1},
+                                   std::tuple{"dweight", &dw, &dw_1}, std::tuple{"dx", &dx, &dx_1}}) {
+      const std::vector<float> g = download(got->t), w = download(want->t);
+      ASSERT_EQ(g.size(), w.size()) << name;
+      EXPECT_EQ(std::memcmp(g.data(), w.data(), g.size() * sizeof(float)), 0) << name << " differs";
+    }
+  }
 }
 
 // Ring attention with one rank holds chunks 0 and 1 of each sequence, the whole of it in

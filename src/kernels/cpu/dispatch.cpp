@@ -29,17 +29,17 @@ int64_t check_slot_row(const Tensor& slot_row, int64_t tokens, int64_t rows) {
   return k;
 }
 
-}  // namespace
-
-int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
+// The counting sort of dispatch_plan and dispatch_sort; `lowest` is 0 (every slot has a
+// bucket) or -1 (a slot may go nowhere). Returns the slots the capacity dropped.
+int64_t counting_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, int32_t lowest, const Tensor& counts,
                       const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
   MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2) << "dispatch idx should be i32 [N,k], got " << idx.str();
-  MT_CHECK(num_experts > 0 && capacity >= 0) << "dispatch wants at least one expert and capacity >= 0, got "
-                                             << num_experts << " experts, capacity " << capacity;
+  MT_CHECK(num_buckets > 0 && capacity >= 0) << "dispatch wants at least one expert and capacity >= 0, got "
+                                             << num_buckets << " experts, capacity " << capacity;
   int64_t n = idx.dim(0), k = idx.dim(1), slots = n * k;
-  check_tensor(counts, "dispatch counts", DType::i32, {num_experts});
-  check_tensor(offsets, "dispatch offsets", DType::i32, {num_experts + 1});
-  check_index_tensor(order, "dispatch order", slots);
+  check_tensor(counts, "dispatch counts", DType::i32, {num_buckets});
+  check_tensor(offsets, "dispatch offsets", DType::i32, {num_buckets + 1});
+  check_index_tensor(order, "dispatch order", 0);
   check_tensor(slot_row, "dispatch slot_row", DType::i32, {slots});
   const int32_t* ip = idx.i32();
   int32_t* cnt = counts.i32();
@@ -49,21 +49,27 @@ int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, 
 
   // Counting sort: histogram, capped histogram, exclusive prefix sum, then one stable
   // pass in slot order so rows within an expert follow (token, j).
-  std::vector<int64_t> wanted(static_cast<size_t>(num_experts), 0);
+  std::vector<int64_t> wanted(static_cast<size_t>(num_buckets), 0);
   for (int64_t s = 0; s < slots; ++s) {
-    MT_CHECK(ip[s] >= 0 && ip[s] < num_experts) << "dispatch idx of token " << s / k << " slot " << s % k << " is "
-                                                << ip[s] << ", outside [0, " << num_experts << ")";
-    ++wanted[ip[s]];
+    MT_CHECK(ip[s] >= lowest && ip[s] < num_buckets)
+        << "dispatch idx of token " << s / k << " slot " << s % k << " is " << ip[s] << ", outside [" << lowest
+        << ", " << num_buckets << ")";
+    if (ip[s] >= 0) ++wanted[ip[s]];
   }
   off[0] = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
+  for (int64_t e = 0; e < num_buckets; ++e) {
     cnt[e] = static_cast<int32_t>(capacity > 0 ? std::min(wanted[e], capacity) : wanted[e]);
     off[e + 1] = off[e] + cnt[e];
   }
-  std::vector<int32_t> next(off, off + num_experts);
+  check_index_tensor(order, "dispatch order", off[num_buckets]);
+  std::vector<int32_t> next(off, off + num_buckets);
   int64_t dropped = 0;
   for (int64_t s = 0; s < slots; ++s) {
     int32_t e = ip[s];
+    if (e < 0) {
+      sr[s] = -1;
+      continue;
+    }
     if (next[e] == off[e + 1]) {
       sr[s] = -1;
       ++dropped;
@@ -73,6 +79,20 @@ int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, 
     sr[s] = next[e]++;
   }
   return dropped;
+}
+
+}  // namespace
+
+int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
+                      const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
+  MT_CHECK(idx.ndim() == 2) << "dispatch idx should be i32 [N,k], got " << idx.str();
+  check_index_tensor(order, "dispatch order", idx.dim(0) * idx.dim(1));
+  return counting_sort(idx, num_experts, capacity, 0, counts, offsets, order, slot_row);
+}
+
+void dispatch_sort(const Tensor& buckets, int64_t num_buckets, int64_t capacity, const Tensor& counts,
+                   const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
+  counting_sort(buckets, num_buckets, capacity, -1, counts, offsets, order, slot_row);
 }
 
 void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Tensor& xs) {
@@ -176,6 +196,135 @@ void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot
       }
       dwp[t * k + j] = dot;
     }
+  }
+}
+
+void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const Tensor& buckets) {
+  MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2 && per >= 1 && num_experts % per == 0)
+      << "ep_row_buckets wants idx i32 [N,k] and the experts split evenly, got " << idx.str() << ", "
+      << num_experts << " experts, " << per << " per rank";
+  const int64_t n = idx.dim(0), k = idx.dim(1);
+  check_tensor(idx, "ep_row_buckets idx", DType::i32, {n, k});
+  check_tensor(buckets, "ep_row_buckets buckets", DType::i32, {n, k});
+  const int32_t* ip = idx.i32();
+  int32_t* b = buckets.i32();
+  for (int64_t s = 0; s < n * k; ++s)
+    MT_CHECK(ip[s] >= 0 && ip[s] < num_experts) << "ep_plan: idx of token " << s / k << " slot " << s % k << " is "
+                                                << ip[s] << ", outside [0, " << num_experts << ")";
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = ip[t * k + j] / per;
+      bool first = true;
+      for (int64_t i = 0; i < j && first; ++i) first = ip[t * k + i] / per != r;
+      b[t * k + j] = first ? static_cast<int32_t>(r) : -1;
+    }
+}
+
+void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, const Tensor& buckets) {
+  MT_CHECK(idx.ndim() == 2 && sent_slot.ndim() == 1 && per >= 1)
+      << "ep_send_buckets wants idx [N,k] and sent_slot [S], got " << idx.str() << ", " << sent_slot.str() << " ("
+      << per << " experts per rank)";
+  const int64_t n = idx.dim(0), k = idx.dim(1), rows = sent_slot.dim(0);
+  check_tensor(idx, "ep_send_buckets idx", DType::i32, {n, k});
+  check_tensor(sent_slot, "ep_send_buckets sent_slot", DType::i32, {rows});
+  check_tensor(buckets, "ep_send_buckets buckets", DType::i32, {rows, k});
+  const int32_t* ip = idx.i32();
+  const int32_t* ss = sent_slot.i32();
+  int32_t* b = buckets.i32();
+  for (int64_t i = 0; i < rows; ++i) {
+    MT_CHECK(ss[i] >= 0 && ss[i] < n * k)
+        << "ep_send_buckets: sent_slot[" << i << "] is " << ss[i] << ", expected a slot in [0, " << n * k << ")";
+    const int64_t t = ss[i] / k, r = ip[ss[i]] / per;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ip[t * k + j];
+      b[i * k + j] = e / per == r ? static_cast<int32_t>(e - r * per) : -1;
+    }
+  }
+}
+
+void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int64_t per, const Tensor& out) {
+  MT_CHECK(row_counts.ndim() == 1 && per >= 1)
+      << "ep_pack_counts wants row_counts [ranks], got " << row_counts.str() << " (" << per << " experts per rank)";
+  const int64_t ranks = row_counts.dim(0);
+  check_tensor(row_counts, "ep_pack_counts row_counts", DType::i32, {ranks});
+  check_tensor(expert_offsets, "ep_pack_counts expert_offsets", DType::i32, {ranks * per + 1});
+  check_tensor(out, "ep_pack_counts out", DType::i32, {ranks, 2});
+  const int32_t* rc = row_counts.i32();
+  const int32_t* off = expert_offsets.i32();
+  int32_t* o = out.i32();
+  for (int64_t r = 0; r < ranks; ++r) {
+    o[2 * r] = rc[r];
+    o[2 * r + 1] = off[(r + 1) * per] - off[r * per];
+  }
+}
+
+void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const Tensor& recv_counts, int64_t k,
+                       const Tensor& buckets) {
+  MT_CHECK(order.ndim() == 1 && local_offsets.ndim() == 1 && local_offsets.dim(0) >= 1 &&
+           recv_counts.ndim() == 2 && k >= 1)
+      << "ep_return_buckets wants order [M], local_offsets [E+1], recv_counts [ranks,2] and k >= 1, got "
+      << order.str() << ", " << local_offsets.str() << ", " << recv_counts.str() << ", k " << k;
+  const int64_t m = order.dim(0), ranks = recv_counts.dim(0);
+  check_tensor(order, "ep_return_buckets order", DType::i32, {m});
+  check_tensor(local_offsets, "ep_return_buckets local_offsets", DType::i32, local_offsets.shape);
+  check_tensor(recv_counts, "ep_return_buckets recv_counts", DType::i32, {ranks, 2});
+  check_tensor(buckets, "ep_return_buckets buckets", DType::i32, {m});
+  const int32_t* ord = order.i32();
+  const int32_t* rc = recv_counts.i32();
+  const int64_t placed = local_offsets.i32()[local_offsets.dim(0) - 1];
+  MT_CHECK(placed >= 0 && placed <= m)
+      << "ep_return_buckets: " << placed << " rows placed, but order " << order.str() << " holds " << m;
+  // ends[p]: rows received from ranks 0..p.
+  std::vector<int64_t> ends(static_cast<size_t>(ranks));
+  int64_t received = 0;
+  for (int64_t p = 0; p < ranks; ++p) ends[p] = received += rc[2 * p];
+  int32_t* b = buckets.i32();
+  for (int64_t r = 0; r < m; ++r) {
+    if (r >= placed) {
+      b[r] = -1;
+      continue;
+    }
+    MT_CHECK(ord[r] >= 0 && ord[r] / k < received)
+        << "ep_return_buckets: order[" << r << "] is " << ord[r] << ", not a slot of the " << received
+        << " rows received";
+    b[r] = static_cast<int32_t>(std::upper_bound(ends.begin(), ends.end(), ord[r] / k) - ends.begin());
+  }
+}
+
+void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
+                     const Tensor& buckets) {
+  MT_CHECK(idx.ndim() == 2 && kept_rows.ndim() == 1 && per >= 1)
+      << "ep_kept_buckets wants idx [N,k] and kept_rows [S*k], got " << idx.str() << ", " << kept_rows.str() << " ("
+      << per << " experts per rank)";
+  const int64_t n = idx.dim(0), k = idx.dim(1), kept_slots = kept_rows.dim(0);
+  check_tensor(idx, "ep_kept_buckets idx", DType::i32, {n, k});
+  check_tensor(token_rows, "ep_kept_buckets token_rows", DType::i32, {n * k});
+  check_tensor(kept_rows, "ep_kept_buckets kept_rows", DType::i32, {kept_slots});
+  check_tensor(buckets, "ep_kept_buckets buckets", DType::i32, {n, k});
+  const int32_t* ip = idx.i32();
+  const int32_t* tr = token_rows.i32();
+  const int32_t* kr = kept_rows.i32();
+  int32_t* b = buckets.i32();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      // The token's row for this slot's rank is numbered at its first slot to that rank.
+      const int64_t r = ip[t * k + j] / per;
+      int64_t first = 0;
+      while (ip[t * k + first] / per != r) ++first;
+      const int64_t row = tr[t * k + first];
+      MT_CHECK(row >= 0 && (row + 1) * k <= kept_slots)
+          << "ep_kept_buckets: token " << t << " slot " << j << " has row " << row << ", outside the "
+          << kept_slots / k << " rows sent";
+      b[t * k + j] = kr[row * k + j] >= 0 ? ip[t * k + j] : -1;
+    }
+}
+
+void read_counts(std::initializer_list<Tensor> arrays, int32_t* out) {
+  for (const Tensor& a : arrays) {
+    MT_CHECK(a.dtype == DType::i32 && a.device == Device::cpu && a.defined())
+        << "read_counts wants i32 arrays with storage, all on the CPU, got " << a.str();
+    std::copy_n(a.i32(), a.numel(), out);
+    out += a.numel();
   }
 }
 

@@ -7,15 +7,21 @@
 // ranks equal experts among the 32 with __match_any_sync, so a slot's row depends only on
 // the slots before it: the plan is the CPU's, bit for bit, with no atomics.
 //
-// The plan returns the dropped count on the host, which needs a synchronisation; without
-// a capacity nothing is dropped, so that case returns 0 without one (and stays capturable
-// in a CUDA graph). Indices are checked on the device: a bad one traps the kernel,
-// reported at the next synchronising CUDA call, instead of reading or writing out of
-// bounds; a host-side check would need a synchronisation on every call.
+// dispatch_plan returns the dropped count on the host, which needs a synchronisation;
+// without a capacity nothing is dropped, so that case returns 0 without one (and stays
+// capturable in a CUDA graph). dispatch_sort, the expert-parallel plan's form of the same
+// sort, returns nothing and never synchronises. Indices are checked on the device: a bad
+// one traps the kernel, reported at the next synchronising CUDA call, instead of reading
+// or writing out of bounds; a host-side check would need a synchronisation on every call.
+//
+// The expert-parallel plan's elementwise steps (ep_*) are a thread per slot or row, and
+// read_counts brings a plan's counts to the host through pinned memory and an event.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/cuda/runtime.h"
 #include "kernels/dispatch.h"
@@ -38,11 +44,14 @@ struct Plan {
   int32_t* slot_row;
   long long* dropped;
   int slots, experts, chunks;
+  int lowest;      // 0, or -1 where a slot may go nowhere (dispatch_sort)
+  int order_size;  // entries `order` has room for
   long long capacity;
 };
 
 // Walks chunk c's slots in order; for each calls at(s, e, rank) where rank counts the
-// earlier slots of expert e in the chunk (plus the starting value of cnt[e]).
+// earlier slots of expert e in the chunk (plus the starting value of cnt[e]); e is -1
+// (rank 0) for a slot that goes nowhere.
 template <typename At>
 __device__ void walk_chunk(const Plan& p, int c, int* cnt, At at) {
   const int lane = threadIdx.x;
@@ -50,14 +59,14 @@ __device__ void walk_chunk(const Plan& p, int c, int* cnt, At at) {
   for (int base = c * kChunk; base < end; base += 32) {
     const int s = base + lane;
     const int e = s < end ? p.idx[s] : -1;
-    if (s < end && (e < 0 || e >= p.experts)) __trap();
+    if (s < end && (e < p.lowest || e >= p.experts)) __trap();
     const unsigned peers = __match_any_sync(0xffffffffu, e);
     const int rank = e >= 0 ? cnt[e] + __popc(peers & ((1u << lane) - 1)) : 0;
     __syncwarp();
     // The highest lane of each expert's group moves that expert's count on.
     if (e >= 0 && lane == 31 - __clz(peers)) cnt[e] += __popc(peers);
     __syncwarp();
-    if (e >= 0) at(s, e, rank);
+    if (s < end) at(s, e, rank);
   }
 }
 
@@ -100,6 +109,7 @@ __global__ void plan_scan_kernel(Plan p) {
       off += kept[e];
     }
     p.offsets[p.experts] = off;
+    if (off > p.order_size) __trap();
     for (int x = 0; x < kThreads; ++x) total += dropped[x];
     *p.dropped = total;
   }
@@ -111,7 +121,7 @@ __global__ void plan_place_kernel(Plan p) {
   for (int e = threadIdx.x; e < p.experts; e += 32) cnt[e] = p.hist[static_cast<long long>(c) * p.experts + e];
   __syncwarp();
   walk_chunk(p, c, cnt, [&](int s, int e, int rank) {
-    if (p.capacity > 0 && rank >= p.capacity) {
+    if (e < 0 || (p.capacity > 0 && rank >= p.capacity)) {
       p.slot_row[s] = -1;
       return;
     }
@@ -254,36 +264,26 @@ int64_t check_slot_row(const Tensor& slot_row, int64_t tokens) {
   return tokens == 0 ? 0 : slot_row.dim(0) / tokens;
 }
 
-}  // namespace
-
-int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
-                      const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
-  MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2) << "dispatch idx should be i32 [N,k], got " << idx.str();
-  MT_CHECK(num_experts > 0 && capacity >= 0) << "dispatch wants at least one expert and capacity >= 0, got "
-                                             << num_experts << " experts, capacity " << capacity;
+// The sort's three launches; `dropped` (device) receives the slots the capacity dropped
+// and `hist` holds chunks * num_buckets counts.
+void launch_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, int lowest, const Tensor& counts,
+                 const Tensor& offsets, const Tensor& order, const Tensor& slot_row, long long* dropped,
+                 int32_t* hist) {
   const int64_t slots = idx.dim(0) * idx.dim(1);
-  check_arg(idx, "dispatch idx", {DType::i32}, idx.shape);
-  check_arg(counts, "dispatch counts", {DType::i32}, {num_experts});
-  check_arg(offsets, "dispatch offsets", {DType::i32}, {num_experts + 1});
-  MT_CHECK(order.ndim() == 1 && order.dim(0) >= slots)
-      << "dispatch order should be i32 with at least " << slots << " entries, got " << order.str();
-  check_arg(order, "dispatch order", {DType::i32}, order.shape);
-  check_arg(slot_row, "dispatch slot_row", {DType::i32}, {slots});
   Plan p{};
   p.idx = idx.i32();
   p.counts = counts.i32();
   p.offsets = offsets.i32();
   p.order = order.i32();
   p.slot_row = slot_row.i32();
+  p.dropped = dropped;
+  p.hist = hist;
   p.slots = static_cast<int>(slots);
-  p.experts = static_cast<int>(num_experts);
+  p.experts = static_cast<int>(num_buckets);
   p.chunks = static_cast<int>((slots + kChunk - 1) / kChunk);
+  p.lowest = lowest;
+  p.order_size = static_cast<int>(order.dim(0));
   p.capacity = capacity;
-  // The backend's scratch holds the dropped count, then the per-chunk histogram.
-  const size_t hist_bytes = sizeof(int32_t) * static_cast<size_t>(p.chunks) * p.experts;
-  char* buffer = static_cast<char*>(scratch(hist_bytes + 256));
-  p.dropped = reinterpret_cast<long long*>(buffer);
-  p.hist = reinterpret_cast<int32_t*>(buffer + 256);
   const size_t cnt_bytes = sizeof(int) * static_cast<size_t>(p.experts);
   if (p.chunks > 0) {
     plan_count_kernel<<<p.chunks, 32, cnt_bytes, stream()>>>(p);
@@ -295,12 +295,57 @@ int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, 
     plan_place_kernel<<<p.chunks, 32, cnt_bytes, stream()>>>(p);
     CUDA_CHECK_LAUNCH();
   }
+}
+
+void check_sort_args(const Tensor& idx, int64_t num_buckets, int64_t capacity, const Tensor& counts,
+                     const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
+  MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2) << "dispatch idx should be i32 [N,k], got " << idx.str();
+  MT_CHECK(num_buckets > 0 && capacity >= 0) << "dispatch wants at least one expert and capacity >= 0, got "
+                                             << num_buckets << " experts, capacity " << capacity;
+  const int64_t slots = idx.dim(0) * idx.dim(1);
+  MT_CHECK(slots < (int64_t{1} << 31)) << "dispatch: " << slots << " slots do not fit the plan's i32 indices";
+  check_arg(idx, "dispatch idx", {DType::i32}, idx.shape);
+  check_arg(counts, "dispatch counts", {DType::i32}, {num_buckets});
+  check_arg(offsets, "dispatch offsets", {DType::i32}, {num_buckets + 1});
+  MT_CHECK(order.ndim() == 1) << "dispatch order should be i32 [R], got " << order.str();
+  check_arg(order, "dispatch order", {DType::i32}, order.shape);
+  check_arg(slot_row, "dispatch slot_row", {DType::i32}, {slots});
+}
+
+}  // namespace
+
+int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
+                      const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
+  check_sort_args(idx, num_experts, capacity, counts, offsets, order, slot_row);
+  const int64_t slots = idx.dim(0) * idx.dim(1);
+  MT_CHECK(order.dim(0) >= slots)
+      << "dispatch order should be i32 with at least " << slots << " entries, got " << order.str();
+  // The backend's scratch holds the dropped count, then the per-chunk histogram.
+  const int64_t chunks = (slots + kChunk - 1) / kChunk;
+  const size_t hist_bytes = sizeof(int32_t) * static_cast<size_t>(chunks * num_experts);
+  char* buffer = static_cast<char*>(scratch(hist_bytes + 256));
+  long long* dropped_d = reinterpret_cast<long long*>(buffer);
+  launch_sort(idx, num_experts, capacity, 0, counts, offsets, order, slot_row, dropped_d,
+              reinterpret_cast<int32_t*>(buffer + 256));
   long long dropped = 0;
   if (capacity > 0) {
-    CUDA_CHECK(cudaMemcpyAsync(&dropped, p.dropped, sizeof(dropped), cudaMemcpyDeviceToHost, stream()));
+    CUDA_CHECK(cudaMemcpyAsync(&dropped, dropped_d, sizeof(dropped), cudaMemcpyDeviceToHost, stream()));
     synchronize();
   }
   return dropped;
+}
+
+void dispatch_sort(const Tensor& buckets, int64_t num_buckets, int64_t capacity, const Tensor& counts,
+                   const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
+  check_sort_args(buckets, num_buckets, capacity, counts, offsets, order, slot_row);
+  // Its own stream-ordered histogram rather than the shared scratch(), whose growth
+  // would synchronise, and which the plan may one day use from another stream.
+  const int64_t chunks = (buckets.numel() + kChunk - 1) / kChunk;
+  const size_t bytes = 256 + sizeof(int32_t) * static_cast<size_t>(chunks * num_buckets);
+  char* buffer = static_cast<char*>(stream_alloc(bytes));
+  launch_sort(buckets, num_buckets, capacity, -1, counts, offsets, order, slot_row,
+              reinterpret_cast<long long*>(buffer), reinterpret_cast<int32_t*>(buffer + 256));
+  stream_free(buffer);
 }
 
 void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Tensor& xs) {
@@ -379,6 +424,196 @@ void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot
   else
     combine_backward_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
   CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+constexpr int kIndexThreads = 256;
+
+unsigned index_blocks(int64_t n) { return static_cast<unsigned>((n + kIndexThreads - 1) / kIndexThreads); }
+
+__global__ void ep_row_buckets_kernel(const int32_t* idx, int32_t* buckets, int slots, int k, int per, int experts) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= slots) return;
+  const int t = s / k, j = s % k, e = idx[s];
+  if (e < 0 || e >= experts) __trap();
+  const int r = e / per;
+  bool first = true;
+  for (int i = 0; i < j && first; ++i) first = idx[t * k + i] / per != r;
+  buckets[s] = first ? r : -1;
+}
+
+__global__ void ep_send_buckets_kernel(const int32_t* idx, const int32_t* sent_slot, int32_t* buckets, int rows,
+                                       int slots, int k, int per) {
+  const int x = blockIdx.x * blockDim.x + threadIdx.x;
+  if (x >= rows * k) return;
+  const int i = x / k, j = x % k, slot = sent_slot[i];
+  if (slot < 0 || slot >= slots) __trap();
+  const int t = slot / k, r = idx[slot] / per, e = idx[t * k + j];
+  buckets[x] = e / per == r ? e - r * per : -1;
+}
+
+__global__ void ep_pack_counts_kernel(const int32_t* row_counts, const int32_t* offsets, int32_t* out, int ranks,
+                                      int per) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= ranks) return;
+  out[2 * r] = row_counts[r];
+  out[2 * r + 1] = offsets[(r + 1) * per] - offsets[r * per];
+}
+
+// The rows arrive in source rank order: a row's source is the first rank whose running
+// row count passes it (ranks are few, so a linear walk).
+__global__ void ep_return_buckets_kernel(const int32_t* order, const int32_t* placed, const int32_t* recv_counts,
+                                         int32_t* buckets, int m, int ranks, int k) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= m) return;
+  if (*placed > m) __trap();
+  if (r >= *placed) {
+    buckets[r] = -1;
+    return;
+  }
+  if (order[r] < 0) __trap();
+  const int u = order[r] / k;
+  int p = 0, end = recv_counts[0];
+  while (u >= end) {
+    if (++p >= ranks) __trap();
+    end += recv_counts[2 * p];
+  }
+  buckets[r] = p;
+}
+
+// The token's row for a slot's rank is numbered at its first slot to that rank.
+__global__ void ep_kept_buckets_kernel(const int32_t* idx, const int32_t* token_rows, const int32_t* kept_rows,
+                                       int32_t* buckets, int slots, int k, int per, int kept_slots) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= slots) return;
+  const int t = s / k, j = s % k, e = idx[s], r = e / per;
+  int first = 0;
+  while (idx[t * k + first] / per != r) ++first;
+  const int row = token_rows[t * k + first];
+  if (row < 0 || (row + 1) * k > kept_slots) __trap();
+  buckets[s] = kept_rows[row * k + j] >= 0 ? e : -1;
+}
+
+// A pinned host buffer, allocated at the first read and reused (grown rarely), and the
+// event the host waits on. Per host thread, so two threads never share it.
+struct PinnedCounts {
+  int32_t* host = nullptr;
+  size_t capacity = 0;  // entries
+  cudaEvent_t done = nullptr;
+  ~PinnedCounts() {
+    // At exit the runtime may be gone already: nothing to report then.
+    if (host != nullptr) cudaFreeHost(host);
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+};
+
+}  // namespace
+
+void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const Tensor& buckets) {
+  MT_CHECK(idx.ndim() == 2 && per >= 1 && num_experts % per == 0)
+      << "ep_row_buckets wants idx [N,k] and the experts split evenly, got " << idx.str() << ", " << num_experts
+      << " experts, " << per << " per rank";
+  const int64_t n = idx.dim(0), k = idx.dim(1);
+  check_arg(idx, "ep_row_buckets idx", {DType::i32}, {n, k});
+  check_arg(buckets, "ep_row_buckets buckets", {DType::i32}, {n, k});
+  if (n * k == 0) return;
+  ep_row_buckets_kernel<<<index_blocks(n * k), kIndexThreads, 0, stream()>>>(
+      idx.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(per),
+      static_cast<int>(num_experts));
+  CUDA_CHECK_LAUNCH();
+}
+
+void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, const Tensor& buckets) {
+  MT_CHECK(idx.ndim() == 2 && sent_slot.ndim() == 1 && per >= 1)
+      << "ep_send_buckets wants idx [N,k] and sent_slot [S], got " << idx.str() << ", " << sent_slot.str() << " ("
+      << per << " experts per rank)";
+  const int64_t n = idx.dim(0), k = idx.dim(1), rows = sent_slot.dim(0);
+  check_arg(idx, "ep_send_buckets idx", {DType::i32}, {n, k});
+  check_arg(sent_slot, "ep_send_buckets sent_slot", {DType::i32}, {rows});
+  check_arg(buckets, "ep_send_buckets buckets", {DType::i32}, {rows, k});
+  if (rows * k == 0) return;
+  ep_send_buckets_kernel<<<index_blocks(rows * k), kIndexThreads, 0, stream()>>>(
+      idx.i32(), sent_slot.i32(), buckets.i32(), static_cast<int>(rows), static_cast<int>(n * k),
+      static_cast<int>(k), static_cast<int>(per));
+  CUDA_CHECK_LAUNCH();
+}
+
+void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int64_t per, const Tensor& out) {
+  MT_CHECK(row_counts.ndim() == 1 && per >= 1)
+      << "ep_pack_counts wants row_counts [ranks], got " << row_counts.str() << " (" << per << " experts per rank)";
+  const int64_t ranks = row_counts.dim(0);
+  check_arg(row_counts, "ep_pack_counts row_counts", {DType::i32}, {ranks});
+  check_arg(expert_offsets, "ep_pack_counts expert_offsets", {DType::i32}, {ranks * per + 1});
+  check_arg(out, "ep_pack_counts out", {DType::i32}, {ranks, 2});
+  if (ranks == 0) return;
+  ep_pack_counts_kernel<<<index_blocks(ranks), kIndexThreads, 0, stream()>>>(
+      row_counts.i32(), expert_offsets.i32(), out.i32(), static_cast<int>(ranks), static_cast<int>(per));
+  CUDA_CHECK_LAUNCH();
+}
+
+void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const Tensor& recv_counts, int64_t k,
+                       const Tensor& buckets) {
+  MT_CHECK(order.ndim() == 1 && local_offsets.ndim() == 1 && local_offsets.dim(0) >= 1 &&
+           recv_counts.ndim() == 2 && recv_counts.dim(0) >= 1 && k >= 1)
+      << "ep_return_buckets wants order [M], local_offsets [E+1], recv_counts [ranks,2] and k >= 1, got "
+      << order.str() << ", " << local_offsets.str() << ", " << recv_counts.str() << ", k " << k;
+  const int64_t m = order.dim(0), ranks = recv_counts.dim(0);
+  check_arg(order, "ep_return_buckets order", {DType::i32}, {m});
+  check_arg(local_offsets, "ep_return_buckets local_offsets", {DType::i32}, local_offsets.shape);
+  check_arg(recv_counts, "ep_return_buckets recv_counts", {DType::i32}, {ranks, 2});
+  check_arg(buckets, "ep_return_buckets buckets", {DType::i32}, {m});
+  if (m == 0) return;
+  ep_return_buckets_kernel<<<index_blocks(m), kIndexThreads, 0, stream()>>>(
+      order.i32(), local_offsets.i32() + local_offsets.dim(0) - 1, recv_counts.i32(), buckets.i32(),
+      static_cast<int>(m), static_cast<int>(ranks), static_cast<int>(k));
+  CUDA_CHECK_LAUNCH();
+}
+
+void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
+                     const Tensor& buckets) {
+  MT_CHECK(idx.ndim() == 2 && kept_rows.ndim() == 1 && per >= 1)
+      << "ep_kept_buckets wants idx [N,k] and kept_rows [S*k], got " << idx.str() << ", " << kept_rows.str() << " ("
+      << per << " experts per rank)";
+  const int64_t n = idx.dim(0), k = idx.dim(1);
+  check_arg(idx, "ep_kept_buckets idx", {DType::i32}, {n, k});
+  check_arg(token_rows, "ep_kept_buckets token_rows", {DType::i32}, {n * k});
+  check_arg(kept_rows, "ep_kept_buckets kept_rows", {DType::i32}, kept_rows.shape);
+  check_arg(buckets, "ep_kept_buckets buckets", {DType::i32}, {n, k});
+  if (n * k == 0) return;
+  ep_kept_buckets_kernel<<<index_blocks(n * k), kIndexThreads, 0, stream()>>>(
+      idx.i32(), token_rows.i32(), kept_rows.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k),
+      static_cast<int>(per), static_cast<int>(kept_rows.dim(0)));
+  CUDA_CHECK_LAUNCH();
+}
+
+void read_counts(std::initializer_list<Tensor> arrays, int32_t* out) {
+  static thread_local PinnedCounts pinned;
+  size_t total = 0;
+  for (const Tensor& a : arrays) {
+    MT_CHECK(a.dtype == DType::i32 && a.device == Device::cuda && a.defined())
+        << "read_counts wants i32 arrays with storage, all on the GPU, got " << a.str();
+    total += static_cast<size_t>(a.numel());
+  }
+  if (total == 0) return;
+  if (total > pinned.capacity) {
+    // Rare (the first read, or more ranks or experts than before): freeing pinned
+    // memory synchronises the device.
+    if (pinned.host != nullptr) CUDA_CHECK(cudaFreeHost(pinned.host));
+    pinned.host = nullptr;
+    pinned.capacity = std::max<size_t>(total, 4096);
+    CUDA_CHECK(cudaMallocHost(&pinned.host, pinned.capacity * sizeof(int32_t)));
+  }
+  if (pinned.done == nullptr) CUDA_CHECK(cudaEventCreateWithFlags(&pinned.done, cudaEventDisableTiming));
+  size_t at = 0;
+  for (const Tensor& a : arrays) {
+    if (a.numel() == 0) continue;
+    CUDA_CHECK(cudaMemcpyAsync(pinned.host + at, a.data, a.nbytes(), cudaMemcpyDeviceToHost, stream()));
+    at += static_cast<size_t>(a.numel());
+  }
+  CUDA_CHECK(cudaEventRecord(pinned.done, stream()));
+  CUDA_CHECK(cudaEventSynchronize(pinned.done));
+  std::memcpy(out, pinned.host, total * sizeof(int32_t));
 }
 
 }  // namespace mt::cuda
