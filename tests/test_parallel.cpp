@@ -409,8 +409,8 @@ TEST_F(Comm, StartedCollectivesEqualTheBlockingOnesWhileOtherWorkRuns) {
     parity.all_reduce(bytes_tensor(aside.reduce, t));
     requests.push_back(c.start_reduce_scatter(bytes_tensor(started.scatter_in, t), bytes_tensor(started.scatter_out, t),
                                               comm::Traffic::gradient));
-    requests.push_back(
-        c.start_all_gather(bytes_tensor(started.gather_in, t), bytes_tensor(started.gather_out, t), comm::Traffic::gather));
+    requests.push_back(c.start_all_gather(bytes_tensor(started.gather_in, t), bytes_tensor(started.gather_out, t),
+                                          comm::Traffic::gather));
     {
       // The Request keeps its own counts: these are spoiled and gone before it completes.
       std::vector<int64_t> send_counts = started.send_counts, recv_counts = started.recv_counts;
