@@ -13,17 +13,18 @@
 // and the sizes. Sums are supported for f32, bf16, i32 and i64; data movement for any
 // dtype. Counts are in elements.
 //
-// Every collective and message batch is started and then joined: the blocking calls are
-// start, then Request::wait. On CPU buffers a start is a non-blocking MPI call and wait
-// is MPI_Waitall (a world of one copies at the start). On GPU buffers nothing makes the
-// host wait: a start queues the NCCL calls on its Traffic's communication stream after
-// the work already queued on the current stream (kernels/cuda/runtime.h), and wait()
-// makes the then-current stream wait for them. Started operations, on any communicators,
-// must be started in the same order on every rank (NCCL kernels of several
-// communicators wait for their peers and can otherwise deadlock); they may be waited
-// for in any order. A communicator's NCCL communicator is created at its first GPU
-// operation, which all its ranks must reach. One thread makes a process's calls (MPI is
-// initialised FUNNELED).
+// Collectives other than broadcast and barrier, and message batches, are started and
+// then joined: the blocking calls are start, then Request::wait. On CPU buffers a start
+// is a non-blocking MPI call and wait is MPI_Waitall (a world of one copies at the
+// start). On GPU buffers nothing makes the host wait: a start queues the NCCL calls on
+// its Traffic's communication stream after the work already queued on the current stream
+// (kernels/cuda/runtime.h), and wait() makes the then-current stream wait for them.
+// Started operations, on any communicators, must be started in the same order on every
+// rank (NCCL kernels of several communicators wait for their peers and can otherwise
+// deadlock); they may be waited for in any order. A communicator's NCCL communicator is
+// created at its first GPU operation, which all its ranks must reach. A GPU broadcast
+// runs on the current stream. One thread makes a process's calls (MPI is initialised
+// FUNNELED).
 #pragma once
 
 #include <cstdint>
