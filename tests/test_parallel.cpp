@@ -277,6 +277,204 @@ TEST_F(Comm, ErrorsNameTheRankTheOperationAndTheSizes) {
   }
 }
 
+// ---- started collectives ---------------------------------------------------------------
+
+// Element i of rank `rank`'s input `salt`: sums of these over up to four ranks are exact
+// in every summable dtype (multiples of 1/4 within [-16, 16] for f32 and bf16, integers
+// for i32 and i64, beyond 2^32 for i64), so any reduction order gives the same bits and
+// the expected results can be computed here.
+double exact_value(DType t, int rank, int64_t i, int salt) {
+  if (t == DType::i32) return 100000.0 * rank + 7.0 * static_cast<double>(i) - 50 + salt;
+  if (t == DType::i64) return std::ldexp(1.0, 40) * (rank + 1) + static_cast<double>(i) + salt;
+  return 0.25 * static_cast<double>((rank * 7 + i * 3 + salt) % 9 - 4);
+}
+
+// The bytes of a tensor of dtype t holding `values`.
+std::vector<uint8_t> encode(DType t, const std::vector<double>& values) {
+  std::vector<uint8_t> bytes(values.size() * dtype_size(t));
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint8_t* at = bytes.data() + i * dtype_size(t);
+    if (t == DType::f32) {
+      const float v = static_cast<float>(values[i]);
+      std::memcpy(at, &v, sizeof v);
+    } else if (t == DType::bf16) {
+      const uint16_t v = bf16_from_f32(static_cast<float>(values[i]));
+      std::memcpy(at, &v, sizeof v);
+    } else if (t == DType::i32) {
+      const int32_t v = static_cast<int32_t>(values[i]);
+      std::memcpy(at, &v, sizeof v);
+    } else {
+      const int64_t v = static_cast<int64_t>(values[i]);
+      std::memcpy(at, &v, sizeof v);
+    }
+  }
+  return bytes;
+}
+
+Tensor bytes_tensor(std::vector<uint8_t>& b, DType t) {
+  return Tensor(b.data(), {static_cast<int64_t>(b.size() / dtype_size(t))}, t);
+}
+
+// Every collective of one dtype on one communicator: inputs, the expected outputs, and
+// outputs to fill, one set for the blocking calls and one for the started ones.
+struct Collectives {
+  DType t;
+  std::vector<int64_t> send_counts, recv_counts;
+  std::vector<uint8_t> reduce, scatter_in, gather_in, a2a_in;  // inputs (reduce: in place)
+  std::vector<uint8_t> want_reduce, want_scatter, want_gather, want_a2a;
+  std::vector<uint8_t> scatter_out, gather_out, a2a_out;
+
+  Collectives(DType dtype, const comm::Communicator& c) : t(dtype) {
+    const int n = c.size(), r = c.rank();
+    const int64_t len = 37;
+    std::vector<double> in, want;
+    auto take = [&](std::vector<uint8_t>& into, std::vector<double>& from) {
+      into = encode(t, from);
+      from.clear();
+    };
+    for (int64_t i = 0; i < len; ++i) {
+      in.push_back(exact_value(t, r, i, 0));
+      double sum = 0;
+      for (int p = 0; p < n; ++p) sum += exact_value(t, p, i, 0);
+      want.push_back(sum);
+    }
+    take(reduce, in);
+    take(want_reduce, want);
+    for (int64_t i = 0; i < n * len; ++i) in.push_back(exact_value(t, r, i, 1));
+    for (int64_t i = 0; i < len; ++i) {
+      double sum = 0;
+      for (int p = 0; p < n; ++p) sum += exact_value(t, p, r * len + i, 1);
+      want.push_back(sum);
+    }
+    take(scatter_in, in);
+    take(want_scatter, want);
+    for (int64_t i = 0; i < len; ++i) in.push_back(exact_value(t, r, i, 2));
+    for (int p = 0; p < n; ++p)
+      for (int64_t i = 0; i < len; ++i) want.push_back(exact_value(t, p, i, 2));
+    take(gather_in, in);
+    take(want_gather, want);
+    // Rank a sends (a + b) % 3 elements to rank b (none when that is 0).
+    for (int p = 0; p < n; ++p) {
+      send_counts.push_back((r + p) % 3);
+      recv_counts.push_back((p + r) % 3);
+      for (int64_t i = 0; i < send_counts.back(); ++i) in.push_back(exact_value(t, r, 100 * p + i, 3));
+      for (int64_t i = 0; i < recv_counts.back(); ++i) want.push_back(exact_value(t, p, 100 * r + i, 3));
+    }
+    take(a2a_in, in);
+    take(want_a2a, want);
+  }
+
+  void poison_outputs() {
+    scatter_out.assign(want_scatter.size(), 0xa5);
+    gather_out.assign(want_gather.size(), 0xa5);
+    a2a_out.assign(want_a2a.size(), 0xa5);
+  }
+
+  void run_blocking(comm::Communicator& c) {
+    poison_outputs();
+    c.all_reduce(bytes_tensor(reduce, t));
+    c.reduce_scatter(bytes_tensor(scatter_in, t), bytes_tensor(scatter_out, t));
+    c.all_gather(bytes_tensor(gather_in, t), bytes_tensor(gather_out, t));
+    c.all_to_all_v(bytes_tensor(a2a_in, t), send_counts, bytes_tensor(a2a_out, t), recv_counts);
+  }
+
+  // The outputs, in the order of run_blocking.
+  std::vector<std::vector<uint8_t>> outputs() const { return {reduce, scatter_out, gather_out, a2a_out}; }
+  std::vector<std::vector<uint8_t>> wanted() const { return {want_reduce, want_scatter, want_gather, want_a2a}; }
+};
+
+TEST_F(Comm, StartedCollectivesEqualTheBlockingOnesWhileOtherWorkRuns) {
+  comm::Communicator& c = world_comm();
+  comm::Communicator parity = c.split(c.rank() % 2, c.rank(), "parity");
+  const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all_v"};
+  for (DType t : {DType::f32, DType::bf16, DType::i32, DType::i64}) {
+    SCOPED_TRACE(std::string(dtype_name(t)));
+    Collectives blocking(t, c);
+    blocking.run_blocking(c);
+    const std::vector<std::vector<uint8_t>> want = blocking.wanted(), got_blocking = blocking.outputs();
+    for (size_t k = 0; k < want.size(); ++k) EXPECT_EQ(got_blocking[k], want[k]) << names[k] << ", blocking";
+
+    // The same calls started, all in flight at once together with a collective started
+    // on another communicator, while this rank computes and runs a blocking collective
+    // on that other communicator; the same order of starts on every rank, the waits in
+    // a different order on odd and even ranks.
+    Collectives started(t, c), aside(t, parity);
+    started.poison_outputs();
+    aside.poison_outputs();
+    std::vector<comm::Request> requests;
+    requests.push_back(c.start_all_reduce(bytes_tensor(started.reduce, t), comm::Traffic::gradient));
+    requests.push_back(parity.start_all_gather(bytes_tensor(aside.gather_in, t), bytes_tensor(aside.gather_out, t),
+                                               comm::Traffic::gather));
+    double host_work = 0;
+    for (int i = 1; i < 200000; ++i) host_work += 1.0 / i;
+    EXPECT_GT(host_work, 12.0);
+    parity.all_reduce(bytes_tensor(aside.reduce, t));
+    requests.push_back(c.start_reduce_scatter(bytes_tensor(started.scatter_in, t), bytes_tensor(started.scatter_out, t),
+                                              comm::Traffic::gradient));
+    requests.push_back(c.start_all_gather(bytes_tensor(started.gather_in, t), bytes_tensor(started.gather_out, t),
+                                          comm::Traffic::gather));
+    {
+      // The Request keeps its own counts: these are spoiled and gone before it completes.
+      std::vector<int64_t> send_counts = started.send_counts, recv_counts = started.recv_counts;
+      requests.push_back(c.start_all_to_all_v(bytes_tensor(started.a2a_in, t), send_counts,
+                                              bytes_tensor(started.a2a_out, t), recv_counts, comm::Traffic::expert));
+      std::fill(send_counts.begin(), send_counts.end(), -7);
+      std::fill(recv_counts.begin(), recv_counts.end(), -7);
+    }
+    if (c.rank() % 2 == 1) std::reverse(requests.begin(), requests.end());
+    for (comm::Request& r : requests) r.wait();
+
+    const std::vector<std::vector<uint8_t>> got = started.outputs();
+    for (size_t k = 0; k < want.size(); ++k) EXPECT_EQ(got[k], got_blocking[k]) << names[k] << ", started";
+    EXPECT_EQ(aside.reduce, aside.want_reduce) << "all_reduce on the other communicator";
+    EXPECT_EQ(aside.gather_out, aside.want_gather) << "all_gather started on the other communicator";
+  }
+}
+
+TEST_F(Comm, StartedCollectivesCheckTheirArgumentsBeforeStarting) {
+  // Every rank makes the same bad calls; each fails at its start, and since none of them
+  // started anything, a collective after them pairs up as usual.
+  comm::Communicator& c = world_comm();
+  const int n = c.size();
+  const std::string who = "communicator 'world' (rank " + std::to_string(c.rank()) + " of " + std::to_string(n) + ")";
+  std::vector<uint8_t> bytes(4);
+  std::string e = error_of([&] { c.start_all_reduce(Tensor(bytes.data(), {4}, DType::u8), comm::Traffic::gradient); });
+  EXPECT_NE(e.find("all_reduce on " + who + " of u8[4]@cpu"), std::string::npos) << e;
+  EXPECT_NE(e.find("sums are for f32, bf16, i32 and i64"), std::string::npos) << e;
+
+  std::vector<float> in(5), out(2);
+  e = error_of([&] { c.start_reduce_scatter(f32(in, {5}), f32(out, {2}), comm::Traffic::gradient); });
+  EXPECT_NE(e.find("reduce_scatter on " + who + " of f32[5]@cpu into f32[2]@cpu"), std::string::npos) << e;
+  EXPECT_NE(e.find("should hold " + std::to_string(n) + " blocks"), std::string::npos) << e;
+
+  e = error_of([&] { c.start_all_gather(f32(out, {2}), f32(in, {5}), comm::Traffic::gather); });
+  EXPECT_NE(e.find("all_gather on " + who + " of f32[2]@cpu into f32[5]@cpu"), std::string::npos) << e;
+  EXPECT_NE(e.find("should hold " + std::to_string(n) + " blocks"), std::string::npos) << e;
+
+  std::vector<int64_t> too_many(static_cast<size_t>(n) + 1, 0), ones(static_cast<size_t>(n), 1);
+  e = error_of([&] { c.start_all_to_all_v(f32(in, {5}), too_many, f32(in, {5}), too_many, comm::Traffic::expert); });
+  EXPECT_NE(e.find("all_to_all_v on " + who), std::string::npos) << e;
+  EXPECT_NE(e.find("one send and one receive count per rank (" + std::to_string(n) + "), got " +
+                   std::to_string(n + 1) + " and " + std::to_string(n + 1)),
+            std::string::npos)
+      << e;
+  std::vector<int32_t> ints(static_cast<size_t>(n));
+  e = error_of([&] {
+    c.start_all_to_all_v(f32(in, {n}), ones, Tensor(ints.data(), {n}, DType::i32), ones, comm::Traffic::expert);
+  });
+  EXPECT_NE(e.find("differ in dtype or device"), std::string::npos) << e;
+  if (n == 1) {
+    std::vector<int64_t> two = {2}, three = {3};
+    std::vector<float> a(2), b(3);
+    e = error_of([&] { c.start_all_to_all_v(f32(a, {2}), two, f32(b, {3}), three, comm::Traffic::expert); });
+    EXPECT_NE(e.find("sends 2 elements to itself but expects 3"), std::string::npos) << e;
+  }
+
+  std::vector<int32_t> rank = {c.rank()};
+  c.start_all_reduce(Tensor(rank.data(), {1}, DType::i32), comm::Traffic::gradient).wait();
+  EXPECT_EQ(rank[0], n * (n - 1) / 2);
+}
+
 // ---- mesh ---------------------------------------------------------------------------
 
 // The world ranks of the group of `axes` (bits pp=8, dp=4, cp=2, ep=1) that `rank` is

@@ -14,6 +14,9 @@
 #ifdef MOETRAIN_WITH_CUDA
 #include <nccl.h>
 
+#include <array>
+#include <mutex>
+
 #include "kernels/cuda/runtime.h"
 #endif
 
@@ -29,8 +32,11 @@ struct Communicator::Impl {
 struct Request::Impl {
   std::string where;  // the operation, for errors
   std::vector<MPI_Request> mpi;
+  // What MPI reads until the operation completes: all_to_all_v's counts and
+  // displacements (the caller's arrays may be gone by then).
+  std::vector<int> mpi_counts;
 #ifdef MOETRAIN_WITH_CUDA
-  cudaEvent_t done = nullptr;  // recorded on the communication stream after the batch
+  cuda::Event done;  // on the traffic's stream, after the operation
 #endif
 };
 
@@ -146,15 +152,36 @@ ncclDataType_t nccl_type(DType t) {
   return ncclUint8;
 }
 
-// Started batches run here, so a ring's transfers overlap the compute on the
-// backend's stream; one per process, like the backend's own stream.
-cudaStream_t comm_stream() {
-  static cudaStream_t s = [] {
-    cudaStream_t created = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
-    return created;
-  }();
+// One communication stream per kind of traffic, made at its first use: a kind's
+// transfers then never queue behind another kind's (a layer's gradient reduction behind
+// the next layer's token exchange), and all of them overlap the compute streams.
+// Highest priority: when an NCCL kernel is queued, the block scheduler gives it the next
+// SMs that compute kernels free instead of letting it wait behind the thousands of
+// blocks of the next GEMM; a transfer that starts late stalls the peers waiting for it,
+// not only this rank. NCCL's kernels take few SMs, so compute loses little.
+cudaStream_t traffic_stream(Traffic t) {
+  constexpr size_t kTrafficKinds = static_cast<size_t>(Traffic::pipeline) + 1;
+  static std::mutex m;
+  static std::array<cudaStream_t, kTrafficKinds> streams{};
+  std::lock_guard<std::mutex> lock(m);
+  cudaStream_t& s = streams[static_cast<size_t>(t)];
+  if (s == nullptr) {
+    int least = 0, greatest = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+  }
   return s;
+}
+
+// Queues `issue` (NCCL calls on the stream it is given) on traffic's stream after the
+// work queued so far on the current stream, which may fill its buffers, and marks the
+// end for Request::wait. The host waits for neither.
+template <class Issue>
+cuda::Event on_traffic(Traffic t, const Issue& issue) {
+  const cudaStream_t s = traffic_stream(t);
+  cuda::join(s, cuda::stream());
+  issue(s);
+  return cuda::Event::record(s);
 }
 
 // The unique id comes from rank 0 and reaches the others over MPI; a one-rank
@@ -205,6 +232,7 @@ Launch detect_launch(const std::function<const char*(const char*)>& env) {
 // ---- Request ----------------------------------------------------------------------
 
 Request::Request() = default;
+Request::Request(std::string where) : impl_(std::make_unique<Impl>()) { impl_->where = std::move(where); }
 Request::Request(Request&&) noexcept = default;
 
 Request& Request::operator=(Request&& o) noexcept {
@@ -240,10 +268,7 @@ void Request::wait() {
   if (!im->mpi.empty())
     check_mpi(MPI_Waitall(static_cast<int>(im->mpi.size()), im->mpi.data(), MPI_STATUSES_IGNORE), im->where);
 #ifdef MOETRAIN_WITH_CUDA
-  if (im->done != nullptr) {
-    CUDA_CHECK(cudaStreamWaitEvent(cuda::stream(), im->done, 0));
-    CUDA_CHECK(cudaEventDestroy(im->done));
-  }
+  im->done.wait(cuda::stream());
 #endif
 }
 
@@ -277,73 +302,103 @@ std::string Communicator::where(const char* op) const {
          std::to_string(size_) + ")";
 }
 
-void Communicator::all_reduce(const Tensor& x) {
+// The blocking collectives are the started ones, joined at once.
+void Communicator::all_reduce(const Tensor& x) { start_all_reduce(x, Traffic::gradient).wait(); }
+
+void Communicator::reduce_scatter(const Tensor& in, const Tensor& out) {
+  start_reduce_scatter(in, out, Traffic::gradient).wait();
+}
+
+void Communicator::all_gather(const Tensor& in, const Tensor& out) {
+  start_all_gather(in, out, Traffic::gather).wait();
+}
+
+void Communicator::all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
+                                std::span<const int64_t> recv_counts) {
+  start_all_to_all_v(in, send_counts, out, recv_counts, Traffic::expert).wait();
+}
+
+Request Communicator::start_all_reduce(const Tensor& x, [[maybe_unused]] Traffic traffic) {
   const std::string w = where("all_reduce") + " of " + x.str();
   check_storage(x, "tensor", w);
   check_summable(x, w);
+  Request r(w);
   if (on_gpu(x, w)) {
 #ifdef MOETRAIN_WITH_CUDA
     ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
-    NCCL_CHECK(ncclAllReduce(x.data, x.data, static_cast<size_t>(x.numel()), nccl_type(x.dtype), ncclSum, c,
-                             cuda::stream()),
-               w, c);
+    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+      NCCL_CHECK(ncclAllReduce(x.data, x.data, static_cast<size_t>(x.numel()), nccl_type(x.dtype), ncclSum, c, s), w,
+                 c);
+    });
 #endif
-    return;
+    return r;
   }
-  if (size_ == 1) return;
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, x.data, mpi_count(x.numel(), w), mpi_type(x.dtype), mpi_sum(x.dtype),
-                          impl_->mpi),
+  if (size_ == 1) return r;
+  r.impl_->mpi.resize(1);
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, x.data, mpi_count(x.numel(), w), mpi_type(x.dtype), mpi_sum(x.dtype),
+                           impl_->mpi, r.impl_->mpi.data()),
             w);
+  return r;
 }
 
-void Communicator::reduce_scatter(const Tensor& in, const Tensor& out) {
+Request Communicator::start_reduce_scatter(const Tensor& in, const Tensor& out, [[maybe_unused]] Traffic traffic) {
   const std::string w = where("reduce_scatter") + " of " + in.str() + " into " + out.str();
   check_pair(in, out, w);
   check_summable(in, w);
   MT_CHECK(in.numel() == size_ * out.numel()) << w << ": the input should hold " << size_ << " blocks of the output's "
                                               << out.numel() << " elements";
+  Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
     ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
-    NCCL_CHECK(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), nccl_type(in.dtype), ncclSum, c,
-                                 cuda::stream()),
-               w, c);
+    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+      NCCL_CHECK(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), nccl_type(in.dtype), ncclSum,
+                                   c, s),
+                 w, c);
+    });
 #endif
-    return;
+    return r;
   }
   if (size_ == 1) {
     if (in.data != out.data) std::memcpy(out.data, in.data, out.nbytes());
-    return;
+    return r;
   }
-  check_mpi(MPI_Reduce_scatter_block(in.data, out.data, mpi_count(out.numel(), w), mpi_type(in.dtype),
-                                     mpi_sum(in.dtype), impl_->mpi),
+  r.impl_->mpi.resize(1);
+  check_mpi(MPI_Ireduce_scatter_block(in.data, out.data, mpi_count(out.numel(), w), mpi_type(in.dtype),
+                                      mpi_sum(in.dtype), impl_->mpi, r.impl_->mpi.data()),
             w);
+  return r;
 }
 
-void Communicator::all_gather(const Tensor& in, const Tensor& out) {
+Request Communicator::start_all_gather(const Tensor& in, const Tensor& out, [[maybe_unused]] Traffic traffic) {
   const std::string w = where("all_gather") + " of " + in.str() + " into " + out.str();
   check_pair(in, out, w);
   MT_CHECK(out.numel() == size_ * in.numel()) << w << ": the output should hold " << size_ << " blocks of the input's "
                                               << in.numel() << " elements";
+  Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
     ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
-    NCCL_CHECK(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), c,
-                             cuda::stream()),
-               w, c);
+    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+      NCCL_CHECK(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), c, s), w, c);
+    });
 #endif
-    return;
+    return r;
   }
   if (size_ == 1) {
     if (in.data != out.data) std::memcpy(out.data, in.data, in.nbytes());
-    return;
+    return r;
   }
   const int n = mpi_count(in.numel(), w);
-  check_mpi(MPI_Allgather(in.data, n, mpi_type(in.dtype), out.data, n, mpi_type(in.dtype), impl_->mpi), w);
+  r.impl_->mpi.resize(1);
+  check_mpi(MPI_Iallgather(in.data, n, mpi_type(in.dtype), out.data, n, mpi_type(in.dtype), impl_->mpi,
+                           r.impl_->mpi.data()),
+            w);
+  return r;
 }
 
-void Communicator::all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
-                                std::span<const int64_t> recv_counts) {
+Request Communicator::start_all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
+                                         std::span<const int64_t> recv_counts, [[maybe_unused]] Traffic traffic) {
   const std::string w = where("all_to_all_v") + " of " + in.str() + " into " + out.str();
   check_pair(in, out, w);
   MT_CHECK(static_cast<int>(send_counts.size()) == size_ && static_cast<int>(recv_counts.size()) == size_)
@@ -360,28 +415,34 @@ void Communicator::all_to_all_v(const Tensor& in, std::span<const int64_t> send_
   MT_CHECK(send_at[size_] == in.numel() && recv_at[size_] == out.numel())
       << w << ": the send counts add up to " << send_at[size_] << " and the receive counts to " << recv_at[size_]
       << ", but the tensors hold " << in.numel() << " and " << out.numel() << " elements";
+  MT_CHECK(size_ > 1 || send_counts[0] == recv_counts[0])
+      << w << ": one rank sends " << send_counts[0] << " elements to itself but expects " << recv_counts[0];
+  Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
     ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
     const ncclDataType_t t = nccl_type(in.dtype);
-    NCCL_CHECK(ncclGroupStart(), w, c);
-    for (int p = 0; p < size_; ++p) {
-      if (send_counts[p] > 0)
-        NCCL_CHECK(ncclSend(at(in, send_at[p]), static_cast<size_t>(send_counts[p]), t, p, c, cuda::stream()), w, c);
-      if (recv_counts[p] > 0)
-        NCCL_CHECK(ncclRecv(at(out, recv_at[p]), static_cast<size_t>(recv_counts[p]), t, p, c, cuda::stream()), w, c);
-    }
-    NCCL_CHECK(ncclGroupEnd(), w, c);
+    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+      NCCL_CHECK(ncclGroupStart(), w, c);
+      for (int p = 0; p < size_; ++p) {
+        if (send_counts[p] > 0)
+          NCCL_CHECK(ncclSend(at(in, send_at[p]), static_cast<size_t>(send_counts[p]), t, p, c, s), w, c);
+        if (recv_counts[p] > 0)
+          NCCL_CHECK(ncclRecv(at(out, recv_at[p]), static_cast<size_t>(recv_counts[p]), t, p, c, s), w, c);
+      }
+      NCCL_CHECK(ncclGroupEnd(), w, c);
+    });
 #endif
-    return;
+    return r;
   }
   if (size_ == 1) {
-    MT_CHECK(send_counts[0] == recv_counts[0])
-        << w << ": one rank sends " << send_counts[0] << " elements to itself but expects " << recv_counts[0];
     if (in.data != out.data) std::memcpy(out.data, in.data, in.nbytes());
-    return;
+    return r;
   }
-  std::vector<int> sc(static_cast<size_t>(size_)), sd(sc.size()), rc(sc.size()), rd(sc.size());
+  // Send counts, send displacements, receive counts, receive displacements.
+  std::vector<int>& a = r.impl_->mpi_counts;
+  a.resize(4 * static_cast<size_t>(size_));
+  int *sc = a.data(), *sd = sc + size_, *rc = sd + size_, *rd = rc + size_;
   for (int p = 0; p < size_; ++p) {
     sc[p] = mpi_count(send_counts[p], w);
     sd[p] = mpi_count(send_at[p], w);
@@ -389,30 +450,9 @@ void Communicator::all_to_all_v(const Tensor& in, std::span<const int64_t> send_
     rd[p] = mpi_count(recv_at[p], w);
   }
   const MPI_Datatype t = mpi_type(in.dtype);
-  check_mpi(MPI_Alltoallv(in.data, sc.data(), sd.data(), t, out.data, rc.data(), rd.data(), t, impl_->mpi), w);
-}
-
-// Interim: the started collectives complete before they return (the asynchronous
-// versions replace these).
-Request Communicator::start_all_reduce(const Tensor& x, Traffic) {
-  all_reduce(x);
-  return Request();
-}
-
-Request Communicator::start_reduce_scatter(const Tensor& in, const Tensor& out, Traffic) {
-  reduce_scatter(in, out);
-  return Request();
-}
-
-Request Communicator::start_all_gather(const Tensor& in, const Tensor& out, Traffic) {
-  all_gather(in, out);
-  return Request();
-}
-
-Request Communicator::start_all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
-                                         std::span<const int64_t> recv_counts, Traffic) {
-  all_to_all_v(in, send_counts, out, recv_counts);
-  return Request();
+  r.impl_->mpi.resize(1);
+  check_mpi(MPI_Ialltoallv(in.data, sc, sd, t, out.data, rc, rd, t, impl_->mpi, r.impl_->mpi.data()), w);
+  return r;
 }
 
 void Communicator::broadcast(const Tensor& x, int root) {
@@ -442,7 +482,7 @@ void Communicator::send(const Tensor& x, int peer) { start({send_to(x, peer)}).w
 
 void Communicator::recv(const Tensor& x, int peer) { start({recv_from(x, peer)}).wait(); }
 
-Request Communicator::start(std::span<const P2P> ops) {
+Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic traffic) {
   std::string w = where("send/recv batch") + " [";
   for (const P2P& op : ops)
     w += std::string(op.send ? " send " : " recv ") + op.tensor.str() + (op.send ? " to " : " from ") +
@@ -453,31 +493,22 @@ Request Communicator::start(std::span<const P2P> ops) {
     MT_CHECK(op.peer >= 0 && op.peer < size_) << w << ": peer " << op.peer << " is not a rank of the communicator";
     MT_CHECK(op.tensor.device == ops[0].tensor.device) << w << ": a batch is all on the CPU or all on the GPU";
   }
-  Request r;
-  if (ops.empty()) return r;
-  r.impl_ = std::make_unique<Request::Impl>();
-  r.impl_->where = w;
+  if (ops.empty()) return Request();
+  Request r(w);
   if (on_gpu(ops[0].tensor, w)) {
 #ifdef MOETRAIN_WITH_CUDA
     ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
-    cudaStream_t s = comm_stream();
-    // The batch starts after the work already queued (which may fill its buffers).
-    cudaEvent_t ready = nullptr;
-    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventRecord(ready, cuda::stream()));
-    CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
-    CUDA_CHECK(cudaEventDestroy(ready));
-    NCCL_CHECK(ncclGroupStart(), w, c);
-    for (const P2P& op : ops) {
-      const size_t n = static_cast<size_t>(op.tensor.numel());
-      if (op.send)
-        NCCL_CHECK(ncclSend(op.tensor.data, n, nccl_type(op.tensor.dtype), op.peer, c, s), w, c);
-      else
-        NCCL_CHECK(ncclRecv(op.tensor.data, n, nccl_type(op.tensor.dtype), op.peer, c, s), w, c);
-    }
-    NCCL_CHECK(ncclGroupEnd(), w, c);
-    CUDA_CHECK(cudaEventCreateWithFlags(&r.impl_->done, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventRecord(r.impl_->done, s));
+    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+      NCCL_CHECK(ncclGroupStart(), w, c);
+      for (const P2P& op : ops) {
+        const size_t n = static_cast<size_t>(op.tensor.numel());
+        if (op.send)
+          NCCL_CHECK(ncclSend(op.tensor.data, n, nccl_type(op.tensor.dtype), op.peer, c, s), w, c);
+        else
+          NCCL_CHECK(ncclRecv(op.tensor.data, n, nccl_type(op.tensor.dtype), op.peer, c, s), w, c);
+      }
+      NCCL_CHECK(ncclGroupEnd(), w, c);
+    });
 #endif
     return r;
   }

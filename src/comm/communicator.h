@@ -3,9 +3,9 @@
 //
 //   comm::World& w = comm::world();          // MPI_Init once, when launched with > 1 rank
 //   w.comm().all_reduce(grad);               // sum over every rank, in place
-//   Request r = cp.start({send_to(k, next), recv_from(k_next, prev)});
+//   Request r = ep.start_all_to_all_v(x, sc, xs, rc, Traffic::expert);
 //   ... compute ...
-//   r.wait();
+//   r.wait();                                // xs is ready (on the GPU: for the current stream)
 //
 // Every operation is collective over the communicator's ranks (point-to-point: over
 // the two peers) and checks its arguments before any message moves, so a bad call
@@ -13,11 +13,18 @@
 // and the sizes. Sums are supported for f32, bf16, i32 and i64; data movement for any
 // dtype. Counts are in elements.
 //
-// On GPU buffers the operations are stream-ordered, as NCCL's are: collectives and
-// blocking point-to-point run on the CUDA backend's stream (kernels/cuda/runtime.h)
-// and the host does not wait; a Request from start() runs on a separate communication
-// stream and wait() makes the backend's stream wait for it. A communicator's NCCL
-// communicator is created at its first GPU operation, which all its ranks must reach.
+// Collectives other than broadcast and barrier, and message batches, are started and
+// then joined: the blocking calls are start, then Request::wait. On CPU buffers a start
+// is a non-blocking MPI call and wait is MPI_Waitall (a world of one copies at the
+// start). On GPU buffers nothing makes the host wait: a start queues the NCCL calls on
+// its Traffic's communication stream after the work already queued on the current stream
+// (kernels/cuda/runtime.h), and wait() makes the then-current stream wait for them.
+// Started operations, on any communicators, must be started in the same order on every
+// rank (NCCL kernels of several communicators wait for their peers and can otherwise
+// deadlock); they may be waited for in any order. A communicator's NCCL communicator is
+// created at its first GPU operation, which all its ranks must reach. A GPU broadcast
+// runs on the current stream. One thread makes a process's calls (MPI is initialised
+// FUNNELED).
 #pragma once
 
 #include <cstdint>
@@ -46,12 +53,15 @@ class Communicator;
 
 // The kinds of traffic that may be in flight at once. On the GPU each kind has a
 // communication stream of its own, so one kind's transfers never queue behind
-// another's (a layer's gradient reduction behind the next layer's token exchange).
+// another's (a layer's gradient reduction behind the next layer's token exchange);
+// operations of one communicator still run in the order they were started (NCCL
+// orders them).
 enum class Traffic : uint8_t { expert, context, gradient, gather, pipeline };
 
-// A started batch of sends and receives; wait() returns when all are done (on the
-// GPU: when the backend's stream is ordered after them). The buffers must stay alive
-// until then. Destroying a Request that was not waited for waits.
+// A started collective or batch of sends and receives; wait() returns when it is done
+// (on the GPU: when the current stream is ordered after it). The buffers belong to the
+// transfer until then and must stay alive; the Request keeps whatever else it needs
+// (counts, displacements). Destroying a Request that was not waited for waits.
 class Request {
  public:
   Request();
@@ -63,6 +73,7 @@ class Request {
  private:
   friend class Communicator;
   struct Impl;
+  explicit Request(std::string where);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -93,23 +104,21 @@ class Communicator {
   int size() const { return size_; }
   const std::string& name() const { return name_; }
 
-  // x = sum over ranks of x, in place.
+  // x = sum over ranks of x, in place (traffic: gradient).
   void all_reduce(const Tensor& x);
-  // in holds size() blocks of out.numel() elements; out = sum over ranks of block rank().
+  // in holds size() blocks of out.numel() elements; out = sum over ranks of block rank()
+  // (traffic: gradient).
   void reduce_scatter(const Tensor& in, const Tensor& out);
-  // out = the in of every rank, concatenated in rank order.
+  // out = the in of every rank, concatenated in rank order (traffic: gather).
   void all_gather(const Tensor& in, const Tensor& out);
   // in holds send_counts[p] elements for each rank p in rank order, out receives
-  // recv_counts[p] from each p in rank order; both sums must equal the tensors' sizes.
+  // recv_counts[p] from each p in rank order; both sums must equal the tensors' sizes
+  // (traffic: expert).
   void all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
                     std::span<const int64_t> recv_counts);
-  // The same collectives in two halves: start_* checks the arguments, starts the
-  // transfer and returns; Request::wait() joins it. Between the two the buffers belong
-  // to the transfer. On the GPU the transfer runs on `traffic`'s communication stream,
-  // after the work already queued on the current stream, and wait() orders the current
-  // stream after it (the host does not wait); on the CPU it is a non-blocking MPI
-  // collective. Started collectives of one communicator must be started in the same
-  // order on every rank, like blocking ones.
+  // The same collectives in two halves: start_* checks the arguments (a bad call fails
+  // there, on every rank, with nothing started), starts the transfer and returns;
+  // Request::wait() joins it. On the GPU the transfer runs on `traffic`'s stream.
   Request start_all_reduce(const Tensor& x, Traffic traffic);
   Request start_reduce_scatter(const Tensor& in, const Tensor& out, Traffic traffic);
   Request start_all_gather(const Tensor& in, const Tensor& out, Traffic traffic);
@@ -120,10 +129,13 @@ class Communicator {
 
   void send(const Tensor& x, int peer);
   void recv(const Tensor& x, int peer);
-  // Starts every message of the batch at once (on NCCL: one group), so a batch that
-  // both sends and receives cannot deadlock against its peers' batches.
-  Request start(std::span<const P2P> ops);
-  Request start(std::initializer_list<P2P> ops) { return start(std::span<const P2P>(ops.begin(), ops.size())); }
+  // Starts every message of the batch at once (on NCCL: one group, on `traffic`'s
+  // stream), so a batch that both sends and receives cannot deadlock against its peers'
+  // batches. send and recv are such batches of one message, joined at once.
+  Request start(std::span<const P2P> ops, Traffic traffic = Traffic::pipeline);
+  Request start(std::initializer_list<P2P> ops, Traffic traffic = Traffic::pipeline) {
+    return start(std::span<const P2P>(ops.begin(), ops.size()), traffic);
+  }
 
   // A communicator per color of this one's ranks, ordered by key (collective).
   Communicator split(int color, int key, std::string name);
@@ -138,7 +150,6 @@ class Communicator {
   friend class World;
   // "all_reduce on comm 'ep' (rank 1 of 4)": what every error of an operation starts with.
   std::string where(const char* op) const;
-  Request start_gpu(std::span<const P2P> ops, bool own_stream);
 
   std::string name_;
   int rank_ = 0, size_ = 1;

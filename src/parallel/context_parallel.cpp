@@ -149,7 +149,8 @@ void ring_forward_gpu(comm::Communicator& cp, const Tensor& q, const Tensor& k, 
     comm::Request pass;
     if (s + 1 < size)
       pass = cp.start({comm::send_to(cur_k, next), comm::send_to(cur_v, next), comm::recv_from(nx[0].t, prev),
-                       comm::recv_from(nx[1].t, prev)});
+                       comm::recv_from(nx[1].t, prev)},
+                      comm::Traffic::context);
     for (int qs = 0; qs < 2; ++qs)
       for (int ks = 0; ks < 2; ++ks) {
         const int64_t qc = chunk_of(r, size, qs), kc = chunk_of(src, size, ks);
@@ -208,7 +209,7 @@ void ring_backward_gpu(comm::Communicator& cp, const Tensor& q, const Tensor& k,
                            comm::recv_from(partial[0].t, prev), comm::recv_from(partial[1].t, prev)})
         ops.push_back(op);
     }
-    comm::Request pass = cp.start(ops);
+    comm::Request pass = cp.start(ops, comm::Traffic::context);
     mt::fill(acc[0].t, 0.0f);
     mt::fill(acc[1].t, 0.0f);
     for (int qs = 0; qs < 2; ++qs)
@@ -239,7 +240,8 @@ void ring_backward_gpu(comm::Communicator& cp, const Tensor& q, const Tensor& k,
   const std::array<Buffer, 2>& last = mine[(size - 1) % 2];
   const std::array<Buffer, 2> home = pair(DType::f32);
   cp.start({comm::send_to(last[0].t, next), comm::send_to(last[1].t, next), comm::recv_from(home[0].t, prev),
-            comm::recv_from(home[1].t, prev)})
+            comm::recv_from(home[1].t, prev)},
+           comm::Traffic::context)
       .wait();
   mt::cast(dq_acc.t, dq);
   mt::cast(home[0].t, dk);
@@ -274,7 +276,8 @@ void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tenso
     comm::Request pass;
     if (s + 1 < size)
       pass = cp.start({comm::send_to(cur_k, next), comm::send_to(cur_v, next), comm::recv_from(nx.k, prev),
-                       comm::recv_from(nx.v, prev)});
+                       comm::recv_from(nx.v, prev)},
+                      comm::Traffic::context);
     for (int qs = 0; qs < 2; ++qs)
       for (int ks = 0; ks < 2; ++ks) {
         const int64_t qc = chunk_of(r, size, qs), kc = chunk_of(src, size, ks);
@@ -347,7 +350,7 @@ void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tens
                            comm::recv_from(partial.v, prev)})
         ops.push_back(op);
     }
-    comm::Request pass = cp.start(ops);
+    comm::Request pass = cp.start(ops, comm::Traffic::context);
     mt::fill(acc.k, 0.0f);
     mt::fill(acc.v, 0.0f);
     for (int qs = 0; qs < 2; ++qs)
@@ -380,7 +383,8 @@ void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tens
   // Every rank has added its share to the last K/V held (rank r + 1's): send it home.
   const Pair& last = mine[(size - 1) % 2];
   cp.start({comm::send_to(last.k, next), comm::send_to(last.v, next), comm::recv_from(dk, prev),
-            comm::recv_from(dv, prev)})
+            comm::recv_from(dv, prev)},
+           comm::Traffic::context)
       .wait();
 }
 

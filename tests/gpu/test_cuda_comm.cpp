@@ -2,6 +2,10 @@
 // without a launcher on the GPU machine): every operation goes through NCCL with one
 // rank, stream-ordered with the backend's kernels, and must give what the MPI path
 // gives on the same call (tests/test_parallel.cpp covers that path on many ranks).
+// Started operations run on their traffic's stream after the compute queued before
+// them and are joined by the current stream (a StreamScope's, not the main one). Two
+// compute streams at once, each under a StreamScope, share no buffer: every op that
+// uses scratch or a workspace gives what it gives on one stream.
 // Then the parallel layers' GPU paths on that one-rank world: expert parallelism
 // (device plan, bf16 transfers) must be the single-GPU dispatch bit for bit, its plan
 // the CPU's plan, its steps for several ranks the CPU's steps, its exchanges in two
@@ -11,14 +15,23 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "comm/communicator.h"
 #include "gpu/gpu_test.h"
 #include "kernels/attention.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/cuda/runtime.h"
 #include "kernels/dispatch.h"
+#include "kernels/elementwise.h"
+#include "kernels/gemm.h"
+#include "kernels/grouped_gemm.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/router.h"
 #include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 
@@ -61,6 +74,250 @@ TEST(CudaComm, OneRankWorldRunsEveryOperationThroughNccl) {
   r.wait();
   EXPECT_EQ(download_ints(b.t), ids);
   c.barrier();
+}
+
+// A stream of a test's own, idle and destroyed at the end (runtime.h: its buffers stay
+// under its handle, which CUDA may hand out again).
+struct SideStream {
+  SideStream() { CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~SideStream() {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  cudaStream_t s = nullptr;
+};
+
+// Milliseconds of work for the current stream: products of 4096 x 4096 bf16 matrices
+// (about 0.25 ms each on an H200), so whatever does not wait for them runs long before
+// they end, and a missing wait shows as poisoned or stale values.
+struct Busy {
+  void queue(int products) const {
+    for (int i = 0; i < products; ++i) mt::gemm(a.t, a.t, c.t, false, false);
+  }
+  DeviceTensor a = random_device(DType::bf16, {4096, 4096}, 60);
+  DeviceTensor c = DeviceTensor(DType::f32, {4096, 4096});
+};
+
+// Each started operation's input is written at the end of a long queue on the compute
+// stream and more compute is queued between its start and its wait: the transfer must
+// wait for the first and may overlap the second, and the wait must order the compute
+// stream after it. The results equal the blocking calls' bit for bit.
+TEST(CudaComm, StartedOperationsFollowTheComputeStreamAndEqualTheBlockingOnes) {
+  MT_SKIP_WITHOUT_GPU();
+  comm::Communicator& c = comm::world().comm();
+  ASSERT_EQ(c.size(), 1) << "run this test without mpirun: it checks the one-rank world";
+  const Busy busy;
+  const int64_t n = 4096;
+  DeviceTensor src = upload(random_floats(n, -2, 2, 61), DType::f32, {n});
+  const std::vector<int64_t> counts = {n};
+  // Each operation started, and blocking (the batch has no blocking form: start + wait).
+  using Op = std::function<comm::Request(const Tensor& in, const Tensor& out)>;
+  using Blocking = std::function<void(const Tensor& in, const Tensor& out)>;
+  struct Case {
+    const char* name;
+    bool in_place;
+    Op start;
+    Blocking blocking;
+  };
+  const std::vector<Case> cases = {
+      {"all_reduce", true,
+       [&](const Tensor& in, const Tensor&) { return c.start_all_reduce(in, comm::Traffic::gradient); },
+       [&](const Tensor& in, const Tensor&) { c.all_reduce(in); }},
+      {"reduce_scatter", false,
+       [&](const Tensor& in, const Tensor& out) { return c.start_reduce_scatter(in, out, comm::Traffic::gradient); },
+       [&](const Tensor& in, const Tensor& out) { c.reduce_scatter(in, out); }},
+      {"all_gather", false,
+       [&](const Tensor& in, const Tensor& out) { return c.start_all_gather(in, out, comm::Traffic::gather); },
+       [&](const Tensor& in, const Tensor& out) { c.all_gather(in, out); }},
+      {"all_to_all_v", false,
+       [&](const Tensor& in, const Tensor& out) {
+         return c.start_all_to_all_v(in, counts, out, counts, comm::Traffic::expert);
+       },
+       [&](const Tensor& in, const Tensor& out) { c.all_to_all_v(in, counts, out, counts); }},
+      {"send/recv batch", false,
+       [&](const Tensor& in, const Tensor& out) {
+         return c.start({comm::send_to(in, 0), comm::recv_from(out, 0)}, comm::Traffic::context);
+       },
+       [&](const Tensor& in, const Tensor& out) { c.start({comm::send_to(in, 0), comm::recv_from(out, 0)}).wait(); }},
+  };
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (const Case& op : cases) {
+      SCOPED_TRACE(std::string(op.name) + ", " + std::string(dtype_name(t)));
+      DeviceTensor in_b = poisoned(t, {n}), out_b = poisoned(t, {n});
+      mt::cast(src.t, in_b.t);
+      op.blocking(in_b.t, out_b.t);
+      const std::vector<float> want = download((op.in_place ? in_b : out_b).t);
+
+      DeviceTensor in = poisoned(t, {n}), out = poisoned(t, {n});
+      busy.queue(20);
+      mt::cast(src.t, in.t);
+      comm::Request r = op.start(in.t, out.t);
+      busy.queue(20);
+      r.wait();
+      EXPECT_EQ(download((op.in_place ? in : out).t), want);
+    }
+  }
+}
+
+// Request::wait under a StreamScope orders that scope's stream, not the main one: the
+// side stream, idle otherwise, reads the transfer's output only once it is there.
+TEST(CudaComm, WaitOrdersTheCurrentStream) {
+  MT_SKIP_WITHOUT_GPU();
+  comm::Communicator& c = comm::world().comm();
+  ASSERT_EQ(c.size(), 1) << "run this test without mpirun: it checks the one-rank world";
+  const Busy busy;
+  const std::vector<float> values = random_floats(4096, -2, 2, 62);
+  DeviceTensor in = upload(values, DType::f32, {4096});
+  DeviceTensor out = poisoned(DType::f32, {4096}), seen = poisoned(DType::f32, {4096});
+  SideStream side;
+  busy.queue(40);  // the transfer starts after these
+  comm::Request r = c.start_all_gather(in.t, out.t, comm::Traffic::gather);
+  {
+    cuda::StreamScope scope(side.s);
+    EXPECT_EQ(cuda::stream(), side.s);
+    r.wait();
+    mt::copy(seen.t, out.t);
+  }
+  cuda::join(cuda::main_stream(), side.s);
+  EXPECT_EQ(download(seen.t), values);
+}
+
+TEST(CudaStreams, ScopesNestAndEachStreamHasItsOwnBuffers) {
+  MT_SKIP_WITHOUT_GPU();
+  EXPECT_EQ(cuda::stream(), cuda::main_stream());
+  void* main_scratch = cuda::scratch(1024);
+  void* main_blaslt = cuda::blaslt_workspace();
+  SideStream a, b;
+  {
+    cuda::StreamScope in_a(a.s);
+    EXPECT_EQ(cuda::stream(), a.s);
+    void* a_scratch = cuda::scratch(1024);
+    EXPECT_NE(a_scratch, main_scratch);
+    EXPECT_EQ(cuda::scratch(512), a_scratch) << "a stream's scratch is reused while large enough";
+    EXPECT_NE(cuda::blaslt_workspace(), main_blaslt);
+    {
+      cuda::StreamScope in_b(b.s);
+      EXPECT_EQ(cuda::stream(), b.s);
+      EXPECT_NE(cuda::scratch(1024), a_scratch);
+      EXPECT_NE(cuda::scratch(1024), main_scratch);
+    }
+    EXPECT_EQ(cuda::stream(), a.s);
+    EXPECT_EQ(cuda::scratch(1024), a_scratch);
+  }
+  EXPECT_EQ(cuda::stream(), cuda::main_stream());
+  EXPECT_EQ(cuda::scratch(1024), main_scratch);
+  EXPECT_EQ(cuda::blaslt_workspace(), main_blaslt);
+}
+
+// Ops that use the per-stream buffers: a cuBLASLt product (its workspace), RMSNorm's
+// weight gradient and the router's probability sums (scratch partials), the grouped
+// GEMM (its workspace), attention forward and backward (cuDNN's handle and workspace
+// where it applies, else our kernel's scratch) and the cross-entropy sum (scratch, then
+// a wait for the current stream). Every output is written afresh by each run().
+struct ScratchWork {
+  explicit ScratchWork(uint64_t seed)
+      : a(upload(random_floats(1024 * 1024, -1, 1, seed), DType::bf16, {1024, 1024})),
+        b(upload(random_floats(1024 * 1024, -1, 1, seed + 1), DType::bf16, {1024, 1024})),
+        x(upload(random_floats(8192 * 1024, -2, 2, seed + 2), DType::bf16, {8192, 1024})),
+        dy(upload(random_floats(8192 * 1024, -1, 1, seed + 3), DType::bf16, {8192, 1024})),
+        w(upload(random_floats(1024, 0.5f, 1.5f, seed + 4), DType::f32, {1024})),
+        probs(upload(random_floats(8192 * 64, 0, 1, seed + 5), DType::f32, {8192, 64})),
+        gx(upload(random_floats(4096 * 512, -1, 1, seed + 6), DType::bf16, {4096, 512})),
+        gw(upload(random_floats(8 * 512 * 512, -1, 1, seed + 7), DType::bf16, {8, 512, 512})),
+        offsets(upload(std::vector<int32_t>{0, 100, 612, 612, 1500, 2048, 3000, 4000, 4096}, {9})),
+        q(upload(random_floats(2 * 512 * 8 * 64, -2, 2, seed + 8), DType::bf16, {2, 512, 8, 64})),
+        k(upload(random_floats(2 * 512 * 2 * 64, -2, 2, seed + 9), DType::bf16, {2, 512, 2, 64})),
+        v(upload(random_floats(2 * 512 * 2 * 64, -1, 1, seed + 10), DType::bf16, {2, 512, 2, 64})),
+        dout(upload(random_floats(2 * 512 * 8 * 64, -1, 1, seed + 11), DType::bf16, {2, 512, 8, 64})),
+        logits(upload(random_floats(2048 * 4096, -4, 4, seed + 12), DType::bf16, {2048, 4096})),
+        labels(upload(random_ints(2048, 0, 4095, seed + 13), {2048})) {
+    args.scale = 0.125f;
+  }
+
+  // Queues everything on the current stream; the cross-entropy sum waits for it.
+  cpu::CrossEntropySum run() {
+    mt::gemm(a.t, b.t, c.t, false, true);
+    mt::rmsnorm_forward(x.t, w.t, 1e-6f, y.t, rstd.t);
+    mt::fill(dw.t, 0.0f);
+    mt::rmsnorm_backward(x.t, w.t, rstd.t, dy.t, Tensor(), dw.t);
+    mt::router_prob_sum(probs.t, sums.t);
+    mt::grouped_gemm(gx.t, gw.t, Tensor(), offsets.t, gy.t);
+    mt::attention_forward(q.t, k.t, v.t, Tensor(), args, out.t, lse.t);
+    mt::attention_backward(q.t, k.t, v.t, Tensor(), args, out.t, lse.t, dout.t, dq.t, dk.t, dv.t, Tensor());
+    return mt::cross_entropy_forward(logits.t, labels.t, -100, ce_lse.t);
+  }
+
+  void poison() {
+    for (DeviceTensor* t : {&c, &y, &rstd, &dw, &sums, &gy, &out, &lse, &dq, &dk, &dv, &ce_lse}) t->poison();
+  }
+
+  // Outputs that repeat bit for bit, then cuDNN's attention gradients (its backward adds
+  // dQ with atomics, so those may differ in the last bits).
+  std::vector<std::pair<std::string, std::vector<float>>> exact() const {
+    return {{"gemm", download(c.t)},     {"rmsnorm y", download(y.t)},  {"rmsnorm dw", download(dw.t)},
+            {"prob sums", download(sums.t)}, {"grouped gemm", download(gy.t)}, {"attention out", download(out.t)},
+            {"attention lse", download(lse.t)}, {"cross-entropy lse", download(ce_lse.t)}};
+  }
+  std::vector<std::pair<std::string, std::vector<float>>> gradients() const {
+    return {{"dq", download(dq.t)}, {"dk", download(dk.t)}, {"dv", download(dv.t)}};
+  }
+
+  DeviceTensor a, b, x, dy, w, probs, gx, gw, offsets, q, k, v, dout, logits, labels;
+  DeviceTensor c = poisoned(DType::f32, {1024, 1024});
+  DeviceTensor y = poisoned(DType::bf16, {8192, 1024}), rstd = poisoned(DType::f32, {8192});
+  DeviceTensor dw = poisoned(DType::f32, {1024}), sums = poisoned(DType::f32, {64});
+  DeviceTensor gy = poisoned(DType::bf16, {4096, 512});
+  DeviceTensor out = poisoned(DType::bf16, {2, 512, 8, 64}), lse = poisoned(DType::f32, {2, 8, 512});
+  DeviceTensor dq = poisoned(DType::bf16, {2, 512, 8, 64});
+  DeviceTensor dk = poisoned(DType::bf16, {2, 512, 2, 64}), dv = poisoned(DType::bf16, {2, 512, 2, 64});
+  DeviceTensor ce_lse = poisoned(DType::f32, {2048});
+  cpu::AttentionArgs args;
+};
+
+// Two problems queued on two streams at once, interleaved, repeatedly, give what they
+// give one after the other on the main stream: no buffer is shared between the streams.
+TEST(CudaStreams, TwoStreamsAtOnceGiveWhatOneStreamGives) {
+  MT_SKIP_WITHOUT_GPU();
+  ScratchWork one(200), two(300);
+  const cpu::CrossEntropySum ce_one = one.run(), ce_two = two.run();
+  const auto exact_one = one.exact(), exact_two = two.exact();
+  const auto grads_one = one.gradients(), grads_two = two.gradients();
+  one.poison();
+  two.poison();
+
+  SideStream s1, s2;
+  cuda::join(s1.s, cuda::main_stream());
+  cuda::join(s2.s, cuda::main_stream());
+  cpu::CrossEntropySum got_one, got_two;
+  for (int round = 0; round < 3; ++round) {
+    // The first cross-entropy sum waits for its stream only, the other stream runs on.
+    {
+      cuda::StreamScope scope(s1.s);
+      got_one = one.run();
+    }
+    {
+      cuda::StreamScope scope(s2.s);
+      got_two = two.run();
+    }
+  }
+  cuda::join(cuda::main_stream(), s1.s);
+  cuda::join(cuda::main_stream(), s2.s);
+  EXPECT_EQ(got_one.loss_sum, ce_one.loss_sum);
+  EXPECT_EQ(got_one.count, ce_one.count);
+  EXPECT_EQ(got_two.loss_sum, ce_two.loss_sum);
+  EXPECT_EQ(got_two.count, ce_two.count);
+  for (auto [work, want_exact, want_grads] :
+       {std::tuple{&one, &exact_one, &grads_one}, std::tuple{&two, &exact_two, &grads_two}}) {
+    const auto got_exact = work->exact(), got_grads = work->gradients();
+    for (size_t i = 0; i < want_exact->size(); ++i)
+      EXPECT_TRUE(got_exact[i].second == (*want_exact)[i].second) << (*want_exact)[i].first << " differs";
+    for (size_t i = 0; i < want_grads->size(); ++i) {
+      const std::vector<float>& want = (*want_grads)[i].second;
+      EXPECT_TRUE(near((*want_grads)[i].first, got_grads[i].second, want, Tol(2 * kBf16Round, 1e-3 * max_abs(want))));
+    }
+  }
 }
 
 // k distinct experts of E for each of n tokens, from `seed`.

@@ -19,6 +19,7 @@
 #include <exception>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -57,12 +58,17 @@ struct State {
   bool enabled = true;
   bool handle_failed = false;  // cudnnCreate failed once: never try again
   cudnnHandle_t handle = nullptr;
+  cudaStream_t bound = nullptr;  // the stream the handle was last set to
   std::map<GraphKey, Plan> plans;
   int64_t calls = 0;
 };
 
-// One process drives one GPU from one host thread (see runtime.h), so this is plain
-// per-process state, like the cuBLASLt handle.
+// Per process, like the cuBLASLt handle; every use holds state_mutex().
+std::mutex& state_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 State& state() {
   static State s = [] {
     State init;
@@ -77,22 +83,24 @@ void warn(const std::string& what) {
   std::fprintf(stderr, "moetrain: cuDNN attention: %s; running the built-in attention kernel instead\n", what.c_str());
 }
 
-// The handle, bound to the backend's stream; null (reported once) when cuDNN cannot start.
+// The handle, set to the current stream; null (reported once) when cuDNN cannot start.
 cudnnHandle_t handle() {
   State& s = state();
-  if (s.handle != nullptr || s.handle_failed) return s.handle;
-  cudnnHandle_t h = nullptr;
-  cudnnStatus_t st = cudnnCreate(&h);
-  if (st == CUDNN_STATUS_SUCCESS) st = cudnnSetStream(h, stream());
-  if (st != CUDNN_STATUS_SUCCESS) {
-    s.handle_failed = true;
-    warn(std::string("cudnnCreate/cudnnSetStream failed: ") + cudnnGetErrorString(st) + " (cuDNN " +
-         std::to_string(cudnnGetVersion()) + ")");
-    if (h != nullptr) cudnnDestroy(h);
-    return nullptr;
+  if (s.handle == nullptr && !s.handle_failed) {
+    cudnnStatus_t st = cudnnCreate(&s.handle);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      s.handle_failed = true;
+      s.handle = nullptr;
+      warn(std::string("cudnnCreate failed: ") + cudnnGetErrorString(st) + " (cuDNN " +
+           std::to_string(cudnnGetVersion()) + ")");
+    }
   }
-  s.handle = h;
-  return h;
+  if (s.handle != nullptr && s.bound != stream()) {
+    const cudnnStatus_t st = cudnnSetStream(s.handle, stream());
+    MT_CHECK(st == CUDNN_STATUS_SUCCESS) << "cudnnSetStream to the current stream failed: " << cudnnGetErrorString(st);
+    s.bound = stream();
+  }
+  return s.handle;
 }
 
 // A [B,S,H,D] row-major tensor as cuDNN's [B,H,S,D].
@@ -216,14 +224,24 @@ bool run(const GraphKey& key, std::unordered_map<int64_t, void*>& pack) {
 
 }  // namespace
 
-void set_attention_cudnn(bool enabled) { state().enabled = enabled; }
+void set_attention_cudnn(bool enabled) {
+  std::lock_guard<std::mutex> lock(state_mutex());
+  state().enabled = enabled;
+}
 
-bool attention_cudnn_enabled() { return state().enabled; }
+bool attention_cudnn_enabled() {
+  std::lock_guard<std::mutex> lock(state_mutex());
+  return state().enabled;
+}
 
-int64_t attention_cudnn_calls() { return state().calls; }
+int64_t attention_cudnn_calls() {
+  std::lock_guard<std::mutex> lock(state_mutex());
+  return state().calls;
+}
 
 bool cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                              const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
+  std::lock_guard<std::mutex> lock(state_mutex());
   GraphKey key{};
   if (!applies(q, k, sinks, a, key)) return false;
   for (const Tensor* t : {&q, &k, &v, &out, &lse})
@@ -236,6 +254,7 @@ bool cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 bool cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                               const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  std::lock_guard<std::mutex> lock(state_mutex());
   GraphKey key{};
   if (!applies(q, k, sinks, a, key)) return false;
   key.backward = true;

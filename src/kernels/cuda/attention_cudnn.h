@@ -18,8 +18,10 @@
 // One graph is built per (shape, mask, scale, direction) on first use and cached (cuDNN
 // compiles its attention kernels with NVRTC then, so libnvrtc must be loadable); a shape
 // cuDNN cannot build (or execute) is remembered, reported once on stderr, and runs our
-// kernel from then on. Graphs run on cuda::stream() through one cudnnHandle, with
-// cuda::scratch() as their workspace.
+// kernel from then on. Graphs run on the current stream (runtime.h) through one
+// cudnnHandle, set to that stream at each call, with that stream's scratch() as their
+// workspace; the handle and the cache are used under a lock, so two streams (or threads)
+// never share a workspace or race on the handle's stream.
 //
 // Determinism: cuDNN's backward on Hopper accumulates dQ across key blocks with f32
 // atomics, so its results may differ in the last bits from run to run. Its deterministic

@@ -5,6 +5,7 @@
 // column-major X^T [c,r] with the same leading dimension, so C = op(A) op(B) is
 // computed as the column-major C^T = op(B)^T op(A)^T: operands swapped, no copies.
 #include <map>
+#include <mutex>
 #include <tuple>
 
 #include "kernels/cuda/runtime.h"
@@ -42,9 +43,12 @@ struct Plan {
 
 // Descriptors and the heuristic's pick, made once per shape: the heuristic query costs
 // far more than the product for small shapes. Kept for the process's lifetime (see
-// runtime.cu on why CUDA-side objects are never destroyed).
+// runtime.cu on why CUDA-side objects are never destroyed), shared by every stream and
+// thread (a map's entries stay put as it grows, so a returned plan outlives the lock).
 const Plan& plan_for(const PlanKey& key) {
+  static std::mutex m;
   static auto* plans = new std::map<PlanKey, Plan>();
+  std::lock_guard<std::mutex> lock(m);
   auto found = plans->find(key);
   if (found != plans->end()) return found->second;
 
@@ -102,6 +106,7 @@ void matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, cons
   }
   PlanKey key{ta, tb, m, n, k, lda, ldb, ldc, c.dtype == DType::f32, alignment(a), alignment(b), alignment(c.data)};
   const Plan& p = plan_for(key);
+  // The workspace is the current stream's, so products on two streams never share one.
   CUBLAS_CHECK(cublasLtMatmul(blaslt(), p.desc, &alpha, b, p.la, a, p.lb, &beta, c.data, p.lc, c.data, p.lc,
                               &p.algo, blaslt_workspace(), kBlasltWorkspaceBytes, stream()));
 }

@@ -43,7 +43,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/arena.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
 
@@ -188,22 +187,6 @@ __global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t rows, 
     out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// Device memory kept across calls: CUTLASS's workspace (a TMA descriptor per SM and
-// operand) followed by the per-expert arrays. It grows when a launch needs more (the
-// first one, or more experts) and is reused after that; launches queue on stream() in
-// order, so each one's arrays are written after the previous one has read its own.
-char* workspace(size_t bytes) {
-  static char* buffer = nullptr;
-  static size_t capacity = 0;
-  if (bytes > capacity) {
-    // device_free waits for the device, so no queued launch still reads the old buffer.
-    device_free(Device::cuda, buffer);
-    capacity = bytes;
-    buffer = static_cast<char*>(device_alloc(Device::cuda, capacity));
-  }
-  return buffer;
-}
-
 // Hands out 256-byte aligned pieces from `base`; with base = nullptr it only measures.
 struct Carve {
   char* base;
@@ -253,7 +236,11 @@ void launch(Plan<Gemm> p, float beta) {
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
   Carve measure{nullptr, cutlass_bytes};
   carve_groups<Gemm>(measure, p.experts);
-  char* ws = workspace(measure.used);
+  // Device memory kept across calls, one per stream (runtime.h): CUTLASS's workspace (a
+  // TMA descriptor per SM and operand) followed by the per-expert arrays. Launches on one
+  // stream queue in order, so each one's arrays are written after the previous one has
+  // read its own.
+  char* ws = static_cast<char*>(stream_buffer(StreamBuffer::grouped_gemm, measure.used));
   Carve carve{ws, cutlass_bytes};
   p.out = carve_groups<Gemm>(carve, p.experts);
 

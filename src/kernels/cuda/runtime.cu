@@ -1,9 +1,14 @@
 #include "kernels/cuda/runtime.h"
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <mutex>
 #include <sstream>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
-#include "core/arena.h"
 #include "kernels/cuda/device.h"
 
 namespace mt::cuda {
@@ -19,15 +24,126 @@ void fail_cublas(cublasStatus_t s, const char* call, const char* file, int line)
   __builtin_unreachable();
 }
 
-// The handles below live for the whole process and are never destroyed: at static
-// destruction the CUDA runtime may already be gone, and destroying them then fails.
-cudaStream_t stream() {
+// The handles and tables below live for the whole process and are never destroyed: at
+// static destruction the CUDA runtime may already be gone, and destroying them then
+// fails.
+namespace {
+
+thread_local cudaStream_t t_current = nullptr;  // null: the main stream
+
+// Events for ordering only, reused: creating one per cross-stream wait would cost a
+// driver call each time on the step's path.
+std::mutex& events_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::vector<cudaEvent_t>& free_events() {
+  static auto* v = new std::vector<cudaEvent_t>();
+  return *v;
+}
+
+cudaError_t take_event(cudaEvent_t& e) {
+  {
+    std::lock_guard<std::mutex> lock(events_mutex());
+    if (!free_events().empty()) {
+      e = free_events().back();
+      free_events().pop_back();
+      return cudaSuccess;
+    }
+  }
+  return cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+}
+
+void give_event(cudaEvent_t e) noexcept {
+  if (e == nullptr) return;
+  std::lock_guard<std::mutex> lock(events_mutex());
+  free_events().push_back(e);
+}
+
+// The stream that frees memory let go of on a stream other than its own (stream_free),
+// made before the first allocation so that stream_free creates nothing and cannot fail
+// to. The first call also sets the default pool's release threshold, 0, which hands
+// freed memory back to the driver at every synchronisation, to keep it instead, as the
+// arenas' pool does.
+cudaStream_t release_stream() {
+  static const cudaStream_t release = [] {
+    int dev = 0;
+    cudaMemPool_t pool = nullptr;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+    uint64_t keep = UINT64_MAX;
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    cudaStream_t created = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return release;
+}
+
+// Which stream each stream_alloc block was allocated on, for its free.
+std::mutex& allocs_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<void*, cudaStream_t>& allocs() {
+  static auto* m = new std::unordered_map<void*, cudaStream_t>();
+  return *m;
+}
+
+constexpr size_t kStreamBufferKinds = 3;
+struct StreamBuffers {
+  cudaStream_t stream;
+  std::array<void*, kStreamBufferKinds> data{};
+  std::array<size_t, kStreamBufferKinds> capacity{};
+};
+
+}  // namespace
+
+cudaStream_t main_stream() {
   static cudaStream_t s = [] {
     cudaStream_t created = nullptr;
     CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
     return created;
   }();
   return s;
+}
+
+cudaStream_t stream() { return t_current != nullptr ? t_current : main_stream(); }
+
+StreamScope::StreamScope(cudaStream_t s) : previous_(t_current) {
+  MT_CHECK(s != nullptr) << "StreamScope wants a stream the caller created, got the legacy default stream (null), "
+                            "which would serialise with every blocking stream";
+  t_current = s;
+}
+
+StreamScope::~StreamScope() { t_current = previous_; }
+
+Event Event::record(cudaStream_t s) {
+  cudaEvent_t e = nullptr;
+  CUDA_CHECK(take_event(e));
+  Event marked(e);
+  CUDA_CHECK(cudaEventRecord(e, s));
+  return marked;
+}
+
+void Event::wait(cudaStream_t s) const {
+  if (e_ != nullptr) CUDA_CHECK(cudaStreamWaitEvent(s, e_, 0));
+}
+
+Event::~Event() { give_event(e_); }
+
+Event::Event(Event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+
+Event& Event::operator=(Event&& o) noexcept {
+  if (this != &o) {
+    give_event(e_);
+    e_ = std::exchange(o.e_, nullptr);
+  }
+  return *this;
+}
+
+void join(cudaStream_t waiter, cudaStream_t producer) {
+  if (waiter != producer) Event::record(producer).wait(waiter);
 }
 
 void synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream())); }
@@ -41,44 +157,66 @@ cublasLtHandle_t blaslt() {
   return h;
 }
 
-void* blaslt_workspace() {
-  static void* w = device_alloc(Device::cuda, kBlasltWorkspaceBytes);
-  return w;
-}
+void* blaslt_workspace() { return stream_buffer(StreamBuffer::blaslt, kBlasltWorkspaceBytes); }
 
-void* scratch(size_t bytes) {
-  static void* buffer = nullptr;
-  static size_t capacity = 0;
-  if (bytes > capacity) {
-    // device_free waits for the device, so no queued kernel still reads the old buffer.
-    device_free(Device::cuda, buffer);
-    capacity = bytes;
-    buffer = device_alloc(Device::cuda, capacity);
+void* stream_buffer(StreamBuffer kind, size_t bytes) {
+  static std::mutex m;
+  static auto* table = new std::vector<StreamBuffers>();
+  release_stream();
+  const cudaStream_t s = stream();
+  const size_t k = static_cast<size_t>(kind);
+  std::lock_guard<std::mutex> lock(m);
+  auto it = std::find_if(table->begin(), table->end(), [&](const StreamBuffers& b) { return b.stream == s; });
+  if (it == table->end()) it = table->insert(table->end(), StreamBuffers{s});
+  if (bytes > it->capacity[k]) {
+    // Only work on s used the old buffer, and it is queued before this free.
+    if (it->data[k] != nullptr) CUDA_CHECK(cudaFreeAsync(it->data[k], s));
+    it->data[k] = nullptr;
+    it->capacity[k] = 0;
+    CUDA_CHECK(cudaMallocAsync(&it->data[k], bytes, s));
+    it->capacity[k] = bytes;
   }
-  return buffer;
+  return it->data[k];
 }
 
 void* stream_alloc(size_t bytes) {
-  // The default pool's release threshold is 0, which hands freed memory back to the
-  // driver at every synchronisation; keep it instead, as the arenas' pool does.
-  static const bool kept = [] {
-    int dev = 0;
-    cudaMemPool_t pool = nullptr;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-    uint64_t keep = UINT64_MAX;
-    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-    return true;
-  }();
-  (void)kept;
+  release_stream();
   if (bytes == 0) return nullptr;
+  const cudaStream_t s = stream();
   void* p = nullptr;
-  CUDA_CHECK(cudaMallocAsync(&p, bytes, stream()));
+  CUDA_CHECK(cudaMallocAsync(&p, bytes, s));
+  std::lock_guard<std::mutex> lock(allocs_mutex());
+  allocs()[p] = s;
   return p;
 }
 
 void stream_free(void* p) {
-  if (p != nullptr) cudaFreeAsync(p, stream());
+  if (p == nullptr) return;
+  const cudaStream_t now = stream();
+  cudaStream_t born = now;
+  {
+    std::lock_guard<std::mutex> lock(allocs_mutex());
+    auto it = allocs().find(p);
+    if (it != allocs().end()) {
+      born = it->second;
+      allocs().erase(it);
+    }
+  }
+  if (born == now) {
+    cudaFreeAsync(p, now);
+    return;
+  }
+  // Let go of on another stream than its own: free it on the release stream once both
+  // are done with what they have queued, so that neither waits for the other. Errors
+  // are not thrown from here (destructors call it); a failed wait leaves the memory out
+  // of the pool rather than reused early.
+  const cudaStream_t release = release_stream();
+  cudaEvent_t e = nullptr;
+  bool ordered = take_event(e) == cudaSuccess;
+  for (cudaStream_t s : {born, now})
+    ordered = ordered && cudaEventRecord(e, s) == cudaSuccess && cudaStreamWaitEvent(release, e, 0) == cudaSuccess;
+  give_event(e);
+  if (ordered) cudaFreeAsync(p, release);
 }
 
 void select_device(int local_rank) {

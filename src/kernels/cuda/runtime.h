@@ -1,19 +1,39 @@
-// What every CUDA kernel file shares: the stream the backend runs on, the cuBLASLt
-// handle and its workspace, a scratch buffer for multi-pass reductions, host<->device
-// copies, argument checks, and error checks that report through mt::Error.
+// What every CUDA kernel file shares: the stream work goes to and the device buffers
+// tied to it, the cuBLASLt handle, host<->device copies, argument checks, and error
+// checks that report through mt::Error.
 //
 //   CUDA_CHECK(cudaMemcpyAsync(...));   // throws: call, file, line, CUDA's error string
 //   kernel<<<grid, block, 0, stream()>>>(...);
 //   CUDA_CHECK_LAUNCH();                // a bad launch is reported at the launch site
 //
-// One process drives one GPU (one rank per GPU), so this state is per process and
-// belongs to the device that was current at first use.
+// Streams. Every kernel, copy and library call goes to stream(): the calling thread's
+// current stream, which is the backend's main stream (main_stream()) unless a
+// StreamScope names another. Work on one stream is ordered without events; between
+// streams, join() or an Event orders it.
+//
+//   cuda::StreamScope scope(second);     // this thread's ops now queue on `second`
+//   cuda::join(second, cuda::main_stream());  // ... after what the main stream has queued
+//
+// What is per stream: scratch(), the cuBLASLt workspace, the grouped GEMM's workspace
+// and cuDNN's workspace (scratch) are one buffer per stream they are used on, so two
+// streams running at once never share one; synchronize() and copy() wait for the
+// current stream only; stream_alloc hands out memory ordered on the current stream.
+// What is per process: the main stream, the cuBLASLt handle, cuDNN's handle (set to the
+// current stream at each call), the plan caches and the event pool. The shared tables
+// are behind locks, so threads may each drive a stream of their own; one stream is
+// driven by one thread at a time. Streams given to StreamScope must live as long as the
+// process or be synchronised before they are destroyed: their buffers are kept under the
+// stream's handle, which CUDA may hand out again.
+//
+// One process drives one GPU (one rank per GPU), so this state belongs to the device
+// that was current at first use.
 #pragma once
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <initializer_list>
 
 #include "core/tensor.h"
@@ -23,31 +43,81 @@ namespace mt::cuda {
 [[noreturn]] void fail_cuda(cudaError_t e, const char* call, const char* file, int line);
 [[noreturn]] void fail_cublas(cublasStatus_t s, const char* call, const char* file, int line);
 
-// Every kernel, copy and cuBLASLt call of the backend runs on this one stream, so the
-// backend's work is ordered without events. Non-blocking: it does not serialise with
-// the legacy default stream (a library's or a test's stray cudaMemcpy would otherwise
-// stall it); the arena's allocations synchronise before they are handed out.
+// The backend's own stream, created at first use. Non-blocking: it does not serialise
+// with the legacy default stream (a library's or a test's stray cudaMemcpy would
+// otherwise stall it); the arena's allocations synchronise before they are handed out.
+cudaStream_t main_stream();
+// The calling thread's current stream: main_stream() outside any StreamScope.
 cudaStream_t stream();
-void synchronize();  // waits for everything queued on stream()
+
+// Makes `s` the calling thread's current stream until the scope ends, then restores the
+// one before (scopes nest).
+class StreamScope {
+ public:
+  explicit StreamScope(cudaStream_t s);
+  ~StreamScope();
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+ private:
+  cudaStream_t previous_;
+};
+
+// A point in a stream's queue that other streams can wait for: an event without timing,
+// from a process-wide pool, and back in it when destroyed. A wait already queued keeps
+// the point it was given, so the Event may be destroyed or recorded again right after.
+class Event {
+ public:
+  Event() = default;  // marks nothing; waiting for it does nothing
+  // What `s` has queued so far.
+  static Event record(cudaStream_t s);
+  // `s` runs nothing more until the marked work is done (the host does not wait).
+  void wait(cudaStream_t s) const;
+  ~Event();
+  Event(Event&& o) noexcept;
+  Event& operator=(Event&& o) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+ private:
+  explicit Event(cudaEvent_t e) : e_(e) {}
+  cudaEvent_t e_ = nullptr;
+};
+
+// `waiter` runs nothing more until what `producer` has queued so far is done; later work
+// on `producer` is not waited for. Nothing when they are the same stream.
+void join(cudaStream_t waiter, cudaStream_t producer);
+
+// Waits (on the host) for everything queued on the current stream.
+void synchronize();
 
 cublasLtHandle_t blaslt();
-// cuBLASLt's workspace: 32 MiB, what NVIDIA recommends on Hopper.
+// cuBLASLt's workspace: 32 MiB, what NVIDIA recommends on Hopper; the current stream's.
 constexpr size_t kBlasltWorkspaceBytes = size_t{32} << 20;
 void* blaslt_workspace();
 
-// A device buffer of at least `bytes` for the partial results of multi-pass reductions
-// (loss sums, norms, column sums). It grows when a larger one is asked for (the first
-// step of a run) and is then reused, so a steady-state step allocates nothing. Valid
-// until the next call; work queued on stream() is ordered, so consecutive ops can
-// each use it.
-void* scratch(size_t bytes);
+// Device buffers kept per stream, one of each kind for every stream that asks: a buffer
+// of at least `bytes`, grown (stream-ordered: the old one is freed after the work queued
+// on the stream that used it) when a larger one is asked for, on the first step of a
+// run, and reused after that, so a steady-state step allocates nothing. Valid until the
+// next call for the same kind on the same stream; work on one stream is ordered, so
+// consecutive ops can each use it.
+enum class StreamBuffer : uint8_t { scratch, blaslt, grouped_gemm };
+void* stream_buffer(StreamBuffer kind, size_t bytes);
 
-// Device memory ordered on stream(), for temporaries whose size is known only at run
-// time (the expert-parallel plans and transfers, ring attention's blocks): usable at
-// once by work queued on stream() (or on a stream ordered after it), and back in the
-// pool once the work queued before stream_free is done, with no synchronisation
-// either way. From the device's default pool, told to keep what is freed for the next
-// request. stream_free(nullptr) does nothing and never throws (it runs in destructors).
+// The current stream's buffer for the partial results of multi-pass reductions (loss
+// sums, norms, column sums) and cuDNN's workspace.
+inline void* scratch(size_t bytes) { return stream_buffer(StreamBuffer::scratch, bytes); }
+
+// Device memory ordered on the current stream, for temporaries whose size is known only
+// at run time (the expert-parallel plans and transfers, ring attention's blocks): usable
+// at once by work queued on that stream (or on a stream ordered after it). stream_free
+// returns it to the pool once the work queued so far on the stream that allocated it
+// and on the current stream is done (on a stream of its own when those differ, so
+// neither waits for the other), with no host synchronisation either way. Work on other
+// streams that used it must be joined into one of those two first. From the device's
+// default pool, told to keep what is freed for the next request. stream_free(nullptr)
+// does nothing and never throws (it runs in destructors).
 void* stream_alloc(size_t bytes);
 void stream_free(void* p);
 
@@ -57,8 +127,9 @@ void stream_free(void* p);
 // made). Without a usable GPU it does nothing: a CPU run needs none.
 void select_device(int local_rank);
 
-// dst = src, same dtype and element count, any pair of devices. Synchronises when
-// either side is host memory, so the host buffer is free (or filled) on return.
+// dst = src, same dtype and element count, any pair of devices, on the current stream.
+// Synchronises that stream when either side is host memory, so the host buffer is free
+// (or filled) on return.
 void copy(const Tensor& dst, const Tensor& src);
 
 // A kernel argument: on the GPU, one of `allowed` dtypes, exactly `shape`, with storage.
