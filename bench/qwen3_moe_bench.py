@@ -122,6 +122,8 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, 
         print("  step time by stage: " + ", ".join(f"{k} {v:.1f} ms ({100*v/total:.0f}%)"
                                                    for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])),
               flush=True)
+        if "host_waits" in rows[-1]:
+            print(f"  host waits for the device in the last step: {rows[-1]['host_waits']}", flush=True)
         planned = max(r["memory_bytes"] for r in rows)
         held = max(r.get("device_memory_bytes", 0) for r in rows)
         print(f"  memory: planned arenas {planned/1e9:.1f} GB, held on the device (measured) {held/1e9:.1f} GB",

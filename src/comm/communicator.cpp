@@ -268,7 +268,7 @@ void Request::wait() {
   if (!im->mpi.empty())
     check_mpi(MPI_Waitall(static_cast<int>(im->mpi.size()), im->mpi.data(), MPI_STATUSES_IGNORE), im->where);
 #ifdef MOETRAIN_WITH_CUDA
-  im->done.wait(cuda::stream());
+  if (im->done.marks()) im->done.wait(cuda::stream());
 #endif
 }
 

@@ -16,6 +16,7 @@
 #include "kernels/elementwise.h"
 #ifdef MOETRAIN_WITH_CUDA
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/runtime.h"
 #endif
 #include "parallel/context_parallel.h"
 #include "train/schedule.h"
@@ -234,6 +235,9 @@ void Trainer::release_weights() {
 StepResult Trainer::step() {
   if (stashes_.empty()) make_stashes();
   auto start = std::chrono::steady_clock::now();
+#ifdef MOETRAIN_WITH_CUDA
+  const int64_t host_waits_at_start = model_.device() == Device::cuda ? cuda::host_waits() : 0;
+#endif
   const TrainingConfig& t = cfg_.training;
   // Token matrices and corpus windows label every position: the mean is over all.
   const int64_t count = global_batch_ * seq_;
@@ -416,7 +420,10 @@ StepResult Trainer::step() {
   for (const auto& s : stashes_) bytes += s->bytes;
   r.memory_bytes = bytes;
 #ifdef MOETRAIN_WITH_CUDA
-  if (model_.device() == Device::cuda) r.device_memory_bytes = cuda::memory_held();
+  if (model_.device() == Device::cuda) {
+    r.device_memory_bytes = cuda::memory_held();
+    r.host_waits = cuda::host_waits() - host_waits_at_start;
+  }
 #endif
   return r;
 }
@@ -452,7 +459,10 @@ std::string step_json(const StepResult& r) {
   j["lr"] = r.lr;
   j["tokens_per_s"] = r.tokens_per_s;
   j["memory_bytes"] = r.memory_bytes;
-  if (r.device_memory_bytes > 0) j["device_memory_bytes"] = r.device_memory_bytes;
+  if (r.device_memory_bytes > 0) {
+    j["device_memory_bytes"] = r.device_memory_bytes;
+    j["host_waits"] = r.host_waits;
+  }
   j["expert_counts"] = r.expert_counts;
   j["dropped_slots"] = r.dropped_slots;
   if (!r.breakdown_ms.empty()) {

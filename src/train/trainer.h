@@ -39,6 +39,7 @@ struct StepResult {
   double tokens_per_s = 0;
   size_t memory_bytes = 0;   // parameters, gradients, optimizer state, activations (planned)
   size_t device_memory_bytes = 0;  // GPU: what the process holds on the device, measured
+  int64_t host_waits = 0;  // GPU: times the host waited for the device during the step
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert (kept)
   int64_t dropped_slots = 0;  // (token, expert) slots over capacity (training.capacity_factor)
   std::vector<std::pair<std::string, double>> breakdown_ms;  // metrics.profile: time per stage

@@ -612,6 +612,7 @@ void read_counts(std::initializer_list<Tensor> arrays, int32_t* out) {
     at += static_cast<size_t>(a.numel());
   }
   CUDA_CHECK(cudaEventRecord(pinned.done, stream()));
+  count_host_wait();
   CUDA_CHECK(cudaEventSynchronize(pinned.done));
   std::memcpy(out, pinned.host, total * sizeof(int32_t));
 }

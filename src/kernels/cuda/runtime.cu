@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <sstream>
@@ -146,7 +147,17 @@ void join(cudaStream_t waiter, cudaStream_t producer) {
   if (waiter != producer) Event::record(producer).wait(waiter);
 }
 
-void synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream())); }
+namespace {
+std::atomic<int64_t> g_host_waits{0};
+}
+
+void count_host_wait() { ++g_host_waits; }
+int64_t host_waits() { return g_host_waits.load(); }
+
+void synchronize() {
+  count_host_wait();
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
 
 cublasLtHandle_t blaslt() {
   static cublasLtHandle_t h = [] {

@@ -73,6 +73,9 @@ class Event {
   static Event record(cudaStream_t s);
   // `s` runs nothing more until the marked work is done (the host does not wait).
   void wait(cudaStream_t s) const;
+  // Whether it marks anything (a CPU transfer's Request has nothing to wait for, and
+  // must not touch the CUDA runtime: the machine may have no GPU).
+  bool marks() const { return e_ != nullptr; }
   ~Event();
   Event(Event&& o) noexcept;
   Event& operator=(Event&& o) noexcept;
@@ -90,6 +93,10 @@ void join(cudaStream_t waiter, cudaStream_t producer);
 
 // Waits (on the host) for everything queued on the current stream.
 void synchronize();
+// Times the host has waited for the device (synchronize, and the expert plan's
+// count reads), since the process started: metrics.jsonl reports it per step.
+void count_host_wait();
+int64_t host_waits();
 
 cublasLtHandle_t blaslt();
 // cuBLASLt's workspace: 32 MiB, what NVIDIA recommends on Hopper; the current stream's.
