@@ -157,6 +157,7 @@ struct LayerActs {
   // (xs .. d_xs are allocated for the most R can be and used as rows(0, R)), `back`,
   // every slot's expert output returned to this rank [N*k, D], and the exchange a
   // dispatch or combine stage started, until its finish.
+  parallel::RoutedMark routed;  // where the router's idx is complete
   parallel::EpPlan plan;
   Tensor back;
   parallel::EpExchange exchange;
@@ -617,6 +618,8 @@ void Qwen3Moe::attention_forward_stage(int64_t l, Qwen3Stash& s) {
       mt::copy(x.idx, s.balanced_idx);
       mt::fill(x.weight, 1.0f / static_cast<float>(c_.top_k));
     }
+    // The expert plan waits for the router, not for what a schedule queues after it.
+    if (ep_) x.routed = parallel::mark_routed(x.idx);
   }
 }
 
@@ -670,7 +673,8 @@ void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
     case Stage::dispatch:
       if (moe && ep_) {
         // The experts see the ep ranks' micro-batches end to end: the capacity is theirs.
-        x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(s.batch * s.seq * ep_->size()));
+        x.plan =
+            parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(s.batch * s.seq * ep_->size()), x.routed);
         x.dropped = x.plan.dropped;
         mt::copy(x.counts, x.plan.expert_counts);
         x.exchange = parallel::ep_dispatch_forward_start(*ep_, x.plan, x.y);

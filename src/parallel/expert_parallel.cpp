@@ -116,7 +116,9 @@ int64_t EpPlan::received_rows() const { return sum(recv_rows_from); }
 int64_t EpPlan::local_rows() const { return sum(slots_from); }
 int64_t EpPlan::returned_rows() const { return sum(slots_to); }
 
-EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, int64_t capacity) {
+namespace {
+
+EpPlan build_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, int64_t capacity) {
   MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2 && idx.dim(1) >= 1)
       << "ep_plan wants router idx i32 [N,k] (k >= 1), got " << idx.str();
   MT_CHECK(idx.data != nullptr || idx.numel() == 0) << "ep_plan: idx " << idx.str() << " has no storage";
@@ -223,6 +225,8 @@ EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, i
   }
   return p;
 }
+
+}  // namespace
 
 EpExchange ep_dispatch_forward_start(comm::Communicator& ep, const EpPlan& plan, const Tensor& x) {
   const char* op = "ep_dispatch_forward";
@@ -331,6 +335,42 @@ void ep_combine_backward(comm::Communicator& ep, const EpPlan& plan, const Tenso
                          const Tensor& dy, const Tensor& dys, const Tensor& dweight) {
   EpExchange ex = ep_combine_backward_start(ep, plan, back, weight, dy, dweight);
   ep_combine_backward_finish(ex, plan, dys);
+}
+
+RoutedMark mark_routed([[maybe_unused]] const Tensor& idx) {
+  RoutedMark m;
+#ifdef MOETRAIN_WITH_CUDA
+  if (idx.device == Device::cuda) m.event = std::make_shared<cuda::Event>(cuda::Event::record(cuda::stream()));
+#endif
+  return m;
+}
+
+EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, int64_t capacity,
+               [[maybe_unused]] const RoutedMark& routed) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (idx.device == Device::cuda) {
+    static const cudaStream_t plan_stream = [] {
+      int least = 0, greatest = 0;
+      CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      cudaStream_t s = nullptr;
+      CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+      return s;
+    }();
+    const cudaStream_t caller = cuda::stream();
+    if (routed.event)
+      static_cast<const cuda::Event*>(routed.event.get())->wait(plan_stream);
+    else
+      cuda::join(plan_stream, caller);
+    EpPlan p;
+    {
+      cuda::StreamScope scope(plan_stream);
+      p = build_plan(ep, idx, num_experts, capacity);
+    }
+    cuda::join(caller, plan_stream);
+    return p;
+  }
+#endif
+  return build_plan(ep, idx, num_experts, capacity);
 }
 
 }  // namespace mt::parallel

@@ -89,7 +89,19 @@ struct EpPlan {
 // the single-rank choice for the ranks' batches laid end to end. Receivers tell the
 // senders which slots they kept (one more exchange); a dropped slot adds nothing to its
 // token's output (slot_row -1) and is counted in `dropped`.
-EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, int64_t capacity = 0);
+//
+// On the GPU the plan is built on a stream of its own (high priority: the host waits
+// for its counts), after `routed` when given, else after what the current stream has
+// queued; the current stream then waits for the plan. With the mark taken right after
+// the router, the count read waits for the router and nothing a schedule queued on the
+// compute stream since (another micro-batch's stages).
+struct RoutedMark {
+  std::shared_ptr<void> event;  // GPU: the cuda::Event after the router; null: none
+};
+// Marks the current stream where idx is complete (GPU; on the host it marks nothing).
+RoutedMark mark_routed(const Tensor& idx);
+EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, int64_t capacity = 0,
+               const RoutedMark& routed = {});
 
 // A started exchange: the transfer's request and the buffers that belong to it until
 // the finish of the same kind, which waits, unpacks and empties it. Destroying one that

@@ -427,7 +427,10 @@ TEST(CudaParallel, DevicePlanIsTheCpuPlan) {
       std::vector<int32_t> idx = routing(c.n, c.k, c.e, c.kind, 96 + c.n);
       DeviceTensor idx_d = upload(idx, {c.n, c.k});
       const parallel::EpPlan want = parallel::ep_plan(ep, host(idx, {c.n, c.k}), c.e, capacity);
-      const parallel::EpPlan got = parallel::ep_plan(ep, idx_d.t, c.e, capacity);
+      // The host waits only for the counts: once, and once more with a capacity.
+      const int64_t waits = cuda::host_waits();
+      const parallel::EpPlan got = parallel::ep_plan(ep, idx_d.t, c.e, capacity, parallel::mark_routed(idx_d.t));
+      EXPECT_EQ(cuda::host_waits() - waits, capacity > 0 ? 2 : 1);
       EXPECT_EQ(got.device, Device::cuda);
       EXPECT_EQ(got.sent_rows_to, want.sent_rows_to);
       EXPECT_EQ(got.slots_to, want.slots_to);
