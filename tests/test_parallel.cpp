@@ -1115,7 +1115,10 @@ TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
     }
     return sum;
   };
-  layout.reduce_scatter(params, shard_t);
+  // Every part started before any is waited for, as the schedule overlaps them.
+  std::vector<parallel::ShardLayout::Reduction> started;
+  for (int64_t part : {-1, 0, 1}) started.push_back(layout.reduce_start(params, part, shard_t));
+  for (parallel::ShardLayout::Reduction& r : started) r.wait();
   int64_t covered = 0;
   for (const parallel::ShardUnit& u : layout.units()) {
     EXPECT_TRUE(u.group_size * u.shard >= u.length && u.shard <= u.length / u.group_size + 1);

@@ -219,8 +219,9 @@ class Qwen3Moe final : public Model {
   void stage_forward(int64_t layer, Stage stage, Stash& s) override;
   void stage_backward_input(int64_t layer, Stage stage, Stash& s) override;
   void stage_backward_weight(int64_t layer, Stage stage, Stash& s) override;
-  void finish_forward(int64_t layer, Stage stage, Stash& s) override;
-  void finish_backward_input(int64_t layer, Stage stage, Stash& s) override;
+  // A layer has at most one exchange in flight: finishing a stage finishes it.
+  void finish_forward(int64_t l, Stage, Stash& s) override { finish_exchange(layer_acts(s, l)); }
+  void finish_backward_input(int64_t l, Stage, Stash& s) override { finish_exchange(layer_acts(s, l)); }
   LossSum head_forward(Stash& s) override;
   void head_backward_input(Stash& s, float scale) override;
   void head_backward_weight(Stash& s) override;
@@ -276,6 +277,7 @@ class Qwen3Moe final : public Model {
     return {x.xs.rows(0, r),   x.gu.rows(0, r),   x.hs.rows(0, r),   x.ys.rows(0, r), x.d_ys.rows(0, r),
             x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r), x.plan.offsets};
   }
+  static LayerActs& layer_acts(Stash& s, int64_t l) { return static_cast<Qwen3Stash&>(s).layers[l]; }
   // Finishes the expert-parallel exchange layer x has in flight, whichever it is.
   void finish_exchange(LayerActs& x) const;
   // Rows each expert keeps of a micro-batch of n tokens (0: all).
@@ -640,22 +642,6 @@ void Qwen3Moe::finish_exchange(LayerActs& x) const {
       parallel::ep_dispatch_backward_finish(x.exchange, x.plan, x.d_y);
       break;
   }
-}
-
-void Qwen3Moe::finish_forward(int64_t l, Stage stage, Stash& base) {
-  LayerActs& x = static_cast<Qwen3Stash&>(base).layers[l];
-  using Kind = parallel::EpExchange::Kind;
-  if ((stage == Stage::dispatch && x.exchange.kind == Kind::dispatch_forward) ||
-      (stage == Stage::combine && x.exchange.kind == Kind::combine_forward))
-    finish_exchange(x);
-}
-
-void Qwen3Moe::finish_backward_input(int64_t l, Stage stage, Stash& base) {
-  LayerActs& x = static_cast<Qwen3Stash&>(base).layers[l];
-  using Kind = parallel::EpExchange::Kind;
-  if ((stage == Stage::combine && x.exchange.kind == Kind::combine_backward) ||
-      (stage == Stage::dispatch && x.exchange.kind == Kind::dispatch_backward))
-    finish_exchange(x);
 }
 
 void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {

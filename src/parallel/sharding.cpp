@@ -105,15 +105,6 @@ ShardLayout::Reduction ShardLayout::reduce_start(const std::vector<Param>& param
   return r;
 }
 
-void ShardLayout::reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard) const {
-  std::vector<int64_t> parts;
-  for (const ShardUnit& u : units_)
-    if (std::find(parts.begin(), parts.end(), u.layer) == parts.end()) parts.push_back(u.layer);
-  std::vector<Reduction> started;
-  for (int64_t part : parts) started.push_back(reduce_start(params, part, grad_shard));
-  for (Reduction& r : started) r.wait();
-}
-
 void ShardLayout::all_gather(const std::vector<Param>& params, const Tensor& scratch) const {
   for (const ShardUnit& u : units_) {
     // A group of one updated its full blocks in place; ZeRO-3 units keep their shards.

@@ -80,8 +80,6 @@ class ShardLayout {
   // are skipped). The gradients are packed before it returns, so they may change
   // afterwards; the shard is written once the Reduction is waited for.
   Reduction reduce_start(const std::vector<Param>& params, int64_t layer, const Tensor& grad_shard) const;
-  // Every part at once (collective), joined before it returns.
-  void reduce_scatter(const std::vector<Param>& params, const Tensor& grad_shard) const;
   // Every rank's shard of each block's `value` -> the full `value` on every rank
   // (units whose weights are shards skipped).
   void all_gather(const std::vector<Param>& params, const Tensor& scratch) const;

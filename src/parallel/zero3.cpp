@@ -103,26 +103,24 @@ const std::vector<int>& Zero3::units_of(int64_t layer, const char* op) const {
   return units_of_[static_cast<size_t>(layer)];
 }
 
-// The slot holding `layer`; with layer -1, a free one.
-Zero3::WeightSlot& Zero3::weight_slot(int64_t layer, const char* op) {
-  for (WeightSlot& w : wslots_)
-    if (w.layer == layer) return w;
+namespace {
+
+// The slot of `slots` holding `layer`; with layer -1, a free one.
+template <typename Slot>
+Slot& slot_of(Slot (&slots)[2], int64_t layer, const char* op, const char* what) {
+  for (Slot& s : slots)
+    if (s.layer == layer) return s;
   MT_FAIL() << "Zero3::" << op << ": "
-            << (layer < 0 ? "both weight slots are taken (layers " + std::to_string(wslots_[0].layer) + " and " +
-                                std::to_string(wslots_[1].layer) + "): release one first"
-                          : "layer " + std::to_string(layer) + " holds no weight slot");
-  return wslots_[0];
+            << (layer < 0 ? std::string("both ") + what + " slots are taken (layers " +
+                                std::to_string(slots[0].layer) + " and " + std::to_string(slots[1].layer) + ")"
+                          : "layer " + std::to_string(layer) + " holds no " + what + " slot");
+  return slots[0];
 }
 
-Zero3::GradSlot& Zero3::grad_slot(int64_t layer, const char* op) {
-  for (GradSlot& g : gslots_)
-    if (g.layer == layer) return g;
-  MT_FAIL() << "Zero3::" << op << ": "
-            << (layer < 0 ? "both gradient slots are taken (layers " + std::to_string(gslots_[0].layer) + " and " +
-                                std::to_string(gslots_[1].layer) + "): finish a reduction first"
-                          : "layer " + std::to_string(layer) + " holds no gradient slot");
-  return gslots_[0];
-}
+}  // namespace
+
+Zero3::WeightSlot& Zero3::weight_slot(int64_t layer, const char* op) { return slot_of(wslots_, layer, op, "weight"); }
+Zero3::GradSlot& Zero3::grad_slot(int64_t layer, const char* op) { return slot_of(gslots_, layer, op, "gradient"); }
 
 void Zero3::gather_start(int64_t layer) {
   const std::vector<int>& units = units_of(layer, "gather_start");

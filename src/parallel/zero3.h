@@ -47,10 +47,6 @@ class Zero3 {
 
   void gather_start(int64_t layer);
   void gather_finish(int64_t layer);
-  void gather(int64_t layer) {
-    gather_start(layer);
-    gather_finish(layer);
-  }
   void release(int64_t layer);
   void attach_gradients(int64_t layer);
   void reduce_start(int64_t layer, bool accumulate);

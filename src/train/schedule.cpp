@@ -139,6 +139,10 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
     Stash& s = *ctx.stashes[static_cast<size_t>(a.micro_batch)];
     if (ctx.profile != nullptr && a.op != Op::release) ctx.profile->mark(profile_name(a));
     const bool zero3_layer = ctx.zero3 != nullptr && a.layer >= 0 && a.layer < L;
+    auto zero3 = [&]() -> parallel::Zero3& {
+      MT_CHECK(ctx.zero3 != nullptr) << "schedule: " << describe(a) << " without ZeRO-3";
+      return *ctx.zero3;
+    };
     switch (a.op) {
       case Op::load:
       case Op::statistics:
@@ -155,16 +159,10 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
       case Op::finish_backward_input: model.finish_backward_input(a.layer, a.stage, s); break;
       case Op::backward_weight: model.stage_backward_weight(a.layer, a.stage, s); break;
       case Op::embed_backward: model.embed_backward(s); break;
-      case Op::gather:
-      case Op::finish_gather:
-      case Op::release:
-      case Op::attach_gradients:
-        MT_CHECK(ctx.zero3 != nullptr) << "schedule: " << describe(a) << " without ZeRO-3";
-        if (a.op == Op::gather) ctx.zero3->gather_start(a.layer);
-        if (a.op == Op::finish_gather) ctx.zero3->gather_finish(a.layer);
-        if (a.op == Op::release) ctx.zero3->release(a.layer);
-        if (a.op == Op::attach_gradients) ctx.zero3->attach_gradients(a.layer);
-        break;
+      case Op::gather: zero3().gather_start(a.layer); break;
+      case Op::finish_gather: zero3().gather_finish(a.layer); break;
+      case Op::release: zero3().release(a.layer); break;
+      case Op::attach_gradients: zero3().attach_gradients(a.layer); break;
       case Op::reduce_start:
         if (zero3_layer) {
           ctx.zero3->reduce_start(a.layer, reduced.count(a.layer) > 0);
@@ -190,25 +188,10 @@ std::string describe(const Action& a) {
       "head W", "B",     "finish B", "W",           "embed W", "gather",           "finish gather",
       "release", "attach gradients", "reduce",      "finish reduce"};
   std::string s = kOps[static_cast<int>(a.op)];
-  switch (a.op) {
-    case Op::forward:
-    case Op::finish_forward:
-    case Op::backward_input:
-    case Op::finish_backward_input:
-    case Op::backward_weight:
-      s += " " + std::to_string(a.layer) + " " + kStageNames[static_cast<int>(a.stage)];
-      break;
-    case Op::gather:
-    case Op::finish_gather:
-    case Op::release:
-    case Op::attach_gradients:
-    case Op::reduce_start:
-    case Op::reduce_finish:
-      s += " " + std::to_string(a.layer);
-      break;
-    default:
-      break;
-  }
+  const bool stage = a.op == Op::forward || a.op == Op::finish_forward || a.op == Op::backward_input ||
+                     a.op == Op::finish_backward_input || a.op == Op::backward_weight;
+  if (stage || a.op >= Op::gather) s += " " + std::to_string(a.layer);  // ZeRO-3 and reductions: a layer or part
+  if (stage) s += std::string(" ") + kStageNames[static_cast<int>(a.stage)];
   return s + " mb " + std::to_string(a.micro_batch);
 }
 

@@ -49,6 +49,7 @@ enum class Op : uint8_t {
   finish_backward_input,  // an exchange stage's transfer joined
   backward_weight,        // W
   embed_backward,
+  // From here on an action names a layer or part (describe() relies on the order).
   gather,                 // ZeRO-3: a layer's weights start coming into a weight slot
   finish_gather,          // ZeRO-3: ... and are there
   release,                // ZeRO-3: the weight slot given back
