@@ -337,7 +337,7 @@ std::string train_b(const std::string& dump, int steps, const std::string& extra
          " " + extra;
 }
 
-// Expert parallelism: each ep rank writes its experts (model-ep<r>, with an index);
+// Expert parallelism: each ep rank writes its experts (model-part<r>, with an index);
 // resuming on the same mesh is exact, resuming on one rank reads every expert, and an
 // export of it evaluates like one rank's.
 TEST(CheckpointCommands, ExpertParallelCheckpointsResumeOnAnyMesh) {
@@ -347,7 +347,7 @@ TEST(CheckpointCommands, ExpertParallelCheckpointsResumeOnAnyMesh) {
   std::string resumed = temp_dir("ep_resumed"), straight = temp_dir("ep_straight"), single = temp_dir("ep_single");
   auto [rc, out] = run(mpirun + cmd(resumed, 4, "--parallelism.ep=2 --checkpoint.interval=2"));
   ASSERT_EQ(rc, 0) << out;
-  EXPECT_TRUE(fs::exists(resumed + "/checkpoints/step-00000004/model-ep1.safetensors"));
+  EXPECT_TRUE(fs::exists(resumed + "/checkpoints/step-00000004/model-part1.safetensors"));
   EXPECT_TRUE(fs::exists(resumed + "/checkpoints/step-00000004/optimizer.safetensors.index.json"));
   auto [rc2, out2] = run(mpirun + cmd(resumed, 6, "--parallelism.ep=2 --checkpoint.interval=2"));
   ASSERT_EQ(rc2, 0) << out2;

@@ -512,7 +512,7 @@ TEST_F(Mesh, EveryShapeLaysRanksOutAndGroupsThem) {
         EXPECT_EQ(((c.pp * s.dp + c.dp) * s.cp + c.cp) * s.ep + c.ep, w.rank()) << name;
         const std::pair<comm::Communicator*, int> groups[] = {
             {&mesh.pp(), 8},    {&mesh.dp(), 4},        {&mesh.cp(), 2},       {&mesh.ep(), 1},
-            {&mesh.dp_cp(), 6}, {&mesh.dp_cp_ep(), 7}, {&mesh.cp_ep(), 3}};
+            {&mesh.dp_cp(), 6}, {&mesh.dp_cp_ep(), 7}, {&mesh.pp_ep(), 9}};
         for (const auto& [g, axes] : groups) {
           std::vector<int64_t> want = group_members(s, w.rank(), axes);
           std::vector<int64_t> got(static_cast<size_t>(g->size()));

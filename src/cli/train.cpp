@@ -82,6 +82,16 @@ int run_train(const Args& args) {
   options.cp = &mesh.cp();
   // ZeRO-3 shards the layers' weights over the ranks; one rank keeps them whole.
   options.external_layers = cfg.parallelism.zero3 && world.size() > 1;
+  // A pipeline stage builds its own layers only.
+  if (mesh.shape().pp > 1) {
+    ModelOptions counting;
+    counting.plan_only = true;
+    std::unique_ptr<Model> whole = make_model(config_json, counting);
+    const Pipeline p = Trainer::pipeline_of(cfg, whole->num_layers());
+    options.layers = p.layers_of(mesh.coord().pp);
+    options.embedding = p.owner(-1) == mesh.coord().pp;
+    options.head = p.owner(whole->num_layers()) == mesh.coord().pp;
+  }
 #ifdef MOETRAIN_WITH_CUDA
   if (options.device == Device::cuda) cuda::note_memory_baseline();  // before the first allocation
 #endif
@@ -107,8 +117,7 @@ int run_train(const Args& args) {
     made = std::make_unique<Trainer>(cfg, *model, std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
                                                                                   cfg.training.seed));
   Trainer& trainer = *made;
-  trainer.set_parallel(&mesh.dp_cp_ep(), &mesh.dp_cp(), &mesh.ep(), &mesh.cp(),
-                       mesh.coord().dp * mesh.shape().ep + mesh.coord().ep, mesh.shape().dp * mesh.shape().ep);
+  trainer.set_parallel(mesh);
   // Weights are filled once the trainer has sharded them: with ZeRO-3 through full host
   // copies of the layers, cut into this rank's shards after.
   if (resume.empty()) {
@@ -119,10 +128,12 @@ int run_train(const Args& args) {
       load_hf(*model, cfg.model.init.substr(3));
     trainer.commit_weights();
   }
+  // Parameters of the whole model: each pp rank counts its own (of one ep rank's experts).
+  std::vector<int64_t> counts = {model->param_count(), model->active_param_count()};
+  if (mesh.shape().pp > 1) mesh.pp().all_reduce(Tensor(counts.data(), {2}, DType::i64));
   if (writer)
     std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), mesh %s\n",
-                static_cast<long long>(model->num_layers()), model->param_count() / 1e6,
-                model->active_param_count() / 1e6, mesh.str().c_str());
+                static_cast<long long>(model->num_layers()), counts[0] / 1e6, counts[1] / 1e6, mesh.str().c_str());
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
@@ -155,14 +166,16 @@ int run_train(const Args& args) {
     state.step = trainer.steps_done();
     state.lr = lr;
     state.data_cursor = trainer.data_cursor();
-    // Weights are replicated over dp and cp: the ep ranks of the first replica write,
-    // each its own experts (rank 0 also everything else). Sharded moments are first
-    // gathered (and with ZeRO-3 the layers' weights), which every rank takes part in.
+    // Weights are replicated over dp and cp: the pp x ep ranks of the first replica
+    // write, each its own experts and (ep rank 0) its layers' dense weights. Sharded
+    // moments are first gathered (and with ZeRO-3 the layers' weights), which every rank
+    // takes part in.
     trainer.optimizer().materialize_moments();
     trainer.materialize_weights();
     if (mesh.coord().dp == 0 && mesh.coord().cp == 0) {
       std::string dir =
-          save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep, &mesh.ep());
+          save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep,
+                          &mesh.pp_ep(), mesh.coord().ep == 0);
       if (writer) std::printf("saved %s\n", dir.c_str());
     }
     trainer.release_weights();

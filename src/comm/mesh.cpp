@@ -65,7 +65,7 @@ DeviceMesh::DeviceMesh(Communicator& world, int pp, int cp, int ep)
       ep_(split_group(world, shape_, coord_, {kEp}, "ep")),
       dp_cp_(split_group(world, shape_, coord_, {kDp, kCp}, "dp x cp")),
       dp_cp_ep_(split_group(world, shape_, coord_, {kDp, kCp, kEp}, "dp x cp x ep")),
-      cp_ep_(split_group(world, shape_, coord_, {kCp, kEp}, "cp x ep")) {}
+      pp_ep_(split_group(world, shape_, coord_, {kPp, kEp}, "pp x ep")) {}
 
 std::string DeviceMesh::str() const {
   return "pp " + std::to_string(shape_.pp) + " x dp " + std::to_string(shape_.dp) + " x cp " +

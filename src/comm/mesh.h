@@ -8,7 +8,7 @@
 //   ep, cp, dp, pp     one axis
 //   dp_cp              dp x cp: the group expert parameters are sharded over
 //   dp_cp_ep           dp x cp x ep: the group every other parameter is sharded over
-//   cp_ep              cp x ep: the ranks that hold pieces of the same samples
+//   pp_ep              pp x ep: the ranks that together hold one replica of the weights
 #pragma once
 
 #include <string>
@@ -48,13 +48,13 @@ class DeviceMesh {
   Communicator& ep() { return ep_; }
   Communicator& dp_cp() { return dp_cp_; }
   Communicator& dp_cp_ep() { return dp_cp_ep_; }
-  Communicator& cp_ep() { return cp_ep_; }
+  Communicator& pp_ep() { return pp_ep_; }
 
  private:
   MeshShape shape_;
   MeshCoord coord_;
   Communicator& world_;
-  Communicator pp_, dp_, cp_, ep_, dp_cp_, dp_cp_ep_, cp_ep_;
+  Communicator pp_, dp_, cp_, ep_, dp_cp_, dp_cp_ep_, pp_ep_;
 };
 
 }  // namespace mt::comm

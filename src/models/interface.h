@@ -55,6 +55,10 @@ struct Stash {
   size_t bytes = 0;  // activation memory held
   Tensor ids;     // i32 [batch, seq]
   Tensor labels;  // i32 [batch, seq]
+  // The residual stream [batch * seq, hidden] entering layer l (l = L: the head's input)
+  // and its gradient, where this rank has a layer or the head next to it (empty
+  // elsewhere): what pipeline stages send each other.
+  std::vector<Tensor> h, dh;
 };
 
 struct LossSum {
@@ -85,6 +89,11 @@ struct ModelOptions {
   // its value, grad and compute at memory of its own before the layer's stages run.
   // The embedding and the head are allocated as usual.
   bool external_layers = false;
+  // Pipeline parallelism: the decoder layers this rank builds (global indices, sorted;
+  // empty: all), and whether it holds the embedding and the head. Layers keep their
+  // global index in every call and name.
+  std::vector<int64_t> layers;
+  bool embedding = true, head = true;
 };
 
 class Model {
@@ -93,18 +102,21 @@ class Model {
   virtual Device device() const = 0;
   virtual bool balanced_routing() const = 0;
 
+  // Layers of the whole model; is_moe_layer answers for any of them, held here or not.
   virtual int64_t num_layers() const = 0;
   virtual bool is_moe_layer(int64_t layer) const = 0;
   virtual int64_t num_experts() const = 0;
   virtual int64_t vocab_size() const = 0;
-  // Parameters in 6 * N FLOPs terms: all, and those one token uses (top-k experts).
+  // Parameters in 6 * N FLOPs terms: all, and those one token uses (top-k experts), of
+  // what this rank holds.
   virtual int64_t param_count() const = 0;
   virtual int64_t active_param_count() const = 0;
 
   virtual std::vector<Param>& params() = 0;
   // This rank's tensors; with expert parallelism only its own experts.
   virtual std::vector<HfTensor> hf_tensors() = 0;
-  // A Hugging Face key this model has, on another rank (another rank's expert).
+  // A Hugging Face key this model has, on another rank (another rank's expert or
+  // pipeline stage).
   virtual bool held_by_another_rank(const std::string& name) const = 0;
 
   // Activations for `batch` sequences of `seq` tokens, from one planned arena.

@@ -172,7 +172,6 @@ struct Qwen3Stash : Stash {
   std::vector<int32_t> positions_host;
   Tensor cos, sin;
   Tensor balanced_idx;               // force_balanced_routing: the fixed expert choice
-  std::vector<Tensor> h, dh;  // residual stream [L+1] x [N,D] and its gradient
   std::vector<LayerActs> layers;
   Tensor hf, rstd_f, logits, lse, d_hf;  // head
   LossSum loss;
@@ -184,7 +183,15 @@ class Qwen3Moe final : public Model {
       : c_(c), device_(o.device), balanced_(o.force_balanced_routing), plan_only_(o.plan_only),
         external_layers_(o.external_layers), capacity_factor_(o.capacity_factor), ep_(o.ep),
         cp_(o.cp != nullptr && o.cp->size() > 1 ? o.cp : nullptr),
-        act_(o.device == Device::cuda ? DType::bf16 : DType::f32) {
+        act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head) {
+    held_.assign(static_cast<size_t>(c.num_layers), o.layers.empty());
+    for (int64_t l : o.layers) {
+      MT_CHECK(l >= 0 && l < c.num_layers) << "model built for layer " << l << " of " << c.num_layers;
+      held_[l] = true;
+    }
+    MT_CHECK(!c.tie_word_embeddings || embedding_ == head_)
+        << "tie_word_embeddings: the embedding and the head share a weight, so they must be on one pipeline rank "
+        << "(parallelism.pipeline_schedule = dualpipev places both on rank 0)";
     build_params();
   }
 
@@ -209,6 +216,12 @@ class Qwen3Moe final : public Model {
 
   std::vector<HfTensor> hf_tensors() override;
   bool held_by_another_rank(const std::string& name) const override {
+    if (name.starts_with("model.layers.")) {
+      const int64_t l = std::atoll(name.c_str() + 13);
+      if (l >= 0 && l < c_.num_layers && !held_[l]) return true;
+    }
+    if (name == "model.embed_tokens.weight") return !embedding_;
+    if (name == "model.norm.weight" || name == "lm_head.weight") return !head_;
     size_t at = name.find(".mlp.experts.");
     if (ep_ == nullptr || at == std::string::npos) return false;
     int64_t e = std::atoll(name.c_str() + at + 13);
@@ -300,6 +313,8 @@ class Qwen3Moe final : public Model {
   comm::Communicator* cp_;  // null: whole sequences here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
+  std::vector<bool> held_;  // per layer: built on this rank (pipeline parallelism)
+  bool embedding_, head_;
   std::vector<Param> params_;
   Arena values_, grads_, compute_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
@@ -329,8 +344,10 @@ void Qwen3Moe::build_params() {
     ep_ = nullptr;
   }
   const int64_t E = local_experts_;
-  embed_ = add_param("embed", {c_.vocab_size, D}, false);
+  if (embedding_) embed_ = add_param("embed", {c_.vocab_size, D}, false);
+  layer_.resize(static_cast<size_t>(c_.num_layers));
   for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!held_[l]) continue;
     std::string p = "layers." + std::to_string(l) + ".";
     LayerIndex x{};
     x.in_norm = add_param(p + "input_norm", {D}, false);
@@ -351,10 +368,10 @@ void Qwen3Moe::build_params() {
       x.gate_up = add_param(p + "mlp.gate_up", {2 * I, D}, false);
       x.down = add_param(p + "mlp.down", {D, I}, false);
     }
-    layer_.push_back(x);
+    layer_[l] = x;
   }
-  final_norm_ = add_param("final_norm", {D}, false);
-  if (!c_.tie_word_embeddings) lm_head_ = add_param("lm_head", {c_.vocab_size, D}, false);
+  if (head_) final_norm_ = add_param("final_norm", {D}, false);
+  if (head_ && !c_.tie_word_embeddings) lm_head_ = add_param("lm_head", {c_.vocab_size, D}, false);
   for (Param& p : params_) {
     if (p.name.starts_with("layers.")) p.layer = std::atoll(p.name.c_str() + 7);
     if (p.name == "final_norm" || p.name == "lm_head") p.layer = c_.num_layers;
@@ -412,8 +429,9 @@ std::vector<HfTensor> Qwen3Moe::hf_tensors() {
     Tensor block = t.ndim() == 3 ? t.rows(e, e + 1).view({t.dim(1), t.dim(2)}) : t;
     return block.rows(r0, r1);
   };
-  add("model.embed_tokens.weight", params_[embed_]);
+  if (embedding_) add("model.embed_tokens.weight", params_[embed_]);
   for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!held_[l]) continue;
     const LayerIndex& x = layer_[l];
     std::string p = "model.layers." + std::to_string(l) + ".";
     add(p + "input_layernorm.weight", params_[x.in_norm], 0.0f, 1.0f);
@@ -443,7 +461,7 @@ std::vector<HfTensor> Qwen3Moe::hf_tensors() {
       add(p + "mlp.down_proj.weight", dn, out_scale);
     }
   }
-  add("model.norm.weight", params_[final_norm_], 0.0f, 1.0f);
+  if (head_) add("model.norm.weight", params_[final_norm_], 0.0f, 1.0f);
   if (lm_head_ >= 0) add("lm_head.weight", params_[lm_head_]);
   return out;
 }
@@ -458,9 +476,11 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
   s.labels = i32({B, S});
   s.cos = f32({S, Dh / 2});
   s.sin = f32({S, Dh / 2});
+  // The residual stream where a layer here reads or writes it, or the head reads it.
   s.h.resize(c_.num_layers + 1);
   s.dh.resize(c_.num_layers + 1);
   for (int64_t l = 0; l <= c_.num_layers; ++l) {
+    if (!(l < c_.num_layers && held_[l]) && !(l > 0 && held_[l - 1]) && !(l == c_.num_layers && head_)) continue;
     s.h[l] = act({N, D});
     s.dh[l] = act({N, D});
   }
@@ -471,6 +491,7 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
   bool any_moe = false;
   int64_t hidden = 0;  // elements of the widest d_hs
   for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!held_[l]) continue;
     any_moe = any_moe || c_.is_moe_layer(l);
     hidden = std::max(hidden, c_.is_moe_layer(l) ? R * c_.moe_intermediate_size : N * c_.intermediate_size);
   }
@@ -479,6 +500,7 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
                d_xs = any_moe ? act({R, D}) : Tensor();
   s.layers.resize(c_.num_layers);
   for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!held_[l]) continue;
     LayerActs& x = s.layers[l];
     x.xn = act({N, D});
     x.rstd1 = f32({N});
@@ -543,10 +565,11 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
       x.d_gu = act({N, 2 * I});
     }
   }
+  if (balanced_) s.balanced_idx = i32({N, K});
+  if (!head_) return;
   s.hf = act({N, D});
   s.rstd_f = f32({N});
   s.logits = act({N, c_.vocab_size});
-  if (balanced_) s.balanced_idx = i32({N, K});
   s.lse = f32({N});
   s.d_hf = act({N, D});
 }
@@ -645,6 +668,7 @@ void Qwen3Moe::finish_exchange(LayerActs& x) const {
 }
 
 void Qwen3Moe::stage_forward(int64_t l, Stage stage, Stash& base) {
+  MT_CHECK(l >= 0 && l < c_.num_layers && held_[l]) << "forward of layer " << l << ", which is not built here";
   auto& s = static_cast<Qwen3Stash&>(base);
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
@@ -851,7 +875,7 @@ std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
   std::vector<RouterStats> out;
   const int64_t N = s.batch * s.seq, E = c_.num_experts;
   for (int64_t l = 0; l < c_.num_layers; ++l) {
-    if (!c_.is_moe_layer(l)) continue;
+    if (!held_[l] || !c_.is_moe_layer(l)) continue;
     const LayerActs& x = s.layers[l];
     RouterStats r;
     r.layer = l;
@@ -873,7 +897,7 @@ std::vector<RouterStats> Qwen3Moe::router_stats(const Stash& base) const {
 
 void Qwen3Moe::set_router_prob_grad(Stash& base, int64_t layer, const std::vector<float>& dprob) {
   auto& s = static_cast<Qwen3Stash&>(base);
-  MT_CHECK(c_.is_moe_layer(layer) && static_cast<int64_t>(dprob.size()) == c_.num_experts)
+  MT_CHECK(held_[layer] && c_.is_moe_layer(layer) && static_cast<int64_t>(dprob.size()) == c_.num_experts)
       << "load-balance gradient for layer " << layer << " with " << dprob.size() << " experts";
   // Uploaded now, between the forward and the backward, where the trainer has waited
   // for the device anyway (router statistics), rather than as a stall inside the backward.

@@ -84,7 +84,8 @@ int64_t step_of(const fs::path& dir) {
 }  // namespace
 
 std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
-                            const std::string& model_config_path, int64_t keep, comm::Communicator* writers) {
+                            const std::string& model_config_path, int64_t keep, comm::Communicator* writers,
+                            bool write_dense) {
   const int rank = writers ? writers->rank() : 0, ranks = writers ? writers->size() : 1;
   auto barrier = [&] {
     if (ranks > 1) writers->barrier();
@@ -114,11 +115,11 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   if (done_already) return final_dir.string();
   barrier();
 
-  // Each writer saves what it owns: the first every tensor it has, the others (expert
-  // parallelism) only their experts; the index files then say which file holds a key.
+  // Each writer saves what it owns: its experts, and the dense tensors of its layers
+  // when it is the first of its ep group; the index files then say which file holds a key.
   std::vector<HfTensor> tensors;
   for (HfTensor& t : model.hf_tensors())
-    if (rank == 0 || t.expert) tensors.push_back(t);
+    if (write_dense || t.expert) tensors.push_back(t);
   std::vector<io::StWrite> weights, moments;
   std::vector<std::string> names;
   std::vector<std::vector<float>> host;  // staging, so GPU tensors save the same way
@@ -134,7 +135,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
     host.push_back(to_host(opt.exp_avg_sq(t.value)));
     moments.push_back(io::st_f32(names.back(), dims(t.value), host.back().data()));
   }
-  const std::string suffix = ranks > 1 ? "-ep" + std::to_string(rank) : "";
+  const std::string suffix = ranks > 1 ? "-part" + std::to_string(rank) : "";
   io::write_safetensors((tmp / ("model" + suffix + ".safetensors")).string(), weights, {{"format", "pt"}});
   test_delay();
   io::write_safetensors((tmp / ("optimizer" + suffix + ".safetensors")).string(), moments);
@@ -149,7 +150,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
     for (const std::string stem : {"model", "optimizer"}) {
       nlohmann::json index;
       for (int r = 0; r < ranks; ++r) {
-        std::string file = stem + "-ep" + std::to_string(r) + ".safetensors";
+        std::string file = stem + "-part" + std::to_string(r) + ".safetensors";
         io::SafetensorsFile f((tmp / file).string());
         for (const io::StTensor& t : f.tensors()) index["weight_map"][t.name] = file;
       }

@@ -3,8 +3,8 @@
 //   checkpoints/step-00001000/
 //     model.safetensors      fp32 master weights under their Hugging Face keys
 //     optimizer.safetensors  AdamW moments: "<key>.exp_avg", "<key>.exp_avg_sq"
-//       (with expert parallelism: model-ep<r>/optimizer-ep<r>.safetensors, one per ep
-//       rank, and a <stem>.safetensors.index.json naming each key's file)
+//       (with expert or pipeline parallelism: model-part<r>/optimizer-part<r>.safetensors,
+//       one per writer, and a <stem>.safetensors.index.json naming each key's file)
 //     train_state.json       step, seed, learning rate, data cursor, the run's config
 //     config.json            the model's Hugging Face config
 //     tokenizer files        copied from beside the model's config when present
@@ -33,13 +33,14 @@ struct TrainState {
 };
 
 // Saves step `st.step` under `checkpoints_dir` and keeps the newest `keep` complete
-// checkpoints. Returns the checkpoint's folder. With expert parallelism every rank of
-// `writers` (the ep group of one replica) calls it: each writes model-ep<r> and
-// optimizer-ep<r> with what it owns (rank 0 also the dense weights), and rank 0 adds
-// the indices and the rest, renames and marks the folder.
+// checkpoints. Returns the checkpoint's folder. With expert or pipeline parallelism every
+// rank of `writers` (the pp x ep ranks of one replica) calls it: each writes model-part<r>
+// and optimizer-part<r> with its experts, and with its layers' dense weights where
+// `write_dense` (the first of each ep group); rank 0 adds the indices and the rest,
+// renames and marks the folder.
 std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
-                            const std::string& model_config_path, int64_t keep,
-                            comm::Communicator* writers = nullptr);
+                            const std::string& model_config_path, int64_t keep, comm::Communicator* writers = nullptr,
+                            bool write_dense = true);
 
 // The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);

@@ -68,6 +68,8 @@ struct ParallelismConfig {
   // ZeRO-3: with more than one rank, the decoder layers' weights and gradients also
   // live only as shards, each layer gathered just before its stages (parallel/zero3.h).
   bool zero3 = false;
+  // With pp > 1: dualpipev (2 * pp chunks in a V) or 1f1b (train/schedule.h).
+  std::string pipeline_schedule = "dualpipev";
 };
 
 struct CheckpointConfig {

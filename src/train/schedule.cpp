@@ -1,8 +1,14 @@
 #include "train/schedule.h"
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <deque>
+#include <map>
+#include <optional>
 #include <set>
 
+#include "comm/communicator.h"
 #include "core/check.h"
 #include "parallel/zero3.h"
 #include "train/optimizer.h"
@@ -44,6 +50,11 @@ const char* profile_name(const Action& a) {
     case Op::release: return "zero3 release";
     case Op::reduce_start:
     case Op::reduce_finish: return "gradient reduction";
+    case Op::send_activation:
+    case Op::recv_activation:
+    case Op::send_gradient:
+    case Op::recv_gradient:
+    case Op::commit: return "pipeline messages";
   }
   return "?";
 }
@@ -55,15 +66,6 @@ std::vector<Action> sequential_schedule(const ScheduleShape& s) {
       << "sequential_schedule: " << s.layers << " layers and " << s.micro_batches << " micro-batches";
   std::vector<Action> a;
   const int64_t L = s.layers;
-  std::deque<int64_t> in_flight;  // parts whose reduction is started and not yet finished
-  auto reduce = [&](int m, int64_t part) {
-    if (in_flight.size() == kReductionsInFlight) {
-      a.push_back({Op::reduce_finish, m, in_flight.front()});
-      in_flight.pop_front();
-    }
-    a.push_back({Op::reduce_start, m, part});
-    in_flight.push_back(part);
-  };
   auto forward = [&](int m) {
     if (s.zero3 && L > 0) a.push_back({Op::gather, m, 0});
     a.push_back({Op::load, m});
@@ -83,12 +85,9 @@ std::vector<Action> sequential_schedule(const ScheduleShape& s) {
     a.push_back({Op::statistics, m});
   };
   auto backward = [&](int m) {
-    // Sharded gradients are complete after the last micro-batch's backward of a part.
-    const bool last = s.reduce && m == s.micro_batches - 1;
     if (s.zero3 && L > 0) a.push_back({Op::gather, m, L - 1});
     a.push_back({Op::head_backward_input, m});
     a.push_back({Op::head_backward_weight, m});
-    if (last) reduce(m, L);
     for (int64_t l = L - 1; l >= 0; --l) {
       if (s.zero3) {
         a.push_back({Op::finish_gather, m, l});
@@ -106,13 +105,10 @@ std::vector<Action> sequential_schedule(const ScheduleShape& s) {
         a.push_back({Op::release, m, l});
         a.push_back({Op::reduce_start, m, l});
         if (l + 1 < L) a.push_back({Op::reduce_finish, m, l + 1});
-      } else if (last) {
-        reduce(m, l);
       }
     }
     if (s.zero3 && L > 0) a.push_back({Op::reduce_finish, m, 0});
     a.push_back({Op::embed_backward, m});
-    if (last) reduce(m, -1);
   };
   if (s.global_balance) {
     for (int m = 0; m < s.micro_batches; ++m) forward(m);
@@ -124,8 +120,66 @@ std::vector<Action> sequential_schedule(const ScheduleShape& s) {
       backward(m);
     }
   }
-  for (int64_t part : in_flight) a.push_back({Op::reduce_finish, s.micro_batches - 1, part});
+  if (s.reduce) add_reductions(a, L, s.zero3);
   return a;
+}
+
+void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3) {
+  // A part's last gradient write: a layer's last W, the head's W, the embedding's
+  // backward (tied, after the head's W, which writes the same gradient).
+  auto part_of = [&](const Action& a) -> std::optional<int64_t> {
+    if (a.op == Op::backward_weight && !zero3) return a.layer;
+    if (a.op == Op::head_backward_weight) return layers;
+    if (a.op == Op::embed_backward) return -1;
+    return std::nullopt;
+  };
+  std::map<int64_t, size_t> last;  // part -> index of its last write
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (auto part = part_of(actions[i])) last[*part] = i;
+  std::vector<Action> out;
+  std::deque<int64_t> in_flight;  // parts whose reduction is started and not yet finished
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const Action& a = actions[i];
+    out.push_back(a);
+    auto part = part_of(a);
+    if (!part || last[*part] != i) continue;
+    if (in_flight.size() == kReductionsInFlight) {
+      out.push_back({Op::reduce_finish, a.micro_batch, in_flight.front()});
+      in_flight.pop_front();
+    }
+    out.push_back({Op::reduce_start, a.micro_batch, *part});
+    in_flight.push_back(*part);
+  }
+  for (int64_t part : in_flight) out.push_back({Op::reduce_finish, out.back().micro_batch, part});
+  actions = std::move(out);
+}
+
+std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count) {
+  std::vector<size_t> first(static_cast<size_t>(micro_batches), SIZE_MAX), last(first.size(), 0);
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const Action& a = actions[i];
+    const bool stash = a.op <= Op::embed_backward || (a.op >= Op::send_activation && a.op <= Op::recv_gradient);
+    if (!stash) continue;
+    size_t end = i;
+    if (a.op == Op::send_activation || a.op == Op::send_gradient)
+      while (end < actions.size() && actions[end].op != Op::commit) ++end;  // read until its commit
+    first[a.micro_batch] = std::min(first[a.micro_batch], i);
+    last[a.micro_batch] = std::max(last[a.micro_batch], end);
+  }
+  std::vector<int> slot(first.size(), 0);
+  std::vector<size_t> free_after;  // per slot: the last action of its latest micro-batch
+  std::vector<int> order(first.size());
+  for (int m = 0; m < micro_batches; ++m) order[m] = m;
+  std::sort(order.begin(), order.end(), [&](int x, int y) { return first[x] < first[y]; });
+  for (int m : order) {
+    size_t k = 0;
+    while (k < free_after.size() && free_after[k] >= first[m]) ++k;
+    if (k == free_after.size()) free_after.push_back(0);
+    free_after[k] = last[m];
+    slot[m] = static_cast<int>(k);
+  }
+  *count = static_cast<int>(free_after.size());
+  return slot;
 }
 
 void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
@@ -133,6 +187,7 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
   const int64_t L = model.num_layers();
   ctx.losses.assign(ctx.stashes.size(), LossSum{});
   std::set<int64_t> reduced;  // ZeRO-3 layers reduced once this step: later micro-batches add
+  std::vector<comm::P2P> pending;  // pipeline messages until the next commit
   for (const Action& a : actions) {
     MT_CHECK(a.micro_batch >= 0 && static_cast<size_t>(a.micro_batch) < ctx.stashes.size())
         << "schedule: " << describe(a) << " but the step has " << ctx.stashes.size() << " micro-batches";
@@ -178,19 +233,37 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
         else
           ctx.optimizer->reduce_finish(a.layer);
         break;
+      case Op::send_activation:
+      case Op::recv_activation:
+      case Op::send_gradient:
+      case Op::recv_gradient: {
+        MT_CHECK(ctx.pipeline != nullptr && ctx.pp != nullptr) << "schedule: " << describe(a) << " without a pipeline";
+        // h[l] travels from layer l - 1's rank to layer l's, dh[l] back.
+        const bool grad = a.op == Op::send_gradient || a.op == Op::recv_gradient;
+        const bool send = a.op == Op::send_activation || a.op == Op::send_gradient;
+        const int64_t peer_layer = grad == send ? a.layer - 1 : a.layer;
+        pending.push_back({send, (grad ? s.dh : s.h)[a.layer], ctx.pipeline->owner(peer_layer)});
+        break;
+      }
+      case Op::commit:
+        ctx.pp->start(pending).wait();
+        pending.clear();
+        break;
     }
   }
+  MT_CHECK(pending.empty()) << "schedule: " << pending.size() << " pipeline messages never committed";
 }
 
 std::string describe(const Action& a) {
   static constexpr const char* kOps[] = {
       "load", "embed F", "F",      "finish F",      "head F",  "statistics",       "balance", "head B",
       "head W", "B",     "finish B", "W",           "embed W", "gather",           "finish gather",
-      "release", "attach gradients", "reduce",      "finish reduce"};
+      "release", "attach gradients", "reduce",      "finish reduce", "send h", "recv h", "send dh", "recv dh",
+      "commit"};
   std::string s = kOps[static_cast<int>(a.op)];
   const bool stage = a.op == Op::forward || a.op == Op::finish_forward || a.op == Op::backward_input ||
                      a.op == Op::finish_backward_input || a.op == Op::backward_weight;
-  if (stage || a.op >= Op::gather) s += " " + std::to_string(a.layer);  // ZeRO-3 and reductions: a layer or part
+  if (stage || (a.op >= Op::gather && a.op != Op::commit)) s += " " + std::to_string(a.layer);  // ZeRO-3 and reductions: a layer or part
   if (stage) s += std::string(" ") + kStageNames[static_cast<int>(a.stage)];
   return s + " mb " + std::to_string(a.micro_batch);
 }

@@ -13,11 +13,19 @@
 //
 // sequential_schedule is the single-rank order: each micro-batch's forward, head and
 // backward in turn (with global_balance, every forward before any backward), each
-// exchange finished right after it starts, each W right after its B. Reductions of
-// sharded gradients start as soon as a part's last W is done and are finished two
-// parts later; with ZeRO-3 the next layer's gather starts before the current layer's
-// stages, and a layer's gradient reduction runs during the next layer's backward.
-// The pipeline schedules (1F1B, DualPipeV) are further generators over the same actions.
+// exchange finished right after it starts, each W right after its B. With ZeRO-3 the
+// next layer's gather starts before the current layer's stages, and a layer's gradient
+// reduction runs during the next layer's backward.
+//
+// The pipeline schedules (parallelism.pp > 1) give each pp rank its own list over the
+// layers it holds (Pipeline): one_f_one_b_schedule and dualpipev_schedule, DeepSeek's
+// eight phases, where a forward chunk of one micro-batch and a backward chunk of another
+// run stage by stage interleaved, each one's exchanges in flight during the other's
+// compute. The residual stream crosses ranks as point-to-point messages (send_*, recv_*),
+// started together at the next commit and joined there, as DeepSeek's DualPipe does.
+//
+// In every schedule, sharded gradients of a part start their reduction right after the
+// part's last gradient write and are finished two parts later (add_reductions).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +37,9 @@
 
 namespace mt {
 
+namespace comm {
+class Communicator;
+}
 namespace parallel {
 class Zero3;
 }
@@ -56,10 +67,18 @@ enum class Op : uint8_t {
   attach_gradients,       // ZeRO-3: a gradient slot for the layer's backward
   reduce_start,           // a part's gradients start summing into the optimizer's shards
   reduce_finish,          // ... and are joined
+  // Pipeline messages of the residual stream h[layer] (activation) or its gradient
+  // dh[layer], queued until the next commit, which starts them all and waits for them.
+  send_activation,
+  recv_activation,
+  send_gradient,
+  recv_gradient,
+  commit,
 };
 
 // layer: the decoder layer for stages, gather and release; for reductions the part,
-// -1 the embedding, 0 .. L-1 a decoder layer, L the head.
+// -1 the embedding, 0 .. L-1 a decoder layer, L the head; for messages the boundary l
+// (h[l] is the input of layer l, the output of layer l - 1).
 struct Action {
   Op op = Op::load;
   int micro_batch = 0;
@@ -77,6 +96,44 @@ struct ScheduleShape {
 
 std::vector<Action> sequential_schedule(const ScheduleShape& shape);
 
+// Pipeline parallelism over P ranks: the L decoder layers cut into chunks of
+// consecutive layers, as evenly as possible (the first L mod C chunks one layer longer).
+// 1F1B: P chunks, rank r holds chunk r. DualPipeV: 2P chunks in a V, rank r holds chunks
+// r and 2P-1-r, so rank 0 holds both ends. The embedding goes with the first layer and
+// the head with the last.
+struct Pipeline {
+  int ranks = 1;
+  bool dualpipev = false;
+  std::vector<int64_t> bounds;  // chunk c: layers [bounds[c], bounds[c + 1])
+  int chunks() const { return static_cast<int>(bounds.size()) - 1; }
+  int rank_of_chunk(int c) const { return c < ranks ? c : 2 * ranks - 1 - c; }
+  // This rank's chunks in the order its micro-batches pass them (phase 0, then 1).
+  std::vector<int> chunks_of(int rank) const;
+  std::vector<int64_t> layers_of(int rank) const;
+  // The rank holding layer l (-1: the embedding's, L: the head's).
+  int owner(int64_t layer) const;
+};
+// Errors name what is missing: a schedule other than 1f1b or dualpipev, fewer layers
+// than chunks.
+Pipeline make_pipeline(int64_t layers, int ranks, const std::string& schedule);
+
+// pp rank `rank`'s list. They need micro_batches >= P (1F1B) or >= 2P (DualPipeV), and
+// neither global_balance nor zero3 (errors say so).
+std::vector<Action> one_f_one_b_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
+std::vector<Action> dualpipev_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
+// The one a run uses: sequential on one pp rank, else the pipeline's.
+std::vector<Action> make_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
+
+// Inserts the reductions of sharded gradients (each part's after its last gradient
+// write, at most two in flight). With zero3 the layers are reduced by the schedule
+// itself, so only the embedding and the head are added.
+void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3);
+
+// A stash for each micro-batch, shared by micro-batches whose lives on this rank (first
+// to last action touching the stash, a send until its commit) do not overlap: slot[m]
+// and the number of stashes.
+std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count);
+
 // What the runner works on. `stashes[m]` is micro-batch m's (several micro-batches may
 // share one when their lifetimes do not overlap).
 struct ScheduleContext {
@@ -86,6 +143,8 @@ struct ScheduleContext {
   parallel::Zero3* zero3 = nullptr;         // null: the layers' weights are full here
   AdamW* optimizer = nullptr;               // for reduce_*: sharded
   StepProfile* profile = nullptr;           // null: no marks
+  const Pipeline* pipeline = nullptr;       // for messages: whose layers are whose
+  comm::Communicator* pp = nullptr;         // ... and the pp group they go over
   std::function<void(const Action&)> trainer;  // load, statistics, balance
   std::vector<LossSum> losses;              // per micro-batch, filled by head_forward
 };

@@ -113,7 +113,6 @@ void Trainer::setup() {
                                     << (model_.device() == Device::cuda ? "cuda" : "cpu") << " device";
   MT_CHECK(t.force_balanced_routing == model_.balanced_routing())
       << "training.force_balanced_routing must match the model's option";
-  MT_CHECK(cfg_.parallelism.pp == 1) << "parallelism.pp > 1: pipeline parallelism is not built yet";
   MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
   MT_CHECK(t.capacity_factor >= 0.0) << "training.capacity_factor = " << t.capacity_factor
                                      << ": expected 0 (dropless) or a positive factor";
@@ -122,19 +121,39 @@ void Trainer::setup() {
   MT_CHECK(rank_rows_ % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
                                            << " does not divide the global batch of " << global_batch_;
   micro_batches_ = rank_rows_ / micro_batch_;
+  pipeline_ = pipeline_of(cfg_, model_.num_layers());
+}
+
+Pipeline Trainer::pipeline_of(const Config& cfg, int64_t layers) {
+  return make_pipeline(layers, static_cast<int>(cfg.parallelism.pp), cfg.parallelism.pipeline_schedule);
 }
 
 void Trainer::make_stashes() {
-  // The global-batch load-balance loss needs every micro-batch's routing before any
-  // backward, so every micro-batch keeps its activations. Made at the first step, once
-  // the mesh is known: a stash for the whole batch, dropped when set_parallel splits
-  // it, would leave the GPU pool holding its memory in pieces.
-  int64_t live = cfg_.training.load_balance_type == "global_batch" ? micro_batches_ : 1;
-  for (int64_t i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, local_seq()));
+  // The schedule says how many micro-batches are alive at once (with the global-batch
+  // load-balance loss, all of them). Made at the first step, once the mesh is known: a
+  // stash for the whole batch, dropped when set_parallel splits it, would leave the GPU
+  // pool holding its memory in pieces.
+  ScheduleShape shape;
+  shape.layers = model_.num_layers();
+  shape.micro_batches = static_cast<int>(micro_batches_);
+  shape.global_balance = cfg_.training.load_balance_type == "global_batch";
+  shape.zero3 = zero3_ != nullptr;
+  shape.reduce = dp_ != nullptr;
+  actions_ = make_schedule(shape, pipeline_, pp_rank_);
+  int live = 0;
+  slot_ = stash_slots(actions_, shape.micro_batches, &live);
+  for (int i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, local_seq()));
 }
 
-void Trainer::set_parallel(comm::Communicator* all, comm::Communicator* expert_all, comm::Communicator* ep,
-                           comm::Communicator* cp, int64_t data_rank, int64_t data_ranks) {
+void Trainer::set_parallel(comm::DeviceMesh& mesh) {
+  comm::Communicator *all = &mesh.dp_cp_ep(), *expert_all = &mesh.dp_cp(), *ep = &mesh.ep(), *cp = &mesh.cp();
+  const int64_t data_rank = mesh.coord().dp * mesh.shape().ep + mesh.coord().ep;
+  const int64_t data_ranks = static_cast<int64_t>(mesh.shape().dp) * mesh.shape().ep;
+  if (mesh.world().size() > 1) world_ = &mesh.world();
+  if (mesh.shape().pp > 1) {
+    pp_ = &mesh.pp();
+    pp_rank_ = mesh.coord().pp;
+  }
   if (ep != nullptr && ep->size() > 1) {
     ep_ = ep;
     expert_dp_ = expert_all;
@@ -145,12 +164,12 @@ void Trainer::set_parallel(comm::Communicator* all, comm::Communicator* expert_a
                                            << 2 * cp->size() << " equal chunks";
   }
   MT_CHECK(stashes_.empty()) << "Trainer::set_parallel must come before the first step";
-  const bool zero3 = cfg_.parallelism.zero3 && all != nullptr && all->size() > 1;
+  const bool zero3 = cfg_.parallelism.zero3 && all->size() > 1;
   for (const Param& p : model_.params())
     MT_CHECK(zero3 || !in_layer(p) || p.value.data != nullptr)
         << p.name << " has no storage (a model built with external_layers) but ZeRO-3 is not on: "
         << "parallelism.zero3 needs more than one rank";
-  if (all == nullptr || all->size() == 1) return;
+  if (all->size() == 1) return;
   dp_ = all;
   // AdamW's moments and the summed gradients live as shards: dense blocks over every
   // rank, experts over the ranks holding the same experts; with ZeRO-3 the layers'
@@ -248,23 +267,28 @@ StepResult Trainer::step() {
   StepResult r;
   r.step = ++step_;
   double loss_sum = 0;
-  std::vector<std::vector<int64_t>> counts;  // per MoE layer, summed over micro-batches
-  std::vector<std::vector<double>> prob_sums;
+  // Per MoE layer of the whole model (zeros for other pp ranks' layers), summed over
+  // micro-batches.
+  std::vector<int64_t> moe_index(static_cast<size_t>(model_.num_layers()), -1);
+  size_t moe_layers = 0;
+  for (int64_t l = 0; l < model_.num_layers(); ++l)
+    if (model_.is_moe_layer(l)) moe_index[l] = static_cast<int64_t>(moe_layers++);
+  const size_t E = static_cast<size_t>(model_.num_experts());
+  std::vector<std::vector<int64_t>> counts(moe_layers, std::vector<int64_t>(E, 0));
+  std::vector<std::vector<double>> prob_sums(moe_layers, std::vector<double>(E, 0.0));
   int64_t routed_tokens = 0;
   std::vector<int64_t> dropped = {0};  // slots over an expert's capacity, all layers
 
   auto accumulate_stats = [&](const std::vector<RouterStats>& stats) {
-    if (counts.empty()) {
-      counts.assign(stats.size(), std::vector<int64_t>(static_cast<size_t>(model_.num_experts()), 0));
-      prob_sums.assign(stats.size(), std::vector<double>(static_cast<size_t>(model_.num_experts()), 0.0));
-    }
-    for (size_t i = 0; i < stats.size(); ++i)
-      for (int64_t e = 0; e < model_.num_experts(); ++e) {
-        counts[i][e] += stats[i].counts[e];
-        prob_sums[i][e] += stats[i].prob_sum[e];
+    for (const RouterStats& st : stats) {
+      const size_t i = static_cast<size_t>(moe_index[st.layer]);
+      for (size_t e = 0; e < E; ++e) {
+        counts[i][e] += st.counts[e];
+        prob_sums[i][e] += st.prob_sum[e];
       }
+      dropped[0] += st.dropped;
+    }
     if (!stats.empty()) routed_tokens += stats[0].tokens;
-    for (const RouterStats& st : stats) dropped[0] += st.dropped;
   };
   // The Switch-style balance term of one layer, in transformers' convention:
   // E * sum_e (tokens routed to e / tokens) * (mean probability of e); k when balanced.
@@ -284,15 +308,15 @@ StepResult Trainer::step() {
 
   const int64_t mb_count = micro_batches_;
   const int64_t ranks = dp_ ? dp_->size() : 1;
-  // Sums over the data-parallel ranks of host numbers (identity on one rank).
+  // Sums over every rank of host numbers (identity on one rank).
   auto sum_ranks_f64 = [&](std::vector<double>& v) {
-    if (!dp_ || v.empty()) return;
+    if (!world_ || v.empty()) return;
     // Gathered as raw 64-bit words and added here in rank order: exact doubles, and the
     // same sum on every rank (there is no f64 reduction; an f32 one lost ~1e-7).
-    const int64_t n = static_cast<int64_t>(v.size()), ranks = dp_->size();
+    const int64_t n = static_cast<int64_t>(v.size()), ranks = world_->size();
     std::vector<int64_t> mine(v.size()), all(static_cast<size_t>(n * ranks));
     std::memcpy(mine.data(), v.data(), v.size() * sizeof(double));
-    dp_->all_gather(Tensor(mine.data(), {n}, DType::i64), Tensor(all.data(), {n * ranks}, DType::i64));
+    world_->all_gather(Tensor(mine.data(), {n}, DType::i64), Tensor(all.data(), {n * ranks}, DType::i64));
     std::fill(v.begin(), v.end(), 0.0);
     for (int64_t r = 0; r < ranks; ++r)
       for (int64_t i = 0; i < n; ++i) {
@@ -302,11 +326,11 @@ StepResult Trainer::step() {
       }
   };
   auto sum_ranks_i64 = [&](std::vector<int64_t>& v) {
-    if (dp_ && !v.empty()) dp_->all_reduce(Tensor(v.data(), {static_cast<int64_t>(v.size())}, DType::i64));
+    if (world_ && !v.empty()) world_->all_reduce(Tensor(v.data(), {static_cast<int64_t>(v.size())}, DType::i64));
   };
   double lb_total = 0;
   std::vector<std::vector<RouterStats>> all;  // global_batch: every micro-batch's routing
-  auto stash_of = [&](int mb) -> Stash& { return *stashes_[global_lb ? static_cast<size_t>(mb) : 0]; };
+  auto stash_of = [&](int mb) -> Stash& { return *stashes_[static_cast<size_t>(slot_[mb])]; };
   // The trainer's own actions of the schedule.
   auto on_action = [&](const Action& a) {
     Stash& s = stash_of(a.micro_batch);
@@ -336,7 +360,7 @@ StepResult Trainer::step() {
         }
         // Every micro-batch of every data rank weighs the same in the mean; its cp
         // ranks each hold the same term, so each adds 1/cp of it to the sum.
-        double n = static_cast<double>(stats.size() * mb_count * (ranks / cps));
+        double n = static_cast<double>(moe_layers * mb_count * (ranks / cps));
         lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / (n * static_cast<double>(cps));
         model_.set_router_prob_grad(s, st.layer, dprob);
       }
@@ -354,37 +378,32 @@ StepResult Trainer::step() {
         lb_total += balance(counts[i], prob_sums[i], routed_tokens, coef / static_cast<double>(counts.size()),
                             &dprob) /
                     static_cast<double>(counts.size());
-        for (int64_t mb = 0; mb < mb_count; ++mb)
-          model_.set_router_prob_grad(*stashes_[mb], all[mb][i].layer, dprob);
+        for (int mb = 0; mb < mb_count; ++mb) model_.set_router_prob_grad(stash_of(mb), all[mb][i].layer, dprob);
       }
     }
   };
-  ScheduleShape shape;
-  shape.layers = model_.num_layers();
-  shape.micro_batches = static_cast<int>(mb_count);
-  shape.global_balance = global_lb;
-  shape.zero3 = zero3_ != nullptr;
-  shape.reduce = dp_ != nullptr;
   ScheduleContext ctx;
   ctx.model = &model_;
-  for (int mb = 0; mb < shape.micro_batches; ++mb) ctx.stashes.push_back(&stash_of(mb));
+  for (int mb = 0; mb < mb_count; ++mb) ctx.stashes.push_back(&stash_of(mb));
   ctx.loss_scale = loss_scale;
   ctx.zero3 = zero3_.get();
   ctx.optimizer = dp_ ? &optimizer_ : nullptr;
   ctx.profile = &profile_;
   ctx.trainer = on_action;
+  ctx.pipeline = &pipeline_;
+  ctx.pp = pp_;
   clear_gradient_marks(model_.params());  // the step's first write of each gradient replaces it
-  run_schedule(sequential_schedule(shape), ctx);
+  run_schedule(actions_, ctx);
   for (const LossSum& l : ctx.losses) loss_sum += l.sum;
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
   // changes nothing, so it is skipped).
   profile_.mark("gradient norm");
-  if (dp_) {
+  if (world_) {
     // Each rank's shard of the gradients was summed over the ranks that share its
     // blocks during the backward (the schedule's reductions); every element lives on
     // one rank of its group, so the squares of all shards add up to the global norm
-    // over the whole mesh (experts of every ep rank too).
+    // over the whole mesh (experts of every ep rank and layers of every pp rank too).
     std::vector<double> sums = {loss_sum, lb_total, optimizer_.grad_sum_squares()};
     sum_ranks_f64(sums);
     loss_sum = sums[0];

@@ -8,13 +8,14 @@
 #include <string>
 #include <vector>
 
-#include "comm/communicator.h"
+#include "comm/mesh.h"
 #include "data/dataset.h"
 #include "models/interface.h"
 #include "parallel/zero3.h"
 #include "train/config.h"
 #include "train/optimizer.h"
 #include "train/profile.h"
+#include "train/schedule.h"
 
 namespace mt {
 
@@ -51,17 +52,19 @@ class Trainer {
   Trainer(Config cfg, Model& model, TokenBatch data);
   // ... or on the next global batch of a tokenized corpus (data.corpus).
   Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus);
-  // The mesh, before step(). The global batch splits over the dp x ep "data ranks"
-  // (this one is `data_rank` of `data_ranks`); the cp ranks of a data rank share its
-  // sequences, each holding its zigzag chunks (the model built with the same cp).
-  // Dense gradients, losses and routing statistics are summed over `all` (dp x cp x
-  // ep); with expert parallelism expert gradients over `expert_all` (dp x cp, the
-  // ranks holding the same experts) and the norm adds the experts' squares over `ep`.
-  // Weights are replicated within those groups: every rank takes the same step, or with
-  // parallelism.zero3 (more than one rank; the model built with external_layers) the
-  // decoder layers' weights and gradients are sharded over them too (parallel/zero3.h).
-  void set_parallel(comm::Communicator* all, comm::Communicator* expert_all, comm::Communicator* ep,
-                    comm::Communicator* cp, int64_t data_rank, int64_t data_ranks);
+  // The mesh, before step(). The global batch splits over the dp x ep "data ranks";
+  // the cp ranks of a data rank share its sequences, each holding its zigzag chunks (the
+  // model built with the same cp). Dense gradients are summed over dp x cp x ep, expert
+  // gradients (with expert parallelism) over dp x cp, the ranks holding the same
+  // experts. Weights are replicated within those groups: every rank takes the same
+  // step, or with parallelism.zero3 (more than one rank; the model built with
+  // external_layers) the decoder layers' weights and gradients are sharded over them
+  // too (parallel/zero3.h). With pp > 1 the model holds this pp rank's layers
+  // (pipeline_layers) and the step runs the pipeline schedule; losses, norms and routing
+  // statistics are summed over the whole world.
+  void set_parallel(comm::DeviceMesh& mesh);
+  // The layers a pp rank builds (ModelOptions::layers), embedding and head included.
+  static Pipeline pipeline_of(const Config& cfg, int64_t layers);
   StepResult step();
   int64_t steps_done() const { return step_; }
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
@@ -100,6 +103,12 @@ class Trainer {
   int64_t local_seq() const { return cp_ ? seq_ / cp_->size() : seq_; }
   int64_t rank_rows_ = 0;                         // sequences of the global batch this rank trains on
   int64_t micro_batch_ = 0, micro_batches_ = 0, step_ = 0;
+  comm::Communicator* pp_ = nullptr;     // null: one pipeline stage
+  comm::Communicator* world_ = nullptr;  // host sums (null: one rank)
+  Pipeline pipeline_;
+  int pp_rank_ = 0;
+  std::vector<Action> actions_;                  // the step's schedule, made at the first step
+  std::vector<int> slot_;                        // micro-batch -> its stash
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
   AdamW optimizer_;
   std::unique_ptr<parallel::Zero3> zero3_;  // null: the layers' weights are full here

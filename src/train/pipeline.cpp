@@ -1,0 +1,301 @@
+// The pipeline schedules: 1F1B and DeepSeek's DualPipeV, over the schedule unit's
+// actions (train/schedule.h).
+#include <algorithm>
+#include <deque>
+
+#include "core/check.h"
+#include "train/schedule.h"
+
+namespace mt {
+
+std::vector<int> Pipeline::chunks_of(int rank) const {
+  if (!dualpipev) return {rank};
+  return {rank, 2 * ranks - 1 - rank};
+}
+
+std::vector<int64_t> Pipeline::layers_of(int rank) const {
+  std::vector<int64_t> out;
+  for (int c = 0; c < chunks(); ++c)
+    if (rank_of_chunk(c) == rank)
+      for (int64_t l = bounds[c]; l < bounds[c + 1]; ++l) out.push_back(l);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int Pipeline::owner(int64_t layer) const {
+  const int64_t l = std::clamp<int64_t>(layer, 0, bounds.back() - 1);
+  int c = 0;
+  while (bounds[c + 1] <= l) ++c;
+  return rank_of_chunk(c);
+}
+
+Pipeline make_pipeline(int64_t layers, int ranks, const std::string& schedule) {
+  MT_CHECK(schedule == "dualpipev" || schedule == "1f1b")
+      << "parallelism.pipeline_schedule = " << schedule << ": expected dualpipev or 1f1b";
+  Pipeline p;
+  p.ranks = ranks;
+  p.dualpipev = schedule == "dualpipev" && ranks > 1;
+  const int64_t chunks = p.dualpipev ? 2 * ranks : ranks;
+  MT_CHECK(ranks >= 1 && layers >= chunks)
+      << "parallelism.pp = " << ranks << " with " << schedule << " cuts the model into " << chunks
+      << " chunks of at least one layer, but it has " << layers << " layers";
+  p.bounds = {0};
+  for (int64_t c = 0; c < chunks; ++c) p.bounds.push_back(p.bounds.back() + layers / chunks + (c < layers % chunks));
+  return p;
+}
+
+namespace {
+
+// Emits one pp rank's actions chunk by chunk, as DeepSeek's DualPipeV does: counters of
+// the micro-batch each phase (the rank's first or second chunk) forwards, backwards,
+// sends and receives next; messages queued until a commit; deferred W in a FIFO.
+class Emitter {
+ public:
+  Emitter(const ScheduleShape& s, const Pipeline& p, int rank) : s_(s), p_(p), rank_(rank) {
+    MT_CHECK(!s.global_balance) << "training.load_balance_type = global_batch needs every micro-batch's forward "
+                                << "before the first backward, which a pipeline schedule does not do: use "
+                                << "micro_batch with parallelism.pp > 1";
+    MT_CHECK(!s.zero3) << "parallelism.zero3 with parallelism.pp > 1 is not supported";
+    const int need = p.dualpipev ? 2 * p.ranks : p.ranks;
+    MT_CHECK(s.micro_batches >= need) << (p.dualpipev ? "dualpipev" : "1f1b") << " with parallelism.pp = " << p.ranks
+                                      << " needs at least " << need << " micro-batches per step, got "
+                                      << s.micro_batches << " (global batch / (dp x ep x micro_batch_size))";
+    for (int c : p.chunks_of(rank)) chunk_.push_back({p.bounds[c], p.bounds[c + 1]});
+  }
+
+  // The chunk's input arrives from, and its output goes to, another rank (or not).
+  void recv_forward(int ph) { message(Op::recv_activation, begin(ph), p_.owner(begin(ph) - 1), recv_f_[ph]); }
+  void send_forward(int ph) { message(Op::send_activation, end(ph), p_.owner(end(ph)), send_f_[ph]); }
+  void recv_backward(int ph) { message(Op::recv_gradient, end(ph), p_.owner(end(ph)), recv_b_[ph]); }
+  void send_backward(int ph) { message(Op::send_gradient, begin(ph), p_.owner(begin(ph) - 1), send_b_[ph]); }
+  void commit() {
+    if (pending_) a_.push_back({Op::commit, 0});
+    pending_ = false;
+  }
+
+  void forward_chunk(int ph, bool recv = true, bool send = true) {
+    if (recv) recv_forward(ph);
+    commit();
+    const int m = forward_start(ph);
+    for (int64_t l = begin(ph); l < end(ph); ++l)
+      for (Stage st : kStages) {
+        a_.push_back({Op::forward, m, l, st});
+        a_.push_back({Op::finish_forward, m, l, st});
+      }
+    forward_end(ph, m);
+    if (send) send_forward(ph);
+  }
+
+  void backward_chunk(int ph, bool zero_bubble = false, bool recv = true, bool send = true) {
+    if (recv) recv_backward(ph);
+    commit();
+    const int m = backward_start(ph, !zero_bubble);
+    for (int64_t l = end(ph) - 1; l >= begin(ph); --l)
+      for (int i = 4; i >= 0; --i) backward_stage(m, l, kStages[i], !zero_bubble, true);
+    backward_end(ph, m, !zero_bubble);
+    if (send) send_backward(ph);
+  }
+
+  // Forward of phase f's next micro-batch and backward of phase b's, stage by stage:
+  // each exchange one of them starts travels while the other computes.
+  void forward_backward_chunk(int f, int b, bool recv_f = true) {
+    if (recv_f) recv_forward(f);
+    recv_backward(b);
+    commit();
+    const int mf = forward_start(f), mb = backward_start(b, true);
+    int64_t lf = begin(f), lb = end(b) - 1;
+    for (; lf < end(f) && lb >= begin(b); ++lf, --lb) {
+      backward_stage(mb, lb, Stage::aggregate, true, true);
+      backward_stage(mb, lb, Stage::combine, true, false);
+      forward_stage(mf, lf, Stage::attention, true);
+      finish_backward(mb, lb, Stage::combine);
+      forward_stage(mf, lf, Stage::dispatch, false);
+      backward_stage(mb, lb, Stage::experts, true, true);
+      a_.push_back({Op::finish_forward, mf, lf, Stage::dispatch});
+      backward_stage(mb, lb, Stage::dispatch, true, false);
+      forward_stage(mf, lf, Stage::experts, true);
+      finish_backward(mb, lb, Stage::dispatch);
+      forward_stage(mf, lf, Stage::combine, false);
+      backward_stage(mb, lb, Stage::attention, true, true);
+      a_.push_back({Op::finish_forward, mf, lf, Stage::combine});
+      forward_stage(mf, lf, Stage::aggregate, true);
+    }
+    // Chunks of unequal length: the longer one's remaining layers alone.
+    for (; lf < end(f); ++lf)
+      for (Stage st : kStages) forward_stage(mf, lf, st, true);
+    for (; lb >= begin(b); --lb)
+      for (int i = 4; i >= 0; --i) backward_stage(mb, lb, kStages[i], true, true);
+    backward_end(b, mb, true);
+    forward_end(f, mf);
+    send_forward(f);
+    send_backward(b);
+  }
+
+  // The oldest deferred W (a whole chunk of one micro-batch).
+  void weight_chunk() {
+    commit();
+    MT_CHECK(!deferred_.empty()) << "schedule: a W with none deferred";
+    auto [ph, m] = deferred_.front();
+    deferred_.pop_front();
+    weights(ph, m);
+  }
+
+  std::vector<Action> finish() {
+    commit();
+    MT_CHECK(deferred_.empty()) << "schedule: " << deferred_.size() << " W never run";
+    if (s_.reduce) add_reductions(a_, s_.layers, false);
+    return std::move(a_);
+  }
+
+ private:
+  int64_t begin(int ph) const { return chunk_[ph].first; }
+  int64_t end(int ph) const { return chunk_[ph].second; }
+  // Nothing to send where the boundary is the embedding's or the peer is this rank.
+  void message(Op op, int64_t boundary, int peer, int& counter) {
+    if (boundary <= 0 || peer == rank_) return;
+    a_.push_back({op, counter++, boundary});
+    pending_ = true;
+  }
+  int forward_start(int ph) {
+    const int m = forward_[ph]++;
+    if (ph == 0) a_.push_back({Op::load, m});  // every rank reads the batch, in order
+    if (begin(ph) == 0) a_.push_back({Op::embed_forward, m});
+    return m;
+  }
+  void forward_end(int ph, int m) {
+    if (end(ph) == s_.layers) a_.push_back({Op::head_forward, m});
+    if (ph + 1 == static_cast<int>(chunk_.size())) a_.push_back({Op::statistics, m});  // before its first B here
+  }
+  void forward_stage(int m, int64_t l, Stage st, bool finish) {
+    a_.push_back({Op::forward, m, l, st});
+    if (finish) a_.push_back({Op::finish_forward, m, l, st});
+  }
+  int backward_start(int ph, bool weight_now) {
+    const int m = backward_[ph]++;
+    if (end(ph) == s_.layers) {
+      a_.push_back({Op::head_backward_input, m});
+      if (weight_now) a_.push_back({Op::head_backward_weight, m});
+    }
+    return m;
+  }
+  void backward_end(int ph, int m, bool weight_now) {
+    if (!weight_now) {
+      deferred_.push_back({ph, m});
+    } else if (begin(ph) == 0) {
+      a_.push_back({Op::embed_backward, m});
+    }
+  }
+  void backward_stage(int m, int64_t l, Stage st, bool weight_now, bool finish) {
+    a_.push_back({Op::backward_input, m, l, st});
+    if (finish) finish_backward(m, l, st, weight_now);
+  }
+  void finish_backward(int m, int64_t l, Stage st, bool weight_now = true) {
+    a_.push_back({Op::finish_backward_input, m, l, st});
+    if (weight_now) a_.push_back({Op::backward_weight, m, l, st});
+  }
+  void weights(int ph, int m) {
+    if (end(ph) == s_.layers) a_.push_back({Op::head_backward_weight, m});
+    for (int64_t l = end(ph) - 1; l >= begin(ph); --l)
+      for (int i = 4; i >= 0; --i) a_.push_back({Op::backward_weight, m, l, kStages[i]});
+    if (begin(ph) == 0) a_.push_back({Op::embed_backward, m});
+  }
+
+  const ScheduleShape& s_;
+  const Pipeline& p_;
+  int rank_;
+  std::vector<std::pair<int64_t, int64_t>> chunk_;  // per phase: layers [first, second)
+  int forward_[2] = {0, 0}, backward_[2] = {0, 0};
+  int send_f_[2] = {0, 0}, recv_f_[2] = {0, 0}, send_b_[2] = {0, 0}, recv_b_[2] = {0, 0};
+  std::deque<std::pair<int, int>> deferred_;  // (phase, micro-batch) of W not yet run
+  bool pending_ = false;
+  std::vector<Action> a_;
+};
+
+}  // namespace
+
+std::vector<Action> one_f_one_b_schedule(const ScheduleShape& s, const Pipeline& p, int rank) {
+  Emitter e(s, p, rank);
+  // Warm-up forwards fill the pipeline below this rank; then one forward, one backward.
+  const int warmup = std::min(p.ranks - rank - 1, s.micro_batches);
+  for (int i = 0; i < warmup; ++i) e.forward_chunk(0);
+  for (int i = 0; i < s.micro_batches - warmup; ++i) {
+    e.forward_chunk(0);
+    e.backward_chunk(0);
+  }
+  for (int i = 0; i < warmup; ++i) e.backward_chunk(0);
+  return e.finish();
+}
+
+std::vector<Action> dualpipev_schedule(const ScheduleShape& s, const Pipeline& p, int rank) {
+  MT_CHECK(p.dualpipev) << "dualpipev_schedule of a pipeline cut for 1f1b";
+  Emitter e(s, p, rank);
+  const int P = p.ranks, M = s.micro_batches;
+  const bool last = rank == P - 1;
+
+  // Step 1: nF0. Fill the V's first arm below this rank.
+  for (int i = 0; i < (P - rank - 1) * 2; ++i) e.forward_chunk(0);
+
+  // Step 2: nF0F1. The first arm and the second in turn.
+  e.recv_forward(0);
+  for (int i = 0; i <= rank; ++i) {
+    e.forward_chunk(0, false, false);
+    e.recv_forward(0);
+    e.forward_chunk(1, true, !last || i < rank);
+    e.send_forward(0);
+  }
+
+  // Step 3: nB1W1F1. The first backwards, their W deferred into the next forward's bubble.
+  for (int i = 0; i < P - rank - 1; ++i) {
+    e.backward_chunk(1, true);
+    e.recv_forward(1);
+    e.weight_chunk();
+    e.forward_chunk(1, false);
+  }
+
+  // Step 4: nF0B1F1B0. The steady state: every forward paired with a backward.
+  for (int i = 0; i < M - 2 * P + rank + 1; ++i) {
+    if (i == 0 && last) {
+      // Not overlapped: the second chunk's backward needs this forward's output here.
+      e.forward_chunk(0, false, false);
+      e.send_forward(1);
+      e.backward_chunk(1, false, true, false);
+      e.send_forward(0);
+      e.send_backward(1);
+    } else {
+      e.forward_backward_chunk(0, 1, i != 0);
+    }
+    e.forward_backward_chunk(1, 0);
+  }
+
+  // Step 5: nB1F1B0.
+  for (int i = 0; i < P - rank - 1; ++i) {
+    e.backward_chunk(1);
+    e.forward_backward_chunk(1, 0);
+  }
+
+  // Step 6: nB1B0. The second half of these defer their W (zero bubble).
+  bool zero_bubble = false;
+  for (int i = 0; i <= rank; ++i) {
+    if (i == (rank + 1) / 2 && rank % 2 == 1) zero_bubble = true;
+    e.backward_chunk(1, zero_bubble);
+    if (i == (rank + 1) / 2 && rank % 2 == 0) zero_bubble = true;
+    e.backward_chunk(0, zero_bubble);
+  }
+
+  // Step 7: nWB0. Deferred W between the last backwards.
+  for (int i = 0; i < P - rank - 1; ++i) {
+    e.weight_chunk();
+    e.backward_chunk(0, true);
+  }
+
+  // Step 8: nW. The rest of the deferred W.
+  for (int i = 0; i <= rank; ++i) e.weight_chunk();
+  return e.finish();
+}
+
+std::vector<Action> make_schedule(const ScheduleShape& s, const Pipeline& p, int rank) {
+  if (p.ranks == 1) return sequential_schedule(s);
+  return p.dualpipev ? dualpipev_schedule(s, p, rank) : one_f_one_b_schedule(s, p, rank);
+}
+
+}  // namespace mt
