@@ -118,7 +118,7 @@ void validate(const Config& c) {
   check_one_of(c.model.dtype, {"bf16", "fp32"}, "model.dtype");
   check_one_of(c.training.device, {"cpu", "cuda"}, "training.device");
   check_one_of(c.training.load_balance_type, {"micro_batch", "global_batch"}, "training.load_balance_type");
-  check_one_of(c.parallelism.pipeline_schedule, {"dualpipev", "1f1b"}, "parallelism.pipeline_schedule");
+  check_one_of(c.parallelism.pipeline_schedule, {"auto", "dualpipev", "1f1b"}, "parallelism.pipeline_schedule");
   check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");
   check_one_of(c.optimizer.decay, {"matrices", "all"}, "optimizer.decay");
   check_one_of(c.optimizer.state_dtype, {"fp32", "bf16"}, "optimizer.state_dtype");

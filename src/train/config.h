@@ -68,8 +68,9 @@ struct ParallelismConfig {
   // ZeRO-3: with more than one rank, the decoder layers' weights and gradients also
   // live only as shards, each layer gathered just before its stages (parallel/zero3.h).
   bool zero3 = false;
-  // With pp > 1: dualpipev (2 * pp chunks in a V) or 1f1b (train/schedule.h).
-  std::string pipeline_schedule = "dualpipev";
+  // auto (dualpipev when pp > 1), dualpipev (2 * pp chunks in a V) or 1f1b
+  // (train/schedule.h, make_pipeline).
+  std::string pipeline_schedule = "auto";
 };
 
 struct CheckpointConfig {

@@ -2,6 +2,7 @@
 // actions (train/schedule.h).
 #include <algorithm>
 #include <deque>
+#include <map>
 
 #include "core/check.h"
 #include "train/schedule.h"
@@ -30,11 +31,11 @@ int Pipeline::owner(int64_t layer) const {
 }
 
 Pipeline make_pipeline(int64_t layers, int ranks, const std::string& schedule) {
-  MT_CHECK(schedule == "dualpipev" || schedule == "1f1b")
-      << "parallelism.pipeline_schedule = " << schedule << ": expected dualpipev or 1f1b";
+  MT_CHECK(schedule == "auto" || schedule == "dualpipev" || schedule == "1f1b")
+      << "parallelism.pipeline_schedule = " << schedule << ": expected auto, dualpipev or 1f1b";
   Pipeline p;
   p.ranks = ranks;
-  p.dualpipev = schedule == "dualpipev" && ranks > 1;
+  p.dualpipev = schedule == "dualpipev" || (schedule == "auto" && ranks > 1);
   const int64_t chunks = p.dualpipev ? 2 * ranks : ranks;
   MT_CHECK(ranks >= 1 && layers >= chunks)
       << "parallelism.pp = " << ranks << " with " << schedule << " cuts the model into " << chunks
@@ -294,8 +295,106 @@ std::vector<Action> dualpipev_schedule(const ScheduleShape& s, const Pipeline& p
 }
 
 std::vector<Action> make_schedule(const ScheduleShape& s, const Pipeline& p, int rank) {
-  if (p.ranks == 1) return sequential_schedule(s);
+  if (p.ranks == 1 && !p.dualpipev) return sequential_schedule(s);
   return p.dualpipev ? dualpipev_schedule(s, p, rank) : one_f_one_b_schedule(s, p, rank);
+}
+
+}  // namespace mt
+
+namespace mt {
+
+double Timeline::bubble() const {
+  double busy_all = 0;
+  for (double b : busy) busy_all += b;
+  return step > 0 ? 1.0 - busy_all / (step * static_cast<double>(busy.size())) : 0.0;
+}
+
+Timeline simulate(const std::vector<std::vector<Action>>& per_rank, const Pipeline& p,
+                  const std::function<double(int, const Action&)>& cost) {
+  const int P = static_cast<int>(per_rank.size());
+  auto peer_of = [&](const Action& a) {
+    const bool grad = a.op == Op::send_gradient || a.op == Op::recv_gradient;
+    const bool send = a.op == Op::send_activation || a.op == Op::send_gradient;
+    return p.owner(grad == send ? a.layer - 1 : a.layer);
+  };
+  // Per (sender, receiver): what was posted so far, in order, with the time.
+  std::map<std::pair<int, int>, std::vector<std::pair<Action, double>>> sends, recvs;
+  Timeline t;
+  t.ranks.resize(P);
+  t.busy.assign(P, 0.0);
+  std::vector<size_t> at(P, 0);       // next action
+  std::vector<double> clock(P, 0.0);
+  std::vector<size_t> batch(P, 0);    // the action after the last commit
+  auto same = [](const Action& x, const Action& y) { return x.layer == y.layer && x.micro_batch == y.micro_batch; };
+  struct Waiting {
+    Action m;
+    std::pair<int, int> key;  // (sender, receiver)
+    bool send;
+    size_t k;  // its place among the pair's messages this way
+  };
+  std::vector<std::vector<Waiting>> waiting(P);  // the messages of the commit a rank is at
+  std::vector<bool> posted(P, false);
+  auto is_send = [](const Action& m) { return m.op == Op::send_activation || m.op == Op::send_gradient; };
+  auto is_activation = [](const Action& m) { return m.op == Op::send_activation || m.op == Op::recv_activation; };
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int r = 0; r < P; ++r) {
+      while (at[r] < per_rank[r].size()) {
+        const Action& a = per_rank[r][at[r]];
+        if (a.op >= Op::send_activation && a.op <= Op::recv_gradient) {
+          ++at[r];
+          continue;
+        }
+        if (a.op != Op::commit) {
+          const double c = cost(r, a);
+          if (c > 0) t.ranks[r].push_back({clock[r], clock[r] + c, a});
+          clock[r] += c;
+          t.busy[r] += c;
+          ++at[r];
+          moved = true;
+          continue;
+        }
+        if (!posted[r]) {
+          waiting[r].clear();
+          for (size_t i = batch[r]; i < at[r]; ++i) {
+            const Action& m = per_rank[r][i];
+            if (m.op < Op::send_activation || m.op > Op::recv_gradient) continue;
+            const int q = peer_of(m);
+            const std::pair<int, int> key = is_send(m) ? std::make_pair(r, q) : std::make_pair(q, r);
+            auto& list = is_send(m) ? sends[key] : recvs[key];
+            waiting[r].push_back({m, key, is_send(m), list.size()});
+            list.push_back({m, clock[r]});
+          }
+          posted[r] = moved = true;
+        }
+        // Done when each message's counterpart is posted (rendezvous).
+        double ready = clock[r];
+        bool all = true;
+        for (const Waiting& w : waiting[r]) {
+          const auto& theirs = w.send ? recvs[w.key] : sends[w.key];
+          if (w.k >= theirs.size()) {
+            all = false;
+            break;
+          }
+          const Action& o = theirs[w.k].first;
+          MT_CHECK(same(o, w.m) && is_activation(o) == is_activation(w.m))
+              << "pipeline: rank " << r << "'s " << describe(w.m) << " meets " << describe(o);
+          ready = std::max(ready, theirs[w.k].second);
+        }
+        if (!all) break;
+        clock[r] = ready;
+        posted[r] = false;
+        batch[r] = ++at[r];
+        moved = true;
+      }
+    }
+  }
+  for (int r = 0; r < P; ++r) {
+    MT_CHECK(at[r] == per_rank[r].size()) << "pipeline: rank " << r << " waits forever at action " << at[r] << " ("
+                                          << describe(per_rank[r][at[r]]) << ")";
+    t.step = std::max(t.step, clock[r]);
+  }
+  return t;
 }
 
 }  // namespace mt

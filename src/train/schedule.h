@@ -113,16 +113,37 @@ struct Pipeline {
   // The rank holding layer l (-1: the embedding's, L: the head's).
   int owner(int64_t layer) const;
 };
-// Errors name what is missing: a schedule other than 1f1b or dualpipev, fewer layers
-// than chunks.
+// `schedule` is parallelism.pipeline_schedule: auto (dualpipev when ranks > 1), 1f1b
+// (on one rank the sequential order) or dualpipev (on one rank both chunks of the V
+// there: the forward-backward pairing without a pipeline). Errors name what is wrong:
+// another schedule, fewer layers than chunks.
 Pipeline make_pipeline(int64_t layers, int ranks, const std::string& schedule);
 
 // pp rank `rank`'s list. They need micro_batches >= P (1F1B) or >= 2P (DualPipeV), and
 // neither global_balance nor zero3 (errors say so).
 std::vector<Action> one_f_one_b_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
 std::vector<Action> dualpipev_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
-// The one a run uses: sequential on one pp rank, else the pipeline's.
+// The one a run uses: sequential on one pp rank (unless dualpipev), else the pipeline's.
 std::vector<Action> make_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
+
+// Every pp rank's list played out against the others' with `cost(rank, action)` seconds
+// of compute an action: a rank runs its actions in order; a commit starts when the rank
+// reaches it and ends when every message in it has been posted by its peer too (k-th
+// send from a to b meets b's k-th receive from a, which must name the same tensor and
+// micro-batch). Messages take no time. An error names the first rank that can never go
+// on (a deadlock) or the first mismatched message.
+struct Timeline {
+  struct Box {
+    double start = 0, end = 0;
+    Action action;
+  };
+  std::vector<std::vector<Box>> ranks;  // per rank, actions with a cost in the order they ran
+  double step = 0;                      // when the last rank finishes
+  std::vector<double> busy;             // per rank: seconds of compute
+  double bubble() const;                // idle share of P x step
+};
+Timeline simulate(const std::vector<std::vector<Action>>& per_rank, const Pipeline& p,
+                  const std::function<double(int, const Action&)>& cost);
 
 // Inserts the reductions of sharded gradients (each part's after its last gradient
 // write, at most two in flight). With zero3 the layers are reduced by the schedule
