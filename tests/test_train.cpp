@@ -6,7 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <set>
+#include <tuple>
 
 #include "io/file.h"
 #include "io/npy.h"
@@ -364,6 +366,155 @@ TEST(Schedule, SequentialOrderKeepsEveryDependency) {
     }
 }
 
+// The pipeline schedules of every rank, for P up to 8, layer counts that do and do not
+// divide into the chunks, and the fewest micro-batches and more: every (micro-batch,
+// layer, stage) gets one F, one B and one W, on the rank holding the layer; each rank's
+// order keeps the stage dependencies; every message is sent after what it carries is
+// computed and committed before it is read; and played out together (simulate, which
+// fails on a deadlock or a mismatched message), the idle time of every rank is the
+// DualPipe paper's bubble: 1F1B (P-1)(F+B), DualPipeV (P-1)(F&B + B - 3W), with F&B =
+// F + B (no overlap gain is modeled) and B = B_input + W, at equal F, B_input and W as
+// the paper's comparison assumes (and for 1F1B also unequal ones).
+TEST(Schedule, PipelinesKeepEveryDependencyAndTheBubbleOfThePaper) {
+  for (const char* kind : {"1f1b", "dualpipev"})
+    for (int P : {1, 2, 3, 4, 8})
+      for (int extra_layers : {0, 3})
+        for (int extra_mb : {0, 5}) {
+          const bool dual = std::string(kind) == "dualpipev";
+          const int chunks = dual ? 2 * P : P;
+          if (P == 1 && !dual) continue;  // the sequential schedule, tested above
+          ScheduleShape shape;
+          shape.layers = chunks + extra_layers;
+          shape.micro_batches = chunks + extra_mb;
+          shape.reduce = true;
+          const int64_t L = shape.layers;
+          const int M = shape.micro_batches;
+          const Pipeline p = make_pipeline(L, P, kind);
+          const std::string what = std::string(kind) + " P " + std::to_string(P) + " L " + std::to_string(L) +
+                                   " M " + std::to_string(M);
+          std::vector<std::vector<Action>> all;
+          for (int r = 0; r < P; ++r) all.push_back(make_schedule(shape, p, r));
+          // Chunks as the paper cuts them: sizes differ by at most one, the first longer.
+          for (int c = 0; c < chunks; ++c) {
+            const int64_t size = p.bounds[c + 1] - p.bounds[c];
+            EXPECT_EQ(size, L / chunks + (c < L % chunks)) << what << " chunk " << c;
+          }
+          std::map<std::tuple<int, int, int64_t, int>, int> seen;  // (op, mb, layer, stage) -> count
+          for (int r = 0; r < P; ++r) {
+            const std::vector<Action>& a = all[r];
+            auto index = [&](Op op, int m, int64_t l, Stage st) {
+              for (size_t i = 0; i < a.size(); ++i)
+                if (a[i].op == op && a[i].micro_batch == m && a[i].layer == l && a[i].stage == st)
+                  return static_cast<int>(i);
+              return -1;
+            };
+            auto commit_after = [&](int i) {
+              while (i < static_cast<int>(a.size()) && a[i].op != Op::commit) ++i;
+              return i;
+            };
+            const std::vector<int64_t> mine = p.layers_of(r);
+            for (const Action& x : a) {
+              if (x.op == Op::forward || x.op == Op::backward_input || x.op == Op::backward_weight) {
+                ++seen[{static_cast<int>(x.op), x.micro_batch, x.layer, static_cast<int>(x.stage)}];
+                EXPECT_EQ(p.owner(x.layer), r) << what << ": " << describe(x) << " on rank " << r;
+              }
+              if (x.op == Op::head_forward || x.op == Op::head_backward_input || x.op == Op::head_backward_weight)
+                ++seen[{static_cast<int>(x.op), x.micro_batch, L, 0}];
+              if (x.op == Op::embed_forward || x.op == Op::embed_backward)
+                ++seen[{static_cast<int>(x.op), x.micro_batch, -1, 0}];
+              if (x.op == Op::head_forward) EXPECT_EQ(p.owner(L - 1), r) << what;
+              if (x.op == Op::embed_forward) EXPECT_EQ(p.owner(0), r) << what;
+            }
+            for (int m = 0; m < M; ++m) {
+              const int load = index(Op::load, m, 0, Stage::attention);
+              const int stats = index(Op::statistics, m, 0, Stage::attention);
+              ASSERT_GE(load, 0) << what << " rank " << r << " mb " << m;
+              ASSERT_GT(stats, load) << what << " rank " << r << " mb " << m;
+              int prev_f = load, first_b = INT32_MAX;
+              for (int64_t l : mine)
+                for (Stage st : kStages) {
+                  const int f = index(Op::forward, m, l, st), ff = index(Op::finish_forward, m, l, st);
+                  EXPECT_TRUE(prev_f < f && f < ff && ff < stats) << what << " rank " << r << ": " << describe(a[f]);
+                  prev_f = ff;
+                }
+              for (auto it = mine.rbegin(); it != mine.rend(); ++it)
+                for (int i = 4; i >= 0; --i) {
+                  const Stage st = kStages[i];
+                  const int b = index(Op::backward_input, m, *it, st), fb = index(Op::finish_backward_input, m, *it, st),
+                            w = index(Op::backward_weight, m, *it, st);
+                  EXPECT_TRUE(stats < b && b < fb && fb < w) << what << " rank " << r << ": " << describe(a[b]);
+                  first_b = std::min(first_b, b);
+                  // Descending layers and stages within one micro-batch (a chunk boundary
+                  // on this rank is the previous layer here only within the chunk).
+                  if (i < 4) EXPECT_LT(index(Op::finish_backward_input, m, *it, kStages[i + 1]), b) << what;
+                }
+              if (p.owner(L - 1) == r) {
+                const int hf = index(Op::head_forward, m, 0, Stage::attention);
+                const int hb = index(Op::head_backward_input, m, 0, Stage::attention);
+                EXPECT_TRUE(index(Op::finish_forward, m, L - 1, Stage::aggregate) < hf && hf < hb &&
+                            hb < index(Op::backward_input, m, L - 1, Stage::aggregate))
+                    << what;
+              }
+              // Messages: a sent tensor is complete when sent; a received one is in place
+              // (its commit) before the stage that reads it.
+              for (int i = 0; i < static_cast<int>(a.size()); ++i) {
+                const Action& x = a[i];
+                if (x.micro_batch != m) continue;
+                const int64_t l = x.layer;
+                if (x.op == Op::send_activation)
+                  EXPECT_LT(index(Op::finish_forward, m, l - 1, Stage::aggregate), i) << what << ": " << describe(x);
+                if (x.op == Op::recv_activation)
+                  EXPECT_LT(commit_after(i), index(Op::forward, m, l, Stage::attention)) << what << ": " << describe(x);
+                if (x.op == Op::send_gradient)
+                  EXPECT_LT(index(Op::finish_backward_input, m, l, Stage::attention), i) << what << ": " << describe(x);
+                if (x.op == Op::recv_gradient)
+                  EXPECT_LT(commit_after(i), index(Op::backward_input, m, l - 1, Stage::aggregate))
+                      << what << ": " << describe(x);
+              }
+            }
+          }
+          for (const auto& [key, n] : seen) EXPECT_EQ(n, 1) << what << ": op " << std::get<0>(key);
+          EXPECT_EQ(seen.size(), static_cast<size_t>(M) * (3 * 5 * L + 3 + 2)) << what;
+
+          // The bubble, one layer a chunk so that a chunk's F, B and W are one stage's.
+          if (extra_layers != 0 || P == 1) continue;
+          for (double f : {1.0, 2.0})
+            for (double bi : {1.0, 3.0})
+              for (double w : {1.0, 0.5}) {
+                const bool equal = f == bi && bi == w;
+                if (dual && !equal) continue;
+                auto cost = [&](int, const Action& x) {
+                  if (x.stage != Stage::attention) return 0.0;
+                  return x.op == Op::forward ? f : x.op == Op::backward_input ? bi : x.op == Op::backward_weight ? w : 0.0;
+                };
+                const Timeline t = simulate(all, p, cost);
+                const double b = bi + w;
+                const double want = dual ? (P - 1) * ((f + b) + b - 3 * w) : (P - 1) * (f + b);
+                for (int r = 0; r < P; ++r)
+                  EXPECT_NEAR(t.step - t.busy[r], want, 1e-9) << what << " F " << f << " Bi " << bi << " W " << w;
+                EXPECT_NEAR(t.bubble(), want / t.step, 1e-9) << what;
+              }
+        }
+}
+
+// Bad pipelines are refused, naming the numbers.
+TEST(Schedule, BadPipelinesAreRefused) {
+  ScheduleShape shape;
+  shape.layers = 8;
+  shape.micro_batches = 7;
+  EXPECT_NE(error_of([&] { dualpipev_schedule(shape, make_pipeline(8, 4, "dualpipev"), 0); })
+                .find("needs at least 8 micro-batches per step, got 7"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { make_pipeline(7, 4, "dualpipev"); }).find("cuts the model into 8 chunks"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { make_pipeline(8, 2, "gpipe"); }).find("expected auto, dualpipev or 1f1b"),
+            std::string::npos);
+  shape.micro_batches = 8;
+  shape.global_balance = true;
+  EXPECT_NE(error_of([&] { one_f_one_b_schedule(shape, make_pipeline(8, 2, "1f1b"), 1); }).find("global_batch"),
+            std::string::npos);
+}
+
 TEST(Commands, EvalPrintsTheContractLine) {
   for (std::string name : {"qwen3_moe_a", "qwen3_moe_b"}) {
     auto [rc, out] = run(std::string(MOETRAIN_BIN) + " eval --model " + fixture(name) + " --tokens " +
@@ -596,6 +747,73 @@ TEST(Commands, MeshesMatchOneRank) {
         }
         EXPECT_EQ(runs[m][i]["expert_counts"], runs[0][i]["expert_counts"]) << lb << " mesh " << m;
       }
+  }
+}
+
+// Pipeline meshes (pp, dp, cp, ep) against one rank, both schedules where each applies,
+// on the pipeline fixture (8 layers, layer 2 dense, untied head): (2,1,1,1), (4,1,1,1),
+// (2,2,1,1), (2,1,1,2), (2,1,2,1), (2,2,1,2), 1F1B at pp 8, and dualpipev at pp 1 (the
+// V's two chunks on one rank). Losses, gradient norms and load-balance terms to 1e-5,
+// expert counts exactly, over 3 steps of 32 sequences of 16 tokens in micro-batches of
+// one: at least 8 micro-batches per rank, as dualpipev at pp 4 needs. Then a checkpoint
+// saved at pp 2 resumes at pp 1 and at pp 4 and continues the same losses.
+TEST(Commands, PipelineMeshesMatchOneRank) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  std::string dir = temp_dir("pipeline");
+  std::vector<int64_t> tokens(32 * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 29 + i / 5 + i / 17) % 80);
+  io::write_npy(dir + "/tokens.npy", "<i8", {32, 17}, tokens.data());
+  const std::string mpirun =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
+  auto train = [&](const std::string& name, int np, const std::string& flags, int steps) {
+    const std::string dump = dir + "/" + name;
+    auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.config=" +
+                         fixture("pipeline/config.json") + " --data.tokens=" + dir + "/tokens.npy" +
+                         " --training.steps=" + std::to_string(steps) +
+                         " --training.load_balance_coef=0.1 --training.micro_batch_size=1 --job.dump_folder=" + dump +
+                         " " + flags);
+    EXPECT_EQ(rc, 0) << name << ": " << out;
+    return metrics_of(dump);
+  };
+  const std::vector<nlohmann::json> one = train("one", 1, "", 4);
+  ASSERT_EQ(one.size(), 4u);
+  // `got` holds steps first + 1, first + 2, ...
+  auto expect_same = [&](const std::vector<nlohmann::json>& got, size_t first, size_t steps, const std::string& what) {
+    ASSERT_EQ(got.size(), steps) << what;
+    for (size_t i = 0; i < got.size(); ++i) {
+      for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
+        const double want = one[first + i][key], value = got[i][key];
+        EXPECT_NEAR(value, want, 1e-5 * std::fabs(want)) << what << " step " << first + i + 1 << " " << key;
+      }
+      EXPECT_EQ(got[i]["expert_counts"], one[first + i]["expert_counts"]) << what << " step " << first + i + 1;
+    }
+  };
+  struct Mesh {
+    int pp, dp, cp, ep;
+  };
+  for (Mesh m : {Mesh{2, 1, 1, 1}, Mesh{4, 1, 1, 1}, Mesh{2, 2, 1, 1}, Mesh{2, 1, 1, 2}, Mesh{2, 1, 2, 1},
+                 Mesh{2, 2, 1, 2}, Mesh{8, 1, 1, 1}, Mesh{1, 1, 1, 1}})
+    for (std::string schedule : {"1f1b", "dualpipev"}) {
+      if ((m.pp == 8 && schedule == "dualpipev") || (m.pp == 1 && schedule == "1f1b")) continue;
+      const std::string name = "pp" + std::to_string(m.pp) + "dp" + std::to_string(m.dp) + "cp" +
+                               std::to_string(m.cp) + "ep" + std::to_string(m.ep) + schedule;
+      std::vector<nlohmann::json> got =
+          train(name, m.pp * m.dp * m.cp * m.ep,
+                "--parallelism.pp=" + std::to_string(m.pp) + " --parallelism.cp=" + std::to_string(m.cp) +
+                    " --parallelism.ep=" + std::to_string(m.ep) + " --parallelism.pipeline_schedule=" + schedule,
+                3);
+      expect_same(got, 0, 3, name);
+    }
+  // Saved at pp 2 after two steps; resumed (the checkpoint folder copied into a fresh
+  // run folder) at pp 1 and pp 4 for the last two.
+  train("save", 2, "--parallelism.pp=2 --checkpoint.interval=2", 2);
+  for (int pp : {1, 4}) {
+    const std::string name = "resume" + std::to_string(pp);
+    std::filesystem::create_directories(dir + "/" + name + "/checkpoints");
+    std::filesystem::copy(dir + "/save/checkpoints/step-00000002", dir + "/" + name + "/checkpoints/step-00000002",
+                          std::filesystem::copy_options::recursive);
+    std::vector<nlohmann::json> got = train(name, pp, "--parallelism.pp=" + std::to_string(pp), 4);
+    expect_same(got, 2, 2, name);
   }
 }
 
