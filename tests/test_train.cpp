@@ -755,8 +755,9 @@ TEST(Commands, MeshesMatchOneRank) {
 // (2,2,1,1), (2,1,1,2), (2,1,2,1), (2,2,1,2), 1F1B at pp 8, and dualpipev at pp 1 (the
 // V's two chunks on one rank). Losses, gradient norms and load-balance terms to 1e-5,
 // expert counts exactly, over 3 steps of 32 sequences of 16 tokens in micro-batches of
-// one: at least 8 micro-batches per rank, as dualpipev at pp 4 needs. Then a checkpoint
-// saved at pp 2 resumes at pp 1 and at pp 4 and continues the same losses.
+// one: at least 8 micro-batches per rank, as dualpipev at pp 4 needs. A capacity
+// factor drops the same slots with pp as without. A checkpoint saved at pp 2 resumes at
+// pp 1 and at pp 4 and continues the same losses.
 TEST(Commands, PipelineMeshesMatchOneRank) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
   std::string dir = temp_dir("pipeline");
@@ -804,6 +805,20 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
                 3);
       expect_same(got, 0, 3, name);
     }
+  // A capacity factor: pp 2 x ep 2 drops what ep 2 alone drops (the capacity is over
+  // the ep group's micro-batches), the same slots, with the same losses.
+  const std::string capacity = " --training.capacity_factor=1.0 --parallelism.ep=2";
+  const std::vector<nlohmann::json> ep2 = train("capacity_ep2", 2, capacity, 3),
+                                    pp2 = train("capacity_pp2ep2", 4, capacity + " --parallelism.pp=2", 3);
+  ASSERT_EQ(ep2.size(), 3u);
+  ASSERT_EQ(pp2.size(), 3u);
+  EXPECT_GT(ep2[0]["dropped_slots"].get<int64_t>(), 0);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(pp2[i]["dropped_slots"], ep2[i]["dropped_slots"]) << "step " << i + 1;
+    EXPECT_EQ(pp2[i]["expert_counts"], ep2[i]["expert_counts"]) << "step " << i + 1;
+    const double want = ep2[i]["loss"], got = pp2[i]["loss"];
+    EXPECT_NEAR(got, want, 1e-5 * want) << "step " << i + 1;
+  }
   // Saved at pp 2 after two steps; resumed (the checkpoint folder copied into a fresh
   // run folder) at pp 1 and pp 4 for the last two.
   train("save", 2, "--parallelism.pp=2 --checkpoint.interval=2", 2);
