@@ -644,8 +644,8 @@ TEST(Commands, CapacityWithExpertParallelismMatchesOneRank) {
 
 // plan counts with the code that allocates: its total is what a run reports holding.
 // Each case plans, trains one step with the same flags (under mpirun for world 2), and
-// compares the plan's total with the run's memory_bytes; the totals must also shrink as
-// the options promise.
+// compares the plan's total (of pp rank 0, the run's writer) with the run's
+// memory_bytes; the totals must also shrink as the options promise.
 TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   std::string dump = temp_dir("plan");
   // The planned total; the run's memory_bytes must equal it.
@@ -653,8 +653,8 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
     auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan --world=" + std::to_string(world) + " --data.seq_len=16" +
                          flags);
     EXPECT_EQ(rc, 0) << out;
-    const size_t at = out.rfind("GiB (");  // the total line
-    EXPECT_NE(at, std::string::npos) << out;
+    const size_t at = out.find("GiB (", out.find("  total"));  // pp rank 0's total line
+    EXPECT_NE(out.find("  total"), std::string::npos) << out;
     if (rc != 0 || at == std::string::npos) return int64_t{-1};
     const int64_t planned = std::stoll(out.substr(at + 5));
     const std::string launch = world == 1 ? "" : "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
@@ -696,6 +696,86 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   // Expert parallelism: the plan builds rank 0's model, with half the experts and
   // buffers for the exchange.
   plan_and_run("ep2", 2, two + " --parallelism.ep=2", tokens4);
+  // Pipelines: pp rank 0's layers (two of three), its embedding and head, and the two
+  // micro-batches 1F1B keeps in flight there; and the V's pairing on one rank.
+  const std::string micro = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=4" +
+                            " --training.micro_batch_size=1";
+  const int64_t pp2 = plan_and_run("pp2", 2, micro + " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b", tokens4);
+  EXPECT_LT(pp2, plan_and_run("pp1", 1, micro, tokens4)) << "a pipeline rank holds fewer layers";
+  plan_and_run("v", 1, micro + " --parallelism.pipeline_schedule=dualpipev", tokens4);
+}
+
+// plan --schedule on the pipeline fixture (8 layers). With unit costs the bubble is the
+// DualPipe paper's (P - 1)(F&B + B - 3W) over the step, per rank, with a chunk's F = c
+// layers, B = 2c (B + W), W = c and F&B = F + B: pp 2 (c = 2, 8 micro-batches): idle 4,
+// busy 8 x 2 x 6 = 96; pp 4 (c = 1, 16): idle 6, busy 96. With a profile (per action:
+// F stages 0.1 ms, B 0.2, W 0.1; optimizer 8 ms over 8 layers), 1F1B at pp 2 (chunks
+// of 4 layers, F = 4, B = 10 ms) idles (P - 1)(F + B) = 14 ms beside 8 x 14 busy, and
+// adds 4 layers' optimizer: 130 ms for 8 x 16 tokens. A real profile's counts are one
+// span per action: 2 L M for a forward stage (start and finish), L M for a W, M heads.
+TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
+  const std::string dir = temp_dir("plan_schedule");
+  const std::string plan = std::string(MOETRAIN_BIN) + " plan --model.config=" + fixture("pipeline/config.json") +
+                           " --data.seq_len=16 --training.micro_batch_size=1 --schedule";
+  auto [rc, out] = run(plan + " --world=2 --parallelism.pp=2 --training.global_batch_size=8 --output=" + dir + "/v2.svg");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("forward and backward  100.000 units (one layer's F), bubble 4.00%"), std::string::npos) << out;
+  EXPECT_NE(out.find(" pp rank 0: 4 layers, the embedding, the head"), std::string::npos) << out;
+  EXPECT_NE(out.find(" pp rank 1: 4 layers\n"), std::string::npos) << out;
+  const std::vector<unsigned char> bytes = io::read_file(dir + "/v2.svg");
+  const std::string svg(bytes.begin(), bytes.end());
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  for (const char* rank : {">rank 0<", ">rank 1<"}) EXPECT_NE(svg.find(rank), std::string::npos) << rank;
+  std::tie(rc, out) = run(plan + " --world=4 --parallelism.pp=4 --training.global_batch_size=16 --output=" + dir +
+                          "/v4.svg");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("forward and backward  102.000 units (one layer's F), bubble 5.88%"), std::string::npos) << out;
+
+  nlohmann::json ms, counts;
+  for (const char* st : {"attention+router", "dispatch", "experts", "combine", "aggregate"}) {
+    for (auto [kind, cost] : {std::pair{" F", 0.1}, {" B", 0.2}, {" W", 0.1}}) {
+      ms[std::string(st) + kind] = cost * 10;
+      counts[std::string(st) + kind] = 10;
+    }
+  }
+  ms["head F"] = 0.0;
+  counts["head F"] = 1;
+  counts["attention+router F"] = 16;  // 8 layers, one micro-batch: the optimizer's is per layer
+  ms["attention+router F"] = 1.6;
+  ms["optimizer"] = 8.0;
+  counts["optimizer"] = 1;
+  nlohmann::json line = {{"step", 1}, {"breakdown_ms", ms}, {"breakdown_counts", counts}};
+  io::write_file_atomic(dir + "/metrics.jsonl", {"{\"step\": 0}\n" + line.dump() + "\n"});
+  std::tie(rc, out) = run(plan + " --world=2 --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b" +
+                          " --training.global_batch_size=8 --profile=" + dir + "/metrics.jsonl --output=" + dir + "/p.svg");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("forward and backward  126.000 ms, bubble 11.11%"), std::string::npos) << out;
+  EXPECT_NE(out.find("step (with the optimizer)  130.000 ms: 985 tokens/s, 492 tokens/s a GPU"), std::string::npos)
+      << out;
+
+  const int64_t M = 4;
+  std::vector<int64_t> tokens(M * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 31 + i / 3) % 80);
+  io::write_npy(dir + "/tokens.npy", "<i8", {M, 17}, tokens.data());
+  std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " train --model.config=" + fixture("pipeline/config.json") +
+                          " --data.tokens=" + dir + "/tokens.npy --training.steps=1" +
+                          " --training.micro_batch_size=1 --metrics.profile=true --job.dump_folder=" + dir + "/run");
+  ASSERT_EQ(rc, 0) << out;
+  nlohmann::json real = metrics_of(dir + "/run")[0]["breakdown_counts"];
+  EXPECT_EQ(real["attention+router F"].get<int64_t>(), 2 * 8 * M) << real;
+  EXPECT_EQ(real["experts W"].get<int64_t>(), 8 * M) << real;
+  EXPECT_EQ(real["head F"].get<int64_t>(), M) << real;
+  std::tie(rc, out) = run(plan + " --training.global_batch_size=" + std::to_string(M) + " --profile=" + dir +
+                          "/run/metrics.jsonl --output=" + dir + "/real.svg");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("bubble 0.00%"), std::string::npos) << out;
+  EXPECT_NE(run(plan + " --world=2 --parallelism.pp=2 --training.global_batch_size=2").second.find(
+                "needs at least 4 micro-batches per step, got 2"),
+            std::string::npos);
+  EXPECT_NE(run(std::string(MOETRAIN_BIN) + " plan --model.config=" + fixture("pipeline/config.json") +
+                " --data.seq_len=16 --training.global_batch_size=2 --profile=x")
+                .second.find("add --schedule"),
+            std::string::npos);
 }
 
 // Every mesh (dp, cp, ep) of the parallelism issue, under mpirun: (2,1,1), (1,2,1),

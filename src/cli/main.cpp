@@ -51,8 +51,12 @@ const Command kCommands[] = {
      mt::cli::run_export_hf, nullptr},
     {"plan", "print memory per rank and the mesh for a config, before launch",
      "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n"
+     "                     [--schedule [--profile metrics.jsonl] [--output schedule.svg]]\n"
      "  The mesh for N ranks and the bytes of weights, gradients, optimizer state and\n"
-     "  activations one rank holds, from the allocation code training uses.\n",
+     "  activations each pp rank holds, from the allocation code training uses.\n"
+     "  --schedule plays the step's schedule out on every pp rank, prints its bubble and\n"
+     "  draws the timeline as SVG; --profile takes the stage times of a run trained with\n"
+     "  --metrics.profile=true (its last step) and predicts the step time from them.\n",
      mt::cli::run_plan, nullptr},
 };
 

@@ -1,23 +1,148 @@
 // moetrain plan: the mesh and the memory a run will hold, from the same allocation
-// code that training uses (arenas in counting mode), before anything is launched.
+// code that training uses (arenas in counting mode), before anything is launched; with
+// --schedule, each pp rank's timeline of the step played out by train/schedule.h's
+// simulate, drawn as SVG, with the bubble and (given a profile) the step time.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cli/commands.h"
 #include "comm/mesh.h"
 #include "core/arena.h"
 #include "core/check.h"
+#include "io/file.h"
 #include "models/interface.h"
 #include "parallel/sharding.h"
 #include "parallel/zero3.h"
 #include "train/config.h"
 #include "train/optimizer.h"
+#include "train/schedule.h"
 
 namespace mt::cli {
 
+namespace {
+
+// A profile of one step (the last line of a metrics.jsonl written with metrics.profile):
+// the milliseconds of one action under each profile name, and of the optimizer and the
+// gradient norm per decoder layer.
+struct StepCosts {
+  std::map<std::string, double> per_action;
+  double optimizer_per_layer = 0;
+};
+
+StepCosts read_profile(const std::string& path) {
+  std::ifstream in(path);
+  MT_CHECK(in.good()) << "--profile " << path << ": cannot read it";
+  std::string line, last;
+  while (std::getline(in, line))
+    if (line.find("\"breakdown_counts\"") != std::string::npos) last = line;
+  MT_CHECK(!last.empty()) << "--profile " << path << ": no step line with breakdown_ms and breakdown_counts "
+                          << "(train with --metrics.profile=true)";
+  const nlohmann::json j = nlohmann::json::parse(last);
+  StepCosts c;
+  for (const auto& [name, ms] : j["breakdown_ms"].items()) {
+    const int64_t n = j["breakdown_counts"].value(name, int64_t{0});
+    MT_CHECK(n > 0) << "--profile " << path << ": breakdown_counts has no count for '" << name << "'";
+    c.per_action[name] = ms.get<double>() / static_cast<double>(n);
+  }
+  // A layer's stage marks twice per micro-batch (start and finish), the head once.
+  const nlohmann::json& n = j["breakdown_counts"];
+  const int64_t heads = n.value("head F", int64_t{0}), stages = n.value("attention+router F", int64_t{0});
+  MT_CHECK(heads > 0 && stages > 0) << "--profile " << path << ": no head F or attention+router F counts";
+  const double layers = static_cast<double>(stages) / (2.0 * static_cast<double>(heads));
+  c.optimizer_per_layer = (j["breakdown_ms"].value("optimizer", 0.0) + j["breakdown_ms"].value("gradient norm", 0.0)) /
+                          layers;
+  return c;
+}
+
+// F (forward, blue), B (input gradient, green), W (weight gradient, orange), each in a
+// dark shade for a rank's first chunk and a light one for its second; grey for the rest.
+std::string kind_of(Op op) {
+  switch (op) {
+    case Op::load: case Op::embed_forward: case Op::forward: case Op::finish_forward:
+    case Op::head_forward: case Op::statistics: return "F";
+    case Op::head_backward_input: case Op::backward_input: case Op::finish_backward_input: return "B";
+    case Op::head_backward_weight: case Op::backward_weight: case Op::embed_backward: return "W";
+    default: return "o";
+  }
+}
+
+std::string timeline_svg(const Timeline& t, const Pipeline& p, int64_t layers, const std::string& title) {
+  const double left = 60, width = 1100, row = 34, top = 48;
+  const double scale = t.step > 0 ? width / t.step : 0;
+  std::ostringstream s;
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 10 << "\" height=\""
+    << top + row * static_cast<double>(t.ranks.size()) + 10 << "\" font-family=\"sans-serif\" font-size=\"10\">\n"
+    << "<text x=\"4\" y=\"14\" font-size=\"12\">" << title << "</text>\n";
+  const std::map<std::string, std::string> colour = {{"F0", "#2f6db5"}, {"F1", "#8fb8e8"}, {"B0", "#2f8f3a"},
+                                                     {"B1", "#95d68f"}, {"W0", "#d9730d"}, {"W1", "#f7bf7f"},
+                                                     {"o0", "#777777"}, {"o1", "#777777"}};
+  const char* legend[] = {"F0", "F1", "B0", "B1", "W0", "W1"};
+  for (int i = 0; i < 6; ++i)
+    s << "<rect x=\"" << left + 80 * i << "\" y=\"22\" width=\"12\" height=\"12\" fill=\"" << colour.at(legend[i])
+      << "\"/><text x=\"" << left + 80 * i + 16 << "\" y=\"32\">" << legend[i][0] << " chunk " << legend[i][1] - '0' + 1
+      << "</text>\n";
+  s << "<text x=\"" << left + 500 << "\" y=\"32\">grey: idle; numbers: micro-batches</text>\n";
+  for (size_t r = 0; r < t.ranks.size(); ++r) {
+    const double y = top + row * static_cast<double>(r);
+    s << "<text x=\"4\" y=\"" << y + 16 << "\">rank " << r << "</text><rect x=\"" << left << "\" y=\"" << y
+      << "\" width=\"" << width << "\" height=\"" << row - 4 << "\" fill=\"#d8d8d8\"/>\n";
+    const std::vector<int> chunks = p.chunks_of(static_cast<int>(r));
+    auto phase = [&](const Action& a) {  // 1: the rank's second chunk (the head's, embedding's layer for theirs)
+      const int64_t l = std::clamp<int64_t>(a.layer, 0, layers - 1);
+      return chunks.size() > 1 && l >= p.bounds[chunks[1]] && l < p.bounds[chunks[1] + 1] ? 1 : 0;
+    };
+    // A lane each for F, B and W (and the rest); boxes of one kind, chunk and micro-batch
+    // with no idle time between them are one bar, so a forward interleaved stage by stage
+    // with another micro-batch's backward shows as two bars side by side.
+    struct Bar {
+      double start, end;
+    };
+    std::map<std::string, Bar> open;
+    double busy_since = 0;  // the end of the rank's latest idle time
+    auto draw = [&](const std::string& k, const Bar& b) {
+      const double lane = (row - 4) / 3, x = left + b.start * scale, w = (b.end - b.start) * scale;
+      const double dy = lane * static_cast<double>(std::string("FBW").find(k[0]) % 3);
+      const std::string label = k.substr(2);
+      s << "<rect x=\"" << x << "\" y=\"" << y + dy << "\" width=\"" << w << "\" height=\"" << lane << "\" fill=\""
+        << colour.at(k.substr(0, 2)) << "\"/>";
+      if (w >= 6.0 * static_cast<double>(label.size()))
+        s << "<text x=\"" << x + w / 2 << "\" y=\"" << y + dy + lane - 1.5 << "\" font-size=\"8\" "
+          << "text-anchor=\"middle\" fill=\"" << (k[1] == '1' ? "#000" : "#fff") << "\">" << label << "</text>";
+      s << "\n";
+    };
+    double previous_end = 0;
+    for (const Timeline::Box& b : t.ranks[r]) {
+      if (b.start > previous_end + 1e-9 * t.step) busy_since = b.start;
+      previous_end = b.end;
+      const std::string k =
+          kind_of(b.action.op) + std::to_string(phase(b.action)) + std::to_string(b.action.micro_batch);
+      auto it = open.find(k);
+      if (it != open.end() && it->second.end + 1e-9 * t.step >= busy_since) {
+        it->second.end = b.end;
+        continue;
+      }
+      if (it != open.end()) draw(k, it->second);
+      open[k] = {b.start, b.end};
+    }
+    for (const auto& [k, bar] : open) draw(k, bar);
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+}  // namespace
+
 int run_plan(const Args& args) {
-  Options o("plan", args, {"config", "world"});
+  Options o("plan", args, {"config", "world", "schedule?", "profile", "output"});
   Config cfg = load_config(o.get("config"), o.dotted());
+  MT_CHECK(o.has("schedule") || (!o.has("profile") && !o.has("output")))
+      << "plan: --profile and --output describe the schedule's picture: add --schedule";
   const int world = std::stoi(o.get("world", "1"));
   comm::MeshShape mesh = comm::mesh_shape(world, static_cast<int>(cfg.parallelism.pp),
                                           static_cast<int>(cfg.parallelism.cp), static_cast<int>(cfg.parallelism.ep));
@@ -29,6 +154,9 @@ int run_plan(const Args& args) {
   ModelOptions options;
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
   options.plan_only = true;
+  const std::unique_ptr<Model> whole = make_model(config_json, options);
+  const int64_t L = whole->num_layers();
+  const Pipeline pipeline = make_pipeline(L, mesh.pp, cfg.parallelism.pipeline_schedule);
   // As `train` builds it: with ZeRO-3 on more than one rank the layers' weights are shards.
   const bool zero3 = cfg.parallelism.zero3 && world > 1;
   options.external_layers = zero3;
@@ -36,7 +164,6 @@ int run_plan(const Args& args) {
   // experts, and expert buffers sized for the exchange.
   comm::Communicator ep = comm::Communicator::describing("ep (plan)", 0, mesh.ep);
   if (mesh.ep > 1) options.ep = &ep;
-  std::unique_ptr<Model> model = make_model(config_json, options);
 
   int64_t seq = cfg.data.seq_len, global = cfg.training.global_batch_size;
   MT_CHECK(seq > 0 && global > 0) << "plan needs data.seq_len and training.global_batch_size (> 0)";
@@ -47,51 +174,121 @@ int run_plan(const Args& args) {
   int64_t micro = cfg.training.micro_batch_size ? cfg.training.micro_batch_size : per_rank;
   MT_CHECK(per_rank % micro == 0) << "training.micro_batch_size " << micro << " does not divide the " << per_rank
                                   << " sequences of a rank";
-  const int64_t live = cfg.training.load_balance_type == "global_batch" ? per_rank / micro : 1;
-  size_t weights = 0, compute = 0;
-  const auto in_layer = [&](const Param& p) { return p.layer >= 0 && p.layer < model->num_layers(); };
-  for (const Param& p : model->params()) {
-    if (zero3 && in_layer(p)) continue;  // in the shards and the slot below
-    weights += p.value.nbytes();
-    if (p.compute.dtype != p.value.dtype) compute += p.compute.nbytes();
-  }
   // More than one rank shards the moments and the summed gradients (train/optimizer.h).
   const int replicas = mesh.dp * mesh.cp * mesh.ep;
   const bool sharded = replicas > 1;
-  const parallel::ShardLayout layout(model->params(), replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : replicas,
-                                     zero3 ? model->num_layers() : 0);
-  const DType state = cfg.optimizer.state();
-  const size_t optimizer =
-      sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
-  const size_t slot = zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
-  const size_t activations = model->make_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
-  const size_t total = 2 * weights + optimizer + compute + slot + activations;
+  ScheduleShape shape;
+  shape.layers = L;
+  shape.micro_batches = static_cast<int>(per_rank / micro);
+  shape.global_balance = cfg.training.load_balance_type == "global_batch";
+  shape.zero3 = zero3;
+  shape.reduce = sharded;
+  std::vector<std::vector<Action>> schedules;
+  for (int r = 0; r < mesh.pp; ++r) schedules.push_back(make_schedule(shape, pipeline, r));
+
   auto gib = [](size_t b) { return static_cast<double>(b) / (1ull << 30); };
   std::printf("mesh: world %d = pp %d x dp %d x cp %d x ep %d\n", world, mesh.pp, mesh.dp, mesh.cp, mesh.ep);
   std::printf("model: %lld layers, %.3fB parameters (%.3fB active per token), device %s\n",
-              static_cast<long long>(model->num_layers()), model->param_count() / 1e9,
-              model->active_param_count() / 1e9, cfg.training.device.c_str());
+              static_cast<long long>(L), whole->param_count() / 1e9, whole->active_param_count() / 1e9,
+              cfg.training.device.c_str());
+  if (mesh.pp > 1) {
+    std::printf("pipeline: %s, %d chunks of layers", pipeline.dualpipev ? "dualpipev" : "1f1b", pipeline.chunks());
+    for (int c = 0; c < pipeline.chunks(); ++c)
+      std::printf(" %lld-%lld", static_cast<long long>(pipeline.bounds[c]),
+                  static_cast<long long>(pipeline.bounds[c + 1] - 1));
+    if (L % pipeline.chunks() != 0)
+      std::printf(" (%lld layers do not divide into %d chunks: the first %lld hold one more)",
+                  static_cast<long long>(L), pipeline.chunks(), static_cast<long long>(L % pipeline.chunks()));
+    std::printf(", %d micro-batches a step\n", shape.micro_batches);
+  }
   if (zero3)
     std::printf("per rank (with zero3 the layers' weights live in the AdamW shards, the embedding and\n"
                 "head in full):\n");
   else
     std::printf("per rank (1/ep of the experts; weights and accumulating gradients are sharded only\n"
                 "with zero3):\n");
-  std::printf("  master weights (f32)      %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
-  std::printf("  gradients (f32)           %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
-  if (sharded)
-    std::printf("  AdamW shards              %10.3f GiB (moments and summed gradients%s over %d ranks)\n",
-                gib(optimizer), zero3 ? ", layers' weights" : "", replicas);
-  else
-    std::printf("  AdamW moments (2 x %s)  %10.3f GiB\n", state == DType::bf16 ? "bf16" : "f32 ", gib(optimizer));
-  std::printf("  bf16 weight copies        %10.3f GiB\n", gib(compute));
-  if (zero3)
-    std::printf("  zero3 layer slots         %10.3f GiB (two layers' weights and copies, two layers' gradients)\n",
-                gib(slot));
-  std::printf("  activations               %10.3f GiB (%lld live micro-batch%s of %lld x %lld tokens)\n",
-              gib(activations), static_cast<long long>(live), live == 1 ? "" : "es", static_cast<long long>(micro),
-              static_cast<long long>(seq / mesh.cp));
-  std::printf("  total                     %10.3f GiB (%zu bytes)\n", gib(total), total);
+  for (int r = 0; r < mesh.pp; ++r) {
+    if (mesh.pp > 1) {
+      options.layers = pipeline.layers_of(r);
+      options.embedding = pipeline.owner(-1) == r;
+      options.head = pipeline.owner(L) == r;
+    }
+    std::unique_ptr<Model> model = make_model(config_json, options);
+    size_t weights = 0, compute = 0;
+    const auto in_layer = [&](const Param& p) { return p.layer >= 0 && p.layer < L; };
+    for (const Param& p : model->params()) {
+      if (zero3 && in_layer(p)) continue;  // in the shards and the slot below
+      weights += p.value.nbytes();
+      if (p.compute.dtype != p.value.dtype) compute += p.compute.nbytes();
+    }
+    const parallel::ShardLayout layout(model->params(), replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : replicas,
+                                       zero3 ? L : 0);
+    const DType state = cfg.optimizer.state();
+    const size_t optimizer =
+        sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
+    const size_t slot = zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
+    // The micro-batches whose activations the schedule keeps at once on this rank.
+    int live = 0;
+    stash_slots(schedules[r], shape.micro_batches, &live);
+    const size_t activations = model->make_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
+    const size_t total = 2 * weights + optimizer + compute + slot + activations;
+    if (mesh.pp > 1) {
+      const std::vector<int64_t> mine = pipeline.layers_of(r);
+      std::printf(" pp rank %d: %zu layers%s%s\n", r, mine.size(), options.embedding ? ", the embedding" : "",
+                  options.head ? ", the head" : "");
+    }
+    std::printf("  master weights (f32)      %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
+    std::printf("  gradients (f32)           %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
+    if (sharded)
+      std::printf("  AdamW shards              %10.3f GiB (moments and summed gradients%s over %d ranks)\n",
+                  gib(optimizer), zero3 ? ", layers' weights" : "", replicas);
+    else
+      std::printf("  AdamW moments (2 x %s)  %10.3f GiB\n", state == DType::bf16 ? "bf16" : "f32 ", gib(optimizer));
+    std::printf("  bf16 weight copies        %10.3f GiB\n", gib(compute));
+    if (zero3)
+      std::printf("  zero3 layer slots         %10.3f GiB (two layers' weights and copies, two layers' gradients)\n",
+                  gib(slot));
+    std::printf("  activations               %10.3f GiB (%d live micro-batch%s of %lld x %lld tokens)\n",
+                gib(activations), live, live == 1 ? "" : "es", static_cast<long long>(micro),
+                static_cast<long long>(seq / mesh.cp));
+    std::printf("  total                     %10.3f GiB (%zu bytes)\n", gib(total), total);
+  }
+  if (!o.has("schedule")) return 0;
+
+  // Without a profile every layer's F, B and W cost one unit (spread over its stages),
+  // the embedding and head nothing: the DualPipe paper's comparison.
+  const bool profiled = o.has("profile");
+  const StepCosts costs = profiled ? read_profile(o.get("profile")) : StepCosts{};
+  auto cost = [&](int, const Action& a) {
+    if (profiled) {
+      auto it = costs.per_action.find(profile_name(a));
+      return it == costs.per_action.end() ? 0.0 : it->second;
+    }
+    return a.op == Op::forward || a.op == Op::backward_input || a.op == Op::backward_weight ? 0.2 : 0.0;
+  };
+  const Timeline t = simulate(schedules, pipeline, cost);
+  const char* unit = profiled ? " ms" : " units (one layer's F)";
+  const std::string name = mesh.pp == 1 && !pipeline.dualpipev ? "sequential" : pipeline.dualpipev ? "dualpipev" : "1f1b";
+  std::printf("schedule: %s, pp %d, %d micro-batches of %lld x %lld tokens\n", name.c_str(), mesh.pp,
+              shape.micro_batches, static_cast<long long>(micro), static_cast<long long>(seq / mesh.cp));
+  std::printf("  forward and backward  %.3f%s, bubble %.2f%% (idle share of pp x that time)\n", t.step, unit,
+              100.0 * t.bubble());
+  if (profiled) {
+    // Each rank then updates its own layers' weights: the profile's optimizer and norm
+    // time per layer, times the rank's layers; the slowest rank ends the step.
+    double step = 0;
+    for (int r = 0; r < mesh.pp; ++r)
+      step = std::max(step, t.step + costs.optimizer_per_layer * static_cast<double>(pipeline.layers_of(r).size()));
+    const double tokens = static_cast<double>(global * seq);
+    std::printf("  step (with the optimizer)  %.3f ms: %.0f tokens/s, %.0f tokens/s a GPU\n", step,
+                tokens / (step / 1e3), tokens / (step / 1e3) / world);
+  }
+  const std::string out = o.get("output", "schedule.svg");
+  char title[256];
+  std::snprintf(title, sizeof title, "%s, pp %d, %d micro-batches: %.3f%s forward and backward, bubble %.2f%%",
+                name.c_str(), mesh.pp, shape.micro_batches, t.step, unit, 100.0 * t.bubble());
+  io::write_file_atomic(out, {timeline_svg(t, pipeline, L, title)});
+  std::printf("  timeline written to %s\n", out.c_str());
   return 0;
 }
 

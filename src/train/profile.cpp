@@ -34,11 +34,11 @@ void StepProfile::mark(const char* name) {
   times_.push_back(std::chrono::steady_clock::now());
 }
 
-std::vector<std::pair<std::string, double>> StepProfile::finish() {
+std::vector<ProfileEntry> StepProfile::finish() {
   if (!enabled_ || names_.empty()) return {};
   mark("end");
-  std::map<std::string, double> ms;
-  std::vector<std::string> order;
+  std::map<std::string, size_t> index;
+  std::vector<ProfileEntry> out;
 #ifdef MOETRAIN_WITH_CUDA
   if (device_ == Device::cuda) CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[names_.size() - 1])));
 #endif
@@ -52,13 +52,13 @@ std::vector<std::pair<std::string, double>> StepProfile::finish() {
     }
 #endif
     if (device_ == Device::cpu) t = std::chrono::duration<double, std::milli>(times_[i + 1] - times_[i]).count();
-    if (!ms.count(names_[i])) order.push_back(names_[i]);
-    ms[names_[i]] += t;
+    auto [at, fresh] = index.try_emplace(names_[i], out.size());
+    if (fresh) out.push_back({names_[i]});
+    out[at->second].ms += t;
+    ++out[at->second].count;
   }
   names_.clear();
   times_.clear();
-  std::vector<std::pair<std::string, double>> out;
-  for (const std::string& n : order) out.emplace_back(n, ms[n]);
   return out;
 }
 

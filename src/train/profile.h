@@ -1,19 +1,26 @@
 // Where a training step's time goes, by stage (metrics.profile = true).
 //
 // mark("experts B") closes the span opened by the previous mark and opens a new one;
-// finish() returns the milliseconds spent under each name. On the GPU the marks are
+// finish() returns the milliseconds spent under each name and how many spans it had
+// (what `moetrain plan --schedule --profile` divides by to cost one action). On the GPU the marks are
 // CUDA events on the backend's stream, so nothing waits until finish(); on the CPU
 // they read the clock.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
 
 namespace mt {
+
+struct ProfileEntry {
+  std::string name;
+  double ms = 0;
+  int64_t count = 0;
+};
 
 class StepProfile {
  public:
@@ -23,7 +30,7 @@ class StepProfile {
   StepProfile& operator=(const StepProfile&) = delete;
 
   void mark(const char* name);
-  std::vector<std::pair<std::string, double>> finish();
+  std::vector<ProfileEntry> finish();
 
  private:
   Device device_;

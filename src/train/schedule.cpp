@@ -27,7 +27,8 @@ constexpr const char* kInputNames[] = {"attention+router B", "dispatch B", "expe
 constexpr const char* kWeightNames[] = {"attention+router W", "dispatch W", "experts W", "combine W", "aggregate W"};
 constexpr const char* kStageNames[] = {"attention", "dispatch", "experts", "combine", "aggregate"};
 
-// Profile names. An exchange's finish is counted with its stage: the wait is its cost.
+}  // namespace
+
 const char* profile_name(const Action& a) {
   const int st = static_cast<int>(a.stage);
   switch (a.op) {
@@ -58,8 +59,6 @@ const char* profile_name(const Action& a) {
   }
   return "?";
 }
-
-}  // namespace
 
 std::vector<Action> sequential_schedule(const ScheduleShape& s) {
   MT_CHECK(s.layers >= 0 && s.micro_batches >= 1)

@@ -174,5 +174,8 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx);
 
 // "F 3 dispatch mb 1", for test messages.
 std::string describe(const Action& a);
+// The metrics.profile name an action's time is counted under ("experts B"); an
+// exchange's finish is counted with its stage, since the wait is its cost.
+const char* profile_name(const Action& a);
 
 }  // namespace mt

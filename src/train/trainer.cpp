@@ -153,6 +153,8 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
   if (mesh.shape().pp > 1) {
     pp_ = &mesh.pp();
     pp_rank_ = mesh.coord().pp;
+    // Created here, where every rank is, rather than at a stage's first message.
+    if (model_.device() == Device::cuda) pp_->init_gpu();
   }
   if (ep != nullptr && ep->size() > 1) {
     ep_ = ep;
@@ -422,7 +424,7 @@ StepResult Trainer::step() {
   r.lr = lr_at(cfg_, r.step - 1);
   profile_.mark("optimizer");
   optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
-  r.breakdown_ms = profile_.finish();
+  r.breakdown = profile_.finish();
 
   r.loss = loss_sum / static_cast<double>(count);
   r.lb_loss = lb_total;
@@ -484,10 +486,14 @@ std::string step_json(const StepResult& r) {
   }
   j["expert_counts"] = r.expert_counts;
   j["dropped_slots"] = r.dropped_slots;
-  if (!r.breakdown_ms.empty()) {
-    nlohmann::json b = nlohmann::json::object();
-    for (const auto& [name, ms] : r.breakdown_ms) b[name] = ms;
-    j["breakdown_ms"] = b;
+  if (!r.breakdown.empty()) {
+    nlohmann::json ms = nlohmann::json::object(), counts = nlohmann::json::object();
+    for (const ProfileEntry& e : r.breakdown) {
+      ms[e.name] = e.ms;
+      counts[e.name] = e.count;
+    }
+    j["breakdown_ms"] = ms;
+    j["breakdown_counts"] = counts;
   }
   return j.dump();
 }

@@ -43,7 +43,7 @@ struct StepResult {
   int64_t host_waits = 0;  // GPU: times the host waited for the device during the step
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert (kept)
   int64_t dropped_slots = 0;  // (token, expert) slots over capacity (training.capacity_factor)
-  std::vector<std::pair<std::string, double>> breakdown_ms;  // metrics.profile: time per stage
+  std::vector<ProfileEntry> breakdown;  // metrics.profile: time (and spans) per stage
 };
 
 class Trainer {
