@@ -722,6 +722,10 @@ TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
   EXPECT_NE(out.find("forward and backward  100.000 units (one layer's F), bubble 4.00%"), std::string::npos) << out;
   EXPECT_NE(out.find(" pp rank 0: 4 layers, the embedding, the head"), std::string::npos) << out;
   EXPECT_NE(out.find(" pp rank 1: 4 layers\n"), std::string::npos) << out;
+  // Memory in flight: DualPipeV's rank 0 forwards 2P micro-batches through its first chunk
+  // (2(P - 1) in nF0, one in nF0F1, one in the first pairing) before its first backward
+  // there, and runs each second-chunk (head) micro-batch's B and W before the next F.
+  EXPECT_NE(out.find("in flight: 4; of its chunks' layers 4, 1)"), std::string::npos) << out;
   const std::vector<unsigned char> bytes = io::read_file(dir + "/v2.svg");
   const std::string svg(bytes.begin(), bytes.end());
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
@@ -750,6 +754,9 @@ TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
                           " --training.global_batch_size=8 --profile=" + dir + "/metrics.jsonl --output=" + dir + "/p.svg");
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("forward and backward  126.000 ms, bubble 11.11%"), std::string::npos) << out;
+  // 1F1B: rank r holds P - r micro-batches.
+  EXPECT_NE(out.find("in flight: 2; of its chunks' layers 2)"), std::string::npos) << out;
+  EXPECT_NE(out.find("in flight: 1; of its chunks' layers 1)"), std::string::npos) << out;
   EXPECT_NE(out.find("step (with the optimizer)  130.000 ms: 985 tokens/s, 492 tokens/s a GPU"), std::string::npos)
       << out;
 

@@ -227,10 +227,19 @@ int run_plan(const Args& args) {
     const size_t optimizer =
         sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
     const size_t slot = zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
-    // The micro-batches whose activations the schedule keeps at once on this rank.
+    // The micro-batches whose activations the schedule keeps at once on this rank: bare
+    // stashes for each one in flight, and each chunk's layer blocks for those working there.
     int live = 0;
     stash_slots(schedules[r], shape.micro_batches, &live);
-    const size_t activations = model->make_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
+    size_t activations = model->make_bare_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
+    std::string in_flight = std::to_string(live);
+    for (int phase = 0; phase < static_cast<int>(pipeline.chunks_of(r).size()); ++phase) {
+      int blocks = 0;
+      block_slots(schedules[r], shape.micro_batches, pipeline, r, L, phase, &blocks);
+      const auto [first, last] = block_range(pipeline, r, phase);
+      activations += model->make_block(micro, seq / mesh.cp, first, last)->bytes * static_cast<size_t>(blocks);
+      in_flight += (phase ? ", " : "; of its chunks' layers ") + std::to_string(blocks);
+    }
     const size_t total = 2 * weights + optimizer + compute + slot + activations;
     if (mesh.pp > 1) {
       const std::vector<int64_t> mine = pipeline.layers_of(r);
@@ -248,9 +257,9 @@ int run_plan(const Args& args) {
     if (zero3)
       std::printf("  zero3 layer slots         %10.3f GiB (two layers' weights and copies, two layers' gradients)\n",
                   gib(slot));
-    std::printf("  activations               %10.3f GiB (%d live micro-batch%s of %lld x %lld tokens)\n",
-                gib(activations), live, live == 1 ? "" : "es", static_cast<long long>(micro),
-                static_cast<long long>(seq / mesh.cp));
+    std::printf("  activations               %10.3f GiB (micro-batches of %lld x %lld tokens in flight: %s)\n",
+                gib(activations), static_cast<long long>(micro), static_cast<long long>(seq / mesh.cp),
+                in_flight.c_str());
     std::printf("  total                     %10.3f GiB (%zu bytes)\n", gib(total), total);
   }
   if (!o.has("schedule")) return 0;

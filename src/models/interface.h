@@ -48,11 +48,23 @@ struct RouterStats {
   int64_t dropped = 0;               // slots over an expert's capacity (capacity_factor)
 };
 
-// A micro-batch: its tokens and every activation its backward will need.
+// Activation memory for the layers [first, last) of one micro-batch (with the head's
+// buffers where last is the model's L and the head is here), lent to one stash at a
+// time (Model::lend). A schedule that keeps a micro-batch's layers alive for different
+// spans, as DualPipeV does a rank's two chunks, gives each chunk's span its own block.
+struct ActivationBlock {
+  virtual ~ActivationBlock() = default;
+  int64_t first = 0, last = 0;
+  size_t bytes = 0;
+};
+
+// A micro-batch: its tokens, the residual stream, and through a lent block every
+// activation its backward will need.
 struct Stash {
   virtual ~Stash() = default;
   int64_t batch = 0, seq = 0;
-  size_t bytes = 0;  // activation memory held
+  size_t bytes = 0;  // activation memory held, lent blocks not counted
+  std::unique_ptr<ActivationBlock> own;  // make_stash: the block of every layer here
   Tensor ids;     // i32 [batch, seq]
   Tensor labels;  // i32 [batch, seq]
   // The residual stream [batch * seq, hidden] entering layer l (l = L: the head's input)
@@ -119,8 +131,21 @@ class Model {
   // pipeline stage).
   virtual bool held_by_another_rank(const std::string& name) const = 0;
 
-  // Activations for `batch` sequences of `seq` tokens, from one planned arena.
-  virtual std::unique_ptr<Stash> make_stash(int64_t batch, int64_t seq) = 0;
+  // Activations for `batch` sequences of `seq` tokens, each from one planned arena: a
+  // bare stash (tokens, rope tables, the residual stream and its gradient) and blocks of
+  // layer activations to lend it. make_stash is both, its block lent for good.
+  virtual std::unique_ptr<Stash> make_bare_stash(int64_t batch, int64_t seq) = 0;
+  virtual std::unique_ptr<ActivationBlock> make_block(int64_t batch, int64_t seq, int64_t first, int64_t last) = 0;
+  // s's layers [b.first, b.last) (and the head, where b has it) work in b's memory from
+  // now on; b's previous borrower must be done with them.
+  virtual void lend(Stash& s, ActivationBlock& b) = 0;
+  std::unique_ptr<Stash> make_stash(int64_t batch, int64_t seq) {
+    std::unique_ptr<Stash> s = make_bare_stash(batch, seq);
+    s->own = make_block(batch, seq, 0, num_layers());
+    s->bytes += s->own->bytes;
+    lend(*s, *s->own);
+    return s;
+  }
 
   virtual void embed_forward(Stash& s) = 0;
   virtual void stage_forward(int64_t layer, Stage stage, Stash& s) = 0;

@@ -167,6 +167,10 @@ struct LayerActs {
       d_k, d_xn;
 };
 
+struct Qwen3Block : ActivationBlock {
+  Arena arena;
+};
+
 struct Qwen3Stash : Stash {
   Arena arena;
   std::vector<int32_t> positions_host;
@@ -227,7 +231,9 @@ class Qwen3Moe final : public Model {
     int64_t e = std::atoll(name.c_str() + at + 13);
     return e >= 0 && e < c_.num_experts && (e < first_expert_ || e >= first_expert_ + local_experts_);
   }
-  std::unique_ptr<Stash> make_stash(int64_t batch, int64_t seq) override;
+  std::unique_ptr<Stash> make_bare_stash(int64_t batch, int64_t seq) override;
+  std::unique_ptr<ActivationBlock> make_block(int64_t batch, int64_t seq, int64_t first, int64_t last) override;
+  void lend(Stash& s, ActivationBlock& b) override;
   void embed_forward(Stash& s) override;
   void stage_forward(int64_t layer, Stage stage, Stash& s) override;
   void stage_backward_input(int64_t layer, Stage stage, Stash& s) override;
@@ -246,7 +252,8 @@ class Qwen3Moe final : public Model {
  private:
   int add_param(std::string name, Shape shape, bool expert);
   void build_params();
-  void allocate(Qwen3Stash& s, Arena& a) const;
+  void allocate_bare(Qwen3Stash& s, Arena& a) const;
+  void allocate_layers(Qwen3Stash& s, Arena& a, int64_t first, int64_t last) const;
   const Tensor& W(int i) const { return params_[i].value; }    // f32 master (norms, embedding)
   const Tensor& C(int i) const { return params_[i].compute; }  // read by matrix products
   const Tensor& G(int i) const { return params_[i].grad; }
@@ -466,11 +473,9 @@ std::vector<HfTensor> Qwen3Moe::hf_tensors() {
   return out;
 }
 
-void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
+void Qwen3Moe::allocate_bare(Qwen3Stash& s, Arena& a) const {
   const int64_t B = s.batch, S = s.seq, N = B * S, D = c_.hidden_size, Dh = c_.head_dim;
-  const int64_t Hq = c_.num_heads, Hkv = c_.num_kv_heads, E = c_.num_experts, K = c_.top_k;
   auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
-  auto act = [&](Shape sh) { return a.alloc(act_, sh); };
   auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
   s.ids = i32({B, S});
   s.labels = i32({B, S});
@@ -481,25 +486,35 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
   s.dh.resize(c_.num_layers + 1);
   for (int64_t l = 0; l <= c_.num_layers; ++l) {
     if (!(l < c_.num_layers && held_[l]) && !(l > 0 && held_[l - 1]) && !(l == c_.num_layers && head_)) continue;
-    s.h[l] = act({N, D});
-    s.dh[l] = act({N, D});
+    s.h[l] = a.alloc(act_, {N, D});
+    s.dh[l] = a.alloc(act_, {N, D});
   }
+  s.layers.resize(c_.num_layers);
+  if (balanced_) s.balanced_idx = i32({N, c_.top_k});
+}
+
+void Qwen3Moe::allocate_layers(Qwen3Stash& s, Arena& a, int64_t first, int64_t last) const {
+  const int64_t B = s.batch, S = s.seq, N = B * S, D = c_.hidden_size, Dh = c_.head_dim;
+  const int64_t Hq = c_.num_heads, Hkv = c_.num_kv_heads, E = c_.num_experts, K = c_.top_k;
+  auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
+  auto act = [&](Shape sh) { return a.alloc(act_, sh); };
+  auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
   // Gradients that only a layer's own B stages read, each written before it is read:
   // one set serves every layer (a stash's B stages run one layer at a time). What the
   // W stages read (d_hm, d_q, d_k, d_v, d_gu, d_ys, d_logits_c) stays per layer.
   const int64_t R = ep_ ? ep_->size() * N * std::min(K, local_experts_) : N * K;
   bool any_moe = false;
   int64_t hidden = 0;  // elements of the widest d_hs
-  for (int64_t l = 0; l < c_.num_layers; ++l) {
+  for (int64_t l = first; l < last; ++l) {
     if (!held_[l]) continue;
     any_moe = any_moe || c_.is_moe_layer(l);
     hidden = std::max(hidden, c_.is_moe_layer(l) ? R * c_.moe_intermediate_size : N * c_.intermediate_size);
   }
+  if (hidden == 0 && !(last == c_.num_layers && head_)) return;
   const Tensor d_y = act({N, D}), d_att = act({N, Hq * Dh}), d_qr = act({N, Hq * Dh}), d_kr = act({N, Hkv * Dh}),
                d_qn = act({N, Hq * Dh}), d_kn = act({N, Hkv * Dh}), d_xn = act({N, D}), d_hs = act({hidden}),
                d_xs = any_moe ? act({R, D}) : Tensor();
-  s.layers.resize(c_.num_layers);
-  for (int64_t l = 0; l < c_.num_layers; ++l) {
+  for (int64_t l = first; l < last; ++l) {
     if (!held_[l]) continue;
     LayerActs& x = s.layers[l];
     x.xn = act({N, D});
@@ -565,8 +580,7 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
       x.d_gu = act({N, 2 * I});
     }
   }
-  if (balanced_) s.balanced_idx = i32({N, K});
-  if (!head_) return;
+  if (last != c_.num_layers || !head_) return;
   s.hf = act({N, D});
   s.rstd_f = f32({N});
   s.logits = act({N, c_.vocab_size});
@@ -574,7 +588,7 @@ void Qwen3Moe::allocate(Qwen3Stash& s, Arena& a) const {
   s.d_hf = act({N, D});
 }
 
-std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
+std::unique_ptr<Stash> Qwen3Moe::make_bare_stash(int64_t batch, int64_t seq) {
   MT_CHECK(batch >= 1 && seq >= 1) << "a micro-batch needs at least one sequence of one token, got " << batch << "x"
                                    << seq;
   auto s = std::make_unique<Qwen3Stash>();
@@ -582,11 +596,11 @@ std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
   s->seq = seq;
   // Plan with a counting arena, then allocate the same sequence for real.
   Arena plan = Arena::counting("activations", device_);
-  allocate(*s, plan);
+  allocate_bare(*s, plan);
   s->bytes = plan.peak();
   if (plan_only_) return s;
   s->arena = Arena("activations", device_, plan.peak());
-  allocate(*s, s->arena);
+  allocate_bare(*s, s->arena);
   s->positions_host.resize(static_cast<size_t>(seq));
   if (cp_) {
     std::vector<int64_t> pos = parallel::zigzag_positions(seq * cp_->size(), cp_->rank(), cp_->size());
@@ -595,14 +609,41 @@ std::unique_ptr<Stash> Qwen3Moe::make_stash(int64_t batch, int64_t seq) {
     for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);
   }
   mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
-  for (LayerActs& x : s->layers)  // no load-balance gradient until the trainer sets one
-    if (x.dprobs.data != nullptr) mt::fill(x.dprobs, 0.0f);
   if (balanced_) {
     std::vector<int32_t> idx(static_cast<size_t>(batch * seq * c_.top_k));
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
     mt::copy(s->balanced_idx, Tensor(idx.data(), s->balanced_idx.shape, DType::i32));
   }
   return s;
+}
+
+std::unique_ptr<ActivationBlock> Qwen3Moe::make_block(int64_t batch, int64_t seq, int64_t first, int64_t last) {
+  MT_CHECK(0 <= first && first <= last && last <= c_.num_layers)
+      << "an activation block for layers [" << first << ", " << last << ") of " << c_.num_layers;
+  auto b = std::make_unique<Qwen3Block>();
+  b->first = first;
+  b->last = last;
+  Qwen3Stash shape;  // the views are thrown away: only the sizes count
+  shape.batch = batch;
+  shape.seq = seq;
+  shape.layers.resize(c_.num_layers);
+  b->arena = Arena::counting("activations", device_);
+  allocate_layers(shape, b->arena, first, last);
+  b->bytes = b->arena.peak();
+  if (plan_only_) return b;
+  b->arena = Arena("activations", device_, b->bytes);
+  allocate_layers(shape, b->arena, first, last);
+  for (LayerActs& x : shape.layers)  // no load-balance gradient until the trainer sets one
+    if (x.dprobs.data != nullptr) mt::fill(x.dprobs, 0.0f);
+  return b;
+}
+
+void Qwen3Moe::lend(Stash& base, ActivationBlock& block) {
+  auto& s = static_cast<Qwen3Stash&>(base);
+  auto& b = static_cast<Qwen3Block&>(block);
+  // The same allocation sequence from the start of the block's arena: the same views.
+  b.arena.reset();
+  allocate_layers(s, b.arena, b.first, b.last);
 }
 
 void Qwen3Moe::embed_forward(Stash& base) {

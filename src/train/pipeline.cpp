@@ -30,6 +30,12 @@ int Pipeline::owner(int64_t layer) const {
   return rank_of_chunk(c);
 }
 
+int Pipeline::phase_of(int rank, int64_t layer) const {
+  const std::vector<int> c = chunks_of(rank);
+  const int64_t l = std::clamp<int64_t>(layer, 0, bounds.back() - 1);
+  return c.size() > 1 && l >= bounds[c[1]] && l < bounds[c[1] + 1] ? 1 : 0;
+}
+
 Pipeline make_pipeline(int64_t layers, int ranks, const std::string& schedule) {
   MT_CHECK(schedule == "auto" || schedule == "dualpipev" || schedule == "1f1b")
       << "parallelism.pipeline_schedule = " << schedule << ": expected auto, dualpipev or 1f1b";

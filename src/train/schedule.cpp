@@ -1,6 +1,7 @@
 #include "train/schedule.h"
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cstdint>
 #include <deque>
@@ -153,17 +154,19 @@ void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3) {
   actions = std::move(out);
 }
 
-std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count) {
+namespace {
+
+// Slots shared by micro-batches whose lives (the span of the actions `life` gives: first
+// and last index, or nothing) do not overlap, first come first served.
+std::vector<int> share_slots(const std::vector<Action>& actions, int micro_batches, int* count,
+                             const std::function<std::optional<size_t>(size_t)>& life_end) {
   std::vector<size_t> first(static_cast<size_t>(micro_batches), SIZE_MAX), last(first.size(), 0);
   for (size_t i = 0; i < actions.size(); ++i) {
-    const Action& a = actions[i];
-    const bool stash = a.op <= Op::embed_backward || (a.op >= Op::send_activation && a.op <= Op::recv_gradient);
-    if (!stash) continue;
-    size_t end = i;
-    if (a.op == Op::send_activation || a.op == Op::send_gradient)
-      while (end < actions.size() && actions[end].op != Op::commit) ++end;  // read until its commit
-    first[a.micro_batch] = std::min(first[a.micro_batch], i);
-    last[a.micro_batch] = std::max(last[a.micro_batch], end);
+    const std::optional<size_t> end = life_end(i);
+    if (!end) continue;
+    const int m = actions[i].micro_batch;
+    first[m] = std::min(first[m], i);
+    last[m] = std::max(last[m], *end);
   }
   std::vector<int> slot(first.size(), 0);
   std::vector<size_t> free_after;  // per slot: the last action of its latest micro-batch
@@ -181,16 +184,68 @@ std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batch
   return slot;
 }
 
+bool is_message(Op op) { return op >= Op::send_activation && op <= Op::recv_gradient; }
+
+// The chunk of this rank whose block an action works in: 0 or 1, 2 for both (routing
+// statistics read every layer), -1 for none (tokens, the embedding and messages use the
+// bare stash).
+int block_phase(const Action& a, const Pipeline& p, int rank, int64_t layers) {
+  switch (a.op) {
+    case Op::forward: case Op::finish_forward: case Op::backward_input: case Op::finish_backward_input:
+    case Op::backward_weight: return p.phase_of(rank, a.layer);
+    case Op::head_forward: case Op::head_backward_input: case Op::head_backward_weight:
+      return p.phase_of(rank, layers - 1);
+    case Op::statistics: case Op::balance: return 2;
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count) {
+  return share_slots(actions, micro_batches, count, [&](size_t i) -> std::optional<size_t> {
+    const Op op = actions[i].op;
+    if (op > Op::embed_backward && !is_message(op)) return std::nullopt;
+    size_t end = i;
+    if (op == Op::send_activation || op == Op::send_gradient)
+      while (end < actions.size() && actions[end].op != Op::commit) ++end;  // read until its commit
+    return end;
+  });
+}
+
+std::vector<int> block_slots(const std::vector<Action>& actions, int micro_batches, const Pipeline& p, int rank,
+                             int64_t layers, int phase, int* count) {
+  return share_slots(actions, micro_batches, count, [&](size_t i) -> std::optional<size_t> {
+    const int ph = block_phase(actions[i], p, rank, layers);
+    if (ph != phase && ph != 2) return std::nullopt;
+    return i;
+  });
+}
+
+std::pair<int64_t, int64_t> block_range(const Pipeline& p, int rank, int phase) {
+  const int c = p.chunks_of(rank)[static_cast<size_t>(phase)];
+  return {p.bounds[c], p.bounds[c + 1]};
+}
+
 void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
   Model& model = *ctx.model;
   const int64_t L = model.num_layers();
   ctx.losses.assign(ctx.stashes.size(), LossSum{});
   std::set<int64_t> reduced;  // ZeRO-3 layers reduced once this step: later micro-batches add
   std::vector<comm::P2P> pending;  // pipeline messages until the next commit
+  std::map<const Stash*, std::array<ActivationBlock*, 2>> lent;  // this step's
   for (const Action& a : actions) {
     MT_CHECK(a.micro_batch >= 0 && static_cast<size_t>(a.micro_batch) < ctx.stashes.size())
         << "schedule: " << describe(a) << " but the step has " << ctx.stashes.size() << " micro-batches";
     Stash& s = *ctx.stashes[static_cast<size_t>(a.micro_batch)];
+    const int phase = ctx.blocks.empty() ? -1 : block_phase(a, *ctx.pipeline, ctx.pp_rank, L);
+    for (size_t q = 0; phase >= 0 && q < ctx.blocks.size(); ++q) {
+      if (phase != 2 && static_cast<int>(q) != phase) continue;
+      ActivationBlock* b = ctx.blocks[q][static_cast<size_t>(a.micro_batch)];
+      if (lent[&s][q] == b) continue;
+      model.lend(s, *b);
+      lent[&s][q] = b;
+    }
     if (ctx.profile != nullptr && a.op != Op::release) ctx.profile->mark(profile_name(a));
     const bool zero3_layer = ctx.zero3 != nullptr && a.layer >= 0 && a.layer < L;
     auto zero3 = [&]() -> parallel::Zero3& {

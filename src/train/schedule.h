@@ -112,6 +112,8 @@ struct Pipeline {
   std::vector<int64_t> layers_of(int rank) const;
   // The rank holding layer l (-1: the embedding's, L: the head's).
   int owner(int64_t layer) const;
+  // Which of `rank`'s chunks (0 or 1) holds layer l (clamped to the decoder layers).
+  int phase_of(int rank, int64_t layer) const;
 };
 // `schedule` is parallelism.pipeline_schedule: auto (dualpipev when ranks > 1), 1f1b
 // (on one rank the sequential order) or dualpipev (on one rank both chunks of the V
@@ -154,12 +156,22 @@ void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3);
 // to last action touching the stash, a send until its commit) do not overlap: slot[m]
 // and the number of stashes.
 std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count);
+// The same for the activation blocks of the rank's chunk `phase` (models/interface.h):
+// a micro-batch holds one from its first to its last stage (or head) action there.
+std::vector<int> block_slots(const std::vector<Action>& actions, int micro_batches, const Pipeline& p, int rank,
+                             int64_t layers, int phase, int* count);
+// The layers [first, last) of the rank's chunk `phase`: its blocks' range.
+std::pair<int64_t, int64_t> block_range(const Pipeline& p, int rank, int phase);
 
 // What the runner works on. `stashes[m]` is micro-batch m's (several micro-batches may
-// share one when their lifetimes do not overlap).
+// share one when their lifetimes do not overlap); `blocks[phase][m]` the activation
+// block it borrows for the rank's chunk `phase`, lent by the runner at the first action
+// there (none: the stashes have their own).
 struct ScheduleContext {
   Model* model = nullptr;
   std::vector<Stash*> stashes;
+  std::vector<std::vector<ActivationBlock*>> blocks;
+  int pp_rank = 0;
   float loss_scale = 1.0f;                  // d(loss)/d(logits) scale of head_backward_input
   parallel::Zero3* zero3 = nullptr;         // null: the layers' weights are full here
   AdamW* optimizer = nullptr;               // for reduce_*: sharded

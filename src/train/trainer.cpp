@@ -142,7 +142,20 @@ void Trainer::make_stashes() {
   actions_ = make_schedule(shape, pipeline_, pp_rank_);
   int live = 0;
   slot_ = stash_slots(actions_, shape.micro_batches, &live);
-  for (int i = 0; i < live; ++i) stashes_.push_back(model_.make_stash(micro_batch_, local_seq()));
+  for (int i = 0; i < live; ++i) stashes_.push_back(model_.make_bare_stash(micro_batch_, local_seq()));
+  // Each of this rank's chunks lends its layers' activations to a micro-batch only for
+  // the span it works there (DualPipeV keeps chunk 0's longer than chunk 1's).
+  block_of_.clear();
+  blocks_.clear();
+  for (int phase = 0; phase < static_cast<int>(pipeline_.chunks_of(pp_rank_).size()); ++phase) {
+    const std::vector<int> slot = block_slots(actions_, shape.micro_batches, pipeline_, pp_rank_, shape.layers, phase,
+                                              &live);
+    const auto [first, last] = block_range(pipeline_, pp_rank_, phase);
+    const size_t base = blocks_.size();
+    for (int i = 0; i < live; ++i) blocks_.push_back(model_.make_block(micro_batch_, local_seq(), first, last));
+    block_of_.emplace_back();
+    for (int m : slot) block_of_.back().push_back(blocks_[base + static_cast<size_t>(m)].get());
+  }
 }
 
 void Trainer::set_parallel(comm::DeviceMesh& mesh) {
@@ -394,6 +407,8 @@ StepResult Trainer::step() {
   ctx.trainer = on_action;
   ctx.pipeline = &pipeline_;
   ctx.pp = pp_;
+  ctx.pp_rank = pp_rank_;
+  ctx.blocks = block_of_;
   clear_gradient_marks(model_.params());  // the step's first write of each gradient replaces it
   run_schedule(actions_, ctx);
   for (const LossSum& l : ctx.losses) loss_sum += l.sum;
@@ -439,6 +454,7 @@ StepResult Trainer::step() {
     if (p.compute.data != p.value.data) bytes += p.compute.nbytes();  // bf16 copies on the GPU
   }
   for (const auto& s : stashes_) bytes += s->bytes;
+  for (const auto& b : blocks_) bytes += b->bytes;
   r.memory_bytes = bytes;
 #ifdef MOETRAIN_WITH_CUDA
   if (model_.device() == Device::cuda) {

@@ -110,6 +110,8 @@ class Trainer {
   std::vector<Action> actions_;                  // the step's schedule, made at the first step
   std::vector<int> slot_;                        // micro-batch -> its stash
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
+  std::vector<std::unique_ptr<ActivationBlock>> blocks_;  // per chunk, one per micro-batch working there
+  std::vector<std::vector<ActivationBlock*>> block_of_;  // [chunk][micro-batch]
   AdamW optimizer_;
   std::unique_ptr<parallel::Zero3> zero3_;  // null: the layers' weights are full here
   StepProfile profile_;
