@@ -18,7 +18,6 @@ void visit(Config& c, F&& f) {
   f("job", "dump_folder", c.job.dump_folder);
   f("model", "init", c.model.init);
   f("model", "config", c.model.config);
-  f("model", "dtype", c.model.dtype);
   f("model", "init_std", c.model.init_std);
   f("data", "tokens", c.data.tokens);
   f("data", "corpus", c.data.corpus);
@@ -55,7 +54,6 @@ void visit(Config& c, F&& f) {
   f("checkpoint", "keep", c.checkpoint.keep);
   f("checkpoint", "load", c.checkpoint.load);
   f("metrics", "log_interval", c.metrics.log_interval);
-  f("metrics", "tensorboard", c.metrics.tensorboard);
   f("metrics", "profile", c.metrics.profile);
 }
 
@@ -115,7 +113,6 @@ void check_one_of(const std::string& value, std::initializer_list<const char*> a
 void validate(const Config& c) {
   MT_CHECK(c.model.init == "random" || c.model.init.starts_with("hf:"))
       << "model.init should be 'random' or 'hf:DIR', got '" << c.model.init << "'";
-  check_one_of(c.model.dtype, {"bf16", "fp32"}, "model.dtype");
   check_one_of(c.training.device, {"cpu", "cuda"}, "training.device");
   check_one_of(c.training.load_balance_type, {"micro_batch", "global_batch"}, "training.load_balance_type");
   check_one_of(c.parallelism.pipeline_schedule, {"auto", "dualpipev", "1f1b"}, "parallelism.pipeline_schedule");

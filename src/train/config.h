@@ -18,7 +18,6 @@ struct JobConfig {
 struct ModelConfig {
   std::string init = "random";  // "random" or "hf:DIR"
   std::string config;           // an HF config.json; defaults to DIR/config.json for hf:DIR
-  std::string dtype = "bf16";   // compute dtype on cuda; the CPU backend is fp32
   double init_std = 0.02;       // random init: N(0, init_std), output projections / sqrt(2 * layers)
 };
 
@@ -81,7 +80,6 @@ struct CheckpointConfig {
 
 struct MetricsConfig {
   int64_t log_interval = 1;
-  bool tensorboard = false;
   bool profile = false;  // time each stage (a "breakdown" in metrics.jsonl)
 };
 
