@@ -15,7 +15,6 @@
 #include <nccl.h>
 
 #include <array>
-#include <mutex>
 
 #include "kernels/cuda/runtime.h"
 #endif
@@ -152,18 +151,15 @@ ncclDataType_t nccl_type(DType t) {
   return ncclUint8;
 }
 
-// One communication stream per kind of traffic, made at its first use: a kind's
-// transfers then never queue behind another kind's (a layer's gradient reduction behind
-// the next layer's token exchange), and all of them overlap the compute streams.
+// One communication stream per kind of traffic (see Traffic), made at its first use.
 // Highest priority: when an NCCL kernel is queued, the block scheduler gives it the next
 // SMs that compute kernels free instead of letting it wait behind the thousands of
 // blocks of the next GEMM; a transfer that starts late stalls the peers waiting for it,
 // not only this rank. NCCL's kernels take few SMs, so compute loses little.
+// No lock: one host thread makes all of a process's calls into comm (communicator.h).
 cudaStream_t traffic_stream(Traffic t) {
   constexpr size_t kTrafficKinds = static_cast<size_t>(Traffic::pipeline) + 1;
-  static std::mutex m;
   static std::array<cudaStream_t, kTrafficKinds> streams{};
-  std::lock_guard<std::mutex> lock(m);
   cudaStream_t& s = streams[static_cast<size_t>(t)];
   if (s == nullptr) {
     int least = 0, greatest = 0;
@@ -237,15 +233,9 @@ Request::Request(Request&&) noexcept = default;
 
 Request& Request::operator=(Request&& o) noexcept {
   if (this != &o) {
-    if (impl_) {
-      // Assigning over a started batch must not free buffers it still writes.
-      try {
-        wait();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "%s\n", e.what());
-        std::abort();
-      }
-    }
+    // The request assigned over is waited for (by old's destructor): its transfer may
+    // still use its buffers.
+    Request old(std::move(*this));
     impl_ = std::move(o.impl_);
   }
   return *this;
@@ -300,22 +290,6 @@ std::string Communicator::where(const char* op) const {
                          << size_ << " for planning and cannot communicate";
   return std::string(op) + " on communicator '" + name_ + "' (rank " + std::to_string(rank_) + " of " +
          std::to_string(size_) + ")";
-}
-
-// The blocking collectives are the started ones, joined at once.
-void Communicator::all_reduce(const Tensor& x) { start_all_reduce(x, Traffic::gradient).wait(); }
-
-void Communicator::reduce_scatter(const Tensor& in, const Tensor& out) {
-  start_reduce_scatter(in, out, Traffic::gradient).wait();
-}
-
-void Communicator::all_gather(const Tensor& in, const Tensor& out) {
-  start_all_gather(in, out, Traffic::gather).wait();
-}
-
-void Communicator::all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
-                                std::span<const int64_t> recv_counts) {
-  start_all_to_all_v(in, send_counts, out, recv_counts, Traffic::expert).wait();
 }
 
 Request Communicator::start_all_reduce(const Tensor& x, [[maybe_unused]] Traffic traffic) {
@@ -474,13 +448,8 @@ void Communicator::broadcast(const Tensor& x, int root) {
 
 void Communicator::barrier() {
   if (size_ == 1) return;
-  const std::string w = where("barrier");
-  check_mpi(MPI_Barrier(impl_->mpi), w);
+  check_mpi(MPI_Barrier(impl_->mpi), where("barrier"));
 }
-
-void Communicator::send(const Tensor& x, int peer) { start({send_to(x, peer)}).wait(); }
-
-void Communicator::recv(const Tensor& x, int peer) { start({recv_from(x, peer)}).wait(); }
 
 Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic traffic) {
   std::string w = where("send/recv batch") + " [";

@@ -23,8 +23,8 @@
 // rank (NCCL kernels of several communicators wait for their peers and can otherwise
 // deadlock); they may be waited for in any order. A communicator's NCCL communicator is
 // created at its first GPU operation, which all its ranks must reach. A GPU broadcast
-// runs on the current stream. One thread makes a process's calls (MPI is initialised
-// FUNNELED).
+// runs on the current stream. One host thread makes all of a process's calls, GPU ones
+// included (MPI is initialised FUNNELED, and nothing here takes a lock).
 #pragma once
 
 #include <cstdint>
@@ -104,21 +104,19 @@ class Communicator {
   int size() const { return size_; }
   const std::string& name() const { return name_; }
 
-  // x = sum over ranks of x, in place (traffic: gradient).
-  void all_reduce(const Tensor& x);
-  // in holds size() blocks of out.numel() elements; out = sum over ranks of block rank()
-  // (traffic: gradient).
-  void reduce_scatter(const Tensor& in, const Tensor& out);
-  // out = the in of every rank, concatenated in rank order (traffic: gather).
-  void all_gather(const Tensor& in, const Tensor& out);
+  // x = sum over ranks of x, in place.
+  void all_reduce(const Tensor& x) { start_all_reduce(x, Traffic::gradient).wait(); }
+  // in holds size() blocks of out.numel() elements; out = sum over ranks of block rank().
+  void reduce_scatter(const Tensor& in, const Tensor& out) { start_reduce_scatter(in, out, Traffic::gradient).wait(); }
+  // out = the in of every rank, concatenated in rank order.
+  void all_gather(const Tensor& in, const Tensor& out) { start_all_gather(in, out, Traffic::gather).wait(); }
   // in holds send_counts[p] elements for each rank p in rank order, out receives
-  // recv_counts[p] from each p in rank order; both sums must equal the tensors' sizes
-  // (traffic: expert).
+  // recv_counts[p] from each p in rank order; both sums must equal the tensors' sizes.
   void all_to_all_v(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
-                    std::span<const int64_t> recv_counts);
-  // The same collectives in two halves: start_* checks the arguments (a bad call fails
-  // there, on every rank, with nothing started), starts the transfer and returns;
-  // Request::wait() joins it. On the GPU the transfer runs on `traffic`'s stream.
+                    std::span<const int64_t> recv_counts) {
+    start_all_to_all_v(in, send_counts, out, recv_counts, Traffic::expert).wait();
+  }
+  // The same collectives in two halves (the blocking ones above are start, then wait).
   Request start_all_reduce(const Tensor& x, Traffic traffic);
   Request start_reduce_scatter(const Tensor& in, const Tensor& out, Traffic traffic);
   Request start_all_gather(const Tensor& in, const Tensor& out, Traffic traffic);
@@ -127,11 +125,11 @@ class Communicator {
   void broadcast(const Tensor& x, int root);
   void barrier();
 
-  void send(const Tensor& x, int peer);
-  void recv(const Tensor& x, int peer);
   // Starts every message of the batch at once (on NCCL: one group, on `traffic`'s
   // stream), so a batch that both sends and receives cannot deadlock against its peers'
   // batches. send and recv are such batches of one message, joined at once.
+  void send(const Tensor& x, int peer) { start({send_to(x, peer)}).wait(); }
+  void recv(const Tensor& x, int peer) { start({recv_from(x, peer)}).wait(); }
   Request start(std::span<const P2P> ops, Traffic traffic = Traffic::pipeline);
   Request start(std::initializer_list<P2P> ops, Traffic traffic = Traffic::pipeline) {
     return start(std::span<const P2P>(ops.begin(), ops.size()), traffic);

@@ -43,14 +43,10 @@ MeshShape mesh_shape(int world_size, int pp, int cp, int ep) {
 
 MeshCoord mesh_coord(const MeshShape& s, int rank) {
   MT_CHECK(rank >= 0 && rank < s.size()) << "rank " << rank << " is outside the mesh of " << s.size();
-  MeshCoord c;
-  c.ep = rank % s.ep;
-  rank /= s.ep;
-  c.cp = rank % s.cp;
-  rank /= s.cp;
-  c.dp = rank % s.dp;
-  c.pp = rank / s.dp;
-  return c;
+  return MeshCoord{.pp = rank / (s.dp * s.cp * s.ep),
+                   .dp = rank / (s.cp * s.ep) % s.dp,
+                   .cp = rank / s.ep % s.cp,
+                   .ep = rank % s.ep};
 }
 
 int mesh_rank(const MeshShape& s, const MeshCoord& c) { return ((c.pp * s.dp + c.dp) * s.cp + c.cp) * s.ep + c.ep; }

@@ -79,28 +79,18 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const AdamWStep& s)
 namespace mt::cuda {
 
 // The same update on the GPU, bit for bit: the per-element arithmetic is the CPU's,
-// in the same order, with no fused multiply-adds. adamw_step_multi updates a whole
-// list in one launch (one per 128 blocks), each thread block on one chunk of a tensor.
+// in the same order, with no fused multiply-adds.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                 const cpu::AdamWStep& s, uint64_t key = 0);
 void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& s);
 
 }  // namespace mt::cuda
 
-// Dispatch on the parameters' device. AdamWStep lives in mt::cpu, so an unqualified
-// call from namespace mt also finds the cpu:: function by argument-dependent lookup
-// and is ambiguous: call these as mt::adamw_step / mt::adamw_step_multi.
+// The optimizer steps lists of blocks, so only adamw_step_multi has a dispatcher: by the
+// first block's device (all must share it). Call it as mt::adamw_step_multi: AdamWStep
+// lives in mt::cpu, so unqualified lookup by argument type also finds cpu::'s.
 namespace mt {
 
-inline void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                       const cpu::AdamWStep& s, uint64_t key = 0) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (param.device == Device::cuda) return cuda::adamw_step(param, grad, m, v, s, key);
-#endif
-  return cpu::adamw_step(param, grad, m, v, s, key);
-}
-
-// The device of the first block decides; all must share it.
 inline void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& s) {
 #ifdef MOETRAIN_WITH_CUDA
   if (!blocks.empty() && blocks.front().param.device == Device::cuda) return cuda::adamw_step_multi(blocks, s);

@@ -30,9 +30,8 @@ namespace mt::cuda {
 
 // logits f32 or bf16, labels i32, lse f32, all on the GPU. The forward sums the row
 // losses in double on the device in a fixed order and waits for the two numbers it
-// returns; a label outside [0, V) (not the ignore index) makes the sum NaN rather than
-// an error. The backward writes dlogits (f32 or bf16; the logits buffer itself, as the
-// model uses it, needs the logits' dtype) with no full-vocabulary temporary.
+// returns; a label outside [0, V) (not the ignore index) makes the sum NaN, not an error.
+// dlogits f32 or bf16 (the logits' dtype when it is the logits buffer, as in the model).
 cpu::CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
                                            const Tensor& lse);
 void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& lse, int32_t ignore_index,

@@ -92,9 +92,8 @@ void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const T
                        const Tensor& buckets);
 void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
                      const Tensor& buckets);
-// Copies small i32 arrays (a plan's counts) one after another into host memory `out`
-// through a pinned buffer allocated once, and waits on an event recorded after the
-// copies: only for the work queued before them, never for the whole device.
+// Through a pinned buffer; waits for the work queued before the copies (an event), never
+// for the whole device.
 void read_counts(std::initializer_list<Tensor> arrays, int32_t* out);
 
 }  // namespace mt::cuda

@@ -35,6 +35,8 @@ void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool tran
 
 }  // namespace mt::cuda
 
+// Only gemm has a dispatcher: the models write their B/W halves as gemm calls, and only
+// the tests call gemm_backward, on one backend at a time.
 namespace mt {
 
 inline void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha = 1.0f,
@@ -43,15 +45,6 @@ inline void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a
   if (c.device == Device::cuda) return cuda::gemm(a, b, c, trans_a, trans_b, alpha, beta);
 #endif
   return cpu::gemm(a, b, c, trans_a, trans_b, alpha, beta);
-}
-
-// By dc's device: either gradient may be empty.
-inline void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b,
-                          const Tensor& da, const Tensor& db, bool accumulate) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dc.device == Device::cuda) return cuda::gemm_backward(a, b, dc, trans_a, trans_b, da, db, accumulate);
-#endif
-  return cpu::gemm_backward(a, b, dc, trans_a, trans_b, da, db, accumulate);
 }
 
 }  // namespace mt

@@ -23,12 +23,10 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
 
 namespace mt::cuda {
 
-// No host sync: offsets stay on the device and are trusted (the dispatch kernels make
-// them; the CPU backend is where bad offsets are reported).
-// x, w, dy bf16; y and dx bf16 or f32; bias, dw and dbias f32. Accumulation in f32.
-// The model's products (bf16 y and dx, f32 dw, K and O multiples of 8, no forward bias)
-// run on CUTLASS's Hopper grouped GEMM, everything else on a WMMA kernel of our own
-// (kernels/cuda/grouped_gemm_sm90.cuh has both).
+// x, w, dy bf16; y and dx bf16 or f32; bias, dw and dbias f32; accumulation in f32. No
+// host sync: offsets stay on the device and are trusted (the dispatch kernels make them;
+// the CPU backend is where bad offsets are reported). Which products run on CUTLASS's
+// Hopper grouped GEMM and which on our own kernel: kernels/cuda/grouped_gemm_sm90.cuh.
 void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y);
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx);
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,

@@ -1,12 +1,8 @@
-// Ring attention's bookkeeping on the GPU (parallel/context_parallel.cpp): the
-// online-softmax merge of the blocks' (out, lse) pairs, the fp32 sums of the blocks'
-// bf16 gradients, and the per-chunk slices of lse the backward's blocks take.
-//
-// The layout is the ring's: a rank holds two zigzag chunks of C positions in each batch
-// row, so its tensors are [B,2C,H,Dh] (lse [B,H,2C]) and a block is the [1,C,H,Dh]
-// (lse [1,H,C]) of one batch row b and one slot (0: the first chunk, 1: the second).
-// The CPU backend's merge is host code beside the ring (fp32 throughout); these are
-// the GPU's, so only mt::cuda declares them.
+// Ring attention's bookkeeping on the GPU (parallel/context_parallel.cpp; the CPU's is
+// host code there, fp32 throughout, so only mt::cuda declares these). The layout is the
+// ring's: a rank holds two zigzag chunks of C positions in each batch row, so its tensors
+// are [B,2C,H,Dh] (lse [B,H,2C]) and a block is the [1,C,H,Dh] (lse [1,H,C]) of one batch
+// row b and one slot (0: the first chunk, 1: the second).
 #pragma once
 
 #include <cstdint>

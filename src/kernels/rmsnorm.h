@@ -34,7 +34,6 @@ inline void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const T
   return cpu::rmsnorm_forward(x, w, eps, y, rstd);
 }
 
-// By dy's device: either gradient may be empty.
 inline void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
                              const Tensor& dw) {
 #ifdef MOETRAIN_WITH_CUDA

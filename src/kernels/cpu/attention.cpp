@@ -15,8 +15,9 @@ struct Dims {
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
-// Checks q, k, v, sinks and the arguments; returns the dimensions.
-Dims check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks, const AttentionArgs& a) {
+// Checks q, k, v, sinks, the arguments and the forward's out and lse; returns the dimensions.
+Dims check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks, const AttentionArgs& a,
+                  const Tensor& out, const Tensor& lse) {
   MT_CHECK(q.ndim() == 4 && k.ndim() == 4) << "attention q should be [B,Tq,Hq,D] and k [B,Tk,Hkv,D], got q "
                                            << q.str() << ", k " << k.str();
   Dims n{q.dim(0), q.dim(1), k.dim(1), q.dim(2), k.dim(2), q.dim(3)};
@@ -29,6 +30,8 @@ Dims check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   MT_CHECK(q.device == Device::cpu && k.device == Device::cpu && v.device == Device::cpu)
       << "cpu attention got q " << q.str() << ", k " << k.str() << ", v " << v.str();
   MT_CHECK(a.window >= 0) << "attention window must be >= 0, got " << a.window;
+  check_tensor(out, "attention out", DType::f32, {n.b, n.tq, n.hq, n.d});
+  check_tensor(lse, "attention lse", DType::f32, {n.b, n.hq, n.tq});
   return n;
 }
 
@@ -55,9 +58,7 @@ double dot(const float* x, const float* y, int64_t d) {
 // the row's sums in double (rows are short; this keeps fp32 rounding out of lse).
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                        const AttentionArgs& a, const Tensor& out, const Tensor& lse) {
-  const Dims n = check_inputs(q, k, v, sinks, a);
-  check_tensor(out, "attention out", DType::f32, {n.b, n.tq, n.hq, n.d});
-  check_tensor(lse, "attention lse", DType::f32, {n.b, n.hq, n.tq});
+  const Dims n = check_inputs(q, k, v, sinks, a, out, lse);
   const bool has_sinks = present(sinks);
   const int64_t group = n.hq / n.hkv;
   const float* qp = q.f32();
@@ -110,9 +111,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                         const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dsinks) {
-  const Dims n = check_inputs(q, k, v, sinks, a);
-  check_tensor(out, "attention out", DType::f32, {n.b, n.tq, n.hq, n.d});
-  check_tensor(lse, "attention lse", DType::f32, {n.b, n.hq, n.tq});
+  const Dims n = check_inputs(q, k, v, sinks, a, out, lse);
   check_tensor(dout, "attention dout", DType::f32, {n.b, n.tq, n.hq, n.d});
   check_tensor(dq, "attention dq", DType::f32, {n.b, n.tq, n.hq, n.d});
   check_tensor(dk, "attention dk", DType::f32, {n.b, n.tk, n.hkv, n.d});

@@ -65,13 +65,10 @@ int64_t counting_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, 
   std::vector<int32_t> next(off, off + num_buckets);
   int64_t dropped = 0;
   for (int64_t s = 0; s < slots; ++s) {
-    int32_t e = ip[s];
-    if (e < 0) {
-      sr[s] = -1;
-      continue;
-    }
+    const int32_t e = ip[s];
+    sr[s] = -1;
+    if (e < 0) continue;
     if (next[e] == off[e + 1]) {
-      sr[s] = -1;
       ++dropped;
       continue;
     }
@@ -79,6 +76,23 @@ int64_t counting_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, 
     sr[s] = next[e]++;
   }
   return dropped;
+}
+
+// out[t] = the sum over token t's kept slots j of w[t*k+j] * rows[slot_row[t*k+j]], in
+// slot order; a null w weighs every slot 1 (dispatch's backward is an unweighted combine).
+void sum_slots(const float* rows, const float* w, const int32_t* slot_row, int64_t n, int64_t k, int64_t d,
+               float* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < n; ++t) {
+    float* o = out + t * d;
+    std::fill_n(o, d, 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t r = slot_row[t * k + j];
+      if (r < 0) continue;
+      const float wj = w != nullptr ? w[t * k + j] : 1.0f;
+      for (int64_t c = 0; c < d; ++c) o[c] += wj * rows[r * d + c];
+    }
+  }
 }
 
 }  // namespace
@@ -119,19 +133,7 @@ void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& 
   check_tensor(dxs, "dispatch dxs", DType::f32, {rows, d});
   check_tensor(dx, "dispatch dx", DType::f32, {n, d});
   int64_t k = check_slot_row(slot_row, n, rows);
-  const int32_t* sr = slot_row.i32();
-  const float* g = dxs.f32();
-  float* out = dx.f32();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < n; ++t) {
-    float* o = out + t * d;
-    std::fill_n(o, d, 0.0f);
-    for (int64_t j = 0; j < k; ++j) {
-      int32_t r = sr[t * k + j];
-      if (r < 0) continue;
-      for (int64_t c = 0; c < d; ++c) o[c] += g[r * d + c];
-    }
-  }
+  sum_slots(dxs.f32(), nullptr, slot_row.i32(), n, k, d, dx.f32());
 }
 
 void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y) {
@@ -144,21 +146,7 @@ void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_
   check_tensor(y, "combine y", DType::f32, {n, d});
   check_tensor(slot_row, "combine slot_row", DType::i32, {n * k});
   check_slot_row(slot_row, n, rows);
-  const int32_t* sr = slot_row.i32();
-  const float* yp = ys.f32();
-  const float* wp = weight.f32();
-  float* out = y.f32();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < n; ++t) {
-    float* o = out + t * d;
-    std::fill_n(o, d, 0.0f);
-    for (int64_t j = 0; j < k; ++j) {
-      int32_t r = sr[t * k + j];
-      if (r < 0) continue;
-      float w = wp[t * k + j];
-      for (int64_t c = 0; c < d; ++c) o[c] += w * yp[r * d + c];
-    }
-  }
+  sum_slots(ys.f32(), weight.f32(), slot_row.i32(), n, k, d, y.f32());
 }
 
 void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
@@ -279,11 +267,8 @@ void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const T
   int64_t received = 0;
   for (int64_t p = 0; p < ranks; ++p) ends[p] = received += rc[2 * p];
   int32_t* b = buckets.i32();
-  for (int64_t r = 0; r < m; ++r) {
-    if (r >= placed) {
-      b[r] = -1;
-      continue;
-    }
+  std::fill(b + placed, b + m, -1);
+  for (int64_t r = 0; r < placed; ++r) {
     MT_CHECK(ord[r] >= 0 && ord[r] / k < received)
         << "ep_return_buckets: order[" << r << "] is " << ord[r] << ", not a slot of the " << received
         << " rows received";
