@@ -116,7 +116,10 @@ class Communicator {
                     std::span<const int64_t> recv_counts) {
     start_all_to_all_v(in, send_counts, out, recv_counts, Traffic::expert).wait();
   }
-  // The same collectives in two halves (the blocking ones above are start, then wait).
+  // The same collectives in two halves (the blocking ones above are start, then wait):
+  // start_* checks the arguments (a bad call fails there, on every rank, with nothing
+  // started) and starts the transfer, on the GPU on `traffic`'s stream; Request::wait()
+  // joins it.
   Request start_all_reduce(const Tensor& x, Traffic traffic);
   Request start_reduce_scatter(const Tensor& in, const Tensor& out, Traffic traffic);
   Request start_all_gather(const Tensor& in, const Tensor& out, Traffic traffic);
