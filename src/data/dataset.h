@@ -37,6 +37,8 @@
 #include <string>
 #include <vector>
 
+#include "io/file.h"
+
 namespace mt::data {
 
 // Where the sample order stands: global samples consumed so far, by all ranks
@@ -53,14 +55,10 @@ class Dataset {
   // left unfinished by tokenize (its .lock is there), a malformed file, or fewer
   // tokens than one sample.
   Dataset(const std::string& folder, int64_t seq_len, uint64_t seed);
-  ~Dataset();
-  Dataset(const Dataset&) = delete;
-  Dataset& operator=(const Dataset&) = delete;
 
   int64_t seq_len() const { return seq_len_; }
   int64_t num_samples() const { return starts_.back(); }
   int64_t num_tokens() const { return num_tokens_; }
-  int64_t num_files() const { return static_cast<int64_t>(files_.size()); }
 
   // Fills ids and labels, each [micro_batch, seq_len / cp_size] row-major, with this
   // rank's share of the next dp_size * micro_batch samples and advances the cursor.
@@ -79,9 +77,7 @@ class Dataset {
 
  private:
   struct File {
-    std::string path;
-    const uint8_t* base = nullptr;  // the whole mapped file
-    size_t size = 0;
+    io::MappedFile map;
     const uint8_t* tokens = nullptr;
     size_t width = 0;  // bytes per token: 1, 2 or 4
     int64_t count = 0;
