@@ -8,12 +8,6 @@
 
 namespace mt::io {
 
-int64_t NpyHeader::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 namespace {
 
 // The value of 'key' in the header's Python dict literal, as raw text.
@@ -97,17 +91,13 @@ NpyHeader parse_npy_header(const uint8_t* p, size_t n, const std::string& where)
 
 std::string make_npy_header(const std::string& descr, const std::vector<int64_t>& shape) {
   std::string s = "(";
-  for (int64_t d : shape) s += std::to_string(d) + ", ";
-  if (shape.size() > 1) s.resize(s.size() - 2);
-  else if (shape.size() == 1) s.resize(s.size() - 1);
-  s += ")";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  s += shape.size() == 1 ? ",)" : ")";
   std::string dict = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + s + ", }";
   size_t total = 10 + dict.size() + 1;
   dict.append((64 - total % 64) % 64, ' ');
   dict += '\n';
-  std::string out = "\x93NUMPY";
-  out += '\x01';
-  out += '\x00';
+  std::string out("\x93NUMPY\x01\x00", 8);  // magic, version 1.0
   out += static_cast<char>(dict.size() & 0xff);
   out += static_cast<char>(dict.size() >> 8);
   return out + dict;
