@@ -34,24 +34,6 @@ std::array<uint32_t, 256> byte_level_chars() {
   return cp;
 }
 
-void append_utf8(std::string& s, uint32_t cp) {
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    s += static_cast<char>(0xE0 | (cp >> 12));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    s += static_cast<char>(0xF0 | (cp >> 18));
-    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 // Length of the valid UTF-8 sequence at p[0..n), or minus the length of its longest
 // valid prefix (at least 1) when invalid. That prefix is Unicode's "maximal
 // subpart", which Rust's from_utf8_lossy, and so Hugging Face's decode, turns into
@@ -86,10 +68,6 @@ size_t first_invalid_utf8(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   size_t i = 0, n = s.size();
   while (i < n) {
-    if (p[i] < 0x80) {
-      ++i;
-      continue;
-    }
     int len = utf8_sequence(p + i, n - i);
     if (len < 0) return i;
     i += static_cast<size_t>(len);
@@ -127,10 +105,9 @@ std::optional<std::string> byte_level_bytes(std::string_view spelled) {
   std::string out;
   const auto* p = reinterpret_cast<const unsigned char*>(spelled.data());
   for (size_t i = 0; i < spelled.size();) {
-    int len = utf8_sequence(p + i, spelled.size() - i);
-    if (len < 0) return std::nullopt;
     utf8proc_int32_t c;
-    utf8proc_iterate(p + i, len, &c);
+    utf8proc_ssize_t len = utf8proc_iterate(p + i, static_cast<utf8proc_ssize_t>(spelled.size() - i), &c);
+    if (len < 0) return std::nullopt;
     auto it = char_byte.find(static_cast<uint32_t>(c));
     if (it == char_byte.end()) return std::nullopt;
     out += static_cast<char>(it->second);
@@ -217,13 +194,9 @@ struct AddedMatcher {
     size_t last = 0;
     for (size_t i = 0; i < text.size();) {
       const auto& cands = by_first[static_cast<unsigned char>(text[i])];
-      const std::pair<std::string, int32_t>* hit = nullptr;
-      for (const auto& c : cands)
-        if (text.compare(i, c.first.size(), c.first) == 0) {
-          hit = &c;
-          break;
-        }
-      if (hit == nullptr) {
+      auto hit = std::find_if(cands.begin(), cands.end(),
+                              [&](const auto& c) { return text.compare(i, c.first.size(), c.first) == 0; });
+      if (hit == cands.end()) {
         ++i;
         continue;
       }
@@ -346,8 +319,9 @@ void Tokenizer::Impl::load_model(const json& m) {
   }
   const std::array<uint32_t, 256> cp = byte_level_chars();
   for (int b = 0; b < 256; ++b) {
-    std::string spelled;
-    append_utf8(spelled, cp[b]);
+    utf8proc_uint8_t utf8[4];
+    utf8proc_ssize_t len = utf8proc_encode_char(static_cast<utf8proc_int32_t>(cp[b]), utf8);
+    std::string spelled(reinterpret_cast<const char*>(utf8), static_cast<size_t>(len));
     auto it = vocab.find(spelled);
     MT_CHECK(it != vocab.end()) << path << ": model.vocab: no token for byte 0x" << std::hex << b << " ('" << spelled
                                 << "'); a byte-level BPE vocabulary has all 256";
@@ -597,11 +571,16 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) {
   auto later = [](const Candidate& a, const Candidate& b) {
     return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos;
   };
+  // Offers the pair of symbol `pos` and its right neighbour, if it is a merge.
+  auto offer = [&](int32_t pos) {
+    if (pos < 0 || symbols[pos].next < 0) return;
+    if (const auto* m = merges.find(MergeTable::key(symbols[pos].id, symbols[symbols[pos].next].id))) {
+      heap.push_back({m->rank, pos, m->id});
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  };
   heap.clear();
-  for (int32_t i = 0; i + 1 < n; ++i)
-    if (const auto* m = merges.find(MergeTable::key(symbols[i].id, symbols[i + 1].id)))
-      heap.push_back({m->rank, i, m->id});
-  std::make_heap(heap.begin(), heap.end(), later);
+  for (int32_t i = 0; i + 1 < n; ++i) offer(i);
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), later);
     Candidate top = heap.back();
@@ -616,16 +595,8 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) {
     right.id = -1;
     s.next = after;
     if (after >= 0) symbols[after].prev = top.pos;
-    if (s.prev >= 0)
-      if (const auto* p = merges.find(MergeTable::key(symbols[s.prev].id, s.id))) {
-        heap.push_back({p->rank, s.prev, p->id});
-        std::push_heap(heap.begin(), heap.end(), later);
-      }
-    if (after >= 0)
-      if (const auto* p = merges.find(MergeTable::key(s.id, symbols[after].id))) {
-        heap.push_back({p->rank, top.pos, p->id});
-        std::push_heap(heap.begin(), heap.end(), later);
-      }
+    offer(s.prev);
+    offer(top.pos);
   }
   size_t first = out.size();
   for (int32_t i = 0; i >= 0; i = symbols[i].next) out.push_back(symbols[i].id);
@@ -674,7 +645,5 @@ int32_t Tokenizer::eos_id() const {
   MT_CHECK(impl_->eos.has_value()) << impl_->eos_problem;
   return *impl_->eos;
 }
-
-const std::string& Tokenizer::path() const { return impl_->path; }
 
 }  // namespace mt::data

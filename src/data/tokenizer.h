@@ -59,7 +59,6 @@ class Tokenizer {
   // tokenizer_config.json beside the file, else the added token <|endoftext|>;
   // an error saying so when neither exists.
   int32_t eos_id() const;
-  const std::string& path() const;
 
  private:
   struct Impl;
