@@ -39,6 +39,22 @@ std::string known_dtypes() {
   return s;
 }
 
+// Bytes per element of a safetensors dtype; an error listing the known ones otherwise.
+size_t st_dtype_size(std::string_view dtype, const std::string& where) {
+  const DTypeSize* it = std::find_if(std::begin(kDTypes), std::end(kDTypes),
+                                     [&](const DTypeSize& d) { return d.name == dtype; });
+  MT_CHECK(it != std::end(kDTypes)) << where << ": unknown dtype '" << dtype << "' (known: " << known_dtypes()
+                                    << ")";
+  return it->bytes;
+}
+
+// "[2,3]", the spelling every shape in an error message uses.
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s.append(i ? "," : "").append(std::to_string(shape[i]));
+  return s + "]";
+}
+
 // *out = a * b; false when that overflows int64.
 bool mul_fits(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
@@ -103,20 +119,6 @@ size_t edit_distance(std::string_view a, std::string_view b) {
 }
 
 }  // namespace
-
-size_t st_dtype_size(std::string_view dtype, const std::string& where) {
-  const DTypeSize* it = std::find_if(std::begin(kDTypes), std::end(kDTypes),
-                                     [&](const DTypeSize& d) { return d.name == dtype; });
-  MT_CHECK(it != std::end(kDTypes)) << where << ": unknown dtype '" << dtype << "' (known: " << known_dtypes()
-                                    << ")";
-  return it->bytes;
-}
-
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s.append(i ? "," : "").append(std::to_string(shape[i]));
-  return s + "]";
-}
 
 float f32_from_f16(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -295,21 +297,18 @@ HfWeights::HfWeights(const std::string& folder, const std::string& stem) : folde
   MT_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object())
       << index.string() << ": expected an object with a \"weight_map\" object (tensor name -> shard file)";
 
-  // Open each shard once, in name order, then point every key at its tensor.
-  std::map<std::string, size_t> shard_index;
+  // Each shard is opened once, when a key first names it.
+  std::map<std::string, size_t> shard_index;  // file name -> index in files_
   for (const auto& [key, shard] : j["weight_map"].items()) {
     MT_CHECK(shard.is_string()) << index.string() << ": weight_map[\"" << key << "\"] must be a file name, found "
                                 << shard.dump();
-    shard_index.emplace(shard.get<std::string>(), 0);
-  }
-  for (auto& [shard, i] : shard_index) {
-    fs::path p = dir / shard;
-    MT_CHECK(fs::exists(p)) << index.string() << " names shard " << shard << ", which is missing from " << folder;
-    i = files_.size();
-    files_.emplace_back(p.string());
-  }
-  for (const auto& [key, shard] : j["weight_map"].items()) {
-    size_t i = shard_index.at(shard.get<std::string>());
+    auto [it, first] = shard_index.emplace(shard.get<std::string>(), files_.size());
+    if (first) {
+      fs::path p = dir / it->first;
+      MT_CHECK(fs::exists(p)) << index.string() << " names shard " << it->first << ", which is missing from " << folder;
+      files_.emplace_back(p.string());
+    }
+    size_t i = it->second;
     const StTensor* t = files_[i].find(key);
     MT_CHECK(t != nullptr) << index.string() << " maps '" << key << "' to " << files_[i].path()
                            << ", which has no such tensor";

@@ -28,12 +28,6 @@ struct StTensor {
   int64_t numel() const { return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>()); }
 };
 
-// Bytes per element of a safetensors dtype; an error listing the known ones otherwise.
-size_t st_dtype_size(std::string_view dtype, const std::string& where);
-
-// "[2,3]", the spelling every shape in an error message uses.
-std::string shape_str(const std::vector<int64_t>& shape);
-
 // IEEE half to float, exact for every input (subnormals, infinities, NaN payloads).
 float f32_from_f16(uint16_t h);
 
@@ -84,7 +78,6 @@ class HfWeights {
   // Hugging Face folder; checkpoints also keep "optimizer").
   explicit HfWeights(const std::string& folder, const std::string& stem = "model");
 
-  const std::string& folder() const { return folder_; }
   std::vector<std::string> names() const;  // sorted
   bool contains(std::string_view name) const;
   // These are an error for a missing key, naming the folder and close keys.
@@ -102,7 +95,7 @@ class HfWeights {
   const Entry& entry(std::string_view name) const;
   std::string suggest(std::string_view name) const;  // "; did you mean 'x'?" or ""
 
-  std::string folder_;
+  std::string folder_;  // for errors
   std::vector<SafetensorsFile> files_;
   std::map<std::string, Entry, std::less<>> entries_;
 };
