@@ -321,21 +321,15 @@ std::string clock_time(double s) {
 TokenizeReport tokenize_corpus(const TokenizeOptions& o) {
   Tokenizer tok(o.tokenizer);
   tok.eos_id();  // fail now, not in every worker, when there is no end-of-document token
-  std::vector<Job> all = find_jobs(o);
+  std::vector<Job> jobs = find_jobs(o);
   fs::create_directories(o.output);
 
   TokenizeReport rep;
-  rep.files = static_cast<int64_t>(all.size());
-  std::vector<Job> jobs;
+  rep.files = static_cast<int64_t>(jobs.size());
+  std::erase_if(jobs, [](const Job& j) { return fs::exists(j.output) && !fs::exists(j.output + ".lock"); });
+  rep.files_skipped = rep.files - static_cast<int64_t>(jobs.size());
   uint64_t total_bytes = 0;
-  for (const Job& j : all) {
-    if (fs::exists(j.output) && !fs::exists(j.output + ".lock")) {
-      ++rep.files_skipped;
-      continue;
-    }
-    jobs.push_back(j);
-    total_bytes += j.bytes;
-  }
+  for (const Job& j : jobs) total_bytes += j.bytes;
   // Largest first, so the last files to finish are small ones and workers end together.
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.bytes > b.bytes; });
   if (jobs.empty()) return rep;
