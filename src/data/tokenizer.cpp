@@ -269,6 +269,7 @@ struct Tokenizer::Impl {
   void load_pre_tokenizer(const json& pre_tokenizer);
   void load_added_tokens(const json& added_tokens);
   void load_eos();
+  std::optional<int32_t> token_id(std::string_view token) const;
   void encode(std::string_view text, std::vector<int32_t>& out);
   void pre_tokenize(std::string_view piece, size_t level, std::vector<int32_t>& out);
   void bpe(std::string_view word, std::vector<int32_t>& out);
@@ -477,15 +478,16 @@ void Tokenizer::Impl::load_eos() {
       name = e["content"].get<std::string>();
     if (!e.is_null()) source = cfg.string() + " eos_token \"" + name + "\"";
   }
-  auto it = added_ids.find(name);
-  if (it != added_ids.end()) {
-    eos = it->second;
-  } else if (auto v = vocab.find(name); v != vocab.end()) {
-    eos = v->second;
-  } else {
+  eos = token_id(name);
+  if (!eos)
     eos_problem = path + ": no end-of-document token: " + source +
                   " is not a token; put a tokenizer_config.json with \"eos_token\" beside the tokenizer.json";
-  }
+}
+
+std::optional<int32_t> Tokenizer::Impl::token_id(std::string_view token) const {
+  if (auto it = added_ids.find(token); it != added_ids.end()) return it->second;
+  if (auto it = vocab.find(token); it != vocab.end()) return it->second;
+  return std::nullopt;
 }
 
 void Tokenizer::Impl::encode(std::string_view text, std::vector<int32_t>& out) {
@@ -495,16 +497,13 @@ void Tokenizer::Impl::encode(std::string_view text, std::vector<int32_t>& out) {
   raw_added.split(
       text,
       [&](std::string_view piece) {
+        // Nothing below U+0300 changes under NFC or composes with what precedes it,
+        // so text without a lead byte >= 0xCC is already normalized.
         std::string composed;
-        if (nfc) {
-          // Nothing below U+0300 changes under NFC or composes with what precedes it,
-          // so text without a lead byte >= 0xCC is already normalized.
-          bool maybe =
-              std::any_of(piece.begin(), piece.end(), [](char c) { return static_cast<unsigned char>(c) >= 0xCC; });
-          if (maybe) {
-            composed = nfc_of(piece);
-            piece = composed;
-          }
+        if (nfc &&
+            std::any_of(piece.begin(), piece.end(), [](char c) { return static_cast<unsigned char>(c) >= 0xCC; })) {
+          composed = nfc_of(piece);
+          piece = composed;
         }
         if (normalized_added.empty)
           pre_tokenize(piece, 0, out);
@@ -635,11 +634,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
 
-std::optional<int32_t> Tokenizer::token_id(std::string_view token) const {
-  if (auto it = impl_->added_ids.find(token); it != impl_->added_ids.end()) return it->second;
-  if (auto it = impl_->vocab.find(token); it != impl_->vocab.end()) return it->second;
-  return std::nullopt;
-}
+std::optional<int32_t> Tokenizer::token_id(std::string_view token) const { return impl_->token_id(token); }
 
 int32_t Tokenizer::eos_id() const {
   MT_CHECK(impl_->eos.has_value()) << impl_->eos_problem;
