@@ -22,12 +22,8 @@ int run_encode(const Args& args) {
   }
   std::vector<int32_t> ids = tok.encode(text);
   std::string out = "[";
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(ids[i]);
-  }
-  out += "]\n";
-  std::fwrite(out.data(), 1, out.size(), stdout);
+  for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
+  std::printf("%s]\n", out.c_str());
   return 0;
 }
 
