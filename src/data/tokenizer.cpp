@@ -66,9 +66,8 @@ int utf8_sequence(const unsigned char* p, size_t n) {
 
 size_t first_invalid_utf8(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  size_t i = 0, n = s.size();
-  while (i < n) {
-    int len = utf8_sequence(p + i, n - i);
+  for (size_t i = 0; i < s.size();) {
+    int len = utf8_sequence(p + i, s.size() - i);
     if (len < 0) return i;
     i += static_cast<size_t>(len);
   }
@@ -79,16 +78,13 @@ std::string utf8_lossy(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   std::string out;
   out.reserve(s.size());
-  size_t i = 0;
-  while (i < s.size()) {
+  for (size_t i = 0; i < s.size();) {
     int len = utf8_sequence(p + i, s.size() - i);
-    if (len > 0) {
+    if (len > 0)
       out.append(s.data() + i, static_cast<size_t>(len));
-      i += static_cast<size_t>(len);
-    } else {
-      out += "\xEF\xBF\xBD";
-      i += static_cast<size_t>(-len);
-    }
+    else
+      out += "\xEF\xBF\xBD";  // one U+FFFD for the whole invalid prefix
+    i += static_cast<size_t>(std::abs(len));
   }
   return out;
 }
