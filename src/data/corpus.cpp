@@ -236,6 +236,7 @@ void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int
     docs_sent = static_cast<int64_t>(ends.size());
     tokens_sent = tokens.size();
     bytes_sent = reader.bytes_read();
+    last = std::chrono::steady_clock::now();
   };
   auto bad = [&](const std::string& why) {
     std::string msg = job.input + ":" + std::to_string(line_no) + ": " + why;
@@ -260,10 +261,7 @@ void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int
     tok.encode(f->get_ref<const std::string&>(), tokens);
     tokens.push_back(eos);
     ends.push_back(tokens.size());
-    if ((ends.size() & 63) == 0 && std::chrono::steady_clock::now() - last > std::chrono::milliseconds(200)) {
-      progress();
-      last = std::chrono::steady_clock::now();
-    }
+    if ((ends.size() & 63) == 0 && std::chrono::steady_clock::now() - last > std::chrono::milliseconds(200)) progress();
   }
   write_token_file(job.output, tokens, ends, tok.vocab_size());
   // The .bin is complete and durable (write_file_atomic synced it and the folder);
