@@ -420,19 +420,14 @@ TokenizeReport tokenize_corpus(const TokenizeOptions& o) {
     for (Worker& w : workers) hand_out(w);
 
     int alive = n_workers;
+    std::vector<pollfd> fds(workers.size());  // fds[i] is workers[i]'s; poll skips the closed ones (-1)
     while (alive > 0 && failure.empty()) {
-      std::vector<pollfd> fds;
-      std::vector<Worker*> of;
-      for (Worker& w : workers)
-        if (w.from_child >= 0) {
-          fds.push_back({w.from_child, POLLIN, 0});
-          of.push_back(&w);
-        }
+      for (size_t i = 0; i < workers.size(); ++i) fds[i] = {workers[i].from_child, POLLIN, 0};
       int rc = ::poll(fds.data(), fds.size(), 250);
       MT_CHECK(rc >= 0 || errno == EINTR) << "poll: " << std::strerror(errno);
       for (size_t i = 0; i < fds.size() && failure.empty(); ++i) {
         if (fds[i].revents == 0) continue;
-        Worker& w = *of[i];
+        Worker& w = workers[i];
         char buf[8192];
         ssize_t n = ::read(w.from_child, buf, sizeof buf);
         if (n > 0) {
