@@ -184,11 +184,12 @@ struct AddedMatcher {
     std::stable_sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
     empty = false;
   }
-  // Calls piece(text) for the text between tokens and token(id) for each token.
+  // Calls piece(text) for the text between tokens (all of it, unscanned, when there
+  // are none) and token(id) for each token.
   template <typename Piece, typename Token>
   void split(std::string_view text, Piece&& piece, Token&& token) const {
     size_t last = 0;
-    for (size_t i = 0; i < text.size();) {
+    for (size_t i = 0; i < text.size() && !empty;) {
       const auto& cands = by_first[static_cast<unsigned char>(text[i])];
       auto hit = std::find_if(cands.begin(), cands.end(),
                               [&](const auto& c) { return text.compare(i, c.first.size(), c.first) == 0; });
@@ -205,16 +206,10 @@ struct AddedMatcher {
   }
 };
 
+// A compiled pattern and the match data pcre2_match fills.
 struct Regex {
-  pcre2_code* code = nullptr;
-  pcre2_match_data* match = nullptr;
-  Regex() = default;
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-  ~Regex() {
-    pcre2_match_data_free(match);
-    pcre2_code_free(code);
-  }
+  std::unique_ptr<pcre2_code, decltype(&pcre2_code_free)> code{nullptr, pcre2_code_free};
+  std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> match{nullptr, pcre2_match_data_free};
 };
 
 std::string type_of(const json& j) { return j.is_object() && j.contains("type") ? j["type"].dump() : j.dump(); }
@@ -234,9 +229,9 @@ struct Tokenizer::Impl {
   bool nfc = false;
   bool ignore_merges = false;
   bool has_decoder = false;
-  std::vector<std::unique_ptr<Regex>> regexes;  // applied in order: each cuts the previous one's pieces
-  StringMap<int32_t> vocab;                     // as spelled in the file (byte-level characters)
-  StringMap<int32_t> byte_vocab;                // raw bytes -> id, for ignore_merges
+  std::vector<Regex> regexes;     // applied in order: each cuts the previous one's pieces
+  StringMap<int32_t> vocab;       // as spelled in the file (byte-level characters)
+  StringMap<int32_t> byte_vocab;  // raw bytes -> id, for ignore_merges
   std::array<int32_t, 256> byte_id{};
   MergeTable merges;
   AddedMatcher raw_added, normalized_added;
@@ -372,18 +367,18 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& pt) {
   auto compile = [&](const std::string& pattern, const std::string& key) {
     int err;
     PCRE2_SIZE offset;
-    auto r = std::make_unique<Regex>();
-    r->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err,
-                            &offset, nullptr);
-    if (r->code == nullptr) {
+    Regex r;
+    r.code.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP,
+                               &err, &offset, nullptr));
+    if (r.code == nullptr) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof msg);
       MT_FAIL() << path << ": " << key << ": regex " << json(pattern).dump()
                 << " does not compile with PCRE2 at offset " << offset << ": " << reinterpret_cast<const char*>(msg);
     }
     // JIT is an optimisation: pcre2_match uses it when it compiled, interprets otherwise.
-    pcre2_jit_compile(r->code, PCRE2_JIT_COMPLETE);
-    r->match = pcre2_match_data_create_from_pattern(r->code, nullptr);
+    pcre2_jit_compile(r.code.get(), PCRE2_JIT_COMPLETE);
+    r.match.reset(pcre2_match_data_create_from_pattern(r.code.get(), nullptr));
     regexes.push_back(std::move(r));
   };
   std::vector<std::pair<json, std::string>> steps;
@@ -501,11 +496,7 @@ void Tokenizer::Impl::encode(std::string_view text, std::vector<int32_t>& out) {
           composed = nfc_of(piece);
           piece = composed;
         }
-        if (normalized_added.empty)
-          pre_tokenize(piece, 0, out);
-        else
-          normalized_added.split(
-              piece, [&](std::string_view p) { pre_tokenize(p, 0, out); }, emit);
+        normalized_added.split(piece, [&](std::string_view p) { pre_tokenize(p, 0, out); }, emit);
       },
       emit);
 }
@@ -517,14 +508,14 @@ void Tokenizer::Impl::pre_tokenize(std::string_view piece, size_t level, std::ve
     bpe(piece, out);
     return;
   }
-  const Regex& r = *regexes[level];
+  const Regex& r = regexes[level];
   auto subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
   size_t gap = 0, from = 0;
   while (from <= piece.size()) {
-    int rc = pcre2_match(r.code, subject, piece.size(), from, PCRE2_NO_UTF_CHECK, r.match, nullptr);
+    int rc = pcre2_match(r.code.get(), subject, piece.size(), from, PCRE2_NO_UTF_CHECK, r.match.get(), nullptr);
     if (rc == PCRE2_ERROR_NOMATCH) break;
     MT_CHECK(rc > 0) << "regex match failed with PCRE2 error " << rc;
-    PCRE2_SIZE* ov = pcre2_get_ovector_pointer(r.match);
+    PCRE2_SIZE* ov = pcre2_get_ovector_pointer(r.match.get());
     size_t b = ov[0], e = ov[1];
     if (b > gap) pre_tokenize(piece.substr(gap, b - gap), level + 1, out);
     if (e > b) pre_tokenize(piece.substr(b, e - b), level + 1, out);
