@@ -52,16 +52,11 @@ size_t descr_bytes(const std::string& d, const std::string& where) {
 NpyHeader parse_npy_header(const uint8_t* p, size_t n, const std::string& where) {
   MT_CHECK(n >= 10 && std::memcmp(p, "\x93NUMPY", 6) == 0) << where << ": not a .npy array (bad magic)";
   int major = p[6];
-  size_t len, start;
-  if (major == 1) {
-    len = p[8] | (p[9] << 8);
-    start = 10;
-  } else {
-    MT_CHECK(major == 2 || major == 3) << where << ": .npy format version " << major << " is not supported";
-    MT_CHECK(n >= 12) << where << ": truncated .npy header";
-    len = p[8] | (p[9] << 8) | (static_cast<size_t>(p[10]) << 16) | (static_cast<size_t>(p[11]) << 24);
-    start = 12;
-  }
+  MT_CHECK(major >= 1 && major <= 3) << where << ": .npy format version " << major << " is not supported";
+  size_t start = major == 1 ? 10 : 12;  // the header length is 2 bytes in 1.0, 4 in 2.0 and 3.0
+  MT_CHECK(n >= start) << where << ": truncated .npy header";
+  size_t len = 0;
+  std::memcpy(&len, p + 8, start - 8);  // little-endian, like every host we build for
   MT_CHECK(start + len <= n) << where << ": truncated .npy header (" << start + len << " bytes needed, " << n
                              << " present)";
   std::string h(reinterpret_cast<const char*>(p + start), len);
