@@ -215,8 +215,7 @@ std::span<const uint8_t> SafetensorsFile::bytes(const StTensor& t) const {
 }
 
 void SafetensorsFile::read_f32(const StTensor& t, float* dst) const {
-  std::span<const uint8_t> b = bytes(t);
-  const uint8_t* p = b.data();
+  const uint8_t* p = bytes(t).data();
   size_t n = static_cast<size_t>(t.numel());
   // The data section need not be aligned for the element type, so elements are
   // memcpy'd rather than read through a cast pointer.
