@@ -596,8 +596,6 @@ Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()) 
   impl_->load_eos();
 }
 Tokenizer::~Tokenizer() = default;
-Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
-Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
 void Tokenizer::encode(std::string_view text, std::vector<int32_t>& out) { impl_->encode(text, out); }
 
