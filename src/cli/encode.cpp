@@ -16,8 +16,7 @@ int run_encode(const Args& args) {
   if (opt.has("text")) {
     text = opt.get("text");
   } else {
-    // Standard input byte for byte: no newline is added or removed.
-    std::cin >> std::noskipws;
+    // Standard input byte for byte (istreambuf_iterator skips nothing): no newline is added or removed.
     text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
   }
   std::vector<int32_t> ids = tok.encode(text);

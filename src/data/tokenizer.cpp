@@ -206,7 +206,6 @@ struct AddedMatcher {
   }
 };
 
-// A compiled pattern and the match data pcre2_match fills.
 struct Regex {
   std::unique_ptr<pcre2_code, decltype(&pcre2_code_free)> code{nullptr, pcre2_code_free};
   std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> match{nullptr, pcre2_match_data_free};
@@ -361,8 +360,6 @@ void Tokenizer::Impl::load_normalizer(const json& nz) {
   for (size_t i = 0; i < steps.size(); ++i) step(steps[i], "normalizer.normalizers[" + std::to_string(i) + "]");
 }
 
-// Splits (Regex, Isolated) in order, then ByteLevel, which adds GPT-2's regex when
-// its use_regex is true.
 void Tokenizer::Impl::load_pre_tokenizer(const json& pt) {
   auto compile = [&](const std::string& pattern, const std::string& key) {
     int err;

@@ -55,10 +55,8 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// *out = a * b; false when that overflows int64.
 bool mul_fits(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
-// A JSON value that must be a non-negative integer; `what` names it in the error.
 uint64_t json_uint(const Json& v, const std::string& where, const std::string& what) {
   MT_CHECK(v.is_number_unsigned()) << where << ": " << what << " must be a non-negative integer, found " << v.dump();
   return v.get<uint64_t>();
