@@ -17,7 +17,7 @@ std::vector<uint8_t> read_file(const std::string& path);
 class MappedFile {
  public:
   MappedFile(const std::string& path, std::string_view what);
-  std::span<const uint8_t> bytes() const { return {map_.get(), map_.get_deleter().size}; }
+  std::span<const uint8_t> bytes() const { return {map_.get(), map_ ? map_.get_deleter().size : 0}; }
 
  private:
   struct Unmap {  // munmap needs the length
