@@ -28,12 +28,14 @@ Options::Options(const char* command, const Args& args, std::vector<std::string>
       inline_value = true;
     }
     std::string name(a);
+    // The value after '=', else the next argument.
+    auto one_value = [&] {
+      if (inline_value) return value;
+      MT_CHECK(i + 1 < args.size()) << "moetrain " << command_ << ": --" << name << " needs a value";
+      return std::string(args[++i]);
+    };
     if (name.find('.') != std::string::npos) {
-      if (!inline_value) {
-        MT_CHECK(i + 1 < args.size()) << "moetrain " << command_ << ": --" << name << " needs a value";
-        value = std::string(args[++i]);
-      }
-      dotted_.emplace_back(name, value);
+      dotted_.emplace_back(name, one_value());
       continue;
     }
     const std::string* s = spec(name);
@@ -41,14 +43,11 @@ Options::Options(const char* command, const Args& args, std::vector<std::string>
     std::vector<std::string> vals;
     if (s->ends_with('?')) {
       MT_CHECK(!inline_value) << "moetrain " << command_ << ": --" << name << " takes no value";
-    } else if (inline_value) {
-      vals.push_back(value);
-    } else if (s->ends_with('*')) {
+    } else if (s->ends_with('*') && !inline_value) {
       while (i + 1 < args.size() && !args[i + 1].starts_with("--")) vals.emplace_back(args[++i]);
       MT_CHECK(!vals.empty()) << "moetrain " << command_ << ": --" << name << " needs at least one value";
     } else {
-      MT_CHECK(i + 1 < args.size()) << "moetrain " << command_ << ": --" << name << " needs a value";
-      vals.emplace_back(args[++i]);
+      vals.push_back(one_value());
     }
     values_.emplace_back(name, std::move(vals));
   }

@@ -16,18 +16,13 @@ int run_encode(const Args& args) {
   if (opt.has("text")) {
     text = opt.get("text");
   } else {
-    // Standard input byte for byte: no newline is added or removed.
-    std::cin >> std::noskipws;
+    // Standard input byte for byte (istreambuf_iterator skips nothing): no newline is added or removed.
     text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
   }
   std::vector<int32_t> ids = tok.encode(text);
   std::string out = "[";
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(ids[i]);
-  }
-  out += "]\n";
-  std::fwrite(out.data(), 1, out.size(), stdout);
+  for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
+  std::printf("%s]\n", out.c_str());
   return 0;
 }
 

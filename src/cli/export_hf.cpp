@@ -1,5 +1,6 @@
 // moetrain export-hf: a checkpoint as a Hugging Face model folder that transformers
 // and vLLM load as it is.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -49,28 +50,23 @@ int run_export_hf(const Args& args) {
 
   // Convert every tensor, then cut the list into shards of at most max_shard bytes.
   const bool bf16 = dtype == "bf16";
-  std::vector<std::vector<uint8_t>> data;
+  std::vector<std::vector<uint16_t>> data;  // bf16 values, or fp32 ones as pairs of halves
   std::vector<io::StWrite> all;
   for (const std::string& name : weights.names()) {
     const io::StTensor& t = weights.tensor(name);
     std::vector<float> f(static_cast<size_t>(t.numel()));
     weights.read_f32(name, t.shape, f.data());
-    std::vector<uint8_t> bytes(f.size() * (bf16 ? 2 : 4));
-    if (bf16) {
-      for (size_t i = 0; i < f.size(); ++i) {
-        uint16_t b = bf16_from_f32(f[i]);
-        std::memcpy(bytes.data() + 2 * i, &b, 2);
-      }
-    } else {
-      std::memcpy(bytes.data(), f.data(), bytes.size());
-    }
-    data.push_back(std::move(bytes));
-    all.push_back({name, bf16 ? "BF16" : "F32", t.shape, data.back().data()});
+    std::vector<uint16_t>& converted = data.emplace_back(f.size() * (bf16 ? 1 : 2));
+    if (bf16)
+      std::transform(f.begin(), f.end(), converted.begin(), bf16_from_f32);
+    else
+      std::memcpy(converted.data(), f.data(), f.size() * 4);
+    all.push_back({name, bf16 ? "BF16" : "F32", t.shape, converted.data()});
   }
   std::vector<std::vector<io::StWrite>> shards(1);
   int64_t in_shard = 0, total = 0;
   for (size_t i = 0; i < all.size(); ++i) {
-    int64_t bytes = static_cast<int64_t>(data[i].size());
+    int64_t bytes = static_cast<int64_t>(data[i].size() * 2);
     if (in_shard > 0 && in_shard + bytes > max_shard) {
       shards.emplace_back();
       in_shard = 0;

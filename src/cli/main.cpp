@@ -1,8 +1,8 @@
 // moetrain: one binary, one function per subcommand, no argument framework.
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <string_view>
-#include <vector>
 
 #include "cli/commands.h"
 #include "comm/communicator.h"
@@ -18,8 +18,7 @@ struct Command {
   const char* name;
   const char* summary;
   const char* usage;
-  int (*run)(const Args& args);  // nullptr: not built yet
-  const char* missing;           // what a run needs that is not built yet
+  int (*run)(const Args& args);
 };
 
 const Command kCommands[] = {
@@ -28,27 +27,27 @@ const Command kCommands[] = {
      "  Every key has a default, so overrides alone can describe a run. Sections:\n"
      "  [job] [model] [data] [training] [optimizer] [lr_scheduler] [parallelism]\n"
      "  [checkpoint] [metrics]. Under mpirun or srun every rank runs the same command.\n",
-     mt::cli::run_train, nullptr},
+     mt::cli::run_train},
     {"eval", "mean next-token loss of a Hugging Face model on a token matrix",
      "usage: moetrain eval --model DIR --tokens FILE.npy [--device cpu|cuda]\n"
      "  Prints {\"loss\": <mean cross-entropy>, \"tokens\": <B*(T-1)>} for the [B,T] int32/int64\n"
      "  matrix (inputs are columns 0..T-2, labels columns 1..T-1).\n",
-     mt::cli::run_eval, nullptr},
+     mt::cli::run_eval},
     {"encode", "encode text with a tokenizer.json, print ids as JSON",
      "usage: moetrain encode --tokenizer tokenizer.json [--text STR]\n"
      "  Encodes STR, or all of standard input when --text is absent, as Hugging Face\n"
      "  tokenizers would, and prints the ids as one JSON array.\n",
-     mt::cli::run_encode, "the byte-level BPE tokenizer"},
+     mt::cli::run_encode},
     {"tokenize", "turn JSONL(.zst) files into packed token files",
      "usage: moetrain tokenize --tokenizer FILE --input PATH... --output DIR [--workers N]\n"
      "                         [--field text] [--strict]\n"
      "  Writes one .bin per input file: the tokens, then uint64 cumulative document ends,\n"
      "  as two consecutive .npy arrays. Reruns redo only unfinished files.\n",
-     mt::cli::run_tokenize, "the tokenizer and corpus builder"},
+     mt::cli::run_tokenize},
     {"export-hf", "write a checkpoint as a Hugging Face model folder",
      "usage: moetrain export-hf --checkpoint DIR --output DIR [--dtype bf16|fp32]\n"
      "                          [--max-shard-size 5GB]\n",
-     mt::cli::run_export_hf, nullptr},
+     mt::cli::run_export_hf},
     {"plan", "print memory per rank and the mesh for a config, before launch",
      "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n"
      "                     [--schedule [--profile metrics.jsonl] [--output schedule.svg]]\n"
@@ -57,7 +56,7 @@ const Command kCommands[] = {
      "  --schedule plays the step's schedule out on every pp rank, prints its bubble and\n"
      "  draws the timeline as SVG; --profile takes the stage times of a run trained with\n"
      "  --metrics.profile=true (its last step) and predicts the step time from them.\n",
-     mt::cli::run_plan, nullptr},
+     mt::cli::run_plan},
 };
 
 void print_help() {
@@ -89,9 +88,7 @@ int print_version() {
 }
 
 bool wants_help(const Args& args) {
-  for (std::string_view a : args)
-    if (a == "--help" || a == "-h") return true;
-  return false;
+  return std::any_of(args.begin(), args.end(), [](std::string_view a) { return a == "--help" || a == "-h"; });
 }
 
 }  // namespace
@@ -112,13 +109,7 @@ int main(int argc, char** argv) {
     if (cmd != c.name) continue;
     if (wants_help(args)) {
       std::fputs(c.usage, stdout);
-      if (c.run == nullptr) std::printf("  (not built yet: needs %s)\n", c.missing);
       return 0;
-    }
-    if (c.run == nullptr) {
-      std::fprintf(stderr, "moetrain %s: not built yet: this build of moetrain %s lacks %s\n", c.name,
-                   MOETRAIN_VERSION, c.missing);
-      return 3;
     }
     try {
       return c.run(args);

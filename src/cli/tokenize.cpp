@@ -1,5 +1,6 @@
 // moetrain tokenize: JSONL(.zst) files to packed token files (src/data/corpus.h).
 // Progress and malformed lines go to stderr; one JSON summary line to stdout.
+#include <charconv>
 #include <cstdio>
 #include <string>
 
@@ -17,13 +18,8 @@ int run_tokenize(const Args& args) {
   MT_CHECK(!o.inputs.empty()) << "moetrain tokenize: --input is required (see --help)";
   o.output = opt.required("output");
   std::string workers = opt.get("workers", "0");
-  size_t used = 0;
-  try {
-    o.workers = std::stoi(workers, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  MT_CHECK(used == workers.size() && o.workers >= 0)
+  auto [end, ec] = std::from_chars(workers.data(), workers.data() + workers.size(), o.workers);
+  MT_CHECK(ec == std::errc() && end == workers.data() + workers.size() && o.workers >= 0)
       << "moetrain tokenize: --workers expects a count (0 = one per core), got '" << workers << "'";
   o.field = opt.get("field", "text");
   o.strict = opt.has("strict");

@@ -150,12 +150,11 @@ int run_train(const Args& args) {
       std::printf("resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
       truncate_metrics(folder + "/metrics.jsonl", from.step);
     }
-  } else if (writer) {
-    io::write_file_atomic(folder + "/metrics.jsonl", {});
   }
   std::ofstream metrics;
   if (writer) {
-    metrics.open(folder + "/metrics.jsonl", std::ios::app);
+    // A resumed run appends to what truncate_metrics kept; a new one starts the file.
+    metrics.open(folder + "/metrics.jsonl", resume.empty() ? std::ios::trunc : std::ios::app);
     MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
   }
 

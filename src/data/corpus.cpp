@@ -236,6 +236,7 @@ void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int
     docs_sent = static_cast<int64_t>(ends.size());
     tokens_sent = tokens.size();
     bytes_sent = reader.bytes_read();
+    last = std::chrono::steady_clock::now();
   };
   auto bad = [&](const std::string& why) {
     std::string msg = job.input + ":" + std::to_string(line_no) + ": " + why;
@@ -260,10 +261,7 @@ void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int
     tok.encode(f->get_ref<const std::string&>(), tokens);
     tokens.push_back(eos);
     ends.push_back(tokens.size());
-    if ((ends.size() & 63) == 0 && std::chrono::steady_clock::now() - last > std::chrono::milliseconds(200)) {
-      progress();
-      last = std::chrono::steady_clock::now();
-    }
+    if ((ends.size() & 63) == 0 && std::chrono::steady_clock::now() - last > std::chrono::milliseconds(200)) progress();
   }
   write_token_file(job.output, tokens, ends, tok.vocab_size());
   // The .bin is complete and durable (write_file_atomic synced it and the folder);
@@ -321,21 +319,15 @@ std::string clock_time(double s) {
 TokenizeReport tokenize_corpus(const TokenizeOptions& o) {
   Tokenizer tok(o.tokenizer);
   tok.eos_id();  // fail now, not in every worker, when there is no end-of-document token
-  std::vector<Job> all = find_jobs(o);
+  std::vector<Job> jobs = find_jobs(o);
   fs::create_directories(o.output);
 
   TokenizeReport rep;
-  rep.files = static_cast<int64_t>(all.size());
-  std::vector<Job> jobs;
+  rep.files = static_cast<int64_t>(jobs.size());
+  std::erase_if(jobs, [](const Job& j) { return fs::exists(j.output) && !fs::exists(j.output + ".lock"); });
+  rep.files_skipped = rep.files - static_cast<int64_t>(jobs.size());
   uint64_t total_bytes = 0;
-  for (const Job& j : all) {
-    if (fs::exists(j.output) && !fs::exists(j.output + ".lock")) {
-      ++rep.files_skipped;
-      continue;
-    }
-    jobs.push_back(j);
-    total_bytes += j.bytes;
-  }
+  for (const Job& j : jobs) total_bytes += j.bytes;
   // Largest first, so the last files to finish are small ones and workers end together.
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.bytes > b.bytes; });
   if (jobs.empty()) return rep;
@@ -428,19 +420,14 @@ TokenizeReport tokenize_corpus(const TokenizeOptions& o) {
     for (Worker& w : workers) hand_out(w);
 
     int alive = n_workers;
+    std::vector<pollfd> fds(workers.size());  // fds[i] is workers[i]'s; poll skips the closed ones (-1)
     while (alive > 0 && failure.empty()) {
-      std::vector<pollfd> fds;
-      std::vector<Worker*> of;
-      for (Worker& w : workers)
-        if (w.from_child >= 0) {
-          fds.push_back({w.from_child, POLLIN, 0});
-          of.push_back(&w);
-        }
+      for (size_t i = 0; i < workers.size(); ++i) fds[i] = {workers[i].from_child, POLLIN, 0};
       int rc = ::poll(fds.data(), fds.size(), 250);
       MT_CHECK(rc >= 0 || errno == EINTR) << "poll: " << std::strerror(errno);
       for (size_t i = 0; i < fds.size() && failure.empty(); ++i) {
         if (fds[i].revents == 0) continue;
-        Worker& w = *of[i];
+        Worker& w = workers[i];
         char buf[8192];
         ssize_t n = ::read(w.from_child, buf, sizeof buf);
         if (n > 0) {

@@ -10,11 +10,8 @@
 // Resuming: each output is written to X.bin.tmp and renamed to X.bin; a X.bin.lock
 // beside it exists from before the work starts until after the rename. A rerun
 // skips every X.bin without a lock and redoes the rest, so a killed run loses at
-// most the files in flight, and reruns give byte-identical files.
-//
-// Workers are processes (fork): the parent hands out files, largest first, over a
-// pipe to each worker, gathers their progress, prints one progress line, and
-// reports malformed lines (file and line number) as they come.
+// most the files in flight, and reruns give byte-identical files. Files are
+// tokenized by forked worker processes, largest first.
 #pragma once
 
 #include <cstdint>

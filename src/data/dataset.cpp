@@ -1,13 +1,7 @@
 #include "data/dataset.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
 
@@ -52,48 +46,33 @@ Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed) : se
 
   starts_.push_back(0);
   for (const fs::path& p : bins) {
-    File f;
-    f.path = p.string();
-    MT_CHECK(!fs::exists(f.path + ".lock"))
-        << f.path << " is unfinished (" << f.path << ".lock is there); rerun moetrain tokenize to complete it";
-    int fd = ::open(f.path.c_str(), O_RDONLY);
-    MT_CHECK(fd >= 0) << "cannot open " << f.path << ": " << std::strerror(errno);
-    struct stat st {};
-    ::fstat(fd, &st);
-    f.size = static_cast<size_t>(st.st_size);
-    void* m = f.size ? ::mmap(nullptr, f.size, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
-    int err = errno;
-    ::close(fd);
-    MT_CHECK(m != MAP_FAILED) << "cannot map " << f.path << " (" << f.size << " bytes): " << std::strerror(err);
-    f.base = static_cast<const uint8_t*>(m);
-    files_.push_back(f);  // owned from here on, so the destructor unmaps it on any error below
-    File& g = files_.back();
-
-    io::NpyHeader h = io::parse_npy_header(g.base, g.size, g.path + ", tokens array");
+    std::string path = p.string();
+    MT_CHECK(!fs::exists(path + ".lock"))
+        << path << " is unfinished (" << path << ".lock is there); rerun moetrain tokenize to complete it";
+    File& g = files_.emplace_back(io::MappedFile(path, "token file"));
+    const uint8_t* base = g.map.bytes().data();
+    size_t size = g.map.bytes().size();
+    io::NpyHeader h = io::parse_npy_header(base, size, path + ", tokens array");
     MT_CHECK(h.shape.size() == 1 && (h.descr == "|u1" || h.descr == "<u2" || h.descr == "<u4"))
-        << g.path << ": tokens array has dtype '" << h.descr << "' and " << h.shape.size()
+        << path << ": tokens array has dtype '" << h.descr << "' and " << h.shape.size()
         << " dimensions (expected a 1-D uint8, uint16 or uint32 array)";
-    g.tokens = g.base + h.header_bytes;
+    g.tokens = base + h.header_bytes;
     g.width = h.item_bytes;
     g.count = h.shape[0];
     size_t off = h.header_bytes + h.data_bytes();
-    io::NpyHeader e = io::parse_npy_header(g.base + off, g.size - off, g.path + ", document ends array");
+    io::NpyHeader e = io::parse_npy_header(base + off, size - off, path + ", document ends array");
     MT_CHECK(e.shape.size() == 1 && e.descr == "<u8")
-        << g.path << ": document ends array has dtype '" << e.descr << "' (expected 1-D uint64)";
+        << path << ": document ends array has dtype '" << e.descr << "' (expected 1-D uint64)";
     uint64_t last = 0;
-    if (e.shape[0] > 0) std::memcpy(&last, g.base + off + e.header_bytes + (e.shape[0] - 1) * 8, 8);
+    if (e.shape[0] > 0) std::memcpy(&last, base + off + e.header_bytes + (e.shape[0] - 1) * 8, 8);
     MT_CHECK(last == static_cast<uint64_t>(g.count))
-        << g.path << ": the last document ends at " << last << " but the file holds " << g.count << " tokens";
+        << path << ": the last document ends at " << last << " but the file holds " << g.count << " tokens";
     num_tokens_ += g.count;
     starts_.push_back(starts_.back() + g.count / (seq_len + 1));
   }
   MT_CHECK(num_samples() > 0) << "dataset " << folder
                               << ": no file holds a whole sample of seq_len + 1 = " << seq_len + 1 << " tokens ("
                               << num_tokens_ << " tokens in " << files_.size() << " files)";
-}
-
-Dataset::~Dataset() {
-  for (const File& f : files_) ::munmap(const_cast<uint8_t*>(f.base), f.size);
 }
 
 int64_t Dataset::sample_at(uint64_t position) const {

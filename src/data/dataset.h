@@ -2,27 +2,25 @@
 // writes, see corpus.h), memory-mapped and read in place.
 //
 // Samples: each file is cut into non-overlapping windows of seq_len + 1 tokens
-// (documents are packed; a window may span several, and the tail of a file shorter
-// than a window is not used). A window gives seq_len inputs, tokens[0..seq_len),
-// and seq_len labels, tokens[1..seq_len]. Windows of all files, taken in sorted
-// path order, are numbered 0..num_samples()-1.
+// (documents are packed, so a window may span several; a file's tail shorter than a
+// window is not used). A window gives seq_len inputs, tokens[0..seq_len), and
+// seq_len labels, tokens[1..seq_len]. Windows of all files, in sorted path order,
+// are numbered 0..num_samples()-1.
 //
-// Order: epoch e visits every sample once, in a permutation fixed by (seed, e)
-// alone: a keyed Feistel network over the sample indices, so nothing of size
-// num_samples is stored and any position is computed directly. The global order is
-// therefore the same whatever the number of ranks.
+// Order: epoch e visits every sample once, in a permutation fixed by (seed, e) alone:
+// a keyed Feistel network over the sample indices, so nothing of size num_samples is
+// stored, and the global order is the same whatever the number of ranks.
 //
 // Batches: every rank calls next_batch() once per micro-batch with the same dp_size
 // and micro_batch. The call takes the next dp_size * micro_batch positions of the
-// global order; data-parallel rank d gets positions [d * micro_batch, (d + 1) *
-// micro_batch) of those, and every rank advances its cursor by dp_size *
-// micro_batch. A global batch of B samples is then the same B samples for any
-// split into dp ranks and micro-batches (as long as B = dp * micro * n_micro).
+// global order (every rank's cursor advances past all of them); data-parallel rank d
+// gets [d * micro_batch, (d + 1) * micro_batch) of those. A global batch of
+// B = dp * micro * n_micro samples is then the same for any split into dp ranks and
+// micro-batches.
 //
-// Context parallelism: each sequence is cut into 2 * cp_size chunks of seq_len /
-// (2 * cp_size) positions; cp rank r holds chunks r and 2 * cp_size - 1 - r (the
-// zigzag that balances causal attention), and reads only those tokens. Its rows
-// are [chunk r | chunk 2cp-1-r], inputs and labels alike; positions() gives the
+// Context parallelism: each sequence is cut into 2 * cp_size chunks; cp rank r reads
+// only chunks r and 2 * cp_size - 1 - r (the zigzag that balances causal attention),
+// as rows [chunk r | chunk 2cp-1-r], inputs and labels alike. positions() gives the
 // sequence position of each column, for RoPE.
 //
 //   mt::data::Dataset ds("corpus/", seq_len, seed);
@@ -36,6 +34,8 @@
 #include <span>
 #include <string>
 #include <vector>
+
+#include "io/file.h"
 
 namespace mt::data {
 
@@ -53,14 +53,10 @@ class Dataset {
   // left unfinished by tokenize (its .lock is there), a malformed file, or fewer
   // tokens than one sample.
   Dataset(const std::string& folder, int64_t seq_len, uint64_t seed);
-  ~Dataset();
-  Dataset(const Dataset&) = delete;
-  Dataset& operator=(const Dataset&) = delete;
 
   int64_t seq_len() const { return seq_len_; }
   int64_t num_samples() const { return starts_.back(); }
   int64_t num_tokens() const { return num_tokens_; }
-  int64_t num_files() const { return static_cast<int64_t>(files_.size()); }
 
   // Fills ids and labels, each [micro_batch, seq_len / cp_size] row-major, with this
   // rank's share of the next dp_size * micro_batch samples and advances the cursor.
@@ -79,9 +75,7 @@ class Dataset {
 
  private:
   struct File {
-    std::string path;
-    const uint8_t* base = nullptr;  // the whole mapped file
-    size_t size = 0;
+    io::MappedFile map;
     const uint8_t* tokens = nullptr;
     size_t width = 0;  // bytes per token: 1, 2 or 4
     int64_t count = 0;

@@ -34,24 +34,6 @@ std::array<uint32_t, 256> byte_level_chars() {
   return cp;
 }
 
-void append_utf8(std::string& s, uint32_t cp) {
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    s += static_cast<char>(0xE0 | (cp >> 12));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    s += static_cast<char>(0xF0 | (cp >> 18));
-    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 // Length of the valid UTF-8 sequence at p[0..n), or minus the length of its longest
 // valid prefix (at least 1) when invalid. That prefix is Unicode's "maximal
 // subpart", which Rust's from_utf8_lossy, and so Hugging Face's decode, turns into
@@ -84,13 +66,8 @@ int utf8_sequence(const unsigned char* p, size_t n) {
 
 size_t first_invalid_utf8(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  size_t i = 0, n = s.size();
-  while (i < n) {
-    if (p[i] < 0x80) {
-      ++i;
-      continue;
-    }
-    int len = utf8_sequence(p + i, n - i);
+  for (size_t i = 0; i < s.size();) {
+    int len = utf8_sequence(p + i, s.size() - i);
     if (len < 0) return i;
     i += static_cast<size_t>(len);
   }
@@ -101,16 +78,13 @@ std::string utf8_lossy(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   std::string out;
   out.reserve(s.size());
-  size_t i = 0;
-  while (i < s.size()) {
+  for (size_t i = 0; i < s.size();) {
     int len = utf8_sequence(p + i, s.size() - i);
-    if (len > 0) {
+    if (len > 0)
       out.append(s.data() + i, static_cast<size_t>(len));
-      i += static_cast<size_t>(len);
-    } else {
-      out += "\xEF\xBF\xBD";
-      i += static_cast<size_t>(-len);
-    }
+    else
+      out += "\xEF\xBF\xBD";  // one U+FFFD for the whole invalid prefix
+    i += static_cast<size_t>(std::abs(len));
   }
   return out;
 }
@@ -127,10 +101,9 @@ std::optional<std::string> byte_level_bytes(std::string_view spelled) {
   std::string out;
   const auto* p = reinterpret_cast<const unsigned char*>(spelled.data());
   for (size_t i = 0; i < spelled.size();) {
-    int len = utf8_sequence(p + i, spelled.size() - i);
-    if (len < 0) return std::nullopt;
     utf8proc_int32_t c;
-    utf8proc_iterate(p + i, len, &c);
+    utf8proc_ssize_t len = utf8proc_iterate(p + i, static_cast<utf8proc_ssize_t>(spelled.size() - i), &c);
+    if (len < 0) return std::nullopt;
     auto it = char_byte.find(static_cast<uint32_t>(c));
     if (it == char_byte.end()) return std::nullopt;
     out += static_cast<char>(it->second);
@@ -211,19 +184,16 @@ struct AddedMatcher {
     std::stable_sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
     empty = false;
   }
-  // Calls piece(text) for the text between tokens and token(id) for each token.
+  // Calls piece(text) for the text between tokens (all of it, unscanned, when there
+  // are none) and token(id) for each token.
   template <typename Piece, typename Token>
   void split(std::string_view text, Piece&& piece, Token&& token) const {
     size_t last = 0;
-    for (size_t i = 0; i < text.size();) {
+    for (size_t i = 0; i < text.size() && !empty;) {
       const auto& cands = by_first[static_cast<unsigned char>(text[i])];
-      const std::pair<std::string, int32_t>* hit = nullptr;
-      for (const auto& c : cands)
-        if (text.compare(i, c.first.size(), c.first) == 0) {
-          hit = &c;
-          break;
-        }
-      if (hit == nullptr) {
+      auto hit = std::find_if(cands.begin(), cands.end(),
+                              [&](const auto& c) { return text.compare(i, c.first.size(), c.first) == 0; });
+      if (hit == cands.end()) {
         ++i;
         continue;
       }
@@ -237,15 +207,8 @@ struct AddedMatcher {
 };
 
 struct Regex {
-  pcre2_code* code = nullptr;
-  pcre2_match_data* match = nullptr;
-  Regex() = default;
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-  ~Regex() {
-    pcre2_match_data_free(match);
-    pcre2_code_free(code);
-  }
+  std::unique_ptr<pcre2_code, decltype(&pcre2_code_free)> code{nullptr, pcre2_code_free};
+  std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> match{nullptr, pcre2_match_data_free};
 };
 
 std::string type_of(const json& j) { return j.is_object() && j.contains("type") ? j["type"].dump() : j.dump(); }
@@ -265,9 +228,9 @@ struct Tokenizer::Impl {
   bool nfc = false;
   bool ignore_merges = false;
   bool has_decoder = false;
-  std::vector<std::unique_ptr<Regex>> regexes;  // applied in order: each cuts the previous one's pieces
-  StringMap<int32_t> vocab;                     // as spelled in the file (byte-level characters)
-  StringMap<int32_t> byte_vocab;                // raw bytes -> id, for ignore_merges
+  std::vector<Regex> regexes;     // applied in order: each cuts the previous one's pieces
+  StringMap<int32_t> vocab;       // as spelled in the file (byte-level characters)
+  StringMap<int32_t> byte_vocab;  // raw bytes -> id, for ignore_merges
   std::array<int32_t, 256> byte_id{};
   MergeTable merges;
   AddedMatcher raw_added, normalized_added;
@@ -296,6 +259,7 @@ struct Tokenizer::Impl {
   void load_pre_tokenizer(const json& pre_tokenizer);
   void load_added_tokens(const json& added_tokens);
   void load_eos();
+  std::optional<int32_t> token_id(std::string_view token) const;
   void encode(std::string_view text, std::vector<int32_t>& out);
   void pre_tokenize(std::string_view piece, size_t level, std::vector<int32_t>& out);
   void bpe(std::string_view word, std::vector<int32_t>& out);
@@ -346,8 +310,9 @@ void Tokenizer::Impl::load_model(const json& m) {
   }
   const std::array<uint32_t, 256> cp = byte_level_chars();
   for (int b = 0; b < 256; ++b) {
-    std::string spelled;
-    append_utf8(spelled, cp[b]);
+    utf8proc_uint8_t utf8[4];
+    utf8proc_ssize_t len = utf8proc_encode_char(static_cast<utf8proc_int32_t>(cp[b]), utf8);
+    std::string spelled(reinterpret_cast<const char*>(utf8), static_cast<size_t>(len));
     auto it = vocab.find(spelled);
     MT_CHECK(it != vocab.end()) << path << ": model.vocab: no token for byte 0x" << std::hex << b << " ('" << spelled
                                 << "'); a byte-level BPE vocabulary has all 256";
@@ -395,24 +360,22 @@ void Tokenizer::Impl::load_normalizer(const json& nz) {
   for (size_t i = 0; i < steps.size(); ++i) step(steps[i], "normalizer.normalizers[" + std::to_string(i) + "]");
 }
 
-// Splits (Regex, Isolated) in order, then ByteLevel, which adds GPT-2's regex when
-// its use_regex is true.
 void Tokenizer::Impl::load_pre_tokenizer(const json& pt) {
   auto compile = [&](const std::string& pattern, const std::string& key) {
     int err;
     PCRE2_SIZE offset;
-    auto r = std::make_unique<Regex>();
-    r->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err,
-                            &offset, nullptr);
-    if (r->code == nullptr) {
+    Regex r;
+    r.code.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP,
+                               &err, &offset, nullptr));
+    if (r.code == nullptr) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof msg);
       MT_FAIL() << path << ": " << key << ": regex " << json(pattern).dump()
                 << " does not compile with PCRE2 at offset " << offset << ": " << reinterpret_cast<const char*>(msg);
     }
     // JIT is an optimisation: pcre2_match uses it when it compiled, interprets otherwise.
-    pcre2_jit_compile(r->code, PCRE2_JIT_COMPLETE);
-    r->match = pcre2_match_data_create_from_pattern(r->code, nullptr);
+    pcre2_jit_compile(r.code.get(), PCRE2_JIT_COMPLETE);
+    r.match.reset(pcre2_match_data_create_from_pattern(r.code.get(), nullptr));
     regexes.push_back(std::move(r));
   };
   std::vector<std::pair<json, std::string>> steps;
@@ -503,15 +466,16 @@ void Tokenizer::Impl::load_eos() {
       name = e["content"].get<std::string>();
     if (!e.is_null()) source = cfg.string() + " eos_token \"" + name + "\"";
   }
-  auto it = added_ids.find(name);
-  if (it != added_ids.end()) {
-    eos = it->second;
-  } else if (auto v = vocab.find(name); v != vocab.end()) {
-    eos = v->second;
-  } else {
+  eos = token_id(name);
+  if (!eos)
     eos_problem = path + ": no end-of-document token: " + source +
                   " is not a token; put a tokenizer_config.json with \"eos_token\" beside the tokenizer.json";
-  }
+}
+
+std::optional<int32_t> Tokenizer::Impl::token_id(std::string_view token) const {
+  if (auto it = added_ids.find(token); it != added_ids.end()) return it->second;
+  if (auto it = vocab.find(token); it != vocab.end()) return it->second;
+  return std::nullopt;
 }
 
 void Tokenizer::Impl::encode(std::string_view text, std::vector<int32_t>& out) {
@@ -521,22 +485,15 @@ void Tokenizer::Impl::encode(std::string_view text, std::vector<int32_t>& out) {
   raw_added.split(
       text,
       [&](std::string_view piece) {
+        // Nothing below U+0300 changes under NFC or composes with what precedes it,
+        // so text without a lead byte >= 0xCC is already normalized.
         std::string composed;
-        if (nfc) {
-          // Nothing below U+0300 changes under NFC or composes with what precedes it,
-          // so text without a lead byte >= 0xCC is already normalized.
-          bool maybe =
-              std::any_of(piece.begin(), piece.end(), [](char c) { return static_cast<unsigned char>(c) >= 0xCC; });
-          if (maybe) {
-            composed = nfc_of(piece);
-            piece = composed;
-          }
+        if (nfc &&
+            std::any_of(piece.begin(), piece.end(), [](char c) { return static_cast<unsigned char>(c) >= 0xCC; })) {
+          composed = nfc_of(piece);
+          piece = composed;
         }
-        if (normalized_added.empty)
-          pre_tokenize(piece, 0, out);
-        else
-          normalized_added.split(
-              piece, [&](std::string_view p) { pre_tokenize(p, 0, out); }, emit);
+        normalized_added.split(piece, [&](std::string_view p) { pre_tokenize(p, 0, out); }, emit);
       },
       emit);
 }
@@ -548,14 +505,14 @@ void Tokenizer::Impl::pre_tokenize(std::string_view piece, size_t level, std::ve
     bpe(piece, out);
     return;
   }
-  const Regex& r = *regexes[level];
+  const Regex& r = regexes[level];
   auto subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
   size_t gap = 0, from = 0;
   while (from <= piece.size()) {
-    int rc = pcre2_match(r.code, subject, piece.size(), from, PCRE2_NO_UTF_CHECK, r.match, nullptr);
+    int rc = pcre2_match(r.code.get(), subject, piece.size(), from, PCRE2_NO_UTF_CHECK, r.match.get(), nullptr);
     if (rc == PCRE2_ERROR_NOMATCH) break;
     MT_CHECK(rc > 0) << "regex match failed with PCRE2 error " << rc;
-    PCRE2_SIZE* ov = pcre2_get_ovector_pointer(r.match);
+    PCRE2_SIZE* ov = pcre2_get_ovector_pointer(r.match.get());
     size_t b = ov[0], e = ov[1];
     if (b > gap) pre_tokenize(piece.substr(gap, b - gap), level + 1, out);
     if (e > b) pre_tokenize(piece.substr(b, e - b), level + 1, out);
@@ -597,11 +554,16 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) {
   auto later = [](const Candidate& a, const Candidate& b) {
     return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos;
   };
+  // Offers the pair of symbol `pos` and its right neighbour, if it is a merge.
+  auto offer = [&](int32_t pos) {
+    if (pos < 0 || symbols[pos].next < 0) return;
+    if (const auto* m = merges.find(MergeTable::key(symbols[pos].id, symbols[symbols[pos].next].id))) {
+      heap.push_back({m->rank, pos, m->id});
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  };
   heap.clear();
-  for (int32_t i = 0; i + 1 < n; ++i)
-    if (const auto* m = merges.find(MergeTable::key(symbols[i].id, symbols[i + 1].id)))
-      heap.push_back({m->rank, i, m->id});
-  std::make_heap(heap.begin(), heap.end(), later);
+  for (int32_t i = 0; i + 1 < n; ++i) offer(i);
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), later);
     Candidate top = heap.back();
@@ -616,16 +578,8 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) {
     right.id = -1;
     s.next = after;
     if (after >= 0) symbols[after].prev = top.pos;
-    if (s.prev >= 0)
-      if (const auto* p = merges.find(MergeTable::key(symbols[s.prev].id, s.id))) {
-        heap.push_back({p->rank, s.prev, p->id});
-        std::push_heap(heap.begin(), heap.end(), later);
-      }
-    if (after >= 0)
-      if (const auto* p = merges.find(MergeTable::key(s.id, symbols[after].id))) {
-        heap.push_back({p->rank, top.pos, p->id});
-        std::push_heap(heap.begin(), heap.end(), later);
-      }
+    offer(s.prev);
+    offer(top.pos);
   }
   size_t first = out.size();
   for (int32_t i = 0; i >= 0; i = symbols[i].next) out.push_back(symbols[i].id);
@@ -639,8 +593,6 @@ Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()) 
   impl_->load_eos();
 }
 Tokenizer::~Tokenizer() = default;
-Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
-Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
 void Tokenizer::encode(std::string_view text, std::vector<int32_t>& out) { impl_->encode(text, out); }
 
@@ -664,17 +616,11 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
 
-std::optional<int32_t> Tokenizer::token_id(std::string_view token) const {
-  if (auto it = impl_->added_ids.find(token); it != impl_->added_ids.end()) return it->second;
-  if (auto it = impl_->vocab.find(token); it != impl_->vocab.end()) return it->second;
-  return std::nullopt;
-}
+std::optional<int32_t> Tokenizer::token_id(std::string_view token) const { return impl_->token_id(token); }
 
 int32_t Tokenizer::eos_id() const {
   MT_CHECK(impl_->eos.has_value()) << impl_->eos_problem;
   return *impl_->eos;
 }
-
-const std::string& Tokenizer::path() const { return impl_->path; }
 
 }  // namespace mt::data

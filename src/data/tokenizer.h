@@ -34,12 +34,9 @@ namespace mt::data {
 
 class Tokenizer {
  public:
-  // Reads and checks `path`. A tokenizer_config.json in the same folder, when
-  // present, names the end-of-document token (its "eos_token").
+  // Reads and checks `path` (and the eos_token of a tokenizer_config.json beside it).
   explicit Tokenizer(const std::string& path);
   ~Tokenizer();
-  Tokenizer(Tokenizer&&) noexcept;
-  Tokenizer& operator=(Tokenizer&&) noexcept;
 
   // Appends the ids of `text` (UTF-8; anything else is an error giving the byte
   // offset) to `out`. Not thread-safe: words already seen are cached, so use one
@@ -59,7 +56,6 @@ class Tokenizer {
   // tokenizer_config.json beside the file, else the added token <|endoftext|>;
   // an error saying so when neither exists.
   int32_t eos_id() const;
-  const std::string& path() const;
 
  private:
   struct Impl;

@@ -1,6 +1,8 @@
 #include "io/file.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -24,6 +26,25 @@ std::vector<uint8_t> read_file(const std::string& path) {
   MT_CHECK(!bad) << "error reading " << path;
   return out;
 }
+
+MappedFile::MappedFile(const std::string& path, std::string_view what) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MT_CHECK(fd >= 0) << "cannot open " << what << " " << path << ": " << std::strerror(errno);
+  struct stat st {};
+  bool stat_ok = ::fstat(fd, &st) == 0;
+  int stat_errno = errno;
+  bool regular = stat_ok && S_ISREG(st.st_mode);
+  size_t size = regular ? static_cast<size_t>(st.st_size) : 0;
+  void* m = size > 0 ? ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0) : nullptr;
+  int map_errno = errno;
+  ::close(fd);
+  MT_CHECK(stat_ok) << "cannot stat " << path << ": " << std::strerror(stat_errno);
+  MT_CHECK(regular) << path << " is not a regular file";
+  MT_CHECK(m != MAP_FAILED) << "cannot mmap " << path << " (" << size << " bytes): " << std::strerror(map_errno);
+  map_ = {static_cast<const uint8_t*>(m), Unmap{size}};
+}
+
+void MappedFile::Unmap::operator()(const uint8_t* p) const { ::munmap(const_cast<uint8_t*>(p), size); }
 
 void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
   std::string tmp = path + ".tmp";

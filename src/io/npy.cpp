@@ -8,12 +8,6 @@
 
 namespace mt::io {
 
-int64_t NpyHeader::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 namespace {
 
 // The value of 'key' in the header's Python dict literal, as raw text.
@@ -58,16 +52,11 @@ size_t descr_bytes(const std::string& d, const std::string& where) {
 NpyHeader parse_npy_header(const uint8_t* p, size_t n, const std::string& where) {
   MT_CHECK(n >= 10 && std::memcmp(p, "\x93NUMPY", 6) == 0) << where << ": not a .npy array (bad magic)";
   int major = p[6];
-  size_t len, start;
-  if (major == 1) {
-    len = p[8] | (p[9] << 8);
-    start = 10;
-  } else {
-    MT_CHECK(major == 2 || major == 3) << where << ": .npy format version " << major << " is not supported";
-    MT_CHECK(n >= 12) << where << ": truncated .npy header";
-    len = p[8] | (p[9] << 8) | (static_cast<size_t>(p[10]) << 16) | (static_cast<size_t>(p[11]) << 24);
-    start = 12;
-  }
+  MT_CHECK(major >= 1 && major <= 3) << where << ": .npy format version " << major << " is not supported";
+  size_t start = major == 1 ? 10 : 12;  // the header length is 2 bytes in 1.0, 4 in 2.0 and 3.0
+  MT_CHECK(n >= start) << where << ": truncated .npy header";
+  size_t len = 0;
+  std::memcpy(&len, p + 8, start - 8);  // little-endian, like every host we build for
   MT_CHECK(start + len <= n) << where << ": truncated .npy header (" << start + len << " bytes needed, " << n
                              << " present)";
   std::string h(reinterpret_cast<const char*>(p + start), len);
@@ -97,17 +86,13 @@ NpyHeader parse_npy_header(const uint8_t* p, size_t n, const std::string& where)
 
 std::string make_npy_header(const std::string& descr, const std::vector<int64_t>& shape) {
   std::string s = "(";
-  for (int64_t d : shape) s += std::to_string(d) + ", ";
-  if (shape.size() > 1) s.resize(s.size() - 2);
-  else if (shape.size() == 1) s.resize(s.size() - 1);
-  s += ")";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  s += shape.size() == 1 ? ",)" : ")";
   std::string dict = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + s + ", }";
   size_t total = 10 + dict.size() + 1;
   dict.append((64 - total % 64) % 64, ' ');
   dict += '\n';
-  std::string out = "\x93NUMPY";
-  out += '\x01';
-  out += '\x00';
+  std::string out("\x93NUMPY\x01\x00", 8);  // magic, version 1.0
   out += static_cast<char>(dict.size() & 0xff);
   out += static_cast<char>(dict.size() >> 8);
   return out + dict;

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -13,7 +15,7 @@ struct NpyHeader {
   std::vector<int64_t> shape;
   size_t header_bytes = 0;     // magic + header; the data starts here
   size_t item_bytes = 0;
-  int64_t numel() const;
+  int64_t numel() const { return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>()); }
   size_t data_bytes() const { return static_cast<size_t>(numel()) * item_bytes; }
 };
 

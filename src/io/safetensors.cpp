@@ -1,12 +1,6 @@
 #include "io/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -45,16 +39,24 @@ std::string known_dtypes() {
   return s;
 }
 
-// *out = a * b; false when that overflows int64.
-bool mul_fits(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
-
-uint64_t read_le64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
+// Bytes per element of a safetensors dtype; an error listing the known ones otherwise.
+size_t st_dtype_size(std::string_view dtype, const std::string& where) {
+  const DTypeSize* it = std::find_if(std::begin(kDTypes), std::end(kDTypes),
+                                     [&](const DTypeSize& d) { return d.name == dtype; });
+  MT_CHECK(it != std::end(kDTypes)) << where << ": unknown dtype '" << dtype << "' (known: " << known_dtypes()
+                                    << ")";
+  return it->bytes;
 }
 
-// A JSON value that must be a non-negative integer; `what` names it in the error.
+// "[2,3]", the spelling every shape in an error message uses.
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s.append(i ? "," : "").append(std::to_string(shape[i]));
+  return s + "]";
+}
+
+bool mul_fits(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+
 uint64_t json_uint(const Json& v, const std::string& where, const std::string& what) {
   MT_CHECK(v.is_number_unsigned()) << where << ": " << what << " must be a non-negative integer, found " << v.dump();
   return v.get<uint64_t>();
@@ -116,26 +118,6 @@ size_t edit_distance(std::string_view a, std::string_view b) {
 
 }  // namespace
 
-int64_t StTensor::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-size_t st_dtype_size(std::string_view dtype, const std::string& where) {
-  const DTypeSize* it = std::find_if(std::begin(kDTypes), std::end(kDTypes),
-                                     [&](const DTypeSize& d) { return d.name == dtype; });
-  MT_CHECK(it != std::end(kDTypes)) << where << ": unknown dtype '" << dtype << "' (known: " << known_dtypes()
-                                    << ")";
-  return it->bytes;
-}
-
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s.append(i ? "," : "").append(std::to_string(shape[i]));
-  return s + "]";
-}
-
 float f32_from_f16(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
@@ -151,127 +133,72 @@ float f32_from_f16(uint16_t h) {
   return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MT_CHECK(fd >= 0) << "cannot open safetensors file " << path << ": " << std::strerror(errno);
-  struct stat st {};
-  bool stat_ok = ::fstat(fd, &st) == 0;
-  int stat_errno = errno;
-  bool regular = stat_ok && S_ISREG(st.st_mode);
-  size_t size = regular ? static_cast<size_t>(st.st_size) : 0;
-  if (regular && size >= 8) {
-    void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (m != MAP_FAILED) {
-      map_ = static_cast<const uint8_t*>(m);
-      map_bytes_ = size;
-    }
-  }
-  int map_errno = errno;
-  ::close(fd);
-  MT_CHECK(stat_ok) << "cannot stat " << path << ": " << std::strerror(stat_errno);
-  MT_CHECK(regular) << path << " is not a regular file";
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), file_(path, "safetensors file") {
+  const uint8_t* map = file_.bytes().data();
+  size_t size = file_.bytes().size();
   MT_CHECK(size >= 8) << path << ": not a safetensors file: " << size
                       << " bytes, shorter than the 8-byte header length";
-  MT_CHECK(map_ != nullptr) << "cannot mmap " << path << ": " << std::strerror(map_errno);
+  uint64_t header_len;
+  std::memcpy(&header_len, map, 8);  // little-endian, like every host we build for
+  MT_CHECK(header_len <= size - 8) << path << ": header length " << header_len << " runs past the end of the file ("
+                                   << size << " bytes; truncated, or not a safetensors file)";
+  data_begin_ = 8 + static_cast<size_t>(header_len);
+  std::string_view text(reinterpret_cast<const char*>(map + 8), header_len);
 
-  // From here on a failed check must unmap: the destructor does not run when the
-  // constructor throws.
+  // JSON allows a key twice and nlohmann keeps only the last; catch it while parsing.
+  std::string duplicate;
+  std::set<std::string> seen;
+  Json header;
   try {
-    uint64_t header_len = read_le64(map_);
-    MT_CHECK(header_len <= size - 8) << path << ": header length " << header_len << " runs past the end of the file ("
-                                     << size << " bytes; truncated, or not a safetensors file)";
-    data_begin_ = 8 + static_cast<size_t>(header_len);
-    std::string_view text(reinterpret_cast<const char*>(map_ + 8), header_len);
-
-    // JSON allows a key twice and nlohmann keeps only the last; catch it while parsing.
-    std::string duplicate;
-    std::set<std::string> seen;
-    Json header;
-    try {
-      header = Json::parse(text, [&](int depth, Json::parse_event_t ev, Json& parsed) {
-        if (depth == 1 && ev == Json::parse_event_t::key && !seen.insert(parsed.get<std::string>()).second &&
-            duplicate.empty())
-          duplicate = parsed.get<std::string>();
-        return true;
-      });
-    } catch (const Json::exception& e) {
-      MT_FAIL() << path << ": header is not valid JSON: " << e.what();
-    }
-    MT_CHECK(header.is_object()) << path << ": header is not a JSON object but " << header.type_name();
-    MT_CHECK(duplicate.empty()) << path << ": tensor '" << duplicate << "' appears twice in the header";
-
-    for (const auto& [name, e] : header.items()) {
-      if (name == "__metadata__") {
-        MT_CHECK(e.is_object()) << path << ": __metadata__ must be an object of strings, found " << e.dump();
-        for (const auto& [k, v] : e.items()) {
-          MT_CHECK(v.is_string()) << path << ": __metadata__ value of '" << k << "' must be a string, found "
-                                  << v.dump();
-          metadata_[k] = v.get<std::string>();
-        }
-        continue;
-      }
-      tensors_.push_back(parse_entry(name, e, path));
-    }
-
-    // The tensors must tile the data section: sorted by offset, each starts where
-    // the previous ends and the last ends at the end of the file. This catches
-    // overlaps, holes, truncation and trailing bytes alike.
-    std::stable_sort(tensors_.begin(), tensors_.end(), [](const StTensor& a, const StTensor& b) {
-      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    header = Json::parse(text, [&](int depth, Json::parse_event_t ev, Json& parsed) {
+      if (depth == 1 && ev == Json::parse_event_t::key && !seen.insert(parsed.get<std::string>()).second &&
+          duplicate.empty())
+        duplicate = parsed.get<std::string>();
+      return true;
     });
-    uint64_t data_bytes = size - data_begin_;
-    uint64_t covered = 0;
-    const StTensor* prev = nullptr;
-    for (const StTensor& t : tensors_) {
-      MT_CHECK(t.end <= data_bytes) << path << ": tensor '" << t.name << "' data_offsets [" << t.begin << ", "
-                                    << t.end << "] run past the end of the file (data section of " << data_bytes
-                                    << " bytes; truncated?)";
-      MT_CHECK(t.begin >= covered) << path << ": tensor '" << t.name << "' data_offsets [" << t.begin << ", " << t.end
-                                   << "] overlap tensor '" << prev->name << "' [" << prev->begin << ", " << prev->end
-                                   << "]";
-      MT_CHECK(t.begin == covered) << path << ": bytes [" << covered << ", " << t.begin
-                                   << ") of the data section belong to no tensor (a gap before '" << t.name << "')";
-      covered = t.end;
-      prev = &t;
+  } catch (const Json::exception& e) {
+    MT_FAIL() << path << ": header is not valid JSON: " << e.what();
+  }
+  MT_CHECK(header.is_object()) << path << ": header is not a JSON object but " << header.type_name();
+  MT_CHECK(duplicate.empty()) << path << ": tensor '" << duplicate << "' appears twice in the header";
+
+  for (const auto& [name, e] : header.items()) {
+    if (name == "__metadata__") {
+      MT_CHECK(e.is_object()) << path << ": __metadata__ must be an object of strings, found " << e.dump();
+      for (const auto& [k, v] : e.items()) {
+        MT_CHECK(v.is_string()) << path << ": __metadata__ value of '" << k << "' must be a string, found "
+                                << v.dump();
+        metadata_[k] = v.get<std::string>();
+      }
+      continue;
     }
-    MT_CHECK(covered == data_bytes) << path << ": the data section has " << data_bytes
-                                    << " bytes but the tensors cover only " << covered << " (trailing bytes)";
-    for (size_t i = 0; i < tensors_.size(); ++i) by_name_.emplace(tensors_[i].name, i);
-  } catch (...) {
-    unmap();
-    throw;
+    tensors_.push_back(parse_entry(name, e, path));
   }
-}
 
-SafetensorsFile::~SafetensorsFile() { unmap(); }
-
-void SafetensorsFile::unmap() {
-  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), map_bytes_);
-  map_ = nullptr;
-  map_bytes_ = 0;
-}
-
-SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept
-    : path_(std::move(o.path_)),
-      map_(std::exchange(o.map_, nullptr)),
-      map_bytes_(std::exchange(o.map_bytes_, 0)),
-      data_begin_(o.data_begin_),
-      tensors_(std::move(o.tensors_)),
-      by_name_(std::move(o.by_name_)),
-      metadata_(std::move(o.metadata_)) {}
-
-SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
-  if (this != &o) {
-    unmap();
-    path_ = std::move(o.path_);
-    map_ = std::exchange(o.map_, nullptr);
-    map_bytes_ = std::exchange(o.map_bytes_, 0);
-    data_begin_ = o.data_begin_;
-    tensors_ = std::move(o.tensors_);
-    by_name_ = std::move(o.by_name_);
-    metadata_ = std::move(o.metadata_);
+  // The tensors must tile the data section: sorted by offset, each starts where
+  // the previous ends and the last ends at the end of the file. This catches
+  // overlaps, holes, truncation and trailing bytes alike.
+  std::stable_sort(tensors_.begin(), tensors_.end(), [](const StTensor& a, const StTensor& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t data_bytes = size - data_begin_;
+  uint64_t covered = 0;
+  const StTensor* prev = nullptr;
+  for (const StTensor& t : tensors_) {
+    MT_CHECK(t.end <= data_bytes) << path << ": tensor '" << t.name << "' data_offsets [" << t.begin << ", "
+                                  << t.end << "] run past the end of the file (data section of " << data_bytes
+                                  << " bytes; truncated?)";
+    MT_CHECK(t.begin >= covered) << path << ": tensor '" << t.name << "' data_offsets [" << t.begin << ", " << t.end
+                                 << "] overlap tensor '" << prev->name << "' [" << prev->begin << ", " << prev->end
+                                 << "]";
+    MT_CHECK(t.begin == covered) << path << ": bytes [" << covered << ", " << t.begin
+                                 << ") of the data section belong to no tensor (a gap before '" << t.name << "')";
+    covered = t.end;
+    prev = &t;
   }
-  return *this;
+  MT_CHECK(covered == data_bytes) << path << ": the data section has " << data_bytes
+                                  << " bytes but the tensors cover only " << covered << " (trailing bytes)";
+  for (size_t i = 0; i < tensors_.size(); ++i) by_name_.emplace(tensors_[i].name, i);
 }
 
 const StTensor* SafetensorsFile::find(std::string_view name) const {
@@ -280,14 +207,13 @@ const StTensor* SafetensorsFile::find(std::string_view name) const {
 }
 
 std::span<const uint8_t> SafetensorsFile::bytes(const StTensor& t) const {
-  MT_CHECK(t.begin <= t.end && t.end <= map_bytes_ - data_begin_)
+  MT_CHECK(t.begin <= t.end && t.end <= file_.bytes().size() - data_begin_)
       << path_ << ": tensor '" << t.name << "' [" << t.begin << ", " << t.end << "] is not a tensor of this file";
-  return {map_ + data_begin_ + t.begin, t.end - t.begin};
+  return file_.bytes().subspan(data_begin_ + t.begin, t.end - t.begin);
 }
 
 void SafetensorsFile::read_f32(const StTensor& t, float* dst) const {
-  std::span<const uint8_t> b = bytes(t);
-  const uint8_t* p = b.data();
+  const uint8_t* p = bytes(t).data();
   size_t n = static_cast<size_t>(t.numel());
   // The data section need not be aligned for the element type, so elements are
   // memcpy'd rather than read through a cast pointer.
@@ -339,9 +265,8 @@ void write_safetensors(const std::string& path, const std::vector<StWrite>& tens
   }
   // Pad with spaces (still valid JSON) so the data section starts 8-byte aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
-  char len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
-  pieces[0] = std::string_view(len, 8);
+  uint64_t len = text.size();  // little-endian, like every host we build for
+  pieces[0] = std::string_view(reinterpret_cast<const char*>(&len), 8);
   pieces[1] = text;
   write_file_atomic(path, pieces);
 }
@@ -369,21 +294,18 @@ HfWeights::HfWeights(const std::string& folder, const std::string& stem) : folde
   MT_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object())
       << index.string() << ": expected an object with a \"weight_map\" object (tensor name -> shard file)";
 
-  // Open each shard once, in name order, then point every key at its tensor.
-  std::map<std::string, size_t> shard_index;
+  // Each shard is opened once, when a key first names it.
+  std::map<std::string, size_t> shard_index;  // file name -> index in files_
   for (const auto& [key, shard] : j["weight_map"].items()) {
     MT_CHECK(shard.is_string()) << index.string() << ": weight_map[\"" << key << "\"] must be a file name, found "
                                 << shard.dump();
-    shard_index.emplace(shard.get<std::string>(), 0);
-  }
-  for (auto& [shard, i] : shard_index) {
-    fs::path p = dir / shard;
-    MT_CHECK(fs::exists(p)) << index.string() << " names shard " << shard << ", which is missing from " << folder;
-    i = files_.size();
-    files_.emplace_back(p.string());
-  }
-  for (const auto& [key, shard] : j["weight_map"].items()) {
-    size_t i = shard_index.at(shard.get<std::string>());
+    auto [it, first] = shard_index.emplace(shard.get<std::string>(), files_.size());
+    if (first) {
+      fs::path p = dir / it->first;
+      MT_CHECK(fs::exists(p)) << index.string() << " names shard " << it->first << ", which is missing from " << folder;
+      files_.emplace_back(p.string());
+    }
+    size_t i = it->second;
     const StTensor* t = files_[i].find(key);
     MT_CHECK(t != nullptr) << index.string() << " maps '" << key << "' to " << files_[i].path()
                            << ", which has no such tensor";

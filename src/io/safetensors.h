@@ -10,10 +10,13 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "io/file.h"
 
 namespace mt::io {
 
@@ -22,26 +25,15 @@ struct StTensor {
   std::string dtype;  // as safetensors spells it: "F32", "BF16", "F16", "I64", "U8", ...
   std::vector<int64_t> shape;
   uint64_t begin = 0, end = 0;  // byte range in the data section
-  int64_t numel() const;
+  int64_t numel() const { return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>()); }
 };
-
-// Bytes per element of a safetensors dtype; an error listing the known ones otherwise.
-size_t st_dtype_size(std::string_view dtype, const std::string& where);
-
-// "[2,3]", the spelling every shape in an error message uses.
-std::string shape_str(const std::vector<int64_t>& shape);
 
 // IEEE half to float, exact for every input (subnormals, infinities, NaN payloads).
 float f32_from_f16(uint16_t h);
 
 class SafetensorsFile {
  public:
-  explicit SafetensorsFile(const std::string& path);
-  ~SafetensorsFile();
-  SafetensorsFile(SafetensorsFile&& o) noexcept;
-  SafetensorsFile& operator=(SafetensorsFile&& o) noexcept;
-  SafetensorsFile(const SafetensorsFile&) = delete;
-  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+  explicit SafetensorsFile(const std::string& path);  // movable, not copyable
 
   const std::string& path() const { return path_; }
   // In the order of their bytes in the data section.
@@ -54,11 +46,8 @@ class SafetensorsFile {
   void read_f32(const StTensor& t, float* dst) const;
 
  private:
-  void unmap();
-
   std::string path_;
-  const uint8_t* map_ = nullptr;
-  size_t map_bytes_ = 0;
+  MappedFile file_;
   size_t data_begin_ = 0;  // 8 + header length
   std::vector<StTensor> tensors_;
   std::map<std::string, size_t, std::less<>> by_name_;  // name -> index in tensors_
@@ -89,7 +78,6 @@ class HfWeights {
   // Hugging Face folder; checkpoints also keep "optimizer").
   explicit HfWeights(const std::string& folder, const std::string& stem = "model");
 
-  const std::string& folder() const { return folder_; }
   std::vector<std::string> names() const;  // sorted
   bool contains(std::string_view name) const;
   // These are an error for a missing key, naming the folder and close keys.
@@ -107,7 +95,7 @@ class HfWeights {
   const Entry& entry(std::string_view name) const;
   std::string suggest(std::string_view name) const;  // "; did you mean 'x'?" or ""
 
-  std::string folder_;
+  std::string folder_;  // for errors
   std::vector<SafetensorsFile> files_;
   std::map<std::string, Entry, std::less<>> entries_;
 };
