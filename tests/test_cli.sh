@@ -23,12 +23,14 @@ check "unknown command" 2 "$bin" frobnicate
 grep -q "unknown command 'frobnicate'" /tmp/moetrain-cli.err || { echo "FAIL: unknown command not named"; fail=1; }
 check "--version" 0 "$bin" --version
 grep -Eq "^cuda: (built in|not built in)" /tmp/moetrain-cli.out || { echo "FAIL: --version does not report cuda"; fail=1; }
-# A command that is not built yet must say so and fail; once built it must not say so.
-for c in train eval encode tokenize export-hf plan; do
-  "$bin" "$c" >/dev/null 2>/tmp/moetrain-cli.err
+# A command run without its inputs fails (exit 1) and names what is missing.
+for pair in "train:model.config is not set" "eval:--model is required" "encode:--tokenizer is required" \
+            "tokenize:--tokenizer is required" "export-hf:--checkpoint is required" "plan:model.config is not set"; do
+  c="${pair%%:*}"
+  "$bin" "$c" </dev/null >/dev/null 2>/tmp/moetrain-cli.err
   rc=$?
-  if grep -q "not built yet" /tmp/moetrain-cli.err && [ "$rc" = 0 ]; then
-    echo "FAIL: $c says it is not built yet but exits 0"; fail=1
+  if [ "$rc" != 1 ] || ! grep -q -- "${pair#*:}" /tmp/moetrain-cli.err; then
+    echo "FAIL: $c without inputs: exit $rc, stderr: $(head -c 300 /tmp/moetrain-cli.err)"; fail=1
   fi
 done
 [ $fail = 0 ] && echo "cli: all checks passed"
