@@ -36,9 +36,40 @@ struct Out {
 inline In as_in(const Tensor& t) { return In{t.data, t.dtype == DType::bf16}; }
 inline Out as_out(const Tensor& t) { return Out{t.data, t.dtype == DType::bf16}; }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 inline unsigned blocks_for(int64_t work, int threads) {
   int64_t b = (work + threads - 1) / threads;
   return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+// 8 consecutive bf16 (16-byte aligned) as f32 in one 16-byte load, and back (round to
+// nearest even) in one store.
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) {
+  uint4 u;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Sum over the warp (a butterfly: every lane gets the same total).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
 // Sum over the block of a per-thread value; every thread gets the total. The order of
@@ -46,7 +77,7 @@ inline unsigned blocks_for(int64_t work, int threads) {
 // one T per warp; blockDim.x is a multiple of 32.
 template <typename T>
 __device__ T block_sum(T v, T* shared) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_sum(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   __syncthreads();  // `shared` may still be read by a previous call
   if (lane == 0) shared[warp] = v;

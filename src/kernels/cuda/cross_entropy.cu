@@ -160,8 +160,6 @@ __global__ void ce_backward_kernel(In logits, const int32_t* labels, const float
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 void check_args(const Tensor& logits, const Tensor& labels, const Tensor& lse) {
   MT_CHECK(logits.ndim() == 2) << "cross-entropy logits should be [N,V], got " << logits.str();
   const int64_t n = logits.dim(0), v = logits.dim(1);

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
 #include "kernels/dispatch.h"
 
@@ -134,31 +135,18 @@ __global__ void plan_place_kernel(Plan p) {
 // W consecutive bf16 as f32 (W = 8: one 16-byte access), and back with round to nearest.
 template <int W>
 __device__ __forceinline__ void load(const bf16* src, float (&f)[W]) {
-  if constexpr (W == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(src);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 x = __bfloat1622float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  } else {
+  if constexpr (W == 8)
+    load8(src, f);
+  else
     f[0] = __bfloat162float(*src);
-  }
 }
 
 template <int W>
 __device__ __forceinline__ void store(bf16* dst, const float (&f)[W]) {
-  if constexpr (W == 8) {
-    uint4 u;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<uint4*>(dst) = u;
-  } else {
+  if constexpr (W == 8)
+    store8(dst, f);
+  else
     *dst = __float2bfloat16(f[0]);
-  }
 }
 
 struct Gather {
@@ -251,7 +239,7 @@ __global__ void combine_backward_kernel(Gather g) {
 bool rows_aligned(int64_t d, std::initializer_list<const void*> ptrs) {
   if (d % 8 != 0) return false;
   for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (!aligned16(p)) return false;
   return true;
 }
 

@@ -17,11 +17,6 @@ namespace {
 constexpr int kRowsPerBlock = 8;  // one warp each
 constexpr int kThreads = 32 * kRowsPerBlock;
 
-__device__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // The products are grouped as in the CPU backend, so the two differ only in the order
 // of the row sums.
 __global__ void rmsnorm_forward_kernel(In x, const float* w, float eps, int64_t n, int64_t d, Out y, float* rstd) {
@@ -56,23 +51,6 @@ __global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy
 // each lane moves 8 elements, 16 bytes, per load and store instead of 2, which these
 // memory-bound passes need to approach the bandwidth. Same arithmetic per element; the
 // row sums add in another order.
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) {
-  uint4 u;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&u);
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = u;
-}
-
 __global__ void rmsnorm_forward_x8_kernel(const __nv_bfloat16* x, const float* w, float eps, int64_t n, int64_t d,
                                           __nv_bfloat16* y, float* rstd) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
@@ -119,7 +97,7 @@ __global__ void rmsnorm_dx_x8_kernel(const __nv_bfloat16* x, const float* w, con
 bool x8(int64_t d, std::initializer_list<const Tensor*> ts) {
   if (d % 8 != 0) return false;
   for (const Tensor* t : ts)
-    if (t->dtype != DType::bf16 || reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return false;
+    if (t->dtype != DType::bf16 || !aligned16(t->data)) return false;
   return true;
 }
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
 #include "kernels/router.h"
 
@@ -44,12 +45,6 @@ __device__ __forceinline__ Pick warp_best(Pick p) {
     if (before(o, p)) p = o;
   }
   return p;
-}
-
-__device__ __forceinline__ float warp_sum(float s) {
-#pragma unroll
-  for (int w = 16; w > 0; w /= 2) s += __shfl_xor_sync(kFull, s, w);
-  return s;
 }
 
 __device__ __forceinline__ float warp_max(float s) {
