@@ -26,6 +26,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/cuda/attention_cudnn.h"
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
 
 namespace mt::cuda {
@@ -335,8 +336,7 @@ __global__ void delta_kernel(Params p) {
   const bf16* g = p.dout + row * p.d;
   float s = 0.0f;
   for (int c = lane; c < p.d; c += 32) s += __bfloat162float(o[c]) * __bfloat162float(g[c]);
-#pragma unroll
-  for (int w = 16; w > 0; w /= 2) s += __shfl_xor_sync(0xffffffffu, s, w);
+  s = warp_sum(s);
   const int h = static_cast<int>(row % p.hq);
   const long long bi = row / p.hq;
   const int b = static_cast<int>(bi / p.tq), i = static_cast<int>(bi % p.tq);
@@ -627,11 +627,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
-
-// Checks the inputs (bf16 on the GPU, f32 sinks) and fills the parameters all kernels share.
+// Checks the inputs and the forward's outputs (bf16 on the GPU, f32 sinks and lse) and
+// fills the parameters all kernels share.
 Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
-                   const cpu::AttentionArgs& a) {
+                   const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
   MT_CHECK(q.ndim() == 4 && k.ndim() == 4) << "attention q should be [B,Tq,Hq,D] and k [B,Tk,Hkv,D], got q "
                                            << q.str() << ", k " << k.str();
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
@@ -659,7 +658,9 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   p.window = a.window;
   p.scale = a.scale;
   p.scale_log2 = a.scale * kLog2e;
-  p.vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
+  p.vec = d % 8 == 0 && aligned16(q.data) && aligned16(k.data) && aligned16(v.data);
+  check_arg(out, "attention out", {DType::bf16}, q.shape);
+  check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
   return p;
 }
 
@@ -678,14 +679,12 @@ unsigned tiles(int n, int per) { return static_cast<unsigned>((n + per - 1) / pe
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                        const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
-  Params p = make_params(q, k, v, sinks, a);
-  check_arg(out, "attention out", {DType::bf16}, q.shape);
-  check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
+  Params p = make_params(q, k, v, sinks, a, out, lse);
   // cuDNN's fused kernels where they compute exactly this (attention_cudnn.h), ours otherwise.
   if (cudnn_attention_forward(q, k, v, sinks, a, out, lse)) return;
   p.o = static_cast<bf16*>(out.data);
   p.lse_out = lse.f32();
-  p.vec = p.vec && aligned16(out);
+  p.vec = p.vec && aligned16(out.data);
   const dim3 grid(tiles(p.tq, 64), p.hq, p.b);
   if (p.d <= 64)
     launch(forward_kernel<64>, grid, forward_smem<64>(), p);
@@ -696,9 +695,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                         const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dsinks) {
-  Params p = make_params(q, k, v, sinks, a);
-  check_arg(out, "attention out", {DType::bf16}, q.shape);
-  check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
+  Params p = make_params(q, k, v, sinks, a, out, lse);
   check_arg(dout, "attention dout", {DType::bf16}, q.shape);
   check_arg(dq, "attention dq", {DType::bf16}, q.shape);
   check_arg(dk, "attention dk", {DType::bf16}, k.shape);
@@ -714,7 +711,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   p.dq = static_cast<bf16*>(dq.data);
   p.dk = static_cast<bf16*>(dk.data);
   p.dv = static_cast<bf16*>(dv.data);
-  p.vec = p.vec && aligned16(dout);
+  p.vec = p.vec && aligned16(dout.data);
   const long long rows = static_cast<long long>(p.b) * p.tq * p.hq;
   p.delta = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(rows)));
   if (rows > 0) {
