@@ -243,6 +243,12 @@ bool rows_aligned(int64_t d, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+// The gathers: one block per expert-ordered row (dispatch forward) or per token.
+void launch(void (*kernel)(Gather), int64_t blocks, const Gather& g) {
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(g);
+  CUDA_CHECK_LAUNCH();
+}
+
 // [N*k] i32 slot_row for N tokens, as the CPU backend wants it; returns k.
 int64_t check_slot_row(const Tensor& slot_row, int64_t tokens) {
   MT_CHECK(slot_row.dtype == DType::i32 && slot_row.ndim() == 1 &&
@@ -348,11 +354,8 @@ void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Ten
   if (rows == 0 || d == 0) return;
   Gather g{static_cast<const bf16*>(x.data), static_cast<bf16*>(xs.data), order.i32(), nullptr, nullptr, nullptr,
            static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  if (rows_aligned(d, {x.data, xs.data}))
-    dispatch_forward_kernel<8><<<static_cast<unsigned>(rows), kThreads, 0, stream()>>>(g);
-  else
-    dispatch_forward_kernel<1><<<static_cast<unsigned>(rows), kThreads, 0, stream()>>>(g);
-  CUDA_CHECK_LAUNCH();
+  const bool wide = rows_aligned(d, {x.data, xs.data});
+  launch(wide ? dispatch_forward_kernel<8> : dispatch_forward_kernel<1>, rows, g);
 }
 
 void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& dx) {
@@ -365,11 +368,8 @@ void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& 
   if (n == 0 || d == 0) return;
   Gather g{static_cast<const bf16*>(dxs.data), static_cast<bf16*>(dx.data), slot_row.i32(), nullptr, nullptr,
            nullptr, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  if (rows_aligned(d, {dxs.data, dx.data}))
-    gather_sum_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  else
-    gather_sum_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  CUDA_CHECK_LAUNCH();
+  const bool wide = rows_aligned(d, {dxs.data, dx.data});
+  launch(wide ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
 }
 
 void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y) {
@@ -384,11 +384,8 @@ void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_
   if (n == 0 || d == 0) return;
   Gather g{static_cast<const bf16*>(ys.data), static_cast<bf16*>(y.data), slot_row.i32(), weight.f32(), nullptr,
            nullptr, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  if (rows_aligned(d, {ys.data, y.data}))
-    gather_sum_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  else
-    gather_sum_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  CUDA_CHECK_LAUNCH();
+  const bool wide = rows_aligned(d, {ys.data, y.data});
+  launch(wide ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
 }
 
 void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
@@ -407,11 +404,8 @@ void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot
   Gather g{static_cast<const bf16*>(dy.data), static_cast<bf16*>(dys.data), slot_row.i32(), weight.f32(),
            static_cast<const bf16*>(ys.data), dweight.f32(), static_cast<int>(rows), static_cast<int>(n),
            static_cast<int>(d), static_cast<int>(k)};
-  if (rows_aligned(d, {ys.data, dy.data, dys.data}))
-    combine_backward_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  else
-    combine_backward_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  CUDA_CHECK_LAUNCH();
+  const bool wide = rows_aligned(d, {ys.data, dy.data, dys.data});
+  launch(wide ? combine_backward_kernel<8> : combine_backward_kernel<1>, n, g);
 }
 
 namespace {
