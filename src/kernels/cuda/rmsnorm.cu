@@ -202,28 +202,21 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
   if (dw.data != nullptr) {
     check_arg(dw, "rmsnorm dw", {DType::f32}, {d});
     if (n == 0 || d == 0) return;
-    if (x8(d, {&x, &dy}) && d <= kThreads * 8 && kThreads % (d / 8) == 0) {
-      // About four chunks an SM (132 on an H100/H200), each a whole number of row groups.
-      const int64_t groups = kThreads / (d / 8);
-      const int64_t rows_per_chunk = std::max<int64_t>(4 * groups, (n + 527) / 528);
-      const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
-      float* partial = static_cast<float*>(scratch(sizeof(float) * chunks * d));
+    const bool wide = x8(d, {&x, &dy}) && d <= kThreads * 8 && kThreads % (d / 8) == 0;
+    // Wide (the x8 kernel): about four chunks an SM (132 on an H100/H200), each a whole
+    // number of row groups. Else enough row chunks to fill the GPU when D is small (q/k
+    // norms: D = head_dim over many rows), and no more partials than needed when it is large.
+    const int64_t rows_per_chunk = wide ? std::max<int64_t>(4 * (kThreads / (d / 8)), (n + 527) / 528)
+                                        : std::max<int64_t>(32, (n + 511) / 512);
+    const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
+    float* partial = static_cast<float*>(scratch(sizeof(float) * chunks * d));
+    if (wide)
       rmsnorm_dw_partial_x8_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(
           static_cast<const __nv_bfloat16*>(x.data), rstd.f32(), static_cast<const __nv_bfloat16*>(dy.data), n, d,
           rows_per_chunk, partial);
-      CUDA_CHECK_LAUNCH();
-      rmsnorm_dw_sum_kernel<<<blocks_for(d, 32), kThreads, 0, stream()>>>(partial, chunks, d, dw.f32());
-      CUDA_CHECK_LAUNCH();
-      return;
-    }
-    // Enough row chunks to fill the GPU when D is small (q/k norms: D = head_dim over
-    // many rows), and no more partials than needed when it is large.
-    const int64_t rows_per_chunk = std::max<int64_t>(32, (n + 511) / 512);
-    const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
-    float* partial = static_cast<float*>(scratch(sizeof(float) * chunks * d));
-    dim3 grid(blocks_for(d, 256), static_cast<unsigned>(chunks));
-    rmsnorm_dw_partial_kernel<<<grid, 256, 0, stream()>>>(as_in(x), rstd.f32(), as_in(dy), n, d, rows_per_chunk,
-                                                          partial);
+    else
+      rmsnorm_dw_partial_kernel<<<dim3(blocks_for(d, 256), static_cast<unsigned>(chunks)), 256, 0, stream()>>>(
+          as_in(x), rstd.f32(), as_in(dy), n, d, rows_per_chunk, partial);
     CUDA_CHECK_LAUNCH();
     rmsnorm_dw_sum_kernel<<<blocks_for(d, 32), kThreads, 0, stream()>>>(partial, chunks, d, dw.f32());
     CUDA_CHECK_LAUNCH();
