@@ -715,7 +715,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   const long long rows = static_cast<long long>(p.b) * p.tq * p.hq;
   p.delta = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(rows)));
   if (rows > 0) {
-    delta_kernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream()>>>(p);
+    delta_kernel<<<blocks_for(rows, kWarps), kThreads, 0, stream()>>>(p);
     CUDA_CHECK_LAUNCH();
   }
   const dim3 kv_grid(tiles(p.tk, 64), p.hkv, p.b), q_grid(tiles(p.tq, 64), p.hq, p.b);

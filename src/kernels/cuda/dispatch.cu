@@ -412,8 +412,6 @@ namespace {
 
 constexpr int kIndexThreads = 256;
 
-unsigned index_blocks(int64_t n) { return static_cast<unsigned>((n + kIndexThreads - 1) / kIndexThreads); }
-
 __global__ void ep_row_buckets_kernel(const int32_t* idx, int32_t* buckets, int slots, int k, int per, int experts) {
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
   if (s >= slots) return;
@@ -500,7 +498,7 @@ void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const T
   check_arg(idx, "ep_row_buckets idx", {DType::i32}, {n, k});
   check_arg(buckets, "ep_row_buckets buckets", {DType::i32}, {n, k});
   if (n * k == 0) return;
-  ep_row_buckets_kernel<<<index_blocks(n * k), kIndexThreads, 0, stream()>>>(
+  ep_row_buckets_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
       idx.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(per),
       static_cast<int>(num_experts));
   CUDA_CHECK_LAUNCH();
@@ -515,7 +513,7 @@ void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, co
   check_arg(sent_slot, "ep_send_buckets sent_slot", {DType::i32}, {rows});
   check_arg(buckets, "ep_send_buckets buckets", {DType::i32}, {rows, k});
   if (rows * k == 0) return;
-  ep_send_buckets_kernel<<<index_blocks(rows * k), kIndexThreads, 0, stream()>>>(
+  ep_send_buckets_kernel<<<blocks_for(rows * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
       idx.i32(), sent_slot.i32(), buckets.i32(), static_cast<int>(rows), static_cast<int>(n * k),
       static_cast<int>(k), static_cast<int>(per));
   CUDA_CHECK_LAUNCH();
@@ -529,7 +527,7 @@ void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int6
   check_arg(expert_offsets, "ep_pack_counts expert_offsets", {DType::i32}, {ranks * per + 1});
   check_arg(out, "ep_pack_counts out", {DType::i32}, {ranks, 2});
   if (ranks == 0) return;
-  ep_pack_counts_kernel<<<index_blocks(ranks), kIndexThreads, 0, stream()>>>(
+  ep_pack_counts_kernel<<<blocks_for(ranks, kIndexThreads), kIndexThreads, 0, stream()>>>(
       row_counts.i32(), expert_offsets.i32(), out.i32(), static_cast<int>(ranks), static_cast<int>(per));
   CUDA_CHECK_LAUNCH();
 }
@@ -546,7 +544,7 @@ void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const T
   check_arg(recv_counts, "ep_return_buckets recv_counts", {DType::i32}, {ranks, 2});
   check_arg(buckets, "ep_return_buckets buckets", {DType::i32}, {m});
   if (m == 0) return;
-  ep_return_buckets_kernel<<<index_blocks(m), kIndexThreads, 0, stream()>>>(
+  ep_return_buckets_kernel<<<blocks_for(m, kIndexThreads), kIndexThreads, 0, stream()>>>(
       order.i32(), local_offsets.i32() + local_offsets.dim(0) - 1, recv_counts.i32(), buckets.i32(),
       static_cast<int>(m), static_cast<int>(ranks), static_cast<int>(k));
   CUDA_CHECK_LAUNCH();
@@ -563,7 +561,7 @@ void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& 
   check_arg(kept_rows, "ep_kept_buckets kept_rows", {DType::i32}, kept_rows.shape);
   check_arg(buckets, "ep_kept_buckets buckets", {DType::i32}, {n, k});
   if (n * k == 0) return;
-  ep_kept_buckets_kernel<<<index_blocks(n * k), kIndexThreads, 0, stream()>>>(
+  ep_kept_buckets_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
       idx.i32(), token_rows.i32(), kept_rows.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k),
       static_cast<int>(per), static_cast<int>(kept_rows.dim(0)));
   CUDA_CHECK_LAUNCH();

@@ -380,7 +380,7 @@ void grouped_gemm_wmma(const Tensor& x, const Tensor& w, const Tensor& bias, con
   if (n == 0 || o == 0 || experts == 0) return;
   RowArgs p{seg, static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data), k, o, k,
             bias.data != nullptr ? bias.f32() : nullptr, y.data, y.dtype == DType::bf16, o};
-  dim3 grid(row_tiles(n, experts), static_cast<unsigned>((o + BN - 1) / BN));
+  dim3 grid(row_tiles(n, experts), blocks_for(o, BN));
   row_segment_kernel<true><<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
 }
@@ -391,7 +391,7 @@ void grouped_gemm_backward_input_wmma(const Tensor& dy, const Tensor& w, const T
   if (n == 0 || k == 0 || experts == 0) return;
   RowArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(w.data), o, o, k, nullptr, dx.data,
             dx.dtype == DType::bf16, k};
-  dim3 grid(row_tiles(n, experts), static_cast<unsigned>((k + BN - 1) / BN));
+  dim3 grid(row_tiles(n, experts), blocks_for(k, BN));
   row_segment_kernel<false><<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
 }
@@ -402,8 +402,7 @@ void grouped_gemm_backward_weight_wmma(const Tensor& x, const Tensor& dy, const 
   Segments seg = segments_of(offsets, experts, n);
   if (experts == 0 || o == 0 || k == 0) return;
   WeightArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data), dw.f32(), o, k, accumulate};
-  dim3 grid(static_cast<unsigned>((o + BM - 1) / BM), static_cast<unsigned>((k + BN - 1) / BN),
-            static_cast<unsigned>(experts));
+  dim3 grid(blocks_for(o, BM), blocks_for(k, BN), static_cast<unsigned>(experts));
   weight_kernel<<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
 }

@@ -90,7 +90,7 @@ void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Ten
   if (rows == 0 || d == 0) return;
   Merge m{as_in(o), l.f32(), acc.f32(), lse.f32(), b, slot, static_cast<int>(c), static_cast<int>(h),
           static_cast<int>(d)};
-  ring_merge_kernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream()>>>(m);
+  ring_merge_kernel<<<blocks_for(rows, kWarps), kThreads, 0, stream()>>>(m);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -219,8 +219,6 @@ Dims check_router(const cpu::RouterConfig& cfg, const Tensor& logits, const Tens
   return {static_cast<int>(n), static_cast<int>(e), static_cast<int>(k)};
 }
 
-unsigned blocks(int n) { return static_cast<unsigned>((n + kWarps - 1) / kWarps); }
-
 }  // namespace
 
 void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
@@ -237,7 +235,7 @@ void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Te
             cfg.scoring == cpu::RouterScoring::topk_softmax,
             cfg.normalize,
             cfg.scale};
-  router_forward_kernel<<<blocks(d.n), kWarps * 32, 0, stream()>>>(f);
+  router_forward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(f);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -252,7 +250,7 @@ void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const T
   Backward b{idx.i32(),     weight.f32(), probs.f32(), dweight.f32(), dprobs.data != nullptr ? dprobs.f32() : nullptr,
              one_row ? 0 : d.e, dlogits.f32(), d, cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
              cfg.scale};
-  router_backward_kernel<<<blocks(d.n), kWarps * 32, 0, stream()>>>(b);
+  router_backward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(b);
   CUDA_CHECK_LAUNCH();
 }
 
