@@ -70,17 +70,13 @@ unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
 }
 
-// A block's rows: b in [0, B) and slot 0 or 1 of acc [B,2C,H,Dh].
-void check_block(const Tensor& acc, int64_t b, int slot, const char* op) {
-  MT_CHECK(acc.ndim() == 4 && acc.dim(1) % 2 == 0 && b >= 0 && b < acc.dim(0) && (slot == 0 || slot == 1))
-      << op << ": block (batch row " << b << ", slot " << slot << ") of " << acc.str()
-      << " is not one of a [B,2C,H,Dh] tensor's";
-}
-
 }  // namespace
 
 void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Tensor& acc, const Tensor& lse) {
-  check_block(acc, b, slot, "ring_merge");
+  // The block's rows: b in [0, B) and slot 0 or 1 of acc [B,2C,H,Dh].
+  MT_CHECK(acc.ndim() == 4 && acc.dim(1) % 2 == 0 && b >= 0 && b < acc.dim(0) && (slot == 0 || slot == 1))
+      << "ring_merge: block (batch row " << b << ", slot " << slot << ") of " << acc.str()
+      << " is not one of a [B,2C,H,Dh] tensor's";
   const int64_t c = acc.dim(1) / 2, h = acc.dim(2), d = acc.dim(3);
   check_arg(acc, "ring merge acc", {DType::f32}, acc.shape);
   check_arg(lse, "ring merge lse", {DType::f32}, {acc.dim(0), h, 2 * c});
