@@ -102,17 +102,11 @@ struct Gemm {
   static constexpr int kSmemB = kBKMajor ? BN * (BK + kPad) : BK * (BN + kPad);
   static constexpr int kSmemBytes = (kSmemA + kSmemB) * 2;
 
-  // Fetches the k-step starting at k0 of the tile at (m0, n0).
+  // Fetches the k-step starting at k0 of the tile at (m0, n0), at (row, col) of the stored operands.
   static __device__ void fetch(TileA& ta, TileB& tb, const Operand& a, const Operand& b, int64_t m0, int64_t n0,
                                int64_t k0) {
-    if constexpr (kAKMajor)
-      ta.fetch(a, m0, k0);
-    else
-      ta.fetch(a, k0, m0);
-    if constexpr (kBKMajor)
-      tb.fetch(b, n0, k0);
-    else
-      tb.fetch(b, k0, n0);
+    ta.fetch(a, kAKMajor ? m0 : k0, kAKMajor ? k0 : m0);
+    tb.fetch(b, kBKMajor ? n0 : k0, kBKMajor ? k0 : n0);
   }
 
   // C tile at (m0, n0) over the reduction [0, k_len): the whole of one block's work.
