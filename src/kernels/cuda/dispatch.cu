@@ -258,11 +258,15 @@ int64_t check_slot_row(const Tensor& slot_row, int64_t tokens) {
   return tokens == 0 ? 0 : slot_row.dim(0) / tokens;
 }
 
-// The sort's three launches; `dropped` (device) receives the slots the capacity dropped
-// and `hist` holds chunks * num_buckets counts.
+// The device buffer of a sort of `slots` slots: the count of slots the capacity dropped,
+// then (from byte 256) the histogram, chunks * num_buckets counts.
+size_t sort_bytes(int64_t slots, int64_t num_buckets) {
+  return 256 + sizeof(int32_t) * static_cast<size_t>((slots + kChunk - 1) / kChunk * num_buckets);
+}
+
+// The sort's three launches, with `buffer` of sort_bytes.
 void launch_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, int lowest, const Tensor& counts,
-                 const Tensor& offsets, const Tensor& order, const Tensor& slot_row, long long* dropped,
-                 int32_t* hist) {
+                 const Tensor& offsets, const Tensor& order, const Tensor& slot_row, char* buffer) {
   const int64_t slots = idx.dim(0) * idx.dim(1);
   Plan p{};
   p.idx = idx.i32();
@@ -270,8 +274,8 @@ void launch_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, int l
   p.offsets = offsets.i32();
   p.order = order.i32();
   p.slot_row = slot_row.i32();
-  p.dropped = dropped;
-  p.hist = hist;
+  p.dropped = reinterpret_cast<long long*>(buffer);
+  p.hist = reinterpret_cast<int32_t*>(buffer + 256);
   p.slots = static_cast<int>(slots);
   p.experts = static_cast<int>(num_buckets);
   p.chunks = static_cast<int>((slots + kChunk - 1) / kChunk);
@@ -314,13 +318,10 @@ int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, 
   const int64_t slots = idx.dim(0) * idx.dim(1);
   MT_CHECK(order.dim(0) >= slots)
       << "dispatch order should be i32 with at least " << slots << " entries, got " << order.str();
-  // The backend's scratch holds the dropped count, then the per-chunk histogram.
-  const int64_t chunks = (slots + kChunk - 1) / kChunk;
-  const size_t hist_bytes = sizeof(int32_t) * static_cast<size_t>(chunks * num_experts);
-  char* buffer = static_cast<char*>(scratch(hist_bytes + 256));
-  long long* dropped_d = reinterpret_cast<long long*>(buffer);
-  launch_sort(idx, num_experts, capacity, 0, counts, offsets, order, slot_row, dropped_d,
-              reinterpret_cast<int32_t*>(buffer + 256));
+  // The sort's buffer is the backend's scratch.
+  char* buffer = static_cast<char*>(scratch(sort_bytes(slots, num_experts)));
+  launch_sort(idx, num_experts, capacity, 0, counts, offsets, order, slot_row, buffer);
+  const long long* dropped_d = reinterpret_cast<const long long*>(buffer);
   long long dropped = 0;
   if (capacity > 0) {
     CUDA_CHECK(cudaMemcpyAsync(&dropped, dropped_d, sizeof(dropped), cudaMemcpyDeviceToHost, stream()));
@@ -332,13 +333,10 @@ int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, 
 void dispatch_sort(const Tensor& buckets, int64_t num_buckets, int64_t capacity, const Tensor& counts,
                    const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
   check_sort_args(buckets, num_buckets, capacity, counts, offsets, order, slot_row);
-  // Its own stream-ordered histogram rather than the shared scratch(), whose growth
+  // Its own stream-ordered buffer rather than the shared scratch(), whose growth
   // would synchronise, and which the plan may one day use from another stream.
-  const int64_t chunks = (buckets.numel() + kChunk - 1) / kChunk;
-  const size_t bytes = 256 + sizeof(int32_t) * static_cast<size_t>(chunks * num_buckets);
-  char* buffer = static_cast<char*>(stream_alloc(bytes));
-  launch_sort(buckets, num_buckets, capacity, -1, counts, offsets, order, slot_row,
-              reinterpret_cast<long long*>(buffer), reinterpret_cast<int32_t*>(buffer + 256));
+  char* buffer = static_cast<char*>(stream_alloc(sort_bytes(buckets.numel(), num_buckets)));
+  launch_sort(buckets, num_buckets, capacity, -1, counts, offsets, order, slot_row, buffer);
   stream_free(buffer);
 }
 
