@@ -146,6 +146,14 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* tile, in
   ldmatrix_x4(b, tile + (k0 + l % 8 + (l / 8) % 2 * 8) * S + n0 + l / 16 * 8, true);
 }
 
+// c[t] += a b[0..1] and c[t + 1] += a b[2..3]: the two n-tiles of a B fragment pair as
+// load_b_nk and load_b_kn give it.
+template <int N>
+__device__ __forceinline__ void mma_pair(float (&c)[N][4], int t, const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  mma(c[t], a, b[0], b[1]);
+  mma(c[t + 1], a, b[2], b[3]);
+}
+
 // Two accumulator n-tiles (16x8 each, C layout) are one A fragment over their 16 columns.
 __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
   a[0] = pack_bf16(c0[0], c0[1]);
@@ -241,8 +249,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t kb[4];
         load_b_nk<S>(kb, ks, np * 16, kk * 16);
-        mma(s[2 * np], qa[kk], kb[0], kb[1]);
-        mma(s[2 * np + 1], qa[kk], kb[2], kb[3]);
+        mma_pair(s, 2 * np, qa[kk], kb);
       }
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)
@@ -296,8 +303,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
       for (int dp = 0; dp < DP / 16; ++dp) {
         uint32_t vb[4];
         load_b_kn<S>(vb, vs, kk * 16, dp * 16);
-        mma(acc[2 * dp], pa, vb[0], vb[1]);
-        mma(acc[2 * dp + 1], pa, vb[2], vb[3]);
+        mma_pair(acc, 2 * dp, pa, vb);
       }
     }
     cp_async_wait_all();
@@ -436,10 +442,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
         uint32_t qb[4], gb[4];
         load_b_nk<S>(qb, qt, np * 16, kk * 16);
         load_b_nk<S>(gb, gt, np * 16, kk * 16);
-        mma(s[2 * np], ka, qb[0], qb[1]);
-        mma(s[2 * np + 1], ka, qb[2], qb[3]);
-        mma(dpt[2 * np], va, gb[0], gb[1]);
-        mma(dpt[2 * np + 1], va, gb[2], gb[3]);
+        mma_pair(s, 2 * np, ka, qb);
+        mma_pair(dpt, 2 * np, va, gb);
       }
     }
     // P^T = exp(S^T - lse) and dS^T = P^T (dP^T - D). Masked entries are then set to
@@ -472,10 +476,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
         uint32_t gb[4], qb[4];
         load_b_kn<S>(gb, gt, kk * 16, dp * 16);
         load_b_kn<S>(qb, qt, kk * 16, dp * 16);
-        mma(dv[2 * dp], pa, gb[0], gb[1]);
-        mma(dv[2 * dp + 1], pa, gb[2], gb[3]);
-        mma(dk[2 * dp], da, qb[0], qb[1]);
-        mma(dk[2 * dp + 1], da, qb[2], qb[3]);
+        mma_pair(dv, 2 * dp, pa, gb);
+        mma_pair(dk, 2 * dp, da, qb);
       }
     }
   }
@@ -575,10 +577,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
         uint32_t kb[4], vb[4];
         load_b_nk<S>(kb, kt, np * 16, kk * 16);
         load_b_nk<S>(vb, vt, np * 16, kk * 16);
-        mma(s[2 * np], qa[kk], kb[0], kb[1]);
-        mma(s[2 * np + 1], qa[kk], kb[2], kb[3]);
-        mma(dpv[2 * np], ga[kk], vb[0], vb[1]);
-        mma(dpv[2 * np + 1], ga[kk], vb[2], vb[3]);
+        mma_pair(s, 2 * np, qa[kk], kb);
+        mma_pair(dpv, 2 * np, ga[kk], vb);
       }
     // P = exp(S - lse), masked entries then exactly 0 (see the dK/dV kernel).
 #pragma unroll
@@ -605,8 +605,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
       for (int dp = 0; dp < DP / 16; ++dp) {
         uint32_t kb[4];
         load_b_kn<S>(kb, kt, kk * 16, dp * 16);
-        mma(dq[2 * dp], da, kb[0], kb[1]);
-        mma(dq[2 * dp + 1], da, kb[2], kb[3]);
+        mma_pair(dq, 2 * dp, da, kb);
       }
     }
   }
