@@ -225,15 +225,8 @@ void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Te
                     const Tensor& probs) {
   const Dims d = check_router(cfg, logits, idx, weight, probs);
   if (d.n == 0) return;
-  Forward f{logits.f32(),
-            idx.i32(),
-            weight.f32(),
-            probs.f32(),
-            d,
-            static_cast<int>(cfg.n_group),
-            static_cast<int>(cfg.topk_group),
-            cfg.scoring == cpu::RouterScoring::topk_softmax,
-            cfg.normalize,
+  Forward f{logits.f32(), idx.i32(), weight.f32(), probs.f32(), d, static_cast<int>(cfg.n_group),
+            static_cast<int>(cfg.topk_group), cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
             cfg.scale};
   router_forward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(f);
   CUDA_CHECK_LAUNCH();
