@@ -74,10 +74,8 @@ __device__ __forceinline__ void store4(void* base, int64_t j, const Moments4& r,
   if (bf16) {
     uint16_t h[4];
     for (int e = 0; e < 4; ++e) h[e] = bf16_stochastic(__float_as_uint(r.x[e]), noise[e] >> shift);
-    uint2 raw;
-    raw.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
-    raw.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
-    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + j) = raw;
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + j) =
+        make_uint2(h[0] | (static_cast<uint32_t>(h[1]) << 16), h[2] | (static_cast<uint32_t>(h[3]) << 16));
   } else {
     *reinterpret_cast<float4*>(static_cast<float*>(base) + j) = make_float4(r.x[0], r.x[1], r.x[2], r.x[3]);
   }
@@ -119,13 +117,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
         for (int e = 0; e < 4; ++e) noise[e] = adamw_noise(key + static_cast<uint64_t>(j + e), t.step);
       store4(m, j, mj, bf16, noise, 0);
       store4(v, j, vj, bf16, noise, 16);
-      if (c != nullptr) {
-        __nv_bfloat162 lo2 = __floats2bfloat162_rn(pj.x, pj.y), hi2 = __floats2bfloat162_rn(pj.z, pj.w);
-        uint2 packed;
-        packed.x = *reinterpret_cast<uint32_t*>(&lo2);
-        packed.y = *reinterpret_cast<uint32_t*>(&hi2);
-        *reinterpret_cast<uint2*>(c + j) = packed;
-      }
+      if (c != nullptr) *reinterpret_cast<uint2*>(c + j) = make_uint2(pack_bf16(pj.x, pj.y), pack_bf16(pj.z, pj.w));
     }
     i = vec_end;
   }

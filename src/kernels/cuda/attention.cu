@@ -120,11 +120,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // Fragments from a shared tile with row stride S elements (ldmatrix: lane l names a row
 // of one of four 8x8 matrices). An A operand at rows m0.., columns k0..: a[0..3].
 template <int S>
