@@ -93,6 +93,11 @@ __device__ T block_sum(T v, T* shared) {
   return total;
 }
 
+// A grid-stride loop: i runs over [0, n), from this thread's index in steps of the grid's
+// thread count.
+#define MT_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < (n); i += int64_t{gridDim.x} * blockDim.x)
+
 // Multi-tensor launches: block b works on the last tensor whose first chunk is <= b
 // (first_chunk is non-decreasing over `count` tensors).
 __device__ inline int tensor_of_chunk(const int64_t* first_chunk, int count, int64_t b) {

@@ -183,8 +183,7 @@ __global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t rows, 
   const int64_t end = min(max(int64_t{offsets[e + 1]}, begin), rows);
   if (end > begin) return;
   float4* out = dw + e * per_expert;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < per_expert; i += gridDim.x * int64_t{blockDim.x})
-    out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  MT_GRID_STRIDE(i, per_expert) out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 // Hands out 256-byte aligned pieces from `base`; with base = nullptr it only measures.

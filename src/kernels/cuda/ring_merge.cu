@@ -52,9 +52,7 @@ __global__ void ring_merge_kernel(Merge m) {
 }
 
 __global__ void accumulate_kernel(In x, float* acc, int64_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    acc[i] += x[i];
+  MT_GRID_STRIDE(i, n) acc[i] += x[i];
 }
 
 __global__ void lse_block_kernel(const float* lse, float* out, int64_t b, int slot, int c, int h) {
