@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
@@ -265,17 +266,20 @@ void launch(Plan<Gemm> p, float beta) {
 }
 
 // TMA moves 16-byte aligned rows: a bf16 (or f32) row length a positive multiple of 8 (4)
-// elements, and every tensor's start 16-byte aligned.
+// elements, and every tensor's start 16-byte aligned. Sizes must fit CUTLASS's ints.
 bool tma_length(int64_t elements) { return elements > 0 && elements % 8 == 0 && elements <= INT_MAX; }
-bool tma_base(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
+bool tma_fits(int64_t n, int64_t experts, int64_t k, int64_t o, std::initializer_list<const Tensor*> tensors) {
+  if (!tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX) return false;
+  for (const Tensor* t : tensors)
+    if (!aligned16(t->data)) return false;
+  return true;
+}
 
 }  // namespace
 
 bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y) {
   const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
-  if (y.dtype != DType::bf16 || !tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX ||
-      !tma_base(x) || !tma_base(w) || !tma_base(y))
-    return false;
+  if (y.dtype != DType::bf16 || !tma_fits(n, experts, k, o, {&x, &w, &y})) return false;
   using T = Types<ForwardGemm>;
   Plan<ForwardGemm> p{};
   p.offsets = offsets.i32();
@@ -295,9 +299,7 @@ bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& offsets, 
 
 bool grouped_gemm_backward_input_sm90(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx) {
   const int64_t n = dy.dim(0), experts = w.dim(0), o = w.dim(1), k = w.dim(2);
-  if (dx.dtype != DType::bf16 || !tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX ||
-      !tma_base(dy) || !tma_base(w) || !tma_base(dx))
-    return false;
+  if (dx.dtype != DType::bf16 || !tma_fits(n, experts, k, o, {&dy, &w, &dx})) return false;
   using T = Types<InputGemm>;
   Plan<InputGemm> p{};
   p.offsets = offsets.i32();
@@ -319,9 +321,7 @@ bool grouped_gemm_backward_input_sm90(const Tensor& dy, const Tensor& w, const T
 bool grouped_gemm_backward_weight_sm90(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,
                                        bool accumulate) {
   const int64_t n = x.dim(0), k = x.dim(1), experts = dw.dim(0), o = dw.dim(1);
-  if (!tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX || !tma_base(x) || !tma_base(dy) ||
-      !tma_base(dw))
-    return false;
+  if (!tma_fits(n, experts, k, o, {&x, &dy, &dw})) return false;
   using T = Types<WeightGemm>;
   Plan<WeightGemm> p{};
   p.offsets = offsets.i32();
