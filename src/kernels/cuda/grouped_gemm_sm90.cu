@@ -227,9 +227,13 @@ cutlass::KernelHardwareInfo hardware() {
   return info;
 }
 
+// Runs the plan over the `experts` segments that offsets makes of `rows` rows.
 template <class Gemm>
-void launch(Plan<Gemm> p, float beta) {
+void launch(Plan<Gemm> p, const Tensor& offsets, int64_t experts, int64_t rows, float beta) {
   using T = Types<Gemm>;
+  p.offsets = offsets.i32();
+  p.experts = static_cast<int>(experts);
+  p.rows = rows;
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.hw_info = hardware<Gemm>();
@@ -282,9 +286,6 @@ bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& offsets, 
   if (y.dtype != DType::bf16 || !tma_fits(n, experts, k, o, {&x, &w, &y})) return false;
   using T = Types<ForwardGemm>;
   Plan<ForwardGemm> p{};
-  p.offsets = offsets.i32();
-  p.experts = static_cast<int>(experts);
-  p.rows = n;
   p.a = {static_cast<const T::A*>(x.data), k, 0};
   p.b = {static_cast<const T::B*>(w.data), 0, o * k};
   p.d = {static_cast<T::D*>(y.data), o, 0};
@@ -293,7 +294,7 @@ bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& offsets, 
   p.stride_a = leading<T::StrideA>(k);
   p.stride_b = leading<T::StrideB>(k);
   p.stride_d = leading<T::StrideD>(o);
-  launch(p, 0.0f);
+  launch(p, offsets, experts, n, 0.0f);
   return true;
 }
 
@@ -302,9 +303,6 @@ bool grouped_gemm_backward_input_sm90(const Tensor& dy, const Tensor& w, const T
   if (dx.dtype != DType::bf16 || !tma_fits(n, experts, k, o, {&dy, &w, &dx})) return false;
   using T = Types<InputGemm>;
   Plan<InputGemm> p{};
-  p.offsets = offsets.i32();
-  p.experts = static_cast<int>(experts);
-  p.rows = n;
   p.a = {static_cast<const T::A*>(dy.data), o, 0};
   p.b = {static_cast<const T::B*>(w.data), 0, o * k};
   p.d = {static_cast<T::D*>(dx.data), k, 0};
@@ -314,7 +312,7 @@ bool grouped_gemm_backward_input_sm90(const Tensor& dy, const Tensor& w, const T
   p.stride_a = leading<T::StrideA>(o);
   p.stride_b = leading<T::StrideB>(k);
   p.stride_d = leading<T::StrideD>(k);
-  launch(p, 0.0f);
+  launch(p, offsets, experts, n, 0.0f);
   return true;
 }
 
@@ -324,9 +322,6 @@ bool grouped_gemm_backward_weight_sm90(const Tensor& x, const Tensor& dy, const 
   if (!tma_fits(n, experts, k, o, {&x, &dy, &dw})) return false;
   using T = Types<WeightGemm>;
   Plan<WeightGemm> p{};
-  p.offsets = offsets.i32();
-  p.experts = static_cast<int>(experts);
-  p.rows = n;
   // A(m, r) = dy[r][m] (m contiguous, leading dimension O); B(n, r) = x[r][n] (leading
   // dimension K); D = dw[e], O x K row-major.
   p.a = {static_cast<const T::A*>(dy.data), o, 0};
@@ -347,7 +342,7 @@ bool grouped_gemm_backward_weight_sm90(const Tensor& x, const Tensor& dy, const 
                                                            per_expert);
     CUDA_CHECK_LAUNCH();
   }
-  launch(p, accumulate ? 1.0f : 0.0f);
+  launch(p, offsets, experts, n, accumulate ? 1.0f : 0.0f);
   return true;
 }
 
