@@ -190,7 +190,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
       t.m[j] = b.m.data;
       t.v[j] = b.v.data;
       t.key[j] = b.key;
-      t.c[j] = b.compute.data != nullptr ? static_cast<__nv_bfloat16*>(b.compute.data) : nullptr;
+      t.c[j] = bf16_data(b.compute);  // null without a compute copy
       t.n[j] = b.param.numel();
       t.decay[j] = b.decay ? with_decay : 1.0f;
       t.first_chunk[j] = chunks;

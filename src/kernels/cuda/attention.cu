@@ -637,9 +637,9 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   const bool has_sinks = present(sinks);
   if (has_sinks) check_arg(sinks, "attention sinks", {DType::f32}, {hq});
   Params p{};
-  p.q = static_cast<const bf16*>(q.data);
-  p.k = static_cast<const bf16*>(k.data);
-  p.v = static_cast<const bf16*>(v.data);
+  p.q = bf16_data(q);
+  p.k = bf16_data(k);
+  p.v = bf16_data(v);
   p.sinks = has_sinks ? sinks.f32() : nullptr;
   p.b = static_cast<int>(b);
   p.tq = static_cast<int>(tq);
@@ -676,7 +676,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   Params p = make_params(q, k, v, sinks, a, out, lse);
   // cuDNN's fused kernels where they compute exactly this (attention_cudnn.h), ours otherwise.
   if (cudnn_attention_forward(q, k, v, sinks, a, out, lse)) return;
-  p.o = static_cast<bf16*>(out.data);
+  p.o = bf16_data(out);
   p.lse_out = lse.f32();
   p.vec = p.vec && aligned16(out.data);
   const dim3 grid(tiles(p.tq, 64), p.hq, p.b);
@@ -699,12 +699,12 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
     p.dsinks = dsinks.f32();
   }
   if (cudnn_attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv)) return;
-  p.out = static_cast<const bf16*>(out.data);
-  p.dout = static_cast<const bf16*>(dout.data);
+  p.out = bf16_data(out);
+  p.dout = bf16_data(dout);
   p.lse = lse.f32();
-  p.dq = static_cast<bf16*>(dq.data);
-  p.dk = static_cast<bf16*>(dk.data);
-  p.dv = static_cast<bf16*>(dv.data);
+  p.dq = bf16_data(dq);
+  p.dk = bf16_data(dk);
+  p.dv = bf16_data(dv);
   p.vec = p.vec && aligned16(dout.data);
   const long long rows = static_cast<long long>(p.b) * p.tq * p.hq;
   p.delta = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(rows)));

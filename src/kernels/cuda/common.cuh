@@ -33,6 +33,9 @@ struct Out {
   __device__ float get(int64_t i) const { return In{p, bf16}[i]; }
 };
 
+// A bf16 tensor's elements (the caller has checked its dtype).
+inline __nv_bfloat16* bf16_data(const Tensor& t) { return static_cast<__nv_bfloat16*>(t.data); }
+
 inline In as_in(const Tensor& t) { return In{t.data, t.dtype == DType::bf16}; }
 inline Out as_out(const Tensor& t) { return Out{t.data, t.dtype == DType::bf16}; }
 

@@ -350,8 +350,8 @@ void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Ten
       << "dispatch order should be i32 with at least " << rows << " entries, got " << order.str();
   check_arg(order, "dispatch order", {DType::i32}, order.shape);
   if (rows == 0 || d == 0) return;
-  Gather g{static_cast<const bf16*>(x.data), static_cast<bf16*>(xs.data), order.i32(), nullptr, nullptr, nullptr,
-           static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  Gather g{bf16_data(x), bf16_data(xs), order.i32(), nullptr, nullptr, nullptr, static_cast<int>(rows),
+           static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
   const bool wide = rows_aligned(d, {x.data, xs.data});
   launch(wide ? dispatch_forward_kernel<8> : dispatch_forward_kernel<1>, rows, g);
 }
@@ -364,8 +364,8 @@ void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& 
   check_arg(dx, "dispatch dx", {DType::bf16}, {n, d});
   const int64_t k = check_slot_row(slot_row, n);
   if (n == 0 || d == 0) return;
-  Gather g{static_cast<const bf16*>(dxs.data), static_cast<bf16*>(dx.data), slot_row.i32(), nullptr, nullptr,
-           nullptr, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  Gather g{bf16_data(dxs), bf16_data(dx), slot_row.i32(), nullptr, nullptr, nullptr, static_cast<int>(rows),
+           static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
   const bool wide = rows_aligned(d, {dxs.data, dx.data});
   launch(wide ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
 }
@@ -380,8 +380,8 @@ void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_
   check_arg(y, "combine y", {DType::bf16}, {n, d});
   check_arg(slot_row, "combine slot_row", {DType::i32}, {n * k});
   if (n == 0 || d == 0) return;
-  Gather g{static_cast<const bf16*>(ys.data), static_cast<bf16*>(y.data), slot_row.i32(), weight.f32(), nullptr,
-           nullptr, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  Gather g{bf16_data(ys), bf16_data(y), slot_row.i32(), weight.f32(), nullptr, nullptr, static_cast<int>(rows),
+           static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
   const bool wide = rows_aligned(d, {ys.data, y.data});
   launch(wide ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
 }
@@ -399,9 +399,8 @@ void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot
   check_arg(dweight, "combine dweight", {DType::f32}, {n, k});
   check_arg(slot_row, "combine slot_row", {DType::i32}, {n * k});
   if (n == 0) return;
-  Gather g{static_cast<const bf16*>(dy.data), static_cast<bf16*>(dys.data), slot_row.i32(), weight.f32(),
-           static_cast<const bf16*>(ys.data), dweight.f32(), static_cast<int>(rows), static_cast<int>(n),
-           static_cast<int>(d), static_cast<int>(k)};
+  Gather g{bf16_data(dy), bf16_data(dys), slot_row.i32(), weight.f32(), bf16_data(ys), dweight.f32(),
+           static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
   const bool wide = rows_aligned(d, {ys.data, dy.data, dys.data});
   launch(wide ? combine_backward_kernel<8> : combine_backward_kernel<1>, n, g);
 }

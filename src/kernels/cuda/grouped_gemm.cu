@@ -362,8 +362,7 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
     grouped_gemm_backward_weight_wmma(x, dy, offsets, dw, accumulate);
   if (dbias.data != nullptr) {
     dim3 grid(blocks_for(o, 256), static_cast<unsigned>(experts));
-    bias_grad_kernel<<<grid, 256, 0, stream()>>>(seg, static_cast<const bf16*>(dy.data), o, dbias.f32(),
-                                                  accumulate);
+    bias_grad_kernel<<<grid, 256, 0, stream()>>>(seg, bf16_data(dy), o, dbias.f32(), accumulate);
     CUDA_CHECK_LAUNCH();
   }
 }
@@ -372,8 +371,8 @@ void grouped_gemm_wmma(const Tensor& x, const Tensor& w, const Tensor& bias, con
   const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
   Segments seg = segments_of(offsets, experts, n);
   if (n == 0 || o == 0 || experts == 0) return;
-  RowArgs p{seg, static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data), k, o, k,
-            bias.data != nullptr ? bias.f32() : nullptr, y.data, y.dtype == DType::bf16, o};
+  RowArgs p{seg, bf16_data(x), bf16_data(w), k, o, k, bias.data != nullptr ? bias.f32() : nullptr, y.data,
+            y.dtype == DType::bf16, o};
   dim3 grid(row_tiles(n, experts), blocks_for(o, BN));
   row_segment_kernel<true><<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
@@ -383,8 +382,7 @@ void grouped_gemm_backward_input_wmma(const Tensor& dy, const Tensor& w, const T
   const int64_t n = dy.dim(0), experts = w.dim(0), o = w.dim(1), k = w.dim(2);
   Segments seg = segments_of(offsets, experts, n);
   if (n == 0 || k == 0 || experts == 0) return;
-  RowArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(w.data), o, o, k, nullptr, dx.data,
-            dx.dtype == DType::bf16, k};
+  RowArgs p{seg, bf16_data(dy), bf16_data(w), o, o, k, nullptr, dx.data, dx.dtype == DType::bf16, k};
   dim3 grid(row_tiles(n, experts), blocks_for(k, BN));
   row_segment_kernel<false><<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
@@ -395,7 +393,7 @@ void grouped_gemm_backward_weight_wmma(const Tensor& x, const Tensor& dy, const 
   const int64_t n = x.dim(0), k = x.dim(1), experts = dw.dim(0), o = dw.dim(1);
   Segments seg = segments_of(offsets, experts, n);
   if (experts == 0 || o == 0 || k == 0) return;
-  WeightArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data), dw.f32(), o, k, accumulate};
+  WeightArgs p{seg, bf16_data(dy), bf16_data(x), dw.f32(), o, k, accumulate};
   dim3 grid(blocks_for(o, BM), blocks_for(k, BN), static_cast<unsigned>(experts));
   weight_kernel<<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();

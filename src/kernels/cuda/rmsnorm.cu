@@ -169,9 +169,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& 
   check_arg(rstd, "rmsnorm rstd", {DType::f32}, {n});
   if (n == 0) return;
   if (x8(d, {&x, &y}))
-    rmsnorm_forward_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(
-        static_cast<const __nv_bfloat16*>(x.data), w.f32(), eps, n, d, static_cast<__nv_bfloat16*>(y.data),
-        rstd.f32());
+    rmsnorm_forward_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(bf16_data(x), w.f32(), eps, n, d,
+                                                                                       bf16_data(y), rstd.f32());
   else
     rmsnorm_forward_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), eps, n, d,
                                                                                      as_out(y), rstd.f32());
@@ -191,8 +190,7 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
     if (n > 0) {
       if (x8(d, {&x, &dy, &dx}))
         rmsnorm_dx_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(
-            static_cast<const __nv_bfloat16*>(x.data), w.f32(), rstd.f32(),
-            static_cast<const __nv_bfloat16*>(dy.data), n, d, static_cast<__nv_bfloat16*>(dx.data));
+            bf16_data(x), w.f32(), rstd.f32(), bf16_data(dy), n, d, bf16_data(dx));
       else
         rmsnorm_dx_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), rstd.f32(),
                                                                                     as_in(dy), n, d, as_out(dx));
@@ -212,8 +210,7 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
     float* partial = static_cast<float*>(scratch(sizeof(float) * chunks * d));
     if (wide)
       rmsnorm_dw_partial_x8_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(
-          static_cast<const __nv_bfloat16*>(x.data), rstd.f32(), static_cast<const __nv_bfloat16*>(dy.data), n, d,
-          rows_per_chunk, partial);
+          bf16_data(x), rstd.f32(), bf16_data(dy), n, d, rows_per_chunk, partial);
     else
       rmsnorm_dw_partial_kernel<<<dim3(blocks_for(d, 256), static_cast<unsigned>(chunks)), 256, 0, stream()>>>(
           as_in(x), rstd.f32(), as_in(dy), n, d, rows_per_chunk, partial);
