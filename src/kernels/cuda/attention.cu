@@ -189,9 +189,7 @@ __device__ void load_tile(bf16* tile, const bf16* head0, long long stride, int t
 }
 
 template <int DP>
-constexpr int forward_smem() {
-  return 3 * 64 * (DP + 8) * 2;
-}
+constexpr int forward_smem = 3 * 64 * (DP + 8) * 2;
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
@@ -364,9 +362,7 @@ __global__ void dsinks_kernel(Params p) {
 }
 
 template <int DP>
-constexpr int dkdv_smem() {
-  return (2 * 64 + 4 * 32) * (DP + 8) * 2 + 4 * 32 * 4;
-}
+constexpr int dkdv_smem = (2 * 64 + 4 * 32) * (DP + 8) * 2 + 4 * 32 * 4;
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
@@ -496,9 +492,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
 }
 
 template <int DP>
-constexpr int dq_smem() {
-  return (2 * 64 + 4 * 32) * (DP + 8) * 2;
-}
+constexpr int dq_smem = (2 * 64 + 4 * 32) * (DP + 8) * 2;
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
@@ -681,9 +675,9 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   p.vec = p.vec && aligned16(out.data);
   const dim3 grid(tiles(p.tq, 64), p.hq, p.b);
   if (p.d <= 64)
-    launch(forward_kernel<64>, grid, forward_smem<64>(), p);
+    launch(forward_kernel<64>, grid, forward_smem<64>, p);
   else
-    launch(forward_kernel<128>, grid, forward_smem<128>(), p);
+    launch(forward_kernel<128>, grid, forward_smem<128>, p);
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
@@ -714,11 +708,11 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   }
   const dim3 kv_grid(tiles(p.tk, 64), p.hkv, p.b), q_grid(tiles(p.tq, 64), p.hq, p.b);
   if (p.d <= 64) {
-    launch(dkdv_kernel<64>, kv_grid, dkdv_smem<64>(), p);
-    launch(dq_kernel<64>, q_grid, dq_smem<64>(), p);
+    launch(dkdv_kernel<64>, kv_grid, dkdv_smem<64>, p);
+    launch(dq_kernel<64>, q_grid, dq_smem<64>, p);
   } else {
-    launch(dkdv_kernel<128>, kv_grid, dkdv_smem<128>(), p);
-    launch(dq_kernel<128>, q_grid, dq_smem<128>(), p);
+    launch(dkdv_kernel<128>, kv_grid, dkdv_smem<128>, p);
+    launch(dq_kernel<128>, q_grid, dq_smem<128>, p);
   }
   if (p.sinks != nullptr && p.hq > 0) {
     dsinks_kernel<<<static_cast<unsigned>(p.hq), kThreads, 0, stream()>>>(p);
