@@ -184,10 +184,7 @@ Plan* plan_for(const GraphKey& k) {
   return it->second.graph ? &it->second : nullptr;
 }
 
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
-
-// Whether cuDNN computes this case exactly as our kernel does (header comment); if so,
-// fills the forward's key.
+// Whether cuDNN computes this case exactly as our kernel does (header comment); if so, fills key.
 bool applies(const Tensor& q, const Tensor& k, const Tensor& sinks, const cpu::AttentionArgs& a, GraphKey& key) {
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
   if (!state().enabled || (sinks.data != nullptr && sinks.numel() > 0) || a.window != 0) return false;
@@ -200,8 +197,11 @@ bool applies(const Tensor& q, const Tensor& k, const Tensor& sinks, const cpu::A
 }
 
 // Runs a key's plan on the variant pack; false (nothing written that our kernel will not
-// overwrite) when there is no plan or cuDNN refuses to execute it.
+// overwrite) when a tensor is not 16-byte aligned, there is no plan or cuDNN refuses to
+// execute it.
 bool run(const GraphKey& key, std::unordered_map<int64_t, void*>& pack) {
+  for (const auto& [uid, data] : pack)
+    if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
   if (handle() == nullptr) return false;
   Plan* plan = plan_for(key);
   if (plan == nullptr) return false;
@@ -244,8 +244,6 @@ bool cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   std::lock_guard<std::mutex> lock(state_mutex());
   GraphKey key{};
   if (!applies(q, k, sinks, a, key)) return false;
-  for (const Tensor* t : {&q, &k, &v, &out, &lse})
-    if (!aligned16(*t)) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kO, out.data},
                                           {kStats, lse.data}};
   return run(key, pack);
@@ -258,8 +256,6 @@ bool cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   GraphKey key{};
   if (!applies(q, k, sinks, a, key)) return false;
   key.backward = true;
-  for (const Tensor* t : {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv})
-    if (!aligned16(*t)) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, q.data},       {kK, k.data},      {kV, v.data},
                                           {kO, out.data},     {kStats, lse.data}, {kDO, dout.data},
                                           {kDQ, dq.data},     {kDK, dk.data},     {kDV, dv.data}};
