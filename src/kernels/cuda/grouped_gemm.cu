@@ -257,14 +257,11 @@ __global__ void __launch_bounds__(kThreads) row_segment_kernel(RowArgs p) {
   int64_t row0, row_end;
   if (!find_row_tile(p.seg, blockIdx.x, expert, row0, row_end)) return;
   const int64_t rows = row_end - row0;
-  // A: this segment's rows from row0, k-major.
-  Operand a{p.a + row0 * p.k, p.k, rows, p.k, false};
-  a.vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
+  Operand a{p.a + row0 * p.k, p.k, rows, p.k, p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0};
   const bf16* we = p.w + expert * p.w_rows * p.w_cols;
   Operand b{we, p.w_cols, p.w_rows, p.w_cols, p.w_cols % 8 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0};
-  Epilogue e{nullptr, p.c_bf16, p.n_out, rows, p.n_out, p.bias != nullptr ? p.bias + expert * p.n_out : nullptr,
-             false};
-  e.c = static_cast<char*>(p.c) + row0 * p.n_out * (p.c_bf16 ? 2 : 4);
+  Epilogue e{static_cast<char*>(p.c) + row0 * p.n_out * (p.c_bf16 ? 2 : 4), p.c_bf16, p.n_out, rows, p.n_out,
+             p.bias != nullptr ? p.bias + expert * p.n_out : nullptr, false};
   Gemm<true, kBKMajor>::run(a, b, 0, int64_t{blockIdx.y} * BN, p.k, e, smem);
 }
 
@@ -285,10 +282,9 @@ __global__ void __launch_bounds__(kThreads) weight_kernel(WeightArgs p) {
   int64_t begin, end;
   segment(p.seg, expert, begin, end);
   const int64_t rows = end - begin;
-  Operand a{p.dy + begin * p.o, p.o, rows, p.o, false};  // A(m=o, k=row) = dy[row][o]
-  a.vec = p.o % 8 == 0 && reinterpret_cast<uintptr_t>(p.dy) % 16 == 0;
-  Operand b{p.x + begin * p.k, p.k, rows, p.k, false};  // B(k=row, n) = x[row][n]
-  b.vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  // A(m=o, k=row) = dy[row][o] and B(k=row, n) = x[row][n].
+  Operand a{p.dy + begin * p.o, p.o, rows, p.o, p.o % 8 == 0 && reinterpret_cast<uintptr_t>(p.dy) % 16 == 0};
+  Operand b{p.x + begin * p.k, p.k, rows, p.k, p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0};
   Epilogue e{p.dw + expert * p.o * p.k, false, p.k, p.o, p.k, nullptr, p.accumulate};
   Gemm<false, false>::run(a, b, int64_t{blockIdx.x} * BM, int64_t{blockIdx.y} * BN, rows, e, smem);
 }
