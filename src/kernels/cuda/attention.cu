@@ -613,10 +613,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   }
 }
 
-bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
-
-// Checks the inputs and the forward's outputs (bf16 on the GPU, f32 sinks and lse) and
-// fills the parameters all kernels share.
+// Checks the inputs and the forward's outputs and fills the parameters all kernels share.
 Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                    const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
   MT_CHECK(q.ndim() == 4 && k.ndim() == 4) << "attention q should be [B,Tq,Hq,D] and k [B,Tk,Hkv,D], got q "
@@ -628,7 +625,7 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   MT_CHECK(hkv > 0 && hq % hkv == 0) << "attention query heads " << hq << " not a multiple of kv heads " << hkv;
   MT_CHECK(d >= 1 && d <= 128) << "cuda attention supports head_dim 1..128, got " << d;
   MT_CHECK(a.window >= 0) << "attention window must be >= 0, got " << a.window;
-  const bool has_sinks = present(sinks);
+  const bool has_sinks = sinks.defined() && sinks.numel() > 0;
   if (has_sinks) check_arg(sinks, "attention sinks", {DType::f32}, {hq});
   Params p{};
   p.q = bf16_data(q);

@@ -12,6 +12,18 @@ namespace {
 // Touches the device once so a broken driver/runtime pairing is found at start-up.
 __global__ void probe_kernel(int* out) { *out = 1; }
 
+size_t in_use() {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return total - free;
+}
+
+size_t g_baseline = 0;
+bool g_noted = false;
+
 }  // namespace
 
 DeviceInfo query_device() {
@@ -41,22 +53,6 @@ DeviceInfo query_device() {
   }
   return info;
 }
-
-namespace {
-
-size_t in_use() {
-  size_t free = 0, total = 0;
-  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return total - free;
-}
-
-size_t g_baseline = 0;
-bool g_noted = false;
-
-}  // namespace
 
 void note_memory_baseline() {
   if (g_noted) return;
