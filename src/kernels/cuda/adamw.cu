@@ -1,10 +1,8 @@
 // Multi-tensor AdamW on the GPU: the list of parameter blocks travels in the kernel's
 // parameters, each thread block updates one chunk of one tensor, so a model's whole
 // optimizer step is one launch (one per kTableSize blocks).
-#include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cmath>
 
 #include "kernels/adamw.h"

@@ -18,11 +18,8 @@
 // accumulate); wgmma and a warp-specialised pipeline are the later, faster version.
 // Heads are zero-padded to 64 or 128 columns in shared memory, so any head_dim up to
 // 128 works (small ones pay for the padding).
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdint>
 
 #include "kernels/attention.h"
 #include "kernels/cuda/attention_cudnn.h"

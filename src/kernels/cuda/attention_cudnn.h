@@ -31,8 +31,6 @@
 // backwards gave the same bits.
 #pragma once
 
-#include <cstdint>
-
 #include "kernels/attention.h"
 
 namespace mt::cuda {

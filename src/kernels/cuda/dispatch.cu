@@ -16,11 +16,8 @@
 //
 // The expert-parallel plan's elementwise steps (ep_*) are a thread per slot or row, and
 // read_counts brings a plan's counts to the host through pinned memory and an event.
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
 
 #include "kernels/cuda/common.cuh"

@@ -40,8 +40,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdint>
-#include <initializer_list>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"

@@ -2,10 +2,8 @@
 // The merge gives a warp to each (head, query row) of the block: lane 0's running lse
 // and the block's decide two weights, then the lanes rescale the row's Dh values.
 // Everything is f32 and elementwise per row, so results repeat bit for bit.
-#include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdint>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"

@@ -1,9 +1,7 @@
 // RMSNorm on the GPU: one warp per row (statistics in f32, rstd kept in f32), and the
 // weight gradient as deterministic column sums in two passes.
-#include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <initializer_list>
 
 #include "kernels/cuda/common.cuh"

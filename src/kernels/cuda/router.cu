@@ -8,10 +8,8 @@
 // idx comes from router_forward; router_backward checks it on the device (a bad entry
 // traps the kernel, reported at the next synchronising CUDA call) rather than on the
 // host, which would need a synchronisation.
-#include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdint>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
