@@ -52,18 +52,13 @@ struct Moments4 {
 };
 
 __device__ __forceinline__ Moments4 load4(const void* base, int64_t j, bool bf16) {
-  Moments4 r;
   if (bf16) {
     const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + j);
-    r.x[0] = __uint_as_float(raw.x << 16);
-    r.x[1] = __uint_as_float(raw.x & 0xffff0000u);
-    r.x[2] = __uint_as_float(raw.y << 16);
-    r.x[3] = __uint_as_float(raw.y & 0xffff0000u);
-  } else {
-    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + j);
-    r.x[0] = f.x, r.x[1] = f.y, r.x[2] = f.z, r.x[3] = f.w;
+    return {{__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u), __uint_as_float(raw.y << 16),
+             __uint_as_float(raw.y & 0xffff0000u)}};
   }
-  return r;
+  const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + j);
+  return {{f.x, f.y, f.z, f.w}};
 }
 
 // bf16: rounded stochastically with 16 bits of each element's noise, from bit `shift`.
