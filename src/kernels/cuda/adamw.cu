@@ -1,6 +1,6 @@
 // Multi-tensor AdamW on the GPU: the list of parameter blocks travels in the kernel's
-// parameters, each thread block updates one chunk of one tensor, so a model's whole
-// optimizer step is one launch (one per kTableSize blocks).
+// parameters and each thread block updates one chunk of one tensor: one launch per
+// kTableSize blocks.
 
 #include <algorithm>
 #include <cmath>

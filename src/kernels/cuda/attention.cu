@@ -1,23 +1,12 @@
-// Causal flash attention on the GPU: bf16 q/k/v/out/dout, f32 softmax statistics.
-//
-// Three tiled kernels, 4 warps a block, each warp owning 16 rows of its tile:
-//   forward  one block per 64 query rows of one (b, h), looping over 64-key tiles with
-//            an online softmax. Q stays in registers; K and V pass through shared
-//            memory, the next K tile loading while P V runs and V while Q K^T runs.
-//   dK, dV   one block per 64-key tile of one (b, kv head), looping over every query
-//            head of its group and every 32-row query tile that sees those keys (Q and
-//            dout double-buffered). The block owns its dK and dV rows: no atomics.
-//   dQ       one block per 64 query rows of one (b, h), looping over 32-key tiles
-//            (double-buffered). It recomputes Q K^T and dout V^T, two of the five
-//            products again, which is what keeps dQ free of atomics too.
-// Two small kernels go with the backward: delta = dout . out per row first, and the
-// dsinks reduction last. Every pass recomputes P from lse rather than storing it.
-// Nothing is accumulated in an order that depends on scheduling, so the same inputs
-// give the same bits every run.
-// The products run on the tensor cores through mma.sync m16n8k16 (bf16 in, f32
-// accumulate); wgmma and a warp-specialised pipeline are the later, faster version.
-// Heads are zero-padded to 64 or 128 columns in shared memory, so any head_dim up to
-// 128 works (small ones pay for the padding).
+// Causal flash attention on the GPU (docs/architecture.md, src/kernels, has the design):
+// bf16 q/k/v/out/dout, f32 softmax statistics, mma.sync m16n8k16 on the tensor cores, 4 warps
+// a block of 16 rows each, heads zero-padded to 64 or 128 columns in shared memory.
+//   forward  a block per 64 query rows of one (b, h), over 64-key tiles, online softmax
+//   dK, dV   a block per 64-key tile of one (b, kv head), over its group's query heads
+//   dQ       a block per 64 query rows of one (b, h), over 32-key tiles, recomputing Q K^T
+//            and dout V^T rather than adding into dQ with atomics
+// delta = dout . out runs first, dsinks last. P is recomputed from lse in every pass and
+// nothing is accumulated in a scheduling-dependent order, so runs repeat bit for bit.
 
 #include <cmath>
 
@@ -138,8 +127,7 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* tile, in
   ldmatrix_x4(b, tile + (k0 + l % 8 + (l / 8) % 2 * 8) * S + n0 + l / 16 * 8, true);
 }
 
-// c[t] += a b[0..1] and c[t + 1] += a b[2..3]: the two n-tiles of a B fragment pair as
-// load_b_nk and load_b_kn give it.
+// c[t] += a b[0..1], c[t + 1] += a b[2..3]: the two n-tiles of a B pair from load_b_nk/kn.
 template <int N>
 __device__ __forceinline__ void mma_pair(float (&c)[N][4], int t, const uint32_t (&a)[4], const uint32_t (&b)[4]) {
   mma(c[t], a, b[0], b[1]);
@@ -245,8 +233,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale_log2;
-    // Only tiles on the diagonal or the window's edge need the per-element mask; the
-    // test is hoisted so the other tiles skip its index arithmetic.
+    // Only tiles on the diagonal or the window's edge need the per-element mask.
     if (!all_visible(p, i0, i_last, j0, j0 + BN - 1)) {
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt)

@@ -1,9 +1,8 @@
-// cuDNN SDPA graphs for attention (see attention_cudnn.h): when they apply, how they are
-// built and cached, and how they run. Host code only; the kernels are cuDNN's.
-//
-// cuDNN's tensors are [B,H,S,D] by dims; ours are [B,S,H,D] in memory, which is the same
-// tensor with strides {S*H*D, D, H*D, 1}, so nothing is transposed. Only bf16 reaches
-// here (attention.cu accepts nothing else), so the dtype is not part of a graph's key.
+// cuDNN SDPA graphs for attention (when they apply: attention_cudnn.h): how they are built,
+// cached and run. Host code only; the kernels are cuDNN's. cuDNN's tensors are [B,H,S,D]
+// by dims; ours are [B,S,H,D] in memory, the same tensor with strides {S*H*D, D, H*D, 1},
+// so nothing is transposed. Only bf16 reaches here (attention.cu accepts nothing else), so
+// the dtype is not part of a graph's key.
 #include "kernels/cuda/attention_cudnn.h"
 
 // The frontend's JSON (de)serialisation of graphs is not used; leaving it out keeps its
@@ -126,8 +125,7 @@ void set_stats(fe::graph::Tensor_attributes& t, const GraphKey& k) {
       .set_stride({k.hq * k.tq, k.tq, 1, 1});
 }
 
-// The forward (O and Stats) or backward (dQ, dK, dV) graph of a key, built for this GPU.
-// Returns cuDNN's complaint when it cannot.
+// Builds a key's forward (O, Stats) or backward (dQ, dK, dV) graph; returns cuDNN's complaint if it cannot.
 std::string build(const GraphKey& k, Plan& plan) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::BFLOAT16)
@@ -167,8 +165,7 @@ std::string build(const GraphKey& k, Plan& plan) {
   return "";
 }
 
-// The cached plan of a key, built on first use; null when cuDNN declined it (reported
-// once, when it did).
+// The cached plan of a key, built on first use; null when cuDNN declined it (reported once).
 Plan* plan_for(const GraphKey& k) {
   State& s = state();
   auto [it, fresh] = s.plans.try_emplace(k);

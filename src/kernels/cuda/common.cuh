@@ -1,6 +1,7 @@
-// Device-side helpers the kernel files share: float views of f32-or-bf16 buffers and
-// block reductions. Kernels compute in f32 and choose the storage type per launch
-// with a uniform branch, which keeps one kernel per op instead of one per dtype pair.
+// Device-side helpers the kernel files share: float views of f32-or-bf16 buffers, 16-byte
+// bf16 loads and stores, warp and block sums, grid-stride loops. Kernels compute in f32
+// and choose the storage type per launch with a uniform branch, which keeps one kernel
+// per op instead of one per dtype pair.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,8 +47,7 @@ inline unsigned blocks_for(int64_t work, int threads) {
   return static_cast<unsigned>(b < 1 ? 1 : b);
 }
 
-// 8 consecutive bf16 (16-byte aligned) as f32 in one 16-byte load, and back (round to
-// nearest even) in one store.
+// 8 consecutive bf16 (16-byte aligned) as f32 in one load, and back (round to nearest even).
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
   const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
@@ -96,8 +96,7 @@ __device__ T block_sum(T v, T* shared) {
   return total;
 }
 
-// A grid-stride loop: i runs over [0, n), from this thread's index in steps of the grid's
-// thread count.
+// A grid-stride loop: i over [0, n) from this thread's index, in steps of the grid's size.
 #define MT_GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < (n); i += int64_t{gridDim.x} * blockDim.x)
 

@@ -1,6 +1,6 @@
-// Fused softmax cross-entropy on the GPU over f32 or bf16 logits: one block per row,
-// an online max/sum in one read of the row, lse kept in f32, the loss summed in double
-// on the device; the backward overwrites the logits (or writes a separate buffer).
+// Fused softmax cross-entropy on the GPU over f32 or bf16 logits: a block per row, one
+// online max/sum read, lse f32, the loss summed in double on the device; the backward
+// overwrites the logits (or writes a separate buffer).
 #include <cmath>
 
 #include "kernels/cross_entropy.h"

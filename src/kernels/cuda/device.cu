@@ -1,6 +1,5 @@
-// CUDA device discovery for `moetrain --version` and the trainer's device choice.
-// The op kernels arrive with the CUDA backend; this file is what proves, on machines
-// without a GPU (CI), that the CUDA toolchain compiles and links the project.
+// CUDA device discovery for `moetrain --version` and the trainer's device choice, and the
+// device memory this process holds (device.h).
 #include "kernels/cuda/device.h"
 
 namespace mt::cuda {

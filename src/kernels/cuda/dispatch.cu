@@ -1,22 +1,9 @@
-// Token <-> expert permutations on the GPU, same contract as the CPU backend; the
-// activations are bf16 and every weighted sum is taken in f32.
-//
-// dispatch_plan is a stable counting sort in three launches over chunks of slots:
-// count (a histogram per chunk), scan (per expert over the chunks, then over the
-// experts), place. Within a chunk one warp walks the slots in order, 32 at a time, and
-// ranks equal experts among the 32 with __match_any_sync, so a slot's row depends only on
-// the slots before it: the plan is the CPU's, bit for bit, with no atomics.
-//
-// dispatch_plan returns the dropped count on the host, which needs a synchronisation;
-// without a capacity nothing is dropped, so that case returns 0 without one (and stays
-// capturable in a CUDA graph). dispatch_sort, the expert-parallel plan's form of the same
-// sort, returns nothing and never synchronises. Indices are checked on the device: a bad
-// one traps the kernel, reported at the next synchronising CUDA call, instead of reading
-// or writing out of bounds; a host-side check would need a synchronisation on every call.
-//
-// The expert-parallel plan's elementwise steps (ep_*) are a thread per slot or row, and
-// read_counts brings a plan's counts to the host through pinned memory and an event.
-
+// Token <-> expert permutations on the GPU (contract, and when each call synchronises:
+// kernels/dispatch.h; the sort's design: docs/architecture.md, src/kernels): bf16
+// activations, every weighted sum in f32. The sort is a stable counting sort in three
+// launches (count, scan, place) whose placement ranks equal experts with __match_any_sync,
+// so the plan is the CPU's, bit for bit, with no atomics. A bad index traps the kernel
+// (reported at the next synchronising CUDA call): a host-side check would synchronise.
 #include <algorithm>
 #include <cstring>
 
@@ -232,7 +219,6 @@ __global__ void combine_backward_kernel(Gather g) {
   }
 }
 
-// The vector path wants every row 16-byte aligned.
 bool rows_aligned(int64_t d, std::initializer_list<const void*> ptrs) {
   if (d % 8 != 0) return false;
   for (const void* p : ptrs)

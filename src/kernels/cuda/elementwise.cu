@@ -1,5 +1,5 @@
-// Elementwise helpers on the GPU: grid-stride loops in f32 over f32-or-bf16 storage,
-// and a multi-tensor sum of squares reduced in double.
+// Elementwise helpers on the GPU (f32 over f32-or-bf16 storage) and a multi-tensor sum of
+// squares in double.
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
@@ -31,10 +31,9 @@ __global__ void fill_kernel(Out x, float v, int64_t n) {
   MT_GRID_STRIDE(i, n) x.set(i, v);
 }
 
-// Multi-tensor sum of squares: the tensor list travels in the kernel's parameters, one
-// block per chunk of one tensor, so a whole model's gradients take one launch (or one
-// per kTableSize tensors). Each chunk's partial lands in its own slot and one block
-// adds the slots in order: no atomics, the same bits on every run.
+// Multi-tensor sum of squares: the tensor list travels in the kernel's parameters, a block
+// per chunk of one tensor (one launch per kTableSize tensors); each chunk's partial lands in
+// its own slot and one block adds the slots in order: no atomics, the same bits every run.
 constexpr int kTableSize = 256;
 constexpr int64_t kChunk = 16384;
 

@@ -1,21 +1,13 @@
-// Grouped matrix products over expert row segments, in one launch per product.
-//
-// Why a kernel of our own: cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx) takes
-// the per-group sizes in host arrays, and cuBLASLt 13.0 has no grouped mode, so either
-// would need the expert counts on the host: a device-to-host sync per MoE layer. Here
-// the segment offsets stay on the device and every block finds its own work from them.
-//
-// One tiled tensor-core kernel (WMMA bf16 16x16x16, f32 accumulators) serves the three
-// products; operands are bf16, accumulation f32. Block tile 128x128x32, 8 warps of
-// 64x32, operands staged through registers into shared memory one k-step ahead.
+// Grouped matrix products over expert row segments, one launch per product, the offsets
+// read on the device (cuBLAS's grouped GEMM takes the group sizes in host arrays and
+// cuBLASLt 13.0 has no grouped mode: a host sync per MoE layer). What the model runs goes
+// to CUTLASS's Hopper grouped GEMM (grouped_gemm_sm90.cu says what it takes); the rest
+// (biases, f32 outputs, odd shapes and alignments) to the one tensor-core kernel here:
+// WMMA bf16 16x16x16, f32 accumulators, block tile 128x128x32, 8 warps of 64x32, operands
+// staged through registers into shared memory one k-step ahead.
 //   forward       y[seg]  = x[seg] @ w[e]^T      rows of the segment tile M
 //   B (input)     dx[seg] = dy[seg] @ w[e]       rows of the segment tile M
 //   W (weight)    dw[e]  (+)= dy[seg]^T @ x[seg]  the segment's rows are the reduction
-// Plain mma.sync, not Hopper's wgmma, so a fraction of the tensor cores' speed: the
-// public functions below send what the model runs (bf16 y and dx, f32 dw, K and O
-// multiples of 8, no forward bias) to CUTLASS's Hopper grouped GEMM
-// (grouped_gemm_sm90.cu), and this kernel takes the rest: biases, f32 activations out,
-// odd shapes and alignments.
 #include <mma.h>
 
 #include <type_traits>
@@ -311,8 +303,6 @@ unsigned row_tiles(int64_t rows, int64_t experts) { return static_cast<unsigned>
 
 }  // namespace
 
-// The public functions check their arguments, then take the CUTLASS path
-// (grouped_gemm_sm90.cu) when it covers the call and this kernel otherwise.
 void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y) {
   MT_CHECK(x.ndim() == 2 && w.ndim() == 3 && y.ndim() == 2)
       << "grouped_gemm wants x [N,K], w [E,O,K], y [N,O], got x " << x.str() << ", w " << w.str() << ", y "

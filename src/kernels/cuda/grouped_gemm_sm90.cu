@@ -1,31 +1,17 @@
-// Grouped expert products on Hopper through CUTLASS 3.x's grouped GEMM ("ptr-array
-// grouped", CUTLASS example 57): TMA loads, wgmma, persistent warp-specialized kernels
-// that walk the experts' tiles themselves. grouped_gemm.cu's mma.sync kernel gets a
-// fraction of the tensor cores' speed; bench/grouped_gemm_bench.cpp compares the two.
-//
-// No host sync: CUTLASS reads each group's problem shape and operand pointers from device
-// arrays. plan_groups_kernel reads the offsets on the device and writes those arrays into
-// a workspace kept across calls; CUTLASS gets the group count from the host and no host
-// copy of the shapes (host_problem_shapes = nullptr), so it launches one CTA per SM and
-// its group tile scheduler (PersistentTileSchedulerSm90Group) finds every CTA's tiles
-// from the device-side shapes.
+// Grouped expert products on Hopper through CUTLASS 3.x's ptr-array grouped GEMM (CUTLASS
+// example 57: TMA, wgmma, persistent warp-specialized kernels). No host sync:
+// plan_groups_kernel turns the device offsets into each group's shape and operand pointers
+// in a workspace kept across calls, and CUTLASS reads them there (host_problem_shapes =
+// nullptr; its group tile scheduler finds every CTA's tiles from the device-side shapes).
 //
 // Three instantiations, the dtypes src/models/qwen3_moe.cpp runs on the GPU:
 //   forward  y[seg]   = x[seg] @ w[e]^T      A row-major, B column-major (w[e] is O x K)
 //   B        dx[seg]  = dy[seg] @ w[e]       A row-major, B row-major
 //   W        dw[e] (+)= dy[seg]^T @ x[seg]   A column-major, B row-major, f32 C = D = dw[e]
-// y and dx bf16, dw f32 with beta 1 (accumulate) or 0 (C is then never read).
-//
-// Empty experts. Forward and B give an empty segment M = 0: no tiles. In W the segment's
-// rows are the reduction; a group with K = 0 would get tiles whose accumulators are never
-// cleared (CUTLASS clears them through the first wgmma's scale-out), so an empty expert
-// gets M = 0 too, and when not accumulating zero_empty_experts_kernel writes its zeros.
-//
-// Tiles. Forward and B: cooperative 128x256x64 in 2x1 clusters (the two M tiles of a
-// cluster share the weight tile through TMA multicast), what PyTorch's grouped_mm runs for
-// bf16 at these sizes. W stores f32 and, accumulating, loads it too: pingpong 128x128x64,
-// whose two consumer warp groups overlap one tile's epilogue with the other's MMAs. The
-// model's O (1536, 2048) is a multiple of 256, so W's 2x1 clusters waste no tiles.
+// y and dx bf16, dw f32 with beta 1 (accumulate) or 0 (C is then never read). An empty
+// expert gets M = 0, so no tiles (in W, where its rows are the reduction, K = 0 would leave
+// accumulators uncleared: CUTLASS clears them through the first wgmma's scale-out); without
+// accumulation zero_empty_experts_kernel writes its zeros.
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
 
 #include <cute/tensor.hpp>
@@ -78,6 +64,8 @@ struct Config {
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>>;
 };
 
+// Forward and B cooperative 128x256x64, W pingpong 128x128x64, all in 2x1 clusters; why
+// these: docs/architecture.md (src/kernels, grouped_gemm).
 using Tile128x256 = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using Tile128x128 = cute::Shape<cute::_128, cute::_128, cute::_64>;
 using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
@@ -238,10 +226,9 @@ void launch(Plan<Gemm> p, const Tensor& offsets, int64_t experts, int64_t rows, 
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
   Carve measure{nullptr, cutlass_bytes};
   carve_groups<Gemm>(measure, p.experts);
-  // Device memory kept across calls, one per stream (runtime.h): CUTLASS's workspace (a
-  // TMA descriptor per SM and operand) followed by the per-expert arrays. Launches on one
-  // stream queue in order, so each one's arrays are written after the previous one has
-  // read its own.
+  // Kept across calls, one per stream (runtime.h): CUTLASS's workspace (a TMA descriptor
+  // per SM and operand), then the per-expert arrays. Launches on one stream queue in order,
+  // so each one's arrays are written after the previous one has read its own.
   char* ws = static_cast<char*>(stream_buffer(StreamBuffer::grouped_gemm, measure.used));
   Carve carve{ws, cutlass_bytes};
   p.out = carve_groups<Gemm>(carve, p.experts);

@@ -1,7 +1,7 @@
 // Ring attention's merge and accumulations on the GPU (contract in kernels/ring_merge.h).
-// The merge gives a warp to each (head, query row) of the block: lane 0's running lse
-// and the block's decide two weights, then the lanes rescale the row's Dh values.
-// Everything is f32 and elementwise per row, so results repeat bit for bit.
+// The merge gives a warp to each (head, query row) of the block: the running lse and the
+// block's decide two weights, the lanes rescale the row's Dh values. All f32, elementwise per
+// row, so results repeat bit for bit.
 
 #include <cmath>
 

@@ -15,8 +15,7 @@ namespace {
 constexpr int kRowsPerBlock = 8;  // one warp each
 constexpr int kThreads = 32 * kRowsPerBlock;
 
-// The products are grouped as in the CPU backend, so the two differ only in the order
-// of the row sums.
+// Products grouped as in the CPU backend: the two differ only in the order of the row sums.
 __global__ void rmsnorm_forward_kernel(In x, const float* w, float eps, int64_t n, int64_t d, Out y, float* rstd) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -45,10 +44,9 @@ __global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy
   for (int64_t c = lane; c < d; c += 32) dx.set(base + c, r * (w[c] * dy[base + c] - x[base + c] * r * dot));
 }
 
-// bf16 rows whose width is a multiple of 8 (every model's hidden size and head_dim):
-// each lane moves 8 elements, 16 bytes, per load and store instead of 2, which these
-// memory-bound passes need to approach the bandwidth. Same arithmetic per element; the
-// row sums add in another order.
+// bf16 rows whose width is a multiple of 8 (every model's hidden size and head_dim): a
+// lane moves 16 bytes per load and store instead of 2, which these memory-bound passes
+// need to approach the bandwidth. Same arithmetic per element; row sums in another order.
 __global__ void rmsnorm_forward_x8_kernel(const __nv_bfloat16* x, const float* w, float eps, int64_t n, int64_t d,
                                           __nv_bfloat16* y, float* rstd) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
@@ -113,10 +111,9 @@ __global__ void rmsnorm_dw_partial_kernel(In x, const float* rstd, In dy, int64_
 }
 
 // The same partial sums with 16-byte loads, for bf16 rows of d = 8 .. 2048 with d / 8
-// dividing the block: d / 8 threads cover a row, the block's 256 / (d / 8) row groups
-// walk the chunk's rows in an interleaved fixed order, then their sums are added in
-// group order through shared memory. Narrow rows (the q/k norms' head_dim over
-// millions of rows) keep every lane busy, where one thread per column left half idle.
+// dividing the block: d / 8 threads cover a row, the block's 256 / (d / 8) row groups walk
+// the chunk's rows in an interleaved fixed order, their sums added in group order through
+// shared memory. Narrow rows (q/k norms: head_dim over millions of rows) keep every lane busy.
 __global__ void rmsnorm_dw_partial_x8_kernel(const __nv_bfloat16* x, const float* rstd, const __nv_bfloat16* dy,
                                              int64_t n, int64_t d, int64_t rows_per_chunk, float* partial) {
   __shared__ float sums[kThreads * 8];  // [groups][d]

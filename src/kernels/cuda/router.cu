@@ -1,13 +1,8 @@
 // Router on the GPU: one warp per token, f32 throughout, same contract as the CPU backend.
-//
-// Selection ranks experts (and DeepSeek groups) by their logits, larger first, ties to
-// the lower id, exactly as the CPU backend does, so both pick the same experts from the
-// same f32 logits. The j-th pick is the best candidate strictly worse than the (j-1)-th
-// in that total order, which needs no "taken" flags and no per-token storage.
-//
-// idx comes from router_forward; router_backward checks it on the device (a bad entry
-// traps the kernel, reported at the next synchronising CUDA call) rather than on the
-// host, which would need a synchronisation.
+// Experts (and DeepSeek groups) are ranked by logit, ties to the lower id, as on the CPU;
+// the j-th pick is the best candidate strictly worse than the (j-1)-th in that order, so
+// no "taken" flags or per-token storage. router_backward checks idx on the device (a bad
+// entry traps the kernel) rather than on the host, which would need a synchronisation.
 
 #include <algorithm>
 
@@ -245,10 +240,9 @@ void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const T
   CUDA_CHECK_LAUNCH();
 }
 
-// Two passes in a fixed order, so the result does not depend on timing: block (x, c)
-// sums rows [c*kRows, (c+1)*kRows) of 128 columns in double (thread e walks column e,
-// neighbouring threads read neighbouring columns); then one thread per column adds the
-// chunks' partial sums in chunk order.
+// Two passes in a fixed order, so the result does not depend on timing: block (x, c) sums
+// rows [c*kRows, (c+1)*kRows) of 128 columns in double, a thread a column (neighbours read
+// neighbouring columns); then one thread per column adds the chunks' partials in order.
 constexpr int kProbSumRows = 256;
 
 __global__ void router_prob_partial_kernel(const float* probs, long long n, int e_n, double* partial) {
