@@ -1,10 +1,8 @@
 // Multi-tensor AdamW on the GPU: the list of parameter blocks travels in the kernel's
-// parameters, each thread block updates one chunk of one tensor, so a model's whole
-// optimizer step is one launch (one per kTableSize blocks).
-#include <cuda_bf16.h>
+// parameters and each thread block updates one chunk of one tensor: one launch per
+// kTableSize blocks.
 
 #include <algorithm>
-#include <cstdint>
 #include <cmath>
 
 #include "kernels/adamw.h"
@@ -54,18 +52,13 @@ struct Moments4 {
 };
 
 __device__ __forceinline__ Moments4 load4(const void* base, int64_t j, bool bf16) {
-  Moments4 r;
   if (bf16) {
     const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + j);
-    r.x[0] = __uint_as_float(raw.x << 16);
-    r.x[1] = __uint_as_float(raw.x & 0xffff0000u);
-    r.x[2] = __uint_as_float(raw.y << 16);
-    r.x[3] = __uint_as_float(raw.y & 0xffff0000u);
-  } else {
-    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + j);
-    r.x[0] = f.x, r.x[1] = f.y, r.x[2] = f.z, r.x[3] = f.w;
+    return {{__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u), __uint_as_float(raw.y << 16),
+             __uint_as_float(raw.y & 0xffff0000u)}};
   }
-  return r;
+  const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + j);
+  return {{f.x, f.y, f.z, f.w}};
 }
 
 // bf16: rounded stochastically with 16 bits of each element's noise, from bit `shift`.
@@ -74,10 +67,8 @@ __device__ __forceinline__ void store4(void* base, int64_t j, const Moments4& r,
   if (bf16) {
     uint16_t h[4];
     for (int e = 0; e < 4; ++e) h[e] = bf16_stochastic(__float_as_uint(r.x[e]), noise[e] >> shift);
-    uint2 raw;
-    raw.x = h[0] | (static_cast<uint32_t>(h[1]) << 16);
-    raw.y = h[2] | (static_cast<uint32_t>(h[3]) << 16);
-    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + j) = raw;
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + j) =
+        make_uint2(h[0] | (static_cast<uint32_t>(h[1]) << 16), h[2] | (static_cast<uint32_t>(h[3]) << 16));
   } else {
     *reinterpret_cast<float4*>(static_cast<float*>(base) + j) = make_float4(r.x[0], r.x[1], r.x[2], r.x[3]);
   }
@@ -119,13 +110,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
         for (int e = 0; e < 4; ++e) noise[e] = adamw_noise(key + static_cast<uint64_t>(j + e), t.step);
       store4(m, j, mj, bf16, noise, 0);
       store4(v, j, vj, bf16, noise, 16);
-      if (c != nullptr) {
-        __nv_bfloat162 lo2 = __floats2bfloat162_rn(pj.x, pj.y), hi2 = __floats2bfloat162_rn(pj.z, pj.w);
-        uint2 packed;
-        packed.x = *reinterpret_cast<uint32_t*>(&lo2);
-        packed.y = *reinterpret_cast<uint32_t*>(&hi2);
-        *reinterpret_cast<uint2*>(c + j) = packed;
-      }
+      if (c != nullptr) *reinterpret_cast<uint2*>(c + j) = make_uint2(pack_bf16(pj.x, pj.y), pack_bf16(pj.z, pj.w));
     }
     i = vec_end;
   }
@@ -198,7 +183,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
       t.m[j] = b.m.data;
       t.v[j] = b.v.data;
       t.key[j] = b.key;
-      t.c[j] = b.compute.data != nullptr ? static_cast<__nv_bfloat16*>(b.compute.data) : nullptr;
+      t.c[j] = bf16_data(b.compute);  // null without a compute copy
       t.n[j] = b.param.numel();
       t.decay[j] = b.decay ? with_decay : 1.0f;
       t.first_chunk[j] = chunks;

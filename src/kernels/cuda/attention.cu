@@ -1,31 +1,18 @@
-// Causal flash attention on the GPU: bf16 q/k/v/out/dout, f32 softmax statistics.
-//
-// Three tiled kernels, 4 warps a block, each warp owning 16 rows of its tile:
-//   forward  one block per 64 query rows of one (b, h), looping over 64-key tiles with
-//            an online softmax. Q stays in registers; K and V pass through shared
-//            memory, the next K tile loading while P V runs and V while Q K^T runs.
-//   dK, dV   one block per 64-key tile of one (b, kv head), looping over every query
-//            head of its group and every 32-row query tile that sees those keys (Q and
-//            dout double-buffered). The block owns its dK and dV rows: no atomics.
-//   dQ       one block per 64 query rows of one (b, h), looping over 32-key tiles
-//            (double-buffered). It recomputes Q K^T and dout V^T, two of the five
-//            products again, which is what keeps dQ free of atomics too.
-// Two small kernels go with the backward: delta = dout . out per row first, and the
-// dsinks reduction last. Every pass recomputes P from lse rather than storing it.
-// Nothing is accumulated in an order that depends on scheduling, so the same inputs
-// give the same bits every run.
-// The products run on the tensor cores through mma.sync m16n8k16 (bf16 in, f32
-// accumulate); wgmma and a warp-specialised pipeline are the later, faster version.
-// Heads are zero-padded to 64 or 128 columns in shared memory, so any head_dim up to
-// 128 works (small ones pay for the padding).
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
+// Causal flash attention on the GPU (docs/architecture.md, src/kernels, has the design):
+// bf16 q/k/v/out/dout, f32 softmax statistics, mma.sync m16n8k16 on the tensor cores, 4 warps
+// a block of 16 rows each, heads zero-padded to 64 or 128 columns in shared memory.
+//   forward  a block per 64 query rows of one (b, h), over 64-key tiles, online softmax
+//   dK, dV   a block per 64-key tile of one (b, kv head), over its group's query heads
+//   dQ       a block per 64 query rows of one (b, h), over 32-key tiles, recomputing Q K^T
+//            and dout V^T rather than adding into dQ with atomics
+// delta = dout . out runs first, dsinks last. P is recomputed from lse in every pass and
+// nothing is accumulated in a scheduling-dependent order, so runs repeat bit for bit.
 
 #include <cmath>
-#include <cstdint>
 
 #include "kernels/attention.h"
 #include "kernels/cuda/attention_cudnn.h"
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
 
 namespace mt::cuda {
@@ -119,11 +106,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // Fragments from a shared tile with row stride S elements (ldmatrix: lane l names a row
 // of one of four 8x8 matrices). An A operand at rows m0.., columns k0..: a[0..3].
 template <int S>
@@ -143,6 +125,13 @@ template <int S>
 __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* tile, int k0, int n0) {
   const int l = threadIdx.x % 32;
   ldmatrix_x4(b, tile + (k0 + l % 8 + (l / 8) % 2 * 8) * S + n0 + l / 16 * 8, true);
+}
+
+// c[t] += a b[0..1], c[t + 1] += a b[2..3]: the two n-tiles of a B pair from load_b_nk/kn.
+template <int N>
+__device__ __forceinline__ void mma_pair(float (&c)[N][4], int t, const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  mma(c[t], a, b[0], b[1]);
+  mma(c[t + 1], a, b[2], b[3]);
 }
 
 // Two accumulator n-tiles (16x8 each, C layout) are one A fragment over their 16 columns.
@@ -185,9 +174,7 @@ __device__ void load_tile(bf16* tile, const bf16* head0, long long stride, int t
 }
 
 template <int DP>
-constexpr int forward_smem() {
-  return 3 * 64 * (DP + 8) * 2;
-}
+constexpr int forward_smem = 3 * 64 * (DP + 8) * 2;
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
@@ -240,15 +227,13 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t kb[4];
         load_b_nk<S>(kb, ks, np * 16, kk * 16);
-        mma(s[2 * np], qa[kk], kb[0], kb[1]);
-        mma(s[2 * np + 1], qa[kk], kb[2], kb[3]);
+        mma_pair(s, 2 * np, qa[kk], kb);
       }
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale_log2;
-    // Only tiles on the diagonal or the window's edge need the per-element mask; the
-    // test is hoisted so the other tiles skip its index arithmetic.
+    // Only tiles on the diagonal or the window's edge need the per-element mask.
     if (!all_visible(p, i0, i_last, j0, j0 + BN - 1)) {
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt)
@@ -295,8 +280,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
       for (int dp = 0; dp < DP / 16; ++dp) {
         uint32_t vb[4];
         load_b_kn<S>(vb, vs, kk * 16, dp * 16);
-        mma(acc[2 * dp], pa, vb[0], vb[1]);
-        mma(acc[2 * dp + 1], pa, vb[2], vb[3]);
+        mma_pair(acc, 2 * dp, pa, vb);
       }
     }
     cp_async_wait_all();
@@ -335,8 +319,7 @@ __global__ void delta_kernel(Params p) {
   const bf16* g = p.dout + row * p.d;
   float s = 0.0f;
   for (int c = lane; c < p.d; c += 32) s += __bfloat162float(o[c]) * __bfloat162float(g[c]);
-#pragma unroll
-  for (int w = 16; w > 0; w /= 2) s += __shfl_xor_sync(0xffffffffu, s, w);
+  s = warp_sum(s);
   const int h = static_cast<int>(row % p.hq);
   const long long bi = row / p.hq;
   const int b = static_cast<int>(bi / p.tq), i = static_cast<int>(bi % p.tq);
@@ -363,9 +346,7 @@ __global__ void dsinks_kernel(Params p) {
 }
 
 template <int DP>
-constexpr int dkdv_smem() {
-  return (2 * 64 + 4 * 32) * (DP + 8) * 2 + 4 * 32 * 4;
-}
+constexpr int dkdv_smem = (2 * 64 + 4 * 32) * (DP + 8) * 2 + 4 * 32 * 4;
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
@@ -436,10 +417,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
         uint32_t qb[4], gb[4];
         load_b_nk<S>(qb, qt, np * 16, kk * 16);
         load_b_nk<S>(gb, gt, np * 16, kk * 16);
-        mma(s[2 * np], ka, qb[0], qb[1]);
-        mma(s[2 * np + 1], ka, qb[2], qb[3]);
-        mma(dpt[2 * np], va, gb[0], gb[1]);
-        mma(dpt[2 * np + 1], va, gb[2], gb[3]);
+        mma_pair(s, 2 * np, ka, qb);
+        mma_pair(dpt, 2 * np, va, gb);
       }
     }
     // P^T = exp(S^T - lse) and dS^T = P^T (dP^T - D). Masked entries are then set to
@@ -472,10 +451,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
         uint32_t gb[4], qb[4];
         load_b_kn<S>(gb, gt, kk * 16, dp * 16);
         load_b_kn<S>(qb, qt, kk * 16, dp * 16);
-        mma(dv[2 * dp], pa, gb[0], gb[1]);
-        mma(dv[2 * dp + 1], pa, gb[2], gb[3]);
-        mma(dk[2 * dp], da, qb[0], qb[1]);
-        mma(dk[2 * dp + 1], da, qb[2], qb[3]);
+        mma_pair(dv, 2 * dp, pa, gb);
+        mma_pair(dk, 2 * dp, da, qb);
       }
     }
   }
@@ -499,9 +476,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
 }
 
 template <int DP>
-constexpr int dq_smem() {
-  return (2 * 64 + 4 * 32) * (DP + 8) * 2;
-}
+constexpr int dq_smem = (2 * 64 + 4 * 32) * (DP + 8) * 2;
 
 template <int DP>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
@@ -575,10 +550,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
         uint32_t kb[4], vb[4];
         load_b_nk<S>(kb, kt, np * 16, kk * 16);
         load_b_nk<S>(vb, vt, np * 16, kk * 16);
-        mma(s[2 * np], qa[kk], kb[0], kb[1]);
-        mma(s[2 * np + 1], qa[kk], kb[2], kb[3]);
-        mma(dpv[2 * np], ga[kk], vb[0], vb[1]);
-        mma(dpv[2 * np + 1], ga[kk], vb[2], vb[3]);
+        mma_pair(s, 2 * np, qa[kk], kb);
+        mma_pair(dpv, 2 * np, ga[kk], vb);
       }
     // P = exp(S - lse), masked entries then exactly 0 (see the dK/dV kernel).
 #pragma unroll
@@ -605,8 +578,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
       for (int dp = 0; dp < DP / 16; ++dp) {
         uint32_t kb[4];
         load_b_kn<S>(kb, kt, kk * 16, dp * 16);
-        mma(dq[2 * dp], da, kb[0], kb[1]);
-        mma(dq[2 * dp + 1], da, kb[2], kb[3]);
+        mma_pair(dq, 2 * dp, da, kb);
       }
     }
   }
@@ -625,13 +597,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   }
 }
 
-bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
-
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
-
-// Checks the inputs (bf16 on the GPU, f32 sinks) and fills the parameters all kernels share.
+// Checks the inputs and the forward's outputs and fills the parameters all kernels share.
 Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
-                   const cpu::AttentionArgs& a) {
+                   const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
   MT_CHECK(q.ndim() == 4 && k.ndim() == 4) << "attention q should be [B,Tq,Hq,D] and k [B,Tk,Hkv,D], got q "
                                            << q.str() << ", k " << k.str();
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
@@ -641,12 +609,12 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   MT_CHECK(hkv > 0 && hq % hkv == 0) << "attention query heads " << hq << " not a multiple of kv heads " << hkv;
   MT_CHECK(d >= 1 && d <= 128) << "cuda attention supports head_dim 1..128, got " << d;
   MT_CHECK(a.window >= 0) << "attention window must be >= 0, got " << a.window;
-  const bool has_sinks = present(sinks);
+  const bool has_sinks = sinks.defined() && sinks.numel() > 0;
   if (has_sinks) check_arg(sinks, "attention sinks", {DType::f32}, {hq});
   Params p{};
-  p.q = static_cast<const bf16*>(q.data);
-  p.k = static_cast<const bf16*>(k.data);
-  p.v = static_cast<const bf16*>(v.data);
+  p.q = bf16_data(q);
+  p.k = bf16_data(k);
+  p.v = bf16_data(v);
   p.sinks = has_sinks ? sinks.f32() : nullptr;
   p.b = static_cast<int>(b);
   p.tq = static_cast<int>(tq);
@@ -659,7 +627,9 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   p.window = a.window;
   p.scale = a.scale;
   p.scale_log2 = a.scale * kLog2e;
-  p.vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
+  p.vec = d % 8 == 0 && aligned16(q.data) && aligned16(k.data) && aligned16(v.data);
+  check_arg(out, "attention out", {DType::bf16}, q.shape);
+  check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
   return p;
 }
 
@@ -678,27 +648,23 @@ unsigned tiles(int n, int per) { return static_cast<unsigned>((n + per - 1) / pe
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                        const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
-  Params p = make_params(q, k, v, sinks, a);
-  check_arg(out, "attention out", {DType::bf16}, q.shape);
-  check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
+  Params p = make_params(q, k, v, sinks, a, out, lse);
   // cuDNN's fused kernels where they compute exactly this (attention_cudnn.h), ours otherwise.
   if (cudnn_attention_forward(q, k, v, sinks, a, out, lse)) return;
-  p.o = static_cast<bf16*>(out.data);
+  p.o = bf16_data(out);
   p.lse_out = lse.f32();
-  p.vec = p.vec && aligned16(out);
+  p.vec = p.vec && aligned16(out.data);
   const dim3 grid(tiles(p.tq, 64), p.hq, p.b);
   if (p.d <= 64)
-    launch(forward_kernel<64>, grid, forward_smem<64>(), p);
+    launch(forward_kernel<64>, grid, forward_smem<64>, p);
   else
-    launch(forward_kernel<128>, grid, forward_smem<128>(), p);
+    launch(forward_kernel<128>, grid, forward_smem<128>, p);
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                         const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dsinks) {
-  Params p = make_params(q, k, v, sinks, a);
-  check_arg(out, "attention out", {DType::bf16}, q.shape);
-  check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
+  Params p = make_params(q, k, v, sinks, a, out, lse);
   check_arg(dout, "attention dout", {DType::bf16}, q.shape);
   check_arg(dq, "attention dq", {DType::bf16}, q.shape);
   check_arg(dk, "attention dk", {DType::bf16}, k.shape);
@@ -708,26 +674,26 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
     p.dsinks = dsinks.f32();
   }
   if (cudnn_attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv)) return;
-  p.out = static_cast<const bf16*>(out.data);
-  p.dout = static_cast<const bf16*>(dout.data);
+  p.out = bf16_data(out);
+  p.dout = bf16_data(dout);
   p.lse = lse.f32();
-  p.dq = static_cast<bf16*>(dq.data);
-  p.dk = static_cast<bf16*>(dk.data);
-  p.dv = static_cast<bf16*>(dv.data);
-  p.vec = p.vec && aligned16(dout);
+  p.dq = bf16_data(dq);
+  p.dk = bf16_data(dk);
+  p.dv = bf16_data(dv);
+  p.vec = p.vec && aligned16(dout.data);
   const long long rows = static_cast<long long>(p.b) * p.tq * p.hq;
   p.delta = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(rows)));
   if (rows > 0) {
-    delta_kernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream()>>>(p);
+    delta_kernel<<<blocks_for(rows, kWarps), kThreads, 0, stream()>>>(p);
     CUDA_CHECK_LAUNCH();
   }
   const dim3 kv_grid(tiles(p.tk, 64), p.hkv, p.b), q_grid(tiles(p.tq, 64), p.hq, p.b);
   if (p.d <= 64) {
-    launch(dkdv_kernel<64>, kv_grid, dkdv_smem<64>(), p);
-    launch(dq_kernel<64>, q_grid, dq_smem<64>(), p);
+    launch(dkdv_kernel<64>, kv_grid, dkdv_smem<64>, p);
+    launch(dq_kernel<64>, q_grid, dq_smem<64>, p);
   } else {
-    launch(dkdv_kernel<128>, kv_grid, dkdv_smem<128>(), p);
-    launch(dq_kernel<128>, q_grid, dq_smem<128>(), p);
+    launch(dkdv_kernel<128>, kv_grid, dkdv_smem<128>, p);
+    launch(dq_kernel<128>, q_grid, dq_smem<128>, p);
   }
   if (p.sinks != nullptr && p.hq > 0) {
     dsinks_kernel<<<static_cast<unsigned>(p.hq), kThreads, 0, stream()>>>(p);

@@ -1,9 +1,8 @@
-// cuDNN SDPA graphs for attention (see attention_cudnn.h): when they apply, how they are
-// built and cached, and how they run. Host code only; the kernels are cuDNN's.
-//
-// cuDNN's tensors are [B,H,S,D] by dims; ours are [B,S,H,D] in memory, which is the same
-// tensor with strides {S*H*D, D, H*D, 1}, so nothing is transposed. Only bf16 reaches
-// here (attention.cu accepts nothing else), so the dtype is not part of a graph's key.
+// cuDNN SDPA graphs for attention (when they apply: attention_cudnn.h): how they are built,
+// cached and run. Host code only; the kernels are cuDNN's. cuDNN's tensors are [B,H,S,D]
+// by dims; ours are [B,S,H,D] in memory, the same tensor with strides {S*H*D, D, H*D, 1},
+// so nothing is transposed. Only bf16 reaches here (attention.cu accepts nothing else), so
+// the dtype is not part of a graph's key.
 #include "kernels/cuda/attention_cudnn.h"
 
 // The frontend's JSON (de)serialisation of graphs is not used; leaving it out keeps its
@@ -126,8 +125,7 @@ void set_stats(fe::graph::Tensor_attributes& t, const GraphKey& k) {
       .set_stride({k.hq * k.tq, k.tq, 1, 1});
 }
 
-// The forward (O and Stats) or backward (dQ, dK, dV) graph of a key, built for this GPU.
-// Returns cuDNN's complaint when it cannot.
+// Builds a key's forward (O, Stats) or backward (dQ, dK, dV) graph; returns cuDNN's complaint if it cannot.
 std::string build(const GraphKey& k, Plan& plan) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::BFLOAT16)
@@ -167,8 +165,7 @@ std::string build(const GraphKey& k, Plan& plan) {
   return "";
 }
 
-// The cached plan of a key, built on first use; null when cuDNN declined it (reported
-// once, when it did).
+// The cached plan of a key, built on first use; null when cuDNN declined it (reported once).
 Plan* plan_for(const GraphKey& k) {
   State& s = state();
   auto [it, fresh] = s.plans.try_emplace(k);
@@ -184,10 +181,7 @@ Plan* plan_for(const GraphKey& k) {
   return it->second.graph ? &it->second : nullptr;
 }
 
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
-
-// Whether cuDNN computes this case exactly as our kernel does (header comment); if so,
-// fills the forward's key.
+// Whether cuDNN computes this case exactly as our kernel does (header comment); if so, fills key.
 bool applies(const Tensor& q, const Tensor& k, const Tensor& sinks, const cpu::AttentionArgs& a, GraphKey& key) {
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
   if (!state().enabled || (sinks.data != nullptr && sinks.numel() > 0) || a.window != 0) return false;
@@ -200,8 +194,11 @@ bool applies(const Tensor& q, const Tensor& k, const Tensor& sinks, const cpu::A
 }
 
 // Runs a key's plan on the variant pack; false (nothing written that our kernel will not
-// overwrite) when there is no plan or cuDNN refuses to execute it.
+// overwrite) when a tensor is not 16-byte aligned, there is no plan or cuDNN refuses to
+// execute it.
 bool run(const GraphKey& key, std::unordered_map<int64_t, void*>& pack) {
+  for (const auto& [uid, data] : pack)
+    if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
   if (handle() == nullptr) return false;
   Plan* plan = plan_for(key);
   if (plan == nullptr) return false;
@@ -244,8 +241,6 @@ bool cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   std::lock_guard<std::mutex> lock(state_mutex());
   GraphKey key{};
   if (!applies(q, k, sinks, a, key)) return false;
-  for (const Tensor* t : {&q, &k, &v, &out, &lse})
-    if (!aligned16(*t)) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kO, out.data},
                                           {kStats, lse.data}};
   return run(key, pack);
@@ -258,8 +253,6 @@ bool cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   GraphKey key{};
   if (!applies(q, k, sinks, a, key)) return false;
   key.backward = true;
-  for (const Tensor* t : {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv})
-    if (!aligned16(*t)) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, q.data},       {kK, k.data},      {kV, v.data},
                                           {kO, out.data},     {kStats, lse.data}, {kDO, dout.data},
                                           {kDQ, dq.data},     {kDK, dk.data},     {kDV, dv.data}};

@@ -1,6 +1,7 @@
-// Device-side helpers the kernel files share: float views of f32-or-bf16 buffers and
-// block reductions. Kernels compute in f32 and choose the storage type per launch
-// with a uniform branch, which keeps one kernel per op instead of one per dtype pair.
+// Device-side helpers the kernel files share: float views of f32-or-bf16 buffers, 16-byte
+// bf16 loads and stores, warp and block sums, grid-stride loops. Kernels compute in f32
+// and choose the storage type per launch with a uniform branch, which keeps one kernel
+// per op instead of one per dtype pair.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -33,12 +34,51 @@ struct Out {
   __device__ float get(int64_t i) const { return In{p, bf16}[i]; }
 };
 
+// A bf16 tensor's elements (the caller has checked its dtype).
+inline __nv_bfloat16* bf16_data(const Tensor& t) { return static_cast<__nv_bfloat16*>(t.data); }
+
 inline In as_in(const Tensor& t) { return In{t.data, t.dtype == DType::bf16}; }
 inline Out as_out(const Tensor& t) { return Out{t.data, t.dtype == DType::bf16}; }
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 inline unsigned blocks_for(int64_t work, int threads) {
   int64_t b = (work + threads - 1) / threads;
   return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+// 8 consecutive bf16 (16-byte aligned) as f32 in one load, and back (round to nearest even).
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) {
+  uint4 u;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Two f32 as one packed bf16 pair (round to nearest even), lo in the low half.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Sum over the warp (a butterfly: every lane gets the same total).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
 // Sum over the block of a per-thread value; every thread gets the total. The order of
@@ -46,7 +86,7 @@ inline unsigned blocks_for(int64_t work, int threads) {
 // one T per warp; blockDim.x is a multiple of 32.
 template <typename T>
 __device__ T block_sum(T v, T* shared) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_sum(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   __syncthreads();  // `shared` may still be read by a previous call
   if (lane == 0) shared[warp] = v;
@@ -55,6 +95,10 @@ __device__ T block_sum(T v, T* shared) {
   for (int w = 0; w < warps; ++w) total += shared[w];
   return total;
 }
+
+// A grid-stride loop: i over [0, n) from this thread's index, in steps of the grid's size.
+#define MT_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < (n); i += int64_t{gridDim.x} * blockDim.x)
 
 // Multi-tensor launches: block b works on the last tensor whose first chunk is <= b
 // (first_chunk is non-decreasing over `count` tensors).

@@ -1,6 +1,6 @@
-// Fused softmax cross-entropy on the GPU over f32 or bf16 logits: one block per row,
-// an online max/sum in one read of the row, lse kept in f32, the loss summed in double
-// on the device; the backward overwrites the logits (or writes a separate buffer).
+// Fused softmax cross-entropy on the GPU over f32 or bf16 logits: a block per row, one
+// online max/sum read, lse f32, the loss summed in double on the device; the backward
+// overwrites the logits (or writes a separate buffer).
 #include <cmath>
 
 #include "kernels/cross_entropy.h"
@@ -13,9 +13,7 @@ namespace {
 
 constexpr int kThreads = 512;
 
-// A row is read in 16-byte chunks (8 bf16 or 4 f32 values) when its length and base
-// allow it, else element by element.
-__device__ int chunk_width(bool bf16) { return bf16 ? 8 : 4; }
+// Rows are read in 16-byte chunks (8 bf16 or 4 f32) when length and base allow, else singly.
 
 __device__ void load_chunk(const void* row, bool bf16, int64_t q, float* v) {
   const uint4 u = static_cast<const uint4*>(row)[q];
@@ -90,7 +88,7 @@ __global__ void ce_forward_kernel(In logits, const int32_t* labels, int32_t igno
   const void* base = static_cast<const char*>(logits.p) + row * v * (logits.bf16 ? 2 : 4);
   MaxSum st;
   if (vec) {
-    const int w = chunk_width(logits.bf16);
+    const int w = logits.bf16 ? 8 : 4;
     float buf[8];
     for (int64_t q = threadIdx.x; q < v / w; q += blockDim.x) {
       load_chunk(base, logits.bf16, q, buf);
@@ -146,7 +144,7 @@ __global__ void ce_backward_kernel(In logits, const int32_t* labels, const float
     return j == y ? g - scale : g;
   };
   if (vec) {
-    const int w = chunk_width(logits.bf16);
+    const int w = logits.bf16 ? 8 : 4;
     float buf[8];
     for (int64_t q = threadIdx.x; q < v / w; q += blockDim.x) {
       load_chunk(in_row, logits.bf16, q, buf);
@@ -159,8 +157,6 @@ __global__ void ce_backward_kernel(In logits, const int32_t* labels, const float
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) o.set(j, grad(j, r[j]));
   }
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 void check_args(const Tensor& logits, const Tensor& labels, const Tensor& lse) {
   MT_CHECK(logits.ndim() == 2) << "cross-entropy logits should be [N,V], got " << logits.str();

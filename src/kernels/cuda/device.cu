@@ -1,8 +1,5 @@
-// CUDA device discovery for `moetrain --version` and the trainer's device choice.
-// The op kernels arrive with the CUDA backend; this file is what proves, on machines
-// without a GPU (CI), that the CUDA toolchain compiles and links the project.
-#include <cuda_runtime.h>
-
+// CUDA device discovery for `moetrain --version` and the trainer's device choice, and the
+// device memory this process holds (device.h).
 #include "kernels/cuda/device.h"
 
 namespace mt::cuda {
@@ -11,6 +8,18 @@ namespace {
 
 // Touches the device once so a broken driver/runtime pairing is found at start-up.
 __global__ void probe_kernel(int* out) { *out = 1; }
+
+size_t in_use() {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return total - free;
+}
+
+size_t g_baseline = 0;
+bool g_noted = false;
 
 }  // namespace
 
@@ -41,22 +50,6 @@ DeviceInfo query_device() {
   }
   return info;
 }
-
-namespace {
-
-size_t in_use() {
-  size_t free = 0, total = 0;
-  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return total - free;
-}
-
-size_t g_baseline = 0;
-bool g_noted = false;
-
-}  // namespace
 
 void note_memory_baseline() {
   if (g_noted) return;

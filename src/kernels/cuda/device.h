@@ -17,10 +17,9 @@ struct DeviceInfo {
 
 DeviceInfo query_device();
 
-// Device memory this process holds on its GPU: what cudaMemGetInfo reports in use now,
-// less what was in use when note_memory_baseline first ran (the context made). So it
-// counts the pools' reservations, library workspaces and handles, not just tensors,
-// and assumes no other process allocates on the GPU meanwhile. 0 without a GPU.
+// Device memory this process holds on its GPU: in use now (cudaMemGetInfo) less in use when
+// note_memory_baseline first ran (the context made), so pools' reservations, library
+// workspaces and handles count too; assumes no other process allocates on it. 0 without a GPU.
 void note_memory_baseline();
 size_t memory_held();
 

@@ -1,28 +1,13 @@
-// Token <-> expert permutations on the GPU, same contract as the CPU backend; the
-// activations are bf16 and every weighted sum is taken in f32.
-//
-// dispatch_plan is a stable counting sort in three launches over chunks of slots:
-// count (a histogram per chunk), scan (per expert over the chunks, then over the
-// experts), place. Within a chunk one warp walks the slots in order, 32 at a time, and
-// ranks equal experts among the 32 with __match_any_sync, so a slot's row depends only on
-// the slots before it: the plan is the CPU's, bit for bit, with no atomics.
-//
-// dispatch_plan returns the dropped count on the host, which needs a synchronisation;
-// without a capacity nothing is dropped, so that case returns 0 without one (and stays
-// capturable in a CUDA graph). dispatch_sort, the expert-parallel plan's form of the same
-// sort, returns nothing and never synchronises. Indices are checked on the device: a bad
-// one traps the kernel, reported at the next synchronising CUDA call, instead of reading
-// or writing out of bounds; a host-side check would need a synchronisation on every call.
-//
-// The expert-parallel plan's elementwise steps (ep_*) are a thread per slot or row, and
-// read_counts brings a plan's counts to the host through pinned memory and an event.
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
+// Token <-> expert permutations on the GPU (contract, and when each call synchronises:
+// kernels/dispatch.h; the sort's design: docs/architecture.md, src/kernels): bf16
+// activations, every weighted sum in f32. The sort is a stable counting sort in three
+// launches (count, scan, place) whose placement ranks equal experts with __match_any_sync,
+// so the plan is the CPU's, bit for bit, with no atomics. A bad index traps the kernel
+// (reported at the next synchronising CUDA call): a host-side check would synchronise.
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
 #include "kernels/dispatch.h"
 
@@ -134,31 +119,18 @@ __global__ void plan_place_kernel(Plan p) {
 // W consecutive bf16 as f32 (W = 8: one 16-byte access), and back with round to nearest.
 template <int W>
 __device__ __forceinline__ void load(const bf16* src, float (&f)[W]) {
-  if constexpr (W == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(src);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 x = __bfloat1622float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  } else {
+  if constexpr (W == 8)
+    load8(src, f);
+  else
     f[0] = __bfloat162float(*src);
-  }
 }
 
 template <int W>
 __device__ __forceinline__ void store(bf16* dst, const float (&f)[W]) {
-  if constexpr (W == 8) {
-    uint4 u;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<uint4*>(dst) = u;
-  } else {
+  if constexpr (W == 8)
+    store8(dst, f);
+  else
     *dst = __float2bfloat16(f[0]);
-  }
 }
 
 struct Gather {
@@ -247,12 +219,17 @@ __global__ void combine_backward_kernel(Gather g) {
   }
 }
 
-// The vector path wants every row 16-byte aligned.
 bool rows_aligned(int64_t d, std::initializer_list<const void*> ptrs) {
   if (d % 8 != 0) return false;
   for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (!aligned16(p)) return false;
   return true;
+}
+
+// The gathers: one block per expert-ordered row (dispatch forward) or per token.
+void launch(void (*kernel)(Gather), int64_t blocks, const Gather& g) {
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(g);
+  CUDA_CHECK_LAUNCH();
 }
 
 // [N*k] i32 slot_row for N tokens, as the CPU backend wants it; returns k.
@@ -264,11 +241,15 @@ int64_t check_slot_row(const Tensor& slot_row, int64_t tokens) {
   return tokens == 0 ? 0 : slot_row.dim(0) / tokens;
 }
 
-// The sort's three launches; `dropped` (device) receives the slots the capacity dropped
-// and `hist` holds chunks * num_buckets counts.
+// The device buffer of a sort of `slots` slots: the count of slots the capacity dropped,
+// then (from byte 256) the histogram, chunks * num_buckets counts.
+size_t sort_bytes(int64_t slots, int64_t num_buckets) {
+  return 256 + sizeof(int32_t) * static_cast<size_t>((slots + kChunk - 1) / kChunk * num_buckets);
+}
+
+// The sort's three launches, with `buffer` of sort_bytes.
 void launch_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, int lowest, const Tensor& counts,
-                 const Tensor& offsets, const Tensor& order, const Tensor& slot_row, long long* dropped,
-                 int32_t* hist) {
+                 const Tensor& offsets, const Tensor& order, const Tensor& slot_row, char* buffer) {
   const int64_t slots = idx.dim(0) * idx.dim(1);
   Plan p{};
   p.idx = idx.i32();
@@ -276,8 +257,8 @@ void launch_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, int l
   p.offsets = offsets.i32();
   p.order = order.i32();
   p.slot_row = slot_row.i32();
-  p.dropped = dropped;
-  p.hist = hist;
+  p.dropped = reinterpret_cast<long long*>(buffer);
+  p.hist = reinterpret_cast<int32_t*>(buffer + 256);
   p.slots = static_cast<int>(slots);
   p.experts = static_cast<int>(num_buckets);
   p.chunks = static_cast<int>((slots + kChunk - 1) / kChunk);
@@ -320,13 +301,10 @@ int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, 
   const int64_t slots = idx.dim(0) * idx.dim(1);
   MT_CHECK(order.dim(0) >= slots)
       << "dispatch order should be i32 with at least " << slots << " entries, got " << order.str();
-  // The backend's scratch holds the dropped count, then the per-chunk histogram.
-  const int64_t chunks = (slots + kChunk - 1) / kChunk;
-  const size_t hist_bytes = sizeof(int32_t) * static_cast<size_t>(chunks * num_experts);
-  char* buffer = static_cast<char*>(scratch(hist_bytes + 256));
-  long long* dropped_d = reinterpret_cast<long long*>(buffer);
-  launch_sort(idx, num_experts, capacity, 0, counts, offsets, order, slot_row, dropped_d,
-              reinterpret_cast<int32_t*>(buffer + 256));
+  // The sort's buffer is the backend's scratch.
+  char* buffer = static_cast<char*>(scratch(sort_bytes(slots, num_experts)));
+  launch_sort(idx, num_experts, capacity, 0, counts, offsets, order, slot_row, buffer);
+  const long long* dropped_d = reinterpret_cast<const long long*>(buffer);
   long long dropped = 0;
   if (capacity > 0) {
     CUDA_CHECK(cudaMemcpyAsync(&dropped, dropped_d, sizeof(dropped), cudaMemcpyDeviceToHost, stream()));
@@ -338,13 +316,10 @@ int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, 
 void dispatch_sort(const Tensor& buckets, int64_t num_buckets, int64_t capacity, const Tensor& counts,
                    const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
   check_sort_args(buckets, num_buckets, capacity, counts, offsets, order, slot_row);
-  // Its own stream-ordered histogram rather than the shared scratch(), whose growth
+  // Its own stream-ordered buffer rather than the shared scratch(), whose growth
   // would synchronise, and which the plan may one day use from another stream.
-  const int64_t chunks = (buckets.numel() + kChunk - 1) / kChunk;
-  const size_t bytes = 256 + sizeof(int32_t) * static_cast<size_t>(chunks * num_buckets);
-  char* buffer = static_cast<char*>(stream_alloc(bytes));
-  launch_sort(buckets, num_buckets, capacity, -1, counts, offsets, order, slot_row,
-              reinterpret_cast<long long*>(buffer), reinterpret_cast<int32_t*>(buffer + 256));
+  char* buffer = static_cast<char*>(stream_alloc(sort_bytes(buckets.numel(), num_buckets)));
+  launch_sort(buckets, num_buckets, capacity, -1, counts, offsets, order, slot_row, buffer);
   stream_free(buffer);
 }
 
@@ -358,13 +333,10 @@ void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Ten
       << "dispatch order should be i32 with at least " << rows << " entries, got " << order.str();
   check_arg(order, "dispatch order", {DType::i32}, order.shape);
   if (rows == 0 || d == 0) return;
-  Gather g{static_cast<const bf16*>(x.data), static_cast<bf16*>(xs.data), order.i32(), nullptr, nullptr, nullptr,
-           static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  if (rows_aligned(d, {x.data, xs.data}))
-    dispatch_forward_kernel<8><<<static_cast<unsigned>(rows), kThreads, 0, stream()>>>(g);
-  else
-    dispatch_forward_kernel<1><<<static_cast<unsigned>(rows), kThreads, 0, stream()>>>(g);
-  CUDA_CHECK_LAUNCH();
+  Gather g{bf16_data(x), bf16_data(xs), order.i32(), nullptr, nullptr, nullptr, static_cast<int>(rows),
+           static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  const bool wide = rows_aligned(d, {x.data, xs.data});
+  launch(wide ? dispatch_forward_kernel<8> : dispatch_forward_kernel<1>, rows, g);
 }
 
 void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& dx) {
@@ -375,13 +347,10 @@ void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& 
   check_arg(dx, "dispatch dx", {DType::bf16}, {n, d});
   const int64_t k = check_slot_row(slot_row, n);
   if (n == 0 || d == 0) return;
-  Gather g{static_cast<const bf16*>(dxs.data), static_cast<bf16*>(dx.data), slot_row.i32(), nullptr, nullptr,
-           nullptr, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  if (rows_aligned(d, {dxs.data, dx.data}))
-    gather_sum_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  else
-    gather_sum_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  CUDA_CHECK_LAUNCH();
+  Gather g{bf16_data(dxs), bf16_data(dx), slot_row.i32(), nullptr, nullptr, nullptr, static_cast<int>(rows),
+           static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  const bool wide = rows_aligned(d, {dxs.data, dx.data});
+  launch(wide ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
 }
 
 void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y) {
@@ -394,13 +363,10 @@ void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_
   check_arg(y, "combine y", {DType::bf16}, {n, d});
   check_arg(slot_row, "combine slot_row", {DType::i32}, {n * k});
   if (n == 0 || d == 0) return;
-  Gather g{static_cast<const bf16*>(ys.data), static_cast<bf16*>(y.data), slot_row.i32(), weight.f32(), nullptr,
-           nullptr, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  if (rows_aligned(d, {ys.data, y.data}))
-    gather_sum_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  else
-    gather_sum_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  CUDA_CHECK_LAUNCH();
+  Gather g{bf16_data(ys), bf16_data(y), slot_row.i32(), weight.f32(), nullptr, nullptr, static_cast<int>(rows),
+           static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  const bool wide = rows_aligned(d, {ys.data, y.data});
+  launch(wide ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
 }
 
 void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
@@ -416,21 +382,15 @@ void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot
   check_arg(dweight, "combine dweight", {DType::f32}, {n, k});
   check_arg(slot_row, "combine slot_row", {DType::i32}, {n * k});
   if (n == 0) return;
-  Gather g{static_cast<const bf16*>(dy.data), static_cast<bf16*>(dys.data), slot_row.i32(), weight.f32(),
-           static_cast<const bf16*>(ys.data), dweight.f32(), static_cast<int>(rows), static_cast<int>(n),
-           static_cast<int>(d), static_cast<int>(k)};
-  if (rows_aligned(d, {ys.data, dy.data, dys.data}))
-    combine_backward_kernel<8><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  else
-    combine_backward_kernel<1><<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(g);
-  CUDA_CHECK_LAUNCH();
+  Gather g{bf16_data(dy), bf16_data(dys), slot_row.i32(), weight.f32(), bf16_data(ys), dweight.f32(),
+           static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
+  const bool wide = rows_aligned(d, {ys.data, dy.data, dys.data});
+  launch(wide ? combine_backward_kernel<8> : combine_backward_kernel<1>, n, g);
 }
 
 namespace {
 
 constexpr int kIndexThreads = 256;
-
-unsigned index_blocks(int64_t n) { return static_cast<unsigned>((n + kIndexThreads - 1) / kIndexThreads); }
 
 __global__ void ep_row_buckets_kernel(const int32_t* idx, int32_t* buckets, int slots, int k, int per, int experts) {
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
@@ -518,7 +478,7 @@ void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const T
   check_arg(idx, "ep_row_buckets idx", {DType::i32}, {n, k});
   check_arg(buckets, "ep_row_buckets buckets", {DType::i32}, {n, k});
   if (n * k == 0) return;
-  ep_row_buckets_kernel<<<index_blocks(n * k), kIndexThreads, 0, stream()>>>(
+  ep_row_buckets_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
       idx.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(per),
       static_cast<int>(num_experts));
   CUDA_CHECK_LAUNCH();
@@ -533,7 +493,7 @@ void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, co
   check_arg(sent_slot, "ep_send_buckets sent_slot", {DType::i32}, {rows});
   check_arg(buckets, "ep_send_buckets buckets", {DType::i32}, {rows, k});
   if (rows * k == 0) return;
-  ep_send_buckets_kernel<<<index_blocks(rows * k), kIndexThreads, 0, stream()>>>(
+  ep_send_buckets_kernel<<<blocks_for(rows * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
       idx.i32(), sent_slot.i32(), buckets.i32(), static_cast<int>(rows), static_cast<int>(n * k),
       static_cast<int>(k), static_cast<int>(per));
   CUDA_CHECK_LAUNCH();
@@ -547,7 +507,7 @@ void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int6
   check_arg(expert_offsets, "ep_pack_counts expert_offsets", {DType::i32}, {ranks * per + 1});
   check_arg(out, "ep_pack_counts out", {DType::i32}, {ranks, 2});
   if (ranks == 0) return;
-  ep_pack_counts_kernel<<<index_blocks(ranks), kIndexThreads, 0, stream()>>>(
+  ep_pack_counts_kernel<<<blocks_for(ranks, kIndexThreads), kIndexThreads, 0, stream()>>>(
       row_counts.i32(), expert_offsets.i32(), out.i32(), static_cast<int>(ranks), static_cast<int>(per));
   CUDA_CHECK_LAUNCH();
 }
@@ -564,7 +524,7 @@ void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const T
   check_arg(recv_counts, "ep_return_buckets recv_counts", {DType::i32}, {ranks, 2});
   check_arg(buckets, "ep_return_buckets buckets", {DType::i32}, {m});
   if (m == 0) return;
-  ep_return_buckets_kernel<<<index_blocks(m), kIndexThreads, 0, stream()>>>(
+  ep_return_buckets_kernel<<<blocks_for(m, kIndexThreads), kIndexThreads, 0, stream()>>>(
       order.i32(), local_offsets.i32() + local_offsets.dim(0) - 1, recv_counts.i32(), buckets.i32(),
       static_cast<int>(m), static_cast<int>(ranks), static_cast<int>(k));
   CUDA_CHECK_LAUNCH();
@@ -581,7 +541,7 @@ void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& 
   check_arg(kept_rows, "ep_kept_buckets kept_rows", {DType::i32}, kept_rows.shape);
   check_arg(buckets, "ep_kept_buckets buckets", {DType::i32}, {n, k});
   if (n * k == 0) return;
-  ep_kept_buckets_kernel<<<index_blocks(n * k), kIndexThreads, 0, stream()>>>(
+  ep_kept_buckets_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
       idx.i32(), token_rows.i32(), kept_rows.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k),
       static_cast<int>(per), static_cast<int>(kept_rows.dim(0)));
   CUDA_CHECK_LAUNCH();

@@ -1,5 +1,5 @@
-// Elementwise helpers on the GPU: grid-stride loops in f32 over f32-or-bf16 storage,
-// and a multi-tensor sum of squares reduced in double.
+// Elementwise helpers on the GPU (f32 over f32-or-bf16 storage) and a multi-tensor sum of
+// squares in double.
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
@@ -16,29 +16,24 @@ constexpr int kThreads = 256;
 unsigned grid_for(int64_t n) { return std::min<unsigned>(blocks_for(n, kThreads), 32u * sm_count()); }
 
 __global__ void cast_kernel(In src, Out dst, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    dst.set(i, src[i]);
+  MT_GRID_STRIDE(i, n) dst.set(i, src[i]);
 }
 
 __global__ void add_kernel(In a, In b, Out o, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    o.set(i, a[i] + b[i]);
+  MT_GRID_STRIDE(i, n) o.set(i, a[i] + b[i]);
 }
 
 __global__ void scale_kernel(Out x, float s, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    x.set(i, x.get(i) * s);
+  MT_GRID_STRIDE(i, n) x.set(i, x.get(i) * s);
 }
 
 __global__ void fill_kernel(Out x, float v, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    x.set(i, v);
+  MT_GRID_STRIDE(i, n) x.set(i, v);
 }
 
-// Multi-tensor sum of squares: the tensor list travels in the kernel's parameters, one
-// block per chunk of one tensor, so a whole model's gradients take one launch (or one
-// per kTableSize tensors). Each chunk's partial lands in its own slot and one block
-// adds the slots in order: no atomics, the same bits on every run.
+// Multi-tensor sum of squares: the tensor list travels in the kernel's parameters, a block
+// per chunk of one tensor (one launch per kTableSize tensors); each chunk's partial lands in
+// its own slot and one block adds the slots in order: no atomics, the same bits every run.
 constexpr int kTableSize = 256;
 constexpr int64_t kChunk = 16384;
 

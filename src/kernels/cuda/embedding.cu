@@ -19,10 +19,9 @@ __global__ void embedding_forward_kernel(In table, const int32_t* ids, int64_t v
     y.set(t * dim + c, ok ? table[static_cast<int64_t>(id) * dim + c] : __int_as_float(0x7fffffff));
 }
 
-// f32 atomics: tokens that repeat add into the same row in whatever order the blocks
-// run, so the result can differ from run to run in the last bits of such rows (one
-// rounding per repeat). A deterministic version needs the ids sorted first; the
-// embedding gradient is one tensor of many and this keeps it one pass.
+// f32 atomics: tokens that repeat add into one row in whatever order the blocks run, so
+// such rows may differ in the last bits from run to run. A deterministic version needs the
+// ids sorted first; the embedding gradient is one tensor of many and this keeps it one pass.
 __global__ void embedding_backward_kernel(const int32_t* ids, In dy, int64_t vocab, int64_t dim, float* dtable) {
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];

@@ -1,9 +1,7 @@
-// Dense matrix products through cuBLASLt: bf16 operands, f32 accumulation, bf16 or
-// f32 output, alpha/beta on the host.
-//
-// Our tensors are row-major and cuBLASLt is column-major. A row-major X [r,c] is the
-// column-major X^T [c,r] with the same leading dimension, so C = op(A) op(B) is
-// computed as the column-major C^T = op(B)^T op(A)^T: operands swapped, no copies.
+// Dense matrix products through cuBLASLt: bf16 operands, f32 accumulation, bf16 or f32
+// output, alpha/beta on the host. Our tensors are row-major and cuBLASLt is column-major:
+// a row-major X [r,c] is the column-major X^T [c,r] with the same leading dimension, so
+// C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T (no copies).
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -41,10 +39,9 @@ struct Plan {
   cublasLtMatmulAlgo_t algo;
 };
 
-// Descriptors and the heuristic's pick, made once per shape: the heuristic query costs
-// far more than the product for small shapes. Kept for the process's lifetime (see
-// runtime.cu on why CUDA-side objects are never destroyed), shared by every stream and
-// thread (a map's entries stay put as it grows, so a returned plan outlives the lock).
+// Descriptors and the heuristic's pick, made once per shape (the query costs far more than
+// a small product), kept for the process's lifetime (runtime.cu says why) and shared by every
+// stream and thread: a map's entries stay put as it grows, so a plan outlives the lock.
 const Plan& plan_for(const PlanKey& key) {
   static std::mutex m;
   static auto* plans = new std::map<PlanKey, Plan>();

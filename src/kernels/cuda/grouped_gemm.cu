@@ -1,21 +1,13 @@
-// Grouped matrix products over expert row segments, in one launch per product.
-//
-// Why a kernel of our own: cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx) takes
-// the per-group sizes in host arrays, and cuBLASLt 13.0 has no grouped mode, so either
-// would need the expert counts on the host: a device-to-host sync per MoE layer. Here
-// the segment offsets stay on the device and every block finds its own work from them.
-//
-// One tiled tensor-core kernel (WMMA bf16 16x16x16, f32 accumulators) serves the three
-// products; operands are bf16, accumulation f32. Block tile 128x128x32, 8 warps of
-// 64x32, operands staged through registers into shared memory one k-step ahead.
+// Grouped matrix products over expert row segments, one launch per product, the offsets
+// read on the device (cuBLAS's grouped GEMM takes the group sizes in host arrays and
+// cuBLASLt 13.0 has no grouped mode: a host sync per MoE layer). What the model runs goes
+// to CUTLASS's Hopper grouped GEMM (grouped_gemm_sm90.cu says what it takes); the rest
+// (biases, f32 outputs, odd shapes and alignments) to the one tensor-core kernel here:
+// WMMA bf16 16x16x16, f32 accumulators, block tile 128x128x32, 8 warps of 64x32, operands
+// staged through registers into shared memory one k-step ahead.
 //   forward       y[seg]  = x[seg] @ w[e]^T      rows of the segment tile M
 //   B (input)     dx[seg] = dy[seg] @ w[e]       rows of the segment tile M
 //   W (weight)    dw[e]  (+)= dy[seg]^T @ x[seg]  the segment's rows are the reduction
-// Plain mma.sync, not Hopper's wgmma, so a fraction of the tensor cores' speed: the
-// public functions below send what the model runs (bf16 y and dx, f32 dw, K and O
-// multiples of 8, no forward bias) to CUTLASS's Hopper grouped GEMM
-// (grouped_gemm_sm90.cu), and this kernel takes the rest: biases, f32 activations out,
-// odd shapes and alignments.
 #include <mma.h>
 
 #include <type_traits>
@@ -102,17 +94,11 @@ struct Gemm {
   static constexpr int kSmemB = kBKMajor ? BN * (BK + kPad) : BK * (BN + kPad);
   static constexpr int kSmemBytes = (kSmemA + kSmemB) * 2;
 
-  // Fetches the k-step starting at k0 of the tile at (m0, n0).
+  // Fetches the k-step starting at k0 of the tile at (m0, n0), at (row, col) of the stored operands.
   static __device__ void fetch(TileA& ta, TileB& tb, const Operand& a, const Operand& b, int64_t m0, int64_t n0,
                                int64_t k0) {
-    if constexpr (kAKMajor)
-      ta.fetch(a, m0, k0);
-    else
-      ta.fetch(a, k0, m0);
-    if constexpr (kBKMajor)
-      tb.fetch(b, n0, k0);
-    else
-      tb.fetch(b, k0, n0);
+    ta.fetch(a, kAKMajor ? m0 : k0, kAKMajor ? k0 : m0);
+    tb.fetch(b, kBKMajor ? n0 : k0, kBKMajor ? k0 : n0);
   }
 
   // C tile at (m0, n0) over the reduction [0, k_len): the whole of one block's work.
@@ -263,14 +249,11 @@ __global__ void __launch_bounds__(kThreads) row_segment_kernel(RowArgs p) {
   int64_t row0, row_end;
   if (!find_row_tile(p.seg, blockIdx.x, expert, row0, row_end)) return;
   const int64_t rows = row_end - row0;
-  // A: this segment's rows from row0, k-major.
-  Operand a{p.a + row0 * p.k, p.k, rows, p.k, false};
-  a.vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
+  Operand a{p.a + row0 * p.k, p.k, rows, p.k, p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0};
   const bf16* we = p.w + expert * p.w_rows * p.w_cols;
   Operand b{we, p.w_cols, p.w_rows, p.w_cols, p.w_cols % 8 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0};
-  Epilogue e{nullptr, p.c_bf16, p.n_out, rows, p.n_out, p.bias != nullptr ? p.bias + expert * p.n_out : nullptr,
-             false};
-  e.c = static_cast<char*>(p.c) + row0 * p.n_out * (p.c_bf16 ? 2 : 4);
+  Epilogue e{static_cast<char*>(p.c) + row0 * p.n_out * (p.c_bf16 ? 2 : 4), p.c_bf16, p.n_out, rows, p.n_out,
+             p.bias != nullptr ? p.bias + expert * p.n_out : nullptr, false};
   Gemm<true, kBKMajor>::run(a, b, 0, int64_t{blockIdx.y} * BN, p.k, e, smem);
 }
 
@@ -291,10 +274,9 @@ __global__ void __launch_bounds__(kThreads) weight_kernel(WeightArgs p) {
   int64_t begin, end;
   segment(p.seg, expert, begin, end);
   const int64_t rows = end - begin;
-  Operand a{p.dy + begin * p.o, p.o, rows, p.o, false};  // A(m=o, k=row) = dy[row][o]
-  a.vec = p.o % 8 == 0 && reinterpret_cast<uintptr_t>(p.dy) % 16 == 0;
-  Operand b{p.x + begin * p.k, p.k, rows, p.k, false};  // B(k=row, n) = x[row][n]
-  b.vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  // A(m=o, k=row) = dy[row][o] and B(k=row, n) = x[row][n].
+  Operand a{p.dy + begin * p.o, p.o, rows, p.o, p.o % 8 == 0 && reinterpret_cast<uintptr_t>(p.dy) % 16 == 0};
+  Operand b{p.x + begin * p.k, p.k, rows, p.k, p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0};
   Epilogue e{p.dw + expert * p.o * p.k, false, p.k, p.o, p.k, nullptr, p.accumulate};
   Gemm<false, false>::run(a, b, int64_t{blockIdx.x} * BM, int64_t{blockIdx.y} * BN, rows, e, smem);
 }
@@ -321,8 +303,6 @@ unsigned row_tiles(int64_t rows, int64_t experts) { return static_cast<unsigned>
 
 }  // namespace
 
-// The public functions check their arguments, then take the CUTLASS path
-// (grouped_gemm_sm90.cu) when it covers the call and this kernel otherwise.
 void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y) {
   MT_CHECK(x.ndim() == 2 && w.ndim() == 3 && y.ndim() == 2)
       << "grouped_gemm wants x [N,K], w [E,O,K], y [N,O], got x " << x.str() << ", w " << w.str() << ", y "
@@ -368,8 +348,7 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
     grouped_gemm_backward_weight_wmma(x, dy, offsets, dw, accumulate);
   if (dbias.data != nullptr) {
     dim3 grid(blocks_for(o, 256), static_cast<unsigned>(experts));
-    bias_grad_kernel<<<grid, 256, 0, stream()>>>(seg, static_cast<const bf16*>(dy.data), o, dbias.f32(),
-                                                  accumulate);
+    bias_grad_kernel<<<grid, 256, 0, stream()>>>(seg, bf16_data(dy), o, dbias.f32(), accumulate);
     CUDA_CHECK_LAUNCH();
   }
 }
@@ -378,9 +357,9 @@ void grouped_gemm_wmma(const Tensor& x, const Tensor& w, const Tensor& bias, con
   const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
   Segments seg = segments_of(offsets, experts, n);
   if (n == 0 || o == 0 || experts == 0) return;
-  RowArgs p{seg, static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data), k, o, k,
-            bias.data != nullptr ? bias.f32() : nullptr, y.data, y.dtype == DType::bf16, o};
-  dim3 grid(row_tiles(n, experts), static_cast<unsigned>((o + BN - 1) / BN));
+  RowArgs p{seg, bf16_data(x), bf16_data(w), k, o, k, bias.data != nullptr ? bias.f32() : nullptr, y.data,
+            y.dtype == DType::bf16, o};
+  dim3 grid(row_tiles(n, experts), blocks_for(o, BN));
   row_segment_kernel<true><<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
 }
@@ -389,9 +368,8 @@ void grouped_gemm_backward_input_wmma(const Tensor& dy, const Tensor& w, const T
   const int64_t n = dy.dim(0), experts = w.dim(0), o = w.dim(1), k = w.dim(2);
   Segments seg = segments_of(offsets, experts, n);
   if (n == 0 || k == 0 || experts == 0) return;
-  RowArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(w.data), o, o, k, nullptr, dx.data,
-            dx.dtype == DType::bf16, k};
-  dim3 grid(row_tiles(n, experts), static_cast<unsigned>((k + BN - 1) / BN));
+  RowArgs p{seg, bf16_data(dy), bf16_data(w), o, o, k, nullptr, dx.data, dx.dtype == DType::bf16, k};
+  dim3 grid(row_tiles(n, experts), blocks_for(k, BN));
   row_segment_kernel<false><<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
 }
@@ -401,9 +379,8 @@ void grouped_gemm_backward_weight_wmma(const Tensor& x, const Tensor& dy, const 
   const int64_t n = x.dim(0), k = x.dim(1), experts = dw.dim(0), o = dw.dim(1);
   Segments seg = segments_of(offsets, experts, n);
   if (experts == 0 || o == 0 || k == 0) return;
-  WeightArgs p{seg, static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data), dw.f32(), o, k, accumulate};
-  dim3 grid(static_cast<unsigned>((o + BM - 1) / BM), static_cast<unsigned>((k + BN - 1) / BN),
-            static_cast<unsigned>(experts));
+  WeightArgs p{seg, bf16_data(dy), bf16_data(x), dw.f32(), o, k, accumulate};
+  dim3 grid(blocks_for(o, BM), blocks_for(k, BN), static_cast<unsigned>(experts));
   weight_kernel<<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
 }

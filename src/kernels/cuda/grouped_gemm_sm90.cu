@@ -1,31 +1,17 @@
-// Grouped expert products on Hopper through CUTLASS 3.x's grouped GEMM ("ptr-array
-// grouped", CUTLASS example 57): TMA loads, wgmma, persistent warp-specialized kernels
-// that walk the experts' tiles themselves. grouped_gemm.cu's mma.sync kernel gets a
-// fraction of the tensor cores' speed; bench/grouped_gemm_bench.cpp compares the two.
-//
-// No host sync: CUTLASS reads each group's problem shape and operand pointers from device
-// arrays. plan_groups_kernel reads the offsets on the device and writes those arrays into
-// a workspace kept across calls; CUTLASS gets the group count from the host and no host
-// copy of the shapes (host_problem_shapes = nullptr), so it launches one CTA per SM and
-// its group tile scheduler (PersistentTileSchedulerSm90Group) finds every CTA's tiles
-// from the device-side shapes.
+// Grouped expert products on Hopper through CUTLASS 3.x's ptr-array grouped GEMM (CUTLASS
+// example 57: TMA, wgmma, persistent warp-specialized kernels). No host sync:
+// plan_groups_kernel turns the device offsets into each group's shape and operand pointers
+// in a workspace kept across calls, and CUTLASS reads them there (host_problem_shapes =
+// nullptr; its group tile scheduler finds every CTA's tiles from the device-side shapes).
 //
 // Three instantiations, the dtypes src/models/qwen3_moe.cpp runs on the GPU:
 //   forward  y[seg]   = x[seg] @ w[e]^T      A row-major, B column-major (w[e] is O x K)
 //   B        dx[seg]  = dy[seg] @ w[e]       A row-major, B row-major
 //   W        dw[e] (+)= dy[seg]^T @ x[seg]   A column-major, B row-major, f32 C = D = dw[e]
-// y and dx bf16, dw f32 with beta 1 (accumulate) or 0 (C is then never read).
-//
-// Empty experts. Forward and B give an empty segment M = 0: no tiles. In W the segment's
-// rows are the reduction; a group with K = 0 would get tiles whose accumulators are never
-// cleared (CUTLASS clears them through the first wgmma's scale-out), so an empty expert
-// gets M = 0 too, and when not accumulating zero_empty_experts_kernel writes its zeros.
-//
-// Tiles. Forward and B: cooperative 128x256x64 in 2x1 clusters (the two M tiles of a
-// cluster share the weight tile through TMA multicast), what PyTorch's grouped_mm runs for
-// bf16 at these sizes. W stores f32 and, accumulating, loads it too: pingpong 128x128x64,
-// whose two consumer warp groups overlap one tile's epilogue with the other's MMAs. The
-// model's O (1536, 2048) is a multiple of 256, so W's 2x1 clusters waste no tiles.
+// y and dx bf16, dw f32 with beta 1 (accumulate) or 0 (C is then never read). An empty
+// expert gets M = 0, so no tiles (in W, where its rows are the reduction, K = 0 would leave
+// accumulators uncleared: CUTLASS clears them through the first wgmma's scale-out); without
+// accumulation zero_empty_experts_kernel writes its zeros.
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
 
 #include <cute/tensor.hpp>
@@ -40,7 +26,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdint>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
@@ -79,6 +64,8 @@ struct Config {
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>>;
 };
 
+// Forward and B cooperative 128x256x64, W pingpong 128x128x64, all in 2x1 clusters; why
+// these: docs/architecture.md (src/kernels, grouped_gemm).
 using Tile128x256 = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using Tile128x128 = cute::Shape<cute::_128, cute::_128, cute::_64>;
 using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
@@ -183,8 +170,7 @@ __global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t rows, 
   const int64_t end = min(max(int64_t{offsets[e + 1]}, begin), rows);
   if (end > begin) return;
   float4* out = dw + e * per_expert;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < per_expert; i += gridDim.x * int64_t{blockDim.x})
-    out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  MT_GRID_STRIDE(i, per_expert) out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 // Hands out 256-byte aligned pieces from `base`; with base = nullptr it only measures.
@@ -227,19 +213,22 @@ cutlass::KernelHardwareInfo hardware() {
   return info;
 }
 
+// Runs the plan over the `experts` segments that offsets makes of `rows` rows.
 template <class Gemm>
-void launch(Plan<Gemm> p, float beta) {
+void launch(Plan<Gemm> p, const Tensor& offsets, int64_t experts, int64_t rows, float beta) {
   using T = Types<Gemm>;
+  p.offsets = offsets.i32();
+  p.experts = static_cast<int>(experts);
+  p.rows = rows;
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.hw_info = hardware<Gemm>();
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
   Carve measure{nullptr, cutlass_bytes};
   carve_groups<Gemm>(measure, p.experts);
-  // Device memory kept across calls, one per stream (runtime.h): CUTLASS's workspace (a
-  // TMA descriptor per SM and operand) followed by the per-expert arrays. Launches on one
-  // stream queue in order, so each one's arrays are written after the previous one has
-  // read its own.
+  // Kept across calls, one per stream (runtime.h): CUTLASS's workspace (a TMA descriptor
+  // per SM and operand), then the per-expert arrays. Launches on one stream queue in order,
+  // so each one's arrays are written after the previous one has read its own.
   char* ws = static_cast<char*>(stream_buffer(StreamBuffer::grouped_gemm, measure.used));
   Carve carve{ws, cutlass_bytes};
   p.out = carve_groups<Gemm>(carve, p.experts);
@@ -266,22 +255,22 @@ void launch(Plan<Gemm> p, float beta) {
 }
 
 // TMA moves 16-byte aligned rows: a bf16 (or f32) row length a positive multiple of 8 (4)
-// elements, and every tensor's start 16-byte aligned.
+// elements, and every tensor's start 16-byte aligned. Sizes must fit CUTLASS's ints.
 bool tma_length(int64_t elements) { return elements > 0 && elements % 8 == 0 && elements <= INT_MAX; }
-bool tma_base(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
+bool tma_fits(int64_t n, int64_t experts, int64_t k, int64_t o, std::initializer_list<const Tensor*> tensors) {
+  if (!tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX) return false;
+  for (const Tensor* t : tensors)
+    if (!aligned16(t->data)) return false;
+  return true;
+}
 
 }  // namespace
 
 bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y) {
   const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
-  if (y.dtype != DType::bf16 || !tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX ||
-      !tma_base(x) || !tma_base(w) || !tma_base(y))
-    return false;
+  if (y.dtype != DType::bf16 || !tma_fits(n, experts, k, o, {&x, &w, &y})) return false;
   using T = Types<ForwardGemm>;
   Plan<ForwardGemm> p{};
-  p.offsets = offsets.i32();
-  p.experts = static_cast<int>(experts);
-  p.rows = n;
   p.a = {static_cast<const T::A*>(x.data), k, 0};
   p.b = {static_cast<const T::B*>(w.data), 0, o * k};
   p.d = {static_cast<T::D*>(y.data), o, 0};
@@ -290,20 +279,15 @@ bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& offsets, 
   p.stride_a = leading<T::StrideA>(k);
   p.stride_b = leading<T::StrideB>(k);
   p.stride_d = leading<T::StrideD>(o);
-  launch(p, 0.0f);
+  launch(p, offsets, experts, n, 0.0f);
   return true;
 }
 
 bool grouped_gemm_backward_input_sm90(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx) {
   const int64_t n = dy.dim(0), experts = w.dim(0), o = w.dim(1), k = w.dim(2);
-  if (dx.dtype != DType::bf16 || !tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX ||
-      !tma_base(dy) || !tma_base(w) || !tma_base(dx))
-    return false;
+  if (dx.dtype != DType::bf16 || !tma_fits(n, experts, k, o, {&dy, &w, &dx})) return false;
   using T = Types<InputGemm>;
   Plan<InputGemm> p{};
-  p.offsets = offsets.i32();
-  p.experts = static_cast<int>(experts);
-  p.rows = n;
   p.a = {static_cast<const T::A*>(dy.data), o, 0};
   p.b = {static_cast<const T::B*>(w.data), 0, o * k};
   p.d = {static_cast<T::D*>(dx.data), k, 0};
@@ -313,21 +297,16 @@ bool grouped_gemm_backward_input_sm90(const Tensor& dy, const Tensor& w, const T
   p.stride_a = leading<T::StrideA>(o);
   p.stride_b = leading<T::StrideB>(k);
   p.stride_d = leading<T::StrideD>(k);
-  launch(p, 0.0f);
+  launch(p, offsets, experts, n, 0.0f);
   return true;
 }
 
 bool grouped_gemm_backward_weight_sm90(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,
                                        bool accumulate) {
   const int64_t n = x.dim(0), k = x.dim(1), experts = dw.dim(0), o = dw.dim(1);
-  if (!tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX || !tma_base(x) || !tma_base(dy) ||
-      !tma_base(dw))
-    return false;
+  if (!tma_fits(n, experts, k, o, {&x, &dy, &dw})) return false;
   using T = Types<WeightGemm>;
   Plan<WeightGemm> p{};
-  p.offsets = offsets.i32();
-  p.experts = static_cast<int>(experts);
-  p.rows = n;
   // A(m, r) = dy[r][m] (m contiguous, leading dimension O); B(n, r) = x[r][n] (leading
   // dimension K); D = dw[e], O x K row-major.
   p.a = {static_cast<const T::A*>(dy.data), o, 0};
@@ -348,7 +327,7 @@ bool grouped_gemm_backward_weight_sm90(const Tensor& x, const Tensor& dy, const 
                                                            per_expert);
     CUDA_CHECK_LAUNCH();
   }
-  launch(p, accumulate ? 1.0f : 0.0f);
+  launch(p, offsets, experts, n, accumulate ? 1.0f : 0.0f);
   return true;
 }
 

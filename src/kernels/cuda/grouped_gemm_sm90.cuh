@@ -1,16 +1,10 @@
 // The two implementations behind mt::cuda::grouped_gemm* (kernels/grouped_gemm.h), for
-// the dispatch in grouped_gemm.cu and for the tests and the benchmark that compare them.
-// Host declarations only, so plain C++ files can include it.
-//
-//   *_sm90  CUTLASS 3.x Hopper grouped GEMM (grouped_gemm_sm90.cu): TMA, wgmma,
-//           persistent warp-specialized kernels. Instantiated only for what the model
-//           runs: bf16 out for forward and B, f32 dw for W, no bias, K and O multiples
-//           of 8 and 16-byte aligned tensors (TMA's requirements). Returns false, having
-//           queued nothing, for anything else.
-//   *_wmma  the portable kernel (grouped_gemm.cu): WMMA mma.sync tiles, any shape and
-//           dtype the interface allows, bias included.
-//
-// Arguments are trusted: the public functions check them first.
+// grouped_gemm.cu and the tests and benchmark that compare them; host declarations only.
+// Arguments are trusted (the public functions check them first).
+//   *_sm90  CUTLASS's Hopper grouped GEMM (grouped_gemm_sm90.cu) for what the model runs:
+//           bf16 out for forward and B, f32 dw for W, no bias, K and O multiples of 8,
+//           16-byte aligned tensors. Returns false, having queued nothing, otherwise.
+//   *_wmma  the portable kernel (grouped_gemm.cu): any shape and dtype, bias included.
 #pragma once
 
 #include "core/tensor.h"

@@ -1,11 +1,9 @@
 // Ring attention's merge and accumulations on the GPU (contract in kernels/ring_merge.h).
-// The merge gives a warp to each (head, query row) of the block: lane 0's running lse
-// and the block's decide two weights, then the lanes rescale the row's Dh values.
-// Everything is f32 and elementwise per row, so results repeat bit for bit.
-#include <cuda_runtime.h>
+// The merge gives a warp to each (head, query row) of the block: the running lse and the
+// block's decide two weights, the lanes rescale the row's Dh values. All f32, elementwise per
+// row, so results repeat bit for bit.
 
 #include <cmath>
-#include <cstdint>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
@@ -52,9 +50,7 @@ __global__ void ring_merge_kernel(Merge m) {
 }
 
 __global__ void accumulate_kernel(In x, float* acc, int64_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    acc[i] += x[i];
+  MT_GRID_STRIDE(i, n) acc[i] += x[i];
 }
 
 __global__ void lse_block_kernel(const float* lse, float* out, int64_t b, int slot, int c, int h) {
@@ -70,17 +66,13 @@ unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
 }
 
-// A block's rows: b in [0, B) and slot 0 or 1 of acc [B,2C,H,Dh].
-void check_block(const Tensor& acc, int64_t b, int slot, const char* op) {
-  MT_CHECK(acc.ndim() == 4 && acc.dim(1) % 2 == 0 && b >= 0 && b < acc.dim(0) && (slot == 0 || slot == 1))
-      << op << ": block (batch row " << b << ", slot " << slot << ") of " << acc.str()
-      << " is not one of a [B,2C,H,Dh] tensor's";
-}
-
 }  // namespace
 
 void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Tensor& acc, const Tensor& lse) {
-  check_block(acc, b, slot, "ring_merge");
+  // The block's rows: b in [0, B) and slot 0 or 1 of acc [B,2C,H,Dh].
+  MT_CHECK(acc.ndim() == 4 && acc.dim(1) % 2 == 0 && b >= 0 && b < acc.dim(0) && (slot == 0 || slot == 1))
+      << "ring_merge: block (batch row " << b << ", slot " << slot << ") of " << acc.str()
+      << " is not one of a [B,2C,H,Dh] tensor's";
   const int64_t c = acc.dim(1) / 2, h = acc.dim(2), d = acc.dim(3);
   check_arg(acc, "ring merge acc", {DType::f32}, acc.shape);
   check_arg(lse, "ring merge lse", {DType::f32}, {acc.dim(0), h, 2 * c});
@@ -90,7 +82,7 @@ void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Ten
   if (rows == 0 || d == 0) return;
   Merge m{as_in(o), l.f32(), acc.f32(), lse.f32(), b, slot, static_cast<int>(c), static_cast<int>(h),
           static_cast<int>(d)};
-  ring_merge_kernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream()>>>(m);
+  ring_merge_kernel<<<blocks_for(rows, kWarps), kThreads, 0, stream()>>>(m);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,9 +1,7 @@
 // RMSNorm on the GPU: one warp per row (statistics in f32, rstd kept in f32), and the
 // weight gradient as deterministic column sums in two passes.
-#include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <initializer_list>
 
 #include "kernels/cuda/common.cuh"
@@ -17,13 +15,7 @@ namespace {
 constexpr int kRowsPerBlock = 8;  // one warp each
 constexpr int kThreads = 32 * kRowsPerBlock;
 
-__device__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// The products are grouped as in the CPU backend, so the two differ only in the order
-// of the row sums.
+// Products grouped as in the CPU backend: the two differ only in the order of the row sums.
 __global__ void rmsnorm_forward_kernel(In x, const float* w, float eps, int64_t n, int64_t d, Out y, float* rstd) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -52,27 +44,9 @@ __global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy
   for (int64_t c = lane; c < d; c += 32) dx.set(base + c, r * (w[c] * dy[base + c] - x[base + c] * r * dot));
 }
 
-// bf16 rows whose width is a multiple of 8 (every model's hidden size and head_dim):
-// each lane moves 8 elements, 16 bytes, per load and store instead of 2, which these
-// memory-bound passes need to approach the bandwidth. Same arithmetic per element; the
-// row sums add in another order.
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) {
-  uint4 u;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&u);
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = u;
-}
-
+// bf16 rows whose width is a multiple of 8 (every model's hidden size and head_dim): a
+// lane moves 16 bytes per load and store instead of 2, which these memory-bound passes
+// need to approach the bandwidth. Same arithmetic per element; row sums in another order.
 __global__ void rmsnorm_forward_x8_kernel(const __nv_bfloat16* x, const float* w, float eps, int64_t n, int64_t d,
                                           __nv_bfloat16* y, float* rstd) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
@@ -119,7 +93,7 @@ __global__ void rmsnorm_dx_x8_kernel(const __nv_bfloat16* x, const float* w, con
 bool x8(int64_t d, std::initializer_list<const Tensor*> ts) {
   if (d % 8 != 0) return false;
   for (const Tensor* t : ts)
-    if (t->dtype != DType::bf16 || reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return false;
+    if (t->dtype != DType::bf16 || !aligned16(t->data)) return false;
   return true;
 }
 
@@ -137,10 +111,9 @@ __global__ void rmsnorm_dw_partial_kernel(In x, const float* rstd, In dy, int64_
 }
 
 // The same partial sums with 16-byte loads, for bf16 rows of d = 8 .. 2048 with d / 8
-// dividing the block: d / 8 threads cover a row, the block's 256 / (d / 8) row groups
-// walk the chunk's rows in an interleaved fixed order, then their sums are added in
-// group order through shared memory. Narrow rows (the q/k norms' head_dim over
-// millions of rows) keep every lane busy, where one thread per column left half idle.
+// dividing the block: d / 8 threads cover a row, the block's 256 / (d / 8) row groups walk
+// the chunk's rows in an interleaved fixed order, their sums added in group order through
+// shared memory. Narrow rows (q/k norms: head_dim over millions of rows) keep every lane busy.
 __global__ void rmsnorm_dw_partial_x8_kernel(const __nv_bfloat16* x, const float* rstd, const __nv_bfloat16* dy,
                                              int64_t n, int64_t d, int64_t rows_per_chunk, float* partial) {
   __shared__ float sums[kThreads * 8];  // [groups][d]
@@ -191,9 +164,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& 
   check_arg(rstd, "rmsnorm rstd", {DType::f32}, {n});
   if (n == 0) return;
   if (x8(d, {&x, &y}))
-    rmsnorm_forward_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(
-        static_cast<const __nv_bfloat16*>(x.data), w.f32(), eps, n, d, static_cast<__nv_bfloat16*>(y.data),
-        rstd.f32());
+    rmsnorm_forward_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(bf16_data(x), w.f32(), eps, n, d,
+                                                                                       bf16_data(y), rstd.f32());
   else
     rmsnorm_forward_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), eps, n, d,
                                                                                      as_out(y), rstd.f32());
@@ -213,8 +185,7 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
     if (n > 0) {
       if (x8(d, {&x, &dy, &dx}))
         rmsnorm_dx_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(
-            static_cast<const __nv_bfloat16*>(x.data), w.f32(), rstd.f32(),
-            static_cast<const __nv_bfloat16*>(dy.data), n, d, static_cast<__nv_bfloat16*>(dx.data));
+            bf16_data(x), w.f32(), rstd.f32(), bf16_data(dy), n, d, bf16_data(dx));
       else
         rmsnorm_dx_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), rstd.f32(),
                                                                                     as_in(dy), n, d, as_out(dx));
@@ -224,28 +195,20 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
   if (dw.data != nullptr) {
     check_arg(dw, "rmsnorm dw", {DType::f32}, {d});
     if (n == 0 || d == 0) return;
-    if (x8(d, {&x, &dy}) && d <= kThreads * 8 && kThreads % (d / 8) == 0) {
-      // About four chunks an SM (132 on an H100/H200), each a whole number of row groups.
-      const int64_t groups = kThreads / (d / 8);
-      const int64_t rows_per_chunk = std::max<int64_t>(4 * groups, (n + 527) / 528);
-      const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
-      float* partial = static_cast<float*>(scratch(sizeof(float) * chunks * d));
-      rmsnorm_dw_partial_x8_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(
-          static_cast<const __nv_bfloat16*>(x.data), rstd.f32(), static_cast<const __nv_bfloat16*>(dy.data), n, d,
-          rows_per_chunk, partial);
-      CUDA_CHECK_LAUNCH();
-      rmsnorm_dw_sum_kernel<<<blocks_for(d, 32), kThreads, 0, stream()>>>(partial, chunks, d, dw.f32());
-      CUDA_CHECK_LAUNCH();
-      return;
-    }
-    // Enough row chunks to fill the GPU when D is small (q/k norms: D = head_dim over
-    // many rows), and no more partials than needed when it is large.
-    const int64_t rows_per_chunk = std::max<int64_t>(32, (n + 511) / 512);
+    const bool wide = x8(d, {&x, &dy}) && d <= kThreads * 8 && kThreads % (d / 8) == 0;
+    // Wide (the x8 kernel): about four chunks an SM (132 on an H100/H200), each a whole
+    // number of row groups. Else enough row chunks to fill the GPU when D is small (q/k
+    // norms: D = head_dim over many rows), and no more partials than needed when it is large.
+    const int64_t rows_per_chunk = wide ? std::max<int64_t>(4 * (kThreads / (d / 8)), (n + 527) / 528)
+                                        : std::max<int64_t>(32, (n + 511) / 512);
     const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
     float* partial = static_cast<float*>(scratch(sizeof(float) * chunks * d));
-    dim3 grid(blocks_for(d, 256), static_cast<unsigned>(chunks));
-    rmsnorm_dw_partial_kernel<<<grid, 256, 0, stream()>>>(as_in(x), rstd.f32(), as_in(dy), n, d, rows_per_chunk,
-                                                          partial);
+    if (wide)
+      rmsnorm_dw_partial_x8_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(
+          bf16_data(x), rstd.f32(), bf16_data(dy), n, d, rows_per_chunk, partial);
+    else
+      rmsnorm_dw_partial_kernel<<<dim3(blocks_for(d, 256), static_cast<unsigned>(chunks)), 256, 0, stream()>>>(
+          as_in(x), rstd.f32(), as_in(dy), n, d, rows_per_chunk, partial);
     CUDA_CHECK_LAUNCH();
     rmsnorm_dw_sum_kernel<<<blocks_for(d, 32), kThreads, 0, stream()>>>(partial, chunks, d, dw.f32());
     CUDA_CHECK_LAUNCH();

@@ -20,8 +20,7 @@ __global__ void rope_kernel(In x, const float* cos, const float* sin, int64_t ro
                             int64_t dh, int64_t half, bool interleaved, float sin_sign, Out y, bool aliased) {
   const int64_t items = dh - half;  // half pairs + (dh - 2 half) copies
   const int64_t total = rows * heads * items;
-  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
-       idx += int64_t{gridDim.x} * blockDim.x) {
+  MT_GRID_STRIDE(idx, total) {
     const int64_t head_row = idx / items, item = idx % items;
     const int64_t base = head_row * dh, pos = (head_row / heads) % t;
     if (item < half) {

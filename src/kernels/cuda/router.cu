@@ -1,18 +1,12 @@
 // Router on the GPU: one warp per token, f32 throughout, same contract as the CPU backend.
-//
-// Selection ranks experts (and DeepSeek groups) by their logits, larger first, ties to
-// the lower id, exactly as the CPU backend does, so both pick the same experts from the
-// same f32 logits. The j-th pick is the best candidate strictly worse than the (j-1)-th
-// in that total order, which needs no "taken" flags and no per-token storage.
-//
-// idx comes from router_forward; router_backward checks it on the device (a bad entry
-// traps the kernel, reported at the next synchronising CUDA call) rather than on the
-// host, which would need a synchronisation.
-#include <cuda_runtime.h>
+// Experts (and DeepSeek groups) are ranked by logit, ties to the lower id, as on the CPU;
+// the j-th pick is the best candidate strictly worse than the (j-1)-th in that order, so
+// no "taken" flags or per-token storage. router_backward checks idx on the device (a bad
+// entry traps the kernel) rather than on the host, which would need a synchronisation.
 
 #include <algorithm>
-#include <cstdint>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/runtime.h"
 #include "kernels/router.h"
 
@@ -44,12 +38,6 @@ __device__ __forceinline__ Pick warp_best(Pick p) {
     if (before(o, p)) p = o;
   }
   return p;
-}
-
-__device__ __forceinline__ float warp_sum(float s) {
-#pragma unroll
-  for (int w = 16; w > 0; w /= 2) s += __shfl_xor_sync(kFull, s, w);
-  return s;
 }
 
 __device__ __forceinline__ float warp_max(float s) {
@@ -224,25 +212,16 @@ Dims check_router(const cpu::RouterConfig& cfg, const Tensor& logits, const Tens
   return {static_cast<int>(n), static_cast<int>(e), static_cast<int>(k)};
 }
 
-unsigned blocks(int n) { return static_cast<unsigned>((n + kWarps - 1) / kWarps); }
-
 }  // namespace
 
 void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
                     const Tensor& probs) {
   const Dims d = check_router(cfg, logits, idx, weight, probs);
   if (d.n == 0) return;
-  Forward f{logits.f32(),
-            idx.i32(),
-            weight.f32(),
-            probs.f32(),
-            d,
-            static_cast<int>(cfg.n_group),
-            static_cast<int>(cfg.topk_group),
-            cfg.scoring == cpu::RouterScoring::topk_softmax,
-            cfg.normalize,
+  Forward f{logits.f32(), idx.i32(), weight.f32(), probs.f32(), d, static_cast<int>(cfg.n_group),
+            static_cast<int>(cfg.topk_group), cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
             cfg.scale};
-  router_forward_kernel<<<blocks(d.n), kWarps * 32, 0, stream()>>>(f);
+  router_forward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(f);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -257,14 +236,13 @@ void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const T
   Backward b{idx.i32(),     weight.f32(), probs.f32(), dweight.f32(), dprobs.data != nullptr ? dprobs.f32() : nullptr,
              one_row ? 0 : d.e, dlogits.f32(), d, cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
              cfg.scale};
-  router_backward_kernel<<<blocks(d.n), kWarps * 32, 0, stream()>>>(b);
+  router_backward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(b);
   CUDA_CHECK_LAUNCH();
 }
 
-// Two passes in a fixed order, so the result does not depend on timing: block (x, c)
-// sums rows [c*kRows, (c+1)*kRows) of 128 columns in double (thread e walks column e,
-// neighbouring threads read neighbouring columns); then one thread per column adds the
-// chunks' partial sums in chunk order.
+// Two passes in a fixed order, so the result does not depend on timing: block (x, c) sums
+// rows [c*kRows, (c+1)*kRows) of 128 columns in double, a thread a column (neighbours read
+// neighbouring columns); then one thread per column adds the chunks' partials in order.
 constexpr int kProbSumRows = 256;
 
 __global__ void router_prob_partial_kernel(const float* probs, long long n, int e_n, double* partial) {

@@ -15,9 +15,6 @@ constexpr int kThreads = 256;
 // expf, not __expf: the fast intrinsic's error grows with |x| and the gates reach +-10.
 __device__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-#define MT_GRID_STRIDE(i, n) \
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < (n); i += int64_t{gridDim.x} * blockDim.x)
-
 __global__ void swiglu_forward_kernel(In gu, int64_t n, int64_t inter, Out h) {
   MT_GRID_STRIDE(idx, n * inter) {
     const int64_t r = idx / inter, c = idx % inter;
@@ -64,8 +61,6 @@ __global__ void clamped_swiglu_backward_kernel(In gu, float limit, float alpha, 
     dgu.set(g_at + 1, (uraw >= -limit && uraw <= limit) ? d * gate * s : 0.0f);
   }
 }
-
-#undef MT_GRID_STRIDE
 
 // gu [N, 2I] and the [N, I] tensor that goes with it; returns I.
 int64_t check_gated(const char* op, const Tensor& gu, const Tensor& half, const char* half_name) {
