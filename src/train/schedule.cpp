@@ -317,9 +317,10 @@ std::string describe(const Action& a) {
   std::string s = kOps[static_cast<int>(a.op)];
   const bool stage = a.op == Op::forward || a.op == Op::finish_forward || a.op == Op::backward_input ||
                      a.op == Op::finish_backward_input || a.op == Op::backward_weight;
-  if (stage || (a.op >= Op::gather && a.op != Op::commit)) s += " " + std::to_string(a.layer);  // ZeRO-3 and reductions: a layer or part
-  if (stage) s += std::string(" ") + kStageNames[static_cast<int>(a.stage)];
-  return s + " mb " + std::to_string(a.micro_batch);
+  // ZeRO-3 and reductions name a layer or part.
+  if (stage || (a.op >= Op::gather && a.op != Op::commit)) s.append(" ").append(std::to_string(a.layer));
+  if (stage) s.append(" ").append(kStageNames[static_cast<int>(a.stage)]);
+  return s.append(" mb ").append(std::to_string(a.micro_batch));
 }
 
 }  // namespace mt
