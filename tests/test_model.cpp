@@ -6,11 +6,13 @@
 #include <cmath>
 #include <limits>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "io/file.h"
 #include "kernels/elementwise.h"
 #include "io/safetensors.h"
+#include "models/hf_config.h"
 #include "models/qwen3_moe.h"
 #include "train/trainer.h"
 
@@ -154,6 +156,34 @@ TEST(Qwen3MoeConfig, HubAndTransformers5Spellings) {
   hub = v5;
   hub["rope_parameters"]["rope_type"] = "yarn";
   EXPECT_THROW(parse_qwen3_moe_config(hub, "cfg.json"), Error);
+}
+
+// The shared config.json reader: the first spelling present wins, "a.b" is a nested
+// key, null is absent, fallbacks fill what is missing, and errors name the file and every
+// spelling.
+TEST(HfConfig, SpellingsNestingFallbacksAndErrors) {
+  const nlohmann::json j = nlohmann::json::parse(
+      R"({"n": 3, "theta": null, "rope_parameters": {"rope_theta": 5e5}, "list": [1, 2], "name": "x", "b": true})");
+  const HfConfig hf(j, "c.json");
+  EXPECT_EQ(hf.integer({"missing", "n"}), 3);
+  EXPECT_EQ(hf.number({"theta", "rope_parameters.rope_theta"}), 5e5);
+  EXPECT_EQ(hf.number({"theta"}, 1e4), 1e4);
+  EXPECT_EQ(hf.integers({"list"}), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(hf.text({"name"}), "x");
+  EXPECT_TRUE(hf.flag({"b"}));
+  EXPECT_FALSE(hf.flag({"rope_parameters.b"}, false));
+  auto error = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error([&] { hf.integer({"a", "rope_parameters.a"}); }).find("c.json: missing key a or rope_parameters.a"),
+            std::string::npos);
+  EXPECT_NE(error([&] { hf.integer({"name"}); }).find("c.json: key name has the wrong type: \"x\""),
+            std::string::npos);
 }
 
 // A checkpoint whose tensor has the wrong shape names the key, the file and both shapes.

@@ -17,6 +17,7 @@
 #include "kernels/router.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/swiglu.h"
+#include "models/hf_config.h"
 #include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 
@@ -30,79 +31,35 @@ bool Qwen3MoeConfig::is_moe_layer(int64_t layer) const {
   return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
 }
 
-namespace {
-
-// The first key present among `names`; an error naming them all and the file if none is.
-const json* find_key(const json& j, std::initializer_list<const char*> names) {
-  for (const char* n : names) {
-    const json* p = &j;
-    std::string path(n);
-    size_t start = 0;
-    while (p != nullptr) {
-      size_t dot = path.find('.', start);
-      std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-      p = p->is_object() && p->contains(part) && !(*p)[part].is_null() ? &(*p)[part] : nullptr;
-      if (dot == std::string::npos) break;
-      start = dot + 1;
-    }
-    if (p != nullptr) return p;
-  }
-  return nullptr;
-}
-
-template <typename T>
-T get(const json& j, const std::string& where, std::initializer_list<const char*> names, const T* fallback = nullptr) {
-  const json* v = find_key(j, names);
-  std::string list;
-  for (const char* n : names) list += list.empty() ? n : std::string(" or ") + n;
-  if (v == nullptr) {
-    MT_CHECK(fallback != nullptr) << where << ": missing key " << list;
-    return *fallback;
-  }
-  try {
-    return v->get<T>();
-  } catch (const json::exception&) {
-    MT_FAIL() << where << ": key " << list << " has the wrong type: " << v->dump();
-  }
-  return T{};
-}
-
-}  // namespace
-
 Qwen3MoeConfig parse_qwen3_moe_config(const json& j, const std::string& where) {
   Qwen3MoeConfig c;
-  const int64_t one = 1, zero = 0;
-  const double eps = 1e-6, theta = 10000.0;  // transformers' defaults
-  const bool no = false;
-  const std::vector<int64_t> none;
-  c.vocab_size = get<int64_t>(j, where, {"vocab_size"});
-  c.hidden_size = get<int64_t>(j, where, {"hidden_size"});
-  c.intermediate_size = get<int64_t>(j, where, {"intermediate_size"});
-  c.moe_intermediate_size = get<int64_t>(j, where, {"moe_intermediate_size"});
-  c.num_layers = get<int64_t>(j, where, {"num_hidden_layers"});
-  c.num_heads = get<int64_t>(j, where, {"num_attention_heads"});
-  c.num_kv_heads = get<int64_t>(j, where, {"num_key_value_heads"}, &c.num_heads);
-  int64_t default_head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
-  c.head_dim = get<int64_t>(j, where, {"head_dim"}, &default_head_dim);
-  c.num_experts = get<int64_t>(j, where, {"num_experts", "num_local_experts"}, &zero);
-  c.top_k = get<int64_t>(j, where, {"num_experts_per_tok"}, &one);
-  c.norm_topk_prob = get<bool>(j, where, {"norm_topk_prob"}, &no);
-  c.mlp_only_layers = get<std::vector<int64_t>>(j, where, {"mlp_only_layers"}, &none);
-  c.decoder_sparse_step = get<int64_t>(j, where, {"decoder_sparse_step"}, &one);
-  c.rms_norm_eps = get<double>(j, where, {"rms_norm_eps"}, &eps);
-  c.rope_theta = get<double>(j, where, {"rope_theta", "rope_parameters.rope_theta"}, &theta);
-  c.tie_word_embeddings = get<bool>(j, where, {"tie_word_embeddings"}, &no);
+  const HfConfig hf(j, where);
+  c.vocab_size = hf.integer({"vocab_size"});
+  c.hidden_size = hf.integer({"hidden_size"});
+  c.intermediate_size = hf.integer({"intermediate_size"});
+  c.moe_intermediate_size = hf.integer({"moe_intermediate_size"});
+  c.num_layers = hf.integer({"num_hidden_layers"});
+  c.num_heads = hf.integer({"num_attention_heads"});
+  c.num_kv_heads = hf.integer({"num_key_value_heads"}, c.num_heads);
+  c.head_dim = hf.integer({"head_dim"}, c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+  // transformers' defaults
+  c.num_experts = hf.integer({"num_experts", "num_local_experts"}, 0);
+  c.top_k = hf.integer({"num_experts_per_tok"}, 1);
+  c.norm_topk_prob = hf.flag({"norm_topk_prob"}, false);
+  c.mlp_only_layers = hf.integers({"mlp_only_layers"}, std::vector<int64_t>{});
+  c.decoder_sparse_step = hf.integer({"decoder_sparse_step"}, 1);
+  c.rms_norm_eps = hf.number({"rms_norm_eps"}, 1e-6);
+  c.rope_theta = hf.number({"rope_theta", "rope_parameters.rope_theta"}, 10000.0);
+  c.tie_word_embeddings = hf.flag({"tie_word_embeddings"}, false);
 
   // What this implementation does not do is an error, never a silent difference.
-  const std::string silu = "silu";
-  std::string act = get<std::string>(j, where, {"hidden_act"}, &silu);
+  const std::string act = hf.text({"hidden_act"}, "silu");
   MT_CHECK(act == "silu") << where << ": hidden_act '" << act << "' is not supported (Qwen3-MoE uses silu)";
-  MT_CHECK(!get<bool>(j, where, {"attention_bias"}, &no)) << where << ": attention_bias = true is not supported";
-  MT_CHECK(!get<bool>(j, where, {"use_sliding_window"}, &no))
+  MT_CHECK(!hf.flag({"attention_bias"}, false)) << where << ": attention_bias = true is not supported";
+  MT_CHECK(!hf.flag({"use_sliding_window"}, false))
       << where << ": use_sliding_window = true is not supported for qwen3_moe";
-  const std::string default_rope = "default";
-  std::string rope_type =
-      get<std::string>(j, where, {"rope_parameters.rope_type", "rope_scaling.rope_type", "rope_scaling.type"}, &default_rope);
+  const std::string rope_type =
+      hf.text({"rope_parameters.rope_type", "rope_scaling.rope_type", "rope_scaling.type"}, "default");
   MT_CHECK(rope_type == "default") << where << ": rope type '" << rope_type << "' is not supported for qwen3_moe";
   MT_CHECK(c.vocab_size > 0 && c.hidden_size > 0 && c.num_layers > 0 && c.num_heads > 0 && c.head_dim > 0)
       << where << ": vocab_size, hidden_size, num_hidden_layers, num_attention_heads and head_dim must be positive";

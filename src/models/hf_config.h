@@ -1,0 +1,40 @@
+// Reading a Hugging Face config.json, for every model's parse function: each field
+// under any of its spellings (the hub's and transformers 5's; "a.b" names a nested key,
+// and null counts as absent), with errors that name the file and every spelling.
+//
+//   HfConfig hf(j, "path/config.json");
+//   c.rope_theta = hf.number({"rope_theta", "rope_parameters.rope_theta"}, 10000.0);
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace mt {
+
+class HfConfig {
+ public:
+  HfConfig(const nlohmann::json& j, std::string where) : j_(j), where_(std::move(where)) {}
+  const std::string& where() const { return where_; }
+
+  // The first spelling present; without a fallback, an error when none is.
+  using Names = std::initializer_list<const char*>;
+  int64_t integer(Names names, std::optional<int64_t> fallback = {}) const;
+  double number(Names names, std::optional<double> fallback = {}) const;
+  bool flag(Names names, std::optional<bool> fallback = {}) const;
+  std::string text(Names names, std::optional<std::string> fallback = {}) const;
+  std::vector<int64_t> integers(Names names, std::optional<std::vector<int64_t>> fallback = {}) const;
+
+ private:
+  template <typename T>
+  T read(Names names, const std::optional<T>& fallback) const;
+
+  const nlohmann::json& j_;
+  std::string where_;
+};
+
+}  // namespace mt
