@@ -63,7 +63,7 @@ struct ActivationBlock {
 struct Stash {
   virtual ~Stash() = default;
   int64_t batch = 0, seq = 0;
-  size_t bytes = 0;  // activation memory held, lent blocks not counted
+  size_t bytes = 0;  // activation memory held: its own block counts, lent ones do not
   std::unique_ptr<ActivationBlock> own;  // make_stash: the block of every layer here
   Tensor ids;     // i32 [batch, seq]
   Tensor labels;  // i32 [batch, seq]
