@@ -62,17 +62,17 @@ StepCosts read_profile(const std::string& path) {
 
 // F (forward, blue), B (input gradient, green), W (weight gradient, orange), each in a
 // dark shade for a rank's first chunk and a light one for its second; grey for the rest.
-std::string kind_of(Op op) {
+char kind_of(Op op) {
   switch (op) {
     case Op::load: case Op::embed_forward: case Op::forward: case Op::finish_forward:
-    case Op::head_forward: case Op::statistics: return "F";
-    case Op::head_backward_input: case Op::backward_input: case Op::finish_backward_input: return "B";
-    case Op::head_backward_weight: case Op::backward_weight: case Op::embed_backward: return "W";
-    default: return "o";
+    case Op::head_forward: case Op::statistics: return 'F';
+    case Op::head_backward_input: case Op::backward_input: case Op::finish_backward_input: return 'B';
+    case Op::head_backward_weight: case Op::backward_weight: case Op::embed_backward: return 'W';
+    default: return 'o';
   }
 }
 
-std::string timeline_svg(const Timeline& t, const Pipeline& p, int64_t layers, const std::string& title) {
+std::string timeline_svg(const Timeline& t, const Pipeline& p, const std::string& title) {
   const double left = 60, width = 1100, row = 34, top = 48;
   const double scale = t.step > 0 ? width / t.step : 0;
   std::ostringstream s;
@@ -92,11 +92,6 @@ std::string timeline_svg(const Timeline& t, const Pipeline& p, int64_t layers, c
     const double y = top + row * static_cast<double>(r);
     s << "<text x=\"4\" y=\"" << y + 16 << "\">rank " << r << "</text><rect x=\"" << left << "\" y=\"" << y
       << "\" width=\"" << width << "\" height=\"" << row - 4 << "\" fill=\"#d8d8d8\"/>\n";
-    const std::vector<int> chunks = p.chunks_of(static_cast<int>(r));
-    auto phase = [&](const Action& a) {  // 1: the rank's second chunk (the head's, embedding's layer for theirs)
-      const int64_t l = std::clamp<int64_t>(a.layer, 0, layers - 1);
-      return chunks.size() > 1 && l >= p.bounds[chunks[1]] && l < p.bounds[chunks[1] + 1] ? 1 : 0;
-    };
     // A lane each for F, B and W (and the rest); boxes of one kind, chunk and micro-batch
     // with no idle time between them are one bar, so a forward interleaved stage by stage
     // with another micro-batch's backward shows as two bars side by side.
@@ -120,8 +115,9 @@ std::string timeline_svg(const Timeline& t, const Pipeline& p, int64_t layers, c
     for (const Timeline::Box& b : t.ranks[r]) {
       if (b.start > previous_end + 1e-9 * t.step) busy_since = b.start;
       previous_end = b.end;
-      const std::string k =
-          kind_of(b.action.op) + std::to_string(phase(b.action)) + std::to_string(b.action.micro_batch);
+      std::string k(1, kind_of(b.action.op));  // kind, chunk, micro-batch: "F13"
+      k.append(std::to_string(p.phase_of(static_cast<int>(r), b.action.layer)))
+          .append(std::to_string(b.action.micro_batch));
       auto it = open.find(k);
       if (it != open.end() && it->second.end + 1e-9 * t.step >= busy_since) {
         it->second.end = b.end;
@@ -233,12 +229,11 @@ int run_plan(const Args& args) {
     stash_slots(schedules[r], shape.micro_batches, &live);
     size_t activations = model->make_bare_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
     std::string in_flight = std::to_string(live);
-    for (int phase = 0; phase < static_cast<int>(pipeline.chunks_of(r).size()); ++phase) {
-      int blocks = 0;
-      block_slots(schedules[r], shape.micro_batches, pipeline, r, L, phase, &blocks);
-      const auto [first, last] = block_range(pipeline, r, phase);
-      activations += model->make_block(micro, seq / mesh.cp, first, last)->bytes * static_cast<size_t>(blocks);
-      in_flight += (phase ? ", " : "; of its chunks' layers ") + std::to_string(blocks);
+    const char* separator = "; of its chunks' layers ";
+    for (const ChunkBlocks& c : chunk_blocks(schedules[r], shape.micro_batches, pipeline, r, L)) {
+      activations += model->make_block(micro, seq / mesh.cp, c.first, c.last)->bytes * static_cast<size_t>(c.count);
+      in_flight += separator + std::to_string(c.count);
+      separator = ", ";
     }
     const size_t total = 2 * weights + optimizer + compute + slot + activations;
     if (mesh.pp > 1) {
@@ -296,7 +291,7 @@ int run_plan(const Args& args) {
   char title[256];
   std::snprintf(title, sizeof title, "%s, pp %d, %d micro-batches: %.3f%s forward and backward, bubble %.2f%%",
                 name.c_str(), mesh.pp, shape.micro_batches, t.step, unit, 100.0 * t.bubble());
-  io::write_file_atomic(out, {timeline_svg(t, pipeline, L, title)});
+  io::write_file_atomic(out, {timeline_svg(t, pipeline, title)});
   std::printf("  timeline written to %s\n", out.c_str());
   return 0;
 }

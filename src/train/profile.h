@@ -2,9 +2,9 @@
 //
 // mark("experts B") closes the span opened by the previous mark and opens a new one;
 // finish() returns the milliseconds spent under each name and how many spans it had
-// (what `moetrain plan --schedule --profile` divides by to cost one action). On the GPU the marks are
-// CUDA events on the backend's stream, so nothing waits until finish(); on the CPU
-// they read the clock.
+// (what `moetrain plan --schedule --profile` divides by to cost one action). On the
+// GPU the marks are CUDA events on the backend's stream, so nothing waits until
+// finish(); on the CPU they read the clock.
 #pragma once
 
 #include <chrono>

@@ -156,8 +156,9 @@ void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3) {
 
 namespace {
 
-// Slots shared by micro-batches whose lives (the span of the actions `life` gives: first
-// and last index, or nothing) do not overlap, first come first served.
+// Slots shared by micro-batches whose lives do not overlap, first come first served. A
+// life runs from the first action that life_end gives an end for (nothing: the action
+// does not touch it) to the latest such end.
 std::vector<int> share_slots(const std::vector<Action>& actions, int micro_batches, int* count,
                              const std::function<std::optional<size_t>(size_t)>& life_end) {
   std::vector<size_t> first(static_cast<size_t>(micro_batches), SIZE_MAX), last(first.size(), 0);
@@ -213,18 +214,22 @@ std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batch
   });
 }
 
-std::vector<int> block_slots(const std::vector<Action>& actions, int micro_batches, const Pipeline& p, int rank,
-                             int64_t layers, int phase, int* count) {
-  return share_slots(actions, micro_batches, count, [&](size_t i) -> std::optional<size_t> {
-    const int ph = block_phase(actions[i], p, rank, layers);
-    if (ph != phase && ph != 2) return std::nullopt;
-    return i;
-  });
-}
-
-std::pair<int64_t, int64_t> block_range(const Pipeline& p, int rank, int phase) {
-  const int c = p.chunks_of(rank)[static_cast<size_t>(phase)];
-  return {p.bounds[c], p.bounds[c + 1]};
+std::vector<ChunkBlocks> chunk_blocks(const std::vector<Action>& actions, int micro_batches, const Pipeline& p,
+                                      int rank, int64_t layers) {
+  std::vector<ChunkBlocks> out;
+  for (int c : p.chunks_of(rank)) {
+    const int phase = static_cast<int>(out.size());
+    ChunkBlocks b;
+    b.first = p.bounds[c];
+    b.last = p.bounds[c + 1];
+    b.slot = share_slots(actions, micro_batches, &b.count, [&](size_t i) -> std::optional<size_t> {
+      const int ph = block_phase(actions[i], p, rank, layers);
+      if (ph != phase && ph != 2) return std::nullopt;
+      return i;
+    });
+    out.push_back(std::move(b));
+  }
+  return out;
 }
 
 void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {

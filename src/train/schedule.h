@@ -156,12 +156,15 @@ void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3);
 // to last action touching the stash, a send until its commit) do not overlap: slot[m]
 // and the number of stashes.
 std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count);
-// The same for the activation blocks of the rank's chunk `phase` (models/interface.h):
+// The same for the activation blocks (models/interface.h) of each of the rank's chunks:
 // a micro-batch holds one from its first to its last stage (or head) action there.
-std::vector<int> block_slots(const std::vector<Action>& actions, int micro_batches, const Pipeline& p, int rank,
-                             int64_t layers, int phase, int* count);
-// The layers [first, last) of the rank's chunk `phase`: its blocks' range.
-std::pair<int64_t, int64_t> block_range(const Pipeline& p, int rank, int phase);
+struct ChunkBlocks {
+  int64_t first = 0, last = 0;  // the chunk's layers
+  std::vector<int> slot;        // micro-batch -> its block
+  int count = 0;                // blocks
+};
+std::vector<ChunkBlocks> chunk_blocks(const std::vector<Action>& actions, int micro_batches, const Pipeline& p,
+                                      int rank, int64_t layers);
 
 // What the runner works on. `stashes[m]` is micro-batch m's (several micro-batches may
 // share one when their lifetimes do not overlap); `blocks[phase][m]` the activation

@@ -145,16 +145,11 @@ void Trainer::make_stashes() {
   for (int i = 0; i < live; ++i) stashes_.push_back(model_.make_bare_stash(micro_batch_, local_seq()));
   // Each of this rank's chunks lends its layers' activations to a micro-batch only for
   // the span it works there (DualPipeV keeps chunk 0's longer than chunk 1's).
-  block_of_.clear();
-  blocks_.clear();
-  for (int phase = 0; phase < static_cast<int>(pipeline_.chunks_of(pp_rank_).size()); ++phase) {
-    const std::vector<int> slot = block_slots(actions_, shape.micro_batches, pipeline_, pp_rank_, shape.layers, phase,
-                                              &live);
-    const auto [first, last] = block_range(pipeline_, pp_rank_, phase);
+  for (const ChunkBlocks& c : chunk_blocks(actions_, shape.micro_batches, pipeline_, pp_rank_, shape.layers)) {
     const size_t base = blocks_.size();
-    for (int i = 0; i < live; ++i) blocks_.push_back(model_.make_block(micro_batch_, local_seq(), first, last));
+    for (int i = 0; i < c.count; ++i) blocks_.push_back(model_.make_block(micro_batch_, local_seq(), c.first, c.last));
     block_of_.emplace_back();
-    for (int m : slot) block_of_.back().push_back(blocks_[base + static_cast<size_t>(m)].get());
+    for (int m : c.slot) block_of_.back().push_back(blocks_[base + static_cast<size_t>(m)].get());
   }
 }
 
