@@ -1,5 +1,6 @@
-// Qwen3-MoE (transformers' model_type "qwen3_moe"): config, parameters under their
-// Hugging Face names, and every stage of every layer, forward and backward.
+// Qwen3-MoE (transformers' model_type "qwen3_moe"): its config and its attention
+// (grouped-query, q/k norms per head, RoPE); the rest is the shared decoder
+// (models/decoder.h).
 #pragma once
 
 #include <memory>

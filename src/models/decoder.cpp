@@ -1,0 +1,817 @@
+#include "models/decoder.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/check.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/dispatch.h"
+#include "kernels/elementwise.h"
+#include "kernels/embedding.h"
+#include "kernels/gemm.h"
+#include "kernels/grouped_gemm.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/swiglu.h"
+#include "parallel/context_parallel.h"
+#include "parallel/expert_parallel.h"
+
+namespace mt {
+
+void Attend::forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
+                     const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) const {
+  if (cp) return parallel::ring_attention_forward(*cp, q, k, v, sinks, a, out, lse);
+  mt::attention_forward(q, k, v, sinks, a, out, lse);
+}
+
+void Attend::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
+                      const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                      const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dsinks) const {
+  if (cp) return parallel::ring_attention_backward(*cp, q, k, v, sinks, a, out, lse, dout, dq, dk, dv, dsinks);
+  mt::attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv, dsinks);
+}
+
+int add_param(std::vector<Param>& params, std::string name, Shape shape, bool expert) {
+  Param p;
+  p.name = std::move(name);
+  p.value = Tensor(nullptr, shape, DType::f32);
+  p.matrix = shape.n >= 2;
+  p.expert = expert;
+  params.push_back(std::move(p));
+  return static_cast<int>(params.size()) - 1;
+}
+
+static bool start_grad(Param& p) {
+  const bool first = !p.grad_started;
+  p.grad_started = true;
+  return first;
+}
+
+float grad_beta(Param& p) { return start_grad(p) ? 0.0f : 1.0f; }
+
+const Tensor& grad_zeroed(Param& p) {
+  if (start_grad(p)) mt::fill(p.grad, 0.0f);
+  return p.grad;
+}
+
+HfTensor hf_tensor(std::string name, const Param& p, float init_scale, float fill) {
+  return {std::move(name), p.value, p.grad, init_scale, fill};
+}
+
+HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64_t r1, float init_scale,
+                  bool expert) {
+  auto slice = [&](const Tensor& t) {
+    Tensor block = t.ndim() == 3 ? t.rows(e, e + 1).view({t.dim(1), t.dim(2)}) : t;
+    return block.rows(r0, r1);
+  };
+  return {std::move(name), slice(p.value), slice(p.grad), init_scale, 0.0f, expert};
+}
+
+namespace {
+
+// Every kernel call below goes through the family headers' mt:: dispatchers, which
+// pick the backend by the tensors' device. Calls that take a cpu:: struct are written
+// mt::f(...): argument-dependent lookup would also find cpu::f.
+
+constexpr int32_t kIgnoreIndex = -100;
+
+// Where each layer's shared parameters sit in params_ (indices, so the vector may grow).
+struct LayerIndex {
+  int in_norm, post_norm;
+  int router = -1;    // MoE layers: [E, D]
+  int gate_up, down;  // MoE: [E, 2I, D] and [E, D, I]; dense: [2I, D] and [D, I]
+  int shared_gate_up = -1, shared_down = -1;  // shared experts: [2Is, D], [D, Is]
+};
+
+// Activations of one layer for one micro-batch, and the gradients its W stages need.
+// N = batch * seq tokens, R = N * top_k routed rows.
+struct LayerActs {
+  std::unique_ptr<AttentionActs> attn;  // the model's attention
+  Tensor xn, rstd1;             // input norm [N,D], [N]
+  Tensor hm, y, rstd2;          // residual after attention, its norm
+  Tensor logits, idx, weight, probs, dprobs;        // router (f32)
+  // prob_sum f32 [E] (probs summed over tokens) and counts i32 [E] (slots each expert
+  // kept) side by side in `stats`, so the metrics read both in one copy.
+  Tensor stats, prob_sum, counts;
+  Tensor offsets, order, slot_row;                  // dispatch plan
+  int64_t dropped = 0;                              // slots over capacity
+  Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
+  Tensor sgu, shs, so;          // shared experts: [N, 2Is], [N, Is], output [N, D]
+  // Expert parallelism: the exchange plan, the rows R it brought to this rank's experts
+  // (xs .. d_xs are allocated for the most R can be and used as rows(0, R)), `back`,
+  // every slot's expert output returned to this rank [N*k, D], and the exchange a
+  // dispatch or combine stage started, until its finish.
+  parallel::RoutedMark routed;  // where the router's idx is complete
+  parallel::EpPlan plan;
+  Tensor back;
+  parallel::EpExchange exchange;
+  // Gradients. d_logits is f32 like the router; d_logits_c is what the matrix products
+  // read (a bf16 copy on the GPU, d_logits itself on the CPU).
+  Tensor d_ys, d_weight, d_hs, d_gu, d_xs, d_y, d_logits, d_logits_c, d_hm, d_xn, d_sgu, d_shs;
+};
+
+struct DecoderBlock : ActivationBlock {
+  Arena arena;
+};
+
+struct DecoderStash : Stash {
+  Arena arena;
+  std::vector<int32_t> positions_host;
+  Tensor cos, sin;
+  Tensor balanced_idx;               // force_balanced_routing: the fixed expert choice
+  std::vector<LayerActs> layers;
+  Tensor hf, rstd_f, logits, lse, d_hf;  // head
+  LossSum loss;
+};
+
+class Decoder final : public Model {
+ public:
+  Decoder(const DecoderSpec& c, std::unique_ptr<Attention> attention, const ModelOptions& o)
+      : c_(c), k_(c.router.top_k), attention_(std::move(attention)), device_(o.device),
+        balanced_(o.force_balanced_routing), plan_only_(o.plan_only), external_layers_(o.external_layers),
+        capacity_factor_(o.capacity_factor), ep_(o.ep), act_(o.device == Device::cuda ? DType::bf16 : DType::f32),
+        embedding_(o.embedding), head_(o.head) {
+    attend_.cp = o.cp != nullptr && o.cp->size() > 1 ? o.cp : nullptr;
+    held_.assign(static_cast<size_t>(c.num_layers), o.layers.empty());
+    for (int64_t l : o.layers) {
+      MT_CHECK(l >= 0 && l < c.num_layers) << "model built for layer " << l << " of " << c.num_layers;
+      held_[l] = true;
+    }
+    MT_CHECK(!c.tie_word_embeddings || embedding_ == head_)
+        << "tie_word_embeddings: the embedding and the head share a weight, so they must be on one pipeline rank "
+        << "(parallelism.pipeline_schedule = dualpipev places both on rank 0)";
+    build_params();
+  }
+
+  Device device() const override { return device_; }
+  bool balanced_routing() const override { return balanced_; }
+  int64_t num_layers() const override { return c_.num_layers; }
+  bool is_moe_layer(int64_t layer) const override { return c_.moe[layer]; }
+  int64_t num_experts() const override { return c_.num_experts; }
+  int64_t vocab_size() const override { return c_.vocab_size; }
+  std::vector<Param>& params() override { return params_; }
+
+  int64_t param_count() const override {
+    int64_t n = 0;
+    for (const Param& p : params_) n += p.value.numel();
+    return n;
+  }
+  int64_t active_param_count() const override {
+    int64_t n = 0;
+    for (const Param& p : params_) n += p.expert ? p.value.numel() / local_experts_ * k_ : p.value.numel();
+    return n;
+  }
+
+  std::vector<HfTensor> hf_tensors() override;
+  bool held_by_another_rank(const std::string& name) const override {
+    if (name.starts_with("model.layers.")) {
+      const int64_t l = std::atoll(name.c_str() + 13);
+      if (l >= 0 && l < c_.num_layers && !held_[l]) return true;
+    }
+    if (name == "model.embed_tokens.weight") return !embedding_;
+    if (name == "model.norm.weight" || name == "lm_head.weight") return !head_;
+    size_t at = name.find(".mlp.experts.");
+    if (ep_ == nullptr || at == std::string::npos) return false;
+    int64_t e = std::atoll(name.c_str() + at + 13);
+    return e >= 0 && e < c_.num_experts && (e < first_expert_ || e >= first_expert_ + local_experts_);
+  }
+  std::unique_ptr<Stash> make_bare_stash(int64_t batch, int64_t seq) override;
+  std::unique_ptr<ActivationBlock> make_block(int64_t batch, int64_t seq, int64_t first, int64_t last) override;
+  void lend(Stash& s, ActivationBlock& b) override;
+  void embed_forward(Stash& s) override;
+  void stage_forward(int64_t layer, Stage stage, Stash& s) override;
+  void stage_backward_input(int64_t layer, Stage stage, Stash& s) override;
+  void stage_backward_weight(int64_t layer, Stage stage, Stash& s) override;
+  // A layer has at most one exchange in flight: finishing a stage finishes it.
+  void finish_forward(int64_t l, Stage, Stash& s) override { finish_exchange(layer_acts(s, l)); }
+  void finish_backward_input(int64_t l, Stage, Stash& s) override { finish_exchange(layer_acts(s, l)); }
+  LossSum head_forward(Stash& s) override;
+  void head_backward_input(Stash& s, float scale) override;
+  void head_backward_weight(Stash& s) override;
+  void embed_backward(Stash& s) override;
+  Tensor logits(Stash& s) override { return static_cast<DecoderStash&>(s).logits; }
+  std::vector<RouterStats> router_stats(const Stash& s) const override;
+  void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override;
+
+ private:
+  void build_params();
+  void allocate_bare(DecoderStash& s, Arena& a) const;
+  void allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t last) const;
+  const Tensor& W(int i) const { return params_[i].value; }    // f32 master (norms, embedding)
+  const Tensor& C(int i) const { return params_[i].compute; }  // read by matrix products
+  const Tensor& G(int i) const { return params_[i].grad; }
+  // Gradient writes: a Param's first write of the step replaces its gradient and later
+  // ones add (Param::grad_started), whatever order the schedule runs micro-batches in.
+  float beta(int i) { return grad_beta(params_[i]); }
+  const Tensor& Z(int i) { return grad_zeroed(params_[i]); }
+  bool start(int i) { return grad_beta(params_[i]) == 0.0f; }
+  AttentionIo io(DecoderStash& s, LayerActs& x) const {
+    return {s.batch, s.seq, s.cos, s.sin, x.xn, x.hm, x.d_hm, x.d_xn, &attend_};
+  }
+  // The expert path of a MoE layer for this micro-batch: every routed row, or with
+  // expert parallelism the R rows the exchange brought to this rank's experts.
+  struct Routed {
+    Tensor xs, gu, hs, ys, d_ys, d_hs, d_gu, d_xs, offsets;
+  };
+  Routed routed(LayerActs& x) const {
+    if (ep_ == nullptr && x.dropped == 0) return {x.xs, x.gu, x.hs, x.ys, x.d_ys, x.d_hs, x.d_gu, x.d_xs, x.offsets};
+    // A capacity keeps the first R rows; the exchange brings R rows.
+    const int64_t r = ep_ ? x.plan.local_rows() : x.xs.dim(0) - x.dropped;
+    return {x.xs.rows(0, r),   x.gu.rows(0, r),   x.hs.rows(0, r),   x.ys.rows(0, r),
+            x.d_ys.rows(0, r), x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r),
+            ep_ ? x.plan.offsets : x.offsets};
+  }
+  static LayerActs& layer_acts(Stash& s, int64_t l) { return static_cast<DecoderStash&>(s).layers[l]; }
+  // Finishes the expert-parallel exchange layer x has in flight, whichever it is.
+  void finish_exchange(LayerActs& x) const;
+  // Rows each expert keeps of a micro-batch of n tokens (0: all).
+  int64_t capacity(int64_t n) const {
+    if (capacity_factor_ <= 0.0) return 0;
+    const double fair = static_cast<double>(n * k_) / static_cast<double>(c_.num_experts);
+    return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(capacity_factor_ * fair)));
+  }
+  void attention_forward(int64_t l, DecoderStash& s);
+  void attention_backward_input(int64_t l, DecoderStash& s);
+
+  DecoderSpec c_;
+  int64_t k_;  // experts a token goes to
+  std::unique_ptr<Attention> attention_;
+  Attend attend_;
+  Device device_;
+  bool balanced_;
+  bool plan_only_;
+  bool external_layers_;  // ZeRO-3: the decoder layers' Params have no storage here
+  double capacity_factor_;  // 0: dropless
+  comm::Communicator* ep_;  // null: every expert lives here
+  int64_t local_experts_ = 0, first_expert_ = 0;
+  DType act_;  // activations: bf16 on the GPU, f32 on the CPU
+  std::vector<bool> held_;  // per layer: built on this rank (pipeline parallelism)
+  bool embedding_, head_;
+  std::vector<Param> params_;
+  Arena values_, grads_, compute_;
+  int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  std::vector<LayerIndex> layer_;
+  cpu::RopeFreqs rope_;
+};
+
+void Decoder::build_params() {
+  const int64_t D = c_.hidden_size;
+  local_experts_ = c_.num_experts;
+  if (ep_ != nullptr && ep_->size() > 1) {
+    MT_CHECK(c_.num_experts % ep_->size() == 0)
+        << "num_experts " << c_.num_experts << " does not split over parallelism.ep = " << ep_->size();
+    local_experts_ = c_.num_experts / ep_->size();
+    first_expert_ = ep_->rank() * local_experts_;
+  } else {
+    ep_ = nullptr;
+  }
+  const int64_t E = local_experts_;
+  auto add = [&](std::string name, Shape shape, bool expert = false) {
+    return add_param(params_, std::move(name), shape, expert);
+  };
+  if (embedding_) embed_ = add("embed", {c_.vocab_size, D});
+  layer_.resize(static_cast<size_t>(c_.num_layers));
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!held_[l]) continue;
+    std::string p = "layers." + std::to_string(l) + ".";
+    LayerIndex x{};
+    x.in_norm = add(p + "input_norm", {D});
+    attention_->add_params(l, p, params_);
+    x.post_norm = add(p + "post_norm", {D});
+    if (c_.moe[l]) {
+      const int64_t I = c_.moe_intermediate_size, Is = c_.shared_intermediate_size;
+      x.router = add(p + "router", {c_.num_experts, D});
+      x.gate_up = add(p + "experts.gate_up", {E, 2 * I, D}, true);
+      x.down = add(p + "experts.down", {E, D, I}, true);
+      if (Is > 0) {
+        x.shared_gate_up = add(p + "shared.gate_up", {2 * Is, D});
+        x.shared_down = add(p + "shared.down", {D, Is});
+      }
+    } else {
+      const int64_t I = c_.intermediate_size;
+      x.gate_up = add(p + "mlp.gate_up", {2 * I, D});
+      x.down = add(p + "mlp.down", {D, I});
+    }
+    layer_[l] = x;
+  }
+  if (head_) final_norm_ = add("final_norm", {D});
+  if (head_ && !c_.tie_word_embeddings) lm_head_ = add("lm_head", {c_.vocab_size, D});
+  for (Param& p : params_) {
+    if (p.name.starts_with("layers.")) p.layer = std::atoll(p.name.c_str() + 7);
+    if (p.name == "final_norm" || p.name == "lm_head") p.layer = c_.num_layers;
+  }
+
+  // Two arenas of identical layout, master weights and their gradients, and on the GPU
+  // a third with the bf16 copies of the matrices that the products read. With external
+  // layers, only the embedding's and the head's.
+  const bool copies = device_ == Device::cuda;
+  auto held = [&](const Param& p) { return !external_layers_ || p.layer < 0 || p.layer >= c_.num_layers; };
+  Arena count = Arena::counting("parameters", device_), count_c = Arena::counting("compute weights", device_);
+  for (const Param& p : params_) {
+    if (!held(p)) continue;
+    count.alloc(DType::f32, p.value.shape);
+    if (copies && p.matrix) count_c.alloc(DType::bf16, p.value.shape);
+  }
+  auto arena = [&](const char* name, size_t bytes) {
+    return plan_only_ ? Arena::counting(name, device_) : Arena(name, device_, bytes);
+  };
+  values_ = arena("parameters", count.peak());
+  grads_ = arena("gradients", count.peak());
+  compute_ = arena("compute weights", count_c.peak());
+  for (Param& p : params_) {
+    if (!held(p)) {
+      p.value = Tensor(nullptr, p.value.shape, DType::f32, device_);
+      p.grad = p.value;
+      p.compute = copies && p.matrix ? Tensor(nullptr, p.value.shape, DType::bf16, device_) : p.value;
+      continue;
+    }
+    p.value = values_.alloc(DType::f32, p.value.shape);
+    p.grad = grads_.alloc(DType::f32, p.value.shape);
+    p.compute = copies && p.matrix ? compute_.alloc(DType::bf16, p.value.shape) : p.value;
+    if (plan_only_) continue;
+    mt::fill(p.value, 0.0f);
+    mt::fill(p.grad, 0.0f);
+  }
+  if (!plan_only_) refresh_compute_weights(params_);
+  rope_ = cpu::rope_freqs(c_.rope);
+}
+
+std::vector<HfTensor> Decoder::hf_tensors() {
+  std::vector<HfTensor> out;
+  const float out_scale = static_cast<float>(1.0 / std::sqrt(2.0 * static_cast<double>(c_.num_layers)));
+  // An MLP's gate_proj, up_proj and down_proj from its fused gate_up and down (block e).
+  auto mlp = [&](const std::string& q, int gate_up, int down, int64_t e, bool expert) {
+    const Param &gu = params_[gate_up], &dn = params_[down];
+    const int64_t I = gu.value.dim(gu.value.ndim() - 2) / 2;
+    out.push_back(hf_slice(q + "gate_proj.weight", gu, e, 0, I, 1.0f, expert));
+    out.push_back(hf_slice(q + "up_proj.weight", gu, e, I, 2 * I, 1.0f, expert));
+    out.push_back(hf_slice(q + "down_proj.weight", dn, e, 0, c_.hidden_size, out_scale, expert));
+  };
+  if (embedding_) out.push_back(hf_tensor("model.embed_tokens.weight", params_[embed_]));
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!held_[l]) continue;
+    const LayerIndex& x = layer_[l];
+    std::string p = "model.layers." + std::to_string(l) + ".";
+    out.push_back(hf_tensor(p + "input_layernorm.weight", params_[x.in_norm], 0.0f, 1.0f));
+    attention_->hf_tensors(l, p + "self_attn.", params_, out_scale, out);
+    out.push_back(hf_tensor(p + "post_attention_layernorm.weight", params_[x.post_norm], 0.0f, 1.0f));
+    if (c_.moe[l]) {
+      out.push_back(hf_tensor(p + "mlp.gate.weight", params_[x.router]));
+      for (int64_t e = 0; e < local_experts_; ++e)
+        mlp(p + "mlp.experts." + std::to_string(first_expert_ + e) + ".", x.gate_up, x.down, e, true);
+      if (x.shared_gate_up >= 0) mlp(p + "mlp.shared_experts.", x.shared_gate_up, x.shared_down, 0, false);
+    } else {
+      mlp(p + "mlp.", x.gate_up, x.down, 0, false);
+    }
+  }
+  if (head_) out.push_back(hf_tensor("model.norm.weight", params_[final_norm_], 0.0f, 1.0f));
+  if (lm_head_ >= 0) out.push_back(hf_tensor("lm_head.weight", params_[lm_head_]));
+  return out;
+}
+
+void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
+  const int64_t B = s.batch, S = s.seq, N = B * S, D = c_.hidden_size, Dr = c_.rope.rotary_dim;
+  auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
+  s.ids = i32({B, S});
+  s.labels = i32({B, S});
+  s.cos = a.alloc(DType::f32, {S, Dr / 2});
+  s.sin = a.alloc(DType::f32, {S, Dr / 2});
+  // The residual stream where a layer here reads or writes it, or the head reads it.
+  s.h.resize(c_.num_layers + 1);
+  s.dh.resize(c_.num_layers + 1);
+  for (int64_t l = 0; l <= c_.num_layers; ++l) {
+    if (!(l < c_.num_layers && held_[l]) && !(l > 0 && held_[l - 1]) && !(l == c_.num_layers && head_)) continue;
+    s.h[l] = a.alloc(act_, {N, D});
+    s.dh[l] = a.alloc(act_, {N, D});
+  }
+  s.layers.resize(c_.num_layers);
+  for (int64_t l = 0; l < c_.num_layers; ++l)
+    if (held_[l]) s.layers[l].attn = attention_->make_acts();
+  if (balanced_) s.balanced_idx = i32({N, k_});
+}
+
+void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t last) const {
+  const int64_t N = s.batch * s.seq, D = c_.hidden_size, E = c_.num_experts, K = k_;
+  const int64_t Is = c_.shared_intermediate_size;
+  auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
+  auto act = [&](Shape sh) { return a.alloc(act_, sh); };
+  auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
+  // Gradients that only a layer's own B stages read, each written before it is read:
+  // one set serves every layer (a stash's B stages run one layer at a time). What the
+  // W stages read (d_hm, d_gu, d_ys, d_logits_c, d_sgu) stays per layer.
+  const int64_t R = ep_ ? ep_->size() * N * std::min(K, local_experts_) : N * K;
+  bool any_moe = false;
+  int64_t hidden = 0;  // elements of the widest d_hs
+  std::vector<AttentionActs*> attn;
+  for (int64_t l = first; l < last; ++l) {
+    if (!held_[l]) continue;
+    any_moe = any_moe || c_.moe[l];
+    hidden = std::max(hidden, c_.moe[l] ? R * c_.moe_intermediate_size : N * c_.intermediate_size);
+    attn.push_back(s.layers[l].attn.get());
+  }
+  if (hidden == 0 && !(last == c_.num_layers && head_)) return;
+  attention_->allocate(attn, a, act_, s.batch, s.seq);
+  const Tensor d_y = act({N, D}), d_xn = act({N, D}), d_hs = act({hidden}),
+               d_xs = any_moe ? act({R, D}) : Tensor(), d_shs = any_moe && Is > 0 ? act({N, Is}) : Tensor();
+  for (int64_t l = first; l < last; ++l) {
+    if (!held_[l]) continue;
+    LayerActs& x = s.layers[l];
+    x.xn = act({N, D});
+    x.rstd1 = f32({N});
+    x.hm = act({N, D});
+    x.y = act({N, D});
+    x.rstd2 = f32({N});
+    x.d_y = d_y;
+    x.d_hm = act({N, D});
+    x.d_xn = d_xn;
+    x.mo = act({N, D});
+    if (c_.moe[l]) {
+      // With expert parallelism every rank's N tokens may each bring up to
+      // min(k, local experts) rows here.
+      const int64_t I = c_.moe_intermediate_size;
+      if (ep_) x.back = act({N * K, D});
+      x.logits = f32({N, E});
+      x.idx = i32({N, K});
+      x.weight = f32({N, K});
+      x.probs = f32({N, E});
+      x.stats = i32({2, E});
+      x.prob_sum = Tensor(x.stats.data, {E}, DType::f32, x.stats.device);
+      x.counts = x.stats.rows(1, 2).view({E});
+      x.dprobs = f32({1, E});  // the same row for every token
+      x.offsets = i32({E + 1});
+      x.order = i32({R});
+      x.slot_row = i32({R});
+      x.xs = act({R, D});
+      x.gu = act({R, 2 * I});
+      x.hs = act({R, I});
+      x.ys = act({R, D});
+      x.d_ys = act({R, D});
+      x.d_weight = f32({N, K});
+      x.d_hs = Tensor(d_hs.data, {R, I}, act_, d_hs.device);
+      x.d_gu = act({R, 2 * I});
+      x.d_xs = d_xs;
+      x.d_logits = f32({N, E});
+      x.d_logits_c = act_ == DType::f32 ? x.d_logits : act({N, E});
+      if (Is > 0) {
+        x.sgu = act({N, 2 * Is});
+        x.shs = act({N, Is});
+        x.so = act({N, D});
+        x.d_sgu = act({N, 2 * Is});
+        x.d_shs = d_shs;
+      }
+    } else {
+      const int64_t I = c_.intermediate_size;
+      x.gu = act({N, 2 * I});
+      x.hs = act({N, I});
+      x.d_hs = Tensor(d_hs.data, {N, I}, act_, d_hs.device);
+      x.d_gu = act({N, 2 * I});
+    }
+  }
+  if (last != c_.num_layers || !head_) return;
+  s.hf = act({N, D});
+  s.rstd_f = f32({N});
+  s.logits = act({N, c_.vocab_size});
+  s.lse = f32({N});
+  s.d_hf = act({N, D});
+}
+
+std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
+  MT_CHECK(batch >= 1 && seq >= 1) << "a micro-batch needs at least one sequence of one token, got " << batch << "x"
+                                   << seq;
+  auto s = std::make_unique<DecoderStash>();
+  s->batch = batch;
+  s->seq = seq;
+  // Plan with a counting arena, then allocate the same sequence for real.
+  Arena plan = Arena::counting("activations", device_);
+  allocate_bare(*s, plan);
+  s->bytes = plan.peak();
+  if (plan_only_) return s;
+  s->arena = Arena("activations", device_, plan.peak());
+  allocate_bare(*s, s->arena);
+  s->positions_host.resize(static_cast<size_t>(seq));
+  if (attend_.cp) {
+    const int cp = attend_.cp->size();
+    std::vector<int64_t> pos = parallel::zigzag_positions(seq * cp, attend_.cp->rank(), cp);
+    for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(pos[t]);
+  } else {
+    for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);
+  }
+  mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
+  if (balanced_) {
+    std::vector<int32_t> idx(static_cast<size_t>(batch * seq * k_));
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
+    mt::copy(s->balanced_idx, Tensor(idx.data(), s->balanced_idx.shape, DType::i32));
+  }
+  return s;
+}
+
+std::unique_ptr<ActivationBlock> Decoder::make_block(int64_t batch, int64_t seq, int64_t first, int64_t last) {
+  MT_CHECK(0 <= first && first <= last && last <= c_.num_layers)
+      << "an activation block for layers [" << first << ", " << last << ") of " << c_.num_layers;
+  auto b = std::make_unique<DecoderBlock>();
+  b->first = first;
+  b->last = last;
+  DecoderStash shape;  // the views are thrown away: only the sizes count
+  shape.batch = batch;
+  shape.seq = seq;
+  shape.layers.resize(c_.num_layers);
+  for (int64_t l = first; l < last; ++l)
+    if (held_[l]) shape.layers[l].attn = attention_->make_acts();
+  b->arena = Arena::counting("activations", device_);
+  allocate_layers(shape, b->arena, first, last);
+  b->bytes = b->arena.peak();
+  if (plan_only_) return b;
+  b->arena = Arena("activations", device_, b->bytes);
+  allocate_layers(shape, b->arena, first, last);
+  for (LayerActs& x : shape.layers)  // no load-balance gradient until the trainer sets one
+    if (x.dprobs.data != nullptr) mt::fill(x.dprobs, 0.0f);
+  return b;
+}
+
+void Decoder::lend(Stash& base, ActivationBlock& block) {
+  auto& s = static_cast<DecoderStash&>(base);
+  auto& b = static_cast<DecoderBlock&>(block);
+  // The same allocation sequence from the start of the block's arena: the same views.
+  b.arena.reset();
+  allocate_layers(s, b.arena, b.first, b.last);
+}
+
+void Decoder::embed_forward(Stash& base) {
+  auto& s = static_cast<DecoderStash&>(base);
+  embedding_forward(W(embed_), s.ids.view({s.batch * s.seq}), s.h[0]);
+}
+
+void Decoder::attention_forward(int64_t l, DecoderStash& s) {
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
+  // hm = h + attention: the residual, then the attention's output projection onto it.
+  mt::copy(x.hm, s.h[l]);
+  attention_->forward(l, params_, *x.attn, io(s, x));
+  rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
+  if (c_.moe[l]) {
+    gemm(x.y, C(w.router), x.logits, false, true);
+    mt::router_forward(c_.router, x.logits, x.idx, x.weight, x.probs);
+    mt::router_prob_sum(x.probs, x.prob_sum);
+    if (balanced_) {
+      mt::copy(x.idx, s.balanced_idx);
+      mt::fill(x.weight, 1.0f / static_cast<float>(k_));
+    }
+    // The expert plan waits for the router, not for what a schedule queues after it.
+    if (ep_) x.routed = parallel::mark_routed(x.idx);
+  }
+}
+
+void Decoder::finish_exchange(LayerActs& x) const {
+  switch (x.exchange.kind) {
+    case parallel::EpExchange::Kind::none:
+      break;
+    case parallel::EpExchange::Kind::dispatch_forward:
+      parallel::ep_dispatch_forward_finish(x.exchange, x.plan, routed(x).xs);
+      break;
+    case parallel::EpExchange::Kind::combine_forward:
+      parallel::ep_combine_forward_finish(x.exchange, x.plan, x.weight, x.mo);
+      break;
+    case parallel::EpExchange::Kind::combine_backward:
+      parallel::ep_combine_backward_finish(x.exchange, x.plan, routed(x).d_ys);
+      break;
+    case parallel::EpExchange::Kind::dispatch_backward:
+      parallel::ep_dispatch_backward_finish(x.exchange, x.plan, x.d_y);
+      break;
+  }
+}
+
+void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
+  MT_CHECK(l >= 0 && l < c_.num_layers && held_[l]) << "forward of layer " << l << ", which is not built here";
+  auto& s = static_cast<DecoderStash&>(base);
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const bool moe = c_.moe[l];
+  // A stage after an exchange reads its results: one a schedule has not finished yet is
+  // finished here (correct, only without the overlap).
+  finish_exchange(x);
+  switch (stage) {
+    case Stage::attention:
+      attention_forward(l, s);
+      break;
+    case Stage::dispatch:
+      if (moe && ep_) {
+        // The experts see the ep ranks' micro-batches end to end: the capacity is theirs.
+        x.plan =
+            parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(s.batch * s.seq * ep_->size()), x.routed);
+        x.dropped = x.plan.dropped;
+        mt::copy(x.counts, x.plan.expert_counts);
+        x.exchange = parallel::ep_dispatch_forward_start(*ep_, x.plan, x.y);
+      } else if (moe) {
+        x.dropped = mt::dispatch_plan(x.idx, c_.num_experts, capacity(s.batch * s.seq), x.counts, x.offsets,
+                                      x.order, x.slot_row);
+        mt::dispatch_forward(x.y, x.order, k_, routed(x).xs);
+      }
+      break;
+    case Stage::experts:
+      if (moe) {
+        Routed r = routed(x);
+        grouped_gemm(r.xs, C(w.gate_up), Tensor(), r.offsets, r.gu);
+        swiglu_forward(r.gu, r.hs);
+        grouped_gemm(r.hs, C(w.down), Tensor(), r.offsets, r.ys);
+        if (w.shared_gate_up >= 0) {  // the shared experts see every token
+          gemm(x.y, C(w.shared_gate_up), x.sgu, false, true);
+          swiglu_forward(x.sgu, x.shs);
+          gemm(x.shs, C(w.shared_down), x.so, false, true);
+        }
+      } else {
+        gemm(x.y, C(w.gate_up), x.gu, false, true);
+        swiglu_forward(x.gu, x.hs);
+        gemm(x.hs, C(w.down), x.mo, false, true);
+      }
+      break;
+    case Stage::combine:
+      if (moe && ep_)
+        x.exchange =
+            parallel::ep_combine_forward_start(*ep_, x.plan, routed(x).ys, x.back.rows(0, x.plan.returned_rows()));
+      else if (moe)
+        mt::combine_forward(routed(x).ys, x.weight, x.slot_row, x.mo);
+      break;
+    case Stage::aggregate:
+      mt::add(x.hm, x.mo, s.h[l + 1]);
+      if (moe && w.shared_gate_up >= 0) mt::add(s.h[l + 1], x.so, s.h[l + 1]);
+      break;
+  }
+}
+
+void Decoder::attention_backward_input(int64_t l, DecoderStash& s) {
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  if (c_.moe[l]) {
+    // Router: every token's probability row gets the load-balance gradient (x.dprobs,
+    // uploaded by set_router_prob_grad).
+    // Forced routing does not come from the logits: only the balance term reaches them.
+    if (balanced_) mt::fill(x.d_weight, 0.0f);
+    mt::router_backward(c_.router, x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
+    if (x.d_logits_c.data != x.d_logits.data) mt::cast(x.d_logits, x.d_logits_c);
+    gemm(x.d_logits_c, C(w.router), x.d_y, false, false, 1.0f, 1.0f);
+    // The shared experts' input gradient, after the dispatch's (which overwrites d_y).
+    if (w.shared_gate_up >= 0) gemm(x.d_sgu, C(w.shared_gate_up), x.d_y, false, false, 1.0f, 1.0f);
+  }
+  // d_hm = dh[l+1] (the residual) + the post-attention norm's input gradient.
+  // The norms' weight gradients are taken here, with their input gradients, not in W:
+  // their dy buffers are shared by every layer (allocate), and the pass is one.
+  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm));
+  mt::add(x.d_hm, s.dh[l + 1], x.d_hm);
+  attention_->backward_input(l, params_, *x.attn, io(s, x));
+  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Z(w.in_norm));
+  mt::add(s.dh[l], x.d_hm, s.dh[l]);
+}
+
+void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
+  auto& s = static_cast<DecoderStash&>(base);
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const bool moe = c_.moe[l];
+  const Tensor& d_mo = s.dh[l + 1];  // aggregate: h[l+1] = hm + mo, so d_mo = d_hm = dh[l+1]
+  finish_exchange(x);  // as in stage_forward
+  switch (stage) {
+    case Stage::aggregate:
+      break;
+    case Stage::combine:
+      if (moe && ep_)
+        x.exchange = parallel::ep_combine_backward_start(*ep_, x.plan, x.back.rows(0, x.plan.returned_rows()),
+                                                         x.weight, d_mo, x.d_weight);
+      else if (moe)
+        mt::combine_backward(routed(x).ys, x.weight, x.slot_row, d_mo, routed(x).d_ys, x.d_weight);
+      break;
+    case Stage::experts:
+      if (moe) {
+        Routed r = routed(x);
+        grouped_gemm_backward_input(r.d_ys, C(w.down), r.offsets, r.d_hs);
+        swiglu_backward(r.gu, r.d_hs, r.d_gu);
+        grouped_gemm_backward_input(r.d_gu, C(w.gate_up), r.offsets, r.d_xs);
+        if (w.shared_gate_up >= 0) {
+          gemm(d_mo, C(w.shared_down), x.d_shs, false, false);
+          swiglu_backward(x.sgu, x.d_shs, x.d_sgu);
+        }
+      } else {
+        gemm(d_mo, C(w.down), x.d_hs, false, false);
+        swiglu_backward(x.gu, x.d_hs, x.d_gu);
+        gemm(x.d_gu, C(w.gate_up), x.d_y, false, false);
+      }
+      break;
+    case Stage::dispatch:
+      if (moe && ep_)
+        x.exchange = parallel::ep_dispatch_backward_start(*ep_, x.plan, routed(x).d_xs);
+      else if (moe)
+        mt::dispatch_backward(routed(x).d_xs, x.slot_row, x.d_y);
+      break;
+    case Stage::attention:
+      attention_backward_input(l, s);
+      break;
+  }
+}
+
+void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
+  auto& s = static_cast<DecoderStash&>(base);
+  const LayerIndex& w = layer_[l];
+  LayerActs& x = s.layers[l];
+  const bool moe = c_.moe[l];
+  switch (stage) {
+    case Stage::experts:
+      if (moe) {
+        Routed r = routed(x);
+        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), Tensor(), !start(w.down));
+        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), Tensor(), !start(w.gate_up));
+        if (w.shared_gate_up >= 0) {
+          gemm(s.dh[l + 1], x.shs, G(w.shared_down), true, false, 1.0f, beta(w.shared_down));
+          gemm(x.d_sgu, x.y, G(w.shared_gate_up), true, false, 1.0f, beta(w.shared_gate_up));
+        }
+      } else {
+        gemm(s.dh[l + 1], x.hs, G(w.down), true, false, 1.0f, beta(w.down));
+        gemm(x.d_gu, x.y, G(w.gate_up), true, false, 1.0f, beta(w.gate_up));
+      }
+      break;
+    case Stage::attention:
+      if (moe) gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, beta(w.router));
+      attention_->backward_weight(l, params_, *x.attn, io(s, x));
+      break;
+    case Stage::dispatch:
+    case Stage::combine:
+    case Stage::aggregate:
+      break;  // no parameters
+  }
+}
+
+LossSum Decoder::head_forward(Stash& base) {
+  auto& s = static_cast<DecoderStash&>(base);
+  const int64_t N = s.batch * s.seq;
+  rmsnorm_forward(s.h[c_.num_layers], W(final_norm_), static_cast<float>(c_.rms_norm_eps), s.hf, s.rstd_f);
+  gemm(s.hf, C(lm_head_ >= 0 ? lm_head_ : embed_), s.logits, false, true);
+  cpu::CrossEntropySum ce = cross_entropy_forward(s.logits, s.labels.view({N}), kIgnoreIndex, s.lse);
+  s.loss = {ce.loss_sum, ce.count};
+  return s.loss;
+}
+
+void Decoder::head_backward_input(Stash& base, float scale) {
+  auto& s = static_cast<DecoderStash&>(base);
+  const int64_t N = s.batch * s.seq;
+  // In place: from here on s.logits holds d(loss)/d(logits), which the W half reads.
+  cross_entropy_backward(s.logits, s.labels.view({N}), s.lse, kIgnoreIndex, scale, s.logits);
+  gemm(s.logits, C(lm_head_ >= 0 ? lm_head_ : embed_), s.d_hf, false, false);
+  rmsnorm_backward(s.h[c_.num_layers], W(final_norm_), s.rstd_f, s.d_hf, s.dh[c_.num_layers], Z(final_norm_));
+}
+
+void Decoder::head_backward_weight(Stash& base) {
+  auto& s = static_cast<DecoderStash&>(base);
+  const int out = lm_head_ >= 0 ? lm_head_ : embed_;
+  gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta(out));
+}
+
+void Decoder::embed_backward(Stash& base) {
+  auto& s = static_cast<DecoderStash&>(base);
+  // Tied, the head's W may have started this gradient already: Z then adds to it.
+  embedding_backward(s.ids.view({s.batch * s.seq}), s.dh[0], Z(embed_));
+}
+
+std::vector<RouterStats> Decoder::router_stats(const Stash& base) const {
+  const auto& s = static_cast<const DecoderStash&>(base);
+  std::vector<RouterStats> out;
+  const int64_t N = s.batch * s.seq, E = c_.num_experts;
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!held_[l] || !c_.moe[l]) continue;
+    const LayerActs& x = s.layers[l];
+    RouterStats r;
+    r.layer = l;
+    r.tokens = N;
+    r.top_k = k_;
+    r.dropped = x.dropped;
+    // The probabilities summed where they were made (router_prob_sum) and the slots each
+    // expert kept, counted by the dispatch plan: one copy of both to the host.
+    std::vector<int32_t> stats(static_cast<size_t>(2 * E));
+    mt::copy(Tensor(stats.data(), {2, E}, DType::i32), x.stats);
+    std::vector<float> sums(static_cast<size_t>(E));
+    std::memcpy(sums.data(), stats.data(), sums.size() * sizeof(float));
+    r.prob_sum.assign(sums.begin(), sums.end());
+    r.counts.assign(stats.begin() + E, stats.end());
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+void Decoder::set_router_prob_grad(Stash& base, int64_t layer, const std::vector<float>& dprob) {
+  auto& s = static_cast<DecoderStash&>(base);
+  MT_CHECK(held_[layer] && c_.moe[layer] && static_cast<int64_t>(dprob.size()) == c_.num_experts)
+      << "load-balance gradient for layer " << layer << " with " << dprob.size() << " experts";
+  // Uploaded now, between the forward and the backward, where the trainer has waited
+  // for the device anyway (router statistics), rather than as a stall inside the backward.
+  mt::copy(s.layers[layer].dprobs, Tensor(const_cast<float*>(dprob.data()), {1, c_.num_experts}, DType::f32));
+}
+
+}  // namespace
+
+std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, std::unique_ptr<Attention> attention,
+                                    const ModelOptions& options) {
+  MT_CHECK(static_cast<int64_t>(spec.moe.size()) == spec.num_layers)
+      << "decoder spec: " << spec.moe.size() << " MoE flags for " << spec.num_layers << " layers";
+  return std::make_unique<Decoder>(spec, std::move(attention), options);
+}
+
+}  // namespace mt

@@ -1,0 +1,102 @@
+// The decoder every model shares, so that a model file holds only what is its own.
+//
+// A model is an embedding, L pre-norm layers and a head (final norm, output projection,
+// cross-entropy). Each layer is
+//   xn = rmsnorm(h) -> attention, its output projection added to hm = h + ...
+//   y = rmsnorm(hm) -> a dense SwiGLU MLP, or the MoE block: router, dispatch,
+//   experts, combine, plus optional shared experts on every token -> h' = hm + mlp(y).
+// The decoder owns all of it but the attention, which a model supplies (Attention
+// below), and gives the attention its kernel (Attend: local or ring over cp). The MoE
+// block runs dropless or with a capacity, locally or over the ep group, with the
+// balanced-routing benchmark mode, the router statistics and the load-balance
+// gradient; its tensors keep Hugging Face's names (`mlp.gate`, `mlp.experts.E.*`,
+// `mlp.shared_experts.*`).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "kernels/rope.h"
+#include "kernels/router.h"
+#include "models/interface.h"
+
+namespace mt {
+
+struct DecoderSpec {
+  int64_t vocab_size = 0, hidden_size = 0, num_layers = 0;
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  std::vector<bool> moe;          // per layer: the MoE block (else the dense MLP)
+  int64_t intermediate_size = 0;  // the dense MLP's
+  int64_t num_experts = 0, moe_intermediate_size = 0;
+  int64_t shared_intermediate_size = 0;  // shared experts as one MLP this wide (0: none)
+  cpu::RouterConfig router;
+  cpu::RopeConfig rope;  // every stash's cos/sin tables [seq, rope.rotary_dim / 2]
+};
+
+// Attention as a model calls it: one kernel on this rank's whole sequences, or ring
+// attention over the cp group (the zigzag chunks); shapes as cpu::attention_forward.
+struct Attend {
+  comm::Communicator* cp = nullptr;  // null: whole sequences here
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks, const cpu::AttentionArgs& a,
+               const Tensor& out, const Tensor& lse) const;
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks, const cpu::AttentionArgs& a,
+                const Tensor& out, const Tensor& lse, const Tensor& dout, const Tensor& dq, const Tensor& dk,
+                const Tensor& dv, const Tensor& dsinks) const;
+};
+
+// One layer's attention activations for one micro-batch, a model's own subclass.
+struct AttentionActs {
+  virtual ~AttentionActs() = default;
+};
+
+// What an attention sees of its layer and micro-batch.
+struct AttentionIo {
+  int64_t batch = 0, seq = 0;
+  Tensor cos, sin;  // rope tables of the micro-batch's positions
+  Tensor xn;        // the normed input [N, D]
+  Tensor hm;        // forward: holds h; the attention adds its output projection
+  Tensor d_hm;      // backward: d loss / d hm
+  Tensor d_xn;      // backward_input writes d loss / d xn
+  const Attend* attend = nullptr;
+};
+
+// A model's attention: its parameters, activations and stages. Parameter indices
+// point into the decoder's params (see add_param); gradients are written through
+// grad_beta / grad_zeroed, so a step's first write replaces and later ones add.
+class Attention {
+ public:
+  virtual ~Attention() = default;
+  // Adds layer l's parameters, internal names starting with `prefix`.
+  virtual void add_params(int64_t l, const std::string& prefix, std::vector<Param>& params) = 0;
+  // Layer l's tensors under Hugging Face names; `out_scale` is the init scale of
+  // projections into the residual stream.
+  virtual void hf_tensors(int64_t l, const std::string& prefix, std::vector<Param>& params, float out_scale,
+                          std::vector<HfTensor>& out) const = 0;
+  virtual std::unique_ptr<AttentionActs> make_acts() const = 0;
+  // Allocates the activations of these layers of one micro-batch of batch x seq
+  // tokens, in order, from `a`; what only a layer's B reads may be shared by them.
+  virtual void allocate(const std::vector<AttentionActs*>& layers, Arena& a, DType act, int64_t batch,
+                        int64_t seq) const = 0;
+  virtual void forward(int64_t l, std::vector<Param>& params, AttentionActs& x, const AttentionIo& io) = 0;
+  virtual void backward_input(int64_t l, std::vector<Param>& params, AttentionActs& x, const AttentionIo& io) = 0;
+  virtual void backward_weight(int64_t l, std::vector<Param>& params, AttentionActs& x, const AttentionIo& io) = 0;
+};
+
+// Parameter helpers for models: a new Param of this shape (storage comes later), and
+// a gradient write's factor on the old gradient (0 at the step's first write) or the
+// gradient zeroed first (for kernels that only add).
+int add_param(std::vector<Param>& params, std::string name, Shape shape, bool expert = false);
+float grad_beta(Param& p);
+const Tensor& grad_zeroed(Param& p);
+// An HfTensor of the whole Param, or of rows [r0, r1) of block e of a fused
+// [E, rows, cols] (or [rows, cols]) Param.
+HfTensor hf_tensor(std::string name, const Param& p, float init_scale = 1.0f, float fill = 0.0f);
+HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64_t r1, float init_scale, bool expert);
+
+std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, std::unique_ptr<Attention> attention,
+                                    const ModelOptions& options);
+
+}  // namespace mt
