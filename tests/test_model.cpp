@@ -13,6 +13,7 @@
 #include "kernels/elementwise.h"
 #include "io/safetensors.h"
 #include "models/hf_config.h"
+#include "models/deepseek_v2.h"
 #include "models/qwen3_moe.h"
 #include "train/trainer.h"
 
@@ -127,7 +128,8 @@ TEST_P(HfParity, FiveAdamWStepsWithClipping) {
     EXPECT_LT(rel_err_norm(t.value.f32(), expected(exp, "final." + t.name)), 1e-4) << t.name;
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity, ::testing::Values("qwen3_moe_a", "qwen3_moe_b"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity,
+                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b"));
 
 // The same model under the hub's spelling of the config (num_experts, rope_theta)
 // and transformers 5's (num_local_experts, rope_parameters) reads the same.
@@ -156,6 +158,49 @@ TEST(Qwen3MoeConfig, HubAndTransformers5Spellings) {
   hub = v5;
   hub["rope_parameters"]["rope_type"] = "yarn";
   EXPECT_THROW(parse_qwen3_moe_config(hub, "cfg.json"), Error);
+}
+
+// DeepSeek-V2's config as the hub spells it (rope_scaling with "type", a top-level
+// rope_theta) and as transformers 5 writes it (rope_parameters) read the same; the
+// softmax scale carries YaRN's mscale_all_dim; what is not implemented is refused.
+TEST(DeepseekV2Config, HubAndTransformers5SpellingsAndRefusals) {
+  std::vector<uint8_t> b = io::read_file(fixture("deepseek_v2_a/config.json"));
+  nlohmann::json v5 = nlohmann::json::parse(b.begin(), b.end());
+  nlohmann::json hub = v5;
+  hub.erase("rope_parameters");
+  hub["rope_theta"] = 10000.0;
+  hub["rope_scaling"] = {{"type", "yarn"},           {"factor", 40.0},           {"beta_fast", 32},
+                         {"beta_slow", 1},           {"mscale", 1.0},            {"mscale_all_dim", 0.707},
+                         {"original_max_position_embeddings", 4096}};
+  DeepseekV2Config a = parse_deepseek_v2_config(v5, "v5"), c = parse_deepseek_v2_config(hub, "hub");
+  for (const DeepseekV2Config* x : {&a, &c}) {
+    EXPECT_TRUE(x->decoder.rope.yarn);
+    EXPECT_EQ(x->decoder.rope.factor, 40.0);
+    EXPECT_EQ(x->decoder.rope.rotary_dim, 4);
+    EXPECT_EQ(x->decoder.rope.mscale_all_dim, 0.707);
+    EXPECT_EQ(x->decoder.router.n_group, 4);
+    EXPECT_EQ(x->decoder.router.topk_group, 2);
+    EXPECT_FLOAT_EQ(x->decoder.router.scale, 2.5f);
+    EXPECT_EQ(x->decoder.shared_intermediate_size, 24);  // 2 shared experts of 12
+    EXPECT_EQ(x->decoder.moe, (std::vector<bool>{false, true, true}));  // first_k_dense_replace 1
+    EXPECT_EQ(x->q_lora_rank, 0);
+  }
+  const double m = 0.1 * 0.707 * std::log(40.0) + 1.0;  // transformers' yarn_get_mscale
+  EXPECT_NEAR(a.softmax_scale, m * m / 4.0, 1e-12);     // qk_head_dim 16
+  for (auto [key, value] : {std::pair<const char*, nlohmann::json>{"topk_method", "noaux_tc"},
+                            {"moe_layer_freq", 2},
+                            {"num_key_value_heads", 2},
+                            {"scoring_func", "sigmoid"},
+                            {"qk_rope_head_dim", 3}}) {
+    nlohmann::json bad = v5;
+    bad[key] = value;
+    try {
+      parse_deepseek_v2_config(bad, "cfg.json");
+      ADD_FAILURE() << key << " = " << value.dump() << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cfg.json"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // The shared config.json reader: the first spelling present wins, "a.b" is a nested

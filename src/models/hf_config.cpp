@@ -50,4 +50,29 @@ bool HfConfig::flag(Names n, std::optional<bool> f) const { return read(n, f); }
 std::string HfConfig::text(Names n, std::optional<std::string> f) const { return read(n, f); }
 std::vector<int64_t> HfConfig::integers(Names n, std::optional<std::vector<int64_t>> f) const { return read(n, f); }
 
+cpu::RopeConfig read_rope(const HfConfig& hf, int64_t rotary_dim) {
+  cpu::RopeConfig r;
+  r.rotary_dim = rotary_dim;
+  r.theta = hf.number({"rope_parameters.rope_theta", "rope_theta"}, 10000.0);
+  const std::string type =
+      hf.text({"rope_parameters.rope_type", "rope_scaling.rope_type", "rope_scaling.type"}, "default");
+  if (type == "default") return r;
+  MT_CHECK(type == "yarn") << hf.where() << ": rope type '" << type << "' is not supported (default or yarn)";
+  r.yarn = true;
+  const double max_position = hf.number({"max_position_embeddings"}, 0.0);
+  r.original_max_position = hf.number(
+      {"rope_parameters.original_max_position_embeddings", "rope_scaling.original_max_position_embeddings"},
+      max_position);
+  // transformers: a missing factor stretches the original context to max_position_embeddings
+  r.factor = hf.number({"rope_parameters.factor", "rope_scaling.factor"},
+                       r.original_max_position > 0 ? max_position / r.original_max_position : 0.0);
+  r.beta_fast = hf.number({"rope_parameters.beta_fast", "rope_scaling.beta_fast"}, 32.0);
+  r.beta_slow = hf.number({"rope_parameters.beta_slow", "rope_scaling.beta_slow"}, 1.0);
+  r.attention_factor = hf.number({"rope_parameters.attention_factor", "rope_scaling.attention_factor"}, 0.0);
+  r.mscale = hf.number({"rope_parameters.mscale", "rope_scaling.mscale"}, 0.0);
+  r.mscale_all_dim = hf.number({"rope_parameters.mscale_all_dim", "rope_scaling.mscale_all_dim"}, 0.0);
+  r.truncate = hf.flag({"rope_parameters.truncate", "rope_scaling.truncate"}, true);
+  return r;
+}
+
 }  // namespace mt

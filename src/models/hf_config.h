@@ -14,6 +14,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "kernels/rope.h"
+
 namespace mt {
 
 class HfConfig {
@@ -36,5 +38,10 @@ class HfConfig {
   const nlohmann::json& j_;
   std::string where_;
 };
+
+// The rope of `rotary_dim` dims: rope_theta, and rope_parameters / rope_scaling of type
+// default or yarn (factor, beta_fast, beta_slow, original_max_position_embeddings,
+// attention_factor, mscale, mscale_all_dim, truncate); another type is an error.
+cpu::RopeConfig read_rope(const HfConfig& hf, int64_t rotary_dim);
 
 }  // namespace mt

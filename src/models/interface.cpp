@@ -5,6 +5,7 @@
 #include "core/check.h"
 #include "io/file.h"
 #include "kernels/elementwise.h"
+#include "models/deepseek_v2.h"
 #include "models/qwen3_moe.h"
 
 namespace mt {
@@ -16,7 +17,8 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
   MT_CHECK(j.contains("model_type") && j["model_type"].is_string()) << config_json_path << ": no model_type";
   std::string type = j["model_type"];
   if (type == "qwen3_moe") return make_qwen3_moe(parse_qwen3_moe_config(j, config_json_path), options);
-  MT_FAIL() << config_json_path << ": model_type '" << type << "' is not supported (supported: qwen3_moe)";
+  if (type == "deepseek_v2") return make_deepseek_v2(parse_deepseek_v2_config(j, config_json_path), options);
+  MT_FAIL() << config_json_path << ": model_type '" << type << "' is not supported (supported: qwen3_moe, deepseek_v2)";
   return nullptr;
 }
 
