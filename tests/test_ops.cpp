@@ -57,13 +57,28 @@ std::vector<OpCase> table() {
   add(sum_squares_case({1}));
   add(sum_squares_case({7, 0, 1001, 33}));
 
+  // column slices, as MLA uses them (5 tokens, 3 heads, latent 4 + rope 2, nope 4, v 3):
+  // split kv_a and q, concatenate back, build k from k_nope and k_pe broadcast over the
+  // heads, that broadcast's backward (the sum over the heads) run forward, split kv_b; one row.
+  add(copy_columns_case({5, 4}, 0, {5, 6}, 0, 4, false));
+  add(copy_columns_case({5, 2}, 0, {5, 6}, 4, 2, false));
+  add(copy_columns_case({5, 6}, 4, {5, 2}, 0, 2, true));
+  add(copy_columns_case({5, 3, 2}, 0, {5, 3, 6}, 4, 2, false));
+  add(copy_columns_case({5, 3, 6}, 0, {5, 3, 4}, 0, 4, false));
+  add(copy_columns_case({5, 3, 6}, 4, {5, 1, 2}, 0, 2, false));
+  add(copy_columns_case({5, 1, 2}, 0, {5, 3, 6}, 4, 2, true));
+  add(copy_columns_case({5, 3, 3}, 0, {5, 3, 7}, 4, 3, false));
+  add(copy_columns_case({7}, 2, {3}, 0, 3, true));
+
   // grouped gemm: one row, empty experts (first, last, in between, all but one), K and
-  // O not multiples of 8 or 128, with and without bias, overwriting and accumulating.
+  // O not multiples of 8 or 128, with and without bias, overwriting and accumulating; one
+  // expert with bias (a dense Linear).
   add(grouped_gemm_case({0, 1, 0}, 5, 3, true, false));
   add(grouped_gemm_case({0, 3, 0, 5, 0}, 7, 6, false, false));
   add(grouped_gemm_case({4, 9, 1, 13}, 33, 20, true, true));
   add(grouped_gemm_case({11}, 129, 9, false, true));
   add(grouped_gemm_case({6, 0, 3, 9}, 12, 130, true, false));
+  add(grouped_gemm_case({9}, 6, 5, true, false));
 
   // swiglu and clamped swiglu: one row, odd widths; GPT-OSS's limit and alpha, and a
   // small limit so the clamps bind in most elements.

@@ -9,6 +9,7 @@ namespace mt::cpu {
 //   y[seg] = x[seg] @ w[e]^T (+ bias[e])
 // x f32 [N,K]; w f32 [E,O,K] (Hugging Face Linear layout, out x in); bias f32 [E,O] or
 // empty; offsets i32 [E+1] non-decreasing from 0 to N (empty segments allowed); y [N,O].
+// A dense Linear (with or without bias) is the one-expert case: w [1,O,K], offsets {0, N}.
 void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y);
 
 // B: dx[seg] = dy[seg] @ w[e]  (dx [N,K], overwritten).
@@ -26,7 +27,9 @@ namespace mt::cuda {
 // x, w, dy bf16; y and dx bf16 or f32; bias, dw and dbias f32; accumulation in f32. No
 // host sync: offsets stay on the device and are trusted (the dispatch kernels make them;
 // the CPU backend is where bad offsets are reported). Which products run on CUTLASS's
-// Hopper grouped GEMM and which on our own kernel: kernels/cuda/grouped_gemm_sm90.cuh.
+// Hopper grouped GEMM and which on our own kernel: kernels/cuda/grouped_gemm_sm90.cuh; a
+// bias rides in CUTLASS's epilogue. dbias is summed in 128-row tiles, then tile by tile:
+// repeatable bit for bit, but not the CPU's row-by-row order.
 void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y);
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx);
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,

@@ -137,12 +137,16 @@ std::vector<int32_t> random_counts(int64_t experts, int32_t mean, std::vector<in
 }
 
 // The CPU table's rows (one row, empty experts first, last, between and all but one, K
-// and O not multiples of 8 or 128), then segments spanning several 128-row tiles with
-// the operands 16-byte aligned (vector loads) and not. Then the cases the CUTLASS path
-// takes (bf16 out, no bias, K and O multiples of 8): empty experts at both ends and
+// and O not multiples of 8 or 128, one expert), then segments spanning several 128-row
+// tiles with the operands 16-byte aligned (vector loads) and not. Then the cases the
+// CUTLASS path takes (bf16 out, K and O multiples of 8): empty experts at both ends and
 // between, every expert empty, O not a multiple of the 128 or 256 tile, more experts than
 // a warp scans at once and than one planning block covers, and Qwen3-30B-A3B's two
 // expert products (K=2048, O=1536 and K=768, O=2048) with uneven segments around 512 rows.
+// With a bias (the epilogue's, and dbias's two passes): empty experts at both ends, O
+// not a multiple of the tile, segments of many 128-row tiles (more than dbias's 8 warps
+// take at once), and one expert (a dense Linear with bias: GPT-OSS's attention) short and
+// long, with and without accumulation.
 std::vector<GroupedCase> grouped_cases() {
   return {
       {{0, 1, 0}, 5, 3, true, false, DType::bf16},
@@ -150,6 +154,7 @@ std::vector<GroupedCase> grouped_cases() {
       {{4, 9, 1, 13}, 33, 20, true, true, DType::f32},
       {{11}, 129, 9, false, true, DType::bf16},
       {{6, 0, 3, 9}, 12, 130, true, false, DType::f32},
+      {{9}, 6, 5, true, false, DType::bf16},
       {{300, 0, 129, 1, 260, 0, 0, 517}, 200, 260, false, true, DType::bf16},
       {{128, 256, 0, 77, 301}, 256, 384, true, false, DType::bf16},
       {{0, 0, 0}, 16, 8, true, true, DType::bf16},
@@ -160,6 +165,11 @@ std::vector<GroupedCase> grouped_cases() {
       {random_counts(160, 20, {0, 31, 32, 100, 159}, 71), 64, 96, false, true, DType::bf16},
       {random_counts(16, 512, {3, 11}, 72), 2048, 1536, false, false, DType::bf16},
       {random_counts(8, 512, {0}, 73), 768, 2048, false, true, DType::bf16},
+      {random_counts(24, 300, {0, 9, 23}, 74), 256, 520, true, true, DType::bf16},
+      {{0, 1500, 3, 0, 700}, 64, 264, true, false, DType::bf16},
+      {{2048}, 512, 640, true, false, DType::bf16},
+      {{1000}, 64, 24, true, true, DType::bf16},
+      {{5}, 16, 8, true, false, DType::bf16},
   };
 }
 
@@ -227,9 +237,9 @@ TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
     auto d_bias = upload(bias, DType::f32, {e, g.o}), d_off = upload(offsets, {e + 1});
     auto d_dy = upload(dy, DType::bf16, {n, g.o});
     // What CUTLASS must take (the device buffers are 256-byte aligned): TMA rows of
-    // 16-byte multiples, the model's dtypes, no forward bias.
+    // 16-byte multiples, the model's dtypes, with or without a bias.
     const bool tma = g.k > 0 && g.k % 8 == 0 && g.o > 0 && g.o % 8 == 0;
-    const bool sm90_forward = tma && g.out == DType::bf16 && !g.bias, sm90_input = tma && g.out == DType::bf16;
+    const bool sm90 = tma && g.out == DType::bf16;
     for (Route route : {Route::dispatch, Route::sm90, Route::wmma}) {
       if (route != Route::dispatch && !tma) continue;
       SCOPED_TRACE(std::string("route ") + route_name(route));
@@ -239,10 +249,10 @@ TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
         cuda::grouped_gemm(d_x.t, d_w.t, g.bias ? d_bias.t : none, d_off.t, d_y.t);
       } else if (route == Route::wmma) {
         cuda::grouped_gemm_wmma(d_x.t, d_w.t, g.bias ? d_bias.t : none, d_off.t, d_y.t);
-      } else if (!g.bias) {
-        EXPECT_EQ(cuda::grouped_gemm_sm90(d_x.t, d_w.t, d_off.t, d_y.t), sm90_forward);
+      } else {
+        EXPECT_EQ(cuda::grouped_gemm_sm90(d_x.t, d_w.t, g.bias ? d_bias.t : none, d_off.t, d_y.t), sm90);
       }
-      if (route != Route::sm90 || sm90_forward) {
+      if (route != Route::sm90 || sm90) {
         EXPECT_TRUE(near("y", download(d_y.t), want_y, product_tol(g.k, bound_y, g.out)));
       }
 
@@ -252,9 +262,9 @@ TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
       } else if (route == Route::wmma) {
         cuda::grouped_gemm_backward_input_wmma(d_dy.t, d_w.t, d_off.t, d_dx.t);
       } else {
-        EXPECT_EQ(cuda::grouped_gemm_backward_input_sm90(d_dy.t, d_w.t, d_off.t, d_dx.t), sm90_input);
+        EXPECT_EQ(cuda::grouped_gemm_backward_input_sm90(d_dy.t, d_w.t, d_off.t, d_dx.t), sm90);
       }
-      if (route != Route::sm90 || sm90_input) {
+      if (route != Route::sm90 || sm90) {
         EXPECT_TRUE(near("dx", download(d_dx.t), want_dx, product_tol(g.o, bound_dx, g.out)));
       }
 
@@ -268,10 +278,15 @@ TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
         EXPECT_TRUE(cuda::grouped_gemm_backward_weight_sm90(d_x.t, d_dy.t, d_off.t, d_dw.t, g.accumulate));
       }
       EXPECT_TRUE(near("dw", download(d_dw.t), want_dw, product_tol(longest, bound_dw, DType::f32)));
-      // The bias gradient adds the same bf16 values in the same row order in f32 on both
-      // backends: equal bit for bit. Only the public function computes it.
+      // The bias gradient adds the same bf16 values in f32, the CPU row by row, the GPU
+      // in 128-row tiles and then the tiles: a sum of `longest` terms on each side. Only
+      // the public function computes it; it repeats bit for bit.
       if (g.bias && route == Route::dispatch) {
-        EXPECT_TRUE(near("dbias", download(d_db.t), want_db, Tol{}));
+        const std::vector<float> got_db = download(d_db.t);
+        EXPECT_TRUE(near("dbias", got_db, want_db, product_tol(longest, bound_db, DType::f32)));
+        auto d_db2 = g.accumulate ? upload(db0, DType::f32, {e, g.o}) : poisoned(DType::f32, {e, g.o});
+        cuda::grouped_gemm_backward_weight(d_x.t, d_dy.t, d_off.t, d_dw.t, d_db2.t, g.accumulate);
+        EXPECT_TRUE(near("dbias again", download(d_db2.t), got_db, Tol{}));
       }
     }
   }
@@ -304,6 +319,36 @@ TEST(CudaGemm, DISABLED_TimeBenchmarkShapes) {
                 static_cast<long>(rows), static_cast<long>(e), static_cast<long>(k), static_cast<long>(o), f,
                 tflops(flops, f), b, tflops(flops, b), wg, tflops(flops, wg));
   }
+  // GPT-OSS-120B's biased products (hidden 2880): the experts' gate_up (32 of 128 experts
+  // on this rank, 8192 tokens top-4, O = 5760) and q, k, v as one expert (O = 64 + 2 x 8
+  // heads of 64), with and without bias and dbias, and the dense product through cuBLASLt.
+  const struct {
+    const char* what;
+    int64_t e, rows, k, o;
+  } biased[] = {{"gpt-oss experts gate_up", 32, 32768, 2880, 5760}, {"gpt-oss qkv (E=1)", 1, 8192, 2880, 5120}};
+  for (const auto& b : biased) {
+    std::vector<int32_t> off_b;
+    for (int64_t i = 0; i <= b.e; ++i) off_b.push_back(static_cast<int32_t>(i * b.rows / b.e));
+    auto ob = upload(off_b, {b.e + 1});
+    auto x = random_device(DType::bf16, {b.rows, b.k}, 11), w = random_device(DType::bf16, {b.e, b.o, b.k}, 12);
+    auto bias = random_device(DType::f32, {b.e, b.o}, 13), dy = random_device(DType::bf16, {b.rows, b.o}, 14);
+    auto y = poisoned(DType::bf16, {b.rows, b.o}), dw = random_device(DType::f32, {b.e, b.o, b.k}, 15);
+    auto db = random_device(DType::f32, {b.e, b.o}, 16);
+    const double flops = 2.0 * b.rows * b.k * b.o;
+    double f = median_ms(10, [&] { cuda::grouped_gemm(x.t, w.t, none, ob.t, y.t); });
+    double fb = median_ms(10, [&] { cuda::grouped_gemm(x.t, w.t, bias.t, ob.t, y.t); });
+    double wg = median_ms(10, [&] { cuda::grouped_gemm_backward_weight(x.t, dy.t, ob.t, dw.t, none, true); });
+    double wb = median_ms(10, [&] { cuda::grouped_gemm_backward_weight(x.t, dy.t, ob.t, dw.t, db.t, true); });
+    std::printf("  %s rows=%ld K=%ld O=%ld: forward %.3f ms (%.0f TFLOPS), with bias %.3f ms (%.0f); W %.3f ms, "
+                "with dbias %.3f ms\n",
+                b.what, static_cast<long>(b.rows), static_cast<long>(b.k), static_cast<long>(b.o), f,
+                tflops(flops, f), fb, tflops(flops, fb), wg, wb);
+    if (b.e == 1) {
+      double dense = median_ms(10, [&] { cuda::gemm(x.t, w.t.view({b.o, b.k}), y.t, false, true); });
+      std::printf("    the same x w^T through cuBLASLt, no bias: %.3f ms (%.0f TFLOPS)\n", dense, tflops(flops, dense));
+    }
+  }
+
   // The LM head through cuBLASLt, f32 logits, and its weight gradient accumulated in f32.
   auto h = random_device(DType::bf16, {tokens, d}, 5), head = random_device(DType::bf16, {vocab, d}, 6);
   auto logits = poisoned(DType::f32, {tokens, vocab});

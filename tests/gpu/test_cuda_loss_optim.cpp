@@ -268,6 +268,53 @@ TEST(CudaElementwise, MatchCpuExactly) {
   }
 }
 
+// copy_columns makes the same f32 additions in the same order on both sides and rounds
+// once: equal bit for bit, for each dtype of dst and of src. MLA's shapes (DeepSeek-V2:
+// 128 heads, nope 128, rope 64, v 128, kv latent 512) for a few tokens: the splits, the
+// concatenation, k_pe broadcast over the heads and its backward (the sum over them, into an
+// f32 gradient); a row count past one grid's worth of grid-stride iterations; one row.
+TEST(CudaElementwise, CopyColumnsMatchCpuExactly) {
+  MT_SKIP_WITHOUT_GPU();
+  struct Case {
+    Shape dst;
+    int64_t dst_col;
+    Shape src;
+    int64_t src_col, width;
+    bool accumulate;
+    DType dst_dtype, src_dtype;
+  };
+  const int64_t n = 37, h = 128;
+  const Case cases[] = {
+      {{n, 512}, 0, {n, 576}, 0, 512, false, DType::bf16, DType::bf16},
+      {{n, 64}, 0, {n, 576}, 512, 64, false, DType::f32, DType::f32},
+      {{n, h, 64}, 0, {n, h, 192}, 128, 64, false, DType::bf16, DType::bf16},
+      {{n, h, 192}, 128, {n, h, 64}, 0, 64, true, DType::bf16, DType::bf16},
+      {{n, h, 192}, 128, {n, 1, 64}, 0, 64, false, DType::bf16, DType::bf16},
+      {{n, 1, 64}, 0, {n, h, 192}, 128, 64, true, DType::f32, DType::bf16},
+      {{n, 1, 64}, 0, {n, h, 192}, 128, 64, false, DType::bf16, DType::f32},
+      {{n, h, 128}, 0, {n, h, 256}, 128, 128, false, DType::bf16, DType::bf16},
+      {{50000, 40}, 3, {50000, 72}, 30, 37, true, DType::f32, DType::bf16},
+      {{9}, 2, {3}, 0, 3, false, DType::bf16, DType::f32},
+  };
+  uint64_t seed = 7500;
+  for (const Case& c : cases) {
+    std::ostringstream what;
+    what << "dst " << c.dst.str() << " " << dtype_name(c.dst_dtype) << " col " << c.dst_col << ", src "
+         << c.src.str() << " " << dtype_name(c.src_dtype) << " col " << c.src_col << ", width " << c.width
+         << " acc " << c.accumulate;
+    SCOPED_TRACE(what.str());
+    auto round = [](DType dt, std::vector<float> x) { return dt == DType::bf16 ? round_bf16(std::move(x)) : x; };
+    auto dst0 = round(c.dst_dtype, random_floats(c.dst.numel(), -2, 2, ++seed));
+    auto src = round(c.src_dtype, random_floats(c.src.numel(), -2, 2, ++seed));
+    auto want = dst0;
+    cpu::copy_columns(host(want, c.dst), c.dst_col, host(src, c.src), c.src_col, c.width, c.accumulate);
+    want = round(c.dst_dtype, want);
+    auto d_dst = upload(dst0, c.dst_dtype, c.dst), d_src = upload(src, c.src_dtype, c.src);
+    cuda::copy_columns(d_dst.t, c.dst_col, d_src.t, c.src_col, c.width, c.accumulate);
+    EXPECT_TRUE(near("dst", download(d_dst.t), want, Tol{}));
+  }
+}
+
 // The squares are exact in double and each side adds them in its own order: n
 // additions, each within 2^-53 of the running sum, on each side.
 TEST(CudaElementwise, SumSquaresMatchesCpu) {

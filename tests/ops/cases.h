@@ -24,6 +24,8 @@ OpCase add_case(int64_t n, DType dtype);
 OpCase scale_case(int64_t n, float s, DType dtype);
 OpCase fill_case(int64_t n, float value, DType dtype);
 OpCase sum_squares_case(const std::vector<int64_t>& sizes);
+// dst[r, dst_col + c] (+)= src[r', src_col + c] (kernels/elementwise.h), with its backward.
+OpCase copy_columns_case(Shape dst, int64_t dst_col, Shape src, int64_t src_col, int64_t width, bool accumulate);
 
 // grouped_gemm.cpp: rows per expert given by `counts` (zeros are empty segments), x [N,K],
 // w [E,O,K]; accumulate checks that the weight gradient adds to what was there.

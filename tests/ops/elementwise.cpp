@@ -174,4 +174,50 @@ OpCase sum_squares_case(const std::vector<int64_t>& sizes) {
   return c;
 }
 
+// dst [.., Cd] columns dst_col.. from src [.., Cs] columns src_col.., rows paired one to
+// one, broadcast (dst has g times src's rows) or summed (src has g times dst's). The
+// reference walks dst's rows in float64; the backward is copy_columns with the two swapped,
+// into zeros (accumulating onto them when the forward accumulates). dst0, what dst holds
+// before, shows through where it is not written.
+OpCase copy_columns_case(Shape dst, int64_t dst_col, Shape src, int64_t src_col, int64_t width, bool accumulate) {
+  const int64_t dst_cols = dst[dst.n - 1], src_cols = src[src.n - 1];
+  const int64_t dst_rows = dst.numel() / dst_cols, src_rows = src.numel() / src_cols;
+  std::ostringstream name;
+  name << "copy_columns dst=" << dst.str() << " col=" << dst_col << " src=" << src.str() << " col=" << src_col
+       << " width=" << width << " acc=" << accumulate;
+  OpCase c;
+  c.name = name.str();
+  c.inputs = {{"dst0", dst, -1.0, 1.0, false}, {"src", src}};
+  c.outputs = {{"dst"}};
+  const bool exact = !accumulate && src_rows <= dst_rows;  // copies only
+  c.fwd_tol = exact ? 0.0 : 1e-6;
+  c.reference = [=](const Vecs& in) {
+    Vec out = in[0];
+    for (int64_t r = 0; r < dst_rows; ++r)
+      for (int64_t j = 0; j < width; ++j) {
+        double v = 0;
+        if (src_rows <= dst_rows) {
+          v = in[1][(r / (dst_rows / src_rows)) * src_cols + src_col + j];
+        } else {
+          const int64_t g = src_rows / dst_rows;
+          for (int64_t i = 0; i < g; ++i) v += in[1][(r * g + i) * src_cols + src_col + j];
+        }
+        double& o = out[r * dst_cols + dst_col + j];
+        o = accumulate ? o + v : v;
+      }
+    return Vecs{out};
+  };
+  c.forward = [=](const Vecs& in) {
+    auto d = HostTensor::f32(dst, in[0]), s = HostTensor::f32(src, in[1]);
+    cpu::copy_columns(d.t, dst_col, s.t, src_col, width, accumulate);
+    return Vecs{d.vec()};
+  };
+  c.backward = [=](const Vecs&, const Vecs& dout) {
+    auto dd = HostTensor::f32(dst, dout[0]), ds = HostTensor::zeros(src);
+    cpu::copy_columns(ds.t, src_col, dd.t, dst_col, width, accumulate);
+    return Vecs{Vec{}, ds.vec()};
+  };
+  return c;
+}
+
 }  // namespace mt::test

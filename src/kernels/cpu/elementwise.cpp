@@ -79,6 +79,44 @@ double sum_squares(const std::vector<Tensor>& xs) {
   return s;
 }
 
+ColumnCopy column_copy_shape(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col, int64_t width) {
+  MT_CHECK(dst.ndim() >= 1 && src.ndim() >= 1) << "copy_columns wants tensors of at least one dim, got dst "
+                                               << dst.str() << ", src " << src.str();
+  const int64_t dst_cols = dst.dim(dst.ndim() - 1), src_cols = src.dim(src.ndim() - 1);
+  const int64_t dst_rows = dst_cols > 0 ? dst.numel() / dst_cols : 0;
+  const int64_t src_rows = src_cols > 0 ? src.numel() / src_cols : 0;
+  MT_CHECK(width >= 0 && dst_col >= 0 && src_col >= 0 && dst_col + width <= dst_cols && src_col + width <= src_cols)
+      << "copy_columns of width " << width << " from column " << src_col << " of src " << src.str() << " to column "
+      << dst_col << " of dst " << dst.str() << " falls outside a row";
+  ColumnCopy c{dst_rows, dst_cols, src_cols, 1, 1};
+  if (width == 0 || dst_rows == src_rows) return c;
+  if (src_rows > 0 && dst_rows % src_rows == 0)
+    c.bcast = dst_rows / src_rows;
+  else if (dst_rows > 0 && src_rows > 0 && src_rows % dst_rows == 0)
+    c.sum = src_rows / dst_rows;
+  else
+    MT_CHECK(false) << "copy_columns wants row counts that are equal or multiples of each other, got dst " << dst.str()
+                    << " (" << dst_rows << " rows), src " << src.str() << " (" << src_rows << " rows)";
+  return c;
+}
+
+void copy_columns(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col, int64_t width,
+                  bool accumulate) {
+  check_float(dst, "copy_columns", "dst");
+  check_float(src, "copy_columns", "src");
+  const ColumnCopy c = column_copy_shape(dst, dst_col, src, src_col, width);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const int64_t s0 = r / c.bcast * c.sum;
+    for (int64_t j = 0; j < width; ++j) {
+      float v = get(src, s0 * c.src_cols + src_col + j);
+      for (int64_t i = 1; i < c.sum; ++i) v += get(src, (s0 + i) * c.src_cols + src_col + j);
+      const int64_t d = r * c.dst_cols + dst_col + j;
+      set(dst, d, accumulate ? get(dst, d) + v : v);
+    }
+  }
+}
+
 void copy(const Tensor& dst, const Tensor& src) {
   MT_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel())
       << "copy wants the same dtype and element count, got " << dst.str() << " <- " << src.str();

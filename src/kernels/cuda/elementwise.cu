@@ -1,5 +1,5 @@
-// Elementwise helpers on the GPU (f32 over f32-or-bf16 storage) and a multi-tensor sum of
-// squares in double.
+// Elementwise helpers on the GPU (f32 over f32-or-bf16 storage), column slices and a
+// multi-tensor sum of squares in double.
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
@@ -29,6 +29,29 @@ __global__ void scale_kernel(Out x, float s, int64_t n) {
 
 __global__ void fill_kernel(Out x, float v, int64_t n) {
   MT_GRID_STRIDE(i, n) x.set(i, v);
+}
+
+// A warp per dst row (grid-stride), its lanes over the row's columns: coalesced, and one
+// division a row rather than one an element.
+struct ColumnArgs {
+  Out dst;
+  In src;
+  cpu::ColumnCopy c;
+  int64_t dst_col, src_col, width;
+  bool accumulate;
+};
+
+__global__ void copy_columns_kernel(ColumnArgs p) {
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
+  for (int64_t r = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32; r < p.c.rows; r += warps) {
+    const int64_t s0 = r / p.c.bcast * p.c.sum;
+    for (int64_t j = threadIdx.x % 32; j < p.width; j += 32) {
+      float v = p.src[s0 * p.c.src_cols + p.src_col + j];
+      for (int64_t i = 1; i < p.c.sum; ++i) v += p.src[(s0 + i) * p.c.src_cols + p.src_col + j];
+      const int64_t d = r * p.c.dst_cols + p.dst_col + j;
+      p.dst.set(d, p.accumulate ? p.dst.get(d) + v : v);
+    }
+  }
 }
 
 // Multi-tensor sum of squares: the tensor list travels in the kernel's parameters, a block
@@ -110,6 +133,18 @@ void fill(const Tensor& x, float value) {
   const int64_t n = x.numel();
   if (n == 0) return;
   fill_kernel<<<grid_for(n), kThreads, 0, stream()>>>(as_out(x), value, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void copy_columns(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col, int64_t width,
+                  bool accumulate) {
+  check_float(dst, "copy_columns dst");
+  check_float(src, "copy_columns src");
+  const cpu::ColumnCopy c = cpu::column_copy_shape(dst, dst_col, src, src_col, width);
+  if (c.rows == 0 || width == 0) return;
+  const unsigned blocks = std::min<unsigned>(blocks_for(c.rows, kThreads / 32), 32u * sm_count());
+  copy_columns_kernel<<<blocks, kThreads, 0, stream()>>>(
+      ColumnArgs{as_out(dst), as_in(src), c, dst_col, src_col, width, accumulate});
   CUDA_CHECK_LAUNCH();
 }
 

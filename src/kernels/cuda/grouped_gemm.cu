@@ -1,8 +1,8 @@
 // Grouped matrix products over expert row segments, one launch per product, the offsets
 // read on the device (cuBLAS's grouped GEMM takes the group sizes in host arrays and
-// cuBLASLt 13.0 has no grouped mode: a host sync per MoE layer). What the model runs goes
+// cuBLASLt 13.0 has no grouped mode: a host sync per MoE layer). What the models run goes
 // to CUTLASS's Hopper grouped GEMM (grouped_gemm_sm90.cu says what it takes); the rest
-// (biases, f32 outputs, odd shapes and alignments) to the one tensor-core kernel here:
+// (f32 outputs, odd shapes and alignments) to the one tensor-core kernel here:
 // WMMA bf16 16x16x16, f32 accumulators, block tile 128x128x32, 8 warps of 64x32, operands
 // staged through registers into shared memory one k-step ahead.
 //   forward       y[seg]  = x[seg] @ w[e]^T      rows of the segment tile M
@@ -281,15 +281,51 @@ __global__ void __launch_bounds__(kThreads) weight_kernel(WeightArgs p) {
   Gemm<false, false>::run(a, b, int64_t{blockIdx.x} * BM, int64_t{blockIdx.y} * BN, rows, e, smem);
 }
 
-// dbias[e][j] (+)= sum of dy[seg][j], rows in order: deterministic, no atomics.
-__global__ void bias_grad_kernel(Segments seg, const bf16* dy, int64_t o, float* dbias, bool accumulate) {
-  const int expert = blockIdx.y;
-  const int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+// dbias[e][j] (+)= sum of dy[seg][j] in two passes whose order depends on the offsets
+// alone (no atomics, so runs repeat bit for bit): the column sums of each BM-row tile of a
+// segment (find_row_tile's tiles, rows in order), then per expert its tiles' sums.
+__global__ void bias_grad_partial_kernel(Segments seg, const bf16* dy, int64_t o, float* partial) {
+  int expert;
+  int64_t row0, row_end;
+  if (!find_row_tile(seg, blockIdx.x, expert, row0, row_end)) return;
+  const int64_t j = blockIdx.y * int64_t{blockDim.x} + threadIdx.x;
   if (j >= o) return;
-  int64_t begin, end;
-  segment(seg, expert, begin, end);
+  const int64_t rows = min(row_end - row0, int64_t{BM});
+  const bf16* col = dy + row0 * o + j;
   float s = 0.0f;
-  for (int64_t r = begin; r < end; ++r) s += __bfloat162float(dy[r * o + j]);
+#pragma unroll 8
+  for (int64_t r = 0; r < rows; ++r) s += __bfloat162float(col[r * o]);
+  partial[blockIdx.x * o + j] = s;
+}
+
+__device__ int64_t tiles_of(const Segments& s, int e) {
+  int64_t begin, end;
+  segment(s, e, begin, end);
+  return (end - begin + BM - 1) / BM;
+}
+
+// 32 columns of one expert a block: warp w adds the expert's tiles w, w + 8, ... in order,
+// then the 8 warps' sums are added in warp order. An expert without rows gets 0 (or keeps
+// its value when accumulating).
+__global__ void bias_grad_sum_kernel(Segments seg, const float* partial, int64_t o, float* dbias, bool accumulate) {
+  __shared__ float sums[8][32];
+  __shared__ int64_t first;  // the expert's first tile: the tiles of the experts before it
+  const int expert = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp == 0) {
+    int64_t before = 0;
+    for (int e = lane; e < expert; e += 32) before += tiles_of(seg, e);
+    before = warp_sum(before);
+    if (lane == 0) first = before;
+  }
+  __syncthreads();
+  const int64_t tiles = tiles_of(seg, expert), j = blockIdx.x * int64_t{32} + lane;
+  float s = 0.0f;
+  if (j < o)
+    for (int64_t t = warp; t < tiles; t += 8) s += partial[(first + t) * o + j];
+  sums[warp][lane] = s;
+  __syncthreads();
+  if (warp != 0 || j >= o) return;
+  for (int w = 1; w < 8; ++w) s += sums[w][lane];
   float* out = dbias + expert * o + j;
   *out = accumulate ? *out + s : s;
 }
@@ -314,7 +350,7 @@ void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Te
   if (bias.data != nullptr) check_arg(bias, "grouped_gemm bias", {DType::f32}, {experts, o});
   check_arg(offsets, "grouped_gemm offsets", {DType::i32}, {experts + 1});
   if (n == 0 || o == 0 || experts == 0) return;
-  if (bias.data == nullptr && grouped_gemm_sm90(x, w, offsets, y)) return;
+  if (grouped_gemm_sm90(x, w, bias, offsets, y)) return;
   grouped_gemm_wmma(x, w, bias, offsets, y);
 }
 
@@ -347,8 +383,12 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
   if (k > 0 && !grouped_gemm_backward_weight_sm90(x, dy, offsets, dw, accumulate))
     grouped_gemm_backward_weight_wmma(x, dy, offsets, dw, accumulate);
   if (dbias.data != nullptr) {
-    dim3 grid(blocks_for(o, 256), static_cast<unsigned>(experts));
-    bias_grad_kernel<<<grid, 256, 0, stream()>>>(seg, bf16_data(dy), o, dbias.f32(), accumulate);
+    const unsigned tiles = row_tiles(n, experts);
+    float* partial = static_cast<float*>(scratch(sizeof(float) * tiles * o));
+    bias_grad_partial_kernel<<<dim3(tiles, blocks_for(o, 256)), 256, 0, stream()>>>(seg, bf16_data(dy), o, partial);
+    CUDA_CHECK_LAUNCH();
+    dim3 grid(blocks_for(o, 32), static_cast<unsigned>(experts));
+    bias_grad_sum_kernel<<<grid, 256, 0, stream()>>>(seg, partial, o, dbias.f32(), accumulate);
     CUDA_CHECK_LAUNCH();
   }
 }

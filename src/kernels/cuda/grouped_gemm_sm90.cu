@@ -4,11 +4,14 @@
 // in a workspace kept across calls, and CUTLASS reads them there (host_problem_shapes =
 // nullptr; its group tile scheduler finds every CTA's tiles from the device-side shapes).
 //
-// Three instantiations, the dtypes src/models/qwen3_moe.cpp runs on the GPU:
+// Four instantiations, the dtypes the models run on the GPU:
 //   forward  y[seg]   = x[seg] @ w[e]^T      A row-major, B column-major (w[e] is O x K)
+//            y[seg]   = x[seg] @ w[e]^T + bias[e]   the same, the bias added in the epilogue
 //   B        dx[seg]  = dy[seg] @ w[e]       A row-major, B row-major
 //   W        dw[e] (+)= dy[seg]^T @ x[seg]   A column-major, B row-major, f32 C = D = dw[e]
-// y and dx bf16, dw f32 with beta 1 (accumulate) or 0 (C is then never read). An empty
+// y and dx bf16, dw f32 with beta 1 (accumulate) or 0 (C is then never read). The bias
+// (f32, one row per expert, found through a per-expert pointer like the operands) is added
+// to the f32 accumulators before the one rounding to bf16, as the WMMA kernel does. An empty
 // expert gets M = 0, so no tiles (in W, where its rows are the reduction, K = 0 would leave
 // accumulators uncleared: CUTLASS clears them through the first wgmma's scale-out); without
 // accumulation zero_empty_experts_kernel writes its zeros.
@@ -41,7 +44,16 @@ using GroupShape = ProblemShape::UnderlyingProblemShape;
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
 
-template <class LayoutA, class LayoutB, class ElementC, class ElementD, class Tile, class Cluster, bool kPingpong>
+// D = acc + bias[e][n] in f32, rounded once to ElementD: a row broadcast of the expert's
+// bias (Sm90RowBroadcast over an array of per-group pointers).
+template <class Tile, class ElementD>
+using BiasAdd = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90AccFetch,
+    cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float>>;
+
+template <class LayoutA, class LayoutB, class ElementC, class ElementD, class Tile, class Cluster, bool kPingpong,
+          bool kBias = false>
 struct Config {
   using MainloopSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
@@ -54,7 +66,8 @@ struct Config {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor*, kAlignD, ElementD, RowMajor*,
       kAlignD, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+      std::conditional_t<kBias, BiasAdd<Tile, ElementD>,
+                         cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, LayoutA*, kAlignAB, bf16, LayoutB*, kAlignAB, float,
       Tile, Cluster,
@@ -70,8 +83,15 @@ using Tile128x256 = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using Tile128x128 = cute::Shape<cute::_128, cute::_128, cute::_64>;
 using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
 using ForwardGemm = Config<RowMajor, ColumnMajor, void, bf16, Tile128x256, Cluster2x1, false>::Gemm;
+using ForwardBiasGemm = Config<RowMajor, ColumnMajor, void, bf16, Tile128x256, Cluster2x1, false, true>::Gemm;
 using InputGemm = Config<RowMajor, RowMajor, void, bf16, Tile128x256, Cluster2x1, false>::Gemm;
 using WeightGemm = Config<ColumnMajor, RowMajor, float, float, Tile128x128, Cluster2x1, true>::Gemm;
+
+// Whether a Gemm's epilogue reads a per-expert bias row.
+template <class Gemm>
+constexpr bool kBiasOf = false;
+template <>
+constexpr bool kBiasOf<ForwardBiasGemm> = true;
 
 // The types CUTLASS reads per group. ElementC is void when the epilogue has no source.
 template <class Gemm>
@@ -86,6 +106,7 @@ struct Types {
   using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
   static constexpr bool kHasC = !std::is_void_v<C>;
+  static constexpr bool kBias = kBiasOf<Gemm>;
 };
 
 // A CUTLASS stride of a packed matrix has one dynamic mode, the leading dimension; the
@@ -122,6 +143,7 @@ struct Groups {
   typename T::StrideB* stride_b;
   typename T::StrideC* stride_c;
   typename T::StrideD* stride_d;
+  const float** bias;  // only with a bias
 };
 
 template <class Gemm>
@@ -133,6 +155,7 @@ struct Plan {
   Walk<const typename T::A> a;
   Walk<const typename T::B> b;
   Walk<typename T::D> d;   // also C, when there is one (W accumulates in place)
+  Walk<const float> bias;  // [E, n] f32, with a bias
   // Forward and B: expert e is (rows_e, n, k). W (rows_reduce): (m, n, rows_e), and
   // (0, n, rows_e) without rows.
   int m, n, k;
@@ -161,6 +184,7 @@ __global__ void plan_groups_kernel(Plan<Gemm> p) {
     p.out.c[e] = p.out.d[e];
     p.out.stride_c[e] = p.stride_d;
   }
+  if constexpr (Types<Gemm>::kBias) p.out.bias[e] = p.bias.at(e, begin);
 }
 
 // dw[e] = 0 for every expert without rows (W without accumulation: CUTLASS skips them).
@@ -198,6 +222,7 @@ Groups<Gemm> carve_groups(Carve& c, int experts) {
   g.stride_b = c.take<typename T::StrideB>(experts);
   if constexpr (T::kHasC) g.stride_c = c.take<typename T::StrideC>(experts);
   g.stride_d = c.take<typename T::StrideD>(experts);
+  if constexpr (T::kBias) g.bias = c.take<const float*>(experts);
   return g;
 }
 
@@ -243,8 +268,12 @@ void launch(Plan<Gemm> p, const Tensor& offsets, int64_t experts, int64_t rows, 
   args.epilogue.dC = g.stride_c;
   args.epilogue.ptr_D = g.d;
   args.epilogue.dD = g.stride_d;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = T::kHasC ? beta : 0.0f;
+  if constexpr (T::kBias) {
+    args.epilogue.thread = {{}, {g.bias, 0.0f, {}}, {}};  // (acc, bias row, plus)
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = T::kHasC ? beta : 0.0f;
+  }
   Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);
   if (status == cutlass::Status::kSuccess) status = gemm.initialize(args, ws, stream());
@@ -264,22 +293,32 @@ bool tma_fits(int64_t n, int64_t experts, int64_t k, int64_t o, std::initializer
   return true;
 }
 
-}  // namespace
-
-bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y) {
+template <class Gemm>
+void forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y) {
   const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
-  if (y.dtype != DType::bf16 || !tma_fits(n, experts, k, o, {&x, &w, &y})) return false;
-  using T = Types<ForwardGemm>;
-  Plan<ForwardGemm> p{};
-  p.a = {static_cast<const T::A*>(x.data), k, 0};
-  p.b = {static_cast<const T::B*>(w.data), 0, o * k};
-  p.d = {static_cast<T::D*>(y.data), o, 0};
+  using T = Types<Gemm>;
+  Plan<Gemm> p{};
+  p.a = {static_cast<const typename T::A*>(x.data), k, 0};
+  p.b = {static_cast<const typename T::B*>(w.data), 0, o * k};
+  p.d = {static_cast<typename T::D*>(y.data), o, 0};
+  if (bias.data != nullptr) p.bias = {bias.f32(), 0, o};
   p.n = static_cast<int>(o);
   p.k = static_cast<int>(k);
-  p.stride_a = leading<T::StrideA>(k);
-  p.stride_b = leading<T::StrideB>(k);
-  p.stride_d = leading<T::StrideD>(o);
+  p.stride_a = leading<typename T::StrideA>(k);
+  p.stride_b = leading<typename T::StrideB>(k);
+  p.stride_d = leading<typename T::StrideD>(o);
   launch(p, offsets, experts, n, 0.0f);
+}
+
+}  // namespace
+
+bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y) {
+  const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
+  if (y.dtype != DType::bf16 || !tma_fits(n, experts, k, o, {&x, &w, &y})) return false;
+  if (bias.data != nullptr)
+    forward<ForwardBiasGemm>(x, w, bias, offsets, y);
+  else
+    forward<ForwardGemm>(x, w, bias, offsets, y);
   return true;
 }
 
