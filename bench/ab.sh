@@ -5,7 +5,7 @@
 #
 #   bench/ab.sh .gpurun/moetrain-a .gpurun/moetrain-b 2 --layers 8 --skip-baseline --learned-only
 #
-# Every argument after ROUNDS goes to bench/qwen3_moe_bench.py.
+# Every argument after ROUNDS goes to bench/moe_bench.py.
 set -euo pipefail
 a="$1"
 b="$2"
@@ -16,6 +16,6 @@ for ((i = 1; i <= rounds; i++)); do
     bin="$a"
     [ "$side" = B ] && bin="$b"
     echo "== round $i, $side: $bin"
-    python3 bench/qwen3_moe_bench.py --moetrain "$bin" "$@"
+    python3 bench/moe_bench.py --moetrain "$bin" "$@"
   done
 done

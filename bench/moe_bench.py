@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Qwen3-30B-A3B cut to N layers on one GPU: moetrain against transformers, same run.
+"""A MoE model cut to N layers on one GPU: moetrain against transformers, same run.
+
+The model is a config.json (--config; default Qwen3-30B-A3B cut to --layers 8 or 4):
+qwen3_moe or deepseek_v2 (bench/configs/deepseek_v2_lite_8l.json: DeepSeek-V2-Lite as
+released, cut to 8 layers).
 
 Measures, in one process tree on one GPU:
   - the bf16 GEMM peak (torch.matmul 8192^3), the denominator of MFU;
-  - the baseline: transformers' Qwen3MoeForCausalLM (sdpa attention, grouped_mm
+  - the baseline: transformers' model for the config (sdpa attention, grouped_mm
     experts, bf16 autocast over fp32 master weights, fused AdamW), eager and under
     torch.compile;
   - moetrain: `moetrain train --training.device=cuda` on the same shapes (bf16
@@ -11,11 +15,12 @@ Measures, in one process tree on one GPU:
     --state-dtypes), learned routing and forced-balanced routing. Its memory is what
     the process holds on the device (measured: pools, workspaces, handles), against
     torch's max_memory_allocated for the baseline.
-Model FLOPs per token = 6 * active parameters + causal attention (6 * L * S * Hq * Dh),
-active = attention + router + top-k experts + LM head. Prints one markdown row per
-system for bench/RESULTS.md.
+Model FLOPs per token = 6 * active parameters + causal attention (3 * L * S * H * (Dqk +
+Dv)), active = attention + router + top-k and shared experts + dense MLPs + LM head.
+Prints one markdown row per system for bench/RESULTS.md.
 
-  python3 bench/qwen3_moe_bench.py --moetrain build/moetrain --layers 8 [--skip-baseline]
+  python3 bench/moe_bench.py --moetrain build/moetrain --layers 8 [--skip-baseline]
+  python3 bench/moe_bench.py --moetrain build/moetrain --config bench/configs/deepseek_v2_lite_8l.json
 """
 import argparse
 import json
@@ -32,11 +37,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def flops_per_token(cfg, seq):
-    d, hq, hkv, dh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    e, k, i, v, layers = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    attention = d * hq * dh + 2 * d * hkv * dh + hq * dh * d
-    active = layers * (attention + d * e + k * 3 * d * i) + v * d
-    return 6 * active + 6 * layers * seq * hq * dh, active
+    d, h, v, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    k, i = cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    if cfg["model_type"] == "deepseek_v2":
+        dn, dr, dv, r, rq = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"],
+                             cfg.get("q_lora_rank") or 0)
+        dq = dn + dr
+        q = d * rq + rq * h * dq if rq else d * h * dq
+        attention = q + d * (r + dr) + r * h * (dn + dv) + h * dv * d
+        e, shared = cfg["n_routed_experts"], cfg.get("n_shared_experts") or 0
+        dense = min(cfg.get("first_k_dense_replace", 0), layers)
+        mlp = (layers - dense) * (d * e + (k + shared) * 3 * d * i) + dense * 3 * d * cfg["intermediate_size"]
+    else:
+        dq = dv = cfg["head_dim"]
+        attention = d * h * dq + 2 * d * cfg["num_key_value_heads"] * dq + h * dq * d
+        mlp = layers * (d * cfg["num_experts"] + k * 3 * d * i)
+    active = layers * attention + mlp + v * d
+    return 6 * active + 3 * layers * seq * h * (dq + dv), active
 
 
 def gemm_peak():
@@ -58,12 +75,13 @@ def gemm_peak():
 
 
 def baseline(cfg, batch, seq, steps, warmup, compiled):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
-    conf = Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")},
-                          attn_implementation="sdpa")
+    conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                      if k not in ("architectures", "model_type", "torch_dtype")})
+    conf._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(conf).float()
+        model = AutoModelForCausalLM.from_config(conf).float()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("grouped_mm")
     model.train()
@@ -135,7 +153,8 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--moetrain", required=True)
-    p.add_argument("--layers", type=int, default=8, choices=(4, 8))
+    p.add_argument("--layers", type=int, default=8, choices=(4, 8), help="Qwen3-30B-A3B cut to this many layers")
+    p.add_argument("--config", help="a config.json instead of Qwen3-30B-A3B (its num_hidden_layers counts)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -152,12 +171,13 @@ def main():
     p.add_argument("--state-dtypes", default="fp32",
                    help="comma-separated optimizer.state_dtype values to run moetrain with (fp32, bf16)")
     args = p.parse_args()
-    cfg_path = os.path.join(HERE, "configs", f"qwen3_30b_a3b_{args.layers}l.json")
+    cfg_path = args.config or os.path.join(HERE, "configs", f"qwen3_30b_a3b_{args.layers}l.json")
     cfg = json.load(open(cfg_path))
+    name_of_model = os.path.splitext(os.path.basename(cfg_path))[0]
     fpt, active = flops_per_token(cfg, args.seq)
     peak = gemm_peak()
     gpu = torch.cuda.get_device_name()
-    print(f"{gpu}: bf16 GEMM peak {peak:.0f} TFLOPS; {args.layers} layers, active params {active/1e6:.0f}M, "
+    print(f"{gpu}: bf16 GEMM peak {peak:.0f} TFLOPS; {name_of_model}, {cfg['num_hidden_layers']} layers, active params {active/1e6:.0f}M, "
           f"{fpt/1e9:.2f} GFLOP/token", flush=True)
     results = []
     runs = []
@@ -190,7 +210,7 @@ def main():
     date = time.strftime("%Y-%m-%d")
     commit = os.environ.get("MOETRAIN_COMMIT", "unknown")
     for name, tps, tflops, mfu, mem in results:
-        print(f"| {date} | {commit} | {gpu} | qwen3-30b-a3b {args.layers}L seq {args.seq} batch {args.batch} bf16: {name} | "
+        print(f"| {date} | {commit} | {gpu} | {name_of_model} seq {args.seq} batch {args.batch} bf16: {name} | "
               f"{tps:,.0f} tokens/s, {tflops:.1f} TFLOPS, MFU {100*mfu:.1f}% of {peak:.0f}, peak {mem/1e9:.1f} GB |")
 
 
