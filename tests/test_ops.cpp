@@ -139,6 +139,12 @@ std::vector<OpCase> table() {
   add(attention_case({.batch = 2, .tq = 5, .tk = 7, .hq = 4, .hkv = 1, .dim = 5, .window = 4, .q_offset = 7}));
   add(attention_case({.tq = 7, .tk = 5, .hq = 6, .hkv = 2, .dim = 5, .k_offset = 4}));
   add(attention_case({.tq = 7, .tk = 5, .hq = 6, .hkv = 2, .dim = 16, .window = 3, .sinks = true, .k_offset = 4}));
+  // MLA's value head dim differing from the query/key one (DeepSeek: 192/128): narrower,
+  // with a window and sinks, with rows that see no key, and wider.
+  add(attention_case({.batch = 2, .tq = 7, .tk = 7, .hq = 4, .hkv = 2, .dim = 16, .dim_v = 8}));
+  add(attention_case({.tq = 13, .tk = 13, .hq = 6, .hkv = 2, .dim = 12, .window = 3, .sinks = true, .dim_v = 5}));
+  add(attention_case({.tq = 7, .tk = 5, .hq = 2, .hkv = 1, .dim = 8, .sinks = true, .k_offset = 4, .dim_v = 3}));
+  add(attention_case({.tq = 5, .tk = 7, .hq = 4, .hkv = 1, .dim = 4, .window = 4, .q_offset = 7, .dim_v = 9}));
   return t;
 }
 

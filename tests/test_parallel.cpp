@@ -979,6 +979,7 @@ struct CpCase {
   const char* name;
   int64_t b, chunk, hq, hkv, dh, window;
   bool sinks;
+  int64_t dv = 0;  // v's head dim (MLA's differs from q's); 0: dh
 };
 
 // This cp rank's rows of a [B,T,H,Dh] tensor: chunks r and 2cp-1-r of each row.
@@ -996,38 +997,38 @@ std::vector<float> zigzag_rows(const std::vector<float>& full, int64_t b, int64_
 void run_cp_case(const CpCase& c, comm::Communicator& cp, uint64_t seed) {
   SCOPED_TRACE(std::string(c.name) + " on '" + cp.name() + "' of " + std::to_string(cp.size()));
   const int n = cp.size(), r = cp.rank();
-  const int64_t B = c.b, C = c.chunk, T = 2 * n * C, Hq = c.hq, Hkv = c.hkv, Dh = c.dh;
+  const int64_t B = c.b, C = c.chunk, T = 2 * n * C, Hq = c.hq, Hkv = c.hkv, Dh = c.dh, Dv = c.dv > 0 ? c.dv : Dh;
   cpu::AttentionArgs args;
   args.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Dh)));
   args.window = c.window;
   std::vector<float> q = uniform(B * T * Hq * Dh, 6, -2, 2, seed), k = uniform(B * T * Hkv * Dh, 7, -2, 2, seed);
-  std::vector<float> v = uniform(B * T * Hkv * Dh, 8, -1, 1, seed), dout = uniform(B * T * Hq * Dh, 9, -1, 1, seed);
+  std::vector<float> v = uniform(B * T * Hkv * Dv, 8, -1, 1, seed), dout = uniform(B * T * Hq * Dv, 9, -1, 1, seed);
   std::vector<float> sinks = c.sinks ? uniform(Hq, 10, -1, 2, seed) : std::vector<float>();
   const Tensor sinks_t = c.sinks ? f32(sinks, {Hq}) : Tensor();
 
   // Single rank, the whole sequences.
-  std::vector<float> out_g(q.size()), lse_g(B * Hq * T), dq_g(q.size()), dk_g(k.size()), dv_g(v.size()), ds_g(Hq);
-  cpu::attention_forward(f32(q, {B, T, Hq, Dh}), f32(k, {B, T, Hkv, Dh}), f32(v, {B, T, Hkv, Dh}), sinks_t, args,
-                         f32(out_g, {B, T, Hq, Dh}), f32(lse_g, {B, Hq, T}));
-  cpu::attention_backward(f32(q, {B, T, Hq, Dh}), f32(k, {B, T, Hkv, Dh}), f32(v, {B, T, Hkv, Dh}), sinks_t, args,
-                          f32(out_g, {B, T, Hq, Dh}), f32(lse_g, {B, Hq, T}), f32(dout, {B, T, Hq, Dh}),
-                          f32(dq_g, {B, T, Hq, Dh}), f32(dk_g, {B, T, Hkv, Dh}), f32(dv_g, {B, T, Hkv, Dh}),
+  std::vector<float> out_g(dout.size()), lse_g(B * Hq * T), dq_g(q.size()), dk_g(k.size()), dv_g(v.size()), ds_g(Hq);
+  cpu::attention_forward(f32(q, {B, T, Hq, Dh}), f32(k, {B, T, Hkv, Dh}), f32(v, {B, T, Hkv, Dv}), sinks_t, args,
+                         f32(out_g, {B, T, Hq, Dv}), f32(lse_g, {B, Hq, T}));
+  cpu::attention_backward(f32(q, {B, T, Hq, Dh}), f32(k, {B, T, Hkv, Dh}), f32(v, {B, T, Hkv, Dv}), sinks_t, args,
+                          f32(out_g, {B, T, Hq, Dv}), f32(lse_g, {B, Hq, T}), f32(dout, {B, T, Hq, Dv}),
+                          f32(dq_g, {B, T, Hq, Dh}), f32(dk_g, {B, T, Hkv, Dh}), f32(dv_g, {B, T, Hkv, Dv}),
                           c.sinks ? f32(ds_g, {Hq}) : Tensor());
 
   // The ring on this rank's zigzag rows.
   std::vector<float> q_r = zigzag_rows(q, B, T, Hq * Dh, r, n), k_r = zigzag_rows(k, B, T, Hkv * Dh, r, n);
-  std::vector<float> v_r = zigzag_rows(v, B, T, Hkv * Dh, r, n), dout_r = zigzag_rows(dout, B, T, Hq * Dh, r, n);
-  std::vector<float> out(q_r.size()), lse(B * Hq * 2 * C), dq(q_r.size()), dk(k_r.size()), dv(v_r.size()), ds(Hq);
-  const Shape qs{B, 2 * C, Hq, Dh}, ks{B, 2 * C, Hkv, Dh};
-  parallel::ring_attention_forward(cp, f32(q_r, qs), f32(k_r, ks), f32(v_r, ks), sinks_t, args, f32(out, qs),
+  std::vector<float> v_r = zigzag_rows(v, B, T, Hkv * Dv, r, n), dout_r = zigzag_rows(dout, B, T, Hq * Dv, r, n);
+  std::vector<float> out(dout_r.size()), lse(B * Hq * 2 * C), dq(q_r.size()), dk(k_r.size()), dv(v_r.size()), ds(Hq);
+  const Shape qs{B, 2 * C, Hq, Dh}, ks{B, 2 * C, Hkv, Dh}, vs{B, 2 * C, Hkv, Dv}, os{B, 2 * C, Hq, Dv};
+  parallel::ring_attention_forward(cp, f32(q_r, qs), f32(k_r, ks), f32(v_r, vs), sinks_t, args, f32(out, os),
                                    f32(lse, {B, Hq, 2 * C}));
-  parallel::ring_attention_backward(cp, f32(q_r, qs), f32(k_r, ks), f32(v_r, ks), sinks_t, args, f32(out, qs),
-                                    f32(lse, {B, Hq, 2 * C}), f32(dout_r, qs), f32(dq, qs), f32(dk, ks), f32(dv, ks),
+  parallel::ring_attention_backward(cp, f32(q_r, qs), f32(k_r, ks), f32(v_r, vs), sinks_t, args, f32(out, os),
+                                    f32(lse, {B, Hq, 2 * C}), f32(dout_r, os), f32(dq, qs), f32(dk, ks), f32(dv, vs),
                                     c.sinks ? f32(ds, {Hq}) : Tensor());
   if (c.sinks) cp.all_reduce(f32(ds, {Hq}));  // each rank has its query rows' share
 
   const double tol = 1e-5;
-  const std::vector<float> out_want = zigzag_rows(out_g, B, T, Hq * Dh, r, n);
+  const std::vector<float> out_want = zigzag_rows(out_g, B, T, Hq * Dv, r, n);
   expect_close(out.data(), out_want.data(), static_cast<int64_t>(out.size()), tol, "out");
   // lse [B,Hq,T] is zigzagged along its last axis: one "row" per (batch, head).
   const std::vector<float> lse_want = zigzag_rows(lse_g, B * Hq, T, 1, r, n);
@@ -1035,7 +1036,7 @@ void run_cp_case(const CpCase& c, comm::Communicator& cp, uint64_t seed) {
     EXPECT_NEAR(lse[i], lse_want[i], tol * std::max(1.0f, std::fabs(lse_want[i]))) << "lse " << i;
   expect_close(dq.data(), zigzag_rows(dq_g, B, T, Hq * Dh, r, n).data(), static_cast<int64_t>(dq.size()), tol, "dq");
   expect_close(dk.data(), zigzag_rows(dk_g, B, T, Hkv * Dh, r, n).data(), static_cast<int64_t>(dk.size()), tol, "dk");
-  expect_close(dv.data(), zigzag_rows(dv_g, B, T, Hkv * Dh, r, n).data(), static_cast<int64_t>(dv.size()), tol, "dv");
+  expect_close(dv.data(), zigzag_rows(dv_g, B, T, Hkv * Dv, r, n).data(), static_cast<int64_t>(dv.size()), tol, "dv");
   if (c.sinks) expect_close(ds.data(), ds_g.data(), Hq, tol, "dsinks");
 }
 
@@ -1044,6 +1045,7 @@ const CpCase kCpCases[] = {
     {"causal with sinks", 2, 3, 4, 2, 8, 0, true},
     {"window inside a chunk, sinks", 1, 4, 2, 1, 6, 3, true},
     {"window across chunks", 2, 3, 4, 4, 5, 7, false},
+    {"MLA head dims (Dv 8 < Dqk 12), window across chunks, sinks", 2, 3, 4, 2, 12, 7, true, 8},
 };
 
 TEST_F(ContextParallel, RingAttentionMatchesFullSequence) {

@@ -2,7 +2,8 @@
 // host code there, fp32 throughout, so only mt::cuda declares these). The layout is the
 // ring's: a rank holds two zigzag chunks of C positions in each batch row, so its tensors
 // are [B,2C,H,Dh] (lse [B,H,2C]) and a block is the [1,C,H,Dh] (lse [1,H,C]) of one batch
-// row b and one slot (0: the first chunk, 1: the second).
+// row b and one slot (0: the first chunk, 1: the second). Dh is the tensor's own head dim:
+// the merge's is out's (v's, which MLA makes narrower than q's).
 #pragma once
 
 #include <cstdint>

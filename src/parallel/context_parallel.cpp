@@ -30,7 +30,7 @@ std::vector<int64_t> zigzag_positions(int64_t seq, int rank, int cp) {
 namespace {
 
 struct Dims {
-  int64_t b, c, hq, hkv, d;  // C: positions per chunk
+  int64_t b, c, hq, hkv, d, d_v;  // C: positions per chunk; d: q and k's head dim, d_v: v and out's
 };
 
 // q, k, v, out and the gradients: f32 on the host, bf16 on the GPU (the attention
@@ -46,14 +46,14 @@ void check_devices(const Tensor& q, std::initializer_list<const Tensor*> ts, con
 
 Dims check_inputs(const comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
                   const Tensor& sinks, const cpu::AttentionArgs& a, const char* op) {
-  MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && q.dim(1) % 2 == 0)
-      << op << " wants this rank's two zigzag chunks, q [B,2C,Hq,Dh] and k [B,2C,Hkv,Dh], got q " << q.str() << ", k "
-      << k.str() << " (cp " << cp.size() << ")";
-  const Dims n{q.dim(0), q.dim(1) / 2, q.dim(2), k.dim(2), q.dim(3)};
+  MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && q.dim(1) % 2 == 0)
+      << op << " wants this rank's two zigzag chunks, q [B,2C,Hq,Dqk], k [B,2C,Hkv,Dqk] and v [B,2C,Hkv,Dv], got q "
+      << q.str() << ", k " << k.str() << ", v " << v.str() << " (cp " << cp.size() << ")";
+  const Dims n{q.dim(0), q.dim(1) / 2, q.dim(2), k.dim(2), q.dim(3), v.dim(3)};
   const DType act = activation_dtype(q);
   check_tensor(q, "ring attention q", act, {n.b, 2 * n.c, n.hq, n.d});
   check_tensor(k, "ring attention k", act, {n.b, 2 * n.c, n.hkv, n.d});
-  check_tensor(v, "ring attention v", act, {n.b, 2 * n.c, n.hkv, n.d});
+  check_tensor(v, "ring attention v", act, {n.b, 2 * n.c, n.hkv, n.d_v});
   MT_CHECK(a.q_offset == 0 && a.k_offset == 0) << op << ": the ring sets the position offsets per block, got q_offset "
                                                << a.q_offset << ", k_offset " << a.k_offset;
   check_devices(q, {&k, &v, &sinks}, op);
@@ -83,13 +83,14 @@ cpu::AttentionArgs block_args(const cpu::AttentionArgs& a, int64_t qc, int64_t k
   return b;
 }
 
-// Two same-shaped buffers that travel the ring together (K and V, or dK and dV).
+// Two buffers shaped like k and v that travel the ring together (K and V, or dK and dV).
 struct Pair {
   std::vector<float> ks, vs;
   Tensor k, v;
-  explicit Pair(const Tensor& like) : ks(static_cast<size_t>(like.numel())), vs(ks.size()) {
-    k = Tensor(ks.data(), like.shape, DType::f32);
-    v = Tensor(vs.data(), like.shape, DType::f32);
+  Pair(const Tensor& k_like, const Tensor& v_like)
+      : ks(static_cast<size_t>(k_like.numel())), vs(static_cast<size_t>(v_like.numel())) {
+    k = Tensor(ks.data(), k_like.shape, DType::f32);
+    v = Tensor(vs.data(), v_like.shape, DType::f32);
   }
   Pair(const Pair&) = delete;  // the views point into this object's own storage
 };
@@ -111,15 +112,15 @@ void merge(const Tensor& o_blk, const Tensor& l_blk, const Tensor& out, const Te
       const float l_new = lb[h * n.c + i];
       if (l_new == minus_inf) continue;
       float& l = lp[(b * n.hq + h) * 2 * n.c + qs * n.c + i];
-      float* o = op + ((b * 2 * n.c + qs * n.c + i) * n.hq + h) * n.d;
-      const float* x = ob + (i * n.hq + h) * n.d;
+      float* o = op + ((b * 2 * n.c + qs * n.c + i) * n.hq + h) * n.d_v;
+      const float* x = ob + (i * n.hq + h) * n.d_v;
       if (l == minus_inf) {
-        std::copy_n(x, n.d, o);
+        std::copy_n(x, n.d_v, o);
         l = l_new;
         continue;
       }
       const double m = std::max(l, l_new), w_old = std::exp(l - m), w_new = std::exp(l_new - m), z = w_old + w_new;
-      for (int64_t e = 0; e < n.d; ++e) o[e] = static_cast<float>((w_old * o[e] + w_new * x[e]) / z);
+      for (int64_t e = 0; e < n.d_v; ++e) o[e] = static_cast<float>((w_old * o[e] + w_new * x[e]) / z);
       l = static_cast<float>(m + std::log(z));
     }
 }
@@ -135,10 +136,10 @@ Buffer gpu_buffer(DType dtype, Shape shape) { return make_buffer(Device::cuda, d
 void ring_forward_gpu(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                       const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Dims& n) {
   const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
-  const Buffer acc = gpu_buffer(DType::f32, q.shape);
-  const Buffer o_blk = gpu_buffer(DType::bf16, {1, n.c, n.hq, n.d}), l_blk = gpu_buffer(DType::f32, {1, n.hq, n.c});
-  const Buffer bufs[2][2] = {{gpu_buffer(DType::bf16, k.shape), gpu_buffer(DType::bf16, k.shape)},
-                             {gpu_buffer(DType::bf16, k.shape), gpu_buffer(DType::bf16, k.shape)}};
+  const Buffer acc = gpu_buffer(DType::f32, out.shape);
+  const Buffer o_blk = gpu_buffer(DType::bf16, {1, n.c, n.hq, n.d_v}), l_blk = gpu_buffer(DType::f32, {1, n.hq, n.c});
+  const Buffer bufs[2][2] = {{gpu_buffer(DType::bf16, k.shape), gpu_buffer(DType::bf16, v.shape)},
+                             {gpu_buffer(DType::bf16, k.shape), gpu_buffer(DType::bf16, v.shape)}};
   mt::fill(acc.t, 0.0f);
   mt::fill(lse, -std::numeric_limits<float>::infinity());
   Tensor cur_k = k, cur_v = v;
@@ -185,9 +186,9 @@ void ring_backward_gpu(comm::Communicator& cp, const Tensor& q, const Tensor& k,
   // then into the fp32 sums.
   const Buffer dq_blk = gpu_buffer(DType::bf16, {1, n.c, n.hq, n.d}),
                dk_blk = gpu_buffer(DType::bf16, {1, n.c, n.hkv, n.d}),
-               dv_blk = gpu_buffer(DType::bf16, {1, n.c, n.hkv, n.d});
+               dv_blk = gpu_buffer(DType::bf16, {1, n.c, n.hkv, n.d_v});
   auto pair = [&](DType t) {
-    return std::array<Buffer, 2>{gpu_buffer(t, k.shape), gpu_buffer(t, k.shape)};
+    return std::array<Buffer, 2>{gpu_buffer(t, k.shape), gpu_buffer(t, v.shape)};
   };
   const std::array<Buffer, 2> kv[2] = {pair(DType::bf16), pair(DType::bf16)};  // K/V arriving for the next step
   const std::array<Buffer, 2> mine[2] = {pair(DType::f32), pair(DType::f32)};  // this step's dK/dV, then passed on
@@ -255,7 +256,7 @@ void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tenso
                             const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
   const char* op = "ring_attention_forward";
   const Dims n = check_inputs(cp, q, k, v, sinks, a, op);
-  check_tensor(out, "ring attention out", activation_dtype(q), q.shape);
+  check_tensor(out, "ring attention out", activation_dtype(q), {n.b, 2 * n.c, n.hq, n.d_v});
   check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
   check_devices(q, {&out, &lse}, op);
 #ifdef MOETRAIN_WITH_CUDA
@@ -264,10 +265,10 @@ void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tenso
   const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
   mt::fill(out, 0.0f);
   std::fill_n(lse.f32(), lse.numel(), -std::numeric_limits<float>::infinity());
-  std::vector<float> o_storage(static_cast<size_t>(n.c * n.hq * n.d)), l_storage(static_cast<size_t>(n.hq * n.c));
-  const Tensor o_blk(o_storage.data(), {1, n.c, n.hq, n.d}, DType::f32);
+  std::vector<float> o_storage(static_cast<size_t>(n.c * n.hq * n.d_v)), l_storage(static_cast<size_t>(n.hq * n.c));
+  const Tensor o_blk(o_storage.data(), {1, n.c, n.hq, n.d_v}, DType::f32);
   const Tensor l_blk(l_storage.data(), {1, n.hq, n.c}, DType::f32);
-  Pair bufs[2] = {Pair(k), Pair(k)};
+  Pair bufs[2] = {Pair(k, v), Pair(k, v)};
   Tensor cur_k = k, cur_v = v;
   // Step s uses the K/V of rank r - s while those of r - s - 1 arrive.
   for (int s = 0; s < size; ++s) {
@@ -303,12 +304,12 @@ void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tens
   const char* op = "ring_attention_backward";
   const Dims n = check_inputs(cp, q, k, v, sinks, a, op);
   const DType act = activation_dtype(q);
-  check_tensor(out, "ring attention out", act, q.shape);
+  check_tensor(out, "ring attention out", act, {n.b, 2 * n.c, n.hq, n.d_v});
   check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
-  check_tensor(dout, "ring attention dout", act, q.shape);
+  check_tensor(dout, "ring attention dout", act, out.shape);
   check_tensor(dq, "ring attention dq", act, q.shape);
   check_tensor(dk, "ring attention dk", act, k.shape);
-  check_tensor(dv, "ring attention dv", act, k.shape);
+  check_tensor(dv, "ring attention dv", act, v.shape);
   check_devices(q, {&out, &lse, &dout, &dq, &dk, &dv, &dsinks}, op);
 #ifdef MOETRAIN_WITH_CUDA
   if (q.device == Device::cuda)
@@ -327,11 +328,11 @@ void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tens
   // attention_backward overwrites its gradients: each block's go to scratch first.
   std::vector<float> dq_storage(static_cast<size_t>(n.c * n.hq * n.d));
   const Tensor dq_blk(dq_storage.data(), {1, n.c, n.hq, n.d}, DType::f32);
-  Pair dkv_blk(block(k, 0, 0, n.c));
+  Pair dkv_blk(block(k, 0, 0, n.c), block(v, 0, 0, n.c));
 
-  Pair kv[2] = {Pair(k), Pair(k)};    // K/V arriving for the next step
-  Pair mine[2] = {Pair(k), Pair(k)};  // this step's dK/dV share, then the partial sum passed on
-  Pair partial(k);                    // the partial sum arriving from the previous rank
+  Pair kv[2] = {Pair(k, v), Pair(k, v)};    // K/V arriving for the next step
+  Pair mine[2] = {Pair(k, v), Pair(k, v)};  // this step's dK/dV share, then the partial sum passed on
+  Pair partial(k, v);                       // the partial sum arriving from the previous rank
   Tensor cur_k = k, cur_v = v;
   // Step s: K/V of rank r - s. Its dK/dV partial sum (ranks r - s .. r - 1 added)
   // arrives while this rank computes its share; meanwhile the sum of step s - 1

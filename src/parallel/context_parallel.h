@@ -37,10 +37,10 @@ namespace mt::parallel {
 // chunks rank and 2cp-1-rank of 2cp (seq must split into 2cp equal chunks).
 std::vector<int64_t> zigzag_positions(int64_t seq, int rank, int cp);
 
-// q [B,2C,Hq,Dh], k and v [B,2C,Hkv,Dh]: this rank's zigzag rows, f32 on the host and
-// bf16 on the GPU. sinks f32 [Hq] or empty. a.scale and a.window as for
+// q [B,2C,Hq,Dqk], k [B,2C,Hkv,Dqk] and v [B,2C,Hkv,Dv]: this rank's zigzag rows, f32 on
+// the host and bf16 on the GPU. sinks f32 [Hq] or empty. a.scale and a.window as for
 // attention_forward; a.q_offset and a.k_offset must be 0 (the ring sets them per
-// block). out [B,2C,Hq,Dh] (q's dtype) and lse f32 [B,Hq,2C] (overwritten) are this
+// block). out [B,2C,Hq,Dv] (q's dtype) and lse f32 [B,Hq,2C] (overwritten) are this
 // rank's rows of attention over whole sequences.
 // Collective over `cp`. With cp = 1 it is plain attention (call that instead).
 void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,

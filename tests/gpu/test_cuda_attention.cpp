@@ -26,8 +26,8 @@
 //                    an f32 dot in another order, within 1e-5 of the sum of |terms|.
 //
 // Attention has two routes on the GPU (kernels/cuda/attention_cudnn.h): cuDNN's fused
-// SDPA for the cases it computes exactly (no sinks, no window, head_dim 64 or 128, plain
-// causal or every key visible), our kernel for the rest. A case marked .cudnn runs both,
+// SDPA for the cases it computes exactly (no sinks, no window, head dims 64/64, 128/128 or
+// 192/128, plain causal or every key visible), our kernel for the rest. A case marked .cudnn runs both,
 // cuDNN and then our kernel forced, each against the CPU with the same tolerances (cuDNN
 // too feeds P and dS to the tensor cores in bf16); the others must not reach cuDNN. The
 // cuDNN route also prints whether two backwards gave the same bits (its dQ sums with
@@ -84,7 +84,7 @@ Err error(const std::vector<float>& got, const std::vector<float>& want) {
 // ---------------------------------------------------------------- attention
 
 struct AttnCase {
-  int64_t b = 1, tq = 1, tk = 1, hq = 1, hkv = 1, d = 4, window = 0;
+  int64_t b = 1, tq = 1, tk = 1, hq = 1, hkv = 1, d = 4, dv = 0, window = 0;  // dv: v's head dim, 0: d
   bool sinks = false;
   int64_t q_offset = 0, k_offset = 0;
   bool cudnn = false;  // the case is one cuDNN runs
@@ -112,8 +112,8 @@ bool same_bits(const Tensor& a, const Tensor& b) {
 std::string name_of(const AttnCase& c) {
   std::ostringstream s;
   s << "B=" << c.b << " Tq=" << c.tq << " Tk=" << c.tk << " Hq=" << c.hq << " Hkv=" << c.hkv << " D=" << c.d
-    << " window=" << c.window << (c.sinks ? " sinks" : "") << " q_offset=" << c.q_offset << " k_offset=" << c.k_offset
-    << (c.cudnn ? " (cuDNN)" : "");
+    << (c.dv > 0 ? " Dv=" + std::to_string(c.dv) : "") << " window=" << c.window << (c.sinks ? " sinks" : "")
+    << " q_offset=" << c.q_offset << " k_offset=" << c.k_offset << (c.cudnn ? " (cuDNN)" : "");
   return s.str();
 }
 
@@ -125,13 +125,15 @@ class CudaAttention : public ::testing::TestWithParam<AttnCase> {};
 TEST_P(CudaAttention, MatchesCpu) {
   MT_SKIP_WITHOUT_GPU();
   const AttnCase c = GetParam();
+  const int64_t d_v = c.dv > 0 ? c.dv : c.d;
   const Shape qs{c.b, c.tq, c.hq, c.d}, ks{c.b, c.tk, c.hkv, c.d}, ls{c.b, c.hq, c.tq};
-  const uint64_t seed = static_cast<uint64_t>(c.b * 1000003 + c.tq * 10007 + c.tk * 101 + c.d * 7 + c.hq);
+  const Shape vs{c.b, c.tk, c.hkv, d_v}, os{c.b, c.tq, c.hq, d_v};
+  const uint64_t seed = static_cast<uint64_t>(c.b * 1000003 + c.tq * 10007 + c.tk * 101 + c.d * 7 + c.hq + c.dv * 13);
   // q spans [-2, 2] so that some rows' softmax is peaked, not nearly uniform.
   std::vector<float> q = round_bf16(random_floats(qs.numel(), -2.0f, 2.0f, seed));
   std::vector<float> k = round_bf16(random_floats(ks.numel(), -1.0f, 1.0f, seed + 1));
-  std::vector<float> v = round_bf16(random_floats(ks.numel(), -1.0f, 1.0f, seed + 2));
-  std::vector<float> dout = round_bf16(random_floats(qs.numel(), -1.0f, 1.0f, seed + 3));
+  std::vector<float> v = round_bf16(random_floats(vs.numel(), -1.0f, 1.0f, seed + 2));
+  std::vector<float> dout = round_bf16(random_floats(os.numel(), -1.0f, 1.0f, seed + 3));
   std::vector<float> sinks = random_floats(c.hq, -1.0f, 2.0f, seed + 4);
   cpu::AttentionArgs a;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
@@ -141,16 +143,16 @@ TEST_P(CudaAttention, MatchesCpu) {
 
   // CPU reference on the bf16-rounded inputs, in f32. dsinks starts at 1: both backends
   // accumulate into it.
-  std::vector<float> out_ref(static_cast<size_t>(qs.numel())), lse_ref(static_cast<size_t>(ls.numel()));
+  std::vector<float> out_ref(static_cast<size_t>(os.numel())), lse_ref(static_cast<size_t>(ls.numel()));
   std::vector<float> dq_ref(q.size()), dk_ref(k.size()), dv_ref(v.size()), ds_ref(sinks.size(), 1.0f);
   Tensor sinks_h = c.sinks ? host(sinks, {c.hq}) : Tensor();
-  cpu::attention_forward(host(q, qs), host(k, ks), host(v, ks), sinks_h, a, host(out_ref, qs), host(lse_ref, ls));
-  cpu::attention_backward(host(q, qs), host(k, ks), host(v, ks), sinks_h, a, host(out_ref, qs), host(lse_ref, ls),
-                          host(dout, qs), host(dq_ref, qs), host(dk_ref, ks), host(dv_ref, ks),
+  cpu::attention_forward(host(q, qs), host(k, ks), host(v, vs), sinks_h, a, host(out_ref, os), host(lse_ref, ls));
+  cpu::attention_backward(host(q, qs), host(k, ks), host(v, vs), sinks_h, a, host(out_ref, os), host(lse_ref, ls),
+                          host(dout, os), host(dq_ref, qs), host(dk_ref, ks), host(dv_ref, vs),
                           c.sinks ? host(ds_ref, {c.hq}) : Tensor());
 
-  auto qd = upload(q, DType::bf16, qs), kd = upload(k, DType::bf16, ks), vd = upload(v, DType::bf16, ks);
-  auto gd = upload(dout, DType::bf16, qs), sd = upload(sinks, DType::f32, {c.hq});
+  auto qd = upload(q, DType::bf16, qs), kd = upload(k, DType::bf16, ks), vd = upload(v, DType::bf16, vs);
+  auto gd = upload(dout, DType::bf16, os), sd = upload(sinks, DType::f32, {c.hq});
   const Tensor sinks_d = c.sinks ? sd.t : Tensor();
   // A cuDNN case runs on cuDNN, then on our kernel forced; any other case runs once, on our kernel.
   for (const bool use_cudnn : c.cudnn ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
@@ -158,8 +160,8 @@ TEST_P(CudaAttention, MatchesCpu) {
     SCOPED_TRACE(std::string("route ") + route);
     const CudnnRoute on(use_cudnn);
     auto dsd = upload(std::vector<float>(static_cast<size_t>(c.hq), 1.0f), DType::f32, {c.hq});
-    auto out = poisoned(DType::bf16, qs), lse = poisoned(DType::f32, ls), dq = poisoned(DType::bf16, qs);
-    auto dk = poisoned(DType::bf16, ks), dv = poisoned(DType::bf16, ks);
+    auto out = poisoned(DType::bf16, os), lse = poisoned(DType::f32, ls), dq = poisoned(DType::bf16, qs);
+    auto dk = poisoned(DType::bf16, ks), dv = poisoned(DType::bf16, vs);
     const int64_t calls = cuda::attention_cudnn_calls();
     mt::attention_forward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t);
     mt::attention_backward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t, gd.t, dq.t, dk.t, dv.t,
@@ -193,7 +195,7 @@ TEST_P(CudaAttention, MatchesCpu) {
     }
     std::string repeat;
     if (on_cudnn) {
-      auto dq2 = poisoned(DType::bf16, qs), dk2 = poisoned(DType::bf16, ks), dv2 = poisoned(DType::bf16, ks);
+      auto dq2 = poisoned(DType::bf16, qs), dk2 = poisoned(DType::bf16, ks), dv2 = poisoned(DType::bf16, vs);
       mt::attention_backward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t, gd.t, dq2.t, dk2.t, dv2.t, Tensor());
       cuda::synchronize();
       repeat = std::string(" | again: dq ") + (same_bits(dq.t, dq2.t) ? "same" : "differs") + ", dk " +
@@ -210,6 +212,10 @@ TEST_P(CudaAttention, MatchesCpu) {
 // Then cuDNN's cases: causal GQA at D = 128 (Qwen3's 32/4 heads), causal with equal
 // non-zero offsets, every key visible (a ring attention block, and Tq != Tk at D = 64);
 // and cases it must leave to our kernel: a window, sinks, a causal diagonal shifted by one.
+// Then MLA's value head dim differing from the query/key one: odd dims (element path), 24/16
+// with sinks and a window (the 64/64 padding), Dv > Dqk (128/128), DeepSeek-V2's 192/128 on
+// cuDNN (causal MHA, and a ring block with every key visible), and on our kernel (192/128
+// padding) with a window and sinks, and 192/64 with offsets.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaAttention,
     ::testing::Values(AttnCase{.tq = 1, .tk = 1, .hq = 2, .hkv = 2, .d = 5, .sinks = true},
@@ -238,7 +244,17 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{.tq = 100, .tk = 300, .hq = 4, .hkv = 1, .d = 64, .q_offset = 300, .cudnn = true},
                       AttnCase{.tq = 256, .tk = 256, .hq = 8, .hkv = 2, .d = 128, .window = 64},
                       AttnCase{.tq = 128, .tk = 128, .hq = 8, .hkv = 2, .d = 128, .sinks = true},
-                      AttnCase{.tq = 256, .tk = 256, .hq = 8, .hkv = 2, .d = 128, .q_offset = 257, .k_offset = 256}),
+                      AttnCase{.tq = 256, .tk = 256, .hq = 8, .hkv = 2, .d = 128, .q_offset = 257, .k_offset = 256},
+                      AttnCase{.tq = 13, .tk = 13, .hq = 6, .hkv = 2, .d = 12, .dv = 5, .window = 3, .sinks = true},
+                      AttnCase{.b = 2, .tq = 77, .tk = 77, .hq = 6, .hkv = 2, .d = 24, .dv = 16, .window = 20,
+                               .sinks = true},
+                      AttnCase{.tq = 70, .tk = 90, .hq = 4, .hkv = 1, .d = 32, .dv = 96, .q_offset = 20},
+                      AttnCase{.b = 2, .tq = 256, .tk = 256, .hq = 16, .hkv = 16, .d = 192, .dv = 128, .cudnn = true},
+                      AttnCase{.tq = 128, .tk = 192, .hq = 4, .hkv = 4, .d = 192, .dv = 128, .q_offset = 192,
+                               .cudnn = true},
+                      AttnCase{.tq = 200, .tk = 200, .hq = 4, .hkv = 2, .d = 192, .dv = 128, .window = 70,
+                               .sinks = true},
+                      AttnCase{.tq = 100, .tk = 300, .hq = 2, .hkv = 1, .d = 192, .dv = 64, .q_offset = 200}),
     [](const ::testing::TestParamInfo<AttnCase>& i) { return "case" + std::to_string(i.index); });
 
 // B=2, T=4096, Hq=32, Hkv=4, D=128 (Qwen3-30B-A3B), causal, on cuDNN and on our kernel:

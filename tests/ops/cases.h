@@ -59,12 +59,13 @@ struct RopeSpec {
   std::vector<int32_t> positions = {0};
 };
 OpCase rope_case(const RopeSpec& s);
-// attention.cpp: q [B,Tq,Hq,D], k and v [B,Tk,Hkv,D]; query row 0 sits at position
-// q_offset and key row 0 at k_offset; window 0 is full causal; sinks adds a per-head logit.
+// attention.cpp: q [B,Tq,Hq,D], k [B,Tk,Hkv,D], v [B,Tk,Hkv,Dv] (dim_v 0: Dv = D); query
+// row 0 sits at position q_offset and key row 0 at k_offset; window 0 is full causal; sinks
+// adds a per-head logit.
 struct AttentionSpec {
   int64_t batch = 1, tq = 1, tk = 1, hq = 1, hkv = 1, dim = 4, window = 0;
   bool sinks = false;
-  int64_t q_offset = 0, k_offset = 0;
+  int64_t q_offset = 0, k_offset = 0, dim_v = 0;
 };
 OpCase attention_case(const AttentionSpec& s);
 

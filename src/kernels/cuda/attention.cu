@@ -1,6 +1,7 @@
 // Causal flash attention on the GPU (docs/architecture.md, src/kernels, has the design):
 // bf16 q/k/v/out/dout, f32 softmax statistics, mma.sync m16n8k16 on the tensor cores, 4 warps
-// a block of 16 rows each, heads zero-padded to 64 or 128 columns in shared memory.
+// a block of 16 rows each, heads zero-padded in shared memory: q/k to DQ = 64, 128 or 192
+// columns, v/out to DV = 64 or 128 (DV = DQ up to 128, then 128: MLA's 192/128).
 //   forward  a block per 64 query rows of one (b, h), over 64-key tiles, online softmax
 //   dK, dV   a block per 64-key tile of one (b, kv head), over its group's query heads
 //   dQ       a block per 64 query rows of one (b, h), over 32-key tiles, recomputing Q K^T
@@ -34,11 +35,11 @@ struct Params {
   float* delta;  // backward scratch [B,Hq,Tq]
   bf16 *o, *dq, *dk, *dv;
   float* dsinks;
-  int b, tq, tk, hq, hkv, d, group;
+  int b, tq, tk, hq, hkv, d, d_v, group;  // d: q and k's head dim, d_v: v and out's
   long long shift;   // q_offset - k_offset: query i sits shift + i - j positions after key j
   long long window;  // 0: none
   float scale, scale_log2;
-  bool vec;  // head rows are 16-byte aligned: tiles load with cp.async
+  bool vec;  // head rows are 16-byte aligned (d and d_v multiples of 8): tiles load with cp.async
 };
 
 // Query i sees key j when it is not earlier and, with a window, less than window back.
@@ -142,6 +143,20 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4], c
   a[3] = pack_bf16(c1[2], c1[3]);
 }
 
+// Row r (0: this thread's first, 1: its second, 8 below) of N accumulator n-tiles, times
+// scale, into the first d columns of a bf16 row.
+template <int N>
+__device__ __forceinline__ void store_row(bf16* row, const float (&c)[N][4], int r, int d, float scale) {
+  const int quad = threadIdx.x % 4;
+#pragma unroll
+  for (int t = 0; t < N; ++t)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = t * 8 + 2 * quad + e;
+      if (col < d) row[col] = __float2bfloat16(c[t][2 * r + e] * scale);
+    }
+}
+
 // Columns D..DP-1 of a tile are zero so padded heads add nothing to the products; the
 // loads below never write them, so this runs once per buffer.
 template <int ROWS, int DP>
@@ -173,12 +188,12 @@ __device__ void load_tile(bf16* tile, const bf16* head0, long long stride, int t
   }
 }
 
-template <int DP>
-constexpr int forward_smem = 3 * 64 * (DP + 8) * 2;
+template <int DQ, int DV>
+constexpr int forward_smem = (2 * 64 * (DQ + 8) + 64 * (DV + 8)) * 2;
 
-template <int DP>
+template <int DQ, int DV>
 __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
-  constexpr int S = DP + 8, BM = 64, BN = 64;
+  constexpr int S = DQ + 8, SV = DV + 8, BM = 64, BN = 64;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem);
   bf16* ks = qs + BM * S;
@@ -187,28 +202,29 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
   const int i0 = (gridDim.x - 1 - blockIdx.x) * BM;
   const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
-  const long long q_stride = static_cast<long long>(p.hq) * p.d, kv_stride = static_cast<long long>(p.hkv) * p.d;
+  const long long q_stride = static_cast<long long>(p.hq) * p.d, k_stride = static_cast<long long>(p.hkv) * p.d,
+                  v_stride = static_cast<long long>(p.hkv) * p.d_v;
   const bf16* qh = p.q + (static_cast<long long>(b) * p.tq * p.hq + h) * p.d;
   const bf16* kh = p.k + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
-  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
+  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d_v;
   const int i_last = min(i0 + BM, p.tq) - 1;
   int j_lo, j_hi;
   keys_seen(p, i0, i_last, j_lo, j_hi);
   const int n_first = j_lo / BN, n_last = j_lo <= j_hi ? j_hi / BN : n_first - 1;
 
-  zero_pad<BM, DP>(qs, p.d);
-  zero_pad<BN, DP>(ks, p.d);
-  zero_pad<BN, DP>(vs, p.d);
-  load_tile<BM, DP>(qs, qh, q_stride, i0, p.tq, p.d, p.vec);
-  if (n_first <= n_last) load_tile<BN, DP>(ks, kh, kv_stride, n_first * BN, p.tk, p.d, p.vec);
+  zero_pad<BM, DQ>(qs, p.d);
+  zero_pad<BN, DQ>(ks, p.d);
+  zero_pad<BN, DV>(vs, p.d_v);
+  load_tile<BM, DQ>(qs, qh, q_stride, i0, p.tq, p.d, p.vec);
+  if (n_first <= n_last) load_tile<BN, DQ>(ks, kh, k_stride, n_first * BN, p.tk, p.d, p.vec);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
 
-  uint32_t qa[DP / 16][4];
+  uint32_t qa[DQ / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < DP / 16; ++kk) load_a<S>(qa[kk], qs, warp * 16, kk * 16);
-  float acc[DP / 8][4] = {};
+  for (int kk = 0; kk < DQ / 16; ++kk) load_a<S>(qa[kk], qs, warp * 16, kk * 16);
+  float acc[DV / 8][4] = {};
   // Scores are kept in log2 units (scaled by log2 e) so exp is one ex2. The sink joins
   // the running max from the start and the denominator at the end.
   const float sink2 = p.sinks != nullptr ? p.sinks[h] * kLog2e : -INFINITY;
@@ -217,12 +233,12 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
 
   for (int n = n_first; n <= n_last; ++n) {
     const int j0 = n * BN;
-    load_tile<BN, DP>(vs, vh, kv_stride, j0, p.tk, p.d, p.vec);
+    load_tile<BN, DV>(vs, vh, v_stride, j0, p.tk, p.d_v, p.vec);
     cp_async_commit();
 
     float s[BN / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk)
+    for (int kk = 0; kk < DQ / 16; ++kk)
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t kb[4];
@@ -263,23 +279,23 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
         }
       l[r] = l[r] * alpha + sum;
 #pragma unroll
-      for (int dt = 0; dt < DP / 8; ++dt) {
+      for (int dt = 0; dt < DV / 8; ++dt) {
         acc[dt][2 * r] *= alpha;
         acc[dt][2 * r + 1] *= alpha;
       }
     }
     cp_async_wait_all();
     __syncthreads();  // V has landed; every warp is done with K
-    if (n < n_last) load_tile<BN, DP>(ks, kh, kv_stride, j0 + BN, p.tk, p.d, p.vec);
+    if (n < n_last) load_tile<BN, DQ>(ks, kh, k_stride, j0 + BN, p.tk, p.d, p.vec);
     cp_async_commit();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t pa[4];
       c_to_a(pa, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
-      for (int dp = 0; dp < DP / 16; ++dp) {
+      for (int dp = 0; dp < DV / 16; ++dp) {
         uint32_t vb[4];
-        load_b_kn<S>(vb, vs, kk * 16, dp * 16);
+        load_b_kn<SV>(vb, vs, kk * 16, dp * 16);
         mma_pair(acc, 2 * dp, pa, vb);
       }
     }
@@ -300,13 +316,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
     if (quad == 0)
       p.lse_out[(static_cast<long long>(b) * p.hq + h) * p.tq + row] =
           sum > 0.0f ? (m[r] + log2f(sum)) * kLn2 : -INFINITY;
-    bf16* orow = p.o + ((static_cast<long long>(b) * p.tq + row) * p.hq + h) * p.d;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      const int col = dt * 8 + 2 * quad;
-      if (col < p.d) orow[col] = __float2bfloat16(acc[dt][2 * r] * inv);
-      if (col + 1 < p.d) orow[col + 1] = __float2bfloat16(acc[dt][2 * r + 1] * inv);
-    }
+    store_row(p.o + ((static_cast<long long>(b) * p.tq + row) * p.hq + h) * p.d_v, acc, r, p.d_v, inv);
   }
 }
 
@@ -315,10 +325,10 @@ __global__ void delta_kernel(Params p) {
   const long long row = static_cast<long long>(blockIdx.x) * kWarps + threadIdx.x / 32;  // (b*Tq + i)*Hq + h
   if (row >= static_cast<long long>(p.b) * p.tq * p.hq) return;
   const int lane = threadIdx.x % 32;
-  const bf16* o = p.out + row * p.d;
-  const bf16* g = p.dout + row * p.d;
+  const bf16* o = p.out + row * p.d_v;
+  const bf16* g = p.dout + row * p.d_v;
   float s = 0.0f;
-  for (int c = lane; c < p.d; c += 32) s += __bfloat162float(o[c]) * __bfloat162float(g[c]);
+  for (int c = lane; c < p.d_v; c += 32) s += __bfloat162float(o[c]) * __bfloat162float(g[c]);
   s = warp_sum(s);
   const int h = static_cast<int>(row % p.hq);
   const long long bi = row / p.hq;
@@ -345,24 +355,27 @@ __global__ void dsinks_kernel(Params p) {
   if (threadIdx.x == 0) p.dsinks[h] -= part[0];
 }
 
-template <int DP>
-constexpr int dkdv_smem = (2 * 64 + 4 * 32) * (DP + 8) * 2 + 4 * 32 * 4;
+// dK/dV: K and V, two buffers each of Q and dout, and of lse and delta; dQ: Q and dout, two
+// buffers each of K and V (and 512 bytes unused).
+template <int DQ, int DV>
+constexpr int backward_smem = (128 * (DQ + 8) + 128 * (DV + 8)) * 2 + 4 * 32 * 4;
 
-template <int DP>
+template <int DQ, int DV>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
-  constexpr int S = DP + 8, BN = 64, BM = 32;  // BN keys per block, BM query rows per step
+  constexpr int S = DQ + 8, SV = DV + 8, BN = 64, BM = 32;  // BN keys per block, BM query rows per step
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* ks = reinterpret_cast<bf16*>(smem);
   bf16* vs = ks + BN * S;
   // Two buffers each of Q and dout rows, lse (log2 units) and delta; buffer x of qs at
   // qs + x * BM * S (pointer arithmetic, not an array of pointers, keeps them in registers).
-  bf16* qs = vs + BN * S;
+  bf16* qs = vs + BN * SV;
   bf16* gs = qs + 2 * BM * S;
-  float* lse_s = reinterpret_cast<float*>(gs + 2 * BM * S);
+  float* lse_s = reinterpret_cast<float*>(gs + 2 * BM * SV);
   float* delta_s = lse_s + 2 * BM;
   const int j0 = blockIdx.x * BN, g = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
-  const long long q_stride = static_cast<long long>(p.hq) * p.d, kv_stride = static_cast<long long>(p.hkv) * p.d;
+  const long long q_stride = static_cast<long long>(p.hq) * p.d, k_stride = static_cast<long long>(p.hkv) * p.d;
+  const long long o_stride = static_cast<long long>(p.hq) * p.d_v, v_stride = static_cast<long long>(p.hkv) * p.d_v;
   const int j_last = min(j0 + BN, p.tk) - 1;
   int i_lo, i_hi;
   queries_seeing(p, j0, j_last, i_lo, i_hi);
@@ -372,8 +385,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   auto load_step = [&](int st, int buf) {
     const int h = g * p.group + st / q_tiles, i0 = (i_lo / BM + st % q_tiles) * BM;
     const long long head = static_cast<long long>(b) * p.tq * p.hq + h;
-    load_tile<BM, DP>(qs + buf * BM * S, p.q + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
-    load_tile<BM, DP>(gs + buf * BM * S, p.dout + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
+    load_tile<BM, DQ>(qs + buf * BM * S, p.q + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
+    load_tile<BM, DV>(gs + buf * BM * SV, p.dout + head * p.d_v, o_stride, i0, p.tq, p.d_v, p.vec);
     for (int r = threadIdx.x; r < BM; r += kThreads) {
       const long long at = (static_cast<long long>(b) * p.hq + h) * p.tq + i0 + r;
       const bool in = i0 + r < p.tq;
@@ -382,18 +395,18 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
     }
   };
 
-  zero_pad<BN, DP>(ks, p.d);
-  zero_pad<BN, DP>(vs, p.d);
-  zero_pad<2 * BM, DP>(qs, p.d);
-  zero_pad<2 * BM, DP>(gs, p.d);
+  zero_pad<BN, DQ>(ks, p.d);
+  zero_pad<BN, DV>(vs, p.d_v);
+  zero_pad<2 * BM, DQ>(qs, p.d);
+  zero_pad<2 * BM, DV>(gs, p.d_v);
   const bf16* kh = p.k + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
-  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
-  load_tile<BN, DP>(ks, kh, kv_stride, j0, p.tk, p.d, p.vec);
-  load_tile<BN, DP>(vs, vh, kv_stride, j0, p.tk, p.d, p.vec);
+  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d_v;
+  load_tile<BN, DQ>(ks, kh, k_stride, j0, p.tk, p.d, p.vec);
+  load_tile<BN, DV>(vs, vh, v_stride, j0, p.tk, p.d_v, p.vec);
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
 
-  float dk[DP / 8][4] = {}, dv[DP / 8][4] = {};
+  float dk[DQ / 8][4] = {}, dv[DV / 8][4] = {};
   const int key0 = j0 + warp * 16 + grp;  // this thread's keys: key0 and key0 + 8
   for (int st = 0; st < steps; ++st) {
     const int buf = st & 1;
@@ -403,21 +416,29 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
     cp_async_commit();
     const int i0 = (i_lo / BM + st % q_tiles) * BM;
     const bf16* qt = qs + buf * BM * S;
-    const bf16* gt = gs + buf * BM * S;
+    const bf16* gt = gs + buf * BM * SV;
 
     // S^T = K Q^T and dP^T = V dout^T for this warp's 16 keys and the BM queries.
     float s[BM / 8][4] = {}, dpt[BM / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) {
-      uint32_t ka[4], va[4];
+    for (int kk = 0; kk < DQ / 16; ++kk) {
+      uint32_t ka[4];
       load_a<S>(ka, ks, warp * 16, kk * 16);
-      load_a<S>(va, vs, warp * 16, kk * 16);
 #pragma unroll
       for (int np = 0; np < BM / 16; ++np) {
-        uint32_t qb[4], gb[4];
+        uint32_t qb[4];
         load_b_nk<S>(qb, qt, np * 16, kk * 16);
-        load_b_nk<S>(gb, gt, np * 16, kk * 16);
         mma_pair(s, 2 * np, ka, qb);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk) {
+      uint32_t va[4];
+      load_a<SV>(va, vs, warp * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < BM / 16; ++np) {
+        uint32_t gb[4];
+        load_b_nk<SV>(gb, gt, np * 16, kk * 16);
         mma_pair(dpt, 2 * np, va, gb);
       }
     }
@@ -447,11 +468,15 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
       c_to_a(pa, s[2 * kk], s[2 * kk + 1]);
       c_to_a(da, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
-      for (int dp = 0; dp < DP / 16; ++dp) {
-        uint32_t gb[4], qb[4];
-        load_b_kn<S>(gb, gt, kk * 16, dp * 16);
-        load_b_kn<S>(qb, qt, kk * 16, dp * 16);
+      for (int dp = 0; dp < DV / 16; ++dp) {
+        uint32_t gb[4];
+        load_b_kn<SV>(gb, gt, kk * 16, dp * 16);
         mma_pair(dv, 2 * dp, pa, gb);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DQ / 16; ++dp) {
+        uint32_t qb[4];
+        load_b_kn<S>(qb, qt, kk * 16, dp * 16);
         mma_pair(dk, 2 * dp, da, qb);
       }
     }
@@ -462,64 +487,54 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
     if (key >= p.tk) continue;
-    const long long at = ((static_cast<long long>(b) * p.tk + key) * p.hkv + g) * p.d;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      const int col = dt * 8 + 2 * quad;
-      for (int c = 0; c < 2; ++c)
-        if (col + c < p.d) {
-          p.dk[at + col + c] = __float2bfloat16(dk[dt][2 * r + c] * p.scale);
-          p.dv[at + col + c] = __float2bfloat16(dv[dt][2 * r + c]);
-        }
-    }
+    const long long at = (static_cast<long long>(b) * p.tk + key) * p.hkv + g;
+    store_row(p.dk + at * p.d, dk, r, p.d, p.scale);
+    store_row(p.dv + at * p.d_v, dv, r, p.d_v, 1.0f);
   }
 }
 
-template <int DP>
-constexpr int dq_smem = (2 * 64 + 4 * 32) * (DP + 8) * 2;
-
-template <int DP>
+template <int DQ, int DV>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
-  constexpr int S = DP + 8, BM = 64, BN = 32;  // BM query rows per block, BN keys per step
+  constexpr int S = DQ + 8, SV = DV + 8, BM = 64, BN = 32;  // BM query rows per block, BN keys per step
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem);
   bf16* gs = qs + BM * S;
-  // Two buffers each of K and V rows, buffer x at ks + x * BN * S.
-  bf16* ks = gs + BM * S;
+  // Two buffers each of K and V rows, buffer x at ks + x * BN * S (vs + x * BN * SV).
+  bf16* ks = gs + BM * SV;
   bf16* vs = ks + 2 * BN * S;
   const int i0 = (gridDim.x - 1 - blockIdx.x) * BM;
   const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
-  const long long q_stride = static_cast<long long>(p.hq) * p.d, kv_stride = static_cast<long long>(p.hkv) * p.d;
+  const long long q_stride = static_cast<long long>(p.hq) * p.d, k_stride = static_cast<long long>(p.hkv) * p.d;
+  const long long o_stride = static_cast<long long>(p.hq) * p.d_v, v_stride = static_cast<long long>(p.hkv) * p.d_v;
   const long long head = static_cast<long long>(b) * p.tq * p.hq + h;
   const bf16* kh = p.k + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
-  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d;
+  const bf16* vh = p.v + (static_cast<long long>(b) * p.tk * p.hkv + g) * p.d_v;
   const int i_last = min(i0 + BM, p.tq) - 1;
   int j_lo, j_hi;
   keys_seen(p, i0, i_last, j_lo, j_hi);
   const int n_first = j_lo / BN, n_last = j_lo <= j_hi ? j_hi / BN : n_first - 1;
   auto load_kv = [&](int n, int buf) {
-    load_tile<BN, DP>(ks + buf * BN * S, kh, kv_stride, n * BN, p.tk, p.d, p.vec);
-    load_tile<BN, DP>(vs + buf * BN * S, vh, kv_stride, n * BN, p.tk, p.d, p.vec);
+    load_tile<BN, DQ>(ks + buf * BN * S, kh, k_stride, n * BN, p.tk, p.d, p.vec);
+    load_tile<BN, DV>(vs + buf * BN * SV, vh, v_stride, n * BN, p.tk, p.d_v, p.vec);
   };
 
-  zero_pad<BM, DP>(qs, p.d);
-  zero_pad<BM, DP>(gs, p.d);
-  zero_pad<2 * BN, DP>(ks, p.d);
-  zero_pad<2 * BN, DP>(vs, p.d);
-  load_tile<BM, DP>(qs, p.q + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
-  load_tile<BM, DP>(gs, p.dout + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
+  zero_pad<BM, DQ>(qs, p.d);
+  zero_pad<BM, DV>(gs, p.d_v);
+  zero_pad<2 * BN, DQ>(ks, p.d);
+  zero_pad<2 * BN, DV>(vs, p.d_v);
+  load_tile<BM, DQ>(qs, p.q + head * p.d, q_stride, i0, p.tq, p.d, p.vec);
+  load_tile<BM, DV>(gs, p.dout + head * p.d_v, o_stride, i0, p.tq, p.d_v, p.vec);
   if (n_first <= n_last) load_kv(n_first, 0);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
 
-  uint32_t qa[DP / 16][4], ga[DP / 16][4];
+  uint32_t qa[DQ / 16][4], ga[DV / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < DP / 16; ++kk) {
-    load_a<S>(qa[kk], qs, warp * 16, kk * 16);
-    load_a<S>(ga[kk], gs, warp * 16, kk * 16);
-  }
+  for (int kk = 0; kk < DQ / 16; ++kk) load_a<S>(qa[kk], qs, warp * 16, kk * 16);
+#pragma unroll
+  for (int kk = 0; kk < DV / 16; ++kk) load_a<SV>(ga[kk], gs, warp * 16, kk * 16);
   const int row0 = i0 + warp * 16 + grp;  // this thread's rows: row0 and row0 + 8
   float lse2[2], dlt[2];
 #pragma unroll
@@ -529,7 +544,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
     lse2[r] = row < p.tq ? p.lse[at] * kLog2e : 0.0f;
     dlt[r] = row < p.tq ? p.delta[at] : 0.0f;
   }
-  float dq[DP / 8][4] = {};
+  float dq[DQ / 8][4] = {};
 
   for (int n = n_first; n <= n_last; ++n) {
     const int buf = (n - n_first) & 1, j0 = n * BN;
@@ -540,17 +555,23 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
     if (n < n_last) load_kv(n + 1, buf ^ 1);
     cp_async_commit();
     const bf16* kt = ks + buf * BN * S;
-    const bf16* vt = vs + buf * BN * S;
+    const bf16* vt = vs + buf * BN * SV;
 
     float s[BN / 8][4] = {}, dpv[BN / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk)
+    for (int kk = 0; kk < DQ / 16; ++kk)
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
-        uint32_t kb[4], vb[4];
+        uint32_t kb[4];
         load_b_nk<S>(kb, kt, np * 16, kk * 16);
-        load_b_nk<S>(vb, vt, np * 16, kk * 16);
         mma_pair(s, 2 * np, qa[kk], kb);
+      }
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk)
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t vb[4];
+        load_b_nk<SV>(vb, vt, np * 16, kk * 16);
         mma_pair(dpv, 2 * np, ga[kk], vb);
       }
     // P = exp(S - lse), masked entries then exactly 0 (see the dK/dV kernel).
@@ -575,7 +596,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
       uint32_t da[4];
       c_to_a(da, dpv[2 * kk], dpv[2 * kk + 1]);
 #pragma unroll
-      for (int dp = 0; dp < DP / 16; ++dp) {
+      for (int dp = 0; dp < DQ / 16; ++dp) {
         uint32_t kb[4];
         load_b_kn<S>(kb, kt, kk * 16, dp * 16);
         mma_pair(dq, 2 * dp, da, kb);
@@ -587,27 +608,25 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
     if (row >= p.tq) continue;
-    bf16* out = p.dq + ((static_cast<long long>(b) * p.tq + row) * p.hq + h) * p.d;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      const int col = dt * 8 + 2 * quad;
-      if (col < p.d) out[col] = __float2bfloat16(dq[dt][2 * r] * p.scale);
-      if (col + 1 < p.d) out[col + 1] = __float2bfloat16(dq[dt][2 * r + 1] * p.scale);
-    }
+    store_row(p.dq + ((static_cast<long long>(b) * p.tq + row) * p.hq + h) * p.d, dq, r, p.d, p.scale);
   }
 }
 
 // Checks the inputs and the forward's outputs and fills the parameters all kernels share.
 Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                    const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
-  MT_CHECK(q.ndim() == 4 && k.ndim() == 4) << "attention q should be [B,Tq,Hq,D] and k [B,Tk,Hkv,D], got q "
-                                           << q.str() << ", k " << k.str();
+  MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4)
+      << "attention q should be [B,Tq,Hq,Dqk], k [B,Tk,Hkv,Dqk] and v [B,Tk,Hkv,Dv], got q " << q.str() << ", k "
+      << k.str() << ", v " << v.str();
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
+  const int64_t d_v = v.dim(3);
   check_arg(q, "attention q", {DType::bf16}, {b, tq, hq, d});
   check_arg(k, "attention k", {DType::bf16}, {b, tk, hkv, d});
-  check_arg(v, "attention v", {DType::bf16}, {b, tk, hkv, d});
+  check_arg(v, "attention v", {DType::bf16}, {b, tk, hkv, d_v});
   MT_CHECK(hkv > 0 && hq % hkv == 0) << "attention query heads " << hq << " not a multiple of kv heads " << hkv;
-  MT_CHECK(d >= 1 && d <= 128) << "cuda attention supports head_dim 1..128, got " << d;
+  MT_CHECK(d >= 1 && d <= 192 && d_v >= 1 && d_v <= 128)
+      << "cuda attention supports q/k head dims 1..192 and v head dims 1..128, got q " << q.str() << ", v "
+      << v.str();
   MT_CHECK(a.window >= 0) << "attention window must be >= 0, got " << a.window;
   const bool has_sinks = sinks.defined() && sinks.numel() > 0;
   if (has_sinks) check_arg(sinks, "attention sinks", {DType::f32}, {hq});
@@ -622,13 +641,14 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   p.hq = static_cast<int>(hq);
   p.hkv = static_cast<int>(hkv);
   p.d = static_cast<int>(d);
+  p.d_v = static_cast<int>(d_v);
   p.group = static_cast<int>(hq / hkv);
   p.shift = a.q_offset - a.k_offset;
   p.window = a.window;
   p.scale = a.scale;
   p.scale_log2 = a.scale * kLog2e;
-  p.vec = d % 8 == 0 && aligned16(q.data) && aligned16(k.data) && aligned16(v.data);
-  check_arg(out, "attention out", {DType::bf16}, q.shape);
+  p.vec = d % 8 == 0 && d_v % 8 == 0 && aligned16(q.data) && aligned16(k.data) && aligned16(v.data);
+  check_arg(out, "attention out", {DType::bf16}, {b, tq, hq, d_v});
   check_arg(lse, "attention lse", {DType::f32}, {p.b, p.hq, p.tq});
   return p;
 }
@@ -655,20 +675,22 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   p.lse_out = lse.f32();
   p.vec = p.vec && aligned16(out.data);
   const dim3 grid(tiles(p.tq, 64), p.hq, p.b);
-  if (p.d <= 64)
-    launch(forward_kernel<64>, grid, forward_smem<64>, p);
+  if (p.d <= 64 && p.d_v <= 64)
+    launch(forward_kernel<64, 64>, grid, forward_smem<64, 64>, p);
+  else if (p.d <= 128)
+    launch(forward_kernel<128, 128>, grid, forward_smem<128, 128>, p);
   else
-    launch(forward_kernel<128>, grid, forward_smem<128>, p);
+    launch(forward_kernel<192, 128>, grid, forward_smem<192, 128>, p);
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                         const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dsinks) {
   Params p = make_params(q, k, v, sinks, a, out, lse);
-  check_arg(dout, "attention dout", {DType::bf16}, q.shape);
+  check_arg(dout, "attention dout", {DType::bf16}, out.shape);
   check_arg(dq, "attention dq", {DType::bf16}, q.shape);
   check_arg(dk, "attention dk", {DType::bf16}, k.shape);
-  check_arg(dv, "attention dv", {DType::bf16}, k.shape);
+  check_arg(dv, "attention dv", {DType::bf16}, v.shape);
   if (p.sinks != nullptr) {
     check_arg(dsinks, "attention dsinks", {DType::f32}, {p.hq});
     p.dsinks = dsinks.f32();
@@ -688,12 +710,15 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
     CUDA_CHECK_LAUNCH();
   }
   const dim3 kv_grid(tiles(p.tk, 64), p.hkv, p.b), q_grid(tiles(p.tq, 64), p.hq, p.b);
-  if (p.d <= 64) {
-    launch(dkdv_kernel<64>, kv_grid, dkdv_smem<64>, p);
-    launch(dq_kernel<64>, q_grid, dq_smem<64>, p);
+  if (p.d <= 64 && p.d_v <= 64) {
+    launch(dkdv_kernel<64, 64>, kv_grid, backward_smem<64, 64>, p);
+    launch(dq_kernel<64, 64>, q_grid, backward_smem<64, 64>, p);
+  } else if (p.d <= 128) {
+    launch(dkdv_kernel<128, 128>, kv_grid, backward_smem<128, 128>, p);
+    launch(dq_kernel<128, 128>, q_grid, backward_smem<128, 128>, p);
   } else {
-    launch(dkdv_kernel<128>, kv_grid, dkdv_smem<128>, p);
-    launch(dq_kernel<128>, q_grid, dq_smem<128>, p);
+    launch(dkdv_kernel<192, 128>, kv_grid, backward_smem<192, 128>, p);
+    launch(dq_kernel<192, 128>, q_grid, backward_smem<192, 128>, p);
   }
   if (p.sinks != nullptr && p.hq > 0) {
     dsinks_kernel<<<static_cast<unsigned>(p.hq), kThreads, 0, stream()>>>(p);

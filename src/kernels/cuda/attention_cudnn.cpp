@@ -34,7 +34,7 @@ namespace fe = cudnn_frontend;
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
 struct GraphKey {
-  int64_t b, tq, tk, hq, hkv, d;
+  int64_t b, tq, tk, hq, hkv, d, d_v;  // d: q and k's head dim, d_v: v and out's
   bool causal;  // else no mask
   bool backward;
   uint32_t scale;  // the bits of the f32 scale, baked into the graph
@@ -44,7 +44,8 @@ struct GraphKey {
 std::string describe(const GraphKey& k) {
   return std::string(k.backward ? "backward" : "forward") + " B=" + std::to_string(k.b) + " Tq=" +
          std::to_string(k.tq) + " Tk=" + std::to_string(k.tk) + " Hq=" + std::to_string(k.hq) +
-         " Hkv=" + std::to_string(k.hkv) + " D=" + std::to_string(k.d) + (k.causal ? " causal" : " no mask");
+         " Hkv=" + std::to_string(k.hkv) + " Dqk=" + std::to_string(k.d) + " Dv=" + std::to_string(k.d_v) +
+         (k.causal ? " causal" : " no mask");
 }
 
 // A built graph, or none when cuDNN declined this key (then our kernel runs it).
@@ -134,17 +135,17 @@ std::string build(const GraphKey& k, Plan& plan) {
   const float scale = std::bit_cast<float>(k.scale);
   auto q = bshd(*g, "Q", kQ, k.b, k.tq, k.hq, k.d);
   auto kk = bshd(*g, "K", kK, k.b, k.tk, k.hkv, k.d);
-  auto v = bshd(*g, "V", kV, k.b, k.tk, k.hkv, k.d);
+  auto v = bshd(*g, "V", kV, k.b, k.tk, k.hkv, k.d_v);
   if (!k.backward) {
     auto opts = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true).set_attn_scale(scale);
     if (k.causal) opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
     auto [o, stats] = g->sdpa(q, kk, v, opts);
-    set_bshd(o, kO, k.b, k.tq, k.hq, k.d);
+    set_bshd(o, kO, k.b, k.tq, k.hq, k.d_v);
     stats->set_output(true);
     set_stats(*stats, k);
   } else {
-    auto o = bshd(*g, "O", kO, k.b, k.tq, k.hq, k.d);
-    auto dout = bshd(*g, "dO", kDO, k.b, k.tq, k.hq, k.d);
+    auto o = bshd(*g, "O", kO, k.b, k.tq, k.hq, k.d_v);
+    auto dout = bshd(*g, "dO", kDO, k.b, k.tq, k.hq, k.d_v);
     fe::graph::Tensor_attributes stats_in;
     set_stats(stats_in.set_name("Stats"), k);
     auto stats = g->tensor(stats_in);
@@ -153,7 +154,7 @@ std::string build(const GraphKey& k, Plan& plan) {
     auto [dq, dk, dv] = g->sdpa_backward(q, kk, v, o, dout, stats, opts);
     set_bshd(dq, kDQ, k.b, k.tq, k.hq, k.d);
     set_bshd(dk, kDK, k.b, k.tk, k.hkv, k.d);
-    set_bshd(dv, kDV, k.b, k.tk, k.hkv, k.d);
+    set_bshd(dv, kDV, k.b, k.tk, k.hkv, k.d_v);
   }
   auto built = g->build(handle(), {fe::HeurMode_t::A});
   if (built.is_bad()) return built.get_message();
@@ -182,14 +183,17 @@ Plan* plan_for(const GraphKey& k) {
 }
 
 // Whether cuDNN computes this case exactly as our kernel does (header comment); if so, fills key.
-bool applies(const Tensor& q, const Tensor& k, const Tensor& sinks, const cpu::AttentionArgs& a, GraphKey& key) {
+bool applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks, const cpu::AttentionArgs& a,
+             GraphKey& key) {
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
+  const int64_t d_v = v.dim(3);
   if (!state().enabled || (sinks.data != nullptr && sinks.numel() > 0) || a.window != 0) return false;
-  if ((d != 64 && d != 128) || b == 0 || tq == 0 || tk == 0) return false;
+  const bool dims = (d == d_v && (d == 64 || d == 128)) || (d == 192 && d_v == 128);
+  if (!dims || b == 0 || tq == 0 || tk == 0) return false;
   const bool all_visible = a.k_offset + tk - 1 <= a.q_offset;
   const bool causal = a.q_offset == a.k_offset && tq == tk;
   if (!all_visible && !causal) return false;
-  key = GraphKey{b, tq, tk, hq, hkv, d, !all_visible, false, std::bit_cast<uint32_t>(a.scale)};
+  key = GraphKey{b, tq, tk, hq, hkv, d, d_v, !all_visible, false, std::bit_cast<uint32_t>(a.scale)};
   return true;
 }
 
@@ -240,7 +244,7 @@ bool cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
                              const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
   std::lock_guard<std::mutex> lock(state_mutex());
   GraphKey key{};
-  if (!applies(q, k, sinks, a, key)) return false;
+  if (!applies(q, k, v, sinks, a, key)) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kO, out.data},
                                           {kStats, lse.data}};
   return run(key, pack);
@@ -251,7 +255,7 @@ bool cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   std::lock_guard<std::mutex> lock(state_mutex());
   GraphKey key{};
-  if (!applies(q, k, sinks, a, key)) return false;
+  if (!applies(q, k, v, sinks, a, key)) return false;
   key.backward = true;
   std::unordered_map<int64_t, void*> pack{{kQ, q.data},       {kK, k.data},      {kV, v.data},
                                           {kO, out.data},     {kStats, lse.data}, {kDO, dout.data},

@@ -1,6 +1,7 @@
 // cuDNN's fused scaled-dot-product attention (cuDNN frontend graphs) where it computes
 // exactly what our kernel does; cuda::attention_forward/backward (attention.cu) try it
-// first. It applies with no sinks, no window, head_dim 64 or 128, every pointer 16-byte
+// first. It applies with no sinks, no window, head dims (q/k, v) of (64, 64), (128, 128) or
+// MLA's (192, 128) (cuDNN 9 has d_qk = 192, d_v = 128 on Hopper), every pointer 16-byte
 // aligned, and a mask cuDNN has:
 //   causal   q_offset == k_offset and Tq == Tk: query i sees keys 0..i (top-left diagonal);
 //   none     every key is visible to every query (k_offset + Tk - 1 <= q_offset), as in
