@@ -789,13 +789,16 @@ TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
 // Every mesh (dp, cp, ep) of the parallelism issue, under mpirun: (2,1,1), (1,2,1),
 // (1,1,2), (1,2,2), (2,1,2), (2,2,2), and with parallelism.zero3 (2,1,1), (1,2,1),
 // (1,1,2), (2,2,2). Each reports the single-rank run's losses,
-// gradient norms and routing counts (1e-5), for both load-balance variants. The
-// batch: the qwen3_moe_a fixture's three sequences and its first again, so that it
-// splits over 4 data ranks; its 16 positions split into 2 * cp = 4 chunks.
-TEST(Commands, MeshesMatchOneRank) {
+// gradient norms and routing counts (1e-5), for both load-balance variants, for each
+// model family. The batch: the fixture's three sequences and its first again, so that
+// it splits over 4 data ranks; its 16 positions split into 2 * cp = 4 chunks.
+class Meshes : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Meshes, MatchOneRank) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
-  std::string dir = temp_dir("meshes");
-  io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
+  const std::string model = GetParam();
+  std::string dir = temp_dir("meshes_" + model);
+  io::NpyArray a = io::read_npy(fixture(model + "/tokens.npy"));
   std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
   const int64_t t = a.header.shape[1];
   tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + t);
@@ -815,7 +818,7 @@ TEST(Commands, MeshesMatchOneRank) {
       std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(ep) +
                          (m.zero3 ? "zero3" : "") + lb;
       auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
-                           fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
+                           fixture(model) + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
                            " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
                            " --parallelism.cp=" + std::to_string(m.cp) +
@@ -838,8 +841,10 @@ TEST(Commands, MeshesMatchOneRank) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Models, Meshes, ::testing::Values("qwen3_moe_a", "deepseek_v2_a"));
+
 // Pipeline meshes (pp, dp, cp, ep) against one rank, both schedules where each applies,
-// on the pipeline fixture (8 layers, layer 2 dense, untied head): (2,1,1,1), (4,1,1,1),
+// on the pipeline fixtures (8 layers; qwen3: layer 2 dense; deepseek_v2: layer 0 dense), untied head: (2,1,1,1), (4,1,1,1),
 // (2,2,1,1), (2,1,1,2), (2,1,2,1), (2,2,1,2), 1F1B at pp 8, and dualpipev at pp 1 (the
 // V's two chunks on one rank). Losses, gradient norms and load-balance terms to 1e-5,
 // expert counts exactly, over 3 steps of 32 sequences of 16 tokens in micro-batches of
@@ -854,18 +859,18 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
   io::write_npy(dir + "/tokens.npy", "<i8", {32, 17}, tokens.data());
   const std::string mpirun =
       "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
+  std::string config = fixture("pipeline/config.json");
   auto train = [&](const std::string& name, int np, const std::string& flags, int steps) {
     const std::string dump = dir + "/" + name;
-    auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.config=" +
-                         fixture("pipeline/config.json") + " --data.tokens=" + dir + "/tokens.npy" +
+    auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.config=" + config +
+                         " --data.tokens=" + dir + "/tokens.npy" +
                          " --training.steps=" + std::to_string(steps) +
                          " --training.load_balance_coef=0.1 --training.micro_batch_size=1 --job.dump_folder=" + dump +
                          " " + flags);
     EXPECT_EQ(rc, 0) << name << ": " << out;
     return metrics_of(dump);
   };
-  const std::vector<nlohmann::json> one = train("one", 1, "", 4);
-  ASSERT_EQ(one.size(), 4u);
+  std::vector<nlohmann::json> one;
   // `got` holds steps first + 1, first + 2, ...
   auto expect_same = [&](const std::vector<nlohmann::json>& got, size_t first, size_t steps, const std::string& what) {
     ASSERT_EQ(got.size(), steps) << what;
@@ -880,19 +885,26 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
   struct Mesh {
     int pp, dp, cp, ep;
   };
-  for (Mesh m : {Mesh{2, 1, 1, 1}, Mesh{4, 1, 1, 1}, Mesh{2, 2, 1, 1}, Mesh{2, 1, 1, 2}, Mesh{2, 1, 2, 1},
-                 Mesh{2, 2, 1, 2}, Mesh{8, 1, 1, 1}, Mesh{1, 1, 1, 1}})
-    for (std::string schedule : {"1f1b", "dualpipev"}) {
-      if ((m.pp == 8 && schedule == "dualpipev") || (m.pp == 1 && schedule == "1f1b")) continue;
-      const std::string name = "pp" + std::to_string(m.pp) + "dp" + std::to_string(m.dp) + "cp" +
-                               std::to_string(m.cp) + "ep" + std::to_string(m.ep) + schedule;
-      std::vector<nlohmann::json> got =
-          train(name, m.pp * m.dp * m.cp * m.ep,
-                "--parallelism.pp=" + std::to_string(m.pp) + " --parallelism.cp=" + std::to_string(m.cp) +
-                    " --parallelism.ep=" + std::to_string(m.ep) + " --parallelism.pipeline_schedule=" + schedule,
-                3);
-      expect_same(got, 0, 3, name);
-    }
+  // Both model families (DeepSeek-V2 here with q_lora, group-limited routing, a shared
+  // expert and a dense first layer); the qwen3 config is the one the rest uses.
+  for (std::string family : {"deepseek_v2.json", "config.json"}) {
+    config = fixture("pipeline/" + family);
+    one = train("one" + family, 1, "", 4);
+    ASSERT_EQ(one.size(), 4u);
+    for (Mesh m : {Mesh{2, 1, 1, 1}, Mesh{4, 1, 1, 1}, Mesh{2, 2, 1, 1}, Mesh{2, 1, 1, 2}, Mesh{2, 1, 2, 1},
+                   Mesh{2, 2, 1, 2}, Mesh{8, 1, 1, 1}, Mesh{1, 1, 1, 1}})
+      for (std::string schedule : {"1f1b", "dualpipev"}) {
+        if ((m.pp == 8 && schedule == "dualpipev") || (m.pp == 1 && schedule == "1f1b")) continue;
+        const std::string name = "pp" + std::to_string(m.pp) + "dp" + std::to_string(m.dp) + "cp" +
+                                 std::to_string(m.cp) + "ep" + std::to_string(m.ep) + schedule + family;
+        std::vector<nlohmann::json> got =
+            train(name, m.pp * m.dp * m.cp * m.ep,
+                  "--parallelism.pp=" + std::to_string(m.pp) + " --parallelism.cp=" + std::to_string(m.cp) +
+                      " --parallelism.ep=" + std::to_string(m.ep) + " --parallelism.pipeline_schedule=" + schedule,
+                  3);
+        expect_same(got, 0, 3, name);
+      }
+  }
   // A capacity factor: pp 2 x ep 2 drops what ep 2 alone drops (the capacity is over
   // the ep group's micro-batches), the same slots, with the same losses.
   const std::string capacity = " --training.capacity_factor=1.0 --parallelism.ep=2";
