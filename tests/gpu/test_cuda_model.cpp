@@ -1,5 +1,5 @@
-// Qwen3-MoE on the GPU against the CPU backend on the Hugging Face fixtures: the same
-// five AdamW steps (loss, gradient norm, final weights), and the forward loss.
+// Qwen3-MoE and DeepSeek-V2 on the GPU against the CPU backend on the Hugging Face
+// fixtures: the same five AdamW steps (loss, gradient norm, final weights), and the forward loss.
 //
 // Tolerances. The GPU computes in bf16 (8 significant bits, 2^-8 relative rounding
 // error at worst) with f32 accumulation and f32 master weights; the CPU in f32. One
@@ -89,7 +89,8 @@ TEST_P(CudaModel, EvalLossMatchesTheCpuBackend) {
   EXPECT_NEAR(l[1].sum / l[1].count, l[0].sum / l[0].count, 1e-2 * l[0].sum / l[0].count);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModel, ::testing::Values("qwen3_moe_a", "qwen3_moe_b"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModel,
+                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b"));
 
 }  // namespace
 }  // namespace mt
