@@ -36,6 +36,13 @@ struct HfTensor {
   float init_scale = 1.0f;
   float fill = 0.0f;
   bool expert = false;  // an expert's weight (owned by one ep rank)
+  // Where a Hugging Face folder keeps it (import, export-hf), when not as `name`: expert
+  // `fused_index`'s slice of the key `fused`, which holds all of a layer's experts [E, ...]
+  // (GPT-OSS); `transposed`: that slice is this tensor's transpose (its last two dims
+  // swapped). Checkpoints keep `name`, one key per expert, in this tensor's layout.
+  std::string fused;
+  int64_t fused_index = 0;
+  bool transposed = false;
 };
 
 // Per MoE layer, per micro-batch: what the load-balance loss and the metrics need.
