@@ -1,4 +1,4 @@
-// Qwen3-MoE against Hugging Face transformers (tests/fixtures, made by
+// Qwen3-MoE, DeepSeek-V2 and GPT-OSS against Hugging Face transformers (tests/fixtures, made by
 // make_hf_fixtures.py in fp32 with eager attention): loss, logits, every parameter
 // gradient, and five AdamW steps with clipping.
 #include <gtest/gtest.h>
@@ -7,6 +7,7 @@
 #include <limits>
 #include <filesystem>
 #include <functional>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "io/file.h"
@@ -33,6 +34,20 @@ std::vector<float> expected(const io::SafetensorsFile& f, const std::string& key
   std::vector<float> v(static_cast<size_t>(t->numel()));
   f.read_f32(*t, v.data());
   return v;
+}
+
+// What the fixture holds for t under `prefix` ("grad.", "final."), in t's layout: for an
+// expert's slice of a fused key (GPT-OSS), that slice, transposed as t says.
+std::vector<float> expected_of(const io::SafetensorsFile& f, const std::string& prefix, const HfTensor& t) {
+  if (t.fused.empty()) return expected(f, prefix + t.name);
+  std::vector<float> all = expected(f, prefix + t.fused), out(static_cast<size_t>(t.value.numel()));
+  const int64_t n = t.value.numel(), rows = t.value.ndim() == 2 ? t.value.dim(0) : 1, cols = n / rows;
+  EXPECT_EQ(all.size() % static_cast<size_t>(n), 0u) << t.fused;
+  if (all.size() < static_cast<size_t>((t.fused_index + 1) * n)) return {};
+  const float* slice = all.data() + t.fused_index * n;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = t.transposed ? slice[c * rows + r] : slice[r * cols + c];
+  return out;
 }
 
 double rel_err_norm(const float* got, const std::vector<float>& want) {
@@ -102,14 +117,14 @@ TEST_P(HfParity, LossLogitsAndEveryGradient) {
   }
   model->embed_backward(*s);
   model->head_backward_weight(*s);
-  int checked = 0;
+  std::set<std::string> keys;
   for (const HfTensor& t : model->hf_tensors()) {
-    std::vector<float> g = expected(exp, "grad." + t.name);
+    std::vector<float> g = expected_of(exp, "grad.", t);
     ASSERT_EQ(static_cast<size_t>(t.grad.numel()), g.size()) << t.name;
     EXPECT_LT(rel_err_norm(t.grad.f32(), g), 1e-4) << t.name;
-    ++checked;
+    keys.insert(t.fused.empty() ? t.name : t.fused);
   }
-  EXPECT_EQ(checked * 2, static_cast<int>(exp.tensors().size()) - 4) << "every checkpoint key has a gradient";
+  EXPECT_EQ(keys.size() * 2, exp.tensors().size() - 4) << "every checkpoint key has a gradient";
 }
 
 TEST_P(HfParity, FiveAdamWStepsWithClipping) {
@@ -125,11 +140,12 @@ TEST_P(HfParity, FiveAdamWStepsWithClipping) {
     EXPECT_NEAR(r.grad_norm, norms[i], 1e-4 * norms[i]) << "step " << i + 1;
   }
   for (const HfTensor& t : model->hf_tensors())
-    EXPECT_LT(rel_err_norm(t.value.f32(), expected(exp, "final." + t.name)), 1e-4) << t.name;
+    EXPECT_LT(rel_err_norm(t.value.f32(), expected_of(exp, "final.", t)), 1e-4) << t.name;
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity,
-                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b"));
+                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b",
+                                           "gpt_oss_a"));
 
 // The same model under the hub's spelling of the config (num_experts, rope_theta)
 // and transformers 5's (num_local_experts, rope_parameters) reads the same.

@@ -74,6 +74,7 @@ namespace {
 // mt::f(...): argument-dependent lookup would also find cpu::f.
 
 constexpr int32_t kIgnoreIndex = -100;
+constexpr float kSwigluAlpha = 1.702f;  // GPT-OSS's clamped SwiGLU: gate * sigmoid(alpha * gate)
 
 // Where each layer's shared parameters sit in params_ (indices, so the vector may grow).
 struct LayerIndex {
@@ -81,6 +82,7 @@ struct LayerIndex {
   int router = -1;    // MoE layers: [E, D]
   int gate_up, down;  // MoE: [E, 2I, D] and [E, D, I]; dense: [2I, D] and [D, I]
   int shared_gate_up = -1, shared_down = -1;  // shared experts: [2Is, D], [D, Is]
+  int router_bias = -1, gate_up_bias = -1, down_bias = -1;  // GPT-OSS: [E], [E, 2I], [E, D]
 };
 
 // Activations of one layer for one micro-batch, and the gradients its W stages need.
@@ -118,6 +120,7 @@ struct DecoderStash : Stash {
   Arena arena;
   std::vector<int32_t> positions_host;
   Tensor cos, sin;
+  Tensor all_rows;                   // i32 {0, N} (AttentionIo::all_rows)
   Tensor balanced_idx;               // force_balanced_routing: the fixed expert choice
   std::vector<LayerActs> layers;
   Tensor hf, rstd_f, logits, lse, d_hf;  // head
@@ -205,8 +208,11 @@ class Decoder final : public Model {
   float beta(int i) { return grad_beta(params_[i]); }
   const Tensor& Z(int i) { return grad_zeroed(params_[i]); }
   bool start(int i) { return grad_beta(params_[i]) == 0.0f; }
+  // A bias Param's value or gradient (a grouped GEMM's), empty for none (index -1).
+  Tensor bias(int i) const { return i >= 0 ? params_[i].value : Tensor(); }
+  Tensor grad_of(int i) const { return i >= 0 ? params_[i].grad : Tensor(); }
   AttentionIo io(DecoderStash& s, LayerActs& x) const {
-    return {s.batch, s.seq, s.cos, s.sin, x.xn, x.hm, x.d_hm, x.d_xn, &attend_};
+    return {s.batch, s.seq, s.cos, s.sin, x.xn, x.hm, x.d_hm, x.d_xn, &attend_, s.all_rows};
   }
   // The expert path of a MoE layer for this micro-batch: every routed row, or with
   // expert parallelism the R rows the exchange brought to this rank's experts.
@@ -269,6 +275,11 @@ void Decoder::build_params() {
   auto add = [&](std::string name, Shape shape, bool expert = false) {
     return add_param(params_, std::move(name), shape, expert);
   };
+  auto bias = [&](std::string name, Shape shape, bool expert) {  // f32, never decayed
+    const int i = add(std::move(name), shape, expert);
+    params_[i].matrix = false;
+    return i;
+  };
   if (embedding_) embed_ = add("embed", {c_.vocab_size, D});
   layer_.resize(static_cast<size_t>(c_.num_layers));
   for (int64_t l = 0; l < c_.num_layers; ++l) {
@@ -283,6 +294,11 @@ void Decoder::build_params() {
       x.router = add(p + "router", {c_.num_experts, D});
       x.gate_up = add(p + "experts.gate_up", {E, 2 * I, D}, true);
       x.down = add(p + "experts.down", {E, D, I}, true);
+      if (c_.gpt_oss_experts) {
+        x.router_bias = bias(p + "router_bias", {c_.num_experts}, false);
+        x.gate_up_bias = bias(p + "experts.gate_up_bias", {E, 2 * I}, true);
+        x.down_bias = bias(p + "experts.down_bias", {E, D}, true);
+      }
       if (Is > 0) {
         x.shared_gate_up = add(p + "shared.gate_up", {2 * Is, D});
         x.shared_down = add(p + "shared.down", {D, Is});
@@ -355,7 +371,30 @@ std::vector<HfTensor> Decoder::hf_tensors() {
     out.push_back(hf_tensor(p + "input_layernorm.weight", params_[x.in_norm], 0.0f, 1.0f));
     attention_->hf_tensors(l, p + "self_attn.", params_, out_scale, out);
     out.push_back(hf_tensor(p + "post_attention_layernorm.weight", params_[x.post_norm], 0.0f, 1.0f));
-    if (c_.moe[l]) {
+    if (c_.moe[l] && c_.gpt_oss_experts) {
+      out.push_back(hf_tensor(p + "mlp.router.weight", params_[x.router]));
+      out.push_back(hf_tensor(p + "mlp.router.bias", params_[x.router_bias], 0.0f, 0.0f));
+      // Each expert's slice of the layer's [E, in, out] (and [E, out]) keys.
+      for (int64_t e = 0; e < local_experts_; ++e) {
+        const int64_t g = first_expert_ + e;
+        const std::string q = p + "mlp.experts.";
+        auto add = [&](const char* key, int i, float scale, bool transposed) {
+          const Param& w = params_[i];
+          const std::string name = q + std::to_string(g) + "." + key;
+          HfTensor t = w.value.ndim() == 3 ? hf_slice(name, w, e, 0, w.value.dim(1), scale, true)
+                                           : HfTensor{name, w.value.rows(e, e + 1).view({w.value.dim(1)}),
+                                                      w.grad.rows(e, e + 1).view({w.value.dim(1)}), 0.0f, 0.0f, true};
+          t.fused = q + key;
+          t.fused_index = g;
+          t.transposed = transposed;
+          out.push_back(t);
+        };
+        add("gate_up_proj", x.gate_up, 1.0f, true);
+        add("gate_up_proj_bias", x.gate_up_bias, 0.0f, false);
+        add("down_proj", x.down, out_scale, true);
+        add("down_proj_bias", x.down_bias, 0.0f, false);
+      }
+    } else if (c_.moe[l]) {
       out.push_back(hf_tensor(p + "mlp.gate.weight", params_[x.router]));
       for (int64_t e = 0; e < local_experts_; ++e)
         mlp(p + "mlp.experts." + std::to_string(first_expert_ + e) + ".", x.gate_up, x.down, e, true);
@@ -376,6 +415,7 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
   s.labels = i32({B, S});
   s.cos = a.alloc(DType::f32, {S, Dr / 2});
   s.sin = a.alloc(DType::f32, {S, Dr / 2});
+  s.all_rows = i32({2});
   // The residual stream where a layer here reads or writes it, or the head reads it.
   s.h.resize(c_.num_layers + 1);
   s.dh.resize(c_.num_layers + 1);
@@ -497,6 +537,8 @@ std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
     for (int64_t t = 0; t < seq; ++t) s->positions_host[t] = static_cast<int32_t>(t);
   }
   mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
+  int32_t all_rows[2] = {0, static_cast<int32_t>(batch * seq)};
+  mt::copy(s->all_rows, Tensor(all_rows, {2}, DType::i32));
   if (balanced_) {
     std::vector<int32_t> idx(static_cast<size_t>(batch * seq * k_));
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
@@ -551,7 +593,11 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
   attention_->forward(l, params_, *x.attn, io(s, x));
   rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
   if (c_.moe[l]) {
-    gemm(x.y, C(w.router), x.logits, false, true);
+    if (w.router_bias >= 0)
+      grouped_gemm(x.y, C(w.router).view({1, c_.num_experts, c_.hidden_size}), W(w.router_bias).view({1, c_.num_experts}),
+                   s.all_rows, x.logits);
+    else
+      gemm(x.y, C(w.router), x.logits, false, true);
     mt::router_forward(c_.router, x.logits, x.idx, x.weight, x.probs);
     mt::router_prob_sum(x.probs, x.prob_sum);
     if (balanced_) {
@@ -612,9 +658,12 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
-        grouped_gemm(r.xs, C(w.gate_up), Tensor(), r.offsets, r.gu);
-        swiglu_forward(r.gu, r.hs);
-        grouped_gemm(r.hs, C(w.down), Tensor(), r.offsets, r.ys);
+        grouped_gemm(r.xs, C(w.gate_up), bias(w.gate_up_bias), r.offsets, r.gu);
+        if (c_.swiglu_limit > 0)
+          clamped_swiglu_forward(r.gu, c_.swiglu_limit, kSwigluAlpha, r.hs);
+        else
+          swiglu_forward(r.gu, r.hs);
+        grouped_gemm(r.hs, C(w.down), bias(w.down_bias), r.offsets, r.ys);
         if (w.shared_gate_up >= 0) {  // the shared experts see every token
           gemm(x.y, C(w.shared_gate_up), x.sgu, false, true);
           swiglu_forward(x.sgu, x.shs);
@@ -685,7 +734,10 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
       if (moe) {
         Routed r = routed(x);
         grouped_gemm_backward_input(r.d_ys, C(w.down), r.offsets, r.d_hs);
-        swiglu_backward(r.gu, r.d_hs, r.d_gu);
+        if (c_.swiglu_limit > 0)
+          clamped_swiglu_backward(r.gu, c_.swiglu_limit, kSwigluAlpha, r.d_hs, r.d_gu);
+        else
+          swiglu_backward(r.gu, r.d_hs, r.d_gu);
         grouped_gemm_backward_input(r.d_gu, C(w.gate_up), r.offsets, r.d_xs);
         if (w.shared_gate_up >= 0) {
           gemm(d_mo, C(w.shared_down), x.d_shs, false, false);
@@ -718,8 +770,10 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
-        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), Tensor(), !start(w.down));
-        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), Tensor(), !start(w.gate_up));
+        // A bias is written with its weight: one mark serves both.
+        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), grad_of(w.down_bias), !start(w.down));
+        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), grad_of(w.gate_up_bias),
+                                     !start(w.gate_up));
         if (w.shared_gate_up >= 0) {
           gemm(s.dh[l + 1], x.shs, G(w.shared_down), true, false, 1.0f, beta(w.shared_down));
           gemm(x.d_sgu, x.y, G(w.shared_gate_up), true, false, 1.0f, beta(w.shared_gate_up));
@@ -730,7 +784,11 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
       }
       break;
     case Stage::attention:
-      if (moe) gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, beta(w.router));
+      if (moe && w.router_bias >= 0)
+        grouped_gemm_backward_weight(x.y, x.d_logits_c, s.all_rows, G(w.router).view({1, c_.num_experts, c_.hidden_size}),
+                                     G(w.router_bias).view({1, c_.num_experts}), !start(w.router));
+      else if (moe)
+        gemm(x.d_logits_c, x.y, G(w.router), true, false, 1.0f, beta(w.router));
       attention_->backward_weight(l, params_, *x.attn, io(s, x));
       break;
     case Stage::dispatch:

@@ -33,6 +33,11 @@ struct DecoderSpec {
   int64_t num_experts = 0, moe_intermediate_size = 0;
   int64_t shared_intermediate_size = 0;  // shared experts as one MLP this wide (0: none)
   cpu::RouterConfig router;
+  // GPT-OSS's MoE block: `mlp.router` with a bias (else `mlp.gate`), experts with biases,
+  // SwiGLU clamped at this limit with gate and up interleaved (0: plain, gate then up),
+  // and the experts kept by Hugging Face as one [E, in, out] key per tensor a layer.
+  bool gpt_oss_experts = false;
+  float swiglu_limit = 0.0f;
   cpu::RopeConfig rope;  // every stash's cos/sin tables [seq, rope.rotary_dim / 2]
 };
 
@@ -61,6 +66,9 @@ struct AttentionIo {
   Tensor d_hm;      // backward: d loss / d hm
   Tensor d_xn;      // backward_input writes d loss / d xn
   const Attend* attend = nullptr;
+  // i32 {0, N}: one group of every row, so that a linear layer with a bias runs as a
+  // grouped GEMM (kernels/grouped_gemm.h, whose products take a bias and its gradient).
+  Tensor all_rows;
 };
 
 // A model's attention: its parameters, activations and stages. Parameter indices

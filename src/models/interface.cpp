@@ -6,6 +6,7 @@
 #include "io/file.h"
 #include "kernels/elementwise.h"
 #include "models/deepseek_v2.h"
+#include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 
 namespace mt {
@@ -18,7 +19,9 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
   std::string type = j["model_type"];
   if (type == "qwen3_moe") return make_qwen3_moe(parse_qwen3_moe_config(j, config_json_path), options);
   if (type == "deepseek_v2") return make_deepseek_v2(parse_deepseek_v2_config(j, config_json_path), options);
-  MT_FAIL() << config_json_path << ": model_type '" << type << "' is not supported (supported: qwen3_moe, deepseek_v2)";
+  if (type == "gpt_oss") return make_gpt_oss(parse_gpt_oss_config(j, config_json_path), options);
+  MT_FAIL() << config_json_path << ": model_type '" << type
+            << "' is not supported (supported: qwen3_moe, deepseek_v2, gpt_oss)";
   return nullptr;
 }
 
