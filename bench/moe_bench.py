@@ -2,8 +2,9 @@
 """A MoE model cut to N layers on one GPU: moetrain against transformers, same run.
 
 The model is a config.json (--config; default Qwen3-30B-A3B cut to --layers 8 or 4):
-qwen3_moe or deepseek_v2 (bench/configs/deepseek_v2_lite_8l.json: DeepSeek-V2-Lite as
-released, cut to 8 layers).
+qwen3_moe, deepseek_v2 (bench/configs/deepseek_v2_lite_8l.json: DeepSeek-V2-Lite as
+released, cut to 8 layers) or gpt_oss (bench/configs/gpt_oss_20b_4l.json: GPT-OSS-20B
+in bf16, cut to 4 layers; eager attention in transformers, whose sdpa takes no sinks).
 
 Measures, in one process tree on one GPU:
   - the bf16 GEMM peak (torch.matmul 8192^3), the denominator of MFU;
@@ -15,8 +16,9 @@ Measures, in one process tree on one GPU:
     --state-dtypes), learned routing and forced-balanced routing. Its memory is what
     the process holds on the device (measured: pools, workspaces, handles), against
     torch's max_memory_allocated for the baseline.
-Model FLOPs per token = 6 * active parameters + causal attention (3 * L * S * H * (Dqk +
-Dv)), active = attention + router + top-k and shared experts + dense MLPs + LM head.
+Model FLOPs per token = 6 * active parameters + attention (6 * H * (Dqk + Dv) per layer and
+visible key: (S + 1) / 2 keys causal, at most the window on sliding layers), active =
+attention + router + top-k and shared experts + dense MLPs + LM head.
 Prints one markdown row per system for bench/RESULTS.md.
 
   python3 bench/moe_bench.py --moetrain build/moetrain --layers 8 [--skip-baseline]
@@ -38,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def flops_per_token(cfg, seq):
     d, h, v, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    k, i = cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    k, i = cfg["num_experts_per_tok"], cfg.get("moe_intermediate_size", cfg["intermediate_size"])
     if cfg["model_type"] == "deepseek_v2":
         dn, dr, dv, r, rq = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"],
                              cfg.get("q_lora_rank") or 0)
@@ -51,9 +53,14 @@ def flops_per_token(cfg, seq):
     else:
         dq = dv = cfg["head_dim"]
         attention = d * h * dq + 2 * d * cfg["num_key_value_heads"] * dq + h * dq * d
-        mlp = layers * (d * cfg["num_experts"] + k * 3 * d * i)
+        mlp = layers * (d * cfg.get("num_experts", cfg.get("num_local_experts", 0)) + k * 3 * d * i)
+    # Attention: 12 * H * (Dqk + Dv) / 2 FLOPs per visible key (QK and PV, forward and
+    # backward); a causal row sees (S + 1) / 2 keys on average, a sliding one at most W.
+    window = cfg.get("sliding_window") or seq
+    kinds = cfg.get("layer_types") or ["full_attention"] * layers
+    keys = [sum(min(t + 1, window if kind == "sliding_attention" else seq) for t in range(seq)) / seq for kind in kinds]
     active = layers * attention + mlp + v * d
-    return 6 * active + 3 * layers * seq * h * (dq + dv), active
+    return 6 * active + sum(6 * h * (dq + dv) * n for n in keys), active
 
 
 def gemm_peak():
@@ -79,7 +86,7 @@ def baseline(cfg, batch, seq, steps, warmup, compiled):
     torch.manual_seed(0)
     conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
                                                       if k not in ("architectures", "model_type", "torch_dtype")})
-    conf._attn_implementation = "sdpa"
+    conf._attn_implementation = "eager" if cfg["model_type"] == "gpt_oss" else "sdpa"  # sdpa takes no sinks
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(conf).float()
     if hasattr(model, "set_experts_implementation"):
