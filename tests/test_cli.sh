@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The command-line contract: every subcommand answers --help with exit 0; an unbuilt
 # one says so on stderr and exits non-zero; unknown commands fail; --version reports
-# the CUDA build flag.
+# the CUDA build flag; every config under configs/ plans.
 set -u
 bin="$1"
 fail=0
@@ -32,6 +32,13 @@ for pair in "train:model.config is not set" "eval:--model is required" "encode:-
   if [ "$rc" != 1 ] || ! grep -q -- "${pair#*:}" /tmp/moetrain-cli.err; then
     echo "FAIL: $c without inputs: exit $rc, stderr: $(head -c 300 /tmp/moetrain-cli.err)"; fail=1
   fi
+done
+# Every shipped config plans (run from the repository root, as its paths are written).
+bin="$(realpath "$bin")"
+cd "$(dirname "$0")/.." || exit 1
+for cfg in configs/*.toml; do
+  check "plan --config $cfg" 0 "$bin" plan --config "$cfg"
+  grep -q "total" /tmp/moetrain-cli.out || { echo "FAIL: plan of $cfg prints no total"; fail=1; }
 done
 [ $fail = 0 ] && echo "cli: all checks passed"
 exit $fail
