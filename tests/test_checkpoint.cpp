@@ -520,5 +520,28 @@ TEST(CheckpointCommands, ExportRoundTripsAndEvaluatesTheSame) {
   }
 }
 
+// What export-hf reads of config.json: quantization_config goes (an MXFP4 import exports
+// bf16 or fp32), and a model_type it cannot build is an error naming it.
+TEST(CheckpointCommands, ExportDropsQuantizationAndNeedsAKnownModel) {
+  std::string dir = temp_dir("export_config");
+  fs::copy_file(fixture("qwen3_moe_a/model.safetensors"), dir + "/model.safetensors");
+  io::write_file_atomic(dir + "/COMPLETE", {""});
+  std::vector<uint8_t> b = io::read_file(fixture("qwen3_moe_a/config.json"));
+  nlohmann::json config = nlohmann::json::parse(b.begin(), b.end());
+  config["quantization_config"] = {{"quant_method", "mxfp4"}};
+  io::write_file_atomic(dir + "/config.json", {config.dump()});
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dir + " --output " + dir + "/hf");
+  ASSERT_EQ(rc, 0) << out;
+  b = io::read_file(dir + "/hf/config.json");
+  EXPECT_FALSE(nlohmann::json::parse(b.begin(), b.end()).contains("quantization_config"));
+  EXPECT_EQ(io::HfWeights(dir + "/hf").names(), io::HfWeights(fixture("qwen3_moe_a")).names());
+  config["model_type"] = "llama";
+  io::write_file_atomic(dir + "/config.json", {config.dump()});
+  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dir + " --output " + dir + "/hf2");
+  EXPECT_NE(rc2, 0);
+  EXPECT_NE(out2.find("model_type 'llama' is not supported"), std::string::npos) << out2;
+  EXPECT_FALSE(fs::exists(dir + "/hf2"));
+}
+
 }  // namespace
 }  // namespace mt

@@ -550,6 +550,85 @@ TEST_F(Io, MalformedHfFoldersAreClearErrors) {
   expect_error([&] { HfWeights w(path("nowhere")); }, {path("nowhere"), "does not exist"});
 }
 
+// Experts kept as slices of one key per layer (GPT-OSS): slice e of down_proj [E, I, D],
+// as it is and transposed (moetrain's [D, I]), and of a bias [E, D].
+TEST_F(Io, HfWeightsReadsSlicesOfFusedKeys) {
+  HfWeights w((kFixtures / "gpt_oss_a").string());
+  const std::string down = "model.layers.1.mlp.experts.down_proj", bias = down + "_bias";
+  const std::vector<int64_t> shape = w.shape(down);
+  ASSERT_EQ(shape, (std::vector<int64_t>{8, 16, 32}));
+  std::vector<float> all(8 * 16 * 32), slice(16 * 32), t(16 * 32), b_all(8 * 32), b(32);
+  w.read_f32(down, shape, all.data());
+  w.read_f32(bias, {8, 32}, b_all.data());
+  for (int64_t e : {0, 5, 7}) {
+    w.read_slice_f32(down, shape, e, false, false, slice.data());
+    w.read_slice_f32(down, shape, e, true, false, t.data());
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t d = 0; d < 32; ++d) {
+        ASSERT_EQ(slice[i * 32 + d], all[(e * 16 + i) * 32 + d]) << e << " " << i << " " << d;
+        ASSERT_EQ(t[d * 16 + i], all[(e * 16 + i) * 32 + d]) << e << " " << i << " " << d;
+      }
+    // mxfp4 changes nothing for a key that is there.
+    w.read_slice_f32(bias, {8, 32}, e, false, true, b.data());
+    EXPECT_EQ(b, std::vector<float>(b_all.begin() + e * 32, b_all.begin() + (e + 1) * 32));
+  }
+  expect_error([&] { w.read_slice_f32(down, {8, 32, 16}, 1, true, false, t.data()); },
+               {"'" + down + "' has shape [8,16,32]", "expected [8,32,16]"});
+  expect_error([&] { w.read_slice_f32(down, shape, 8, false, false, t.data()); }, {"no slice 8", "[8,16,32]"});
+  expect_error([&] { w.read_slice_f32(bias, {8, 32}, 0, true, false, b.data()); }, {"no slice 0 to transpose"});
+  expect_error([&] { w.read_slice_f32(down + "_x", shape, 0, false, true, t.data()); },
+               {"no tensor '" + down + "_x_blocks'"});
+  float m[6] = {1, 2, 3, 4, 5, 6}, mt[6];
+  transpose_f32(m, 2, 3, mt);
+  EXPECT_EQ(std::vector<float>(mt, mt + 6), (std::vector<float>{1, 4, 2, 5, 3, 6}));
+}
+
+// FP4 nibbles, low one first, times 2^(scale - 127), from the scale's extremes.
+TEST_F(Io, Mxfp4DequantizesNibblesAndScales) {
+  uint8_t blocks[2 * 16] = {0x91, 0x87, 0x5a}, scales[2] = {129, 0};
+  blocks[16] = 0x71;
+  std::vector<float> got(64);
+  dequantize_mxfp4(blocks, scales, 1, 2, got.data());  // one row of two runs
+  EXPECT_EQ(std::vector<float>(got.begin(), got.begin() + 6), (std::vector<float>{2, -2, 24, -0.0f, -4, 12}));
+  EXPECT_TRUE(std::signbit(got[3]));
+  EXPECT_EQ(got[32], std::ldexp(0.5f, -127));  // subnormal, exact
+  EXPECT_EQ(got[33], std::ldexp(6.0f, -127));
+  // Scale 255 is E8M0's NaN: transformers (torch.ldexp, x * 2^128 in fp32) gives inf and NaN.
+  scales[0] = 255;
+  dequantize_mxfp4(blocks, scales, 2, 1, got.data());  // two rows of one run
+  EXPECT_EQ(got[0], INFINITY);
+  EXPECT_EQ(got[1], -INFINITY);
+  EXPECT_TRUE(std::isnan(got[6]));
+  EXPECT_EQ(got[32], std::ldexp(0.5f, -127));
+}
+
+// GPT-OSS's MXFP4 experts against transformers' own dequantization (expected.safetensors,
+// its parameter [E, in, out]): read as it keeps them and in moetrain's [out, in].
+TEST_F(Io, Mxfp4MatchesTransformers) {
+  HfWeights w((kFixtures / "gpt_oss_mxfp4").string()), want((kFixtures / "gpt_oss_mxfp4").string(), "expected");
+  for (std::string l : {"0", "1"})
+    for (std::string k : {"gate_up_proj", "down_proj"}) {
+      const std::string key = "model.layers." + l + ".mlp.experts." + k;
+      const std::vector<int64_t> shape = want.shape("dequant." + key);  // [E, C, R]
+      const int64_t E = shape[0], C = shape[1], R = shape[2];
+      std::vector<float> ref(E * C * R), hf(C * R), ours(C * R);
+      want.read_f32("dequant." + key, shape, ref.data());
+      EXPECT_FALSE(w.contains(key));
+      for (int64_t e = 0; e < E; ++e) {
+        w.read_slice_f32(key, shape, e, false, true, hf.data());
+        w.read_slice_f32(key, shape, e, true, true, ours.data());
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t r = 0; r < R; ++r) {
+            ASSERT_EQ(hf[c * R + r], ref[(e * C + c) * R + r]) << key << " " << e << " " << c << " " << r;
+            ASSERT_EQ(ours[r * C + c], ref[(e * C + c) * R + r]) << key << " " << e << " " << c << " " << r;
+          }
+      }
+      expect_error([&] { w.read_slice_f32(key, {E, C + 32, R}, 0, true, true, ours.data()); },
+                   {"MXFP4 tensor '" + key + "'", "needs U8", "_blocks [" + std::to_string(E) + "," +
+                    std::to_string(R) + "," + std::to_string(C / 32 + 1) + ",16]"});
+    }
+}
+
 // ---------------------------------------------------------------- npy
 
 template <typename T>

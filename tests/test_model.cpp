@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <set>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "io/file.h"
@@ -274,6 +275,110 @@ TEST(Qwen3MoeLoad, MisShapedTensorIsNamed) {
     EXPECT_NE(m.find("model.safetensors"), std::string::npos) << m;
     EXPECT_NE(m.find("[24,32]"), std::string::npos) << m;
     EXPECT_NE(m.find("[32,24]"), std::string::npos) << m;
+  }
+}
+
+// GPT-OSS's experts alone, as a model gives them (expert slices of one key per layer,
+// transposed to [out, in] but for the biases), every other key said to be another
+// rank's: load_hf's side of fused keys, without the GPT-OSS model.
+class FusedExperts final : public Model {
+ public:
+  FusedExperts(const std::string& folder, int64_t first, int64_t last, int64_t layers) : layers_(layers) {
+    std::vector<uint8_t> b = io::read_file(folder + "/config.json");
+    nlohmann::json j = nlohmann::json::parse(b.begin(), b.end());
+    experts_ = j["num_local_experts"];
+    const int64_t D = j["hidden_size"], I = j["intermediate_size"];
+    data_.reserve(static_cast<size_t>(4 * layers * (last - first)));
+    for (int64_t l = 0; l < layers; ++l)
+      for (int64_t e = first; e < last; ++e)
+        for (auto [k, shape, transposed] : {std::tuple{"gate_up_proj", Shape{2 * I, D}, true},
+                                            {"gate_up_proj_bias", Shape{2 * I}, false},
+                                            {"down_proj", Shape{D, I}, true},
+                                            {"down_proj_bias", Shape{D}, false}}) {
+          const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+          Tensor v(data_.emplace_back(static_cast<size_t>(shape.numel())).data(), shape, DType::f32);
+          tensors_.push_back({p + std::to_string(e) + "." + k, v, v, 1.0f, 0.0f, true, p + k, e, transposed});
+        }
+  }
+  const float* value(const std::string& name) const {
+    for (const HfTensor& t : tensors_)
+      if (t.name == name) return t.value.f32();
+    ADD_FAILURE() << "no " << name;
+    return nullptr;
+  }
+  std::vector<HfTensor> hf_tensors() override { return tensors_; }
+  bool held_by_another_rank(const std::string& name) const override {
+    return name.find(".mlp.experts.") == std::string::npos;
+  }
+  int64_t num_experts() const override { return experts_; }
+  int64_t num_layers() const override { return layers_; }
+  std::vector<Param>& params() override { return params_; }  // none: nothing to refresh
+  Device device() const override { return Device::cpu; }
+  bool balanced_routing() const override { return false; }
+  bool is_moe_layer(int64_t) const override { return true; }
+  int64_t vocab_size() const override { return 0; }
+  int64_t param_count() const override { return 0; }
+  int64_t active_param_count() const override { return 0; }
+  std::unique_ptr<Stash> make_bare_stash(int64_t, int64_t) override { return nullptr; }
+  std::unique_ptr<ActivationBlock> make_block(int64_t, int64_t, int64_t, int64_t) override { return nullptr; }
+  void lend(Stash&, ActivationBlock&) override {}
+  void embed_forward(Stash&) override {}
+  void stage_forward(int64_t, Stage, Stash&) override {}
+  void stage_backward_input(int64_t, Stage, Stash&) override {}
+  void stage_backward_weight(int64_t, Stage, Stash&) override {}
+  void finish_forward(int64_t, Stage, Stash&) override {}
+  void finish_backward_input(int64_t, Stage, Stash&) override {}
+  LossSum head_forward(Stash&) override { return {}; }
+  void head_backward_input(Stash&, float) override {}
+  void head_backward_weight(Stash&) override {}
+  void embed_backward(Stash&) override {}
+  Tensor logits(Stash&) override { return {}; }
+  std::vector<RouterStats> router_stats(const Stash&) const override { return {}; }
+  void set_router_prob_grad(Stash&, int64_t, const std::vector<float>&) override {}
+
+ private:
+  int64_t layers_, experts_;
+  std::vector<std::vector<float>> data_;
+  std::vector<HfTensor> tensors_;
+  std::vector<Param> params_;
+};
+
+// Fused keys as gpt_oss_a keeps them (f32) and MXFP4 ones (gpt_oss_mxfp4, against
+// transformers' dequantization, [E, in, out]), for all experts and for an ep rank's two;
+// a layer whose keys nothing reads is still an error.
+TEST(LoadHf, FusedAndMxfp4Experts) {
+  for (std::string name : {"gpt_oss_a", "gpt_oss_mxfp4"}) {
+    const bool mxfp4 = name == "gpt_oss_mxfp4";
+    io::HfWeights src(fixture(name)), want(fixture(name), mxfp4 ? "expected" : "model");
+    for (auto [first, last] : {std::pair<int64_t, int64_t>{0, mxfp4 ? 4 : 8}, {2, 4}}) {
+      FusedExperts m(fixture(name), first, last, 2);
+      load_hf(m, fixture(name));
+      for (std::string l : {"0", "1"})
+        for (std::string k : {"gate_up_proj", "down_proj"}) {
+          const std::string key = "model.layers." + l + ".mlp.experts." + k, wkey = (mxfp4 ? "dequant." : "") + key;
+          const std::vector<int64_t> shape = want.shape(wkey), bshape = src.shape(key + "_bias");
+          const int64_t in = shape[1], out = shape[2];
+          std::vector<float> w(static_cast<size_t>(shape[0] * in * out)), bias(static_cast<size_t>(out * shape[0]));
+          want.read_f32(wkey, shape, w.data());
+          src.read_f32(key + "_bias", bshape, bias.data());
+          for (int64_t e = first; e < last; ++e) {
+            const std::string p = "model.layers." + l + ".mlp.experts." + std::to_string(e) + "." + k;
+            const float *got = m.value(p), *got_bias = m.value(p + "_bias");
+            for (int64_t o = 0; o < out; ++o) {
+              ASSERT_EQ(got_bias[o], bias[e * out + o]) << name << " " << p << "_bias " << o;
+              for (int64_t i = 0; i < in; ++i)
+                ASSERT_EQ(got[o * in + i], w[(e * in + i) * out + o]) << name << " " << p << " " << o << " " << i;
+            }
+          }
+        }
+    }
+    FusedExperts one_layer(fixture(name), 0, 4, 1);
+    try {
+      load_hf(one_layer, fixture(name));
+      ADD_FAILURE() << name << ": no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tensor model.layers.1.mlp.experts."), std::string::npos) << e.what();
+    }
   }
 }
 

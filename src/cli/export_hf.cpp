@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -11,6 +12,7 @@
 #include "core/dtype.h"
 #include "io/file.h"
 #include "io/safetensors.h"
+#include "models/interface.h"
 
 namespace mt::cli {
 
@@ -32,6 +34,34 @@ int64_t parse_size(const std::string& s) {
   return 0;
 }
 
+// Hugging Face key `key` [E, ...] from the checkpoint's experts 0..E-1 (`experts`, by
+// index), one key each in moetrain's layout; into out, its shape returned.
+std::vector<int64_t> stack_experts(const io::HfWeights& w, const fs::path& ckpt, const std::string& key,
+                                   const std::vector<HfTensor>& experts, std::vector<float>& out) {
+  const int64_t E = static_cast<int64_t>(experts.size());
+  std::vector<int64_t> shape;
+  std::vector<float> one;
+  for (int64_t e = 0; e < E; ++e) {
+    const HfTensor& t = experts[static_cast<size_t>(e)];
+    MT_CHECK(!t.name.empty() && w.contains(t.name))
+        << ckpt.string() << ": Hugging Face key " << key << " holds experts 0.." << E - 1 << ", but expert " << e
+        << (t.name.empty() ? " is not one of the model's tensors" : " (" + t.name + ") is not in the checkpoint");
+    if (e == 0) {
+      shape = hf_shape(t, E);
+      out.resize(static_cast<size_t>(E * t.value.numel()));
+    }
+    MT_CHECK(hf_shape(t, E) == shape) << t.name << ": shape " << t.value.shape.str() << " unlike expert 0's";
+    one.resize(static_cast<size_t>(t.value.numel()));
+    w.read_f32(t.name, {t.value.shape.d.begin(), t.value.shape.d.begin() + t.value.ndim()}, one.data());
+    float* dst = out.data() + e * t.value.numel();
+    if (t.transposed)
+      io::transpose_f32(one.data(), t.value.dim(0), t.value.dim(1), dst);
+    else
+      std::copy(one.begin(), one.end(), dst);
+  }
+  return shape;
+}
+
 }  // namespace
 
 int run_export_hf(const Args& args) {
@@ -41,6 +71,23 @@ int run_export_hf(const Args& args) {
   MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
   const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
   MT_CHECK(fs::exists(ckpt / "COMPLETE")) << ckpt.string() << " is not a complete checkpoint (no COMPLETE marker)";
+
+  // Experts that Hugging Face keeps as slices of one key per layer (GPT-OSS): the model
+  // built from config.json, without memory, says which.
+  ModelOptions plan;
+  plan.plan_only = true;
+  std::unique_ptr<Model> model = make_model((ckpt / "config.json").string(), plan);
+  std::map<std::string, std::vector<HfTensor>> fused;  // key -> its experts, by index
+  std::map<std::string, std::string> fused_of;         // checkpoint key -> its fused key
+  for (HfTensor& t : model->hf_tensors()) {
+    if (t.fused.empty()) continue;
+    MT_CHECK(t.fused_index >= 0 && t.fused_index < model->num_experts())
+        << t.name << ": expert " << t.fused_index << " of " << model->num_experts();
+    fused_of[t.name] = t.fused;
+    std::vector<HfTensor>& experts = fused[t.fused];
+    experts.resize(static_cast<size_t>(model->num_experts()));
+    experts[static_cast<size_t>(t.fused_index)] = std::move(t);
+  }
 
   // model.safetensors, or (expert-parallel runs) the per-rank files of its index.
   io::HfWeights weights(ckpt.string());
@@ -52,17 +99,30 @@ int run_export_hf(const Args& args) {
   const bool bf16 = dtype == "bf16";
   std::vector<std::vector<uint16_t>> data;  // bf16 values, or fp32 ones as pairs of halves
   std::vector<io::StWrite> all;
+  std::vector<float> f;
   for (const std::string& name : weights.names()) {
-    const io::StTensor& t = weights.tensor(name);
-    std::vector<float> f(static_cast<size_t>(t.numel()));
-    weights.read_f32(name, t.shape, f.data());
+    auto key = fused_of.find(name);
+    std::vector<int64_t> shape;
+    if (key == fused_of.end()) {
+      shape = weights.shape(name);
+      f.resize(static_cast<size_t>(weights.tensor(name).numel()));
+      weights.read_f32(name, shape, f.data());
+    } else if (fused.contains(key->second)) {  // the key's first expert: the whole key
+      shape = stack_experts(weights, ckpt, key->second, fused[key->second], f);
+      fused.erase(key->second);
+    } else {
+      continue;
+    }
     std::vector<uint16_t>& converted = data.emplace_back(f.size() * (bf16 ? 1 : 2));
     if (bf16)
       std::transform(f.begin(), f.end(), converted.begin(), bf16_from_f32);
     else
       std::memcpy(converted.data(), f.data(), f.size() * 4);
-    all.push_back({name, bf16 ? "BF16" : "F32", t.shape, converted.data()});
+    all.push_back({key == fused_of.end() ? name : key->second, bf16 ? "BF16" : "F32", shape, converted.data()});
   }
+  MT_CHECK(fused.empty()) << ckpt.string() << ": Hugging Face key " << fused.begin()->first
+                          << " holds experts the checkpoint has none of (such as "
+                          << fused.begin()->second[0].name << ")";
   std::vector<std::vector<io::StWrite>> shards(1);
   int64_t in_shard = 0, total = 0;
   for (size_t i = 0; i < all.size(); ++i) {
@@ -89,6 +149,7 @@ int run_export_hf(const Args& args) {
   std::vector<uint8_t> cb = io::read_file((ckpt / "config.json").string());
   nlohmann::json config = nlohmann::json::parse(cb.begin(), cb.end(), nullptr, false);
   MT_CHECK(!config.is_discarded() && config.is_object()) << (ckpt / "config.json").string() << ": not a JSON object";
+  config.erase("quantization_config");  // what was quantized on import is bf16 or fp32 now
   const char* torch_dtype = bf16 ? "bfloat16" : "float32";
   if (config.contains("dtype")) config["dtype"] = torch_dtype;
   if (config.contains("torch_dtype") || !config.contains("dtype")) config["torch_dtype"] = torch_dtype;

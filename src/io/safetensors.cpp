@@ -1,6 +1,7 @@
 #include "io/safetensors.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -350,12 +351,73 @@ std::span<const uint8_t> HfWeights::bytes(std::string_view name) const {
   return files_[e.file].bytes(*e.tensor);
 }
 
-void HfWeights::read_f32(std::string_view name, const std::vector<int64_t>& expected_shape, float* dst) const {
+const HfWeights::Entry& HfWeights::entry(std::string_view name, const std::vector<int64_t>& expected_shape) const {
   const Entry& e = entry(name);
   MT_CHECK(e.tensor->shape == expected_shape)
       << files_[e.file].path() << ": tensor '" << name << "' has shape " << shape_str(e.tensor->shape)
       << ", expected " << shape_str(expected_shape);
+  return e;
+}
+
+void HfWeights::read_f32(std::string_view name, const std::vector<int64_t>& expected_shape, float* dst) const {
+  const Entry& e = entry(name, expected_shape);
   files_[e.file].read_f32(*e.tensor, dst);
+}
+
+void HfWeights::read_slice_f32(std::string_view name, const std::vector<int64_t>& shape, int64_t index,
+                               bool transpose, bool mxfp4, float* dst) const {
+  MT_CHECK(shape.size() >= 2 && index >= 0 && index < shape[0] && (!transpose || shape.size() == 3))
+      << folder_ << ": no slice " << index << (transpose ? " to transpose" : "") << " in tensor '" << name
+      << "' of shape " << shape_str(shape);
+  const int64_t n = std::accumulate(shape.begin() + 1, shape.end(), int64_t{1}, std::multiplies<>());
+  // Dequantized slices come out [R, G * 32]: the parameter's slice transposed.
+  const bool quantized = mxfp4 && !contains(name);
+  std::vector<float> read(transpose != quantized ? n : 0);
+  float* out = read.empty() ? dst : read.data();
+  if (quantized) {
+    const std::string key(name);
+    const int64_t rows = shape.back(), groups = shape.size() == 3 ? shape[1] / 32 : 0;
+    const StTensor &b = tensor(key + "_blocks"), &s = tensor(key + "_scales");
+    const std::vector<int64_t> want_b = {shape[0], rows, groups, 16}, want_s = {shape[0], rows, groups};
+    MT_CHECK(shape.size() == 3 && groups * 32 == shape[1] && b.dtype == "U8" && s.dtype == "U8" &&
+             b.shape == want_b && s.shape == want_s)
+        << folder_ << ": MXFP4 tensor '" << name << "' of shape " << shape_str(shape) << " needs U8 " << key
+        << "_blocks [" << shape[0] << "," << rows << "," << groups << ",16] and _scales [" << shape[0] << "," << rows
+        << "," << groups << "], found " << b.dtype << " " << shape_str(b.shape) << " and " << s.dtype << " "
+        << shape_str(s.shape);
+    dequantize_mxfp4(bytes(key + "_blocks").data() + index * rows * groups * 16,
+                     bytes(key + "_scales").data() + index * rows * groups, rows, groups, out);
+  } else {
+    // The slices lie one after another in the tensor's bytes: read slice `index` as a
+    // tensor of its own.
+    const Entry& e = entry(name, shape);
+    StTensor slice = *e.tensor;
+    const uint64_t size = (slice.end - slice.begin) / static_cast<uint64_t>(shape[0]);
+    slice.shape.erase(slice.shape.begin());
+    slice.begin += static_cast<uint64_t>(index) * size;
+    slice.end = slice.begin + size;
+    files_[e.file].read_f32(slice, out);
+  }
+  if (out != dst) transpose_f32(out, quantized ? shape[2] : shape[1], quantized ? shape[1] : shape[2], dst);
+}
+
+void transpose_f32(const float* src, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
+
+void dequantize_mxfp4(const uint8_t* blocks, const uint8_t* scales, int64_t rows, int64_t groups, float* dst) {
+  static constexpr float kFp4[16] = {+0.0f, 0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  for (int64_t g = 0; g < rows * groups; ++g) {
+    // A product with 2^(s - 127), as torch.ldexp computes it: s = 255, E8M0's NaN, gives
+    // infinities and NaN (0 * inf) there too.
+    const float scale = std::ldexp(1.0f, static_cast<int>(scales[g]) - 127);
+    for (int64_t b = 0; b < 16; ++b) {
+      dst[g * 32 + 2 * b] = kFp4[blocks[g * 16 + b] & 15] * scale;
+      dst[g * 32 + 2 * b + 1] = kFp4[blocks[g * 16 + b] >> 4] * scale;
+    }
+  }
 }
 
 }  // namespace mt::io

@@ -70,6 +70,15 @@ inline StWrite st_f32(std::string name, std::vector<int64_t> shape, const float*
 void write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+// src [rows, cols] as its transpose dst [cols, rows].
+void transpose_f32(const float* src, int64_t rows, int64_t cols, float* dst);
+
+// MXFP4 as GPT-OSS stores its experts (transformers' _convert_moe_packed_tensors): `rows`
+// rows of `groups` runs of 32 FP4 (E2M1) values, blocks U8 [rows, groups, 16] (byte b of
+// a run: element 2b in its low nibble, 2b + 1 in its high one) and a power-of-two scale
+// per run, scales U8 [rows, groups] (2^(s - 127)); into dst as floats [rows, groups * 32].
+void dequantize_mxfp4(const uint8_t* blocks, const uint8_t* scales, int64_t rows, int64_t groups, float* dst);
+
 // A Hugging Face model folder: model.safetensors, or else the shards that
 // model.safetensors.index.json's "weight_map" names (which is then the list of keys).
 class HfWeights {
@@ -86,6 +95,12 @@ class HfWeights {
   std::span<const uint8_t> bytes(std::string_view name) const;
   // Tensor `name` as f32 into dst; its shape must be expected_shape.
   void read_f32(std::string_view name, const std::vector<int64_t>& expected_shape, float* dst) const;
+  // Slice `index` (of dim 0) of key `name`, whose shape must be `shape`, as f32 into dst;
+  // as its transpose (the last two dims swapped) when `transpose`. With `mxfp4`, a key
+  // absent from the folder is read from GPT-OSS's name_blocks and name_scales, `shape`
+  // then being transformers' dequantized parameter's [E, G * 32, R].
+  void read_slice_f32(std::string_view name, const std::vector<int64_t>& shape, int64_t index, bool transpose,
+                      bool mxfp4, float* dst) const;
 
  private:
   struct Entry {
@@ -93,6 +108,7 @@ class HfWeights {
     const StTensor* tensor;
   };
   const Entry& entry(std::string_view name) const;
+  const Entry& entry(std::string_view name, const std::vector<int64_t>& expected_shape) const;
   std::string suggest(std::string_view name) const;  // "; did you mean 'x'?" or ""
 
   std::string folder_;  // for errors

@@ -25,6 +25,16 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
   return nullptr;
 }
 
+std::vector<int64_t> hf_shape(const HfTensor& t, int64_t experts) {
+  std::vector<int64_t> s(t.value.shape.d.begin(), t.value.shape.d.begin() + t.value.ndim());
+  if (t.fused.empty()) return s;
+  MT_CHECK(!t.transposed || s.size() == 2) << t.name << ": only a matrix can be kept transposed, not one of shape "
+                                           << t.value.shape.str();
+  if (t.transposed) std::swap(s[0], s[1]);
+  s.insert(s.begin(), experts);
+  return s;
+}
+
 void refresh_compute_weights(std::vector<Param>& params) {
   for (Param& p : params)
     if (p.value.data != nullptr && p.compute.data != p.value.data) mt::cast(p.value, p.compute);

@@ -45,6 +45,10 @@ struct HfTensor {
   bool transposed = false;
 };
 
+// The shape a Hugging Face folder keeps t in: t's own, or where `fused` is set, that key's
+// [experts, ...] (the slice's last two dims swapped where `transposed`).
+std::vector<int64_t> hf_shape(const HfTensor& t, int64_t experts);
+
 // Per MoE layer, per micro-batch: what the load-balance loss and the metrics need.
 struct RouterStats {
   int64_t layer = 0;

@@ -4,13 +4,16 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <iomanip>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <span>
 #include <sstream>
 
 #include "core/check.h"
 #include "core/rng.h"
+#include "io/file.h"
 #include "io/npy.h"
 #include "io/safetensors.h"
 #include "kernels/elementwise.h"
@@ -18,6 +21,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/runtime.h"
 #endif
+#include "models/hf_config.h"
 #include "parallel/context_parallel.h"
 #include "train/schedule.h"
 
@@ -39,21 +43,34 @@ void init_random(Model& m, double init_std, uint64_t seed) {
 
 void load_hf(Model& m, const std::string& folder) {
   io::HfWeights w(folder);
+  // GPT-OSS's release keeps its experts in MXFP4 (io::dequantize_mxfp4).
+  const std::string config = folder + "/config.json";
+  bool mxfp4 = false;
+  if (std::filesystem::exists(config)) {
+    std::vector<uint8_t> b = io::read_file(config);
+    nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
+    mxfp4 = HfConfig(j, config).text({"quantization_config.quant_method"}, "") == "mxfp4";
+  }
   std::vector<HfTensor> tensors = m.hf_tensors();
+  std::set<std::string> used;  // the keys the model reads
   std::vector<float> host;
   for (const HfTensor& t : tensors) {
-    std::vector<int64_t> shape(t.value.shape.d.begin(), t.value.shape.d.begin() + t.value.ndim());
+    std::vector<int64_t> shape = hf_shape(t, m.num_experts());
     host.resize(static_cast<size_t>(t.value.numel()));
-    w.read_f32(t.name, shape, host.data());
+    if (t.fused.empty())
+      w.read_f32(t.name, shape, host.data());
+    else  // only this expert's slice: an ep rank reads its own
+      w.read_slice_f32(t.fused, shape, t.fused_index, t.transposed, mxfp4, host.data());
     copy(t.value, Tensor(host.data(), t.value.shape, DType::f32));
+    used.insert(t.fused.empty() ? t.name : t.fused);
   }
   refresh_compute_weights(m.params());
   // A key the model does not use is as suspicious as a missing one.
   for (const std::string& name : w.names()) {
-    bool used = false;
-    for (const HfTensor& t : tensors) used = used || t.name == name;
-    used = used || m.held_by_another_rank(name);
-    MT_CHECK(used) << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
+    const bool quantized = mxfp4 && (name.ends_with("_blocks") || name.ends_with("_scales"));
+    MT_CHECK(used.contains(name) || (quantized && used.contains(name.substr(0, name.size() - 7))) ||
+             m.held_by_another_rank(name))
+        << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
   }
 }
 
