@@ -543,5 +543,85 @@ TEST(CheckpointCommands, ExportDropsQuantizationAndNeedsAKnownModel) {
   EXPECT_FALSE(fs::exists(dir + "/hf2"));
 }
 
+// GPT-OSS keeps a layer's experts in fused [E, in, out] keys; moetrain's checkpoints keep
+// one tensor an expert. Imported, saved and exported again (one rank, and ep 2 with each
+// rank's part holding its experts), the folder is the fixture's, key for key and byte for
+// byte; without one expert's tensors the export names what is missing.
+TEST(CheckpointCommands, GptOssFusedExpertsRoundTrip) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  io::HfWeights src(fixture("gpt_oss_a"));
+  std::string full;  // the one-rank checkpoint
+  for (int ep : {1, 2}) {
+    std::string dump = temp_dir("gpt_oss_ep" + std::to_string(ep));
+    auto [rc, out] = run((ep > 1 ? kMpirun2 : std::string()) + MOETRAIN_BIN + " train --model.init=hf:" +
+                         fixture("gpt_oss_a") + " --data.tokens=" + fixture("gpt_oss_mxfp4/tokens.npy") +  // 2 rows
+                         " --training.steps=0 --checkpoint.interval=1 --parallelism.ep=" + std::to_string(ep) +
+                         " --job.dump_folder=" + dump);
+    ASSERT_EQ(rc, 0) << out;
+    const std::string ckpt = dump + "/checkpoints/step-00000000";
+    if (ep == 1) full = ckpt;
+    EXPECT_TRUE(io::HfWeights(ckpt).contains("model.layers.1.mlp.experts.7.gate_up_proj"));
+    auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + ckpt + " --output " + dump +
+                           "/hf --dtype fp32");
+    ASSERT_EQ(rc2, 0) << out2;
+    io::HfWeights exported(dump + "/hf");
+    ASSERT_EQ(src.names(), exported.names()) << "ep " << ep;
+    for (const std::string& n : src.names()) {
+      auto x = src.bytes(n), y = exported.bytes(n);
+      ASSERT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << n << ", ep " << ep;
+    }
+  }
+  // A checkpoint whose expert 3 of layer 0 is gone (its tensors dropped from the file).
+  const std::string dir = temp_dir("gpt_oss_missing");
+  io::HfWeights ck(full);
+  std::vector<io::StWrite> keep;
+  std::vector<std::vector<float>> data;
+  for (const std::string& n : ck.names()) {
+    if (n.starts_with("model.layers.0.mlp.experts.3.")) continue;
+    std::vector<int64_t> shape = ck.shape(n);
+    std::vector<float>& v = data.emplace_back(static_cast<size_t>(ck.tensor(n).numel()));
+    ck.read_f32(n, shape, v.data());
+    keep.push_back(io::st_f32(n, shape, v.data()));
+  }
+  io::write_safetensors(dir + "/model.safetensors", keep, {{"format", "pt"}});
+  fs::copy_file(full + "/config.json", dir + "/config.json");
+  io::write_file_atomic(dir + "/COMPLETE", {""});
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dir + " --output " + dir + "/hf");
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("is not in the checkpoint"), std::string::npos) << out;
+  EXPECT_NE(out.find("expert 3 (model.layers.0.mlp.experts.3."), std::string::npos) << out;
+}
+
+// The hub's MXFP4 experts (U8 blocks and scales, quantization_config in config.json)
+// load as transformers dequantizes them: the same eval loss as transformers on the
+// fixture; exported, the folder is bf16 with fused keys and no quantization_config.
+TEST(CheckpointCommands, GptOssMxfp4ImportsAsTransformersDequantizes) {
+  io::SafetensorsFile exp(fixture("gpt_oss_mxfp4/expected.safetensors"));
+  float want = 0;
+  exp.read_f32(*exp.find("loss"), &want);
+  ASSERT_GT(want, 0.0f);
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " eval --model " + fixture("gpt_oss_mxfp4") + " --tokens " +
+                       fixture("gpt_oss_mxfp4/tokens.npy"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NEAR(nlohmann::json::parse(out)["loss"].get<double>(), want, 1e-5 * want) << out;
+  std::string dump = temp_dir("gpt_oss_mxfp4");
+  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("gpt_oss_mxfp4") +
+                         " --data.tokens=" + fixture("gpt_oss_mxfp4/tokens.npy") +
+                         " --training.steps=0 --checkpoint.interval=1 --job.dump_folder=" + dump);
+  ASSERT_EQ(rc2, 0) << out2;
+  auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dump +
+                         "/checkpoints/step-00000000 --output " + dump + "/hf");
+  ASSERT_EQ(rc3, 0) << out3;
+  io::HfWeights exported(dump + "/hf");
+  EXPECT_EQ(exported.shape("model.layers.1.mlp.experts.gate_up_proj"), (std::vector<int64_t>{4, 64, 192}));
+  EXPECT_FALSE(exported.contains("model.layers.1.mlp.experts.gate_up_proj_blocks"));
+  std::vector<uint8_t> b = io::read_file(dump + "/hf/config.json");
+  EXPECT_FALSE(nlohmann::json::parse(b.begin(), b.end()).contains("quantization_config"));
+  auto [rc4, out4] = run(std::string(MOETRAIN_BIN) + " eval --model " + dump + "/hf --tokens " +
+                         fixture("gpt_oss_mxfp4/tokens.npy"));
+  ASSERT_EQ(rc4, 0) << out4;
+  EXPECT_NEAR(nlohmann::json::parse(out4)["loss"].get<double>(), want, 1e-2 * want) << out4;  // bf16 weights
+}
+
 }  // namespace
 }  // namespace mt

@@ -55,7 +55,13 @@ const Tensor& grad_zeroed(Param& p) {
 }
 
 HfTensor hf_tensor(std::string name, const Param& p, float init_scale, float fill) {
-  return {std::move(name), p.value, p.grad, init_scale, fill};
+  HfTensor t;
+  t.name = std::move(name);
+  t.value = p.value;
+  t.grad = p.grad;
+  t.init_scale = init_scale;
+  t.fill = fill;
+  return t;
 }
 
 HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64_t r1, float init_scale,
@@ -64,7 +70,11 @@ HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64
     Tensor block = t.ndim() == 3 ? t.rows(e, e + 1).view({t.dim(1), t.dim(2)}) : t;
     return block.rows(r0, r1);
   };
-  return {std::move(name), slice(p.value), slice(p.grad), init_scale, 0.0f, expert};
+  HfTensor t = hf_tensor(std::move(name), p, init_scale);
+  t.value = slice(p.value);
+  t.grad = slice(p.grad);
+  t.expert = expert;
+  return t;
 }
 
 namespace {
@@ -382,8 +392,12 @@ std::vector<HfTensor> Decoder::hf_tensors() {
           const Param& w = params_[i];
           const std::string name = q + std::to_string(g) + "." + key;
           HfTensor t = w.value.ndim() == 3 ? hf_slice(name, w, e, 0, w.value.dim(1), scale, true)
-                                           : HfTensor{name, w.value.rows(e, e + 1).view({w.value.dim(1)}),
-                                                      w.grad.rows(e, e + 1).view({w.value.dim(1)}), 0.0f, 0.0f, true};
+                                           : hf_tensor(name, w, scale);
+          if (w.value.ndim() == 2) {  // a bias: row e
+            t.value = w.value.rows(e, e + 1).view({w.value.dim(1)});
+            t.grad = w.grad.rows(e, e + 1).view({w.value.dim(1)});
+            t.expert = true;
+          }
           t.fused = q + key;
           t.fused_index = g;
           t.transposed = transposed;
