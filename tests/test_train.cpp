@@ -841,10 +841,11 @@ TEST_P(Meshes, MatchOneRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, Meshes, ::testing::Values("qwen3_moe_a", "deepseek_v2_a"));
+INSTANTIATE_TEST_SUITE_P(Models, Meshes, ::testing::Values("qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"));
 
 // Pipeline meshes (pp, dp, cp, ep) against one rank, both schedules where each applies,
-// on the pipeline fixtures (8 layers; qwen3: layer 2 dense; deepseek_v2: layer 0 dense), untied head: (2,1,1,1), (4,1,1,1),
+// on the pipeline fixtures (8 layers; qwen3: layer 2 dense; deepseek_v2: layer 0 dense;
+// gpt_oss), untied head: (2,1,1,1), (4,1,1,1),
 // (2,2,1,1), (2,1,1,2), (2,1,2,1), (2,2,1,2), 1F1B at pp 8, and dualpipev at pp 1 (the
 // V's two chunks on one rank). Losses, gradient norms and load-balance terms to 1e-5,
 // expert counts exactly, over 3 steps of 32 sequences of 16 tokens in micro-batches of
@@ -885,9 +886,10 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
   struct Mesh {
     int pp, dp, cp, ep;
   };
-  // Both model families (DeepSeek-V2 here with q_lora, group-limited routing, a shared
-  // expert and a dense first layer); the qwen3 config is the one the rest uses.
-  for (std::string family : {"deepseek_v2.json", "config.json"}) {
+  // Every model family (DeepSeek-V2 here with q_lora, group-limited routing, a shared
+  // expert and a dense first layer; GPT-OSS with sinks, windows on even layers and
+  // biases); the qwen3 config, last, is the one the rest uses.
+  for (std::string family : {"deepseek_v2.json", "gpt_oss.json", "config.json"}) {
     config = fixture("pipeline/" + family);
     one = train("one" + family, 1, "", 4);
     ASSERT_EQ(one.size(), 4u);

@@ -1,4 +1,4 @@
-// Qwen3-MoE and DeepSeek-V2 on the GPU against the CPU backend on the Hugging Face
+// Qwen3-MoE, DeepSeek-V2 and GPT-OSS on the GPU against the CPU backend on the Hugging Face
 // fixtures: the same five AdamW steps (loss, gradient norm, final weights), and the forward loss.
 //
 // Tolerances. The GPU computes in bf16 (8 significant bits, 2^-8 relative rounding
@@ -90,7 +90,8 @@ TEST_P(CudaModel, EvalLossMatchesTheCpuBackend) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModel,
-                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b"));
+                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b",
+                                           "gpt_oss_a"));
 
 }  // namespace
 }  // namespace mt
