@@ -32,10 +32,10 @@ std::string temp_dir(const std::string& name) { return test::temp_dir("ckpt_" + 
 
 // A run with state worth restoring: warmup and cosine decay (the step count matters),
 // weight decay, micro-batches, the load-balance loss, clipping.
-Config resume_config(const std::string& dump, int64_t steps) {
+Config resume_config(const std::string& dump, int64_t steps, const std::string& model) {
   Config c;
-  c.model.init = "hf:" + fixture("qwen3_moe_a");
-  c.data.tokens = fixture("qwen3_moe_a/tokens.npy");
+  c.model.init = "hf:" + fixture(model);
+  c.data.tokens = fixture(model + "/tokens.npy");
   c.job.dump_folder = dump;
   c.training.steps = steps;
   c.training.micro_batch_size = 1;
@@ -55,29 +55,29 @@ std::vector<float> all_weights(Model& m) {
 }
 
 // Eight steps straight against four, a checkpoint, a fresh model and four more.
-void check_exact_resume(const std::string& state_dtype) {
+void check_exact_resume(const std::string& state_dtype, const std::string& model = "qwen3_moe_a") {
   const int64_t n = 4;
-  std::string dump = temp_dir("resume_" + state_dtype);
-  Config straight_cfg = resume_config(dump, 2 * n);
+  std::string dump = temp_dir("resume_" + state_dtype + model);
+  Config straight_cfg = resume_config(dump, 2 * n, model);
   straight_cfg.optimizer.state_dtype = state_dtype;
-  std::unique_ptr<Model> straight = make_model(fixture("qwen3_moe_a/config.json"));
-  load_hf(*straight, fixture("qwen3_moe_a"));
+  std::unique_ptr<Model> straight = make_model(fixture(model + "/config.json"));
+  load_hf(*straight, fixture(model));
   Trainer a(straight_cfg, *straight, read_token_batch(straight_cfg.data.tokens, straight->vocab_size()));
   std::vector<StepResult> want;
   for (int64_t i = 0; i < 2 * n; ++i) want.push_back(a.step());
 
-  std::unique_ptr<Model> first = make_model(fixture("qwen3_moe_a/config.json"));
-  load_hf(*first, fixture("qwen3_moe_a"));
+  std::unique_ptr<Model> first = make_model(fixture(model + "/config.json"));
+  load_hf(*first, fixture(model));
   Trainer b(straight_cfg, *first, read_token_batch(straight_cfg.data.tokens, first->vocab_size()));
   for (int64_t i = 0; i < n; ++i) b.step();
   TrainState st;
   st.step = b.steps_done();
   std::string dir = save_checkpoint(dump + "/checkpoints", *first, b.optimizer(), st,
-                                    fixture("qwen3_moe_a/config.json"), 2);
+                                    fixture(model + "/config.json"), 2);
   EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), dir);
 
   // A fresh process's view: a new model with other weights, then the checkpoint.
-  std::unique_ptr<Model> second = make_model(fixture("qwen3_moe_a/config.json"));
+  std::unique_ptr<Model> second = make_model(fixture(model + "/config.json"));
   init_random(*second, 0.02, 99);
   Trainer c(straight_cfg, *second, read_token_batch(straight_cfg.data.tokens, second->vocab_size()));
   TrainState back = load_checkpoint(dir, *second, &c.optimizer());
@@ -93,6 +93,9 @@ void check_exact_resume(const std::string& state_dtype) {
 }
 
 TEST(Checkpoint, ResumeIsBitwiseExact) { check_exact_resume("fp32"); }
+TEST(Checkpoint, ResumeIsBitwiseExactForDeepseekV2) { check_exact_resume("fp32", "deepseek_v2_a"); }
+// GPT-OSS: its experts checkpointed one tensor each, its biases and sinks with them.
+TEST(Checkpoint, ResumeIsBitwiseExactForGptOss) { check_exact_resume("fp32", "gpt_oss_a"); }
 
 // bf16 moments go through the f32 checkpoint exactly, and the rounding noise depends
 // only on the step and the element, so the resumed run repeats the straight one.
