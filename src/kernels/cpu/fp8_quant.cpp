@@ -1,0 +1,109 @@
+#include "kernels/fp8_quant.h"
+
+#include <algorithm>
+
+namespace mt::cpu {
+
+namespace {
+
+// Elements of a f32 or bf16 buffer as f32.
+struct Src {
+  const void* p;
+  bool bf16;
+  float operator[](int64_t i) const {
+    return bf16 ? f32_from_bf16(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+};
+
+// One strided view quantized in th x tw tiles: element (r, c) of [R, C] is x[r*xr + c*xc]
+// and goes to q[r*qr + c*qc]; tile (r/th, c/tw) has its scale at s[(r/th)*sr + (c/tw)*sc].
+// Rows, columns (the transposed view) and weight blocks are the three uses.
+struct View {
+  int64_t rows, cols, th, tw, xr, xc, qr, qc, sr, sc;
+};
+
+void quantize_view(Src x, const View& v, uint8_t* q, float* s, bool pow2) {
+  const int64_t tr = (v.rows + v.th - 1) / v.th, tc = (v.cols + v.tw - 1) / v.tw;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tr * tc; ++t) {
+    const int64_t r0 = t / tc * v.th, c0 = t % tc * v.tw;
+    const int64_t r1 = std::min(r0 + v.th, v.rows), c1 = std::min(c0 + v.tw, v.cols);
+    float amax = 0.0f;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = c0; c < c1; ++c) amax = std::fmax(amax, std::fabs(x[r * v.xr + c * v.xc]));
+    const float scale = fp8::tile_scale(amax, pow2);
+    s[t / tc * v.sr + t % tc * v.sc] = scale;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = c0; c < c1; ++c)
+        q[r * v.qr + c * v.qc] = e4m3_from_f32(fp8::scaled(x[r * v.xr + c * v.xc], scale, pow2));
+  }
+}
+
+Src check_input(const Tensor& x, const char* name) {
+  MT_CHECK(x.ndim() == 2 && (x.dtype == DType::f32 || x.dtype == DType::bf16))
+      << name << " should be f32 or bf16 [rows, cols], got " << x.str();
+  check_tensor(x, name, x.dtype, x.shape);
+  return Src{x.data, x.dtype == DType::bf16};
+}
+
+uint8_t* codes(const Tensor& q, const char* name, Shape shape) {
+  check_tensor(q, name, DType::f8e4m3, shape);
+  return static_cast<uint8_t*>(q.data);
+}
+
+}  // namespace
+
+void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2) {
+  const Src src = check_input(x, "quantize_rows x");
+  const int64_t m = x.dim(0), k = x.dim(1);
+  check_tensor(scale, "quantize_rows scale", DType::f32, {fp8::tiles(k), m});
+  quantize_view(src, {m, k, 1, fp8::kTile, k, 1, k, 1, 1, m}, codes(q, "quantize_rows q", {m, k}), scale.f32(), pow2);
+}
+
+void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
+                               const Tensor& scale_t, bool pow2) {
+  cpu::quantize_rows(x, q, scale, pow2);
+  const int64_t m = x.dim(0), k = x.dim(1);
+  check_tensor(scale_t, "quantize_rows_and_columns scale_t", DType::f32, {fp8::tiles(m), k});
+  // x^T [K, M]: element (k, m) is x[m*K + k]; its codes qt[k*M + m], its scales [M/128, K].
+  quantize_view(Src{x.data, x.dtype == DType::bf16}, {k, m, 1, fp8::kTile, 1, k, m, 1, 1, k},
+                codes(qt, "quantize_rows_and_columns qt", {k, m}), scale_t.f32(), pow2);
+}
+
+void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2) {
+  const Src src = check_input(w, "quantize_blocks w");
+  const int64_t n = w.dim(0), k = w.dim(1), ld = fp8::block_scale_cols(k);
+  check_tensor(scale, "quantize_blocks scale", DType::f32, {fp8::tiles(n), ld});
+  std::fill_n(scale.f32(), scale.numel(), 0.0f);
+  quantize_view(src, {n, k, fp8::kTile, fp8::kTile, k, 1, k, 1, ld, 1}, codes(q, "quantize_blocks q", {n, k}),
+                scale.f32(), pow2);
+}
+
+void dequantize_rows(const Tensor& q, const Tensor& scale, const Tensor& x) {
+  MT_CHECK(x.ndim() == 2) << "dequantize_rows x should be [M, K], got " << x.str();
+  const int64_t m = x.dim(0), k = x.dim(1);
+  const uint8_t* c = codes(q, "dequantize_rows q", {m, k});
+  check_tensor(scale, "dequantize_rows scale", DType::f32, {fp8::tiles(k), m});
+  check_tensor(x, "dequantize_rows x", DType::f32, {m, k});
+  const float* s = scale.f32();
+  float* out = x.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < k; ++j) out[r * k + j] = f32_from_e4m3(c[r * k + j]) * s[j / fp8::kTile * m + r];
+}
+
+void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x) {
+  MT_CHECK(x.ndim() == 2) << "dequantize_blocks x should be [N, K], got " << x.str();
+  const int64_t n = x.dim(0), k = x.dim(1), ld = fp8::block_scale_cols(k);
+  const uint8_t* c = codes(q, "dequantize_blocks q", {n, k});
+  check_tensor(scale, "dequantize_blocks scale", DType::f32, {fp8::tiles(n), ld});
+  check_tensor(x, "dequantize_blocks x", DType::f32, {n, k});
+  const float* s = scale.f32();
+  float* out = x.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < k; ++j)
+      out[r * k + j] = f32_from_e4m3(c[r * k + j]) * s[r / fp8::kTile * ld + j / fp8::kTile];
+}
+
+}  // namespace mt::cpu

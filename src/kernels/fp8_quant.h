@@ -1,0 +1,115 @@
+// Blockwise FP8 (e4m3) quantization, DeepSeek-V3's recipe (DESIGN.md decision 10):
+// activations and output gradients in 1x128 tiles along the reduction dimension,
+// weights in 128x128 blocks, one f32 scale per tile, x ~= f32(q) * scale.
+//
+// Per tile: amax = max |x| (NaN elements ignored); scale = amax / 448, rounded up to a
+// power of two when pow2 (at least 2^-126, so its reciprocal is a normal float and
+// amax / scale <= 448 still holds); an all-zero tile gets scale 1, so q = +-0 and
+// dequantization is exact. q = e4m3(x / scale), round to nearest even, satfinite
+// (e4m3_from_f32 on the CPU, __nv_cvt_float_to_fp8(.., __NV_SATFINITE, __NV_E4M3) on
+// the GPU). Both backends evaluate tile_scale() and scaled() below, so the codes and
+// scales are the same bytes. A ragged last tile (K or M not a multiple of 128) has the
+// amax of its own elements.
+//
+// Scale layouts are the ones cuBLASLt reads (cuBLAS docs, "Scaling factors layouts",
+// as PyTorch's scaled_mm feeds them; cublasLt has no scale leading dimension):
+// - CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, for a row-major [M, K] operand in 1x128
+//   tiles along K: outer-dimension-major, the scale of (m, k/128) at (k/128) * M + m,
+//   i.e. a row-major [ceil(K/128), M] array.
+// - CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, for a row-major [N, K] operand: the
+//   scale of block (n/128, k/128) at (n/128) * L4 + k/128 with L4 = ceil(K/128) rounded
+//   up to a multiple of 4 (16-byte rows), i.e. a row-major [ceil(N/128), L4] array;
+//   the padding entries are written as 0.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/tensor.h"
+
+#ifdef __CUDACC__
+#define MT_HOST_DEVICE __host__ __device__
+#else
+#define MT_HOST_DEVICE
+#endif
+
+namespace mt::fp8 {
+
+constexpr int64_t kTile = 128;
+constexpr float kE4m3Max = 448.0f;
+
+inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
+// The padded row length of a 128x128 block-scale array (see above).
+inline int64_t block_scale_cols(int64_t k) { return (tiles(k) + 3) / 4 * 4; }
+
+// The scale of a tile from its amax (>= 0). IEEE division, no fast-math: both backends
+// round amax / 448 the same way; frexpf/ldexpf are exact.
+MT_HOST_DEVICE inline float tile_scale(float amax, bool pow2) {
+  if (!(amax > 0.0f)) return 1.0f;
+  float s = amax / kE4m3Max;
+  if (!pow2 || !(s <= 3.4028235e38f)) return s;  // an infinite amax stays infinite
+  s = fmaxf(s, 1.17549435e-38f);
+  int e;
+  const float m = frexpf(s, &e);  // s = m 2^e, m in [0.5, 1)
+  return m == 0.5f ? s : ldexpf(1.0f, e);
+}
+
+// x / scale as both backends compute it: with a power-of-two scale the product with its
+// exact reciprocal (which equals the quotient); otherwise the correctly rounded quotient.
+MT_HOST_DEVICE inline float scaled(float x, float scale, bool pow2) { return pow2 ? x * (1.0f / scale) : x / scale; }
+
+}  // namespace mt::fp8
+
+namespace mt::cpu {
+
+// x f32 or bf16 [M, K] -> q f8e4m3 [M, K], scale f32 [ceil(K/128), M] (1x128 tiles).
+void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2);
+// The same, plus x^T in 1x128 tiles along M (128x1 tiles of x, for the weight
+// gradient): qt f8e4m3 [K, M], scale_t f32 [ceil(M/128), K].
+void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
+                               const Tensor& scale_t, bool pow2);
+// w f32 or bf16 [N, K] -> q f8e4m3 [N, K], scale f32 [ceil(N/128), block_scale_cols(K)].
+void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2);
+// x f32 [M, K] = f32(q) * scale, the inverses of the two above (one rounding each).
+void dequantize_rows(const Tensor& q, const Tensor& scale, const Tensor& x);
+void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x);
+
+}  // namespace mt::cpu
+
+namespace mt::cuda {
+
+// The same arguments. One kernel: a block of 256 threads owns a 128x128 tile of x and
+// writes its row codes and scales, and with qt its transposed codes and column scales
+// (staged through shared memory), or for weights the one block scale.
+void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2);
+void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
+                               const Tensor& scale_t, bool pow2);
+void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2);
+
+}  // namespace mt::cuda
+
+namespace mt {
+
+inline void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (q.device == Device::cuda) return cuda::quantize_rows(x, q, scale, pow2);
+#endif
+  return cpu::quantize_rows(x, q, scale, pow2);
+}
+
+inline void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
+                                      const Tensor& scale_t, bool pow2) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (q.device == Device::cuda) return cuda::quantize_rows_and_columns(x, q, scale, qt, scale_t, pow2);
+#endif
+  return cpu::quantize_rows_and_columns(x, q, scale, qt, scale_t, pow2);
+}
+
+inline void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (q.device == Device::cuda) return cuda::quantize_blocks(w, q, scale, pow2);
+#endif
+  return cpu::quantize_blocks(w, q, scale, pow2);
+}
+
+}  // namespace mt
