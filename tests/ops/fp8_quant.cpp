@@ -1,0 +1,211 @@
+// Blockwise FP8 quantization (kernels/fp8_quant.h) on the CPU against a reference written
+// here in double precision: every tile's amax and scale, every element's e4m3 code from
+// an encoder that searches the 127 finite values for the nearest (ties to the even code),
+// and dequantize(quantize(x)) within half an e4m3 ulp. Edge cases are planted in the first
+// tiles: an all-zero tile with a negative zero, a tile with one huge value (its small
+// values become e4m3 subnormals), negative zeros; the shapes are ragged.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "kernels/fp8_quant.h"
+
+namespace mt::test {
+namespace {
+
+// Value of an e4m3 code from its fields: 1 sign, 4 exponent (bias 7), 3 mantissa bits.
+double e4m3_value(int code) {
+  const int e = (code >> 3) & 15, man = code & 7;
+  const double v = e == 0 ? man * std::ldexp(1.0, -9) : (1.0 + man / 8.0) * std::ldexp(1.0, e - 7);
+  return code & 0x80 ? -v : v;
+}
+
+// Nearest finite e4m3 value, ties to the even code; beyond 448 that is 448 (satfinite).
+uint8_t e4m3_code(double v) {
+  if (std::isnan(v)) return 0x7f;
+  static const std::vector<double> value = [] {
+    std::vector<double> t;
+    for (int c = 0; c <= 0x7e; ++c) t.push_back(e4m3_value(c));
+    return t;
+  }();
+  const double a = std::fabs(v);
+  int best = 0;
+  for (int c = 1; c <= 0x7e; ++c) {
+    const double d = std::fabs(value[c] - a), db = std::fabs(value[best] - a);
+    if (d < db || (d == db && c % 2 == 0)) best = c;
+  }
+  return static_cast<uint8_t>(std::signbit(v) ? best | 0x80 : best);
+}
+
+// amax / 448 rounded once to f32 (double then f32 rounds a quotient correctly), or the
+// smallest power of two at or above it and at or above 2^-126.
+float ref_scale(double amax, bool pow2) {
+  if (amax == 0.0) return 1.0f;
+  const float s = static_cast<float>(amax / 448.0);
+  if (!pow2) return s;
+  double p = std::ldexp(1.0, -126);
+  while (p < s) p *= 2;
+  return static_cast<float>(p);
+}
+
+using Get = std::function<double(int64_t, int64_t)>;
+using CodeAt = std::function<uint8_t(int64_t, int64_t)>;
+using ScaleAt = std::function<float(int64_t, int64_t)>;
+
+// Checks [rows, cols] quantized in th x tw tiles; returns how many codes are subnormal.
+int64_t check_tiles(const char* what, const Get& x, int64_t rows, int64_t cols, int64_t th, int64_t tw, bool pow2,
+                    const CodeAt& code, const ScaleAt& scale) {
+  int64_t subnormal = 0;
+  for (int64_t r0 = 0; r0 < rows; r0 += th)
+    for (int64_t c0 = 0; c0 < cols; c0 += tw) {
+      double amax = 0;
+      for (int64_t r = r0; r < std::min(rows, r0 + th); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + tw); ++c) amax = std::max(amax, std::fabs(x(r, c)));
+      const float s = ref_scale(amax, pow2);
+      EXPECT_EQ(scale(r0 / th, c0 / tw), s) << what << " tile (" << r0 / th << ", " << c0 / tw << ") amax " << amax;
+      EXPECT_LE(amax / s, 448.0 * (1 + 1e-7)) << what;
+      for (int64_t r = r0; r < std::min(rows, r0 + th); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + tw); ++c) {
+          const uint8_t want = e4m3_code(static_cast<float>(x(r, c) / s)), got = code(r, c);
+          if (got != want) {
+            ADD_FAILURE() << what << " (" << r << ", " << c << ") x " << x(r, c) << " scale " << s << ": code "
+                          << int{got} << ", want " << int{want};
+            return subnormal;
+          }
+          subnormal += (got & 0x78) == 0 && (got & 7) != 0;
+          // Half an ulp: 2^-4 relative for normals, 2^-10 scale for subnormals, plus the
+          // f32 roundings of x / s and of the dequantized product.
+          const double back = e4m3_value(got) * s, err = std::fabs(back - x(r, c));
+          EXPECT_LE(err, (std::fabs(x(r, c)) / 16 + s / 1024.0) * (1 + 1e-6)) << what << " (" << r << ", " << c << ")";
+        }
+    }
+  return subnormal;
+}
+
+// Random values over 25 binades, with the edge cases planted in the first tiles.
+std::vector<float> make_input(int64_t m, int64_t k, DType dtype, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> e(-12, 12);
+  std::vector<float> x(m * k);
+  for (float& v : x) v = std::ldexp(u(rng), e(rng));
+  for (int64_t c = 0; c < std::min<int64_t>(k, 128); ++c) x[c] = c == 1 ? -0.0f : 0.0f;  // a zero tile
+  if (m > 1 && k > 6) {
+    for (int64_t c = 0; c < std::min<int64_t>(k, 128); ++c) x[k + c] = std::ldexp(u(rng), -4);
+    x[k + 5] = 30000.0f;  // one huge value: the rest of the tile is subnormal or zero
+    x[k + 6] = -0.0f;
+  }
+  if (dtype == DType::bf16)
+    for (float& v : x) v = f32_from_bf16(bf16_from_f32(v));
+  return x;
+}
+
+// The input as the kernel reads it: f32, or the bf16 bits of the same (rounded) values.
+struct Input {
+  std::vector<float> f;
+  std::vector<uint16_t> b;
+  Tensor t;
+  Input(std::vector<float> v, DType dtype, Shape s) : f(std::move(v)) {
+    if (dtype == DType::bf16) {
+      for (float x : f) b.push_back(bf16_from_f32(x));
+      t = Tensor(b.data(), s, DType::bf16);
+    } else {
+      t = Tensor(f.data(), s, DType::f32);
+    }
+  }
+};
+
+TEST(Fp8Quant, RowsAndColumnsMatchFloat64Reference) {
+  struct Case {
+    int64_t m, k;
+  };
+  int64_t subnormal = 0;
+  uint64_t seed = 1;
+  for (Case c : {Case{1, 128}, Case{3, 300}, Case{130, 256}, Case{5, 1}, Case{257, 129}})
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (bool pow2 : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "M=" << c.m << " K=" << c.k << " " << dtype_name(dtype) << " pow2=" << pow2);
+        const int64_t m = c.m, k = c.k, tk = fp8::tiles(k), tm = fp8::tiles(m);
+        Input x(make_input(m, k, dtype, ++seed), dtype, {m, k});
+        std::vector<uint8_t> q(m * k), qt(m * k), q1(m * k);
+        std::vector<float> s(tk * m), st(tm * k), s1(tk * m);
+        cpu::quantize_rows_and_columns(x.t, Tensor(q.data(), {m, k}, DType::f8e4m3), Tensor(s.data(), {tk, m}, DType::f32),
+                                       Tensor(qt.data(), {k, m}, DType::f8e4m3), Tensor(st.data(), {tm, k}, DType::f32), pow2);
+        const Get get = [&](int64_t r, int64_t col) { return double{x.f[r * k + col]}; };
+        subnormal += check_tiles(
+            "rows", get, m, k, 1, 128, pow2, [&](int64_t r, int64_t col) { return q[r * k + col]; },
+            [&](int64_t tr, int64_t tc) { return s[tc * m + tr]; });
+        subnormal += check_tiles(
+            "columns", [&](int64_t r, int64_t col) { return get(col, r); }, k, m, 1, 128, pow2,
+            [&](int64_t r, int64_t col) { return qt[r * m + col]; }, [&](int64_t tr, int64_t tc) { return st[tc * k + tr]; });
+        // quantize_rows alone writes the same rows.
+        cpu::quantize_rows(x.t, Tensor(q1.data(), {m, k}, DType::f8e4m3), Tensor(s1.data(), {tk, m}, DType::f32), pow2);
+        EXPECT_EQ(q1, q);
+        EXPECT_EQ(s1, s);
+        // dequantize_rows is f32(q) * scale, one rounding.
+        std::vector<float> back(m * k);
+        cpu::dequantize_rows(Tensor(q.data(), {m, k}, DType::f8e4m3), Tensor(s.data(), {tk, m}, DType::f32), Tensor(back.data(), {m, k}, DType::f32));
+        for (int64_t i = 0; i < m * k; ++i)
+          ASSERT_EQ(back[i], static_cast<float>(e4m3_value(q[i]) * s[i % k / 128 * m + i / k])) << i;
+        // The zero tile: scale 1, codes +-0, and -0 comes back as -0.
+        EXPECT_EQ(s[0], 1.0f);
+        if (k > 1) {
+          EXPECT_EQ(q[1], 0x80);
+          EXPECT_TRUE(std::signbit(back[1]));
+        }
+        if (m > 1 && k > 6) EXPECT_EQ(q[k + 6], 0x80);
+      }
+  EXPECT_GT(subnormal, 0) << "no tile reached e4m3's subnormal range";
+}
+
+TEST(Fp8Quant, BlocksMatchFloat64Reference) {
+  struct Case {
+    int64_t n, k;
+  };
+  int64_t subnormal = 0;
+  uint64_t seed = 100;
+  for (Case c : {Case{1, 128}, Case{130, 300}, Case{256, 640}, Case{7, 5}})
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (bool pow2 : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "N=" << c.n << " K=" << c.k << " " << dtype_name(dtype) << " pow2=" << pow2);
+        const int64_t n = c.n, k = c.k, tn = fp8::tiles(n), ld = fp8::block_scale_cols(k);
+        ASSERT_EQ(ld % 4, 0);
+        Input w(make_input(n, k, dtype, ++seed), dtype, {n, k});
+        std::vector<uint8_t> q(n * k);
+        std::vector<float> s(tn * ld, -1.0f);
+        cpu::quantize_blocks(w.t, Tensor(q.data(), {n, k}, DType::f8e4m3), Tensor(s.data(), {tn, ld}, DType::f32), pow2);
+        subnormal += check_tiles(
+            "blocks", [&](int64_t r, int64_t col) { return double{w.f[r * k + col]}; }, n, k, 128, 128, pow2,
+            [&](int64_t r, int64_t col) { return q[r * k + col]; }, [&](int64_t tr, int64_t tc) { return s[tr * ld + tc]; });
+        for (int64_t tr = 0; tr < tn; ++tr) {
+          for (int64_t tc = fp8::tiles(k); tc < ld; ++tc) EXPECT_EQ(s[tr * ld + tc], 0.0f) << "padding";
+        }
+        std::vector<float> back(n * k);
+        cpu::dequantize_blocks(Tensor(q.data(), {n, k}, DType::f8e4m3), Tensor(s.data(), {tn, ld}, DType::f32), Tensor(back.data(), {n, k}, DType::f32));
+        for (int64_t i = 0; i < n * k; ++i)
+          ASSERT_EQ(back[i], static_cast<float>(e4m3_value(q[i]) * s[i / k / 128 * ld + i % k / 128])) << i;
+      }
+  EXPECT_GT(subnormal, 0);
+}
+
+// The scale rule at its edges: zero, the smallest and largest amax, exact powers of two.
+TEST(Fp8Quant, TileScaleEdges) {
+  EXPECT_EQ(fp8::tile_scale(0.0f, true), 1.0f);
+  EXPECT_EQ(fp8::tile_scale(0.0f, false), 1.0f);
+  EXPECT_EQ(fp8::tile_scale(448.0f, true), 1.0f);
+  EXPECT_EQ(fp8::tile_scale(448.5f, true), 2.0f);
+  EXPECT_EQ(fp8::tile_scale(224.0f, true), 0.5f);
+  EXPECT_EQ(fp8::tile_scale(1e-40f, true), std::ldexp(1.0f, -126));  // reciprocal stays finite
+  EXPECT_EQ(fp8::tile_scale(3.4028235e38f, true), std::ldexp(1.0f, 120));
+  EXPECT_TRUE(std::isinf(fp8::tile_scale(INFINITY, true)));
+  for (float a : {1e-30f, 0.3f, 1.0f, 447.9f, 1e20f}) {
+    EXPECT_EQ(fp8::tile_scale(a, false), ref_scale(a, false)) << a;
+    EXPECT_EQ(fp8::tile_scale(a, true), ref_scale(a, true)) << a;
+  }
+}
+
+}  // namespace
+}  // namespace mt::test
