@@ -156,7 +156,9 @@ TEST(Fp8Quant, RowsAndColumnsMatchFloat64Reference) {
           EXPECT_EQ(q[1], 0x80);
           EXPECT_TRUE(std::signbit(back[1]));
         }
-        if (m > 1 && k > 6) EXPECT_EQ(q[k + 6], 0x80);
+        if (m > 1 && k > 6) {
+          EXPECT_EQ(q[k + 6], 0x80);
+        }
       }
   EXPECT_GT(subnormal, 0) << "no tile reached e4m3's subnormal range";
 }

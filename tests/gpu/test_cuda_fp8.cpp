@@ -1,0 +1,106 @@
+// Blockwise FP8 quantization on the GPU against the CPU backend: the codes and scales
+// must be the same bytes (both evaluate fp8::tile_scale and fp8::scaled, and the CPU's
+// e4m3 conversion matches the hardware's satfinite cvt on every input, test_core).
+// Inputs span 25 binades, so tiles differ in scale and some codes are subnormal.
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "gpu/gpu_test.h"
+#include "kernels/cuda/runtime.h"
+#include "kernels/fp8_quant.h"
+
+namespace mt::gpu_test {
+namespace {
+
+std::vector<float> wide_floats(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> e(-12, 12);
+  std::vector<float> v = random_floats(n, -1, 1, seed);
+  for (float& x : v) x = std::ldexp(x, e(rng));
+  for (int64_t i = 0; i < std::min<int64_t>(n, 64); ++i) v[i] = 0.0f;  // a partly zero first tile
+  return v;
+}
+
+std::vector<uint8_t> download_codes(const Tensor& t) {
+  std::vector<uint8_t> out(static_cast<size_t>(t.numel()));
+  cuda::copy(Tensor(out.data(), t.shape, DType::f8e4m3), t);
+  return out;
+}
+
+// Bitwise: a scale the kernel forgot stays poisoned (NaN) and fails too.
+::testing::AssertionResult same_bits(const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+  for (size_t i = 0; i < want.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], 4) != 0)
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << got[i] << ", want " << want[i];
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult same_codes(const char* what, const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  for (size_t i = 0; i < want.size(); ++i)
+    if (got[i] != want[i])
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << int{got[i]} << ", want " << int{want[i]};
+  return ::testing::AssertionSuccess();
+}
+
+struct Shape2 {
+  int64_t m, k;
+};
+const Shape2 kShapes[] = {{4096, 2048}, {300, 384}, {1, 128}, {130, 200}, {257, 1}};
+
+TEST(CudaFp8Quant, RowsAndColumnsEqualCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 5000;
+  for (Shape2 c : kShapes)
+    for (DType dtype : {DType::bf16, DType::f32})
+      for (bool pow2 : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "M=" << c.m << " K=" << c.k << " " << dtype_name(dtype) << " pow2=" << pow2);
+        const int64_t m = c.m, k = c.k, tk = fp8::tiles(k), tm = fp8::tiles(m);
+        auto x = wide_floats(m * k, ++seed);
+        if (dtype == DType::bf16) x = round_bf16(x);
+        std::vector<uint8_t> q(m * k), qt(m * k);
+        std::vector<float> s(tk * m), st(tm * k);
+        // The CPU reads f32; the bf16 values are exactly those the GPU reads.
+        cpu::quantize_rows_and_columns(host(x, {m, k}), Tensor(q.data(), {m, k}, DType::f8e4m3), host(s, {tk, m}),
+                                       Tensor(qt.data(), {k, m}, DType::f8e4m3), host(st, {tm, k}), pow2);
+        auto d_x = upload(x, dtype, {m, k});
+        auto d_q = poisoned(DType::f8e4m3, {m, k}), d_qt = poisoned(DType::f8e4m3, {k, m});
+        auto d_s = poisoned(DType::f32, {tk, m}), d_st = poisoned(DType::f32, {tm, k});
+        cuda::quantize_rows_and_columns(d_x.t, d_q.t, d_s.t, d_qt.t, d_st.t, pow2);
+        EXPECT_TRUE(same_codes("q", download_codes(d_q.t), q));
+        EXPECT_TRUE(same_bits("scale", download(d_s.t), s));
+        EXPECT_TRUE(same_codes("qt", download_codes(d_qt.t), qt));
+        EXPECT_TRUE(same_bits("scale_t", download(d_st.t), st));
+        // Rows alone: the same bytes.
+        auto d_q1 = poisoned(DType::f8e4m3, {m, k});
+        auto d_s1 = poisoned(DType::f32, {tk, m});
+        cuda::quantize_rows(d_x.t, d_q1.t, d_s1.t, pow2);
+        EXPECT_TRUE(same_codes("q (rows only)", download_codes(d_q1.t), q));
+        EXPECT_TRUE(same_bits("scale (rows only)", download(d_s1.t), s));
+      }
+}
+
+TEST(CudaFp8Quant, BlocksEqualCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 6000;
+  for (Shape2 c : kShapes)
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (bool pow2 : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "N=" << c.m << " K=" << c.k << " " << dtype_name(dtype) << " pow2=" << pow2);
+        const int64_t n = c.m, k = c.k, tn = fp8::tiles(n), ld = fp8::block_scale_cols(k);
+        auto w = wide_floats(n * k, ++seed);
+        if (dtype == DType::bf16) w = round_bf16(w);
+        std::vector<uint8_t> q(n * k);
+        std::vector<float> s(tn * ld);
+        cpu::quantize_blocks(host(w, {n, k}), Tensor(q.data(), {n, k}, DType::f8e4m3), host(s, {tn, ld}), pow2);
+        auto d_w = upload(w, dtype, {n, k});
+        auto d_q = poisoned(DType::f8e4m3, {n, k});
+        auto d_s = poisoned(DType::f32, {tn, ld});
+        cuda::quantize_blocks(d_w.t, d_q.t, d_s.t, pow2);
+        EXPECT_TRUE(same_codes("q", download_codes(d_q.t), q));
+        EXPECT_TRUE(same_bits("scale", download(d_s.t), s));
+      }
+}
+
+}  // namespace
+}  // namespace mt::gpu_test
