@@ -74,6 +74,14 @@ void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool
 void dequantize_rows(const Tensor& q, const Tensor& scale, const Tensor& x);
 void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x);
 
+// The FP8 product: c [M, N] = alpha a b^T + beta c, a f8e4m3 [M, K] with 1x128 scales
+// (quantize_rows), b f8e4m3 [N, K] with 128x128 scales (quantize_blocks: a weight) when
+// b_blocks, else with 1x128 scales (the weight gradient, whose two operands are token-
+// major: quantize_rows_and_columns' qt). The CPU computes it in f32 from the dequantized
+// values (c f32), which is what the GPU's products compute up to the order of the sums.
+void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
+              const Tensor& c, float alpha = 1.0f, float beta = 0.0f);
+
 }  // namespace mt::cpu
 
 namespace mt::cuda {
@@ -85,6 +93,10 @@ void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool p
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                const Tensor& scale_t, bool pow2);
 void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2);
+// cuBLASLt's block-scaled FP8 product (VEC128_32F for a, BLK128x128_32F or VEC128_32F
+// for b; kernels/cuda/gemm.cu), c bf16 or f32, accumulation in f32.
+void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
+              const Tensor& c, float alpha = 1.0f, float beta = 0.0f);
 
 }  // namespace mt::cuda
 
@@ -110,6 +122,14 @@ inline void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scal
   if (q.device == Device::cuda) return cuda::quantize_blocks(w, q, scale, pow2);
 #endif
   return cpu::quantize_blocks(w, q, scale, pow2);
+}
+
+inline void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
+                     const Tensor& c, float alpha = 1.0f, float beta = 0.0f) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (c.device == Device::cuda) return cuda::gemm_fp8(a, a_scale, b, b_scale, b_blocks, c, alpha, beta);
+#endif
+  return cpu::gemm_fp8(a, a_scale, b, b_scale, b_blocks, c, alpha, beta);
 }
 
 }  // namespace mt

@@ -102,5 +102,46 @@ TEST(CudaFp8Quant, BlocksEqualCpu) {
       }
 }
 
+// cuBLASLt's block-scaled product against the CPU's on the same codes and scales: both
+// accumulate in f32, so they differ by the order of the sums (and the bf16 output's
+// rounding), for a weight (128x128 blocks) and the weight gradient's form (1x128 both).
+TEST(CudaFp8Gemm, MatchesTheCpuOnTheSameCodes) {
+  MT_SKIP_WITHOUT_GPU();
+  struct Case {
+    int64_t m, n, k;
+  };
+  for (Case sh : {Case{256, 384, 512}, Case{300, 200, 384}, Case{8192, 2048, 768}})
+    for (bool blocks : {true, false})
+      for (DType out : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE(testing::Message() << "M=" << sh.m << " N=" << sh.n << " K=" << sh.k << " blocks=" << blocks
+                                        << " " << dtype_name(out));
+        const int64_t m = sh.m, n = sh.n, k = sh.k;
+        auto a = random_floats(m * k, -2, 2, 11), b = random_floats(n * k, -0.1f, 0.1f, 12);
+        auto c0 = round_bf16(random_floats(m * n, -1, 1, 13));
+        std::vector<uint8_t> qa(m * k), qb(n * k);
+        std::vector<float> sa(fp8::tiles(k) * m);
+        const int64_t sr = blocks ? fp8::tiles(n) : fp8::tiles(k), sc = blocks ? fp8::block_scale_cols(k) : n;
+        std::vector<float> sb(sr * sc);
+        const Tensor ta(qa.data(), {m, k}, DType::f8e4m3), tb(qb.data(), {n, k}, DType::f8e4m3);
+        cpu::quantize_rows(host(a, {m, k}), ta, host(sa, {fp8::tiles(k), m}), true);
+        if (blocks)
+          cpu::quantize_blocks(host(b, {n, k}), tb, host(sb, {sr, sc}), true);
+        else
+          cpu::quantize_rows(host(b, {n, k}), tb, host(sb, {sr, sc}), true);
+        std::vector<float> want = c0;
+        cpu::gemm_fp8(ta, host(sa, {fp8::tiles(k), m}), tb, host(sb, {sr, sc}), blocks, host(want, {m, n}), 1.0f, 1.0f);
+        auto d_qa = poisoned(DType::f8e4m3, {m, k}), d_qb = poisoned(DType::f8e4m3, {n, k});
+        cuda::copy(d_qa.t, ta);
+        cuda::copy(d_qb.t, tb);
+        auto d_sa = upload(sa, DType::f32, {fp8::tiles(k), m}), d_sb = upload(sb, DType::f32, {sr, sc});
+        auto d_c = upload(c0, out, {m, n});
+        cuda::gemm_fp8(d_qa.t, d_sa.t, d_qb.t, d_sb.t, blocks, d_c.t, 1.0f, 1.0f);
+        std::vector<float> got = download(d_c.t);
+        double worst = 0, norm = max_abs(want);
+        for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(got[i] - double{want[i]}));
+        EXPECT_LT(worst, (out == DType::bf16 ? 8e-3 : 1e-5) * norm) << "worst " << worst << " of " << norm;
+      }
+}
+
 }  // namespace
 }  // namespace mt::gpu_test

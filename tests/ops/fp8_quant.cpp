@@ -6,6 +6,7 @@
 // values become e4m3 subnormals), negative zeros; the shapes are ragged.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <random>
@@ -191,6 +192,55 @@ TEST(Fp8Quant, BlocksMatchFloat64Reference) {
           ASSERT_EQ(back[i], static_cast<float>(e4m3_value(q[i]) * s[i / k / 128 * ld + i % k / 128])) << i;
       }
   EXPECT_GT(subnormal, 0);
+}
+
+// The FP8 product: c = alpha a b^T + beta c from the codes and scales, in float64 here
+// (e4m3_value of each code times its tile's scale), for a weight b (128x128 blocks) and
+// for the weight gradient's form (b in 1x128 tiles); and close to the product of the
+// unquantized inputs (e4m3 keeps 4 significant bits: a few percent per element).
+TEST(Fp8Quant, GemmMatchesFloat64OfTheCodes) {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t m = 130, n = 200, k = 384;
+  std::vector<float> a(m * k), b(n * k), c0(m * n);
+  for (float& v : a) v = normal(rng) * (1.0f + static_cast<float>(&v - a.data()) / k * 0.01f);
+  for (float& v : b) v = normal(rng) * 0.05f;
+  for (float& v : c0) v = normal(rng);
+  std::vector<uint8_t> qa(m * k), qb(n * k);
+  std::vector<float> sa(fp8::tiles(k) * m);
+  cpu::quantize_rows(Tensor(a.data(), {m, k}, DType::f32), Tensor(qa.data(), {m, k}, DType::f8e4m3),
+                     Tensor(sa.data(), {fp8::tiles(k), m}, DType::f32), true);
+  for (bool blocks : {true, false}) {
+    SCOPED_TRACE(blocks ? "b in blocks" : "b in 1x128 tiles");
+    const int64_t sb_rows = blocks ? fp8::tiles(n) : fp8::tiles(k), sb_cols = blocks ? fp8::block_scale_cols(k) : n;
+    std::vector<float> sb(sb_rows * sb_cols);
+    const Tensor tb(qb.data(), {n, k}, DType::f8e4m3), tsb(sb.data(), {sb_rows, sb_cols}, DType::f32);
+    if (blocks)
+      cpu::quantize_blocks(Tensor(b.data(), {n, k}, DType::f32), tb, tsb, false);
+    else
+      cpu::quantize_rows(Tensor(b.data(), {n, k}, DType::f32), tb, tsb, false);
+    auto scale_b = [&](int64_t j, int64_t t) { return blocks ? sb[j / 128 * sb_cols + t / 128] : sb[t / 128 * n + j]; };
+    std::vector<float> c = c0;
+    cpu::gemm_fp8(Tensor(qa.data(), {m, k}, DType::f8e4m3), Tensor(sa.data(), {fp8::tiles(k), m}, DType::f32), tb, tsb,
+                  blocks, Tensor(c.data(), {m, n}, DType::f32), 0.5f, 2.0f);
+    double worst = 0, worst_plain = 0, norm = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double want = 0, plain = 0;
+        for (int64_t t = 0; t < k; ++t) {
+          want += e4m3_value(qa[i * k + t]) * sa[t / 128 * m + i] * e4m3_value(qb[j * k + t]) * scale_b(j, t);
+          plain += static_cast<double>(a[i * k + t]) * b[j * k + t];
+        }
+        want = 0.5 * want + 2.0 * c0[i * n + j];
+        plain = 0.5 * plain + 2.0 * c0[i * n + j];
+        worst = std::max(worst, std::fabs(c[i * n + j] - want));
+        worst_plain = std::max(worst_plain, std::fabs(c[i * n + j] - plain));
+        norm = std::max(norm, std::fabs(want));
+      }
+    EXPECT_LT(worst, 1e-5 * norm);        // f32 accumulation of k = 384 terms
+    EXPECT_LT(worst_plain, 0.05 * norm);  // the quantization itself
+    EXPECT_GT(worst_plain, 1e-4 * norm);  // and it did quantize
+  }
 }
 
 // The scale rule at its edges: zero, the smallest and largest amax, exact powers of two.

@@ -1,6 +1,9 @@
 #include "kernels/fp8_quant.h"
 
 #include <algorithm>
+#include <vector>
+
+#include "kernels/gemm.h"
 
 namespace mt::cpu {
 
@@ -104,6 +107,21 @@ void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x) {
   for (int64_t r = 0; r < n; ++r)
     for (int64_t j = 0; j < k; ++j)
       out[r * k + j] = f32_from_e4m3(c[r * k + j]) * s[r / fp8::kTile * ld + j / fp8::kTile];
+}
+
+void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
+              const Tensor& c, float alpha, float beta) {
+  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && a.dim(1) == b.dim(1))
+      << "gemm_fp8 wants a [M, K] and b [N, K], got " << a.str() << " and " << b.str();
+  const int64_t m = a.dim(0), n = b.dim(0), k = a.dim(1);
+  check_tensor(c, "gemm_fp8 c", DType::f32, {m, n});
+  std::vector<float> af(static_cast<size_t>(m * k)), bf(static_cast<size_t>(n * k));
+  dequantize_rows(a, a_scale, Tensor(af.data(), {m, k}, DType::f32));
+  if (b_blocks)
+    dequantize_blocks(b, b_scale, Tensor(bf.data(), {n, k}, DType::f32));
+  else
+    dequantize_rows(b, b_scale, Tensor(bf.data(), {n, k}, DType::f32));
+  sgemm(false, true, m, n, k, alpha, af.data(), k, bf.data(), k, beta, c.f32(), n);
 }
 
 }  // namespace mt::cpu

@@ -1,5 +1,5 @@
-// Dense matrix products through cuBLASLt: bf16 operands, f32 accumulation, bf16 or f32
-// output, alpha/beta on the host. Our tensors are row-major and cuBLASLt is column-major:
+// Dense matrix products through cuBLASLt: bf16 operands (or block-scaled e4m3 ones,
+// gemm_fp8), f32 accumulation, bf16 or f32 output, alpha/beta on the host. Our tensors are row-major and cuBLASLt is column-major:
 // a row-major X [r,c] is the column-major X^T [c,r] with the same leading dimension, so
 // C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T (no copies).
 #include <map>
@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/runtime.h"
 #include "kernels/elementwise.h"
+#include "kernels/fp8_quant.h"
 #include "kernels/gemm.h"
 
 namespace mt::cuda {
@@ -29,7 +30,8 @@ struct PlanKey {
   int64_t m, n, k, lda, ldb, ldc;
   bool c_f32;
   uint32_t align_a, align_b, align_c;
-  auto tie() const { return std::tie(ta, tb, m, n, k, lda, ldb, ldc, c_f32, align_a, align_b, align_c); }
+  int fp8 = 0;  // 0: bf16 operands; e4m3 ones with b's scales 1: 1x128, 2: 128x128
+  auto tie() const { return std::tie(ta, tb, m, n, k, lda, ldb, ldc, c_f32, align_a, align_b, align_c, fp8); }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
 
@@ -57,8 +59,16 @@ const Plan& plan_for(const PlanKey& key) {
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   // Stored shapes, column-major: b is [K,N] row-major (or [N,K] when transposed).
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.la, CUDA_R_16BF, key.tb ? key.k : key.n, key.tb ? key.n : key.k, key.ldb));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lb, CUDA_R_16BF, key.ta ? key.m : key.k, key.ta ? key.k : key.m, key.lda));
+  const cudaDataType_t in = key.fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.la, in, key.tb ? key.k : key.n, key.tb ? key.n : key.k, key.ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lb, in, key.ta ? key.m : key.k, key.ta ? key.k : key.m, key.lda));
+  if (key.fp8) {  // A' = b (a weight's blocks, or 1x128 tiles), B' = a (1x128 tiles)
+    const cublasLtMatmulMatrixScale_t sa = key.fp8 == 2 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                                        : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+                                      sb = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &sa, sizeof(sa)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &sb, sizeof(sb)));
+  }
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lc, key.c_f32 ? CUDA_R_32F : CUDA_R_16BF, key.n, key.m, key.ldc));
 
   cublasLtMatmulPreference_t pref = nullptr;
@@ -80,7 +90,8 @@ const Plan& plan_for(const PlanKey& key) {
   CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(blaslt(), p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &result,
                                               &found_count));
   CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-  MT_CHECK(found_count > 0) << "cuBLASLt has no algorithm for a bf16 gemm with M=" << key.m << " N=" << key.n
+  MT_CHECK(found_count > 0) << "cuBLASLt has no algorithm for a " << (key.fp8 ? "block-scaled e4m3" : "bf16")
+                            << " gemm with M=" << key.m << " N=" << key.n
                             << " K=" << key.k << " ta=" << key.ta << " tb=" << key.tb << " lda=" << key.lda
                             << " ldb=" << key.ldb << " ldc=" << key.ldc << " output "
                             << (key.c_f32 ? "f32" : "bf16");
@@ -127,6 +138,32 @@ Dims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool
 }
 
 }  // namespace
+
+void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
+              const Tensor& c, float alpha, float beta) {
+  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && a.dim(1) == b.dim(1))
+      << "gemm_fp8 wants a [M, K] and b [N, K], got " << a.str() << " and " << b.str();
+  const int64_t m = a.dim(0), n = b.dim(0), k = a.dim(1);
+  check_arg(a, "gemm_fp8 a", {DType::f8e4m3}, a.shape);
+  check_arg(b, "gemm_fp8 b", {DType::f8e4m3}, b.shape);
+  check_arg(a_scale, "gemm_fp8 a_scale", {DType::f32}, {fp8::tiles(k), m});
+  check_arg(b_scale, "gemm_fp8 b_scale", {DType::f32},
+            b_blocks ? Shape{fp8::tiles(n), fp8::block_scale_cols(k)} : Shape{fp8::tiles(k), n});
+  check_arg(c, "gemm_fp8 c", {DType::bf16, DType::f32}, {m, n});
+  MT_CHECK(k % 16 == 0) << "gemm_fp8: K " << k << " must be a multiple of 16 (e4m3 rows 16-byte aligned)";
+  if (m == 0 || n == 0) return;
+  PlanKey key{false, true, m, n, k, k, k, n, c.dtype == DType::f32, alignment(a.data), alignment(b.data),
+              alignment(c.data), b_blocks ? 2 : 1};
+  const Plan& p = plan_for(key);
+  // The scale pointers belong to this call; the plan is shared, so set and launch as one.
+  static std::mutex launch;
+  std::lock_guard<std::mutex> lock(launch);
+  const void *sa = b_scale.data, *sb = a_scale.data;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  CUBLAS_CHECK(cublasLtMatmul(blaslt(), p.desc, &alpha, b.data, p.la, a.data, p.lb, &beta, c.data, p.lc, c.data, p.lc,
+                              &p.algo, blaslt_workspace(), kBlasltWorkspaceBytes, stream()));
+}
 
 void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
   Dims d = check_gemm(a, b, c, trans_a, trans_b, "gemm c");
