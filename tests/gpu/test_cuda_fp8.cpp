@@ -3,12 +3,14 @@
 // e4m3 conversion matches the hardware's satfinite cvt on every input, test_core).
 // Inputs span 25 binades, so tiles differ in scale and some codes are subnormal.
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 
 #include "gpu/gpu_test.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/fp8_quant.h"
+#include "kernels/gemm.h"
 
 namespace mt::gpu_test {
 namespace {
@@ -141,6 +143,33 @@ TEST(CudaFp8Gemm, MatchesTheCpuOnTheSameCodes) {
         for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(got[i] - double{want[i]}));
         EXPECT_LT(worst, (out == DType::bf16 ? 8e-3 : 1e-5) * norm) << "worst " << worst << " of " << norm;
       }
+}
+
+// Speed, not correctness (run with --gtest_also_run_disabled_tests): the FP8 product
+// against the bf16 one, and the quantization passes, on the Qwen3-30B-A3B attention and
+// dense shapes of the benchmark (8192 tokens). Prints TFLOPS and GB/s.
+TEST(CudaFp8Gemm, DISABLED_TimeBenchmarkShapes) {
+  MT_SKIP_WITHOUT_GPU();
+  struct Case {
+    int64_t m, n, k;
+  };
+  for (Case sh : {Case{8192, 4096, 2048}, Case{8192, 2048, 4096}, Case{8192, 2048, 6144}, Case{4096, 2048, 8192}}) {
+    const int64_t m = sh.m, n = sh.n, k = sh.k;
+    auto a = random_device(DType::bf16, {m, k}, 1), b = random_device(DType::bf16, {n, k}, 2);
+    auto c = random_device(DType::bf16, {m, n}, 3);
+    auto qa = poisoned(DType::f8e4m3, {m, k}), qb = poisoned(DType::f8e4m3, {n, k}), qt = poisoned(DType::f8e4m3, {k, m});
+    auto sa = poisoned(DType::f32, {fp8::tiles(k), m}), st = poisoned(DType::f32, {fp8::tiles(m), k});
+    auto sb = poisoned(DType::f32, {fp8::tiles(n), fp8::block_scale_cols(k)});
+    cuda::quantize_blocks(b.t, qb.t, sb.t, true);
+    const double flops = 2.0 * m * n * k;
+    const double bf16 = median_ms(20, [&] { cuda::gemm(a.t, b.t, c.t, false, true); });
+    const double f8 = median_ms(20, [&] { cuda::gemm_fp8(qa.t, sa.t, qb.t, sb.t, true, c.t); });
+    const double q1 = median_ms(20, [&] { cuda::quantize_rows(a.t, qa.t, sa.t, true); });
+    const double q2 = median_ms(20, [&] { cuda::quantize_rows_and_columns(a.t, qa.t, sa.t, qt.t, st.t, true); });
+    std::printf("M %lld N %lld K %lld: bf16 %.0f TFLOPS, fp8 %.0f TFLOPS; quantize rows %.0f GB/s, rows+columns %.0f GB/s\n",
+                static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k), flops / bf16 / 1e9,
+                flops / f8 / 1e9, 3.0 * m * k / q1 / 1e6, 4.0 * m * k / q2 / 1e6);
+  }
 }
 
 }  // namespace
