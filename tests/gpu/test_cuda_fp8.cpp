@@ -104,9 +104,12 @@ TEST(CudaFp8Quant, BlocksEqualCpu) {
       }
 }
 
-// cuBLASLt's block-scaled product against the CPU's on the same codes and scales: both
-// accumulate in f32, so they differ by the order of the sums (and the bf16 output's
-// rounding), for a weight (128x128 blocks) and the weight gradient's form (1x128 both).
+// cuBLASLt's block-scaled product against the CPU's on the same codes and scales, for a
+// weight (128x128 blocks) and the weight gradient's form (1x128 both). The CPU sums in
+// f32; Hopper's FP8 tensor cores keep fewer bits within each 128-wide block of K before
+// cuBLASLt scales and adds it in f32 (DeepSeek-V3 measured about 14 on H800), so the two
+// differ by up to ~2^-12 of the output's magnitude: 2.0e-4 to 2.3e-4 measured on an H200
+// at f32 output; the bound is 1e-3, and 8e-3 with the bf16 output's rounding.
 TEST(CudaFp8Gemm, MatchesTheCpuOnTheSameCodes) {
   MT_SKIP_WITHOUT_GPU();
   struct Case {
@@ -141,7 +144,7 @@ TEST(CudaFp8Gemm, MatchesTheCpuOnTheSameCodes) {
         std::vector<float> got = download(d_c.t);
         double worst = 0, norm = max_abs(want);
         for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(got[i] - double{want[i]}));
-        EXPECT_LT(worst, (out == DType::bf16 ? 8e-3 : 1e-5) * norm) << "worst " << worst << " of " << norm;
+        EXPECT_LT(worst, (out == DType::bf16 ? 8e-3 : 1e-3) * norm) << "worst " << worst << " of " << norm;
       }
 }
 

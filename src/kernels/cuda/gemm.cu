@@ -44,7 +44,9 @@ struct Plan {
 // Descriptors and the heuristic's pick, made once per shape (the query costs far more than
 // a small product), kept for the process's lifetime (runtime.cu says why) and shared by every
 // stream and thread: a map's entries stay put as it grows, so a plan outlives the lock.
-const Plan& plan_for(const PlanKey& key) {
+// An e4m3 key's scale pointers: cuBLASLt's heuristic refuses block scaling without them
+// (they are set again for every call).
+const Plan& plan_for(const PlanKey& key, const void* scale_a = nullptr, const void* scale_b = nullptr) {
   static std::mutex m;
   static auto* plans = new std::map<PlanKey, Plan>();
   std::lock_guard<std::mutex> lock(m);
@@ -68,6 +70,10 @@ const Plan& plan_for(const PlanKey& key) {
                                       sb = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &sa, sizeof(sa)));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &sb, sizeof(sb)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof(scale_a)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof(scale_b)));
+    const int8_t fast = 0;  // block scaling has no fast-accumulation kernels on Hopper
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
   }
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.lc, key.c_f32 ? CUDA_R_32F : CUDA_R_16BF, key.n, key.m, key.ldc));
 
@@ -154,7 +160,7 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
   if (m == 0 || n == 0) return;
   PlanKey key{false, true, m, n, k, k, k, n, c.dtype == DType::f32, alignment(a.data), alignment(b.data),
               alignment(c.data), b_blocks ? 2 : 1};
-  const Plan& p = plan_for(key);
+  const Plan& p = plan_for(key, b_scale.data, a_scale.data);
   // The scale pointers belong to this call; the plan is shared, so set and launch as one.
   static std::mutex launch;
   std::lock_guard<std::mutex> lock(launch);
