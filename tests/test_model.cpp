@@ -16,6 +16,7 @@
 #include "io/safetensors.h"
 #include "models/hf_config.h"
 #include "models/deepseek_v2.h"
+#include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 #include "train/trainer.h"
 
@@ -213,6 +214,45 @@ TEST(DeepseekV2Config, HubAndTransformers5SpellingsAndRefusals) {
     bad[key] = value;
     try {
       parse_deepseek_v2_config(bad, "cfg.json");
+      ADD_FAILURE() << key << " = " << value.dump() << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cfg.json"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// GPT-OSS's config as the hub spells it (gpt_oss_mxfp4: rope_scaling, a top-level
+// rope_theta, quantization_config) and as transformers 5 writes it (gpt_oss_a) read the
+// fields they share the same way; what is not implemented is refused, naming the file.
+TEST(GptOssConfig, HubAndTransformers5SpellingsAndRefusals) {
+  auto read = [](const std::string& name) {
+    std::vector<uint8_t> b = io::read_file(fixture(name + "/config.json"));
+    return nlohmann::json::parse(b.begin(), b.end());
+  };
+  const nlohmann::json v5 = read("gpt_oss_a"), hub = read("gpt_oss_mxfp4");
+  GptOssConfig a = parse_gpt_oss_config(v5, "v5"), h = parse_gpt_oss_config(hub, "hub");
+  for (const GptOssConfig* x : {&a, &h}) {
+    EXPECT_TRUE(x->decoder.rope.yarn);
+    EXPECT_EQ(x->decoder.rope.theta, 150000.0);
+    EXPECT_EQ(x->decoder.rope.factor, 32.0);
+    EXPECT_FALSE(x->decoder.rope.truncate);
+    EXPECT_EQ(x->sliding, (std::vector<bool>{true, false}));
+    EXPECT_EQ(x->sliding_window, 5);
+    EXPECT_EQ(x->decoder.router.scoring, cpu::RouterScoring::topk_softmax);
+  }
+  EXPECT_EQ(a.decoder.router.top_k, 3);
+  EXPECT_EQ(h.decoder.router.top_k, 2);  // num_experts_per_tok (experts_per_token agrees)
+  EXPECT_EQ(h.decoder.num_experts, 4);
+  for (auto [key, value] : {std::pair<const char*, nlohmann::json>{"swiglu_limit", 5.0},
+                            {"attention_bias", false},
+                            {"quantization_config", {{"quant_method", "bitsandbytes"}}},
+                            {"layer_types", {"sliding_attention"}},
+                            {"num_key_value_heads", 3},
+                            {"head_dim", 15}}) {
+    nlohmann::json bad = v5;
+    bad[key] = value;
+    try {
+      parse_gpt_oss_config(bad, "cfg.json");
       ADD_FAILURE() << key << " = " << value.dump() << " was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("cfg.json"), std::string::npos) << e.what();

@@ -1,5 +1,6 @@
 #include "models/decoder.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -217,7 +218,7 @@ class Decoder final : public Model {
   // ones add (Param::grad_started), whatever order the schedule runs micro-batches in.
   float beta(int i) { return grad_beta(params_[i]); }
   const Tensor& Z(int i) { return grad_zeroed(params_[i]); }
-  bool start(int i) { return grad_beta(params_[i]) == 0.0f; }
+  bool start(int i) { return start_grad(params_[i]); }
   // A bias Param's value or gradient (a grouped GEMM's), empty for none (index -1).
   Tensor bias(int i) const { return i >= 0 ? params_[i].value : Tensor(); }
   Tensor grad_of(int i) const { return i >= 0 ? params_[i].grad : Tensor(); }
@@ -390,14 +391,16 @@ std::vector<HfTensor> Decoder::hf_tensors() {
         const std::string q = p + "mlp.experts.";
         auto add = [&](const char* key, int i, float scale, bool transposed) {
           const Param& w = params_[i];
-          const std::string name = q + std::to_string(g) + "." + key;
-          HfTensor t = w.value.ndim() == 3 ? hf_slice(name, w, e, 0, w.value.dim(1), scale, true)
-                                           : hf_tensor(name, w, scale);
-          if (w.value.ndim() == 2) {  // a bias: row e
-            t.value = w.value.rows(e, e + 1).view({w.value.dim(1)});
-            t.grad = w.grad.rows(e, e + 1).view({w.value.dim(1)});
-            t.expert = true;
-          }
+          auto expert = [&](const Tensor& all) {  // block e of [E, ...], without its leading 1
+            Shape one = all.shape;
+            one.n -= 1;
+            std::copy(all.shape.d.begin() + 1, all.shape.d.end(), one.d.begin());
+            return all.rows(e, e + 1).view(one);
+          };
+          HfTensor t = hf_tensor(q + std::to_string(g) + "." + key, w, scale);
+          t.value = expert(w.value);
+          t.grad = expert(w.grad);
+          t.expert = true;
           t.fused = q + key;
           t.fused_index = g;
           t.transposed = transposed;
@@ -878,6 +881,26 @@ void Decoder::set_router_prob_grad(Stash& base, int64_t layer, const std::vector
 }
 
 }  // namespace
+
+void check_decoder_spec(const DecoderSpec& d, const std::string& where) {
+  MT_CHECK(d.vocab_size > 0 && d.hidden_size > 0 && d.num_layers > 0)
+      << where << ": vocab_size, hidden_size and num_hidden_layers must be positive, got " << d.vocab_size << ", "
+      << d.hidden_size << ", " << d.num_layers;
+  MT_CHECK(d.rope.rotary_dim > 0 && d.rope.rotary_dim % 2 == 0)
+      << where << ": the rotary dim (head_dim, or qk_rope_head_dim) " << d.rope.rotary_dim
+      << " must be positive and even";
+  const bool any_moe = std::find(d.moe.begin(), d.moe.end(), true) != d.moe.end();
+  MT_CHECK(!any_moe || (d.router.top_k >= 1 && d.router.top_k <= d.num_experts && d.moe_intermediate_size > 0))
+      << where << ": num_experts_per_tok " << d.router.top_k << " must be in [1, " << d.num_experts
+      << " experts] and the experts' intermediate size (" << d.moe_intermediate_size << ") positive";
+  MT_CHECK(!any_moe || (d.router.n_group >= 1 && d.num_experts % d.router.n_group == 0 &&
+                        d.router.topk_group >= 1 && d.router.topk_group <= d.router.n_group))
+      << where << ": n_group " << d.router.n_group << " must divide the " << d.num_experts
+      << " experts and topk_group " << d.router.topk_group << " be in [1, n_group]";
+  const bool any_dense = std::find(d.moe.begin(), d.moe.end(), false) != d.moe.end();
+  MT_CHECK(!any_dense || d.intermediate_size > 0)
+      << where << ": intermediate_size must be positive for the dense layers, got " << d.intermediate_size;
+}
 
 std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, std::unique_ptr<Attention> attention,
                                     const ModelOptions& options) {

@@ -104,6 +104,11 @@ const Tensor& grad_zeroed(Param& p);
 HfTensor hf_tensor(std::string name, const Param& p, float init_scale = 1.0f, float fill = 0.0f);
 HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64_t r1, float init_scale, bool expert);
 
+// What every spec must satisfy, each failure an error naming `where` (the config file)
+// and the config.json keys: positive sizes, an even rotary dim, and for MoE layers top_k
+// in [1, experts], a positive expert width and groups that divide the experts.
+void check_decoder_spec(const DecoderSpec& spec, const std::string& where);
+
 std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, std::unique_ptr<Attention> attention,
                                     const ModelOptions& options);
 

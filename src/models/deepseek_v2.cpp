@@ -55,21 +55,9 @@ DeepseekV2Config parse_deepseek_v2_config(const nlohmann::json& j, const std::st
   const int64_t kv_heads = hf.integer({"num_key_value_heads"}, c.num_heads);
   MT_CHECK(kv_heads == c.num_heads) << where << ": num_key_value_heads " << kv_heads
                                     << " must equal num_attention_heads " << c.num_heads << " (MLA)";
-  MT_CHECK(d.vocab_size > 0 && d.hidden_size > 0 && d.num_layers > 0 && c.num_heads > 0 && c.kv_lora_rank > 0 &&
-           c.qk_nope_head_dim > 0 && c.v_head_dim > 0)
-      << where << ": vocab_size, hidden_size, num_hidden_layers, num_attention_heads, kv_lora_rank, "
-      << "qk_nope_head_dim and v_head_dim must be positive";
-  MT_CHECK(c.qk_rope_head_dim > 0 && c.qk_rope_head_dim % 2 == 0)
-      << where << ": qk_rope_head_dim " << c.qk_rope_head_dim << " must be positive and even";
-  if (d.num_experts > 0) {
-    MT_CHECK(d.router.top_k >= 1 && d.router.top_k <= d.num_experts && d.moe_intermediate_size > 0)
-        << where << ": num_experts_per_tok " << d.router.top_k << " must be in [1, n_routed_experts="
-        << d.num_experts << "] and moe_intermediate_size positive";
-    MT_CHECK(d.router.n_group >= 1 && d.num_experts % d.router.n_group == 0 && d.router.topk_group >= 1 &&
-             d.router.topk_group <= d.router.n_group)
-        << where << ": n_group " << d.router.n_group << " must divide n_routed_experts " << d.num_experts
-        << " and topk_group " << d.router.topk_group << " be in [1, n_group]";
-  }
+  MT_CHECK(c.num_heads > 0 && c.kv_lora_rank > 0 && c.qk_nope_head_dim > 0 && c.v_head_dim > 0)
+      << where << ": num_attention_heads, kv_lora_rank, qk_nope_head_dim and v_head_dim must be positive";
+  check_decoder_spec(d, where);
   return c;
 }
 

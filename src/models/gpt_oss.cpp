@@ -36,6 +36,8 @@ GptOssConfig parse_gpt_oss_config(const nlohmann::json& j, const std::string& wh
   std::vector<std::string> types;
   if (j.contains("layer_types") && j["layer_types"].is_array())
     for (const auto& t : j["layer_types"]) types.push_back(t.is_string() ? t.get<std::string>() : "?");
+  MT_CHECK(types.empty() || static_cast<int64_t>(types.size()) == d.num_layers)
+      << where << ": layer_types has " << types.size() << " entries for " << d.num_layers << " layers";
   for (int64_t l = 0; l < d.num_layers; ++l) {
     const std::string t = types.empty() ? (l % 2 == 0 ? "sliding_attention" : "full_attention") : types.at(l);
     MT_CHECK(t == "sliding_attention" || t == "full_attention")
@@ -44,25 +46,16 @@ GptOssConfig parse_gpt_oss_config(const nlohmann::json& j, const std::string& wh
   }
 
   // What this implementation does not do is an error, never a silent difference.
-  MT_CHECK(types.empty() || static_cast<int64_t>(types.size()) == d.num_layers)
-      << where << ": layer_types has " << types.size() << " entries for " << d.num_layers << " layers";
   MT_CHECK(hf.flag({"attention_bias"}, true)) << where << ": attention_bias = false is not supported for gpt_oss";
   // transformers' GPT-OSS experts clamp at 7 whatever the config says
   MT_CHECK(d.swiglu_limit == 7.0f) << where << ": swiglu_limit " << d.swiglu_limit << " is not supported (7.0)";
   const std::string quant = hf.text({"quantization_config.quant_method"}, "none");
   MT_CHECK(quant == "none" || quant == "mxfp4")
       << where << ": quantization_config.quant_method '" << quant << "' is not supported (mxfp4 is dequantized)";
-  MT_CHECK(d.vocab_size > 0 && d.hidden_size > 0 && d.num_layers > 0 && c.num_heads > 0 && c.head_dim > 0 &&
-           d.moe_intermediate_size > 0)
-      << where << ": vocab_size, hidden_size, num_hidden_layers, num_attention_heads, head_dim and "
-      << "intermediate_size must be positive";
-  MT_CHECK(c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0)
-      << where << ": num_attention_heads " << c.num_heads << " must be a multiple of num_key_value_heads "
+  MT_CHECK(c.num_heads > 0 && c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0)
+      << where << ": num_attention_heads " << c.num_heads << " must be a positive multiple of num_key_value_heads "
       << c.num_kv_heads;
-  MT_CHECK(c.head_dim % 2 == 0) << where << ": head_dim " << c.head_dim << " must be even for RoPE";
-  MT_CHECK(d.router.top_k >= 1 && d.router.top_k <= d.num_experts)
-      << where << ": num_experts_per_tok " << d.router.top_k << " must be in [1, num_local_experts=" << d.num_experts
-      << "]";
+  check_decoder_spec(d, where);
   for (bool s : c.sliding)
     MT_CHECK(!s || c.sliding_window > 0) << where << ": sliding_attention layers need a positive sliding_window";
   return c;
