@@ -42,6 +42,16 @@ inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
 // The padded row length of a 128x128 block-scale array (see above).
 inline int64_t block_scale_cols(int64_t k) { return (tiles(k) + 3) / 4 * 4; }
 
+// The grouped weight gradient's operands (quantize_segment_columns): expert e's rows
+// [off_e, off_{e+1}) of x [R, K] become columns [col_e, col_e + n_e) of qt [K, C], where
+// col_e = sum over j < e of round_up(n_j, kSegmentAlign), so each segment starts aligned;
+// a segment's columns are quantized in 1x128 tiles from its own start (its last tile
+// ragged), and its t-th tile's K scales are row tile_e + t of scale_t [T, K], tile_e =
+// sum over j < e of tiles(n_j). C and T bound those sums for any split of R rows.
+constexpr int64_t kSegmentAlign = 128;
+inline int64_t segment_cols(int64_t rows, int64_t experts) { return rows + kSegmentAlign * experts; }
+inline int64_t segment_tiles(int64_t rows, int64_t experts) { return tiles(rows) + experts; }
+
 // The scale of a tile from its amax (>= 0). IEEE division, no fast-math: both backends
 // round amax / 448 the same way; frexpf/ldexpf are exact.
 MT_HOST_DEVICE inline float tile_scale(float amax, bool pow2) {
@@ -69,7 +79,20 @@ void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool p
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                const Tensor& scale_t, bool pow2);
 // w f32 or bf16 [N, K] -> q f8e4m3 [N, K], scale f32 [ceil(N/128), block_scale_cols(K)].
-void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2);
+// A 3-D w [E, N, K] (a layer's experts) is E such matrices: q [E, N, K], scale
+// [E, ceil(N/128), block_scale_cols(K)]. With qt and scale_t (both or neither) also w's
+// transpose, the input gradient's operand, in the same pass: qt [(E,) K, N] in blocks
+// of its own, scale_t [(E,) ceil(K/128), block_scale_cols(N)] (the same values: a block's
+// transpose has the same amax).
+void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt = {},
+                     const Tensor& scale_t = {});
+// x f32 or bf16 [R, K] with expert offsets i32 [E+1] (0 .. R) -> qt f8e4m3 [K, C >=
+// segment_cols(R, E)] and scale_t f32 [T >= segment_tiles(R, E), K], as described at
+// kSegmentAlign. The columns between a segment's end and the next segment's start are
+// written as zeros; columns past the last segment and scale rows past the last tile are
+// not written.
+void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
+                              bool pow2);
 // x f32 [M, K] = f32(q) * scale, the inverses of the two above (one rounding each).
 void dequantize_rows(const Tensor& q, const Tensor& scale, const Tensor& x);
 void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x);
@@ -82,6 +105,19 @@ void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x);
 void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
               const Tensor& c, float alpha = 1.0f, float beta = 0.0f);
 
+// The grouped FP8 products (kernels/grouped_gemm.h's, for the experts). Forward and input
+// gradient: for each expert e, y[seg] = x[seg] w[e]^T, x f8e4m3 [R, K] with 1x128 scales
+// [ceil(K/128), R] (quantize_rows of all R rows), w f8e4m3 [E, O, K] with block scales
+// [E, ceil(O/128), block_scale_cols(K)] (quantize_blocks of 3-D; for the input gradient
+// the transposed copy qt), offsets i32 [E+1], y [R, O] overwritten (CPU f32).
+void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
+                      const Tensor& offsets, const Tensor& y);
+// Weight gradient: dw[e] (+)= dy[seg]^T x[seg] from quantize_segment_columns of dy [R, O]
+// (a [O, C], a_scale [T, O]) and of x [R, K] (b [K, C], b_scale [T, K]); dw f32 [E, O, K].
+// An expert with no rows gets zero, or keeps its value when accumulating.
+void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
+                             const Tensor& offsets, const Tensor& dw, bool accumulate);
+
 }  // namespace mt::cpu
 
 namespace mt::cuda {
@@ -92,11 +128,20 @@ namespace mt::cuda {
 void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2);
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                const Tensor& scale_t, bool pow2);
-void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2);
+void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt = {},
+                     const Tensor& scale_t = {});
+void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
+                              bool pow2);
 // cuBLASLt's block-scaled FP8 product (VEC128_32F for a, BLK128x128_32F or VEC128_32F
 // for b; kernels/cuda/gemm.cu), c bf16 or f32, accumulation in f32.
 void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
               const Tensor& c, float alpha = 1.0f, float beta = 0.0f);
+// CUTLASS's Hopper grouped GEMM with blockwise scaling; y bf16, dw f32; offsets stay on
+// the device (no host sync).
+void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
+                      const Tensor& offsets, const Tensor& y);
+void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
+                             const Tensor& offsets, const Tensor& dw, bool accumulate);
 
 }  // namespace mt::cuda
 
@@ -117,11 +162,20 @@ inline void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Te
   return cpu::quantize_rows_and_columns(x, q, scale, qt, scale_t, pow2);
 }
 
-inline void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2) {
+inline void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt = {},
+                            const Tensor& scale_t = {}) {
 #ifdef MOETRAIN_WITH_CUDA
-  if (q.device == Device::cuda) return cuda::quantize_blocks(w, q, scale, pow2);
+  if (q.device == Device::cuda) return cuda::quantize_blocks(w, q, scale, pow2, qt, scale_t);
 #endif
-  return cpu::quantize_blocks(w, q, scale, pow2);
+  return cpu::quantize_blocks(w, q, scale, pow2, qt, scale_t);
+}
+
+inline void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
+                                     bool pow2) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (qt.device == Device::cuda) return cuda::quantize_segment_columns(x, offsets, qt, scale_t, pow2);
+#endif
+  return cpu::quantize_segment_columns(x, offsets, qt, scale_t, pow2);
 }
 
 inline void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
@@ -130,6 +184,22 @@ inline void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, co
   if (c.device == Device::cuda) return cuda::gemm_fp8(a, a_scale, b, b_scale, b_blocks, c, alpha, beta);
 #endif
   return cpu::gemm_fp8(a, a_scale, b, b_scale, b_blocks, c, alpha, beta);
+}
+
+inline void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
+                             const Tensor& offsets, const Tensor& y) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (y.device == Device::cuda) return cuda::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y);
+#endif
+  return cpu::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y);
+}
+
+inline void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
+                                    const Tensor& offsets, const Tensor& dw, bool accumulate) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dw.device == Device::cuda) return cuda::grouped_gemm_fp8_weight(a, a_scale, b, b_scale, offsets, dw, accumulate);
+#endif
+  return cpu::grouped_gemm_fp8_weight(a, a_scale, b, b_scale, offsets, dw, accumulate);
 }
 
 }  // namespace mt
