@@ -43,12 +43,13 @@ std::vector<nlohmann::json> metrics_of(const std::string& dump) {
 TEST(Config, DefaultsFileAndOverrides) {
   std::string d = temp_dir("config");
   std::ofstream(d + "/run.toml") << "[training]\nsteps = 7\nseed = 3\n[optimizer]\nlr = 1e-3\n";
-  Config c = load_config(d + "/run.toml", {{"training.steps", "9"}, {"model.init", "hf:/x"}, {"training.fp8", "true"}});
+  Config c = load_config(d + "/run.toml", {{"training.steps", "9"}, {"model.init", "hf:/x"}, {"training.fp8", "blockwise"}});
   EXPECT_EQ(c.training.steps, 9);  // the override wins
   EXPECT_EQ(c.training.seed, 3);
   EXPECT_EQ(c.optimizer.lr, 1e-3);
   EXPECT_EQ(c.model.init, "hf:/x");
-  EXPECT_TRUE(c.training.fp8);
+  EXPECT_EQ(c.training.fp8, "blockwise");
+  EXPECT_EQ(c.training.fp8_scale, "pow2");  // the default
   EXPECT_EQ(c.optimizer.beta2, 0.95);  // untouched default
   // What config_to_toml prints reads back to the same config.
   std::ofstream(d + "/again.toml") << config_to_toml(c);

@@ -150,6 +150,8 @@ int run_plan(const Args& args) {
   ModelOptions options;
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
   options.plan_only = true;
+  options.fp8 = cfg.training.fp8 == "blockwise" ? Fp8::blockwise : Fp8::none;
+  options.fp8_pow2 = cfg.training.fp8_scale == "pow2";
   const std::unique_ptr<Model> whole = make_model(config_json, options);
   const int64_t L = whole->num_layers();
   const Pipeline pipeline = make_pipeline(L, mesh.pp, cfg.parallelism.pipeline_schedule);

@@ -78,6 +78,8 @@ int run_train(const Args& args) {
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
   options.force_balanced_routing = cfg.training.force_balanced_routing;
   options.capacity_factor = cfg.training.capacity_factor;
+  options.fp8 = cfg.training.fp8 == "blockwise" ? Fp8::blockwise : Fp8::none;
+  options.fp8_pow2 = cfg.training.fp8_scale == "pow2";
   options.ep = &mesh.ep();
   options.cp = &mesh.cp();
   // ZeRO-3 shards the layers' weights over the ranks; one rank keeps them whole.

@@ -11,6 +11,15 @@
 
 namespace mt {
 
+// A weight's blockwise FP8 copy (training.fp8 = blockwise, models/linear.h): the codes of
+// `compute` in 128x128 blocks and those of its transpose (the input gradient's operand),
+// with their block scales (kernels/fp8_quant.h has the layouts). Written whenever compute
+// is (refresh_compute_weights, the optimizer).
+struct Fp8Copy {
+  Tensor q, scale, qt, scale_t;
+  bool pow2 = true;
+};
+
 // Expert weights are fused (all experts of a layer in one block) and are sharded
 // differently from the rest, hence `expert`.
 struct Param {
@@ -18,6 +27,7 @@ struct Param {
   Tensor value;      // f32 master weights
   Tensor grad;       // f32, accumulated over micro-batches
   Tensor compute;    // what the matrix products read: a bf16 copy on the GPU, `value` on the CPU
+  Fp8Copy fp8;       // empty unless the products read this weight in FP8
   bool matrix = false;  // 2-D and up: decayed when optimizer.decay = "matrices"
   bool expert = false;
   // The part of the model it belongs to: -1 the embedding, 0 .. L-1 a decoder layer, L

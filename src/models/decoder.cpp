@@ -144,7 +144,12 @@ class Decoder final : public Model {
       : c_(c), k_(c.router.top_k), attention_(std::move(attention)), device_(o.device),
         balanced_(o.force_balanced_routing), plan_only_(o.plan_only), external_layers_(o.external_layers),
         capacity_factor_(o.capacity_factor), ep_(o.ep), act_(o.device == Device::cuda ? DType::bf16 : DType::f32),
-        embedding_(o.embedding), head_(o.head) {
+        embedding_(o.embedding), head_(o.head), linear_(o.fp8, o.fp8_pow2) {
+    MT_CHECK(!linear_.fp8() || !c.gpt_oss_experts)
+        << "training.fp8 = blockwise: GPT-OSS's linear layers have biases, which the FP8 products do not take yet";
+    MT_CHECK(!linear_.fp8() || !o.external_layers)
+        << "training.fp8 = blockwise with parallelism.zero3 is not built yet (the weight slots gather bf16 copies, "
+           "not FP8 ones)";
     attend_.cp = o.cp != nullptr && o.cp->size() > 1 ? o.cp : nullptr;
     held_.assign(static_cast<size_t>(c.num_layers), o.layers.empty());
     for (int64_t l : o.layers) {
@@ -223,7 +228,7 @@ class Decoder final : public Model {
   Tensor bias(int i) const { return i >= 0 ? params_[i].value : Tensor(); }
   Tensor grad_of(int i) const { return i >= 0 ? params_[i].grad : Tensor(); }
   AttentionIo io(DecoderStash& s, LayerActs& x) const {
-    return {s.batch, s.seq, s.cos, s.sin, x.xn, x.hm, x.d_hm, x.d_xn, &attend_, s.all_rows};
+    return {s.batch, s.seq, s.cos, s.sin, x.xn, x.hm, x.d_hm, x.d_xn, &attend_, &linear_, s.all_rows};
   }
   // The expert path of a MoE layer for this micro-batch: every routed row, or with
   // expert parallelism the R rows the exchange brought to this rank's experts.
@@ -264,8 +269,9 @@ class Decoder final : public Model {
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
   std::vector<bool> held_;  // per layer: built on this rank (pipeline parallelism)
   bool embedding_, head_;
+  Linear linear_;
   std::vector<Param> params_;
-  Arena values_, grads_, compute_;
+  Arena values_, grads_, compute_, fp8_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<LayerIndex> layer_;
   cpu::RopeFreqs rope_;
@@ -330,14 +336,33 @@ void Decoder::build_params() {
 
   // Two arenas of identical layout, master weights and their gradients, and on the GPU
   // a third with the bf16 copies of the matrices that the products read. With external
-  // layers, only the embedding's and the head's.
+  // layers, only the embedding's and the head's. With FP8, a fourth holds the linear
+  // layers' weights quantized in both layouts (Param::fp8): a layer's matrices but its
+  // router.
   const bool copies = device_ == Device::cuda;
   auto held = [&](const Param& p) { return !external_layers_ || p.layer < 0 || p.layer >= c_.num_layers; };
-  Arena count = Arena::counting("parameters", device_), count_c = Arena::counting("compute weights", device_);
-  for (const Param& p : params_) {
+  std::vector<bool> quantized(params_.size(), false);
+  if (linear_.fp8()) {
+    for (size_t i = 0; i < params_.size(); ++i)
+      quantized[i] = params_[i].matrix && params_[i].layer >= 0 && params_[i].layer < c_.num_layers;
+    for (int64_t l = 0; l < c_.num_layers; ++l)
+      if (held_[l] && layer_[l].router >= 0) quantized[layer_[l].router] = false;
+  }
+  auto fp8_copy = [&](Arena& a, const Param& p) {
+    const Shape t = p.value.ndim() == 3 ? Shape{p.value.dim(0), p.value.dim(2), p.value.dim(1)}
+                                        : Shape{p.value.dim(1), p.value.dim(0)};
+    return Fp8Copy{a.alloc(DType::f8e4m3, p.value.shape), a.alloc(DType::f32, fp8_block_scale_shape(p.value.shape, false)),
+                   a.alloc(DType::f8e4m3, t), a.alloc(DType::f32, fp8_block_scale_shape(p.value.shape, true)),
+                   linear_.pow2()};
+  };
+  Arena count = Arena::counting("parameters", device_), count_c = Arena::counting("compute weights", device_),
+        count_q = Arena::counting("fp8 weights", device_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
     if (!held(p)) continue;
     count.alloc(DType::f32, p.value.shape);
     if (copies && p.matrix) count_c.alloc(DType::bf16, p.value.shape);
+    if (quantized[i]) fp8_copy(count_q, p);
   }
   auto arena = [&](const char* name, size_t bytes) {
     return plan_only_ ? Arena::counting(name, device_) : Arena(name, device_, bytes);
@@ -345,7 +370,9 @@ void Decoder::build_params() {
   values_ = arena("parameters", count.peak());
   grads_ = arena("gradients", count.peak());
   compute_ = arena("compute weights", count_c.peak());
-  for (Param& p : params_) {
+  fp8_ = arena("fp8 weights", count_q.peak());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
     if (!held(p)) {
       p.value = Tensor(nullptr, p.value.shape, DType::f32, device_);
       p.grad = p.value;
@@ -355,6 +382,7 @@ void Decoder::build_params() {
     p.value = values_.alloc(DType::f32, p.value.shape);
     p.grad = grads_.alloc(DType::f32, p.value.shape);
     p.compute = copies && p.matrix ? compute_.alloc(DType::bf16, p.value.shape) : p.value;
+    if (quantized[i]) p.fp8 = fp8_copy(fp8_, p);
     if (plan_only_) continue;
     mt::fill(p.value, 0.0f);
     mt::fill(p.grad, 0.0f);
@@ -675,21 +703,21 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
-        grouped_gemm(r.xs, C(w.gate_up), bias(w.gate_up_bias), r.offsets, r.gu);
+        linear_.grouped_forward(r.xs, params_[w.gate_up], bias(w.gate_up_bias), r.offsets, r.gu);
         if (c_.swiglu_limit > 0)
           clamped_swiglu_forward(r.gu, c_.swiglu_limit, kSwigluAlpha, r.hs);
         else
           swiglu_forward(r.gu, r.hs);
-        grouped_gemm(r.hs, C(w.down), bias(w.down_bias), r.offsets, r.ys);
+        linear_.grouped_forward(r.hs, params_[w.down], bias(w.down_bias), r.offsets, r.ys);
         if (w.shared_gate_up >= 0) {  // the shared experts see every token
-          gemm(x.y, C(w.shared_gate_up), x.sgu, false, true);
+          linear_.forward(x.y, {{params_[w.shared_gate_up], x.sgu}});
           swiglu_forward(x.sgu, x.shs);
-          gemm(x.shs, C(w.shared_down), x.so, false, true);
+          linear_.forward(x.shs, {{params_[w.shared_down], x.so}});
         }
       } else {
-        gemm(x.y, C(w.gate_up), x.gu, false, true);
+        linear_.forward(x.y, {{params_[w.gate_up], x.gu}});
         swiglu_forward(x.gu, x.hs);
-        gemm(x.hs, C(w.down), x.mo, false, true);
+        linear_.forward(x.hs, {{params_[w.down], x.mo}});
       }
       break;
     case Stage::combine:
@@ -718,7 +746,7 @@ void Decoder::attention_backward_input(int64_t l, DecoderStash& s) {
     if (x.d_logits_c.data != x.d_logits.data) mt::cast(x.d_logits, x.d_logits_c);
     gemm(x.d_logits_c, C(w.router), x.d_y, false, false, 1.0f, 1.0f);
     // The shared experts' input gradient, after the dispatch's (which overwrites d_y).
-    if (w.shared_gate_up >= 0) gemm(x.d_sgu, C(w.shared_gate_up), x.d_y, false, false, 1.0f, 1.0f);
+    if (w.shared_gate_up >= 0) linear_.backward_input(x.d_sgu, params_[w.shared_gate_up], x.d_y, 1.0f);
   }
   // d_hm = dh[l+1] (the residual) + the post-attention norm's input gradient.
   // The norms' weight gradients are taken here, with their input gradients, not in W:
@@ -750,20 +778,20 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
-        grouped_gemm_backward_input(r.d_ys, C(w.down), r.offsets, r.d_hs);
+        linear_.grouped_backward_input(r.d_ys, params_[w.down], r.offsets, r.d_hs);
         if (c_.swiglu_limit > 0)
           clamped_swiglu_backward(r.gu, c_.swiglu_limit, kSwigluAlpha, r.d_hs, r.d_gu);
         else
           swiglu_backward(r.gu, r.d_hs, r.d_gu);
-        grouped_gemm_backward_input(r.d_gu, C(w.gate_up), r.offsets, r.d_xs);
+        linear_.grouped_backward_input(r.d_gu, params_[w.gate_up], r.offsets, r.d_xs);
         if (w.shared_gate_up >= 0) {
-          gemm(d_mo, C(w.shared_down), x.d_shs, false, false);
+          linear_.backward_input(d_mo, params_[w.shared_down], x.d_shs);
           swiglu_backward(x.sgu, x.d_shs, x.d_sgu);
         }
       } else {
-        gemm(d_mo, C(w.down), x.d_hs, false, false);
+        linear_.backward_input(d_mo, params_[w.down], x.d_hs);
         swiglu_backward(x.gu, x.d_hs, x.d_gu);
-        gemm(x.d_gu, C(w.gate_up), x.d_y, false, false);
+        linear_.backward_input(x.d_gu, params_[w.gate_up], x.d_y);
       }
       break;
     case Stage::dispatch:
@@ -788,16 +816,17 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
       if (moe) {
         Routed r = routed(x);
         // A bias is written with its weight: one mark serves both.
-        grouped_gemm_backward_weight(r.hs, r.d_ys, r.offsets, G(w.down), grad_of(w.down_bias), !start(w.down));
-        grouped_gemm_backward_weight(r.xs, r.d_gu, r.offsets, G(w.gate_up), grad_of(w.gate_up_bias),
-                                     !start(w.gate_up));
+        linear_.grouped_backward_weight(r.hs, r.d_ys, r.offsets, params_[w.down], grad_of(w.down_bias),
+                                        !start(w.down));
+        linear_.grouped_backward_weight(r.xs, r.d_gu, r.offsets, params_[w.gate_up], grad_of(w.gate_up_bias),
+                                        !start(w.gate_up));
         if (w.shared_gate_up >= 0) {
-          gemm(s.dh[l + 1], x.shs, G(w.shared_down), true, false, 1.0f, beta(w.shared_down));
-          gemm(x.d_sgu, x.y, G(w.shared_gate_up), true, false, 1.0f, beta(w.shared_gate_up));
+          linear_.backward_weight(x.shs, {{s.dh[l + 1], params_[w.shared_down]}});
+          linear_.backward_weight(x.y, {{x.d_sgu, params_[w.shared_gate_up]}});
         }
       } else {
-        gemm(s.dh[l + 1], x.hs, G(w.down), true, false, 1.0f, beta(w.down));
-        gemm(x.d_gu, x.y, G(w.gate_up), true, false, 1.0f, beta(w.gate_up));
+        linear_.backward_weight(x.hs, {{s.dh[l + 1], params_[w.down]}});
+        linear_.backward_weight(x.y, {{x.d_gu, params_[w.gate_up]}});
       }
       break;
     case Stage::attention:

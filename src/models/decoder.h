@@ -66,6 +66,7 @@ struct AttentionIo {
   Tensor d_hm;      // backward: d loss / d hm
   Tensor d_xn;      // backward_input writes d loss / d xn
   const Attend* attend = nullptr;
+  const Linear* linear = nullptr;  // every linear layer's products
   // i32 {0, N}: one group of every row, so that a linear layer with a bias runs as a
   // grouped GEMM (kernels/grouped_gemm.h, whose products take a bias and its gradient).
   Tensor all_rows;

@@ -5,7 +5,6 @@
 
 #include "core/check.h"
 #include "kernels/elementwise.h"
-#include "kernels/gemm.h"
 #include "kernels/rmsnorm.h"
 #include "models/hf_config.h"
 
@@ -184,11 +183,11 @@ class MlaAttention final : public Attention {
     auto& x = static_cast<MlaActs&>(base);
     const int64_t B = io.batch, S = io.seq, N = B * S;
     if (Rq > 0) {
-      gemm(io.xn, P[w.q_a].compute, x.qa, false, true);
+      io.linear->forward(io.xn, {{P[w.q_a], x.qa}, {P[w.kv_a], x.kva}});
       rmsnorm_forward(x.qa, P[w.q_a_norm].value, kLoraEps, x.qan, x.qa_rstd);
-      gemm(x.qan, P[w.q].compute, x.q, false, true);
+      io.linear->forward(x.qan, {{P[w.q], x.q}});
     } else {
-      gemm(io.xn, P[w.q].compute, x.q, false, true);
+      io.linear->forward(io.xn, {{P[w.q], x.q}, {P[w.kv_a], x.kva}});
     }
     // q: the nope part as projected, the rope part rotated.
     const Tensor q = x.q.view({N * H, Dq}), qf = x.qf.view({N * H, Dq});
@@ -197,26 +196,25 @@ class MlaAttention final : public Attention {
     rope_forward(x.q_pe.view({B, S, H, Dr}), io.cos, io.sin, true, x.q_rot.view({B, S, H, Dr}));
     copy_columns(qf, Dn, x.q_rot, 0, Dr, false);
     // k and v: the latent normed and expanded per head, k_pe rotated and shared by all.
-    gemm(io.xn, P[w.kv_a].compute, x.kva, false, true);
     copy_columns(x.c, 0, x.kva, 0, r, false);
     copy_columns(x.k_pe, 0, x.kva, r, Dr, false);
     rmsnorm_forward(x.c, P[w.kv_a_norm].value, kLoraEps, x.cn, x.c_rstd);
     rope_forward(x.k_pe.view({B, S, 1, Dr}), io.cos, io.sin, true, x.k_rot.view({B, S, 1, Dr}));
-    gemm(x.cn, P[w.kv_b].compute, x.kv, false, true);
+    io.linear->forward(x.cn, {{P[w.kv_b], x.kv}});
     const Tensor kv = x.kv.view({N * H, Dn + Dv}), k = x.k.view({N * H, Dq});
     copy_columns(k, 0, kv, 0, Dn, false);
     copy_columns(k, Dn, x.k_rot, 0, Dr, false);  // broadcast over the heads
     copy_columns(x.v.view({N * H, Dv}), 0, kv, Dn, Dv, false);
     io.attend->forward(x.qf.view({B, S, H, Dq}), x.k.view({B, S, H, Dq}), x.v.view({B, S, H, Dv}), Tensor(), args(),
                        x.att.view({B, S, H, Dv}), x.lse);
-    gemm(x.att, P[w.o].compute, io.hm, false, true, 1.0f, 1.0f);
+    io.linear->forward(x.att, {{P[w.o], io.hm, 1.0f}});
   }
 
   void backward_input(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<MlaActs&>(base);
     const int64_t B = io.batch, S = io.seq, N = B * S;
-    gemm(io.d_hm, P[w.o].compute, x.d_att, false, false);
+    io.linear->backward_input(io.d_hm, P[w.o], x.d_att);
     io.attend->backward(x.qf.view({B, S, H, Dq}), x.k.view({B, S, H, Dq}), x.v.view({B, S, H, Dv}), Tensor(), args(),
                         x.att.view({B, S, H, Dv}), x.lse, x.d_att.view({B, S, H, Dv}), x.d_qf.view({B, S, H, Dq}),
                         x.d_k.view({B, S, H, Dq}), x.d_v.view({B, S, H, Dv}), Tensor());
@@ -225,12 +223,12 @@ class MlaAttention final : public Attention {
     copy_columns(d_kv, 0, d_k, 0, Dn, false);
     copy_columns(d_kv, Dn, x.d_v.view({N * H, Dv}), 0, Dv, false);
     copy_columns(x.d_krot, 0, d_k, Dn, Dr, false);
-    gemm(x.d_kv, P[w.kv_b].compute, x.d_cn, false, false);
+    io.linear->backward_input(x.d_kv, P[w.kv_b], x.d_cn);
     rmsnorm_backward(x.c, P[w.kv_a_norm].value, x.c_rstd, x.d_cn, x.d_c, grad_zeroed(P[w.kv_a_norm]));
     rope_backward(x.d_krot.view({B, S, 1, Dr}), io.cos, io.sin, true, x.d_kpe.view({B, S, 1, Dr}));
     copy_columns(x.d_kva, 0, x.d_c, 0, r, false);
     copy_columns(x.d_kva, r, x.d_kpe, 0, Dr, false);
-    gemm(x.d_kva, P[w.kv_a].compute, io.d_xn, false, false);
+    io.linear->backward_input(x.d_kva, P[w.kv_a], io.d_xn);
     // q: the nope part's gradient as it is, the rope part's rotated back.
     const Tensor d_qf = x.d_qf.view({N * H, Dq}), d_q = x.d_q.view({N * H, Dq});
     copy_columns(d_q, 0, d_qf, 0, Dn, false);
@@ -238,28 +236,25 @@ class MlaAttention final : public Attention {
     rope_backward(x.d_pe_rot.view({B, S, H, Dr}), io.cos, io.sin, true, x.d_pe.view({B, S, H, Dr}));
     copy_columns(d_q, Dn, x.d_pe, 0, Dr, false);
     if (Rq > 0) {
-      gemm(x.d_q, P[w.q].compute, x.d_qan, false, false);
+      io.linear->backward_input(x.d_q, P[w.q], x.d_qan);
       rmsnorm_backward(x.qa, P[w.q_a_norm].value, x.qa_rstd, x.d_qan, x.d_qa, grad_zeroed(P[w.q_a_norm]));
-      gemm(x.d_qa, P[w.q_a].compute, io.d_xn, false, false, 1.0f, 1.0f);
+      io.linear->backward_input(x.d_qa, P[w.q_a], io.d_xn, 1.0f);
     } else {
-      gemm(x.d_q, P[w.q].compute, io.d_xn, false, false, 1.0f, 1.0f);
+      io.linear->backward_input(x.d_q, P[w.q], io.d_xn, 1.0f);
     }
   }
 
   void backward_weight(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<MlaActs&>(base);
-    auto dw = [&](const Tensor& dy, const Tensor& in, int i) {
-      gemm(dy, in, P[i].grad, true, false, 1.0f, grad_beta(P[i]));
-    };
-    dw(io.d_hm, x.att, w.o);
-    dw(x.d_kv, x.cn, w.kv_b);
-    dw(x.d_kva, io.xn, w.kv_a);
+    const Linear& f = *io.linear;
+    f.backward_weight(x.att, {{io.d_hm, P[w.o]}});
+    f.backward_weight(x.cn, {{x.d_kv, P[w.kv_b]}});
     if (Rq > 0) {
-      dw(x.d_q, x.qan, w.q);
-      dw(x.d_qa, io.xn, w.q_a);
+      f.backward_weight(x.qan, {{x.d_q, P[w.q]}});
+      f.backward_weight(io.xn, {{x.d_kva, P[w.kv_a]}, {x.d_qa, P[w.q_a]}});
     } else {
-      dw(x.d_q, io.xn, w.q);
+      f.backward_weight(io.xn, {{x.d_kva, P[w.kv_a]}, {x.d_q, P[w.q]}});
     }
   }
 

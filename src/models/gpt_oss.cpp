@@ -5,7 +5,6 @@
 
 #include "core/check.h"
 #include "kernels/elementwise.h"
-#include "kernels/gemm.h"
 #include "kernels/grouped_gemm.h"
 #include "models/hf_config.h"
 
@@ -140,7 +139,7 @@ class GptOssAttention final : public Attention {
     io.attend->forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}),
                        P[w.sinks].value, args(l), x.att.view({B, S, Hq, Dh}), x.lse);
     // hm += att @ Wo^T + bo
-    gemm(x.att, P[w.o].compute, io.hm, false, true, 1.0f, 1.0f);
+    io.linear->forward(x.att, {{P[w.o], io.hm, 1.0f}});
     copy_columns(io.hm, 0, P[w.o_bias].value.view({1, c_.decoder.hidden_size}), 0, c_.decoder.hidden_size, true);
   }
 
@@ -148,16 +147,16 @@ class GptOssAttention final : public Attention {
     const Index& w = w_[l];
     auto& x = static_cast<GptOssActs&>(base);
     const int64_t B = io.batch, S = io.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
-    gemm(io.d_hm, P[w.o].compute, x.d_att, false, false);
+    io.linear->backward_input(io.d_hm, P[w.o], x.d_att);
     io.attend->backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}),
                         P[w.sinks].value, args(l), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
                         x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
                         grad_zeroed(P[w.sinks]));
     rope_backward(x.d_qr.view({B, S, Hq, Dh}), io.cos, io.sin, false, x.d_q.view({B, S, Hq, Dh}));
     rope_backward(x.d_kr.view({B, S, Hkv, Dh}), io.cos, io.sin, false, x.d_k.view({B, S, Hkv, Dh}));
-    gemm(x.d_q, P[w.q].compute, io.d_xn, false, false);
-    gemm(x.d_k, P[w.k].compute, io.d_xn, false, false, 1.0f, 1.0f);
-    gemm(x.d_v, P[w.v].compute, io.d_xn, false, false, 1.0f, 1.0f);
+    io.linear->backward_input(x.d_q, P[w.q], io.d_xn);
+    io.linear->backward_input(x.d_k, P[w.k], io.d_xn, 1.0f);
+    io.linear->backward_input(x.d_v, P[w.v], io.d_xn, 1.0f);
   }
 
   void backward_weight(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {

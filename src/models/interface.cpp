@@ -5,6 +5,7 @@
 #include "core/check.h"
 #include "io/file.h"
 #include "kernels/elementwise.h"
+#include "kernels/fp8_quant.h"
 #include "models/deepseek_v2.h"
 #include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
@@ -38,6 +39,13 @@ std::vector<int64_t> hf_shape(const HfTensor& t, int64_t experts) {
 void refresh_compute_weights(std::vector<Param>& params) {
   for (Param& p : params)
     if (p.value.data != nullptr && p.compute.data != p.value.data) mt::cast(p.value, p.compute);
+  refresh_fp8_weights(params);
+}
+
+void refresh_fp8_weights(std::vector<Param>& params) {
+  for (Param& p : params)
+    if (p.value.data != nullptr && p.fp8.q.data != nullptr)
+      quantize_blocks(p.compute, p.fp8.q, p.fp8.scale, p.fp8.pow2, p.fp8.qt, p.fp8.scale_t);
 }
 
 }  // namespace mt

@@ -15,6 +15,7 @@
 #include "core/arena.h"
 #include "core/param.h"
 #include "core/tensor.h"
+#include "models/linear.h"
 
 namespace mt::comm {
 class Communicator;
@@ -117,6 +118,9 @@ struct ModelOptions {
   // global index in every call and name.
   std::vector<int64_t> layers;
   bool embedding = true, head = true;
+  // training.fp8 and training.fp8_scale: the linear layers' products (models/linear.h).
+  Fp8 fp8 = Fp8::none;
+  bool fp8_pow2 = true;
 };
 
 class Model {
@@ -192,6 +196,9 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
 // Brings every Param's compute copy up to date with its master value (after an
 // optimizer step or a load); nothing to do on the CPU, where they are the same, nor
 // for a Param without storage (an ungathered ZeRO-3 layer).
+// And the FP8 copies (Param::fp8) of the weights that have them.
 void refresh_compute_weights(std::vector<Param>& params);
+// Only the FP8 copies, from compute (after an optimizer pass that wrote compute).
+void refresh_fp8_weights(std::vector<Param>& params);
 
 }  // namespace mt

@@ -4,7 +4,6 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
-#include "kernels/gemm.h"
 #include "kernels/rmsnorm.h"
 #include "models/decoder.h"
 #include "models/hf_config.h"
@@ -144,23 +143,21 @@ class Qwen3Attention final : public Attention {
     auto& x = static_cast<Qwen3Acts&>(base);
     const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
     const float eps = static_cast<float>(c_.rms_norm_eps);
-    gemm(io.xn, P[w.q].compute, x.q, false, true);
-    gemm(io.xn, P[w.k].compute, x.k, false, true);
-    gemm(io.xn, P[w.v].compute, x.v, false, true);
+    io.linear->forward(io.xn, {{P[w.q], x.q}, {P[w.k], x.k}, {P[w.v], x.v}});
     rmsnorm_forward(x.q.view({N * Hq, Dh}), P[w.q_norm].value, eps, x.qn.view({N * Hq, Dh}), x.rstd_q);
     rmsnorm_forward(x.k.view({N * Hkv, Dh}), P[w.k_norm].value, eps, x.kn.view({N * Hkv, Dh}), x.rstd_k);
     rope_forward(x.qn.view({B, S, Hq, Dh}), io.cos, io.sin, false, x.qr.view({B, S, Hq, Dh}));
     rope_forward(x.kn.view({B, S, Hkv, Dh}), io.cos, io.sin, false, x.kr.view({B, S, Hkv, Dh}));
     io.attend->forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
                        args(), x.att.view({B, S, Hq, Dh}), x.lse);
-    gemm(x.att, P[w.o].compute, io.hm, false, true, 1.0f, 1.0f);
+    io.linear->forward(x.att, {{P[w.o], io.hm, 1.0f}});
   }
 
   void backward_input(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<Qwen3Acts&>(base);
     const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
-    gemm(io.d_hm, P[w.o].compute, x.d_att, false, false);
+    io.linear->backward_input(io.d_hm, P[w.o], x.d_att);
     io.attend->backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
                         args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
                         x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
@@ -171,18 +168,16 @@ class Qwen3Attention final : public Attention {
                      x.d_q.view({N * Hq, Dh}), grad_zeroed(P[w.q_norm]));
     rmsnorm_backward(x.k.view({N * Hkv, Dh}), P[w.k_norm].value, x.rstd_k, x.d_kn.view({N * Hkv, Dh}),
                      x.d_k.view({N * Hkv, Dh}), grad_zeroed(P[w.k_norm]));
-    gemm(x.d_q, P[w.q].compute, io.d_xn, false, false);
-    gemm(x.d_k, P[w.k].compute, io.d_xn, false, false, 1.0f, 1.0f);
-    gemm(x.d_v, P[w.v].compute, io.d_xn, false, false, 1.0f, 1.0f);
+    io.linear->backward_input(x.d_q, P[w.q], io.d_xn);
+    io.linear->backward_input(x.d_k, P[w.k], io.d_xn, 1.0f);
+    io.linear->backward_input(x.d_v, P[w.v], io.d_xn, 1.0f);
   }
 
   void backward_weight(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<Qwen3Acts&>(base);
-    gemm(io.d_hm, x.att, P[w.o].grad, true, false, 1.0f, grad_beta(P[w.o]));
-    gemm(x.d_q, io.xn, P[w.q].grad, true, false, 1.0f, grad_beta(P[w.q]));
-    gemm(x.d_k, io.xn, P[w.k].grad, true, false, 1.0f, grad_beta(P[w.k]));
-    gemm(x.d_v, io.xn, P[w.v].grad, true, false, 1.0f, grad_beta(P[w.v]));
+    io.linear->backward_weight(x.att, {{io.d_hm, P[w.o]}});
+    io.linear->backward_weight(io.xn, {{x.d_q, P[w.q]}, {x.d_k, P[w.k]}, {x.d_v, P[w.v]}});
   }
 
  private:

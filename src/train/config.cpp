@@ -29,6 +29,7 @@ void visit(Config& c, F&& f) {
   f("training", "seed", c.training.seed);
   f("training", "device", c.training.device);
   f("training", "fp8", c.training.fp8);
+  f("training", "fp8_scale", c.training.fp8_scale);
   f("training", "load_balance_coef", c.training.load_balance_coef);
   f("training", "load_balance_type", c.training.load_balance_type);
   f("training", "capacity_factor", c.training.capacity_factor);
@@ -114,6 +115,8 @@ void validate(const Config& c) {
   MT_CHECK(c.model.init == "random" || c.model.init.starts_with("hf:"))
       << "model.init should be 'random' or 'hf:DIR', got '" << c.model.init << "'";
   check_one_of(c.training.device, {"cpu", "cuda"}, "training.device");
+  check_one_of(c.training.fp8, {"none", "blockwise"}, "training.fp8");
+  check_one_of(c.training.fp8_scale, {"pow2", "fp32"}, "training.fp8_scale");
   check_one_of(c.training.load_balance_type, {"micro_batch", "global_batch"}, "training.load_balance_type");
   check_one_of(c.parallelism.pipeline_schedule, {"auto", "dualpipev", "1f1b"}, "parallelism.pipeline_schedule");
   check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");

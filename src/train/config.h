@@ -34,7 +34,10 @@ struct TrainingConfig {
   double clip_grad_norm = 1.0;    // 0: no clipping
   int64_t seed = 0;
   std::string device = "cpu";     // cpu or cuda
-  bool fp8 = false;
+  // Linear layers in blockwise FP8 (none or blockwise; models/linear.h), with the tile
+  // scales rounded up to powers of two (pow2) or kept as computed (fp32).
+  std::string fp8 = "none";
+  std::string fp8_scale = "pow2";
   double load_balance_coef = 0.0;
   std::string load_balance_type = "micro_batch";  // micro_batch or global_batch
   double capacity_factor = 0.0;   // 0: dropless

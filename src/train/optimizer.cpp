@@ -144,6 +144,7 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
                         noise_key(i, 0)});
     }
     mt::adamw_step_multi(blocks, a);
+    refresh_fp8_weights(params_);
     return;
   }
   // This rank's pieces of the weights, updated in place (the full weights', or with

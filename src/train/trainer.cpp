@@ -130,7 +130,6 @@ void Trainer::setup() {
                                     << (model_.device() == Device::cuda ? "cuda" : "cpu") << " device";
   MT_CHECK(t.force_balanced_routing == model_.balanced_routing())
       << "training.force_balanced_routing must match the model's option";
-  MT_CHECK(!t.fp8) << "training.fp8 = true: FP8 training is not built yet";
   MT_CHECK(t.capacity_factor >= 0.0) << "training.capacity_factor = " << t.capacity_factor
                                      << ": expected 0 (dropless) or a positive factor";
   rank_rows_ = global_batch_;

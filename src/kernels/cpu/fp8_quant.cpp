@@ -73,13 +73,67 @@ void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& s
                 codes(qt, "quantize_rows_and_columns qt", {k, m}), scale_t.f32(), pow2);
 }
 
-void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2) {
-  const Src src = check_input(w, "quantize_blocks w");
-  const int64_t n = w.dim(0), k = w.dim(1), ld = fp8::block_scale_cols(k);
-  check_tensor(scale, "quantize_blocks scale", DType::f32, {fp8::tiles(n), ld});
+void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt,
+                     const Tensor& scale_t) {
+  MT_CHECK((w.ndim() == 2 || w.ndim() == 3) && (w.dtype == DType::f32 || w.dtype == DType::bf16))
+      << "quantize_blocks w should be f32 or bf16 [N, K] or [E, N, K], got " << w.str();
+  MT_CHECK((qt.data == nullptr) == (scale_t.data == nullptr)) << "quantize_blocks: qt and scale_t go together";
+  const bool batched = w.ndim() == 3;
+  const int64_t e = batched ? w.dim(0) : 1, n = w.dim(w.ndim() - 2), k = w.dim(w.ndim() - 1);
+  const int64_t ld = fp8::block_scale_cols(k), ldt = fp8::block_scale_cols(n);
+  auto shape = [&](int64_t a, int64_t b) { return batched ? Shape{e, a, b} : Shape{a, b}; };
+  check_tensor(w, "quantize_blocks w", w.dtype, shape(n, k));
+  check_tensor(scale, "quantize_blocks scale", DType::f32, shape(fp8::tiles(n), ld));
+  uint8_t* c = codes(q, "quantize_blocks q", shape(n, k));
+  uint8_t* ct = nullptr;
+  if (qt.data != nullptr) {
+    ct = codes(qt, "quantize_blocks qt", shape(k, n));
+    check_tensor(scale_t, "quantize_blocks scale_t", DType::f32, shape(fp8::tiles(k), ldt));
+    std::fill_n(scale_t.f32(), scale_t.numel(), 0.0f);
+  }
   std::fill_n(scale.f32(), scale.numel(), 0.0f);
-  quantize_view(src, {n, k, fp8::kTile, fp8::kTile, k, 1, k, 1, ld, 1}, codes(q, "quantize_blocks q", {n, k}),
-                scale.f32(), pow2);
+  const Src src = check_input(w.view({e * n, k}), "quantize_blocks w");
+  for (int64_t b = 0; b < e; ++b) {
+    const Src x{static_cast<const char*>(src.p) + b * n * k * dtype_size(w.dtype), src.bf16};
+    float* s = scale.f32() + b * fp8::tiles(n) * ld;
+    quantize_view(x, {n, k, fp8::kTile, fp8::kTile, k, 1, k, 1, ld, 1}, c + b * n * k, s, pow2);
+    // The transpose [K, N]: element (k, n) is x[n*K + k]; block (k/128, n/128) at [k/128][n/128].
+    if (ct != nullptr)
+      quantize_view(x, {k, n, fp8::kTile, fp8::kTile, 1, k, n, 1, ldt, 1}, ct + b * n * k,
+                    scale_t.f32() + b * fp8::tiles(k) * ldt, pow2);
+  }
+}
+
+void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
+                              bool pow2) {
+  const Src src = check_input(x, "quantize_segment_columns x");
+  const int64_t r = x.dim(0), k = x.dim(1);
+  MT_CHECK(offsets.ndim() == 1 && offsets.dim(0) >= 2 && offsets.dtype == DType::i32)
+      << "quantize_segment_columns offsets should be i32 [E+1], got " << offsets.str();
+  const int64_t e = offsets.dim(0) - 1;
+  MT_CHECK(qt.ndim() == 2 && qt.dim(0) == k && qt.dim(1) >= fp8::segment_cols(r, e))
+      << "quantize_segment_columns qt should be f8e4m3 [" << k << ", >= " << fp8::segment_cols(r, e) << "], got "
+      << qt.str();
+  MT_CHECK(scale_t.ndim() == 2 && scale_t.dim(1) == k && scale_t.dim(0) >= fp8::segment_tiles(r, e))
+      << "quantize_segment_columns scale_t should be f32 [>= " << fp8::segment_tiles(r, e) << ", " << k
+      << "], got " << scale_t.str();
+  uint8_t* c = codes(qt, "quantize_segment_columns qt", qt.shape);
+  check_tensor(scale_t, "quantize_segment_columns scale_t", DType::f32, scale_t.shape);
+  const int32_t* off = offsets.i32();
+  const int64_t ld = qt.dim(1);
+  int64_t col = 0, tile = 0;
+  for (int64_t g = 0; g < e; ++g) {
+    const int64_t r0 = off[g], n = off[g + 1] - off[g];
+    MT_CHECK(r0 >= 0 && n >= 0 && off[g + 1] <= r) << "quantize_segment_columns: offsets " << r0 << " .. "
+                                                    << off[g + 1] << " of expert " << g << " outside 0 .. " << r;
+    const int64_t width = (n + fp8::kSegmentAlign - 1) / fp8::kSegmentAlign * fp8::kSegmentAlign;
+    // This segment's x^T [K, n]: element (k, m) is x[(r0 + m)*K + k], at qt[k*ld + col + m].
+    const Src seg{static_cast<const char*>(src.p) + r0 * k * dtype_size(x.dtype), src.bf16};
+    if (n > 0) quantize_view(seg, {k, n, 1, fp8::kTile, 1, k, ld, 1, 1, k}, c + col, scale_t.f32() + tile * k, pow2);
+    for (int64_t j = 0; j < k; ++j) std::fill(c + j * ld + col + n, c + j * ld + col + width, uint8_t{0});
+    col += width;
+    tile += fp8::tiles(n);
+  }
 }
 
 void dequantize_rows(const Tensor& q, const Tensor& scale, const Tensor& x) {
@@ -122,6 +176,85 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
   else
     dequantize_rows(b, b_scale, Tensor(bf.data(), {n, k}, DType::f32));
   sgemm(false, true, m, n, k, alpha, af.data(), k, bf.data(), k, beta, c.f32(), n);
+}
+
+}  // namespace mt::cpu
+
+namespace mt::cpu {
+
+namespace {
+
+// Expert e's rows of a grouped operand, checked against the rows there are.
+std::pair<int64_t, int64_t> segment(const Tensor& offsets, int64_t e, int64_t rows, const char* what) {
+  const int32_t* off = offsets.i32();
+  MT_CHECK(off[e] >= 0 && off[e] <= off[e + 1] && off[e + 1] <= rows)
+      << what << ": offsets " << off[e] << " .. " << off[e + 1] << " of expert " << e << " outside 0 .. " << rows;
+  return {off[e], off[e + 1]};
+}
+
+}  // namespace
+
+void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
+                      const Tensor& offsets, const Tensor& y) {
+  MT_CHECK(x.ndim() == 2 && w.ndim() == 3 && x.dim(1) == w.dim(2) && offsets.ndim() == 1 &&
+           offsets.dim(0) == w.dim(0) + 1)
+      << "grouped_gemm_fp8 wants x [R, K], w [E, O, K], offsets [E+1], got " << x.str() << ", " << w.str() << ", "
+      << offsets.str();
+  const int64_t r = x.dim(0), k = x.dim(1), e = w.dim(0), o = w.dim(1);
+  check_tensor(offsets, "grouped_gemm_fp8 offsets", DType::i32, {e + 1});
+  check_tensor(y, "grouped_gemm_fp8 y", DType::f32, {r, o});
+  std::vector<float> xf(static_cast<size_t>(r * k)), wf(static_cast<size_t>(o * k));
+  dequantize_rows(x, x_scale, Tensor(xf.data(), {r, k}, DType::f32));
+  check_tensor(w_scale, "grouped_gemm_fp8 w_scale", DType::f32, {e, fp8::tiles(o), fp8::block_scale_cols(k)});
+  for (int64_t g = 0; g < e; ++g) {
+    const auto [r0, r1] = segment(offsets, g, r, "grouped_gemm_fp8");
+    if (r1 == r0) continue;
+    dequantize_blocks(w.rows(g, g + 1).view({o, k}), w_scale.rows(g, g + 1).view({fp8::tiles(o), fp8::block_scale_cols(k)}),
+                      Tensor(wf.data(), {o, k}, DType::f32));
+    sgemm(false, true, r1 - r0, o, k, 1.0f, xf.data() + r0 * k, k, wf.data(), k, 0.0f, y.f32() + r0 * o, o);
+  }
+}
+
+void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
+                             const Tensor& offsets, const Tensor& dw, bool accumulate) {
+  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && a.dim(1) == b.dim(1) && dw.ndim() == 3 && dw.dim(1) == a.dim(0) &&
+           dw.dim(2) == b.dim(0) && offsets.ndim() == 1 && offsets.dim(0) == dw.dim(0) + 1)
+      << "grouped_gemm_fp8_weight wants a [O, C], b [K, C], dw [E, O, K], offsets [E+1], got " << a.str() << ", "
+      << b.str() << ", " << dw.str() << ", " << offsets.str();
+  const int64_t o = a.dim(0), k = b.dim(0), cols = a.dim(1), e = dw.dim(0);
+  check_tensor(a, "grouped_gemm_fp8_weight a", DType::f8e4m3, {o, cols});
+  check_tensor(b, "grouped_gemm_fp8_weight b", DType::f8e4m3, {k, cols});
+  check_tensor(offsets, "grouped_gemm_fp8_weight offsets", DType::i32, {e + 1});
+  check_tensor(dw, "grouped_gemm_fp8_weight dw", DType::f32, {e, o, k});
+  MT_CHECK(a_scale.ndim() == 2 && b_scale.ndim() == 2 && a_scale.dim(1) == o && b_scale.dim(1) == k)
+      << "grouped_gemm_fp8_weight wants a_scale [T, " << o << "] and b_scale [T, " << k << "], got "
+      << a_scale.str() << " and " << b_scale.str();
+  check_tensor(a_scale, "grouped_gemm_fp8_weight a_scale", DType::f32, a_scale.shape);
+  check_tensor(b_scale, "grouped_gemm_fp8_weight b_scale", DType::f32, b_scale.shape);
+  const int64_t rows = offsets.i32()[e];
+  const uint8_t *ca = static_cast<const uint8_t*>(a.data), *cb = static_cast<const uint8_t*>(b.data);
+  int64_t col = 0, tile = 0;
+  for (int64_t g = 0; g < e; ++g) {
+    const auto [r0, r1] = segment(offsets, g, rows, "grouped_gemm_fp8_weight");
+    const int64_t n = r1 - r0, width = (n + fp8::kSegmentAlign - 1) / fp8::kSegmentAlign * fp8::kSegmentAlign;
+    MT_CHECK(col + width <= cols && tile + fp8::tiles(n) <= std::min(a_scale.dim(0), b_scale.dim(0)))
+        << "grouped_gemm_fp8_weight: expert " << g << "'s columns or scale rows run past a " << a.str() << ", "
+        << a_scale.str() << ", b_scale " << b_scale.str();
+    // Dequantize the segment's columns of each operand, [rows, n] row-major.
+    auto expand = [&](const uint8_t* c, const float* s, int64_t m) {
+      std::vector<float> f(static_cast<size_t>(m * n));
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j)
+          f[i * n + j] = f32_from_e4m3(c[i * cols + col + j]) * s[(tile + j / fp8::kTile) * m + i];
+      return f;
+    };
+    const std::vector<float> fa = expand(ca, a_scale.f32(), o), fb = expand(cb, b_scale.f32(), k);
+    float* out = dw.f32() + g * o * k;
+    if (n == 0 && !accumulate) std::fill_n(out, o * k, 0.0f);
+    if (n > 0) sgemm(false, true, o, k, n, 1.0f, fa.data(), n, fb.data(), n, accumulate ? 1.0f : 0.0f, out, k);
+    col += width;
+    tile += fp8::tiles(n);
+  }
 }
 
 }  // namespace mt::cpu

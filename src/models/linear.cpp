@@ -1,0 +1,111 @@
+#include "models/linear.h"
+
+#include "core/check.h"
+#include "kernels/fp8_quant.h"
+#include "kernels/gemm.h"
+#include "kernels/grouped_gemm.h"
+#include "models/decoder.h"
+#include "parallel/buffer.h"
+
+namespace mt {
+
+namespace {
+
+using parallel::Buffer;
+using parallel::make_buffer;
+
+// A [M, K] operand quantized in 1x128 tiles along K: codes and scales [ceil(K/128), M].
+struct Rows {
+  Buffer q, scale;
+};
+
+Rows quantized_rows(const Tensor& x, bool pow2) {
+  const int64_t m = x.dim(0), k = x.dim(1);
+  Rows r{make_buffer(x.device, DType::f8e4m3, {m, k}), make_buffer(x.device, DType::f32, {fp8::tiles(k), m})};
+  quantize_rows(x, r.q.t, r.scale.t, pow2);
+  return r;
+}
+
+// x^T [K, M] in 1x128 tiles along M (the tokens): the weight gradient's operands.
+Rows quantized_columns(const Tensor& x, bool pow2) {
+  const int64_t m = x.dim(0), k = x.dim(1);
+  Rows rows{make_buffer(x.device, DType::f8e4m3, {m, k}), make_buffer(x.device, DType::f32, {fp8::tiles(k), m})};
+  Rows cols{make_buffer(x.device, DType::f8e4m3, {k, m}), make_buffer(x.device, DType::f32, {fp8::tiles(m), k})};
+  quantize_rows_and_columns(x, rows.q.t, rows.scale.t, cols.q.t, cols.scale.t, pow2);
+  return cols;
+}
+
+// Per expert segment of x [R, K] (quantize_segment_columns).
+Rows quantized_segments(const Tensor& x, const Tensor& offsets, bool pow2) {
+  const int64_t r = x.dim(0), k = x.dim(1), e = offsets.dim(0) - 1;
+  Rows s{make_buffer(x.device, DType::f8e4m3, {k, fp8::segment_cols(r, e)}),
+         make_buffer(x.device, DType::f32, {fp8::segment_tiles(r, e), k})};
+  quantize_segment_columns(x, offsets, s.q.t, s.scale.t, pow2);
+  return s;
+}
+
+const Fp8Copy& cache(const Param& w) {
+  MT_CHECK(w.fp8.q.data != nullptr) << w.name << " has no FP8 copy: training.fp8 = blockwise quantizes only the "
+                                    << "weights of linear layers";
+  return w.fp8;
+}
+
+}  // namespace
+
+Shape fp8_block_scale_shape(const Shape& w, bool transposed) {
+  const int64_t o = w.d[w.n - 2], k = w.d[w.n - 1];
+  const int64_t rows = fp8::tiles(transposed ? k : o), cols = fp8::block_scale_cols(transposed ? o : k);
+  return w.n == 3 ? Shape{w.d[0], rows, cols} : Shape{rows, cols};
+}
+
+void Linear::forward(const Tensor& x, std::initializer_list<Out> outs) const {
+  if (!fp8()) {
+    for (const Out& o : outs) gemm(x, o.w.compute, o.y, false, true, 1.0f, o.beta);
+    return;
+  }
+  const Rows xq = quantized_rows(x, pow2_);
+  for (const Out& o : outs) gemm_fp8(xq.q.t, xq.scale.t, cache(o.w).q, o.w.fp8.scale, true, o.y, 1.0f, o.beta);
+}
+
+void Linear::backward_input(const Tensor& dy, const Param& w, const Tensor& dx, float beta) const {
+  if (!fp8()) return gemm(dy, w.compute, dx, false, false, 1.0f, beta);
+  const Rows dq = quantized_rows(dy, pow2_);
+  gemm_fp8(dq.q.t, dq.scale.t, cache(w).qt, w.fp8.scale_t, true, dx, 1.0f, beta);
+}
+
+void Linear::backward_weight(const Tensor& x, std::initializer_list<Grad> grads) const {
+  if (!fp8()) {
+    for (const Grad& g : grads) gemm(g.dy, x, g.w.grad, true, false, 1.0f, grad_beta(g.w));
+    return;
+  }
+  const Rows xt = quantized_columns(x, pow2_);
+  for (const Grad& g : grads) {
+    const Rows dyt = quantized_columns(g.dy, pow2_);
+    gemm_fp8(dyt.q.t, dyt.scale.t, xt.q.t, xt.scale.t, false, g.w.grad, 1.0f, grad_beta(g.w));
+  }
+}
+
+void Linear::grouped_forward(const Tensor& x, const Param& w, const Tensor& bias, const Tensor& offsets,
+                             const Tensor& y) const {
+  if (!fp8()) return grouped_gemm(x, w.compute, bias, offsets, y);
+  MT_CHECK(bias.data == nullptr) << w.name << ": training.fp8 = blockwise has no grouped product with a bias";
+  const Rows xq = quantized_rows(x, pow2_);
+  grouped_gemm_fp8(xq.q.t, xq.scale.t, cache(w).q, w.fp8.scale, offsets, y);
+}
+
+void Linear::grouped_backward_input(const Tensor& dy, const Param& w, const Tensor& offsets,
+                                    const Tensor& dx) const {
+  if (!fp8()) return grouped_gemm_backward_input(dy, w.compute, offsets, dx);
+  const Rows dq = quantized_rows(dy, pow2_);
+  grouped_gemm_fp8(dq.q.t, dq.scale.t, cache(w).qt, w.fp8.scale_t, offsets, dx);
+}
+
+void Linear::grouped_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, Param& w,
+                                     const Tensor& dbias, bool accumulate) const {
+  if (!fp8()) return grouped_gemm_backward_weight(x, dy, offsets, w.grad, dbias, accumulate);
+  MT_CHECK(dbias.data == nullptr) << w.name << ": training.fp8 = blockwise has no grouped product with a bias";
+  const Rows xt = quantized_segments(x, offsets, pow2_), dyt = quantized_segments(dy, offsets, pow2_);
+  grouped_gemm_fp8_weight(dyt.q.t, dyt.scale.t, xt.q.t, xt.scale.t, offsets, w.grad, accumulate);
+}
+
+}  // namespace mt

@@ -1,0 +1,67 @@
+// Every linear layer of a model runs through Linear, so that training.fp8 is one switch
+// in one place. What stays out: the router, the embedding, the LM head, the norms and
+// the attention core (DeepSeek-V3 keeps them in bf16; so do we).
+//
+// none: the products read Param::compute (bf16 on the GPU, f32 on the CPU).
+// blockwise: DeepSeek-V3's recipe, kernels/fp8_quant.h: e4m3 codes with one f32 scale
+// per tile. The forward quantizes its input x in 1x128 tiles along the reduction once
+// per call, shared by every weight that reads it (q, k and v); the input gradient
+// quantizes dy the same way; the weight gradient quantizes x^T and dy^T in 1x128 tiles
+// along the tokens (for experts, per expert segment). Weights come quantized from their
+// Param::fp8 cache in both layouts (128x128 blocks), which refresh_compute_weights and
+// the optimizer write with the bf16 copy. Products accumulate in f32. The quantized
+// activations are temporaries of the call (the stream-ordered pool on the GPU); the
+// stash keeps the bf16 ones, so W quantizes its operands again rather than keeping FP8
+// copies alive from F and B.
+#pragma once
+
+#include <initializer_list>
+
+#include "core/param.h"
+#include "core/tensor.h"
+
+namespace mt {
+
+enum class Fp8 : uint8_t { none, blockwise };
+
+class Linear {
+ public:
+  Linear() = default;
+  Linear(Fp8 mode, bool pow2) : mode_(mode), pow2_(pow2) {}
+  bool fp8() const { return mode_ == Fp8::blockwise; }
+  bool pow2() const { return pow2_; }
+
+  // y = x w^T + beta y for each output: x [N, K], w [O, K], y [N, O].
+  struct Out {
+    const Param& w;
+    const Tensor& y;
+    float beta = 0.0f;
+  };
+  void forward(const Tensor& x, std::initializer_list<Out> outs) const;
+  // dx = dy w + beta dx: dy [N, O], dx [N, K].
+  void backward_input(const Tensor& dy, const Param& w, const Tensor& dx, float beta = 0.0f) const;
+  // w.grad (+)= dy^T x for each (dy, w) of one input x; the first write of a step
+  // replaces (grad_beta).
+  struct Grad {
+    const Tensor& dy;
+    Param& w;
+  };
+  void backward_weight(const Tensor& x, std::initializer_list<Grad> grads) const;
+
+  // The experts' grouped products (kernels/grouped_gemm.h): rows offsets[e] ..
+  // offsets[e+1] of x against w [E, O, K]. A bias (none with fp8) rides as there.
+  void grouped_forward(const Tensor& x, const Param& w, const Tensor& bias, const Tensor& offsets,
+                       const Tensor& y) const;
+  void grouped_backward_input(const Tensor& dy, const Param& w, const Tensor& offsets, const Tensor& dx) const;
+  void grouped_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, Param& w,
+                               const Tensor& dbias, bool accumulate) const;
+
+ private:
+  Fp8 mode_ = Fp8::none;
+  bool pow2_ = true;
+};
+
+// The FP8 cache of a weight [O, K] or [E, O, K] (Param::fp8): its shapes.
+Shape fp8_block_scale_shape(const Shape& w, bool transposed);
+
+}  // namespace mt
