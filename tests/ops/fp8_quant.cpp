@@ -194,6 +194,132 @@ TEST(Fp8Quant, BlocksMatchFloat64Reference) {
   EXPECT_GT(subnormal, 0);
 }
 
+// A layer's experts [E, N, K] block by block, with the transposed copy [E, K, N] that the
+// input gradient reads: each checked against the reference as its own matrix.
+TEST(Fp8Quant, ExpertBlocksAndTheirTransposeMatchFloat64Reference) {
+  const int64_t e = 3, n = 130, k = 200, tn = fp8::tiles(n), tk = fp8::tiles(k);
+  const int64_t ld = fp8::block_scale_cols(k), ldt = fp8::block_scale_cols(n);
+  for (bool pow2 : {true, false}) {
+    Input w(make_input(e * n, k, DType::bf16, pow2 ? 11 : 12), DType::bf16, {e, n, k});
+    std::vector<uint8_t> q(e * n * k), qt(e * n * k);
+    std::vector<float> s(e * tn * ld, -1.0f), st(e * tk * ldt, -1.0f);
+    cpu::quantize_blocks(w.t, Tensor(q.data(), {e, n, k}, DType::f8e4m3), Tensor(s.data(), {e, tn, ld}, DType::f32),
+                         pow2, Tensor(qt.data(), {e, k, n}, DType::f8e4m3), Tensor(st.data(), {e, tk, ldt}, DType::f32));
+    for (int64_t b = 0; b < e; ++b) {
+      SCOPED_TRACE(testing::Message() << "expert " << b << " pow2=" << pow2);
+      const Get get = [&](int64_t r, int64_t c) { return double{w.f[(b * n + r) * k + c]}; };
+      check_tiles(
+          "blocks", get, n, k, 128, 128, pow2, [&](int64_t r, int64_t c) { return q[(b * n + r) * k + c]; },
+          [&](int64_t tr, int64_t tc) { return s[(b * tn + tr) * ld + tc]; });
+      check_tiles(
+          "transposed blocks", [&](int64_t r, int64_t c) { return get(c, r); }, k, n, 128, 128, pow2,
+          [&](int64_t r, int64_t c) { return qt[(b * k + r) * n + c]; },
+          [&](int64_t tr, int64_t tc) { return st[(b * tk + tr) * ldt + tc]; });
+      for (int64_t tr = 0; tr < tk; ++tr)
+        for (int64_t tc = tn; tc < ldt; ++tc) EXPECT_EQ(st[(b * tk + tr) * ldt + tc], 0.0f) << "padding";
+    }
+  }
+}
+
+// Expert segments of x [R, K] as the grouped weight gradient reads them: each segment's
+// x^T in 1x128 tiles along its own rows, at its aligned column, zeros up to the next.
+TEST(Fp8Quant, SegmentColumnsMatchFloat64Reference) {
+  const int64_t r = 300, k = 160;
+  const std::vector<int32_t> off = {0, 0, 1, 130, 130, 300};  // empty, one row, 129, empty, 170
+  const int64_t e = static_cast<int64_t>(off.size()) - 1, cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
+  Input x(make_input(r, k, DType::f32, 21), DType::f32, {r, k});
+  std::vector<uint8_t> qt(k * cols, 0xee);
+  std::vector<float> st(t * k, -1.0f);
+  cpu::quantize_segment_columns(x.t, Tensor(const_cast<int32_t*>(off.data()), {e + 1}, DType::i32),
+                                Tensor(qt.data(), {k, cols}, DType::f8e4m3), Tensor(st.data(), {t, k}, DType::f32), true);
+  int64_t col = 0, tile = 0;
+  for (int64_t g = 0; g < e; ++g) {
+    SCOPED_TRACE(testing::Message() << "expert " << g);
+    const int64_t r0 = off[g], n = off[g + 1] - off[g], width = (n + 127) / 128 * 128;
+    if (n > 0)
+      check_tiles(
+          "segment", [&](int64_t a, int64_t b) { return double{x.f[(r0 + b) * k + a]}; }, k, n, 1, 128, true,
+          [&](int64_t a, int64_t b) { return qt[a * cols + col + b]; },
+          [&](int64_t tr, int64_t tc) { return st[(tile + tc) * k + tr]; });
+    for (int64_t a = 0; a < k; ++a)
+      for (int64_t b = n; b < width; ++b) ASSERT_EQ(qt[a * cols + col + b], 0) << "padding column " << b;
+    col += width;
+    tile += fp8::tiles(n);
+  }
+  EXPECT_LE(col, cols);
+  EXPECT_LE(tile, t);
+}
+
+// The grouped products from the codes, in float64 here: the forward (and input gradient)
+// per segment against its expert's blocks, and the weight gradient from two segmented
+// operands, accumulating or not; an empty expert's gradient is zero or kept.
+TEST(Fp8Quant, GroupedProductsMatchFloat64OfTheCodes) {
+  const int64_t r = 300, k = 160, o = 136;
+  const std::vector<int32_t> off = {0, 0, 1, 130, 130, 300};
+  const int64_t e = static_cast<int64_t>(off.size()) - 1;
+  const Tensor offsets(const_cast<int32_t*>(off.data()), {e + 1}, DType::i32);
+  std::vector<float> x = make_input(r, k, DType::f32, 31), w = make_input(e * o, k, DType::f32, 32),
+                     dy = make_input(r, o, DType::f32, 33);
+  std::vector<uint8_t> qx(r * k), qw(e * o * k), qwt(e * o * k);
+  std::vector<float> sx(fp8::tiles(k) * r), sw(e * fp8::tiles(o) * fp8::block_scale_cols(k)),
+      swt(e * fp8::tiles(k) * fp8::block_scale_cols(o));
+  cpu::quantize_rows(Tensor(x.data(), {r, k}, DType::f32), Tensor(qx.data(), {r, k}, DType::f8e4m3),
+                     Tensor(sx.data(), {fp8::tiles(k), r}, DType::f32), true);
+  const Tensor tw(qw.data(), {e, o, k}, DType::f8e4m3), tsw(sw.data(), {e, fp8::tiles(o), fp8::block_scale_cols(k)}, DType::f32);
+  cpu::quantize_blocks(Tensor(w.data(), {e, o, k}, DType::f32), tw, tsw, true,
+                       Tensor(qwt.data(), {e, k, o}, DType::f8e4m3),
+                       Tensor(swt.data(), {e, fp8::tiles(k), fp8::block_scale_cols(o)}, DType::f32));
+  std::vector<float> y(r * o, NAN);
+  cpu::grouped_gemm_fp8(Tensor(qx.data(), {r, k}, DType::f8e4m3), Tensor(sx.data(), {fp8::tiles(k), r}, DType::f32), tw,
+                        tsw, offsets, Tensor(y.data(), {r, o}, DType::f32));
+  const int64_t ld = fp8::block_scale_cols(k);
+  double worst = 0, norm = 0;
+  for (int64_t g = 0; g < e; ++g)
+    for (int64_t i = off[g]; i < off[g + 1]; ++i)
+      for (int64_t j = 0; j < o; ++j) {
+        double want = 0;
+        for (int64_t t = 0; t < k; ++t)
+          want += e4m3_value(qx[i * k + t]) * sx[t / 128 * r + i] * e4m3_value(qw[(g * o + j) * k + t]) *
+                  sw[(g * fp8::tiles(o) + j / 128) * ld + t / 128];
+        worst = std::max(worst, std::fabs(y[i * o + j] - want));
+        norm = std::max(norm, std::fabs(want));
+      }
+  EXPECT_LT(worst, 1e-5 * norm);
+
+  // Weight gradient: dw[g] (+)= dy[seg]^T x[seg].
+  const int64_t cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
+  std::vector<uint8_t> qa(o * cols), qb(k * cols);
+  std::vector<float> sa(t * o), sb(t * k);
+  cpu::quantize_segment_columns(Tensor(dy.data(), {r, o}, DType::f32), offsets, Tensor(qa.data(), {o, cols}, DType::f8e4m3),
+                                Tensor(sa.data(), {t, o}, DType::f32), true);
+  cpu::quantize_segment_columns(Tensor(x.data(), {r, k}, DType::f32), offsets, Tensor(qb.data(), {k, cols}, DType::f8e4m3),
+                                Tensor(sb.data(), {t, k}, DType::f32), true);
+  for (bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    std::vector<float> dw(e * o * k, 0.25f);
+    cpu::grouped_gemm_fp8_weight(Tensor(qa.data(), {o, cols}, DType::f8e4m3), Tensor(sa.data(), {t, o}, DType::f32),
+                                 Tensor(qb.data(), {k, cols}, DType::f8e4m3), Tensor(sb.data(), {t, k}, DType::f32),
+                                 offsets, Tensor(dw.data(), {e, o, k}, DType::f32), accumulate);
+    int64_t col = 0, tile = 0;
+    worst = norm = 0;
+    for (int64_t g = 0; g < e; ++g) {
+      const int64_t n = off[g + 1] - off[g];
+      for (int64_t i = 0; i < o; ++i)
+        for (int64_t j = 0; j < k; ++j) {
+          double want = accumulate ? 0.25 : 0.0;
+          for (int64_t m = 0; m < n; ++m)
+            want += e4m3_value(qa[i * cols + col + m]) * sa[(tile + m / 128) * o + i] * e4m3_value(qb[j * cols + col + m]) *
+                    sb[(tile + m / 128) * k + j];
+          worst = std::max(worst, std::fabs(dw[(g * o + i) * k + j] - want));
+          norm = std::max(norm, std::fabs(want));
+        }
+      col += (n + 127) / 128 * 128;
+      tile += fp8::tiles(n);
+    }
+    EXPECT_LT(worst, 1e-5 * norm);
+  }
+}
+
 // The FP8 product: c = alpha a b^T + beta c from the codes and scales, in float64 here
 // (e4m3_value of each code times its tile's scale), for a weight b (128x128 blocks) and
 // for the weight gradient's form (b in 1x128 tiles); and close to the product of the
