@@ -55,18 +55,21 @@ std::vector<float> all_weights(Model& m) {
 }
 
 // Eight steps straight against four, a checkpoint, a fresh model and four more.
-void check_exact_resume(const std::string& state_dtype, const std::string& model = "qwen3_moe_a") {
+void check_exact_resume(const std::string& state_dtype, const std::string& model = "qwen3_moe_a",
+                        Fp8 fp8 = Fp8::none) {
   const int64_t n = 4;
-  std::string dump = temp_dir("resume_" + state_dtype + model);
+  std::string dump = temp_dir("resume_" + state_dtype + model + (fp8 == Fp8::none ? "" : "_fp8"));
+  ModelOptions options;
+  options.fp8 = fp8;
   Config straight_cfg = resume_config(dump, 2 * n, model);
   straight_cfg.optimizer.state_dtype = state_dtype;
-  std::unique_ptr<Model> straight = make_model(fixture(model + "/config.json"));
+  std::unique_ptr<Model> straight = make_model(fixture(model + "/config.json"), options);
   load_hf(*straight, fixture(model));
   Trainer a(straight_cfg, *straight, read_token_batch(straight_cfg.data.tokens, straight->vocab_size()));
   std::vector<StepResult> want;
   for (int64_t i = 0; i < 2 * n; ++i) want.push_back(a.step());
 
-  std::unique_ptr<Model> first = make_model(fixture(model + "/config.json"));
+  std::unique_ptr<Model> first = make_model(fixture(model + "/config.json"), options);
   load_hf(*first, fixture(model));
   Trainer b(straight_cfg, *first, read_token_batch(straight_cfg.data.tokens, first->vocab_size()));
   for (int64_t i = 0; i < n; ++i) b.step();
@@ -77,7 +80,7 @@ void check_exact_resume(const std::string& state_dtype, const std::string& model
   EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), dir);
 
   // A fresh process's view: a new model with other weights, then the checkpoint.
-  std::unique_ptr<Model> second = make_model(fixture(model + "/config.json"));
+  std::unique_ptr<Model> second = make_model(fixture(model + "/config.json"), options);
   init_random(*second, 0.02, 99);
   Trainer c(straight_cfg, *second, read_token_batch(straight_cfg.data.tokens, second->vocab_size()));
   TrainState back = load_checkpoint(dir, *second, &c.optimizer());
@@ -100,6 +103,10 @@ TEST(Checkpoint, ResumeIsBitwiseExactForGptOss) { check_exact_resume("fp32", "gp
 // bf16 moments go through the f32 checkpoint exactly, and the rounding noise depends
 // only on the step and the element, so the resumed run repeats the straight one.
 TEST(Checkpoint, ResumeIsBitwiseExactWithBf16Moments) { check_exact_resume("bf16"); }
+
+// FP8: the weights' codes are derived from the checkpointed master weights on load, so
+// the resumed run quantizes exactly as the straight one.
+TEST(Checkpoint, ResumeIsBitwiseExactWithFp8) { check_exact_resume("fp32", "deepseek_v2_a", Fp8::blockwise); }
 
 TEST(Checkpoint, KeepsTheNewestCompleteOnes) {
   std::string dump = temp_dir("keep");
