@@ -25,6 +25,7 @@ Prints one markdown row per system for bench/RESULTS.md.
   python3 bench/moe_bench.py --moetrain build/moetrain --config bench/configs/deepseek_v2_lite_8l.json
 """
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -63,18 +64,26 @@ def flops_per_token(cfg, seq):
     return 6 * active + sum(6 * h * (dq + dv) * n for n in keys), active
 
 
-def gemm_peak():
+def gemm_peak(fp8=False):
+    """An 8192^3 product's TFLOPS: bf16, or e4m3 through torch._scaled_mm (one scale per
+    tensor, the fastest FP8 form there is, so block-scaled rows compare against it)."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        one = torch.ones((), device="cuda")
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        mm = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        mm = lambda: a @ b
     for _ in range(3):
-        a @ b
+        mm()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(10):
         start.record()
-        a @ b
+        mm()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
@@ -183,7 +192,10 @@ def main():
     name_of_model = os.path.splitext(os.path.basename(cfg_path))[0]
     fpt, active = flops_per_token(cfg, args.seq)
     peak = gemm_peak()
+    fp8_peak = gemm_peak(fp8=True) if "blockwise" in args.fp8 else 0.0
     gpu = torch.cuda.get_device_name()
+    if fp8_peak:
+        print(f"{gpu}: FP8 GEMM peak (torch._scaled_mm, per-tensor scales) {fp8_peak:.0f} TFLOPS", flush=True)
     print(f"{gpu}: bf16 GEMM peak {peak:.0f} TFLOPS; {name_of_model}, {cfg['num_hidden_layers']} layers, active params {active/1e6:.0f}M, "
           f"{fpt/1e9:.2f} GFLOP/token", flush=True)
     results = []
@@ -196,14 +208,15 @@ def main():
             runs.append(("transformers torch.compile",
                          lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, True)))
     mesh = f" on {args.ranks} GPUs (ep {args.ep}, cp {args.cp}), per GPU" if args.ranks > 1 else ""
-    for state in args.state_dtypes.split(","):
-        for balanced in (() if args.skip_moetrain else (False,) if args.learned_only else (False, True)):
-            name = ("moetrain " + ("balanced routing" if balanced else "learned routing") + mesh +
-                    (f", {state} AdamW moments" if state != "fp32" else ""))
-            # Per GPU: the job's tokens/s over its GPUs (each rank reports the same step time).
-            runs.append((name, lambda b=balanced, st=state: (lambda tps, mem: (tps / args.ranks, mem))(
-                *ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps, args.warmup, b, cfg["vocab_size"],
-                      args.ranks, args.ep, args.cp, (f"--optimizer.state_dtype={st}", *args.extra.split())))))
+    balances = () if args.skip_moetrain else (False,) if args.learned_only else (False, True)
+    for fp8, state, balanced in itertools.product(args.fp8.split(","), args.state_dtypes.split(","), balances):
+        name = ("moetrain " + ("fp8 " if fp8 != "none" else "") + ("balanced routing" if balanced else "learned routing") +
+                mesh + (f", {state} AdamW moments" if state != "fp32" else ""))
+        # Per GPU: the job's tokens/s over its GPUs (each rank reports the same step time).
+        runs.append((name, lambda b=balanced, st=state, f8=fp8: (lambda tps, mem: (tps / args.ranks, mem))(
+            *ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps, args.warmup, b, cfg["vocab_size"],
+                  args.ranks, args.ep, args.cp,
+                  (f"--optimizer.state_dtype={st}", f"--training.fp8={f8}", *args.extra.split())))))
     for name, fn in runs:
         try:
             tps, mem = fn()
@@ -212,7 +225,8 @@ def main():
             continue
         tflops = tps * fpt / 1e12
         results.append((name, tps, tflops, tflops / peak, mem))
-        print(f"{name}: {tps:,.0f} tokens/s, {tflops:.1f} model TFLOPS, MFU {100*tflops/peak:.1f}%, "
+        against_fp8 = f" ({100*tflops/fp8_peak:.1f}% of the FP8 peak)" if " fp8 " in name and fp8_peak else ""
+        print(f"{name}: {tps:,.0f} tokens/s, {tflops:.1f} model TFLOPS, MFU {100*tflops/peak:.1f}%{against_fp8}, "
               f"peak memory {mem/1e9:.1f} GB", flush=True)
     date = time.strftime("%Y-%m-%d")
     commit = os.environ.get("MOETRAIN_COMMIT", "unknown")
