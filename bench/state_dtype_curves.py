@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""fp32 against bf16 AdamW moments: the same training run several times.
+"""fp32 against bf16 AdamW moments (or bf16 against FP8 products, --families fp8): the
+same training run several times.
 
 One perturbation the size of a rounding sends a run onto another trajectory, so a
 single pair of runs says little. This trains a small Qwen3-MoE (bench/configs/
@@ -9,6 +10,10 @@ rounding to nearest would stall the second moment), and prints each run's mean l
 over its last quarter and each family's mean and spread.
 
   python3 bench/state_dtype_curves.py --moetrain build/moetrain --corpus build/demo/corpus [--device cuda]
+  python3 bench/state_dtype_curves.py ... --families fp8 --steps 600 --beta2 0.95
+
+With --families fp8 the families are training.fp8 = none and blockwise (fp32 moments),
+three runs each at lr and lr x (1 +- 1e-3) for the first beta2.
 """
 import argparse
 import json
@@ -49,21 +54,27 @@ def main():
                    help="the beta2 values; the first gets three runs per dtype, the others one, "
                         "unless --perturb-all")
     p.add_argument("--perturb-all", action="store_true", help="three runs per dtype for every beta2")
+    p.add_argument("--families", default="state", choices=("state", "fp8"),
+                   help="state: fp32 against bf16 moments; fp8: training.fp8 none against blockwise")
     args = p.parse_args()
+    if args.families == "fp8":
+        kinds = [("bf16 products", "--training.fp8=none"), ("fp8 products", "--training.fp8=blockwise")]
+    else:
+        kinds = [(f"{s} moments", f"--optimizer.state_dtype={s}") for s in ("fp32", "bf16")]
     families = {}
     with tempfile.TemporaryDirectory() as tmp:
         for beta2 in args.beta2:
-            for state in ("fp32", "bf16"):
+            for kind, flag in kinds:
                 rels = (0.0, 1e-3, -1e-3) if beta2 == args.beta2[0] or args.perturb_all else (0.0,)
                 for rel in rels:
-                    name = f"{state}_b{beta2}_lr{rel:+g}"
-                    loss = run(args, tmp, name, [f"--optimizer.state_dtype={state}", f"--optimizer.beta2={beta2}",
+                    name = f"{kind.replace(' ', '_')}_b{beta2}_lr{rel:+g}"
+                    loss = run(args, tmp, name, [flag, f"--optimizer.beta2={beta2}",
                                                  f"--optimizer.lr={args.lr * (1 + rel)!r}"])
-                    families.setdefault((state, beta2), []).append(loss)
+                    families.setdefault((kind, beta2), []).append(loss)
                     print(f"{name}: mean loss over the last quarter {loss:.4f}", flush=True)
-    for (state, beta2), v in families.items():
+    for (kind, beta2), v in families.items():
         spread = max(v) - min(v)
-        print(f"{state} moments, beta2 {beta2}: mean {statistics.mean(v):.4f} over {len(v)} runs, spread {spread:.4f}")
+        print(f"{kind}, beta2 {beta2}: mean {statistics.mean(v):.4f} over {len(v)} runs, spread {spread:.4f}")
 
 
 if __name__ == "__main__":
