@@ -218,6 +218,7 @@ int run_plan(const Args& args) {
       if (zero3 && in_layer(p)) continue;  // in the shards and the slot below
       weights += p.value.nbytes();
       if (p.compute.dtype != p.value.dtype) compute += p.compute.nbytes();
+      compute += p.fp8.bytes();
     }
     const parallel::ShardLayout layout(model->params(), replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : replicas,
                                        zero3 ? L : 0);
@@ -250,7 +251,7 @@ int run_plan(const Args& args) {
                   gib(optimizer), zero3 ? ", layers' weights" : "", replicas);
     else
       std::printf("  AdamW moments (2 x %s)  %10.3f GiB\n", state == DType::bf16 ? "bf16" : "f32 ", gib(optimizer));
-    std::printf("  bf16 weight copies        %10.3f GiB\n", gib(compute));
+    std::printf("  %-26s%10.3f GiB\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies", gib(compute));
     if (zero3)
       std::printf("  zero3 layer slots         %10.3f GiB (two layers' weights and copies, two layers' gradients)\n",
                   gib(slot));

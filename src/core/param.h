@@ -18,6 +18,7 @@ namespace mt {
 struct Fp8Copy {
   Tensor q, scale, qt, scale_t;
   bool pow2 = true;
+  size_t bytes() const { return q.nbytes() + scale.nbytes() + qt.nbytes() + scale_t.nbytes(); }
 };
 
 // Expert weights are fused (all experts of a layer in one block) and are sharded

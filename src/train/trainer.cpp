@@ -463,6 +463,7 @@ StepResult Trainer::step() {
     if (zero3_ && in_layer(p)) continue;  // shards (optimizer) and the slot (zero3)
     bytes += 2 * p.value.nbytes();  // weights and gradients
     if (p.compute.data != p.value.data) bytes += p.compute.nbytes();  // bf16 copies on the GPU
+    bytes += p.fp8.bytes();
   }
   for (const auto& s : stashes_) bytes += s->bytes;
   for (const auto& b : blocks_) bytes += b->bytes;
