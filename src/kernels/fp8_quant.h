@@ -47,9 +47,10 @@ inline int64_t block_scale_cols(int64_t k) { return (tiles(k) + 3) / 4 * 4; }
 // col_e = sum over j < e of round_up(n_j, kSegmentAlign), so each segment starts aligned;
 // a segment's columns are quantized in 1x128 tiles from its own start (its last tile
 // ragged), and its t-th tile's K scales are row tile_e + t of scale_t [T, K], tile_e =
-// sum over j < e of tiles(n_j). C and T bound those sums for any split of R rows.
+// sum over j < e of tiles(n_j). C and T bound those sums for any split of R rows; C is
+// a multiple of 16, so that qt's rows are whole 16-byte TMA strides on the GPU.
 constexpr int64_t kSegmentAlign = 128;
-inline int64_t segment_cols(int64_t rows, int64_t experts) { return rows + kSegmentAlign * experts; }
+inline int64_t segment_cols(int64_t rows, int64_t experts) { return (rows + kSegmentAlign * experts + 15) / 16 * 16; }
 inline int64_t segment_tiles(int64_t rows, int64_t experts) { return tiles(rows) + experts; }
 
 // The scale of a tile from its amax (>= 0). IEEE division, no fast-math: both backends
