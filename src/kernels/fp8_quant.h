@@ -125,7 +125,11 @@ namespace mt::cuda {
 
 // The same arguments. One kernel: a block of 256 threads owns a 128x128 tile of x and
 // writes its row codes and scales, and with qt its transposed codes and column scales
-// (staged through shared memory), or for weights the one block scale.
+// (staged through shared memory), or for weights the one block scale (and with qt the
+// block's transposed codes; a 3-D w is one launch over every expert's blocks). For
+// quantize_segment_columns a block owns 128 rows of one segment (its tile_e + t found
+// from the device offsets, clamped to [0, R]; no host sync) and writes their transposed
+// codes, the padding zeros and the column scales.
 void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2);
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                const Tensor& scale_t, bool pow2);

@@ -1,7 +1,9 @@
 // Blockwise FP8 quantization on the GPU: one kernel for 1x128 rows, rows plus the
-// transposed 1x128 columns, and 128x128 weight blocks. Scales come from the header's
-// tile_scale()/scaled(), the codes from the hardware's satfinite conversion, so the
-// bytes equal the CPU backend's (tests/gpu/test_cuda_fp8.cpp).
+// transposed 1x128 columns, 128x128 weight blocks (of one matrix or a layer's experts,
+// optionally with their transposed copy), and the segment columns of the grouped weight
+// gradient. Scales come from the header's tile_scale()/scaled(), the codes from the
+// hardware's satfinite conversion, so the bytes equal the CPU backend's
+// (tests/gpu/test_cuda_fp8.cpp).
 #include <cuda_fp8.h>
 
 #include "kernels/cuda/common.cuh"
@@ -16,7 +18,26 @@ constexpr int kTile = static_cast<int>(fp8::kTile);
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kRowsPerWarp = kTile / kWarps, kColsPerLane = kTile / 32;
 
-enum class Mode { rows, rows_and_columns, block };
+// rows: 1x128 row tiles. rows_and_columns: and x^T's 1x128 tiles (128x1 of x). blocks:
+// one scale per 128x128 block, optionally with the transposed codes. segment_columns:
+// x^T's tiles, 128 rows of one expert's segment a tile, placed at column 128 g of qt.
+enum class Mode { rows, rows_and_columns, blocks, segment_columns };
+
+struct Job {
+  In x;
+  int64_t m, k;  // x [m, k]; with blocks, blockIdx.z picks one of the experts' matrices
+  bool pow2;
+  uint8_t* q;    // [m, k], or null
+  float* scale;  // rows: [tiles(k), m]; blocks: [tiles(m), ld]
+  int64_t ld;
+  uint8_t* qt;     // [k, ldq], or null
+  float* scale_t;  // columns: [tiles(m) or T, k]; blocks: [tiles(k), ldt]
+  int64_t ldq, ldt;
+  bool qt_words;  // qt rows may be written 4 bytes at a time (ldq % 4 == 0, qt aligned)
+  int64_t expert_elements, expert_scales, expert_scales_t;  // blocks: one expert's strides
+  const int32_t* offsets;  // segment_columns: [experts + 1] on the device
+  int experts;
+};
 
 __device__ __forceinline__ uint8_t e4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
 
@@ -27,78 +48,169 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Block (bx, by) owns rows [128 by, +128) and columns [128 bx, +128) of x [M, K]: warp w
-// its rows 16w..16w+15, lane l the columns l + 32j (coalesced loads), all held in
-// registers; elements outside x read as 0, which leaves every amax unchanged.
+// Rows [row0, row_end) of segment tile g: expert e's tiles are numbered from tile_e (the
+// header's placement), 128 rows each from its first row. Warp 0 scans the per-expert
+// tile counts 32 experts at a time; offsets are clamped to [0, m]. False past the last
+// tile (the grid is sized for segment_tiles(m, experts)).
+__device__ bool find_segment_tile(const Job& p, int64_t g, int64_t& row0, int64_t& row_end) {
+  __shared__ int64_t found[2];
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int64_t before = 0;  // tiles of the experts already scanned
+    if (lane == 0) found[0] = -1;
+    __syncwarp();  // the reset lands before any lane can record a match
+    for (int e0 = 0; e0 < p.experts; e0 += 32) {
+      const int e = e0 + lane;
+      int64_t begin = 0, end = 0;
+      if (e < p.experts) {
+        begin = min(max(int64_t{p.offsets[e]}, int64_t{0}), p.m);
+        end = min(max(int64_t{p.offsets[e + 1]}, begin), p.m);
+      }
+      const int64_t tiles = (end - begin + kTile - 1) / kTile;
+      int64_t incl = tiles;  // inclusive prefix sum over the lanes
+      for (int o = 1; o < 32; o <<= 1) {
+        const int64_t v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const int64_t first = before + incl - tiles;
+      if (g >= first && g < first + tiles) {
+        found[0] = begin + (g - first) * kTile;
+        found[1] = end;
+      }
+      before += __shfl_sync(0xffffffffu, incl, 31);
+    }
+  }
+  __syncthreads();
+  row0 = found[0];
+  row_end = found[1];
+  return row0 >= 0;
+}
+
+// Block (bx, by) owns columns [128 bx, +128) of a 128-row tile of x [M, K] (rows
+// [128 by, +128), or segment_columns' tile by): warp w its rows 16w..16w+15, lane l the
+// columns l + 32j (coalesced loads), all held in registers; elements outside x (or the
+// segment) read as 0, which leaves every amax unchanged and makes their codes 0.
 template <Mode mode>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(In x, int64_t m, int64_t k, bool pow2, uint8_t* q,
-                                                            float* scale, int64_t ld, uint8_t* qt, float* scale_t) {
+__global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
   __shared__ float smax[kWarps][kTile];
   __shared__ float sscale[kTile];
-  __shared__ uint8_t sq[mode == Mode::rows_and_columns ? kTile : 1][kTile + 4];  // +4: no bank conflicts
+  __shared__ __align__(16) uint8_t sq[mode == Mode::rows ? 1 : kTile][kTile + 4];  // +4: no bank conflicts
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t r0 = blockIdx.y * int64_t{kTile} + warp * kRowsPerWarp, c0 = blockIdx.x * int64_t{kTile} + lane;
-  float v[kRowsPerWarp][kColsPerLane], cmax[kColsPerLane] = {}, wmax = 0.0f;
+
+  // The tile's rows of x, and where its transposed codes and column scales go.
+  int64_t row0 = blockIdx.y * int64_t{kTile}, row_end = p.m;
+  int64_t t_col0 = row0, t_cols;  // qt columns [t_col0, t_col0 + t_cols)
+  if constexpr (mode == Mode::segment_columns) {
+    if (!find_segment_tile(p, blockIdx.y, row0, row_end)) return;
+    t_col0 = blockIdx.y * int64_t{kTile};
+    t_cols = kTile;  // the padding past the segment's end is written too, as zeros
+  } else {
+    t_cols = min(p.m - row0, int64_t{kTile});
+  }
+  In x = p.x;
+  uint8_t *q = p.q, *qt = p.qt;
+  float *scale = p.scale, *scale_t = p.scale_t;
+  if constexpr (mode == Mode::blocks) {
+    const int64_t e = blockIdx.z;
+    x.p = static_cast<const char*>(x.p) + e * p.expert_elements * (x.bf16 ? 2 : 4);
+    q += e * p.expert_elements;
+    scale += e * p.expert_scales;
+    if (qt != nullptr) {
+      qt += e * p.expert_elements;
+      scale_t += e * p.expert_scales_t;
+    }
+  }
+
+  // Element (i, j) of this thread's part; the codes that need a whole tile's amax read
+  // it again (from L2) rather than hold 64 values across the block's barriers, which
+  // would leave room for two blocks a multiprocessor.
+  const int64_t r0 = row0 + warp * kRowsPerWarp, c0 = blockIdx.x * int64_t{kTile} + lane;
+  auto at = [&](int i, int j) {
+    const int64_t r = r0 + i, c = c0 + 32 * j;
+    return r < row_end && c < p.k ? x[r * p.k + c] : 0.0f;
+  };
+  float cmax[kColsPerLane] = {}, wmax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int64_t r = r0 + i;
-    float rmax = 0.0f;
+    float v[kColsPerLane], rmax = 0.0f;
 #pragma unroll
     for (int j = 0; j < kColsPerLane; ++j) {
-      const int64_t c = c0 + 32 * j;
-      v[i][j] = r < m && c < k ? x[r * k + c] : 0.0f;
-      rmax = fmaxf(rmax, fabsf(v[i][j]));
-      cmax[j] = fmaxf(cmax[j], fabsf(v[i][j]));
+      v[j] = at(i, j);
+      rmax = fmaxf(rmax, fabsf(v[j]));
+      cmax[j] = fmaxf(cmax[j], fabsf(v[j]));
     }
-    rmax = warp_max(rmax);
-    if constexpr (mode == Mode::block) {
-      wmax = fmaxf(wmax, rmax);
-    } else if (r < m) {
-      const float s = fp8::tile_scale(rmax, pow2);
-      if (lane == 0) scale[blockIdx.x * m + r] = s;
+    if constexpr (mode == Mode::rows || mode == Mode::rows_and_columns) {
+      rmax = warp_max(rmax);
+      if (r < p.m) {
+        const float s = fp8::tile_scale(rmax, p.pow2);
+        if (lane == 0) scale[blockIdx.x * p.m + r] = s;
 #pragma unroll
-      for (int j = 0; j < kColsPerLane; ++j)
-        if (c0 + 32 * j < k) q[r * k + c0 + 32 * j] = e4m3(fp8::scaled(v[i][j], s, pow2));
+        for (int j = 0; j < kColsPerLane; ++j)
+          if (c0 + 32 * j < p.k) q[r * p.k + c0 + 32 * j] = e4m3(fp8::scaled(v[j], s, p.pow2));
+      }
+    } else if constexpr (mode == Mode::blocks) {
+      wmax = fmaxf(wmax, warp_max(rmax));
     }
   }
-  if constexpr (mode == Mode::block) {
+  if constexpr (mode == Mode::blocks) {
     if (lane == 0) smax[0][warp] = wmax;
     __syncthreads();
     float amax = 0.0f;
     for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, smax[0][w]);
-    const float s = fp8::tile_scale(amax, pow2);
-    if (threadIdx.x == 0) scale[blockIdx.y * ld + blockIdx.x] = s;
-    // The last block of a row of blocks zeroes the padding up to ld.
-    if (blockIdx.x == gridDim.x - 1 && threadIdx.x < ld - gridDim.x) scale[blockIdx.y * ld + gridDim.x + threadIdx.x] = 0.0f;
-#pragma unroll
+    const float s = fp8::tile_scale(amax, p.pow2);
+    // The last block of a row of blocks zeroes the padding up to ld (and of a column,
+    // scale_t's up to ldt: a block's transpose has the same amax).
+    if (threadIdx.x == 0) scale[blockIdx.y * p.ld + blockIdx.x] = s;
+    if (blockIdx.x == gridDim.x - 1 && threadIdx.x < p.ld - gridDim.x)
+      scale[blockIdx.y * p.ld + gridDim.x + threadIdx.x] = 0.0f;
+    if (qt != nullptr) {
+      if (threadIdx.x == 0) scale_t[blockIdx.x * p.ldt + blockIdx.y] = s;
+      if (blockIdx.y == gridDim.y - 1 && threadIdx.x < p.ldt - gridDim.y)
+        scale_t[blockIdx.x * p.ldt + gridDim.y + threadIdx.x] = 0.0f;
+    }
+#pragma unroll 4
     for (int i = 0; i < kRowsPerWarp; ++i)
 #pragma unroll
-      for (int j = 0; j < kColsPerLane; ++j)
-        if (r0 + i < m && c0 + 32 * j < k) q[(r0 + i) * k + c0 + 32 * j] = e4m3(fp8::scaled(v[i][j], s, pow2));
+      for (int j = 0; j < kColsPerLane; ++j) {
+        const uint8_t code = e4m3(fp8::scaled(at(i, j), s, p.pow2));
+        if (r0 + i < p.m && c0 + 32 * j < p.k) q[(r0 + i) * p.k + c0 + 32 * j] = code;
+        if (qt != nullptr) sq[lane + 32 * j][warp * kRowsPerWarp + i] = code;
+      }
+    if (qt == nullptr) return;
   }
-  if constexpr (mode == Mode::rows_and_columns) {
-    // Column amax over the 8 warps, then the codes of x^T staged as [column][row] so that
-    // each row of qt [K, M] goes out as 128 consecutive bytes.
+  if constexpr (mode == Mode::rows_and_columns || mode == Mode::segment_columns) {
+    // Column amax over the 8 warps, then the codes of x^T staged as [column][row].
 #pragma unroll
     for (int j = 0; j < kColsPerLane; ++j) smax[warp][lane + 32 * j] = cmax[j];
     __syncthreads();
     if (threadIdx.x < kTile) {
       float amax = 0.0f;
       for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, smax[w][threadIdx.x]);
-      sscale[threadIdx.x] = fp8::tile_scale(amax, pow2);
+      sscale[threadIdx.x] = fp8::tile_scale(amax, p.pow2);
       const int64_t c = blockIdx.x * int64_t{kTile} + threadIdx.x;
-      if (c < k) scale_t[blockIdx.y * k + c] = sscale[threadIdx.x];
+      if (c < p.k) scale_t[blockIdx.y * p.k + c] = sscale[threadIdx.x];
     }
     __syncthreads();
-#pragma unroll
+#pragma unroll 4
     for (int i = 0; i < kRowsPerWarp; ++i)
 #pragma unroll
       for (int j = 0; j < kColsPerLane; ++j)
-        sq[lane + 32 * j][warp * kRowsPerWarp + i] = e4m3(fp8::scaled(v[i][j], sscale[lane + 32 * j], pow2));
+        sq[lane + 32 * j][warp * kRowsPerWarp + i] = e4m3(fp8::scaled(at(i, j), sscale[lane + 32 * j], p.pow2));
+  }
+  if constexpr (mode != Mode::rows) {
+    // Each row of qt's tile (a column of x's) goes out as 128 consecutive bytes, in
+    // 4-byte words where qt's layout allows.
     __syncthreads();
-    for (int idx = threadIdx.x; idx < kTile * kTile; idx += kThreads) {
-      const int64_t c = blockIdx.x * int64_t{kTile} + idx / kTile, r = blockIdx.y * int64_t{kTile} + idx % kTile;
-      if (c < k && r < m) qt[c * m + r] = sq[idx / kTile][idx % kTile];
+    const int64_t cols = min(p.k - blockIdx.x * int64_t{kTile}, int64_t{kTile});
+    for (int idx = threadIdx.x; idx < kTile * kTile / 4; idx += kThreads) {
+      const int c = idx / (kTile / 4), i = idx % (kTile / 4) * 4;
+      if (c >= cols) break;
+      uint8_t* dst = qt + (blockIdx.x * int64_t{kTile} + c) * p.ldq + t_col0 + i;
+      if (p.qt_words && i + 4 <= t_cols)
+        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&sq[c][i]);
+      else
+        for (int b = 0; b < 4 && i + b < t_cols; ++b) dst[b] = sq[c][i + b];
     }
   }
 }
@@ -114,39 +226,100 @@ uint8_t* codes(const Tensor& q, const char* name, Shape shape) {
   return static_cast<uint8_t*>(q.data);
 }
 
+bool word_rows(const uint8_t* qt, int64_t ldq) { return ldq % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0; }
+
 template <Mode mode>
-void launch(In x, int64_t m, int64_t k, bool pow2, uint8_t* q, float* scale, int64_t ld, uint8_t* qt = nullptr,
-            float* scale_t = nullptr) {
-  if (m * k == 0) return;
-  const dim3 grid(static_cast<unsigned>(fp8::tiles(k)), static_cast<unsigned>(fp8::tiles(m)));
-  quantize_kernel<mode><<<grid, kThreads, 0, stream()>>>(x, m, k, pow2, q, scale, ld, qt, scale_t);
+void launch(const Job& p, int64_t row_tiles, int64_t experts = 1) {
+  if (p.m * p.k == 0 || experts == 0) return;
+  MT_CHECK(row_tiles <= 65535 && fp8::tiles(p.k) <= INT_MAX && experts <= 65535)
+      << "fp8 quantization of [" << p.m << ", " << p.k << "] (" << experts << " matrices): more 128-row tiles ("
+      << row_tiles << ") than one launch takes (65535)";
+  const dim3 grid(static_cast<unsigned>(fp8::tiles(p.k)), static_cast<unsigned>(row_tiles),
+                  static_cast<unsigned>(experts));
+  quantize_kernel<mode><<<grid, kThreads, 0, stream()>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
 void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2) {
-  const In in = check_input(x, "quantize_rows x");
-  const int64_t m = x.dim(0), k = x.dim(1);
-  check_arg(scale, "quantize_rows scale", {DType::f32}, {fp8::tiles(k), m});
-  launch<Mode::rows>(in, m, k, pow2, codes(q, "quantize_rows q", {m, k}), scale.f32(), 0);
+  Job p{};
+  p.x = check_input(x, "quantize_rows x");
+  p.m = x.dim(0), p.k = x.dim(1), p.pow2 = pow2;
+  check_arg(scale, "quantize_rows scale", {DType::f32}, {fp8::tiles(p.k), p.m});
+  p.q = codes(q, "quantize_rows q", {p.m, p.k});
+  p.scale = scale.f32();
+  launch<Mode::rows>(p, fp8::tiles(p.m));
 }
 
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                const Tensor& scale_t, bool pow2) {
-  const In in = check_input(x, "quantize_rows_and_columns x");
-  const int64_t m = x.dim(0), k = x.dim(1);
-  check_arg(scale, "quantize_rows_and_columns scale", {DType::f32}, {fp8::tiles(k), m});
-  check_arg(scale_t, "quantize_rows_and_columns scale_t", {DType::f32}, {fp8::tiles(m), k});
-  launch<Mode::rows_and_columns>(in, m, k, pow2, codes(q, "quantize_rows_and_columns q", {m, k}), scale.f32(), 0,
-                                 codes(qt, "quantize_rows_and_columns qt", {k, m}), scale_t.f32());
+  Job p{};
+  p.x = check_input(x, "quantize_rows_and_columns x");
+  p.m = x.dim(0), p.k = x.dim(1), p.pow2 = pow2;
+  check_arg(scale, "quantize_rows_and_columns scale", {DType::f32}, {fp8::tiles(p.k), p.m});
+  check_arg(scale_t, "quantize_rows_and_columns scale_t", {DType::f32}, {fp8::tiles(p.m), p.k});
+  p.q = codes(q, "quantize_rows_and_columns q", {p.m, p.k});
+  p.scale = scale.f32();
+  p.qt = codes(qt, "quantize_rows_and_columns qt", {p.k, p.m});
+  p.scale_t = scale_t.f32();
+  p.ldq = p.m;
+  p.qt_words = word_rows(p.qt, p.ldq);
+  launch<Mode::rows_and_columns>(p, fp8::tiles(p.m));
 }
 
-void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2) {
-  const In in = check_input(w, "quantize_blocks w");
-  const int64_t n = w.dim(0), k = w.dim(1), ld = fp8::block_scale_cols(k);
-  check_arg(scale, "quantize_blocks scale", {DType::f32}, {fp8::tiles(n), ld});
-  launch<Mode::block>(in, n, k, pow2, codes(q, "quantize_blocks q", {n, k}), scale.f32(), ld);
+void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt,
+                     const Tensor& scale_t) {
+  MT_CHECK(w.ndim() == 2 || w.ndim() == 3) << "quantize_blocks w should be [N, K] or [E, N, K], got " << w.str();
+  check_arg(w, "quantize_blocks w", {DType::bf16, DType::f32}, w.shape);
+  MT_CHECK((qt.data == nullptr) == (scale_t.data == nullptr))
+      << "quantize_blocks: qt and scale_t come together, got qt " << qt.str() << " and scale_t " << scale_t.str();
+  const bool stacked = w.ndim() == 3;
+  const int64_t experts = stacked ? w.dim(0) : 1, n = w.dim(-2), k = w.dim(-1);
+  const int64_t ld = fp8::block_scale_cols(k), ldt = fp8::block_scale_cols(n);
+  auto per_expert = [&](Shape s) { return stacked ? Shape{experts, s[0], s[1]} : s; };
+  Job p{};
+  p.x = as_in(w);
+  p.m = n, p.k = k, p.pow2 = pow2;
+  check_arg(scale, "quantize_blocks scale", {DType::f32}, per_expert({fp8::tiles(n), ld}));
+  p.q = codes(q, "quantize_blocks q", w.shape);
+  p.scale = scale.f32();
+  p.ld = ld;
+  p.expert_elements = n * k;
+  p.expert_scales = fp8::tiles(n) * ld;
+  if (qt.data != nullptr) {
+    check_arg(scale_t, "quantize_blocks scale_t", {DType::f32}, per_expert({fp8::tiles(k), ldt}));
+    p.qt = codes(qt, "quantize_blocks qt", per_expert({k, n}));
+    p.scale_t = scale_t.f32();
+    p.ldq = n, p.ldt = ldt;
+    p.qt_words = word_rows(p.qt, n);
+    p.expert_scales_t = fp8::tiles(k) * ldt;
+  }
+  launch<Mode::blocks>(p, fp8::tiles(n), experts);
+}
+
+void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
+                              bool pow2) {
+  Job p{};
+  p.x = check_input(x, "quantize_segment_columns x");
+  p.m = x.dim(0), p.k = x.dim(1), p.pow2 = pow2;
+  MT_CHECK(offsets.ndim() == 1 && offsets.dim(0) >= 1)
+      << "quantize_segment_columns offsets should be i32 [experts + 1], got " << offsets.str();
+  check_arg(offsets, "quantize_segment_columns offsets", {DType::i32}, offsets.shape);
+  const int64_t experts = offsets.dim(0) - 1;
+  MT_CHECK(qt.ndim() == 2 && scale_t.ndim() == 2 && qt.dim(0) == p.k && qt.dim(1) >= fp8::segment_cols(p.m, experts) &&
+           scale_t.dim(0) >= fp8::segment_tiles(p.m, experts) && scale_t.dim(1) == p.k)
+      << "quantize_segment_columns of x " << x.str() << " over " << experts << " experts wants qt [" << p.k
+      << ", >= " << fp8::segment_cols(p.m, experts) << "] and scale_t [>= " << fp8::segment_tiles(p.m, experts)
+      << ", " << p.k << "], got " << qt.str() << " and " << scale_t.str();
+  p.qt = codes(qt, "quantize_segment_columns qt", qt.shape);
+  check_arg(scale_t, "quantize_segment_columns scale_t", {DType::f32}, scale_t.shape);
+  p.scale_t = scale_t.f32();
+  p.ldq = qt.dim(1);
+  p.qt_words = word_rows(p.qt, p.ldq);
+  p.offsets = offsets.i32();
+  p.experts = static_cast<int>(experts);
+  launch<Mode::segment_columns>(p, fp8::segment_tiles(p.m, experts));
 }
 
 }  // namespace mt::cuda
