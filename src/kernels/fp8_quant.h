@@ -141,8 +141,16 @@ void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tens
 // for b; kernels/cuda/gemm.cu), c bf16 or f32, accumulation in f32.
 void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
               const Tensor& c, float alpha = 1.0f, float beta = 0.0f);
-// CUTLASS's Hopper grouped GEMM with blockwise scaling; y bf16, dw f32; offsets stay on
-// the device (no host sync).
+// CUTLASS 4.2's Hopper grouped GEMM with blockwise scaling (kernels/cuda/grouped_gemm_fp8.cu:
+// cooperative 128x128x128 tiles in 2x1 clusters), planned on the device: offsets stay
+// there (no host sync), clamped rather than checked. TMA moves 16-byte rows, which sets
+// what is taken; anything else is refused (MT_CHECK, naming the shapes):
+// - grouped_gemm_fp8: y bf16; K and O positive multiples of 16, not necessarily of 128
+//   (a ragged last tile is read as zeros and stored masked); x, w, y 16-byte aligned.
+// - grouped_gemm_fp8_weight: dw f32; O and K positive multiples of 16, C of 16
+//   (segment_cols is rounded up to one); a, b, dw 16-byte aligned. Each expert reduces
+//   over 128 tiles(n_e) columns, its zero padding included; offsets are clamped to the
+//   rows that fit in C columns and T tiles.
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
                       const Tensor& offsets, const Tensor& y);
 void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,

@@ -25,13 +25,13 @@
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
-#include <cutlass/kernel_hardware_info.h>
 
 #include <algorithm>
 #include <climits>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cutlass_groups.cuh"
 #include "kernels/cuda/runtime.h"
 
 namespace mt::cuda {
@@ -109,18 +109,6 @@ struct Types {
   static constexpr bool kBias = kBiasOf<Gemm>;
 };
 
-// A CUTLASS stride of a packed matrix has one dynamic mode, the leading dimension; the
-// others are static 1 (the contiguous mode) and 0 (the batch mode, unused when grouped).
-template <class Stride>
-Stride leading(int64_t ld) {
-  Stride s{};
-  if constexpr (cute::is_static<std::remove_cvref_t<decltype(cute::get<0>(s))>>::value)
-    cute::get<1>(s) = ld;
-  else
-    cute::get<0>(s) = ld;
-  return s;
-}
-
 // Where expert e's part of an operand starts: base + begin * per_row + e * per_expert
 // elements, begin being the first row of its segment.
 template <class T>
@@ -187,28 +175,6 @@ __global__ void plan_groups_kernel(Plan<Gemm> p) {
   if constexpr (Types<Gemm>::kBias) p.out.bias[e] = p.bias.at(e, begin);
 }
 
-// dw[e] = 0 for every expert without rows (W without accumulation: CUTLASS skips them).
-__global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t rows, float4* dw, int64_t per_expert) {
-  const int e = blockIdx.y;
-  const int64_t begin = min(max(int64_t{offsets[e]}, int64_t{0}), rows);
-  const int64_t end = min(max(int64_t{offsets[e + 1]}, begin), rows);
-  if (end > begin) return;
-  float4* out = dw + e * per_expert;
-  MT_GRID_STRIDE(i, per_expert) out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-}
-
-// Hands out 256-byte aligned pieces from `base`; with base = nullptr it only measures.
-struct Carve {
-  char* base;
-  size_t used = 0;
-  template <class T>
-  T* take(int64_t count) {
-    T* p = reinterpret_cast<T*>(base == nullptr ? nullptr : base + used);
-    used += (static_cast<size_t>(count) * sizeof(T) + 255) / 256 * 256;
-    return p;
-  }
-};
-
 template <class Gemm>
 Groups<Gemm> carve_groups(Carve& c, int experts) {
   using T = Types<Gemm>;
@@ -224,18 +190,6 @@ Groups<Gemm> carve_groups(Carve& c, int experts) {
   g.stride_d = c.take<typename T::StrideD>(experts);
   if constexpr (T::kBias) g.bias = c.take<const float*>(experts);
   return g;
-}
-
-// The SM count and how many clusters fit at once (clusters need whole GPCs' worth of
-// free SMs, so fewer may fit than SMs / cluster size): the persistent grid's size.
-template <class Gemm>
-cutlass::KernelHardwareInfo hardware() {
-  static const cutlass::KernelHardwareInfo info = [] {
-    int device = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    return cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename Gemm::GemmKernel>(device, sm_count());
-  }();
-  return info;
 }
 
 // Runs the plan over the `experts` segments that offsets makes of `rows` rows.
@@ -310,7 +264,29 @@ void forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor&
   launch(p, offsets, experts, n, 0.0f);
 }
 
+// dw[e] = 0 for every expert without rows (W without accumulation: CUTLASS skips them).
+__global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t rows, float4* dw, int64_t per_expert) {
+  const int e = blockIdx.y;
+  const int64_t begin = min(max(int64_t{offsets[e]}, int64_t{0}), rows);
+  const int64_t end = min(max(int64_t{offsets[e + 1]}, begin), rows);
+  if (end > begin) return;
+  float4* out = dw + e * per_expert;
+  MT_GRID_STRIDE(i, per_expert) out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
 }  // namespace
+
+void zero_empty_experts(const Tensor& offsets, int64_t rows, const Tensor& dw) {
+  const int64_t experts = dw.dim(0);
+  if (experts == 0) return;
+  const int64_t per_expert = dw.numel() / experts / 4;
+  // Few blocks an expert: almost every expert has rows, and its blocks only look and
+  // leave, so the launch costs what scheduling them does (64 an expert took 70 us).
+  dim3 grid(std::min(blocks_for(per_expert, 256), 8u), static_cast<unsigned>(experts));
+  zero_empty_experts_kernel<<<grid, 256, 0, stream()>>>(offsets.i32(), rows, reinterpret_cast<float4*>(dw.data),
+                                                         per_expert);
+  CUDA_CHECK_LAUNCH();
+}
 
 bool grouped_gemm_sm90(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y) {
   const int64_t n = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1);
@@ -357,15 +333,7 @@ bool grouped_gemm_backward_weight_sm90(const Tensor& x, const Tensor& dy, const 
   p.stride_a = leading<T::StrideA>(o);
   p.stride_b = leading<T::StrideB>(k);
   p.stride_d = leading<T::StrideD>(k);
-  if (!accumulate) {
-    const int64_t per_expert = o * k / 4;
-    // Few blocks an expert: almost every expert has rows, and its blocks only look and
-    // leave, so the launch costs what scheduling them does (64 an expert took 70 us).
-    dim3 grid(std::min(blocks_for(per_expert, 256), 8u), static_cast<unsigned>(experts));
-    zero_empty_experts_kernel<<<grid, 256, 0, stream()>>>(offsets.i32(), n, reinterpret_cast<float4*>(dw.data),
-                                                           per_expert);
-    CUDA_CHECK_LAUNCH();
-  }
+  if (!accumulate) zero_empty_experts(offsets, n, dw);
   launch(p, offsets, experts, n, accumulate ? 1.0f : 0.0f);
   return true;
 }

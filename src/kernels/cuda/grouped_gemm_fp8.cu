@@ -1,0 +1,359 @@
+// The grouped FP8 expert products (kernels/fp8_quant.h) on Hopper: CUTLASS 4.2's ptr-array
+// grouped GEMM with blockwise scaling (CUTLASS example 68: TMA, wgmma in FP8, and each
+// 128-wide slice of K promoted into f32 accumulators times its two scales), planned on the
+// device as grouped_gemm_sm90.cu plans the bf16 ones: plan kernels turn the device offsets
+// into each expert's problem shape, operand and scale pointers, strides and scale layouts
+// in the stream's grouped GEMM buffer, and CUTLASS reads them there (host_problem_shapes =
+// nullptr). No host sync.
+//
+//   grouped_gemm_fp8         y[seg] = x[seg] w[e]^T: A = x rows (K-major) with one scale a
+//                            row per 128 of K, B = w[e] (K-major) with one a 128x128
+//                            block; y bf16. An empty expert gets M = 0 (no tiles).
+//   grouped_gemm_fp8_weight  dw[e] (+)= a[:, cols_e] b[:, cols_e]^T: both K-major (the
+//                            segment columns), one scale a row per 128 columns each; per
+//                            expert K = 128 tiles(n_e), the zero columns padding its last
+//                            tile adding nothing; f32 C = D = dw[e], beta 1 or 0 (C is
+//                            then never read). An empty expert gets no tiles and, without
+//                            accumulation, zero_empty_experts writes its zeros.
+//
+// CUTLASS's collective takes a layout of each group's scales but reads them through the
+// compact one it rebuilds from the group's shape (its load_init); ours are not compact (x's
+// scales are [K/128, R] with R between k-tiles, a weight's block rows are padded to a
+// multiple of 4), so GivenScaleLayouts makes it read the layouts the plan wrote.
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <type_traits>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cutlass_groups.cuh"
+#include "kernels/cuda/grouped_gemm_sm90.cuh"
+#include "kernels/cuda/runtime.h"
+#include "kernels/fp8_quant.h"
+
+namespace mt::cuda {
+
+namespace {
+
+using f8 = cutlass::float_e4m3_t;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per expert
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+using RowMajor = cutlass::layout::RowMajor;
+using ColumnMajor = cutlass::layout::ColumnMajor;
+constexpr int kTile = static_cast<int>(fp8::kTile);
+
+// The blockwise collective, reading each group's scales through the layout at
+// layout_SFA[g] / layout_SFB[g] (both producer warps update their tensors this way
+// whenever the group changes, before any load).
+template <class Base>
+struct GivenScaleLayouts : Base {
+  template <class Inputs, class ProblemShapeMNKL>
+  CUTLASS_DEVICE Inputs tensors_perform_update(Inputs const& inputs, typename Base::Params const& params,
+                                               ProblemShapeMNKL shape, int32_t group) {
+    Inputs compact = Base::tensors_perform_update(inputs, params, shape, group);
+    return cute::make_tuple(
+        cute::get<0>(compact), cute::get<1>(compact),
+        cute::make_tensor(cute::make_gmem_ptr(params.ptr_SFA[group]), params.layout_SFA[group]),
+        cute::make_tensor(cute::make_gmem_ptr(params.ptr_SFB[group]), params.layout_SFB[group]));
+  }
+};
+
+// A scale per row of A and per 128 of K; B's per 128x128 block (kScaleN 128, the block
+// arrays' rows run along K: K-major) or per row (kScaleN 1, as A's: MN-major). y (bf16,
+// no source) or dw (f32, C = D).
+template <int kScaleN, class ElementD, class Tile, class Cluster>
+struct Config {
+  using Scales = cutlass::detail::Sm90BlockwiseScaleConfig<
+      1, kScaleN, kTile, cute::GMMA::Major::MN, kScaleN == 1 ? cute::GMMA::Major::MN : cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(Scales::deduce_layoutSFA());
+  using LayoutSFB = decltype(Scales::deduce_layoutSFB());
+  using ElementC = std::conditional_t<std::is_same_v<ElementD, float>, float, void>;
+  static constexpr int kAlignAB = 16 / sizeof(f8);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor*, kAlignD, ElementD,
+      RowMajor*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, f8, cute::tuple<RowMajor*, LayoutSFA*>, kAlignAB, f8,
+      cute::tuple<ColumnMajor*, LayoutSFB*>, kAlignAB, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, GivenScaleLayouts<Mainloop>, Epilogue>>;
+};
+
+// Both products: cooperative 128x128x128 tiles (K 128: one scale promotion a k-tile) in
+// 2x1 clusters, a pair of M tiles sharing B's tile through TMA multicast. Why these:
+// docs/architecture.md (src/kernels, grouped_gemm_fp8).
+using Tile128 = cute::Shape<cute::_128, cute::_128, cute::_128>;
+using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
+using ForwardGemm = Config<kTile, cutlass::bfloat16_t, Tile128, Cluster2x1>::Gemm;
+using WeightGemm = Config<1, float, Tile128, Cluster2x1>::Gemm;
+
+template <class Gemm>
+struct Types {
+  using Kernel = typename Gemm::GemmKernel;
+  using Mainloop = typename Kernel::CollectiveMainloop;
+  using C = typename Kernel::ElementC;
+  using D = typename Kernel::ElementD;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using LayoutSFA = typename Mainloop::InternalLayoutSFA;
+  using LayoutSFB = typename Mainloop::InternalLayoutSFB;
+  static constexpr bool kHasC = !std::is_void_v<C>;
+};
+
+// The per-expert arrays of one launch, carved from the workspace.
+template <class Gemm>
+struct Groups {
+  using T = Types<Gemm>;
+  GroupShape* shape;
+  const f8** a;
+  const f8** b;
+  const typename T::C** c;  // unused without a source
+  typename T::D** d;
+  typename T::StrideA* stride_a;
+  typename T::StrideB* stride_b;
+  typename T::StrideC* stride_c;
+  typename T::StrideD* stride_d;
+  const float** sfa;
+  const float** sfb;
+  typename T::LayoutSFA* layout_sfa;
+  typename T::LayoutSFB* layout_sfb;
+};
+
+template <class Gemm>
+Groups<Gemm> carve_groups(Carve& c, int experts) {
+  using T = Types<Gemm>;
+  Groups<Gemm> g{};
+  g.shape = c.take<GroupShape>(experts);
+  g.a = c.take<const f8*>(experts);
+  g.b = c.take<const f8*>(experts);
+  if constexpr (T::kHasC) g.c = c.take<const typename T::C*>(experts);
+  g.d = c.take<typename T::D*>(experts);
+  g.stride_a = c.take<typename T::StrideA>(experts);
+  g.stride_b = c.take<typename T::StrideB>(experts);
+  if constexpr (T::kHasC) g.stride_c = c.take<typename T::StrideC>(experts);
+  g.stride_d = c.take<typename T::StrideD>(experts);
+  g.sfa = c.take<const float*>(experts);
+  g.sfb = c.take<const float*>(experts);
+  g.layout_sfa = c.take<typename T::LayoutSFA>(experts);
+  g.layout_sfb = c.take<typename T::LayoutSFB>(experts);
+  return g;
+}
+
+__device__ int64_t tiles_of(int64_t n) { return (n + kTile - 1) / kTile; }
+
+// Rows [begin, end) of expert e, offsets clamped to [0, rows].
+__device__ void segment(const int32_t* offsets, int e, int64_t rows, int64_t& begin, int64_t& end) {
+  begin = min(max(int64_t{offsets[e]}, int64_t{0}), rows);
+  end = min(max(int64_t{offsets[e + 1]}, begin), rows);
+}
+
+// A per-row scale layout ((1, rows), (128, k_tiles)): rows contiguous, k_stride between
+// k-tiles.
+template <class Layout>
+__device__ Layout row_scales(int rows, int k_tiles, int k_stride) {
+  using namespace cute;
+  return make_layout(make_shape(make_shape(_1{}, rows), make_shape(Int<kTile>{}, k_tiles), 1),
+                     make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, k_stride), 0));
+}
+
+struct ForwardPlan {
+  const int32_t* offsets;
+  int experts;
+  int64_t rows, k, o;  // x [rows, k], w [E, o, k], y [rows, o]
+  const f8* x;
+  const float* x_scale;  // [k/128, rows]
+  const f8* w;
+  const float* w_scale;  // [E, tiles(o), ld]
+  int64_t ld;
+  cutlass::bfloat16_t* y;
+  Types<ForwardGemm>::StrideA stride_a;
+  Types<ForwardGemm>::StrideB stride_b;
+  Types<ForwardGemm>::StrideD stride_d;
+};
+
+__global__ void plan_forward_kernel(ForwardPlan p, Groups<ForwardGemm> out) {
+  using T = Types<ForwardGemm>;
+  using namespace cute;
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= p.experts) return;
+  int64_t begin, end;
+  segment(p.offsets, e, p.rows, begin, end);
+  const int n = static_cast<int>(end - begin), k_tiles = static_cast<int>(tiles_of(p.k));
+  const int o_tiles = static_cast<int>(tiles_of(p.o));
+  out.shape[e] = make_shape(n, static_cast<int>(p.o), static_cast<int>(p.k));
+  out.a[e] = p.x + begin * p.k;
+  out.b[e] = p.w + e * p.o * p.k;
+  out.d[e] = p.y + begin * p.o;
+  out.stride_a[e] = p.stride_a;
+  out.stride_b[e] = p.stride_b;
+  out.stride_d[e] = p.stride_d;
+  // x's scales: the segment's columns of [k/128, rows]. w[e]'s: rows of ld block scales.
+  out.sfa[e] = p.x_scale + begin;
+  out.layout_sfa[e] = row_scales<T::LayoutSFA>(n, k_tiles, static_cast<int>(p.rows));
+  out.sfb[e] = p.w_scale + e * o_tiles * p.ld;
+  out.layout_sfb[e] = make_layout(make_shape(make_shape(Int<kTile>{}, o_tiles), make_shape(Int<kTile>{}, k_tiles), 1),
+                                  make_stride(make_stride(_0{}, static_cast<int>(p.ld)), make_stride(_0{}, _1{}), 0));
+}
+
+struct WeightPlan {
+  const int32_t* offsets;
+  int experts;
+  int64_t rows;          // offsets are clamped to [0, rows]: what fits in c columns and t tiles
+  int64_t o, k, c;       // a [o, c], b [k, c], dw [E, o, k]
+  const f8* a;
+  const float* a_scale;  // [t, o]
+  const f8* b;
+  const float* b_scale;  // [t, k]
+  float* dw;
+  Types<WeightGemm>::StrideA stride_a;
+  Types<WeightGemm>::StrideB stride_b;
+  Types<WeightGemm>::StrideD stride_d;  // C's too
+};
+
+__global__ void plan_weight_kernel(WeightPlan p, Groups<WeightGemm> out) {
+  using T = Types<WeightGemm>;
+  using namespace cute;
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= p.experts) return;
+  // tile_e: the tiles of the experts before e (a few hundred loads at most).
+  int64_t first = 0, begin, end;
+  for (int j = 0; j < e; ++j) {
+    segment(p.offsets, j, p.rows, begin, end);
+    first += tiles_of(end - begin);
+  }
+  segment(p.offsets, e, p.rows, begin, end);
+  const int tiles = static_cast<int>(tiles_of(end - begin));
+  const int o = static_cast<int>(p.o), k = static_cast<int>(p.k);
+  out.shape[e] = make_shape(tiles > 0 ? o : 0, k, tiles * kTile);
+  out.a[e] = p.a + first * kTile;
+  out.b[e] = p.b + first * kTile;
+  out.d[e] = p.dw + e * p.o * p.k;
+  out.c[e] = out.d[e];
+  out.stride_a[e] = p.stride_a;
+  out.stride_b[e] = p.stride_b;
+  out.stride_c[e] = p.stride_d;
+  out.stride_d[e] = p.stride_d;
+  out.sfa[e] = p.a_scale + first * p.o;
+  out.layout_sfa[e] = row_scales<T::LayoutSFA>(o, tiles, o);
+  out.sfb[e] = p.b_scale + first * p.k;
+  out.layout_sfb[e] = row_scales<T::LayoutSFB>(k, tiles, k);
+}
+
+// Plans and runs one product: `plan` writes the groups, then CUTLASS reads them.
+template <class Gemm, class Plan, class PlanKernel>
+void launch(const Plan& p, PlanKernel plan, float beta, const char* what) {
+  using T = Types<Gemm>;
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.hw_info = hardware<Gemm>();
+  const size_t cutlass_bytes = Gemm::get_workspace_size(args);
+  Carve measure{nullptr, cutlass_bytes};
+  carve_groups<Gemm>(measure, p.experts);
+  // CUTLASS's workspace (a TMA descriptor per SM and operand), then the per-expert arrays,
+  // in the stream's grouped GEMM buffer (grouped_gemm_sm90.cu's too: launches on one
+  // stream queue in order, so each one's arrays are written after the last has read its own).
+  char* ws = static_cast<char*>(stream_buffer(StreamBuffer::grouped_gemm, measure.used));
+  Carve carve{ws, cutlass_bytes};
+  const Groups<Gemm> g = carve_groups<Gemm>(carve, p.experts);
+  plan<<<blocks_for(p.experts, 128), 128, 0, stream()>>>(p, g);
+  CUDA_CHECK_LAUNCH();
+
+  args.problem_shape = {p.experts, g.shape, nullptr};
+  args.mainloop = {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb};
+  args.epilogue.ptr_C = g.c;
+  args.epilogue.dC = g.stride_c;
+  args.epilogue.ptr_D = g.d;
+  args.epilogue.dD = g.stride_d;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = T::kHasC ? beta : 0.0f;
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status == cutlass::Status::kSuccess) status = gemm.initialize(args, ws, stream());
+  if (status == cutlass::Status::kSuccess) status = gemm.run(stream());
+  MT_CHECK(status == cutlass::Status::kSuccess)
+      << "CUTLASS grouped FP8 GEMM (" << what << ", " << p.experts << " experts) failed: "
+      << cutlass::cutlassGetStatusString(status);
+}
+
+bool aligned(std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors)
+    if (!aligned16(t->data)) return false;
+  return true;
+}
+
+}  // namespace
+
+void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
+                      const Tensor& offsets, const Tensor& y) {
+  MT_CHECK(x.ndim() == 2 && w.ndim() == 3 && y.ndim() == 2 && x.dim(1) == w.dim(2))
+      << "grouped_gemm_fp8 wants x [R, K], w [E, O, K] and y [R, O], got x " << x.str() << ", w " << w.str()
+      << ", y " << y.str();
+  const int64_t rows = x.dim(0), k = x.dim(1), experts = w.dim(0), o = w.dim(1), ld = fp8::block_scale_cols(k);
+  check_arg(x, "grouped_gemm_fp8 x", {DType::f8e4m3}, {rows, k});
+  check_arg(x_scale, "grouped_gemm_fp8 x_scale", {DType::f32}, {fp8::tiles(k), rows});
+  check_arg(w, "grouped_gemm_fp8 w", {DType::f8e4m3}, {experts, o, k});
+  check_arg(w_scale, "grouped_gemm_fp8 w_scale", {DType::f32}, {experts, fp8::tiles(o), ld});
+  check_arg(offsets, "grouped_gemm_fp8 offsets", {DType::i32}, {experts + 1});
+  check_arg(y, "grouped_gemm_fp8 y", {DType::bf16}, {rows, o});
+  // TMA moves 16-byte rows (x's and w's K a multiple of 16 codes, y's O of 8 bf16); O a
+  // multiple of 16 too, what the tests reach (a ragged last N tile included).
+  MT_CHECK(k > 0 && k % 16 == 0 && o > 0 && o % 16 == 0 && rows <= INT_MAX && k <= INT_MAX && o <= INT_MAX &&
+           experts <= INT_MAX && aligned({&x, &w, &y}))
+      << "grouped_gemm_fp8 on the GPU takes K and O positive multiples of 16 and 16-byte aligned x, w, y; got x "
+      << x.str() << ", w " << w.str() << ", y " << y.str();
+  if (rows == 0 || experts == 0) return;
+  using T = Types<ForwardGemm>;
+  ForwardPlan p{offsets.i32(), static_cast<int>(experts), rows, k, o, static_cast<const f8*>(x.data), x_scale.f32(),
+                static_cast<const f8*>(w.data), w_scale.f32(), ld, static_cast<cutlass::bfloat16_t*>(y.data),
+                leading<T::StrideA>(k), leading<T::StrideB>(k), leading<T::StrideD>(o)};
+  launch<ForwardGemm>(p, plan_forward_kernel, 0.0f, "x w^T");
+}
+
+void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
+                             const Tensor& offsets, const Tensor& dw, bool accumulate) {
+  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && a_scale.ndim() == 2 && dw.ndim() == 3 && a.dim(1) == b.dim(1))
+      << "grouped_gemm_fp8_weight wants a [O, C], b [K, C] and dw [E, O, K], got a " << a.str() << ", b " << b.str()
+      << ", dw " << dw.str();
+  const int64_t o = a.dim(0), k = b.dim(0), c = a.dim(1), t = a_scale.dim(0), experts = dw.dim(0);
+  check_arg(a, "grouped_gemm_fp8_weight a", {DType::f8e4m3}, {o, c});
+  check_arg(a_scale, "grouped_gemm_fp8_weight a_scale", {DType::f32}, {t, o});
+  check_arg(b, "grouped_gemm_fp8_weight b", {DType::f8e4m3}, {k, c});
+  check_arg(b_scale, "grouped_gemm_fp8_weight b_scale", {DType::f32}, {t, k});
+  check_arg(offsets, "grouped_gemm_fp8_weight offsets", {DType::i32}, {experts + 1});
+  check_arg(dw, "grouped_gemm_fp8_weight dw", {DType::f32}, {experts, o, k});
+  // TMA moves 16-byte rows (C a multiple of 16 codes, dw's K of 4 f32); O and K multiples
+  // of 16, what the tests reach (ragged last tiles included).
+  MT_CHECK(o > 0 && o % 16 == 0 && k > 0 && k % 16 == 0 && c % 16 == 0 && o <= INT_MAX && k <= INT_MAX &&
+           c <= INT_MAX && experts <= INT_MAX && aligned({&a, &b, &dw}))
+      << "grouped_gemm_fp8_weight on the GPU takes O and K positive multiples of 16, C (the segment columns, "
+         "segment_cols) a multiple of 16 and 16-byte aligned a, b, dw; got a "
+      << a.str() << ", b " << b.str() << ", dw " << dw.str();
+  if (experts == 0) return;
+  // The most rows whose segments fit in c columns and t tiles (c >= segment_cols(R, E), t >=
+  // segment_tiles(R, E)): offsets are clamped to it, so no expert reads past them.
+  const int64_t rows = std::max<int64_t>(0, std::min(c - fp8::kSegmentAlign * experts, fp8::kTile * (t - experts)));
+  if (!accumulate) zero_empty_experts(offsets, rows, dw);
+  using T = Types<WeightGemm>;
+  WeightPlan p{offsets.i32(), static_cast<int>(experts), rows, o, k, c, static_cast<const f8*>(a.data), a_scale.f32(),
+               static_cast<const f8*>(b.data), b_scale.f32(), dw.f32(), leading<T::StrideA>(c), leading<T::StrideB>(c),
+               leading<T::StrideD>(k)};
+  launch<WeightGemm>(p, plan_weight_kernel, accumulate ? 1.0f : 0.0f, "dw (+)= a b^T");
+}
+
+}  // namespace mt::cuda
