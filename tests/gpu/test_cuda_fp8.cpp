@@ -6,11 +6,15 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "gpu/gpu_test.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/fp8_quant.h"
 #include "kernels/gemm.h"
+#include "kernels/grouped_gemm.h"
 
 namespace mt::gpu_test {
 namespace {
@@ -104,6 +108,100 @@ TEST(CudaFp8Quant, BlocksEqualCpu) {
       }
 }
 
+// A layer's experts [E, N, K] and their transposes [E, K, N] in one pass, 2-D too; N and
+// K ragged. The padding of both scale arrays must be written as 0, as the CPU does.
+TEST(CudaFp8Quant, StackedBlocksAndTransposeEqualCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  struct Case {
+    int64_t e, n, k;  // e 0: a 2-D [N, K]
+  };
+  uint64_t seed = 6500;
+  for (Case c : {Case{3, 300, 384}, Case{2, 130, 200}, Case{1, 1, 128}, Case{4, 257, 1}, Case{0, 300, 640},
+                 Case{2, 768, 256}})
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (bool pow2 : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "E=" << c.e << " N=" << c.n << " K=" << c.k << " " << dtype_name(dtype)
+                                        << " pow2=" << pow2);
+        const int64_t e = std::max<int64_t>(c.e, 1), n = c.n, k = c.k;
+        const int64_t tn = fp8::tiles(n), tk = fp8::tiles(k), ld = fp8::block_scale_cols(k),
+                      ldt = fp8::block_scale_cols(n);
+        auto stacked = [&](Shape s) { return c.e > 0 ? Shape{c.e, s[0], s[1]} : s; };
+        const Shape ws = stacked({n, k}), wts = stacked({k, n}), ss = stacked({tn, ld}), sts = stacked({tk, ldt});
+        auto w = wide_floats(e * n * k, ++seed);
+        if (dtype == DType::bf16) w = round_bf16(w);
+        std::vector<uint8_t> q(e * n * k), qt(e * n * k);
+        std::vector<float> s(e * tn * ld), st(e * tk * ldt);
+        cpu::quantize_blocks(host(w, ws), Tensor(q.data(), ws, DType::f8e4m3), host(s, ss), pow2,
+                             Tensor(qt.data(), wts, DType::f8e4m3), host(st, sts));
+        auto d_w = upload(w, dtype, ws);
+        auto d_q = poisoned(DType::f8e4m3, ws), d_qt = poisoned(DType::f8e4m3, wts);
+        auto d_s = poisoned(DType::f32, ss), d_st = poisoned(DType::f32, sts);
+        cuda::quantize_blocks(d_w.t, d_q.t, d_s.t, pow2, d_qt.t, d_st.t);
+        EXPECT_TRUE(same_codes("q", download_codes(d_q.t), q));
+        EXPECT_TRUE(same_bits("scale", download(d_s.t), s));
+        EXPECT_TRUE(same_codes("qt", download_codes(d_qt.t), qt));
+        EXPECT_TRUE(same_bits("scale_t", download(d_st.t), st));
+        // Without the transpose: the same bytes.
+        auto d_q1 = poisoned(DType::f8e4m3, ws);
+        auto d_s1 = poisoned(DType::f32, ss);
+        cuda::quantize_blocks(d_w.t, d_q1.t, d_s1.t, pow2);
+        EXPECT_TRUE(same_codes("q (no transpose)", download_codes(d_q1.t), q));
+        EXPECT_TRUE(same_bits("scale (no transpose)", download(d_s1.t), s));
+      }
+}
+
+std::vector<int32_t> offsets_of(const std::vector<int32_t>& counts) {
+  std::vector<int32_t> offsets{0};
+  for (int32_t c : counts) offsets.push_back(offsets.back() + c);
+  return offsets;
+}
+
+std::string counts_str(const std::vector<int32_t>& counts) {
+  std::ostringstream s;
+  for (size_t i = 0; i < counts.size() && i < 12; ++i) s << (i ? "," : "") << counts[i];
+  if (counts.size() > 12) s << ",... (" << counts.size() << " experts)";
+  return s.str();
+}
+
+// The grouped weight gradient's operands: empty experts, 1-row segments, segments one past
+// a tile, ragged K. qt and scale_t start poisoned on both sides, so what the contract
+// leaves unwritten (columns past the last segment, rows past the last tile) must stay so.
+TEST(CudaFp8Quant, SegmentColumnsEqualCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  struct Case {
+    std::vector<int32_t> counts;
+    int64_t k;
+  };
+  const Case cases[] = {{{0, 1, 300, 128, 0, 129}, 200},
+                        {{512, 512, 512, 512}, 256},
+                        {{1}, 128},
+                        {{0, 0, 0}, 128},
+                        {{7, 0, 1, 1, 255, 256, 257}, 1}};
+  uint64_t seed = 7000;
+  for (const Case& c : cases)
+    for (DType dtype : {DType::bf16, DType::f32})
+      for (bool pow2 : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "counts " << counts_str(c.counts) << " K=" << c.k << " "
+                                        << dtype_name(dtype) << " pow2=" << pow2);
+        std::vector<int32_t> offsets = offsets_of(c.counts);
+        const int64_t e = static_cast<int64_t>(c.counts.size()), r = offsets.back(), k = c.k;
+        const int64_t cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
+        auto x = wide_floats(r * k, ++seed);
+        if (dtype == DType::bf16) x = round_bf16(x);
+        std::vector<uint8_t> qt(k * cols, 0xff);
+        std::vector<float> st(t * k);
+        std::memset(st.data(), 0xff, st.size() * sizeof(float));
+        cpu::quantize_segment_columns(host(x, {r, k}), host(offsets, {e + 1}), Tensor(qt.data(), {k, cols}, DType::f8e4m3),
+                                      host(st, {t, k}), pow2);
+        auto d_x = upload(x, dtype, {r, k}), d_off = upload(offsets, {e + 1});
+        auto d_qt = poisoned(DType::f8e4m3, {k, cols});
+        auto d_st = poisoned(DType::f32, {t, k});
+        cuda::quantize_segment_columns(d_x.t, d_off.t, d_qt.t, d_st.t, pow2);
+        EXPECT_TRUE(same_codes("qt", download_codes(d_qt.t), qt));
+        EXPECT_TRUE(same_bits("scale_t", download(d_st.t), st));
+      }
+}
+
 // cuBLASLt's block-scaled product against the CPU's on the same codes and scales, for a
 // weight (128x128 blocks) and the weight gradient's form (1x128 both). The CPU sums in
 // f32; Hopper's FP8 tensor cores keep fewer bits within each 128-wide block of K before
@@ -148,6 +246,142 @@ TEST(CudaFp8Gemm, MatchesTheCpuOnTheSameCodes) {
       }
 }
 
+// Codes and scales made on the CPU, uploaded as they are: the GPU products read exactly
+// the CPU's inputs.
+DeviceTensor upload_codes(std::vector<uint8_t>& codes, Shape shape) {
+  auto d = poisoned(DType::f8e4m3, shape);
+  cuda::copy(d.t, Tensor(codes.data(), shape, DType::f8e4m3));
+  return d;
+}
+
+// |got - want| < bound * max |want|, the bound MatchesTheCpuOnTheSameCodes derives.
+::testing::AssertionResult within(const char* what, const std::vector<float>& got, const std::vector<float>& want,
+                                  double bound, double norm) {
+  double worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = std::fabs(got[i] - double{want[i]});
+    if (std::isnan(d))
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << got[i] << ", want " << want[i];
+    if (d > worst) worst = d, at = i;
+  }
+  if (worst < bound * norm) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << "[" << at << "]: " << got[at] << ", want " << want[at] << " (worst "
+                                       << worst << ", bound " << bound * norm << ")";
+}
+
+struct GroupedFp8Case {
+  std::vector<int32_t> counts;
+  int64_t k, o;
+};
+
+// The grouped products through CUTLASS against the CPU's on the same codes, for the shapes
+// the GPU takes (K and O multiples of 16, ragged against 128 too), with empty experts and
+// 1-row segments: the forward y = x w^T and the input gradient (the same function on w's
+// transposed blocks, y bf16), and the weight gradient (f32) with and without
+// accumulation. The bounds are MatchesTheCpuOnTheSameCodes': Hopper's FP8 accumulation
+// within each 128-wide slice of the reduction, which CUTLASS promotes to f32 per k-tile
+// as cuBLASLt does; 8e-3 with bf16's rounding, 1e-3 in f32. Experts without rows write
+// nothing in y, zeros (or keep dw) in dw, exactly.
+TEST(CudaFp8GroupedGemm, MatchesTheCpuOnTheSameCodes) {
+  MT_SKIP_WITHOUT_GPU();
+  const GroupedFp8Case cases[] = {{{0, 1, 300, 130, 0, 129}, 256, 384},
+                                  {{64, 0, 200}, 208, 336},
+                                  {{17}, 128, 128},
+                                  {std::vector<int32_t>(8, 512), 2048, 768}};
+  uint64_t seed = 8000;
+  for (const GroupedFp8Case& g : cases) {
+    SCOPED_TRACE(testing::Message() << "counts " << counts_str(g.counts) << " K=" << g.k << " O=" << g.o);
+    std::vector<int32_t> offsets = offsets_of(g.counts);
+    const int64_t e = static_cast<int64_t>(g.counts.size()), r = offsets.back(), k = g.k, o = g.o;
+    const int64_t tk = fp8::tiles(k), to = fp8::tiles(o);
+    auto x = random_floats(r * k, -2, 2, ++seed), dy = random_floats(r * o, -2, 2, ++seed);
+    auto w = random_floats(e * o * k, -0.1f, 0.1f, ++seed);
+    auto off = host(offsets, {e + 1});
+    auto d_off = upload(offsets, {e + 1});
+
+    // Forward and input gradient: x and dy in rows, w and its transpose in blocks.
+    std::vector<uint8_t> qx(r * k), qdy(r * o), qw(e * o * k), qwt(e * o * k);
+    std::vector<float> sx(tk * r), sdy(to * r), sw(e * to * fp8::block_scale_cols(k)),
+        swt(e * tk * fp8::block_scale_cols(o));
+    const Shape sxs{tk, r}, sdys{to, r}, sws{e, to, fp8::block_scale_cols(k)}, swts{e, tk, fp8::block_scale_cols(o)};
+    cpu::quantize_rows(host(x, {r, k}), Tensor(qx.data(), {r, k}, DType::f8e4m3), host(sx, sxs), true);
+    cpu::quantize_rows(host(dy, {r, o}), Tensor(qdy.data(), {r, o}, DType::f8e4m3), host(sdy, sdys), true);
+    cpu::quantize_blocks(host(w, {e, o, k}), Tensor(qw.data(), {e, o, k}, DType::f8e4m3), host(sw, sws), true,
+                         Tensor(qwt.data(), {e, k, o}, DType::f8e4m3), host(swt, swts));
+    std::vector<float> want_y(r * o), want_dx(r * k);
+    cpu::grouped_gemm_fp8(Tensor(qx.data(), {r, k}, DType::f8e4m3), host(sx, sxs),
+                          Tensor(qw.data(), {e, o, k}, DType::f8e4m3), host(sw, sws), off, host(want_y, {r, o}));
+    cpu::grouped_gemm_fp8(Tensor(qdy.data(), {r, o}, DType::f8e4m3), host(sdy, sdys),
+                          Tensor(qwt.data(), {e, k, o}, DType::f8e4m3), host(swt, swts), off, host(want_dx, {r, k}));
+    auto d_qx = upload_codes(qx, {r, k}), d_qdy = upload_codes(qdy, {r, o});
+    auto d_qw = upload_codes(qw, {e, o, k}), d_qwt = upload_codes(qwt, {e, k, o});
+    auto d_sx = upload(sx, DType::f32, sxs), d_sdy = upload(sdy, DType::f32, sdys);
+    auto d_sw = upload(sw, DType::f32, sws), d_swt = upload(swt, DType::f32, swts);
+    auto d_y = poisoned(DType::bf16, {r, o}), d_dx = poisoned(DType::bf16, {r, k});
+    cuda::grouped_gemm_fp8(d_qx.t, d_sx.t, d_qw.t, d_sw.t, d_off.t, d_y.t);
+    cuda::grouped_gemm_fp8(d_qdy.t, d_sdy.t, d_qwt.t, d_swt.t, d_off.t, d_dx.t);
+    EXPECT_TRUE(within("y", download(d_y.t), want_y, 8e-3, max_abs(want_y)));
+    EXPECT_TRUE(within("dx", download(d_dx.t), want_dx, 8e-3, max_abs(want_dx)));
+
+    // Weight gradient: dy and x as segment columns.
+    const int64_t cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
+    std::vector<uint8_t> qa(o * cols, 0), qb(k * cols, 0);
+    std::vector<float> sa(t * o, 1.0f), sb(t * k, 1.0f);
+    cpu::quantize_segment_columns(host(dy, {r, o}), off, Tensor(qa.data(), {o, cols}, DType::f8e4m3),
+                                  host(sa, {t, o}), true);
+    cpu::quantize_segment_columns(host(x, {r, k}), off, Tensor(qb.data(), {k, cols}, DType::f8e4m3),
+                                  host(sb, {t, k}), true);
+    const Tensor ta(qa.data(), {o, cols}, DType::f8e4m3), tb(qb.data(), {k, cols}, DType::f8e4m3);
+    auto d_qa = upload_codes(qa, {o, cols}), d_qb = upload_codes(qb, {k, cols});
+    auto d_sa = upload(sa, DType::f32, {t, o}), d_sb = upload(sb, DType::f32, {t, k});
+    auto dw0 = random_floats(e * o * k, -1, 1, ++seed);
+    std::vector<float> want_dw(e * o * k, 0.0f);
+    cpu::grouped_gemm_fp8_weight(ta, host(sa, {t, o}), tb, host(sb, {t, k}), off, host(want_dw, {e, o, k}), false);
+    const double norm = max_abs(want_dw);
+    for (bool accumulate : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "accumulate=" << accumulate);
+      std::vector<float> want = want_dw;
+      if (accumulate) {
+        want = dw0;
+        cpu::grouped_gemm_fp8_weight(ta, host(sa, {t, o}), tb, host(sb, {t, k}), off, host(want, {e, o, k}), true);
+      }
+      auto d_dw = accumulate ? upload(dw0, DType::f32, {e, o, k}) : poisoned(DType::f32, {e, o, k});
+      cuda::grouped_gemm_fp8_weight(d_qa.t, d_sa.t, d_qb.t, d_sb.t, d_off.t, d_dw.t, accumulate);
+      const std::vector<float> got = download(d_dw.t);
+      EXPECT_TRUE(within("dw", got, want, 1e-3, norm));
+      for (int64_t j = 0; j < e; ++j) {
+        if (g.counts[j] != 0) continue;
+        auto expert = [&](const std::vector<float>& v) {
+          return std::vector<float>(v.begin() + j * o * k, v.begin() + (j + 1) * o * k);
+        };
+        EXPECT_TRUE(same_bits("an empty expert's dw", expert(got), expert(want)));
+      }
+    }
+  }
+}
+
+// Shapes the CUTLASS path does not take are refused, naming them, before anything runs.
+TEST(CudaFp8GroupedGemm, RefusesWhatTmaCannotMove) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t e = 2, r = 64;
+  auto off = upload(std::vector<int32_t>{0, 32, 64}, {e + 1});
+  {
+    const int64_t k = 200, o = 128;  // K not a multiple of 16
+    auto x = poisoned(DType::f8e4m3, {r, k}), sx = poisoned(DType::f32, {fp8::tiles(k), r});
+    auto w = poisoned(DType::f8e4m3, {e, o, k}), sw = poisoned(DType::f32, {e, 1, fp8::block_scale_cols(k)});
+    auto y = poisoned(DType::bf16, {r, o});
+    EXPECT_THROW(cuda::grouped_gemm_fp8(x.t, sx.t, w.t, sw.t, off.t, y.t), Error);
+  }
+  {
+    const int64_t o = 128, k = 130, cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);  // K of dw
+    auto a = poisoned(DType::f8e4m3, {o, cols}), sa = poisoned(DType::f32, {t, o});
+    auto b = poisoned(DType::f8e4m3, {k, cols}), sb = poisoned(DType::f32, {t, k});
+    auto dw = poisoned(DType::f32, {e, o, k});
+    EXPECT_THROW(cuda::grouped_gemm_fp8_weight(a.t, sa.t, b.t, sb.t, off.t, dw.t, false), Error);
+  }
+}
+
 // Speed, not correctness (run with --gtest_also_run_disabled_tests): the FP8 product
 // against the bf16 one, and the quantization passes, on the Qwen3-30B-A3B attention and
 // dense shapes of the benchmark (8192 tokens). Prints TFLOPS and GB/s.
@@ -172,6 +406,57 @@ TEST(CudaFp8Gemm, DISABLED_TimeBenchmarkShapes) {
     std::printf("M %lld N %lld K %lld: bf16 %.0f TFLOPS, fp8 %.0f TFLOPS; quantize rows %.0f GB/s, rows+columns %.0f GB/s\n",
                 static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k), flops / bf16 / 1e9,
                 flops / f8 / 1e9, 3.0 * m * k / q1 / 1e6, 4.0 * m * k / q2 / 1e6);
+  }
+}
+
+// Speed at the benchmark's expert shapes (Qwen3-30B-A3B: 8192 tokens, top-8 of 128
+// experts, balanced: 512 rows each; hidden 2048, expert FFN 768): each grouped FP8
+// product against the bf16 grouped GEMM at the same shape, and the quantization passes
+// that feed them. Run with --gtest_also_run_disabled_tests.
+TEST(CudaFp8GroupedGemm, DISABLED_TimeBenchmarkShapes) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t e = 128, r = 8192 * 8, d = 2048, inter = 768;
+  auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
+  std::vector<int32_t> offsets;
+  for (int64_t i = 0; i <= e; ++i) offsets.push_back(static_cast<int32_t>(i * r / e));
+  auto off = upload(offsets, {e + 1});
+  const int64_t cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
+  Tensor none;
+  // (K, O) of gate_up and of down: y [R, O] = x [R, K] w^T, dx = dy w, dw = dy^T x.
+  const std::pair<int64_t, int64_t> shapes[] = {{d, 2 * inter}, {inter, d}};
+  for (auto [k, o] : shapes) {
+    auto x = random_device(DType::bf16, {r, k}, 1), w = random_device(DType::bf16, {e, o, k}, 2);
+    auto dy = random_device(DType::bf16, {r, o}, 3);
+    auto y = poisoned(DType::bf16, {r, o}), dx = poisoned(DType::bf16, {r, k});
+    auto dw = random_device(DType::f32, {e, o, k}, 4);
+    auto qx = poisoned(DType::f8e4m3, {r, k}), sx = poisoned(DType::f32, {fp8::tiles(k), r});
+    auto qdy = poisoned(DType::f8e4m3, {r, o}), sdy = poisoned(DType::f32, {fp8::tiles(o), r});
+    auto qw = poisoned(DType::f8e4m3, {e, o, k}), sw = poisoned(DType::f32, {e, fp8::tiles(o), fp8::block_scale_cols(k)});
+    auto qwt = poisoned(DType::f8e4m3, {e, k, o}), swt = poisoned(DType::f32, {e, fp8::tiles(k), fp8::block_scale_cols(o)});
+    auto qa = poisoned(DType::f8e4m3, {o, cols}), sa = poisoned(DType::f32, {t, o});
+    auto qb = poisoned(DType::f8e4m3, {k, cols}), sb = poisoned(DType::f32, {t, k});
+    const double qr = median_ms(10, [&] { cuda::quantize_rows(x.t, qx.t, sx.t, true); });
+    const double qbl = median_ms(10, [&] { cuda::quantize_blocks(w.t, qw.t, sw.t, true, qwt.t, swt.t); });
+    const double qs = median_ms(10, [&] { cuda::quantize_segment_columns(x.t, off.t, qb.t, sb.t, true); });
+    cuda::quantize_rows(dy.t, qdy.t, sdy.t, true);
+    cuda::quantize_segment_columns(dy.t, off.t, qa.t, sa.t, true);
+    const double flops = 2.0 * r * k * o;
+    const double f16 = median_ms(10, [&] { cuda::grouped_gemm(x.t, w.t, none, off.t, y.t); });
+    const double f8 = median_ms(10, [&] { cuda::grouped_gemm_fp8(qx.t, sx.t, qw.t, sw.t, off.t, y.t); });
+    const double b16 = median_ms(10, [&] { cuda::grouped_gemm_backward_input(dy.t, w.t, off.t, dx.t); });
+    const double b8 = median_ms(10, [&] { cuda::grouped_gemm_fp8(qdy.t, sdy.t, qwt.t, swt.t, off.t, dx.t); });
+    const double w16 = median_ms(10, [&] { cuda::grouped_gemm_backward_weight(x.t, dy.t, off.t, dw.t, none, false); });
+    const double w8 = median_ms(10, [&] { cuda::grouped_gemm_fp8_weight(qa.t, sa.t, qb.t, sb.t, off.t, dw.t, false); });
+    const double w16a = median_ms(10, [&] { cuda::grouped_gemm_backward_weight(x.t, dy.t, off.t, dw.t, none, true); });
+    const double w8a = median_ms(10, [&] { cuda::grouped_gemm_fp8_weight(qa.t, sa.t, qb.t, sb.t, off.t, dw.t, true); });
+    std::printf("E %ld R %ld K %ld O %ld, TFLOPS fp8 (bf16): forward %.0f (%.0f), input grad %.0f (%.0f), "
+                "weight grad %.0f (%.0f), accumulating %.0f (%.0f)\n",
+                static_cast<long>(e), static_cast<long>(r), static_cast<long>(k), static_cast<long>(o),
+                tflops(flops, f8), tflops(flops, f16), tflops(flops, b8), tflops(flops, b16), tflops(flops, w8),
+                tflops(flops, w16), tflops(flops, w8a), tflops(flops, w16a));
+    // Bytes moved: bf16 in, codes and scales out (the transposed copy doubles the codes).
+    std::printf("  quantize GB/s: rows of x %.0f, blocks of w with transpose %.0f, segment columns of x %.0f\n",
+                3.0 * r * k / qr / 1e6, 4.0 * e * o * k / qbl / 1e6, 3.0 * r * k / qs / 1e6);
   }
 }
 
