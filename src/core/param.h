@@ -12,9 +12,10 @@
 namespace mt {
 
 // A weight's blockwise FP8 copy (training.fp8 = blockwise, models/linear.h): the codes of
-// `compute` in 128x128 blocks and those of its transpose (the input gradient's operand),
-// with their block scales (kernels/fp8_quant.h has the layouts). Written whenever compute
-// is (refresh_compute_weights, the optimizer).
+// `compute` (for such a weight the f32 master itself: nothing reads a bf16 copy of it) in
+// 128x128 blocks and those of its transpose (the input gradient's operand), with their
+// block scales (kernels/fp8_quant.h has the layouts). Written whenever the weights change
+// (refresh_compute_weights, the optimizer).
 struct Fp8Copy {
   Tensor q, scale, qt, scale_t;
   bool pow2 = true;

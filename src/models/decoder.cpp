@@ -338,7 +338,9 @@ void Decoder::build_params() {
   // a third with the bf16 copies of the matrices that the products read. With external
   // layers, only the embedding's and the head's. With FP8, a fourth holds the linear
   // layers' weights quantized in both layouts (Param::fp8): a layer's matrices but its
-  // router.
+  // router. Those need no bf16 copy (only the FP8 products read them): their compute is
+  // the master itself, which they are quantized from, so the GPU's codes are the CPU's
+  // for the same master weights.
   const bool copies = device_ == Device::cuda;
   auto held = [&](const Param& p) { return !external_layers_ || p.layer < 0 || p.layer >= c_.num_layers; };
   std::vector<bool> quantized(params_.size(), false);
@@ -361,7 +363,7 @@ void Decoder::build_params() {
     const Param& p = params_[i];
     if (!held(p)) continue;
     count.alloc(DType::f32, p.value.shape);
-    if (copies && p.matrix) count_c.alloc(DType::bf16, p.value.shape);
+    if (copies && p.matrix && !quantized[i]) count_c.alloc(DType::bf16, p.value.shape);
     if (quantized[i]) fp8_copy(count_q, p);
   }
   auto arena = [&](const char* name, size_t bytes) {
@@ -376,12 +378,12 @@ void Decoder::build_params() {
     if (!held(p)) {
       p.value = Tensor(nullptr, p.value.shape, DType::f32, device_);
       p.grad = p.value;
-      p.compute = copies && p.matrix ? Tensor(nullptr, p.value.shape, DType::bf16, device_) : p.value;
+      p.compute = copies && p.matrix && !quantized[i] ? Tensor(nullptr, p.value.shape, DType::bf16, device_) : p.value;
       continue;
     }
     p.value = values_.alloc(DType::f32, p.value.shape);
     p.grad = grads_.alloc(DType::f32, p.value.shape);
-    p.compute = copies && p.matrix ? compute_.alloc(DType::bf16, p.value.shape) : p.value;
+    p.compute = copies && p.matrix && !quantized[i] ? compute_.alloc(DType::bf16, p.value.shape) : p.value;
     if (quantized[i]) p.fp8 = fp8_copy(fp8_, p);
     if (plan_only_) continue;
     mt::fill(p.value, 0.0f);

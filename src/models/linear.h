@@ -8,8 +8,8 @@
 // per call, shared by every weight that reads it (q, k and v); the input gradient
 // quantizes dy the same way; the weight gradient quantizes x^T and dy^T in 1x128 tiles
 // along the tokens (for experts, per expert segment). Weights come quantized from their
-// Param::fp8 cache in both layouts (128x128 blocks), which refresh_compute_weights and
-// the optimizer write with the bf16 copy. Products accumulate in f32. The quantized
+// Param::fp8 cache in both layouts (128x128 blocks), quantized from the f32 master after
+// every update (such a weight has no bf16 copy). Products accumulate in f32. The quantized
 // activations are temporaries of the call (the stream-ordered pool on the GPU); the
 // stash keeps the bf16 ones, so W quantizes its operands again rather than keeping FP8
 // copies alive from F and B.

@@ -18,10 +18,11 @@ constexpr int kTile = static_cast<int>(fp8::kTile);
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kRowsPerWarp = kTile / kWarps, kColsPerLane = kTile / 32;
 
-// rows: 1x128 row tiles. rows_and_columns: and x^T's 1x128 tiles (128x1 of x). blocks:
+// (quantize_rows alone has a kernel of its own, rows_kernel.) rows_and_columns: 1x128
+// row tiles and x^T's 1x128 tiles (128x1 of x). blocks:
 // one scale per 128x128 block, optionally with the transposed codes. segment_columns:
 // x^T's tiles, 128 rows of one expert's segment a tile, placed at column 128 g of qt.
-enum class Mode { rows, rows_and_columns, blocks, segment_columns };
+enum class Mode { rows_and_columns, blocks, segment_columns };
 
 struct Job {
   In x;
@@ -94,7 +95,7 @@ template <Mode mode>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
   __shared__ float smax[kWarps][kTile];
   __shared__ float sscale[kTile];
-  __shared__ __align__(16) uint8_t sq[mode == Mode::rows ? 1 : kTile][kTile + 4];  // +4: no bank conflicts
+  __shared__ __align__(16) uint8_t sq[kTile][kTile + 4];  // +4: no bank conflicts
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // The tile's rows of x, and where its transposed codes and column scales go.
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
       rmax = fmaxf(rmax, fabsf(v[j]));
       cmax[j] = fmaxf(cmax[j], fabsf(v[j]));
     }
-    if constexpr (mode == Mode::rows || mode == Mode::rows_and_columns) {
+    if constexpr (mode == Mode::rows_and_columns) {
       rmax = warp_max(rmax);
       if (r < p.m) {
         const float s = fp8::tile_scale(rmax, p.pow2);
@@ -198,20 +199,18 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
       for (int j = 0; j < kColsPerLane; ++j)
         sq[lane + 32 * j][warp * kRowsPerWarp + i] = e4m3(fp8::scaled(at(i, j), sscale[lane + 32 * j], p.pow2));
   }
-  if constexpr (mode != Mode::rows) {
-    // Each row of qt's tile (a column of x's) goes out as 128 consecutive bytes, in
-    // 4-byte words where qt's layout allows.
-    __syncthreads();
-    const int64_t cols = min(p.k - blockIdx.x * int64_t{kTile}, int64_t{kTile});
-    for (int idx = threadIdx.x; idx < kTile * kTile / 4; idx += kThreads) {
-      const int c = idx / (kTile / 4), i = idx % (kTile / 4) * 4;
-      if (c >= cols) break;
-      uint8_t* dst = qt + (blockIdx.x * int64_t{kTile} + c) * p.ldq + t_col0 + i;
-      if (p.qt_words && i + 4 <= t_cols)
-        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&sq[c][i]);
-      else
-        for (int b = 0; b < 4 && i + b < t_cols; ++b) dst[b] = sq[c][i + b];
-    }
+  // Each row of qt's tile (a column of x's) goes out as 128 consecutive bytes, in
+  // 4-byte words where qt's layout allows.
+  __syncthreads();
+  const int64_t cols = min(p.k - blockIdx.x * int64_t{kTile}, int64_t{kTile});
+  for (int idx = threadIdx.x; idx < kTile * kTile / 4; idx += kThreads) {
+    const int c = idx / (kTile / 4), i = idx % (kTile / 4) * 4;
+    if (c >= cols) break;
+    uint8_t* dst = qt + (blockIdx.x * int64_t{kTile} + c) * p.ldq + t_col0 + i;
+    if (p.qt_words && i + 4 <= t_cols)
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&sq[c][i]);
+    else
+      for (int b = 0; b < 4 && i + b < t_cols; ++b) dst[b] = sq[c][i + b];
   }
 }
 
@@ -227,6 +226,52 @@ uint8_t* codes(const Tensor& q, const char* name, Shape shape) {
 }
 
 bool word_rows(const uint8_t* qt, int64_t ldq) { return ldq % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0; }
+
+// quantize_rows alone, at the bandwidth it needs: a half-warp a 1x128 tile, a lane 8
+// consecutive elements (one 16-byte load of bf16, two of f32; scalar where the row's
+// elements are not 16-byte aligned or the tile is ragged), the amax over the half-warp by
+// shuffles, 8 codes in one 8-byte store; a block's 16 half-warps take 16 consecutive rows
+// of one tile column, so their scales go out as one 64-byte store.
+constexpr int kRowTilesPerBlock = 16;
+
+__global__ void __launch_bounds__(kThreads) rows_kernel(In x, int64_t m, int64_t k, bool pow2, bool vector,
+                                                        uint8_t* q, float* scale) {
+  const int half = threadIdx.x / 16, lane = threadIdx.x % 16;
+  const int64_t r = blockIdx.y * int64_t{kRowTilesPerBlock} + half, c = blockIdx.x * int64_t{kTile} + 8 * lane;
+  float v[8] = {};
+  if (r < m) {
+    if (vector && c + 8 <= k) {
+      if (x.bf16) {
+        load8(static_cast<const __nv_bfloat16*>(x.p) + r * k + c, v);
+      } else {
+        const float4* f = reinterpret_cast<const float4*>(static_cast<const float*>(x.p) + r * k + c);
+        const float4 a = f[0], b = f[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = c + i < k ? x[r * k + c + i] : 0.0f;
+    }
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (r >= m) return;
+  const float s = fp8::tile_scale(amax, pow2);
+  if (lane == 0) scale[blockIdx.x * m + r] = s;
+  uint8_t codes[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) codes[i] = e4m3(fp8::scaled(v[i], s, pow2));
+  if (vector && c + 8 <= k) {
+    uint2 u;
+    memcpy(&u, codes, 8);
+    *reinterpret_cast<uint2*>(q + r * k + c) = u;
+  } else {
+    for (int i = 0; i < 8 && c + i < k; ++i) q[r * k + c + i] = codes[i];
+  }
+}
 
 template <Mode mode>
 void launch(const Job& p, int64_t row_tiles, int64_t experts = 1) {
@@ -249,7 +294,15 @@ void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool p
   check_arg(scale, "quantize_rows scale", {DType::f32}, {fp8::tiles(p.k), p.m});
   p.q = codes(q, "quantize_rows q", {p.m, p.k});
   p.scale = scale.f32();
-  launch<Mode::rows>(p, fp8::tiles(p.m));
+  if (p.m * p.k == 0) return;
+  // 16-byte loads of a row's 8 elements and 8-byte stores of their codes need k % 8 == 0.
+  const bool vector = p.k % 8 == 0 && aligned16(x.data) && reinterpret_cast<uintptr_t>(q.data) % 8 == 0;
+  const int64_t blocks = (p.m + kRowTilesPerBlock - 1) / kRowTilesPerBlock;
+  MT_CHECK(blocks <= 65535 && fp8::tiles(p.k) <= INT_MAX)
+      << "quantize_rows of [" << p.m << ", " << p.k << "]: more row groups (" << blocks << ") than one launch takes";
+  const dim3 grid(static_cast<unsigned>(fp8::tiles(p.k)), static_cast<unsigned>(blocks));
+  rows_kernel<<<grid, kThreads, 0, stream()>>>(p.x, p.m, p.k, pow2, vector, p.q, p.scale);
+  CUDA_CHECK_LAUNCH();
 }
 
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
