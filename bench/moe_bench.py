@@ -186,6 +186,7 @@ def main():
     p.add_argument("--extra", default="", help="more moetrain flags, space-separated (e.g. --parallelism.zero3=true)")
     p.add_argument("--state-dtypes", default="fp32",
                    help="comma-separated optimizer.state_dtype values to run moetrain with (fp32, bf16)")
+    p.add_argument("--fp8", default="none", help="comma-separated training.fp8 values (none, blockwise)")
     args = p.parse_args()
     cfg_path = args.config or os.path.join(HERE, "configs", f"qwen3_30b_a3b_{args.layers}l.json")
     cfg = json.load(open(cfg_path))
