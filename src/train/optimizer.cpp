@@ -175,11 +175,7 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   };
 #ifdef MOETRAIN_WITH_CUDA
   if (!sharded_ && overlap && !params_.empty() && params_.front().value.device == Device::cuda) {
-    static cudaStream_t side = [] {
-      cudaStream_t s;
-      CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      return s;
-    }();
+    const cudaStream_t side = cuda::background_stream();
     if (!pending_) pending_ = std::make_shared<Pending>();
     cuda::join(side, cuda::main_stream());  // the gradients and the norm
     cuda::StreamScope scope(side);
