@@ -120,9 +120,6 @@ int run_train(const Args& args) {
                                                                                   cfg.training.seed));
   Trainer& trainer = *made;
   trainer.set_parallel(mesh);
-  // Each step's update runs into the next step's forward; the checkpoint writer reads the
-  // weights through trainer.optimizer(), which completes it.
-  trainer.set_overlap_update(true);
   // Weights are filled once the trainer has sharded them: with ZeRO-3 through full host
   // copies of the layers, cut into this rank's shards after.
   if (resume.empty()) {

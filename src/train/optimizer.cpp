@@ -4,10 +4,6 @@
 #include "kernels/adamw.h"
 #include "kernels/elementwise.h"
 
-#ifdef MOETRAIN_WITH_CUDA
-#include "kernels/cuda/runtime.h"
-#endif
-
 namespace mt {
 
 namespace {
@@ -18,32 +14,6 @@ uint64_t noise_key(size_t param, int64_t offset) {
 }
 
 }  // namespace
-
-struct AdamW::Pending {
-#ifdef MOETRAIN_WITH_CUDA
-  std::map<int64_t, cuda::Event> parts;
-#endif
-};
-
-void AdamW::wait_part(int64_t part) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (!pending_) return;
-  auto it = pending_->parts.find(part);
-  if (it == pending_->parts.end()) return;
-  it->second.wait(cuda::main_stream());
-  pending_->parts.erase(it);
-#else
-  (void)part;
-#endif
-}
-
-void AdamW::finish() {
-#ifdef MOETRAIN_WITH_CUDA
-  if (!pending_) return;
-  for (auto& [part, done] : pending_->parts) done.wait(cuda::main_stream());
-  pending_->parts.clear();
-#endif
-}
 
 AdamW::AdamW(std::vector<Param>& params, DType state) : params_(params), state_(state) {
   MT_CHECK(state == DType::f32 || state == DType::bf16)
@@ -155,8 +125,7 @@ void AdamW::release_moments() {
   full_ = Arena();
 }
 
-void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale, bool overlap) {
-  finish();
+void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale) {
   cpu::AdamWStep a;
   a.lr = lr;
   a.beta1 = cfg.beta1;
@@ -167,35 +136,13 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   a.weight_decay = cfg.weight_decay;
   auto decay = [&](const Param& p) { return p.matrix || cfg.decay == "all"; };
   std::vector<AdamWBlock> blocks;
-  // The bf16 copies the products read are written in the same pass.
-  auto block = [&](size_t i) {
-    const Param& p = params_[i];
-    return AdamWBlock{p.value, p.grad, m_[i], v_[i], decay(p), p.compute.data != p.value.data ? p.compute : Tensor(),
-                      noise_key(i, 0)};
-  };
-#ifdef MOETRAIN_WITH_CUDA
-  if (!sharded_ && overlap && !params_.empty() && params_.front().value.device == Device::cuda) {
-    const cudaStream_t side = cuda::background_stream();
-    if (!pending_) pending_ = std::make_shared<Pending>();
-    cuda::join(side, cuda::main_stream());  // the gradients and the norm
-    cuda::StreamScope scope(side);
-    std::map<int64_t, std::vector<size_t>> parts;
-    for (size_t i = 0; i < params_.size(); ++i) parts[params_[i].layer].push_back(i);
-    for (const auto& [part, members] : parts) {
-      blocks.clear();
-      std::vector<Param> quantized;
-      for (size_t i : members) blocks.push_back(block(i));
-      mt::adamw_step_multi(blocks, a);
-      for (size_t i : members)
-        if (params_[i].fp8.q.data != nullptr) quantized.push_back(params_[i]);
-      refresh_fp8_weights(quantized);
-      pending_->parts[part] = cuda::Event::record(side);
-    }
-    return;
-  }
-#endif
   if (!sharded_) {
-    for (size_t i = 0; i < params_.size(); ++i) blocks.push_back(block(i));
+    // The bf16 copies the products read are written in the same pass.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Param& p = params_[i];
+      blocks.push_back({p.value, p.grad, m_[i], v_[i], decay(p), p.compute.data != p.value.data ? p.compute : Tensor(),
+                        noise_key(i, 0)});
+    }
     mt::adamw_step_multi(blocks, a);
     refresh_fp8_weights(params_);
     return;

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <map>
-#include <memory>
 #include <vector>
 
 #include "core/arena.h"
@@ -28,15 +27,7 @@ class AdamW {
   // Sharded, the gradients are read from this rank's shards (reduce_start) and
   // the updated shards are all-gathered into every rank's full weights. Either way
   // every Param's compute copy is current afterwards.
-  //
-  // overlap (unsharded, on the GPU): the update runs on a stream of its own, part by part
-  // in the order the next forward needs them (-1 the embedding, the layers, L the head),
-  // and is left running: the next step's schedule makes each part's first action wait for
-  // that part (wait_part), so the update hides behind the forward. finish() makes the main
-  // stream wait for all of it, for whatever reads the weights outside the schedule.
-  void step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale = 1.0f, bool overlap = false);
-  void wait_part(int64_t part);
-  void finish();
+  void step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale = 1.0f);
 
   // From here on the moments (zero: call before any step or load) live as this rank's
   // shards over `dense` (dense blocks) and `expert` (expert blocks); either may be null.
@@ -87,8 +78,6 @@ class AdamW {
   parallel::ShardLayout layout_;
   Tensor m_shard_, v_shard_, g_shard_, w_shard_, scratch_;
   std::map<int64_t, parallel::ShardLayout::Reduction> reducing_;  // parts in flight
-  struct Pending;  // the overlapped update's parts not yet waited for (GPU)
-  std::shared_ptr<Pending> pending_;
   Arena full_;  // host copies of the moments, laid out like the weights
 };
 

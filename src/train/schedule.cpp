@@ -252,13 +252,6 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
       lent[&s][q] = b;
     }
     if (ctx.profile != nullptr && a.op != Op::release) ctx.profile->mark(profile_name(a));
-    if (ctx.update != nullptr) {
-      if (a.op == Op::embed_forward || a.op == Op::embed_backward) ctx.update->wait_part(-1);
-      if (a.op == Op::head_forward || a.op == Op::head_backward_input || a.op == Op::head_backward_weight)
-        ctx.update->wait_part(L);
-      if (a.op == Op::forward || a.op == Op::backward_input || a.op == Op::backward_weight)
-        ctx.update->wait_part(a.layer);
-    }
     const bool zero3_layer = ctx.zero3 != nullptr && a.layer >= 0 && a.layer < L;
     auto zero3 = [&]() -> parallel::Zero3& {
       MT_CHECK(ctx.zero3 != nullptr) << "schedule: " << describe(a) << " without ZeRO-3";

@@ -178,9 +178,6 @@ struct ScheduleContext {
   float loss_scale = 1.0f;                  // d(loss)/d(logits) scale of head_backward_input
   parallel::Zero3* zero3 = nullptr;         // null: the layers' weights are full here
   AdamW* optimizer = nullptr;               // for reduce_*: sharded
-  // The last step's update where it was left running (AdamW::step's overlap): a part's
-  // first action of this step waits for that part's update.
-  AdamW* update = nullptr;
   StepProfile* profile = nullptr;           // null: no marks
   const Pipeline* pipeline = nullptr;       // for messages: whose layers are whose
   comm::Communicator* pp = nullptr;         // ... and the pp group they go over

@@ -414,7 +414,6 @@ StepResult Trainer::step() {
   ctx.loss_scale = loss_scale;
   ctx.zero3 = zero3_.get();
   ctx.optimizer = dp_ ? &optimizer_ : nullptr;
-  ctx.update = &optimizer_;
   ctx.profile = &profile_;
   ctx.trainer = on_action;
   ctx.pipeline = &pipeline_;
@@ -450,7 +449,7 @@ StepResult Trainer::step() {
   if (t.clip_grad_norm > 0) clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
   r.lr = lr_at(cfg_, r.step - 1);
   profile_.mark("optimizer");
-  optimizer_.step(cfg_.optimizer, r.lr, r.step, clip, overlap_update_);  // compute copies included
+  optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
   r.breakdown = profile_.finish();
 
   r.loss = loss_sum / static_cast<double>(count);

@@ -66,17 +66,10 @@ class Trainer {
   // The layers a pp rank builds (ModelOptions::layers), embedding and head included.
   static Pipeline pipeline_of(const Config& cfg, int64_t layers);
   StepResult step();
-  // GPU, unsharded: leave each step's update running into the next step's forward
-  // (AdamW::step's overlap). Whatever reads the weights outside step() must go through
-  // optimizer() (which completes the update) first, as the checkpoint writer does.
-  void set_overlap_update(bool on) { overlap_update_ = on; }
   int64_t steps_done() const { return step_; }
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
   void set_steps_done(int64_t step) { step_ = step; }
-  AdamW& optimizer() {
-    optimizer_.finish();
-    return optimizer_;
-  }
+  AdamW& optimizer() { return optimizer_; }
   // ZeRO-3: every layer's full weights in host memory, for init_random, load_hf and the
   // checkpoint functions, which go through the model's hf_tensors() (collective);
   // commit_weights cuts them back into this rank's shards (after an init or a load),
@@ -114,7 +107,6 @@ class Trainer {
   comm::Communicator* world_ = nullptr;  // host sums (null: one rank)
   Pipeline pipeline_;
   int pp_rank_ = 0;
-  bool overlap_update_ = false;
   std::vector<Action> actions_;                  // the step's schedule, made at the first step
   std::vector<int> slot_;                        // micro-batch -> its stash
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight

@@ -102,23 +102,8 @@ struct StreamBuffers {
 
 cudaStream_t main_stream() {
   static cudaStream_t s = [] {
-    // Between the lowest priority (background_stream's) and the highest (NCCL's), so the
-    // block scheduler serves the step's own kernels before background work.
-    int least = 0, greatest = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     cudaStream_t created = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithPriority(&created, cudaStreamNonBlocking, (least + greatest) / 2));
-    return created;
-  }();
-  return s;
-}
-
-cudaStream_t background_stream() {
-  static cudaStream_t s = [] {
-    int least = 0, greatest = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    cudaStream_t created = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithPriority(&created, cudaStreamNonBlocking, least));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
     return created;
   }();
   return s;

@@ -47,9 +47,6 @@ namespace mt::cuda {
 // with the legacy default stream (a library's or a test's stray cudaMemcpy would
 // otherwise stall it); the arena's allocations synchronise before they are handed out.
 cudaStream_t main_stream();
-// A stream at the lowest priority, for work that should fill what the main stream's
-// kernels leave of the device (the optimizer's overlapped update).
-cudaStream_t background_stream();
 // The calling thread's current stream: main_stream() outside any StreamScope.
 cudaStream_t stream();
 
