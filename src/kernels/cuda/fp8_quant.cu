@@ -18,11 +18,11 @@ constexpr int kTile = static_cast<int>(fp8::kTile);
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kRowsPerWarp = kTile / kWarps, kColsPerLane = kTile / 32;
 
-// (quantize_rows alone has a kernel of its own, rows_kernel.) rows_and_columns: 1x128
-// row tiles and x^T's 1x128 tiles (128x1 of x). blocks:
-// one scale per 128x128 block, optionally with the transposed codes. segment_columns:
-// x^T's tiles, 128 rows of one expert's segment a tile, placed at column 128 g of qt.
-enum class Mode { rows_and_columns, blocks, segment_columns };
+// (quantize_rows and quantize_blocks have kernels of their own: rows_kernel,
+// blocks_kernel.) rows_and_columns: 1x128 row tiles and x^T's 1x128 tiles (128x1 of x).
+// segment_columns: x^T's tiles, 128 rows of one expert's segment a tile, placed at
+// column 128 g of qt.
+enum class Mode { rows_and_columns, segment_columns };
 
 struct Job {
   In x;
@@ -111,16 +111,6 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
   In x = p.x;
   uint8_t *q = p.q, *qt = p.qt;
   float *scale = p.scale, *scale_t = p.scale_t;
-  if constexpr (mode == Mode::blocks) {
-    const int64_t e = blockIdx.z;
-    x.p = static_cast<const char*>(x.p) + e * p.expert_elements * (x.bf16 ? 2 : 4);
-    q += e * p.expert_elements;
-    scale += e * p.expert_scales;
-    if (qt != nullptr) {
-      qt += e * p.expert_elements;
-      scale_t += e * p.expert_scales_t;
-    }
-  }
 
   // Element (i, j) of this thread's part; the codes that need a whole tile's amax read
   // it again (from L2) rather than hold 64 values across the block's barriers, which
@@ -130,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
     const int64_t r = r0 + i, c = c0 + 32 * j;
     return r < row_end && c < p.k ? x[r * p.k + c] : 0.0f;
   };
-  float cmax[kColsPerLane] = {}, wmax = 0.0f;
+  float cmax[kColsPerLane] = {};
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int64_t r = r0 + i;
@@ -150,35 +140,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
         for (int j = 0; j < kColsPerLane; ++j)
           if (c0 + 32 * j < p.k) q[r * p.k + c0 + 32 * j] = e4m3(fp8::scaled(v[j], s, p.pow2));
       }
-    } else if constexpr (mode == Mode::blocks) {
-      wmax = fmaxf(wmax, warp_max(rmax));
     }
-  }
-  if constexpr (mode == Mode::blocks) {
-    if (lane == 0) smax[0][warp] = wmax;
-    __syncthreads();
-    float amax = 0.0f;
-    for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, smax[0][w]);
-    const float s = fp8::tile_scale(amax, p.pow2);
-    // The last block of a row of blocks zeroes the padding up to ld (and of a column,
-    // scale_t's up to ldt: a block's transpose has the same amax).
-    if (threadIdx.x == 0) scale[blockIdx.y * p.ld + blockIdx.x] = s;
-    if (blockIdx.x == gridDim.x - 1 && threadIdx.x < p.ld - gridDim.x)
-      scale[blockIdx.y * p.ld + gridDim.x + threadIdx.x] = 0.0f;
-    if (qt != nullptr) {
-      if (threadIdx.x == 0) scale_t[blockIdx.x * p.ldt + blockIdx.y] = s;
-      if (blockIdx.y == gridDim.y - 1 && threadIdx.x < p.ldt - gridDim.y)
-        scale_t[blockIdx.x * p.ldt + gridDim.y + threadIdx.x] = 0.0f;
-    }
-#pragma unroll 4
-    for (int i = 0; i < kRowsPerWarp; ++i)
-#pragma unroll
-      for (int j = 0; j < kColsPerLane; ++j) {
-        const uint8_t code = e4m3(fp8::scaled(at(i, j), s, p.pow2));
-        if (r0 + i < p.m && c0 + 32 * j < p.k) q[(r0 + i) * p.k + c0 + 32 * j] = code;
-        if (qt != nullptr) sq[lane + 32 * j][warp * kRowsPerWarp + i] = code;
-      }
-    if (qt == nullptr) return;
   }
   if constexpr (mode == Mode::rows_and_columns || mode == Mode::segment_columns) {
     // Column amax over the 8 warps, then the codes of x^T staged as [column][row].
@@ -273,6 +235,92 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(In x, int64_t m, int64_t
   }
 }
 
+// quantize_blocks on its own (the weights after every update): block (bx, by, e) owns one
+// 128x128 block, warp w its rows 16w..16w+15, lane l the 4 consecutive columns 4l..4l+3
+// of each, held in registers (one 16-byte load of f32, 8 bytes of bf16, a row a warp
+// instruction), so x is read once; the codes go out 4 at a time, and the transposed ones
+// through shared memory 16 at a time. `vector`: k % 4 == 0 and aligned rows (else
+// element by element); `qt_vector`: n % 16 == 0 and qt aligned.
+__global__ void __launch_bounds__(kThreads) blocks_kernel(Job p, bool vector, bool qt_vector) {
+  __shared__ float smax[kWarps];
+  __shared__ __align__(16) uint8_t sq[kTile][kTile + 16];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t e = blockIdx.z, r0 = blockIdx.y * int64_t{kTile}, c0 = blockIdx.x * int64_t{kTile};
+  const char* base = static_cast<const char*>(p.x.p) + e * p.expert_elements * (p.x.bf16 ? 2 : 4);
+  const In x{base, p.x.bf16};
+  float v[kRowsPerWarp][4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int64_t r = r0 + warp * kRowsPerWarp + i, c = c0 + 4 * lane;
+    if (vector && r < p.m && c + 4 <= p.k) {
+      if (x.bf16) {
+        const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(x.p) + r * p.k + c);
+        v[i][0] = __uint_as_float(u.x << 16), v[i][1] = __uint_as_float(u.x & 0xffff0000u);
+        v[i][2] = __uint_as_float(u.y << 16), v[i][3] = __uint_as_float(u.y & 0xffff0000u);
+      } else {
+        const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(x.p) + r * p.k + c);
+        v[i][0] = f.x, v[i][1] = f.y, v[i][2] = f.z, v[i][3] = f.w;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[i][j] = r < p.m && c + j < p.k ? x[r * p.k + c + j] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[i][j]));
+  }
+  amax = warp_max(amax);
+  if (lane == 0) smax[warp] = amax;
+  __syncthreads();
+  amax = 0.0f;
+  for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, smax[w]);
+  const float s = fp8::tile_scale(amax, p.pow2);
+  float* scale = p.scale + e * p.expert_scales;
+  // The last block of a row of blocks zeroes the padding up to ld (and of a column,
+  // scale_t's up to ldt: a block's transpose has the same amax).
+  if (threadIdx.x == 0) scale[blockIdx.y * p.ld + blockIdx.x] = s;
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < p.ld - gridDim.x) scale[blockIdx.y * p.ld + gridDim.x + threadIdx.x] = 0.0f;
+  uint8_t* q = p.q + e * p.expert_elements;
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int rl = warp * kRowsPerWarp + i;
+    const int64_t r = r0 + rl, c = c0 + 4 * lane;
+    uint8_t code[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) code[j] = e4m3(fp8::scaled(v[i][j], s, p.pow2));
+    if (p.qt != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sq[4 * lane + j][rl] = code[j];
+    }
+    if (r >= p.m) continue;
+    if (vector && c + 4 <= p.k) {
+      uint32_t word;
+      memcpy(&word, code, 4);
+      *reinterpret_cast<uint32_t*>(q + r * p.k + c) = word;
+    } else {
+      for (int j = 0; j < 4 && c + j < p.k; ++j) q[r * p.k + c + j] = code[j];
+    }
+  }
+  if (p.qt == nullptr) return;
+  float* scale_t = p.scale_t + e * p.expert_scales_t;
+  if (threadIdx.x == 0) scale_t[blockIdx.x * p.ldt + blockIdx.y] = s;
+  if (blockIdx.y == gridDim.y - 1 && threadIdx.x < p.ldt - gridDim.y)
+    scale_t[blockIdx.x * p.ldt + gridDim.y + threadIdx.x] = 0.0f;
+  __syncthreads();
+  // qt [k, n]: row c0 + cl holds the block's column cl, 128 bytes from column r0.
+  uint8_t* qt = p.qt + e * p.expert_elements;
+  const int64_t rows = min(p.m - r0, int64_t{kTile}), cols = min(p.k - c0, int64_t{kTile});
+  for (int idx = threadIdx.x; idx < kTile * kTile / 16; idx += kThreads) {
+    const int cl = idx / (kTile / 16), rl = idx % (kTile / 16) * 16;
+    if (cl >= cols || rl >= rows) continue;
+    uint8_t* dst = qt + (c0 + cl) * p.m + r0 + rl;
+    if (qt_vector && rl + 16 <= rows)
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sq[cl][rl]);
+    else
+      for (int b = 0; b < 16 && rl + b < rows; ++b) dst[b] = sq[cl][rl + b];
+  }
+}
+
 template <Mode mode>
 void launch(const Job& p, int64_t row_tiles, int64_t experts = 1) {
   if (p.m * p.k == 0 || experts == 0) return;
@@ -345,10 +393,19 @@ void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool
     p.qt = codes(qt, "quantize_blocks qt", per_expert({k, n}));
     p.scale_t = scale_t.f32();
     p.ldq = n, p.ldt = ldt;
-    p.qt_words = word_rows(p.qt, n);
     p.expert_scales_t = fp8::tiles(k) * ldt;
   }
-  launch<Mode::blocks>(p, fp8::tiles(n), experts);
+  if (n * k == 0 || experts == 0) return;
+  MT_CHECK(fp8::tiles(n) <= 65535 && experts <= 65535 && fp8::tiles(k) <= INT_MAX)
+      << "quantize_blocks of " << w.str() << ": more 128-row blocks or experts than one launch takes (65535)";
+  const size_t elem = w.dtype == DType::bf16 ? 2 : 4;
+  const bool vector = k % 4 == 0 && reinterpret_cast<uintptr_t>(w.data) % (4 * elem) == 0 &&
+                      reinterpret_cast<uintptr_t>(q.data) % 4 == 0;
+  const bool qt_vector = p.qt != nullptr && n % 16 == 0 && aligned16(p.qt);
+  const dim3 grid(static_cast<unsigned>(fp8::tiles(k)), static_cast<unsigned>(fp8::tiles(n)),
+                  static_cast<unsigned>(experts));
+  blocks_kernel<<<grid, kThreads, 0, stream()>>>(p, vector, qt_vector);
+  CUDA_CHECK_LAUNCH();
 }
 
 void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
