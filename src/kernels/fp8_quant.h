@@ -38,9 +38,9 @@ namespace mt::fp8 {
 constexpr int64_t kTile = 128;
 constexpr float kE4m3Max = 448.0f;
 
-MT_HOST_DEVICE inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
+inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
 // The padded row length of a 128x128 block-scale array (see above).
-MT_HOST_DEVICE inline int64_t block_scale_cols(int64_t k) { return (tiles(k) + 3) / 4 * 4; }
+inline int64_t block_scale_cols(int64_t k) { return (tiles(k) + 3) / 4 * 4; }
 
 // The grouped weight gradient's operands (quantize_segment_columns): expert e's rows
 // [off_e, off_{e+1}) of x [R, K] become columns [col_e, col_e + n_e) of qt [K, C], where
