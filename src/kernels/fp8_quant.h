@@ -42,17 +42,6 @@ inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
 // The padded row length of a 128x128 block-scale array (see above).
 inline int64_t block_scale_cols(int64_t k) { return (tiles(k) + 3) / 4 * 4; }
 
-// The grouped weight gradient's operands (quantize_segment_columns): expert e's rows
-// [off_e, off_{e+1}) of x [R, K] become columns [col_e, col_e + n_e) of qt [K, C], where
-// col_e = sum over j < e of round_up(n_j, kSegmentAlign), so each segment starts aligned;
-// a segment's columns are quantized in 1x128 tiles from its own start (its last tile
-// ragged), and its t-th tile's K scales are row tile_e + t of scale_t [T, K], tile_e =
-// sum over j < e of tiles(n_j). C and T bound those sums for any split of R rows; C is
-// a multiple of 16, so that qt's rows are whole 16-byte TMA strides on the GPU.
-constexpr int64_t kSegmentAlign = 128;
-inline int64_t segment_cols(int64_t rows, int64_t experts) { return (rows + kSegmentAlign * experts + 15) / 16 * 16; }
-inline int64_t segment_tiles(int64_t rows, int64_t experts) { return tiles(rows) + experts; }
-
 // The scale of a tile from its amax (>= 0). IEEE division, no fast-math: both backends
 // round amax / 448 the same way; frexpf/ldexpf are exact.
 MT_HOST_DEVICE inline float tile_scale(float amax, bool pow2) {
@@ -87,13 +76,6 @@ void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& s
 // transpose has the same amax).
 void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt = {},
                      const Tensor& scale_t = {});
-// x f32 or bf16 [R, K] with expert offsets i32 [E+1] (0 .. R) -> qt f8e4m3 [K, C >=
-// segment_cols(R, E)] and scale_t f32 [T >= segment_tiles(R, E), K], as described at
-// kSegmentAlign. The columns between a segment's end and the next segment's start are
-// written as zeros; columns past the last segment and scale rows past the last tile are
-// not written.
-void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
-                              bool pow2);
 // x f32 [M, K] = f32(q) * scale, the inverses of the two above (one rounding each).
 void dequantize_rows(const Tensor& q, const Tensor& scale, const Tensor& x);
 void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x);
@@ -106,18 +88,14 @@ void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x);
 void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
               const Tensor& c, float alpha = 1.0f, float beta = 0.0f);
 
-// The grouped FP8 products (kernels/grouped_gemm.h's, for the experts). Forward and input
-// gradient: for each expert e, y[seg] = x[seg] w[e]^T, x f8e4m3 [R, K] with 1x128 scales
+// The grouped FP8 product (kernels/grouped_gemm.h's, for the experts' forward and input
+// gradient; their weight gradients run in bf16, models/linear.h says why): for each
+// expert e, y[seg] = x[seg] w[e]^T, x f8e4m3 [R, K] with 1x128 scales
 // [ceil(K/128), R] (quantize_rows of all R rows), w f8e4m3 [E, O, K] with block scales
 // [E, ceil(O/128), block_scale_cols(K)] (quantize_blocks of 3-D; for the input gradient
 // the transposed copy qt), offsets i32 [E+1], y [R, O] overwritten (CPU f32).
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
                       const Tensor& offsets, const Tensor& y);
-// Weight gradient: dw[e] (+)= dy[seg]^T x[seg] from quantize_segment_columns of dy [R, O]
-// (a [O, C], a_scale [T, O]) and of x [R, K] (b [K, C], b_scale [T, K]); dw f32 [E, O, K].
-// An expert with no rows gets zero, or keeps its value when accumulating.
-void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
-                             const Tensor& offsets, const Tensor& dw, bool accumulate);
 
 }  // namespace mt::cpu
 
@@ -126,17 +104,12 @@ namespace mt::cuda {
 // The same arguments. One kernel: a block of 256 threads owns a 128x128 tile of x and
 // writes its row codes and scales, and with qt its transposed codes and column scales
 // (staged through shared memory), or for weights the one block scale (and with qt the
-// block's transposed codes; a 3-D w is one launch over every expert's blocks). For
-// quantize_segment_columns a block owns 128 rows of one segment (its tile_e + t found
-// from the device offsets, clamped to [0, R]; no host sync) and writes their transposed
-// codes, the padding zeros and the column scales.
+// block's transposed codes; a 3-D w is one launch over every expert's blocks).
 void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2);
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                const Tensor& scale_t, bool pow2);
 void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt = {},
                      const Tensor& scale_t = {});
-void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
-                              bool pow2);
 // cuBLASLt's block-scaled FP8 product (VEC128_32F for a, BLK128x128_32F or VEC128_32F
 // for b; kernels/cuda/gemm.cu), c bf16 or f32, accumulation in f32.
 void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
@@ -147,14 +120,8 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
 // what is taken; anything else is refused (MT_CHECK, naming the shapes):
 // - grouped_gemm_fp8: y bf16; K and O positive multiples of 16, not necessarily of 128
 //   (a ragged last tile is read as zeros and stored masked); x, w, y 16-byte aligned.
-// - grouped_gemm_fp8_weight: dw f32; O and K positive multiples of 16, C of 16
-//   (segment_cols is rounded up to one); a, b, dw 16-byte aligned. Each expert reduces
-//   over 128 tiles(n_e) columns, its zero padding included; offsets are clamped to the
-//   rows that fit in C columns and T tiles.
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
                       const Tensor& offsets, const Tensor& y);
-void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
-                             const Tensor& offsets, const Tensor& dw, bool accumulate);
 
 }  // namespace mt::cuda
 
@@ -183,13 +150,6 @@ inline void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scal
   return cpu::quantize_blocks(w, q, scale, pow2, qt, scale_t);
 }
 
-inline void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
-                                     bool pow2) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (qt.device == Device::cuda) return cuda::quantize_segment_columns(x, offsets, qt, scale_t, pow2);
-#endif
-  return cpu::quantize_segment_columns(x, offsets, qt, scale_t, pow2);
-}
 
 inline void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
                      const Tensor& c, float alpha = 1.0f, float beta = 0.0f) {
@@ -207,12 +167,5 @@ inline void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tenso
   return cpu::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y);
 }
 
-inline void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
-                                    const Tensor& offsets, const Tensor& dw, bool accumulate) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dw.device == Device::cuda) return cuda::grouped_gemm_fp8_weight(a, a_scale, b, b_scale, offsets, dw, accumulate);
-#endif
-  return cpu::grouped_gemm_fp8_weight(a, a_scale, b, b_scale, offsets, dw, accumulate);
-}
 
 }  // namespace mt

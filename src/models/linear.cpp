@@ -35,15 +35,6 @@ Rows quantized_columns(const Tensor& x, bool pow2) {
   return cols;
 }
 
-// Per expert segment of x [R, K] (quantize_segment_columns).
-Rows quantized_segments(const Tensor& x, const Tensor& offsets, bool pow2) {
-  const int64_t r = x.dim(0), k = x.dim(1), e = offsets.dim(0) - 1;
-  Rows s{make_buffer(x.device, DType::f8e4m3, {k, fp8::segment_cols(r, e)}),
-         make_buffer(x.device, DType::f32, {fp8::segment_tiles(r, e), k})};
-  quantize_segment_columns(x, offsets, s.q.t, s.scale.t, pow2);
-  return s;
-}
-
 const Fp8Copy& cache(const Param& w) {
   MT_CHECK(w.fp8.q.data != nullptr) << w.name << " has no FP8 copy: training.fp8 = blockwise quantizes only the "
                                     << "weights of linear layers";
@@ -102,10 +93,7 @@ void Linear::grouped_backward_input(const Tensor& dy, const Param& w, const Tens
 
 void Linear::grouped_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, Param& w,
                                      const Tensor& dbias, bool accumulate) const {
-  if (!fp8()) return grouped_gemm_backward_weight(x, dy, offsets, w.grad, dbias, accumulate);
-  MT_CHECK(dbias.data == nullptr) << w.name << ": training.fp8 = blockwise has no grouped product with a bias";
-  const Rows xt = quantized_segments(x, offsets, pow2_), dyt = quantized_segments(dy, offsets, pow2_);
-  grouped_gemm_fp8_weight(dyt.q.t, dyt.scale.t, xt.q.t, xt.scale.t, offsets, w.grad, accumulate);
+  grouped_gemm_backward_weight(x, dy, offsets, w.grad, dbias, accumulate);  // bf16 in either mode (header)
 }
 
 }  // namespace mt

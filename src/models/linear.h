@@ -7,7 +7,11 @@
 // per tile. The forward quantizes its input x in 1x128 tiles along the reduction once
 // per call, shared by every weight that reads it (q, k and v); the input gradient
 // quantizes dy the same way; the weight gradient quantizes x^T and dy^T in 1x128 tiles
-// along the tokens (for experts, per expert segment). Weights come quantized from their
+// along the tokens. The experts' weight gradients stay in bf16: reducing over an
+// expert's few hundred tokens, CUTLASS's blockwise FP8 grouped product ran no faster
+// than the bf16 one (H200: 441 against 468 TFLOPS), so quantizing x^T and dy^T per
+// segment only added time (+15.5 ms a step on the 8-layer benchmark; bench/NOTES.md
+// v11; the kernels are in git, 0a2094f). Weights come quantized from their
 // Param::fp8 cache in both layouts (128x128 blocks), quantized from the f32 master after
 // every update (such a weight has no bf16 copy). Products accumulate in f32. The quantized
 // activations are temporaries of the call (the stream-ordered pool on the GPU); the
@@ -49,7 +53,8 @@ class Linear {
   void backward_weight(const Tensor& x, std::initializer_list<Grad> grads) const;
 
   // The experts' grouped products (kernels/grouped_gemm.h): rows offsets[e] ..
-  // offsets[e+1] of x against w [E, O, K]. A bias (none with fp8) rides as there.
+  // offsets[e+1] of x against w [E, O, K]. A bias (none with fp8) rides as there; the
+  // weight gradient is bf16 either way (above).
   void grouped_forward(const Tensor& x, const Param& w, const Tensor& bias, const Tensor& offsets,
                        const Tensor& y) const;
   void grouped_backward_input(const Tensor& dy, const Param& w, const Tensor& offsets, const Tensor& dx) const;

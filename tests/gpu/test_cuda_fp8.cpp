@@ -163,45 +163,6 @@ std::string counts_str(const std::vector<int32_t>& counts) {
   return s.str();
 }
 
-// The grouped weight gradient's operands: empty experts, 1-row segments, segments one past
-// a tile, ragged K. qt and scale_t start poisoned on both sides, so what the contract
-// leaves unwritten (columns past the last segment, rows past the last tile) must stay so.
-TEST(CudaFp8Quant, SegmentColumnsEqualCpu) {
-  MT_SKIP_WITHOUT_GPU();
-  struct Case {
-    std::vector<int32_t> counts;
-    int64_t k;
-  };
-  const Case cases[] = {{{0, 1, 300, 128, 0, 129}, 200},
-                        {{512, 512, 512, 512}, 256},
-                        {{1}, 128},
-                        {{0, 0, 0}, 128},
-                        {{7, 0, 1, 1, 255, 256, 257}, 1}};
-  uint64_t seed = 7000;
-  for (const Case& c : cases)
-    for (DType dtype : {DType::bf16, DType::f32})
-      for (bool pow2 : {true, false}) {
-        SCOPED_TRACE(testing::Message() << "counts " << counts_str(c.counts) << " K=" << c.k << " "
-                                        << dtype_name(dtype) << " pow2=" << pow2);
-        std::vector<int32_t> offsets = offsets_of(c.counts);
-        const int64_t e = static_cast<int64_t>(c.counts.size()), r = offsets.back(), k = c.k;
-        const int64_t cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
-        auto x = wide_floats(r * k, ++seed);
-        if (dtype == DType::bf16) x = round_bf16(x);
-        std::vector<uint8_t> qt(k * cols, 0xff);
-        std::vector<float> st(t * k);
-        std::memset(st.data(), 0xff, st.size() * sizeof(float));
-        cpu::quantize_segment_columns(host(x, {r, k}), host(offsets, {e + 1}), Tensor(qt.data(), {k, cols}, DType::f8e4m3),
-                                      host(st, {t, k}), pow2);
-        auto d_x = upload(x, dtype, {r, k}), d_off = upload(offsets, {e + 1});
-        auto d_qt = poisoned(DType::f8e4m3, {k, cols});
-        auto d_st = poisoned(DType::f32, {t, k});
-        cuda::quantize_segment_columns(d_x.t, d_off.t, d_qt.t, d_st.t, pow2);
-        EXPECT_TRUE(same_codes("qt", download_codes(d_qt.t), qt));
-        EXPECT_TRUE(same_bits("scale_t", download(d_st.t), st));
-      }
-}
-
 // cuBLASLt's block-scaled product against the CPU's on the same codes and scales, for a
 // weight (128x128 blocks) and the weight gradient's form (1x128 both). The CPU sums in
 // f32; Hopper's FP8 tensor cores keep fewer bits within each 128-wide block of K before
@@ -278,11 +239,10 @@ struct GroupedFp8Case {
 // The grouped products through CUTLASS against the CPU's on the same codes, for the shapes
 // the GPU takes (K and O multiples of 16, ragged against 128 too), with empty experts and
 // 1-row segments: the forward y = x w^T and the input gradient (the same function on w's
-// transposed blocks, y bf16), and the weight gradient (f32) with and without
-// accumulation. The bounds are MatchesTheCpuOnTheSameCodes': Hopper's FP8 accumulation
-// within each 128-wide slice of the reduction, which CUTLASS promotes to f32 per k-tile
-// as cuBLASLt does; 8e-3 with bf16's rounding, 1e-3 in f32. Experts without rows write
-// nothing in y, zeros (or keep dw) in dw, exactly.
+// transposed blocks, y bf16). The bound is MatchesTheCpuOnTheSameCodes': Hopper's FP8
+// accumulation within each 128-wide slice of the reduction, which CUTLASS promotes to f32
+// per k-tile as cuBLASLt does; 8e-3 with bf16's rounding. Experts without rows write
+// nothing in y.
 TEST(CudaFp8GroupedGemm, MatchesTheCpuOnTheSameCodes) {
   MT_SKIP_WITHOUT_GPU();
   const GroupedFp8Case cases[] = {{{0, 1, 300, 130, 0, 129}, 256, 384},
@@ -324,40 +284,6 @@ TEST(CudaFp8GroupedGemm, MatchesTheCpuOnTheSameCodes) {
     EXPECT_TRUE(within("y", download(d_y.t), want_y, 8e-3, max_abs(want_y)));
     EXPECT_TRUE(within("dx", download(d_dx.t), want_dx, 8e-3, max_abs(want_dx)));
 
-    // Weight gradient: dy and x as segment columns.
-    const int64_t cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
-    std::vector<uint8_t> qa(o * cols, 0), qb(k * cols, 0);
-    std::vector<float> sa(t * o, 1.0f), sb(t * k, 1.0f);
-    cpu::quantize_segment_columns(host(dy, {r, o}), off, Tensor(qa.data(), {o, cols}, DType::f8e4m3),
-                                  host(sa, {t, o}), true);
-    cpu::quantize_segment_columns(host(x, {r, k}), off, Tensor(qb.data(), {k, cols}, DType::f8e4m3),
-                                  host(sb, {t, k}), true);
-    const Tensor ta(qa.data(), {o, cols}, DType::f8e4m3), tb(qb.data(), {k, cols}, DType::f8e4m3);
-    auto d_qa = upload_codes(qa, {o, cols}), d_qb = upload_codes(qb, {k, cols});
-    auto d_sa = upload(sa, DType::f32, {t, o}), d_sb = upload(sb, DType::f32, {t, k});
-    auto dw0 = random_floats(e * o * k, -1, 1, ++seed);
-    std::vector<float> want_dw(e * o * k, 0.0f);
-    cpu::grouped_gemm_fp8_weight(ta, host(sa, {t, o}), tb, host(sb, {t, k}), off, host(want_dw, {e, o, k}), false);
-    const double norm = max_abs(want_dw);
-    for (bool accumulate : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "accumulate=" << accumulate);
-      std::vector<float> want = want_dw;
-      if (accumulate) {
-        want = dw0;
-        cpu::grouped_gemm_fp8_weight(ta, host(sa, {t, o}), tb, host(sb, {t, k}), off, host(want, {e, o, k}), true);
-      }
-      auto d_dw = accumulate ? upload(dw0, DType::f32, {e, o, k}) : poisoned(DType::f32, {e, o, k});
-      cuda::grouped_gemm_fp8_weight(d_qa.t, d_sa.t, d_qb.t, d_sb.t, d_off.t, d_dw.t, accumulate);
-      const std::vector<float> got = download(d_dw.t);
-      EXPECT_TRUE(within("dw", got, want, 1e-3, norm));
-      for (int64_t j = 0; j < e; ++j) {
-        if (g.counts[j] != 0) continue;
-        auto expert = [&](const std::vector<float>& v) {
-          return std::vector<float>(v.begin() + j * o * k, v.begin() + (j + 1) * o * k);
-        };
-        EXPECT_TRUE(same_bits("an empty expert's dw", expert(got), expert(want)));
-      }
-    }
   }
 }
 
@@ -372,13 +298,6 @@ TEST(CudaFp8GroupedGemm, RefusesWhatTmaCannotMove) {
     auto w = poisoned(DType::f8e4m3, {e, o, k}), sw = poisoned(DType::f32, {e, 1, fp8::block_scale_cols(k)});
     auto y = poisoned(DType::bf16, {r, o});
     EXPECT_THROW(cuda::grouped_gemm_fp8(x.t, sx.t, w.t, sw.t, off.t, y.t), Error);
-  }
-  {
-    const int64_t o = 128, k = 130, cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);  // K of dw
-    auto a = poisoned(DType::f8e4m3, {o, cols}), sa = poisoned(DType::f32, {t, o});
-    auto b = poisoned(DType::f8e4m3, {k, cols}), sb = poisoned(DType::f32, {t, k});
-    auto dw = poisoned(DType::f32, {e, o, k});
-    EXPECT_THROW(cuda::grouped_gemm_fp8_weight(a.t, sa.t, b.t, sb.t, off.t, dw.t, false), Error);
   }
 }
 
@@ -420,43 +339,31 @@ TEST(CudaFp8GroupedGemm, DISABLED_TimeBenchmarkShapes) {
   std::vector<int32_t> offsets;
   for (int64_t i = 0; i <= e; ++i) offsets.push_back(static_cast<int32_t>(i * r / e));
   auto off = upload(offsets, {e + 1});
-  const int64_t cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
   Tensor none;
-  // (K, O) of gate_up and of down: y [R, O] = x [R, K] w^T, dx = dy w, dw = dy^T x.
+  // (K, O) of gate_up and of down: y [R, O] = x [R, K] w^T, dx = dy w.
   const std::pair<int64_t, int64_t> shapes[] = {{d, 2 * inter}, {inter, d}};
   for (auto [k, o] : shapes) {
     auto x = random_device(DType::bf16, {r, k}, 1), w = random_device(DType::bf16, {e, o, k}, 2);
     auto dy = random_device(DType::bf16, {r, o}, 3);
     auto y = poisoned(DType::bf16, {r, o}), dx = poisoned(DType::bf16, {r, k});
-    auto dw = random_device(DType::f32, {e, o, k}, 4);
     auto qx = poisoned(DType::f8e4m3, {r, k}), sx = poisoned(DType::f32, {fp8::tiles(k), r});
     auto qdy = poisoned(DType::f8e4m3, {r, o}), sdy = poisoned(DType::f32, {fp8::tiles(o), r});
     auto qw = poisoned(DType::f8e4m3, {e, o, k}), sw = poisoned(DType::f32, {e, fp8::tiles(o), fp8::block_scale_cols(k)});
     auto qwt = poisoned(DType::f8e4m3, {e, k, o}), swt = poisoned(DType::f32, {e, fp8::tiles(k), fp8::block_scale_cols(o)});
-    auto qa = poisoned(DType::f8e4m3, {o, cols}), sa = poisoned(DType::f32, {t, o});
-    auto qb = poisoned(DType::f8e4m3, {k, cols}), sb = poisoned(DType::f32, {t, k});
     const double qr = median_ms(10, [&] { cuda::quantize_rows(x.t, qx.t, sx.t, true); });
     const double qbl = median_ms(10, [&] { cuda::quantize_blocks(w.t, qw.t, sw.t, true, qwt.t, swt.t); });
-    const double qs = median_ms(10, [&] { cuda::quantize_segment_columns(x.t, off.t, qb.t, sb.t, true); });
     cuda::quantize_rows(dy.t, qdy.t, sdy.t, true);
-    cuda::quantize_segment_columns(dy.t, off.t, qa.t, sa.t, true);
     const double flops = 2.0 * r * k * o;
     const double f16 = median_ms(10, [&] { cuda::grouped_gemm(x.t, w.t, none, off.t, y.t); });
     const double f8 = median_ms(10, [&] { cuda::grouped_gemm_fp8(qx.t, sx.t, qw.t, sw.t, off.t, y.t); });
     const double b16 = median_ms(10, [&] { cuda::grouped_gemm_backward_input(dy.t, w.t, off.t, dx.t); });
     const double b8 = median_ms(10, [&] { cuda::grouped_gemm_fp8(qdy.t, sdy.t, qwt.t, swt.t, off.t, dx.t); });
-    const double w16 = median_ms(10, [&] { cuda::grouped_gemm_backward_weight(x.t, dy.t, off.t, dw.t, none, false); });
-    const double w8 = median_ms(10, [&] { cuda::grouped_gemm_fp8_weight(qa.t, sa.t, qb.t, sb.t, off.t, dw.t, false); });
-    const double w16a = median_ms(10, [&] { cuda::grouped_gemm_backward_weight(x.t, dy.t, off.t, dw.t, none, true); });
-    const double w8a = median_ms(10, [&] { cuda::grouped_gemm_fp8_weight(qa.t, sa.t, qb.t, sb.t, off.t, dw.t, true); });
-    std::printf("E %ld R %ld K %ld O %ld, TFLOPS fp8 (bf16): forward %.0f (%.0f), input grad %.0f (%.0f), "
-                "weight grad %.0f (%.0f), accumulating %.0f (%.0f)\n",
+    std::printf("E %ld R %ld K %ld O %ld, TFLOPS fp8 (bf16): forward %.0f (%.0f), input grad %.0f (%.0f)\n",
                 static_cast<long>(e), static_cast<long>(r), static_cast<long>(k), static_cast<long>(o),
-                tflops(flops, f8), tflops(flops, f16), tflops(flops, b8), tflops(flops, b16), tflops(flops, w8),
-                tflops(flops, w16), tflops(flops, w8a), tflops(flops, w16a));
+                tflops(flops, f8), tflops(flops, f16), tflops(flops, b8), tflops(flops, b16));
     // Bytes moved: bf16 in, codes and scales out (the transposed copy doubles the codes).
-    std::printf("  quantize GB/s: rows of x %.0f, blocks of w with transpose %.0f, segment columns of x %.0f\n",
-                3.0 * r * k / qr / 1e6, 4.0 * e * o * k / qbl / 1e6, 3.0 * r * k / qs / 1e6);
+    std::printf("  quantize GB/s: rows of x %.0f, blocks of w with transpose %.0f\n", 3.0 * r * k / qr / 1e6,
+                4.0 * e * o * k / qbl / 1e6);
   }
 }
 

@@ -221,45 +221,14 @@ TEST(Fp8Quant, ExpertBlocksAndTheirTransposeMatchFloat64Reference) {
   }
 }
 
-// Expert segments of x [R, K] as the grouped weight gradient reads them: each segment's
-// x^T in 1x128 tiles along its own rows, at its aligned column, zeros up to the next.
-TEST(Fp8Quant, SegmentColumnsMatchFloat64Reference) {
-  const int64_t r = 300, k = 160;
-  const std::vector<int32_t> off = {0, 0, 1, 130, 130, 300};  // empty, one row, 129, empty, 170
-  const int64_t e = static_cast<int64_t>(off.size()) - 1, cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
-  Input x(make_input(r, k, DType::f32, 21), DType::f32, {r, k});
-  std::vector<uint8_t> qt(k * cols, 0xee);
-  std::vector<float> st(t * k, -1.0f);
-  cpu::quantize_segment_columns(x.t, Tensor(const_cast<int32_t*>(off.data()), {e + 1}, DType::i32),
-                                Tensor(qt.data(), {k, cols}, DType::f8e4m3), Tensor(st.data(), {t, k}, DType::f32), true);
-  int64_t col = 0, tile = 0;
-  for (int64_t g = 0; g < e; ++g) {
-    SCOPED_TRACE(testing::Message() << "expert " << g);
-    const int64_t r0 = off[g], n = off[g + 1] - off[g], width = (n + 127) / 128 * 128;
-    if (n > 0)
-      check_tiles(
-          "segment", [&](int64_t a, int64_t b) { return double{x.f[(r0 + b) * k + a]}; }, k, n, 1, 128, true,
-          [&](int64_t a, int64_t b) { return qt[a * cols + col + b]; },
-          [&](int64_t tr, int64_t tc) { return st[(tile + tc) * k + tr]; });
-    for (int64_t a = 0; a < k; ++a)
-      for (int64_t b = n; b < width; ++b) ASSERT_EQ(qt[a * cols + col + b], 0) << "padding column " << b;
-    col += width;
-    tile += fp8::tiles(n);
-  }
-  EXPECT_LE(col, cols);
-  EXPECT_LE(tile, t);
-}
-
-// The grouped products from the codes, in float64 here: the forward (and input gradient)
-// per segment against its expert's blocks, and the weight gradient from two segmented
-// operands, accumulating or not; an empty expert's gradient is zero or kept.
-TEST(Fp8Quant, GroupedProductsMatchFloat64OfTheCodes) {
+// The grouped product from the codes, in float64 here: the forward (and input gradient)
+// per segment against its expert's blocks, empty and one-row experts included.
+TEST(Fp8Quant, GroupedProductMatchesFloat64OfTheCodes) {
   const int64_t r = 300, k = 160, o = 136;
   const std::vector<int32_t> off = {0, 0, 1, 130, 130, 300};
   const int64_t e = static_cast<int64_t>(off.size()) - 1;
   const Tensor offsets(const_cast<int32_t*>(off.data()), {e + 1}, DType::i32);
-  std::vector<float> x = make_input(r, k, DType::f32, 31), w = make_input(e * o, k, DType::f32, 32),
-                     dy = make_input(r, o, DType::f32, 33);
+  std::vector<float> x = make_input(r, k, DType::f32, 31), w = make_input(e * o, k, DType::f32, 32);
   std::vector<uint8_t> qx(r * k), qw(e * o * k), qwt(e * o * k);
   std::vector<float> sx(fp8::tiles(k) * r), sw(e * fp8::tiles(o) * fp8::block_scale_cols(k)),
       swt(e * fp8::tiles(k) * fp8::block_scale_cols(o));
@@ -285,39 +254,6 @@ TEST(Fp8Quant, GroupedProductsMatchFloat64OfTheCodes) {
         norm = std::max(norm, std::fabs(want));
       }
   EXPECT_LT(worst, 1e-5 * norm);
-
-  // Weight gradient: dw[g] (+)= dy[seg]^T x[seg].
-  const int64_t cols = fp8::segment_cols(r, e), t = fp8::segment_tiles(r, e);
-  std::vector<uint8_t> qa(o * cols), qb(k * cols);
-  std::vector<float> sa(t * o), sb(t * k);
-  cpu::quantize_segment_columns(Tensor(dy.data(), {r, o}, DType::f32), offsets, Tensor(qa.data(), {o, cols}, DType::f8e4m3),
-                                Tensor(sa.data(), {t, o}, DType::f32), true);
-  cpu::quantize_segment_columns(Tensor(x.data(), {r, k}, DType::f32), offsets, Tensor(qb.data(), {k, cols}, DType::f8e4m3),
-                                Tensor(sb.data(), {t, k}, DType::f32), true);
-  for (bool accumulate : {false, true}) {
-    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
-    std::vector<float> dw(e * o * k, 0.25f);
-    cpu::grouped_gemm_fp8_weight(Tensor(qa.data(), {o, cols}, DType::f8e4m3), Tensor(sa.data(), {t, o}, DType::f32),
-                                 Tensor(qb.data(), {k, cols}, DType::f8e4m3), Tensor(sb.data(), {t, k}, DType::f32),
-                                 offsets, Tensor(dw.data(), {e, o, k}, DType::f32), accumulate);
-    int64_t col = 0, tile = 0;
-    worst = norm = 0;
-    for (int64_t g = 0; g < e; ++g) {
-      const int64_t n = off[g + 1] - off[g];
-      for (int64_t i = 0; i < o; ++i)
-        for (int64_t j = 0; j < k; ++j) {
-          double want = accumulate ? 0.25 : 0.0;
-          for (int64_t m = 0; m < n; ++m)
-            want += e4m3_value(qa[i * cols + col + m]) * sa[(tile + m / 128) * o + i] * e4m3_value(qb[j * cols + col + m]) *
-                    sb[(tile + m / 128) * k + j];
-          worst = std::max(worst, std::fabs(dw[(g * o + i) * k + j] - want));
-          norm = std::max(norm, std::fabs(want));
-        }
-      col += (n + 127) / 128 * 128;
-      tile += fp8::tiles(n);
-    }
-    EXPECT_LT(worst, 1e-5 * norm);
-  }
 }
 
 // The FP8 product: c = alpha a b^T + beta c from the codes and scales, in float64 here

@@ -104,38 +104,6 @@ void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool
   }
 }
 
-void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
-                              bool pow2) {
-  const Src src = check_input(x, "quantize_segment_columns x");
-  const int64_t r = x.dim(0), k = x.dim(1);
-  MT_CHECK(offsets.ndim() == 1 && offsets.dim(0) >= 2 && offsets.dtype == DType::i32)
-      << "quantize_segment_columns offsets should be i32 [E+1], got " << offsets.str();
-  const int64_t e = offsets.dim(0) - 1;
-  MT_CHECK(qt.ndim() == 2 && qt.dim(0) == k && qt.dim(1) >= fp8::segment_cols(r, e))
-      << "quantize_segment_columns qt should be f8e4m3 [" << k << ", >= " << fp8::segment_cols(r, e) << "], got "
-      << qt.str();
-  MT_CHECK(scale_t.ndim() == 2 && scale_t.dim(1) == k && scale_t.dim(0) >= fp8::segment_tiles(r, e))
-      << "quantize_segment_columns scale_t should be f32 [>= " << fp8::segment_tiles(r, e) << ", " << k
-      << "], got " << scale_t.str();
-  uint8_t* c = codes(qt, "quantize_segment_columns qt", qt.shape);
-  check_tensor(scale_t, "quantize_segment_columns scale_t", DType::f32, scale_t.shape);
-  const int32_t* off = offsets.i32();
-  const int64_t ld = qt.dim(1);
-  int64_t col = 0, tile = 0;
-  for (int64_t g = 0; g < e; ++g) {
-    const int64_t r0 = off[g], n = off[g + 1] - off[g];
-    MT_CHECK(r0 >= 0 && n >= 0 && off[g + 1] <= r) << "quantize_segment_columns: offsets " << r0 << " .. "
-                                                    << off[g + 1] << " of expert " << g << " outside 0 .. " << r;
-    const int64_t width = (n + fp8::kSegmentAlign - 1) / fp8::kSegmentAlign * fp8::kSegmentAlign;
-    // This segment's x^T [K, n]: element (k, m) is x[(r0 + m)*K + k], at qt[k*ld + col + m].
-    const Src seg{static_cast<const char*>(src.p) + r0 * k * dtype_size(x.dtype), src.bf16};
-    if (n > 0) quantize_view(seg, {k, n, 1, fp8::kTile, 1, k, ld, 1, 1, k}, c + col, scale_t.f32() + tile * k, pow2);
-    for (int64_t j = 0; j < k; ++j) std::fill(c + j * ld + col + n, c + j * ld + col + width, uint8_t{0});
-    col += width;
-    tile += fp8::tiles(n);
-  }
-}
-
 void dequantize_rows(const Tensor& q, const Tensor& scale, const Tensor& x) {
   MT_CHECK(x.ndim() == 2) << "dequantize_rows x should be [M, K], got " << x.str();
   const int64_t m = x.dim(0), k = x.dim(1);
@@ -212,48 +180,6 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
     dequantize_blocks(w.rows(g, g + 1).view({o, k}), w_scale.rows(g, g + 1).view({fp8::tiles(o), fp8::block_scale_cols(k)}),
                       Tensor(wf.data(), {o, k}, DType::f32));
     sgemm(false, true, r1 - r0, o, k, 1.0f, xf.data() + r0 * k, k, wf.data(), k, 0.0f, y.f32() + r0 * o, o);
-  }
-}
-
-void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
-                             const Tensor& offsets, const Tensor& dw, bool accumulate) {
-  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && a.dim(1) == b.dim(1) && dw.ndim() == 3 && dw.dim(1) == a.dim(0) &&
-           dw.dim(2) == b.dim(0) && offsets.ndim() == 1 && offsets.dim(0) == dw.dim(0) + 1)
-      << "grouped_gemm_fp8_weight wants a [O, C], b [K, C], dw [E, O, K], offsets [E+1], got " << a.str() << ", "
-      << b.str() << ", " << dw.str() << ", " << offsets.str();
-  const int64_t o = a.dim(0), k = b.dim(0), cols = a.dim(1), e = dw.dim(0);
-  check_tensor(a, "grouped_gemm_fp8_weight a", DType::f8e4m3, {o, cols});
-  check_tensor(b, "grouped_gemm_fp8_weight b", DType::f8e4m3, {k, cols});
-  check_tensor(offsets, "grouped_gemm_fp8_weight offsets", DType::i32, {e + 1});
-  check_tensor(dw, "grouped_gemm_fp8_weight dw", DType::f32, {e, o, k});
-  MT_CHECK(a_scale.ndim() == 2 && b_scale.ndim() == 2 && a_scale.dim(1) == o && b_scale.dim(1) == k)
-      << "grouped_gemm_fp8_weight wants a_scale [T, " << o << "] and b_scale [T, " << k << "], got "
-      << a_scale.str() << " and " << b_scale.str();
-  check_tensor(a_scale, "grouped_gemm_fp8_weight a_scale", DType::f32, a_scale.shape);
-  check_tensor(b_scale, "grouped_gemm_fp8_weight b_scale", DType::f32, b_scale.shape);
-  const int64_t rows = offsets.i32()[e];
-  const uint8_t *ca = static_cast<const uint8_t*>(a.data), *cb = static_cast<const uint8_t*>(b.data);
-  int64_t col = 0, tile = 0;
-  for (int64_t g = 0; g < e; ++g) {
-    const auto [r0, r1] = segment(offsets, g, rows, "grouped_gemm_fp8_weight");
-    const int64_t n = r1 - r0, width = (n + fp8::kSegmentAlign - 1) / fp8::kSegmentAlign * fp8::kSegmentAlign;
-    MT_CHECK(col + width <= cols && tile + fp8::tiles(n) <= std::min(a_scale.dim(0), b_scale.dim(0)))
-        << "grouped_gemm_fp8_weight: expert " << g << "'s columns or scale rows run past a " << a.str() << ", "
-        << a_scale.str() << ", b_scale " << b_scale.str();
-    // Dequantize the segment's columns of each operand, [rows, n] row-major.
-    auto expand = [&](const uint8_t* c, const float* s, int64_t m) {
-      std::vector<float> f(static_cast<size_t>(m * n));
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j)
-          f[i * n + j] = f32_from_e4m3(c[i * cols + col + j]) * s[(tile + j / fp8::kTile) * m + i];
-      return f;
-    };
-    const std::vector<float> fa = expand(ca, a_scale.f32(), o), fb = expand(cb, b_scale.f32(), k);
-    float* out = dw.f32() + g * o * k;
-    if (n == 0 && !accumulate) std::fill_n(out, o * k, 0.0f);
-    if (n > 0) sgemm(false, true, o, k, n, 1.0f, fa.data(), n, fb.data(), n, accumulate ? 1.0f : 0.0f, out, k);
-    col += width;
-    tile += fp8::tiles(n);
   }
 }
 

@@ -1,7 +1,6 @@
-// Blockwise FP8 quantization on the GPU: one kernel for 1x128 rows, rows plus the
-// transposed 1x128 columns, 128x128 weight blocks (of one matrix or a layer's experts,
-// optionally with their transposed copy), and the segment columns of the grouped weight
-// gradient. Scales come from the header's tile_scale()/scaled(), the codes from the
+// Blockwise FP8 quantization on the GPU: a kernel each for 1x128 rows, rows plus the
+// transposed 1x128 columns, and 128x128 weight blocks (of one matrix or a layer's
+// experts, optionally with their transposed copy). Scales come from the header's tile_scale()/scaled(), the codes from the
 // hardware's satfinite conversion, so the bytes equal the CPU backend's
 // (tests/gpu/test_cuda_fp8.cpp).
 #include <cuda_fp8.h>
@@ -18,12 +17,9 @@ constexpr int kTile = static_cast<int>(fp8::kTile);
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kRowsPerWarp = kTile / kWarps, kColsPerLane = kTile / 32;
 
-// (quantize_rows and quantize_blocks have kernels of their own: rows_kernel,
-// blocks_kernel.) rows_and_columns: 1x128 row tiles and x^T's 1x128 tiles (128x1 of x).
-// segment_columns: x^T's tiles, 128 rows of one expert's segment a tile, placed at
-// column 128 g of qt.
-enum class Mode { rows_and_columns, segment_columns };
-
+// One quantization's arguments: rows_and_columns_kernel's (1x128 row tiles and x^T's 1x128
+// tiles, 128x1 of x) and blocks_kernel's (128x128 blocks); quantize_rows has a kernel
+// of its own, rows_kernel.
 struct Job {
   In x;
   int64_t m, k;  // x [m, k]; with blocks, blockIdx.z picks one of the experts' matrices
@@ -36,8 +32,6 @@ struct Job {
   int64_t ldq, ldt;
   bool qt_words;  // qt rows may be written 4 bytes at a time (ldq % 4 == 0, qt aligned)
   int64_t expert_elements, expert_scales, expert_scales_t;  // blocks: one expert's strides
-  const int32_t* offsets;  // segment_columns: [experts + 1] on the device
-  int experts;
 };
 
 __device__ __forceinline__ uint8_t e4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
@@ -49,65 +43,18 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Rows [row0, row_end) of segment tile g: expert e's tiles are numbered from tile_e (the
-// header's placement), 128 rows each from its first row. Warp 0 scans the per-expert
-// tile counts 32 experts at a time; offsets are clamped to [0, m]. False past the last
-// tile (the grid is sized for segment_tiles(m, experts)).
-__device__ bool find_segment_tile(const Job& p, int64_t g, int64_t& row0, int64_t& row_end) {
-  __shared__ int64_t found[2];
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int64_t before = 0;  // tiles of the experts already scanned
-    if (lane == 0) found[0] = -1;
-    __syncwarp();  // the reset lands before any lane can record a match
-    for (int e0 = 0; e0 < p.experts; e0 += 32) {
-      const int e = e0 + lane;
-      int64_t begin = 0, end = 0;
-      if (e < p.experts) {
-        begin = min(max(int64_t{p.offsets[e]}, int64_t{0}), p.m);
-        end = min(max(int64_t{p.offsets[e + 1]}, begin), p.m);
-      }
-      const int64_t tiles = (end - begin + kTile - 1) / kTile;
-      int64_t incl = tiles;  // inclusive prefix sum over the lanes
-      for (int o = 1; o < 32; o <<= 1) {
-        const int64_t v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      const int64_t first = before + incl - tiles;
-      if (g >= first && g < first + tiles) {
-        found[0] = begin + (g - first) * kTile;
-        found[1] = end;
-      }
-      before += __shfl_sync(0xffffffffu, incl, 31);
-    }
-  }
-  __syncthreads();
-  row0 = found[0];
-  row_end = found[1];
-  return row0 >= 0;
-}
-
-// Block (bx, by) owns columns [128 bx, +128) of a 128-row tile of x [M, K] (rows
-// [128 by, +128), or segment_columns' tile by): warp w its rows 16w..16w+15, lane l the
-// columns l + 32j (coalesced loads), all held in registers; elements outside x (or the
-// segment) read as 0, which leaves every amax unchanged and makes their codes 0.
-template <Mode mode>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
+// Block (bx, by) owns columns [128 bx, +128) of rows [128 by, +128) of x [M, K]: warp w
+// its rows 16w..16w+15, lane l the columns l + 32j (coalesced loads); elements outside x
+// read as 0, which leaves every amax unchanged and makes their codes 0.
+__global__ void __launch_bounds__(kThreads) rows_and_columns_kernel(Job p) {
   __shared__ float smax[kWarps][kTile];
   __shared__ float sscale[kTile];
   __shared__ __align__(16) uint8_t sq[kTile][kTile + 4];  // +4: no bank conflicts
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // The tile's rows of x, and where its transposed codes and column scales go.
-  int64_t row0 = blockIdx.y * int64_t{kTile}, row_end = p.m;
-  int64_t t_col0 = row0, t_cols;  // qt columns [t_col0, t_col0 + t_cols)
-  if constexpr (mode == Mode::segment_columns) {
-    if (!find_segment_tile(p, blockIdx.y, row0, row_end)) return;
-    t_col0 = blockIdx.y * int64_t{kTile};
-    t_cols = kTile;  // the padding past the segment's end is written too, as zeros
-  } else {
-    t_cols = min(p.m - row0, int64_t{kTile});
-  }
+  const int64_t row0 = blockIdx.y * int64_t{kTile}, row_end = p.m;
+  const int64_t t_col0 = row0, t_cols = min(p.m - row0, int64_t{kTile});  // qt columns
   In x = p.x;
   uint8_t *q = p.q, *qt = p.qt;
   float *scale = p.scale, *scale_t = p.scale_t;
@@ -131,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
       rmax = fmaxf(rmax, fabsf(v[j]));
       cmax[j] = fmaxf(cmax[j], fabsf(v[j]));
     }
-    if constexpr (mode == Mode::rows_and_columns) {
+    {
       rmax = warp_max(rmax);
       if (r < p.m) {
         const float s = fp8::tile_scale(rmax, p.pow2);
@@ -142,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(Job p) {
       }
     }
   }
-  if constexpr (mode == Mode::rows_and_columns || mode == Mode::segment_columns) {
+  {
     // Column amax over the 8 warps, then the codes of x^T staged as [column][row].
 #pragma unroll
     for (int j = 0; j < kColsPerLane; ++j) smax[warp][lane + 32 * j] = cmax[j];
@@ -321,17 +268,6 @@ __global__ void __launch_bounds__(kThreads) blocks_kernel(Job p, bool vector, bo
   }
 }
 
-template <Mode mode>
-void launch(const Job& p, int64_t row_tiles, int64_t experts = 1) {
-  if (p.m * p.k == 0 || experts == 0) return;
-  MT_CHECK(row_tiles <= 65535 && fp8::tiles(p.k) <= INT_MAX && experts <= 65535)
-      << "fp8 quantization of [" << p.m << ", " << p.k << "] (" << experts << " matrices): more 128-row tiles ("
-      << row_tiles << ") than one launch takes (65535)";
-  const dim3 grid(static_cast<unsigned>(fp8::tiles(p.k)), static_cast<unsigned>(row_tiles),
-                  static_cast<unsigned>(experts));
-  quantize_kernel<mode><<<grid, kThreads, 0, stream()>>>(p);
-  CUDA_CHECK_LAUNCH();
-}
 
 }  // namespace
 
@@ -366,7 +302,12 @@ void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& s
   p.scale_t = scale_t.f32();
   p.ldq = p.m;
   p.qt_words = word_rows(p.qt, p.ldq);
-  launch<Mode::rows_and_columns>(p, fp8::tiles(p.m));
+  if (p.m * p.k == 0) return;
+  MT_CHECK(fp8::tiles(p.m) <= 65535 && fp8::tiles(p.k) <= INT_MAX)
+      << "quantize_rows_and_columns of [" << p.m << ", " << p.k << "]: more 128-row tiles than one launch takes (65535)";
+  const dim3 grid(static_cast<unsigned>(fp8::tiles(p.k)), static_cast<unsigned>(fp8::tiles(p.m)));
+  rows_and_columns_kernel<<<grid, kThreads, 0, stream()>>>(p);
+  CUDA_CHECK_LAUNCH();
 }
 
 void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt,
@@ -406,30 +347,6 @@ void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool
                   static_cast<unsigned>(experts));
   blocks_kernel<<<grid, kThreads, 0, stream()>>>(p, vector, qt_vector);
   CUDA_CHECK_LAUNCH();
-}
-
-void quantize_segment_columns(const Tensor& x, const Tensor& offsets, const Tensor& qt, const Tensor& scale_t,
-                              bool pow2) {
-  Job p{};
-  p.x = check_input(x, "quantize_segment_columns x");
-  p.m = x.dim(0), p.k = x.dim(1), p.pow2 = pow2;
-  MT_CHECK(offsets.ndim() == 1 && offsets.dim(0) >= 1)
-      << "quantize_segment_columns offsets should be i32 [experts + 1], got " << offsets.str();
-  check_arg(offsets, "quantize_segment_columns offsets", {DType::i32}, offsets.shape);
-  const int64_t experts = offsets.dim(0) - 1;
-  MT_CHECK(qt.ndim() == 2 && scale_t.ndim() == 2 && qt.dim(0) == p.k && qt.dim(1) >= fp8::segment_cols(p.m, experts) &&
-           scale_t.dim(0) >= fp8::segment_tiles(p.m, experts) && scale_t.dim(1) == p.k)
-      << "quantize_segment_columns of x " << x.str() << " over " << experts << " experts wants qt [" << p.k
-      << ", >= " << fp8::segment_cols(p.m, experts) << "] and scale_t [>= " << fp8::segment_tiles(p.m, experts)
-      << ", " << p.k << "], got " << qt.str() << " and " << scale_t.str();
-  p.qt = codes(qt, "quantize_segment_columns qt", qt.shape);
-  check_arg(scale_t, "quantize_segment_columns scale_t", {DType::f32}, scale_t.shape);
-  p.scale_t = scale_t.f32();
-  p.ldq = qt.dim(1);
-  p.qt_words = word_rows(p.qt, p.ldq);
-  p.offsets = offsets.i32();
-  p.experts = static_cast<int>(experts);
-  launch<Mode::segment_columns>(p, fp8::segment_tiles(p.m, experts));
 }
 
 }  // namespace mt::cuda

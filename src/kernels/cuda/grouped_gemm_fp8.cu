@@ -8,13 +8,9 @@
 //
 //   grouped_gemm_fp8         y[seg] = x[seg] w[e]^T: A = x rows (K-major) with one scale a
 //                            row per 128 of K, B = w[e] (K-major) with one a 128x128
-//                            block; y bf16. An empty expert gets M = 0 (no tiles).
-//   grouped_gemm_fp8_weight  dw[e] (+)= a[:, cols_e] b[:, cols_e]^T: both K-major (the
-//                            segment columns), one scale a row per 128 columns each; per
-//                            expert K = 128 tiles(n_e), the zero columns padding its last
-//                            tile adding nothing; f32 C = D = dw[e], beta 1 or 0 (C is
-//                            then never read). An empty expert gets no tiles and, without
-//                            accumulation, zero_empty_experts writes its zeros.
+//                            block; y bf16. An empty expert gets M = 0 (no tiles). (A
+//                            weight-gradient variant measured no faster than bf16's and
+//                            went: models/linear.h.)
 //
 // CUTLASS's collective takes a layout of each group's scales but reads them through the
 // compact one it rebuilds from the group's shape (its load_init); ours are not compact (x's
@@ -99,7 +95,6 @@ struct Config {
 using Tile128 = cute::Shape<cute::_128, cute::_128, cute::_128>;
 using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
 using ForwardGemm = Config<kTile, cutlass::bfloat16_t, Tile128, Cluster2x1>::Gemm;
-using WeightGemm = Config<1, float, Tile128, Cluster2x1>::Gemm;
 
 template <class Gemm>
 struct Types {
@@ -211,50 +206,6 @@ __global__ void plan_forward_kernel(ForwardPlan p, Groups<ForwardGemm> out) {
                                   make_stride(make_stride(_0{}, static_cast<int>(p.ld)), make_stride(_0{}, _1{}), 0));
 }
 
-struct WeightPlan {
-  const int32_t* offsets;
-  int experts;
-  int64_t rows;          // offsets are clamped to [0, rows]: what fits in c columns and t tiles
-  int64_t o, k, c;       // a [o, c], b [k, c], dw [E, o, k]
-  const f8* a;
-  const float* a_scale;  // [t, o]
-  const f8* b;
-  const float* b_scale;  // [t, k]
-  float* dw;
-  Types<WeightGemm>::StrideA stride_a;
-  Types<WeightGemm>::StrideB stride_b;
-  Types<WeightGemm>::StrideD stride_d;  // C's too
-};
-
-__global__ void plan_weight_kernel(WeightPlan p, Groups<WeightGemm> out) {
-  using T = Types<WeightGemm>;
-  using namespace cute;
-  const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= p.experts) return;
-  // tile_e: the tiles of the experts before e (a few hundred loads at most).
-  int64_t first = 0, begin, end;
-  for (int j = 0; j < e; ++j) {
-    segment(p.offsets, j, p.rows, begin, end);
-    first += tiles_of(end - begin);
-  }
-  segment(p.offsets, e, p.rows, begin, end);
-  const int tiles = static_cast<int>(tiles_of(end - begin));
-  const int o = static_cast<int>(p.o), k = static_cast<int>(p.k);
-  out.shape[e] = make_shape(tiles > 0 ? o : 0, k, tiles * kTile);
-  out.a[e] = p.a + first * kTile;
-  out.b[e] = p.b + first * kTile;
-  out.d[e] = p.dw + e * p.o * p.k;
-  out.c[e] = out.d[e];
-  out.stride_a[e] = p.stride_a;
-  out.stride_b[e] = p.stride_b;
-  out.stride_c[e] = p.stride_d;
-  out.stride_d[e] = p.stride_d;
-  out.sfa[e] = p.a_scale + first * p.o;
-  out.layout_sfa[e] = row_scales<T::LayoutSFA>(o, tiles, o);
-  out.sfb[e] = p.b_scale + first * p.k;
-  out.layout_sfb[e] = row_scales<T::LayoutSFB>(k, tiles, k);
-}
-
 // Plans and runs one product: `plan` writes the groups, then CUTLASS reads them.
 template <class Gemm, class Plan, class PlanKernel>
 void launch(const Plan& p, PlanKernel plan, float beta, const char* what) {
@@ -323,37 +274,6 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
                 static_cast<const f8*>(w.data), w_scale.f32(), ld, static_cast<cutlass::bfloat16_t*>(y.data),
                 leading<T::StrideA>(k), leading<T::StrideB>(k), leading<T::StrideD>(o)};
   launch<ForwardGemm>(p, plan_forward_kernel, 0.0f, "x w^T");
-}
-
-void grouped_gemm_fp8_weight(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
-                             const Tensor& offsets, const Tensor& dw, bool accumulate) {
-  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && a_scale.ndim() == 2 && dw.ndim() == 3 && a.dim(1) == b.dim(1))
-      << "grouped_gemm_fp8_weight wants a [O, C], b [K, C] and dw [E, O, K], got a " << a.str() << ", b " << b.str()
-      << ", dw " << dw.str();
-  const int64_t o = a.dim(0), k = b.dim(0), c = a.dim(1), t = a_scale.dim(0), experts = dw.dim(0);
-  check_arg(a, "grouped_gemm_fp8_weight a", {DType::f8e4m3}, {o, c});
-  check_arg(a_scale, "grouped_gemm_fp8_weight a_scale", {DType::f32}, {t, o});
-  check_arg(b, "grouped_gemm_fp8_weight b", {DType::f8e4m3}, {k, c});
-  check_arg(b_scale, "grouped_gemm_fp8_weight b_scale", {DType::f32}, {t, k});
-  check_arg(offsets, "grouped_gemm_fp8_weight offsets", {DType::i32}, {experts + 1});
-  check_arg(dw, "grouped_gemm_fp8_weight dw", {DType::f32}, {experts, o, k});
-  // TMA moves 16-byte rows (C a multiple of 16 codes, dw's K of 4 f32); O and K multiples
-  // of 16, what the tests reach (ragged last tiles included).
-  MT_CHECK(o > 0 && o % 16 == 0 && k > 0 && k % 16 == 0 && c % 16 == 0 && o <= INT_MAX && k <= INT_MAX &&
-           c <= INT_MAX && experts <= INT_MAX && aligned({&a, &b, &dw}))
-      << "grouped_gemm_fp8_weight on the GPU takes O and K positive multiples of 16, C (the segment columns, "
-         "segment_cols) a multiple of 16 and 16-byte aligned a, b, dw; got a "
-      << a.str() << ", b " << b.str() << ", dw " << dw.str();
-  if (experts == 0) return;
-  // The most rows whose segments fit in c columns and t tiles (c >= segment_cols(R, E), t >=
-  // segment_tiles(R, E)): offsets are clamped to it, so no expert reads past them.
-  const int64_t rows = std::max<int64_t>(0, std::min(c - fp8::kSegmentAlign * experts, fp8::kTile * (t - experts)));
-  if (!accumulate) zero_empty_experts(offsets, rows, dw);
-  using T = Types<WeightGemm>;
-  WeightPlan p{offsets.i32(), static_cast<int>(experts), rows, o, k, c, static_cast<const f8*>(a.data), a_scale.f32(),
-               static_cast<const f8*>(b.data), b_scale.f32(), dw.f32(), leading<T::StrideA>(c), leading<T::StrideB>(c),
-               leading<T::StrideD>(k)};
-  launch<WeightGemm>(p, plan_weight_kernel, accumulate ? 1.0f : 0.0f, "dw (+)= a b^T");
 }
 
 }  // namespace mt::cuda
