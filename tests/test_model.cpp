@@ -78,6 +78,22 @@ Config fixture_config(const std::string& name, int64_t steps) {
   return c;
 }
 
+// Each (key, value) written over `good` must make `parse` fail with an error naming the
+// file, cfg.json.
+void expect_refused(const nlohmann::json& good, const std::function<void(const nlohmann::json&)>& parse,
+                    std::initializer_list<std::pair<const char*, nlohmann::json>> changes) {
+  for (const auto& [key, value] : changes) {
+    nlohmann::json bad = good;
+    bad[key] = value;
+    try {
+      parse(bad);
+      ADD_FAILURE() << key << " = " << value.dump() << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cfg.json"), std::string::npos) << e.what();
+    }
+  }
+}
+
 class HfParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(HfParity, LossLogitsAndEveryGradient) {
@@ -374,20 +390,12 @@ TEST(DeepseekV2Config, HubAndTransformers5SpellingsAndRefusals) {
   }
   const double m = 0.1 * 0.707 * std::log(40.0) + 1.0;  // transformers' yarn_get_mscale
   EXPECT_NEAR(a.softmax_scale, m * m / 4.0, 1e-12);     // qk_head_dim 16
-  for (auto [key, value] : {std::pair<const char*, nlohmann::json>{"topk_method", "noaux_tc"},
-                            {"moe_layer_freq", 2},
-                            {"num_key_value_heads", 2},
-                            {"scoring_func", "sigmoid"},
-                            {"qk_rope_head_dim", 3}}) {
-    nlohmann::json bad = v5;
-    bad[key] = value;
-    try {
-      parse_deepseek_v2_config(bad, "cfg.json");
-      ADD_FAILURE() << key << " = " << value.dump() << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("cfg.json"), std::string::npos) << e.what();
-    }
-  }
+  expect_refused(v5, [](const nlohmann::json& j) { parse_deepseek_v2_config(j, "cfg.json"); },
+                 {{"topk_method", "noaux_tc"},
+                  {"moe_layer_freq", 2},
+                  {"num_key_value_heads", 2},
+                  {"scoring_func", "sigmoid"},
+                  {"qk_rope_head_dim", 3}});
 }
 
 // GPT-OSS's config as the hub spells it (gpt_oss_mxfp4: rope_scaling, a top-level
@@ -412,21 +420,13 @@ TEST(GptOssConfig, HubAndTransformers5SpellingsAndRefusals) {
   EXPECT_EQ(a.decoder.router.top_k, 3);
   EXPECT_EQ(h.decoder.router.top_k, 2);  // num_experts_per_tok (experts_per_token agrees)
   EXPECT_EQ(h.decoder.num_experts, 4);
-  for (auto [key, value] : {std::pair<const char*, nlohmann::json>{"swiglu_limit", 5.0},
-                            {"attention_bias", false},
-                            {"quantization_config", {{"quant_method", "bitsandbytes"}}},
-                            {"layer_types", {"sliding_attention"}},
-                            {"num_key_value_heads", 3},
-                            {"head_dim", 15}}) {
-    nlohmann::json bad = v5;
-    bad[key] = value;
-    try {
-      parse_gpt_oss_config(bad, "cfg.json");
-      ADD_FAILURE() << key << " = " << value.dump() << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("cfg.json"), std::string::npos) << e.what();
-    }
-  }
+  expect_refused(v5, [](const nlohmann::json& j) { parse_gpt_oss_config(j, "cfg.json"); },
+                 {{"swiglu_limit", 5.0},
+                  {"attention_bias", false},
+                  {"quantization_config", {{"quant_method", "bitsandbytes"}}},
+                  {"layer_types", {"sliding_attention"}},
+                  {"num_key_value_heads", 3},
+                  {"head_dim", 15}});
 }
 
 // The shared config.json reader: the first spelling present wins, "a.b" is a nested

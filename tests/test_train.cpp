@@ -35,6 +35,21 @@ std::vector<nlohmann::json> metrics_of(const std::string& dump) {
   return lines;
 }
 
+// mpirun as the multi-rank tests start it (root allowed, one OpenMP thread a rank); the
+// rank count goes after it.
+const std::string kMpirun =
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
+
+// A fixture's three sequences and its first again, so that they split over 4 data
+// ranks, written to dir/tokens.npy.
+void write_four_sequences(const std::string& model, const std::string& dir) {
+  io::NpyArray a = io::read_npy(fixture(model + "/tokens.npy"));
+  std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
+  const int64_t t = a.header.shape[1];
+  tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + t);
+  io::write_npy(dir + "/tokens.npy", "<i8", {4, t}, tokens.data());
+}
+
 
 
 
@@ -627,8 +642,7 @@ TEST(Commands, CapacityWithExpertParallelismMatchesOneRank) {
     EXPECT_EQ(rc, 0) << out;
     return metrics_of(dump);
   };
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+  const std::string mpirun = kMpirun + "2 ";
   std::vector<nlohmann::json> one = train("", "one", "--training.micro_batch_size=4"),
                               ep = train(mpirun, "ep2", "--training.micro_batch_size=2 --parallelism.ep=2");
   ASSERT_EQ(one.size(), 3u);
@@ -658,8 +672,7 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
     EXPECT_NE(out.find("  total"), std::string::npos) << out;
     if (rc != 0 || at == std::string::npos) return int64_t{-1};
     const int64_t planned = std::stoll(out.substr(at + 5));
-    const std::string launch = world == 1 ? "" : "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-                                                 "OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+    const std::string launch = world == 1 ? "" : kMpirun + "2 ";
     auto [rc2, out2] = run(launch + MOETRAIN_BIN + " train --training.steps=1 --data.tokens=" + tokens +
                            " --job.dump_folder=" + dump + "/" + name + flags);
     EXPECT_EQ(rc2, 0) << out2;
@@ -799,13 +812,7 @@ TEST_P(Meshes, MatchOneRank) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
   const std::string model = GetParam();
   std::string dir = temp_dir("meshes_" + model);
-  io::NpyArray a = io::read_npy(fixture(model + "/tokens.npy"));
-  std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
-  const int64_t t = a.header.shape[1];
-  tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + t);
-  io::write_npy(dir + "/tokens.npy", "<i8", {4, t}, tokens.data());
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
+  write_four_sequences(model, dir);
   for (std::string lb : {"micro_batch", "global_batch"}) {
     std::vector<std::vector<nlohmann::json>> runs;
     struct Mesh {
@@ -818,7 +825,7 @@ TEST_P(Meshes, MatchOneRank) {
       const int np = m.dp * m.cp * m.ep, ep = m.ep;
       std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(ep) +
                          (m.zero3 ? "zero3" : "") + lb;
-      auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
+      auto [rc, out] = run(kMpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                            fixture(model) + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
                            " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
@@ -855,13 +862,7 @@ INSTANTIATE_TEST_SUITE_P(Models, Meshes, ::testing::Values("qwen3_moe_a", "deeps
 TEST(Commands, Fp8MeshesMatchOneRank) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
   std::string dir = temp_dir("fp8_meshes");
-  io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
-  std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
-  const int64_t t = a.header.shape[1];
-  tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + t);
-  io::write_npy(dir + "/tokens.npy", "<i8", {4, t}, tokens.data());
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
+  write_four_sequences("qwen3_moe_a", dir);
   struct Mesh {
     int dp, cp, ep;
     double tol;
@@ -870,7 +871,7 @@ TEST(Commands, Fp8MeshesMatchOneRank) {
   const std::vector<Mesh> meshes{{1, 1, 1, 0}, {2, 1, 1, 1e-5}, {1, 2, 1, 1e-5}, {1, 1, 2, 1e-5}};
   for (const Mesh& m : meshes) {
     const std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(m.ep);
-    auto [rc, out] = run(mpirun + std::to_string(m.dp * m.cp * m.ep) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
+    auto [rc, out] = run(kMpirun + std::to_string(m.dp * m.cp * m.ep) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                          fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
                          " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
                          " --training.fp8=blockwise --parallelism.ep=" + std::to_string(m.ep) +
@@ -902,12 +903,10 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
   std::vector<int64_t> tokens(32 * 17);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 29 + i / 5 + i / 17) % 80);
   io::write_npy(dir + "/tokens.npy", "<i8", {32, 17}, tokens.data());
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
   std::string config = fixture("pipeline/config.json");
   auto train = [&](const std::string& name, int np, const std::string& flags, int steps) {
     const std::string dump = dir + "/" + name;
-    auto [rc, out] = run(mpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.config=" + config +
+    auto [rc, out] = run(kMpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.config=" + config +
                          " --data.tokens=" + dir + "/tokens.npy" +
                          " --training.steps=" + std::to_string(steps) +
                          " --training.load_balance_coef=0.1 --training.micro_batch_size=1 --job.dump_folder=" + dump +
@@ -994,12 +993,10 @@ TEST(Commands, CorpusFedMeshMatchesOneRank) {
   bin += io::make_npy_header("<u8", {1});
   bin.append(reinterpret_cast<const char*>(ends.data()), 8);
   io::write_file_atomic(dir + "/corpus/part.bin", {bin});
-  const std::string mpirun =
-      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
   std::vector<nlohmann::json> runs[2];
   for (int m = 0; m < 2; ++m) {
     std::string dump = dir + "/run" + std::to_string(m);
-    auto [rc, out] = run(mpirun + (m ? "8" : "1") + " " + MOETRAIN_BIN + " train --model.init=hf:" +
+    auto [rc, out] = run(kMpirun + (m ? "8" : "1") + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                          fixture("qwen3_moe_a") + " --data.corpus=" + dir + "/corpus --data.seq_len=16" +
                          " --training.global_batch_size=4 --training.micro_batch_size=1 --training.steps=3" +
                          " --training.load_balance_coef=0.01" + (m ? " --parallelism.cp=2 --parallelism.ep=2" : "") +
