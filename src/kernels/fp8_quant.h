@@ -65,7 +65,8 @@ namespace mt::cpu {
 // x f32 or bf16 [M, K] -> q f8e4m3 [M, K], scale f32 [ceil(K/128), M] (1x128 tiles).
 void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2);
 // The same, plus x^T in 1x128 tiles along M (128x1 tiles of x, for the weight
-// gradient): qt f8e4m3 [K, M], scale_t f32 [ceil(M/128), K].
+// gradient): qt f8e4m3 [K, M], scale_t f32 [ceil(M/128), K]. q and scale may both be
+// empty: then only x^T's codes are written (what the weight gradient reads).
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                const Tensor& scale_t, bool pow2);
 // w f32 or bf16 [N, K] -> q f8e4m3 [N, K], scale f32 [ceil(N/128), block_scale_cols(K)].
@@ -137,7 +138,7 @@ inline void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale,
 inline void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                       const Tensor& scale_t, bool pow2) {
 #ifdef MOETRAIN_WITH_CUDA
-  if (q.device == Device::cuda) return cuda::quantize_rows_and_columns(x, q, scale, qt, scale_t, pow2);
+  if (qt.device == Device::cuda) return cuda::quantize_rows_and_columns(x, q, scale, qt, scale_t, pow2);
 #endif
   return cpu::quantize_rows_and_columns(x, q, scale, qt, scale_t, pow2);
 }

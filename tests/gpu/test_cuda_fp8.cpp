@@ -83,6 +83,12 @@ TEST(CudaFp8Quant, RowsAndColumnsEqualCpu) {
         cuda::quantize_rows(d_x.t, d_q1.t, d_s1.t, pow2);
         EXPECT_TRUE(same_codes("q (rows only)", download_codes(d_q1.t), q));
         EXPECT_TRUE(same_bits("scale (rows only)", download(d_s1.t), s));
+        // Columns alone: the same bytes.
+        auto d_qt1 = poisoned(DType::f8e4m3, {k, m});
+        auto d_st1 = poisoned(DType::f32, {tm, k});
+        cuda::quantize_rows_and_columns(d_x.t, Tensor(), Tensor(), d_qt1.t, d_st1.t, pow2);
+        EXPECT_TRUE(same_codes("qt (columns only)", download_codes(d_qt1.t), qt));
+        EXPECT_TRUE(same_bits("scale_t (columns only)", download(d_st1.t), st));
       }
 }
 

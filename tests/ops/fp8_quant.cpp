@@ -146,6 +146,13 @@ TEST(Fp8Quant, RowsAndColumnsMatchFloat64Reference) {
         cpu::quantize_rows(x.t, Tensor(q1.data(), {m, k}, DType::f8e4m3), Tensor(s1.data(), {tk, m}, DType::f32), pow2);
         EXPECT_EQ(q1, q);
         EXPECT_EQ(s1, s);
+        // Without q and scale only the columns are written, the same ones.
+        std::vector<uint8_t> qt1(m * k);
+        std::vector<float> st1(tm * k);
+        cpu::quantize_rows_and_columns(x.t, Tensor(), Tensor(), Tensor(qt1.data(), {k, m}, DType::f8e4m3),
+                                       Tensor(st1.data(), {tm, k}, DType::f32), pow2);
+        EXPECT_EQ(qt1, qt);
+        EXPECT_EQ(st1, st);
         // dequantize_rows is f32(q) * scale, one rounding.
         std::vector<float> back(m * k);
         cpu::dequantize_rows(Tensor(q.data(), {m, k}, DType::f8e4m3), Tensor(s.data(), {tk, m}, DType::f32), Tensor(back.data(), {m, k}, DType::f32));

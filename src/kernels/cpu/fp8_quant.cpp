@@ -65,7 +65,9 @@ void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool p
 
 void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
                                const Tensor& scale_t, bool pow2) {
-  cpu::quantize_rows(x, q, scale, pow2);
+  MT_CHECK((q.data == nullptr) == (scale.data == nullptr)) << "quantize_rows_and_columns: q and scale go together";
+  if (q.data != nullptr) cpu::quantize_rows(x, q, scale, pow2);
+  check_input(x, "quantize_rows_and_columns x");
   const int64_t m = x.dim(0), k = x.dim(1);
   check_tensor(scale_t, "quantize_rows_and_columns scale_t", DType::f32, {fp8::tiles(m), k});
   // x^T [K, M]: element (k, m) is x[m*K + k]; its codes qt[k*M + m], its scales [M/128, K].

@@ -24,7 +24,7 @@ struct Job {
   In x;
   int64_t m, k;  // x [m, k]; with blocks, blockIdx.z picks one of the experts' matrices
   bool pow2;
-  uint8_t* q;    // [m, k], or null
+  uint8_t* q;    // [m, k], or null (rows_and_columns: x^T's codes alone)
   float* scale;  // rows: [tiles(k), m]; blocks: [tiles(m), ld]
   int64_t ld;
   uint8_t* qt;     // [k, ldq], or null
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) rows_and_columns_kernel(Job p) {
     }
     {
       rmax = warp_max(rmax);
-      if (r < p.m) {
+      if (q != nullptr && r < p.m) {
         const float s = fp8::tile_scale(rmax, p.pow2);
         if (lane == 0) scale[blockIdx.x * p.m + r] = s;
 #pragma unroll
@@ -294,10 +294,13 @@ void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& s
   Job p{};
   p.x = check_input(x, "quantize_rows_and_columns x");
   p.m = x.dim(0), p.k = x.dim(1), p.pow2 = pow2;
-  check_arg(scale, "quantize_rows_and_columns scale", {DType::f32}, {fp8::tiles(p.k), p.m});
   check_arg(scale_t, "quantize_rows_and_columns scale_t", {DType::f32}, {fp8::tiles(p.m), p.k});
-  p.q = codes(q, "quantize_rows_and_columns q", {p.m, p.k});
-  p.scale = scale.f32();
+  MT_CHECK((q.data == nullptr) == (scale.data == nullptr)) << "quantize_rows_and_columns: q and scale go together";
+  if (q.data != nullptr) {  // else x^T's codes alone
+    check_arg(scale, "quantize_rows_and_columns scale", {DType::f32}, {fp8::tiles(p.k), p.m});
+    p.q = codes(q, "quantize_rows_and_columns q", {p.m, p.k});
+    p.scale = scale.f32();
+  }
   p.qt = codes(qt, "quantize_rows_and_columns qt", {p.k, p.m});
   p.scale_t = scale_t.f32();
   p.ldq = p.m;
