@@ -63,16 +63,15 @@ struct GivenScaleLayouts : Base {
   }
 };
 
-// A scale per row of A and per 128 of K; B's per 128x128 block (kScaleN 128, the block
-// arrays' rows run along K: K-major) or per row (kScaleN 1, as A's: MN-major). y (bf16,
-// no source) or dw (f32, C = D).
-template <int kScaleN, class ElementD, class Tile, class Cluster>
+// A scale per row of A and per 128 of K; B's per 128x128 block (the block arrays' rows
+// run along K: K-major). y bf16, no source (C void).
+template <class Tile, class Cluster>
 struct Config {
-  using Scales = cutlass::detail::Sm90BlockwiseScaleConfig<
-      1, kScaleN, kTile, cute::GMMA::Major::MN, kScaleN == 1 ? cute::GMMA::Major::MN : cute::GMMA::Major::K>;
+  using Scales = cutlass::detail::Sm90BlockwiseScaleConfig<1, kTile, kTile, cute::GMMA::Major::MN, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(Scales::deduce_layoutSFA());
   using LayoutSFB = decltype(Scales::deduce_layoutSFB());
-  using ElementC = std::conditional_t<std::is_same_v<ElementD, float>, float, void>;
+  using ElementD = cutlass::bfloat16_t;
+  using ElementC = void;
   static constexpr int kAlignAB = 16 / sizeof(f8);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -89,26 +88,23 @@ struct Config {
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, GivenScaleLayouts<Mainloop>, Epilogue>>;
 };
 
-// Both products: cooperative 128x128x128 tiles (K 128: one scale promotion a k-tile) in
+// Cooperative 128x128x128 tiles (K 128: one scale promotion a k-tile) in
 // 2x1 clusters, a pair of M tiles sharing B's tile through TMA multicast. Why these:
 // docs/architecture.md (src/kernels, grouped_gemm_fp8).
 using Tile128 = cute::Shape<cute::_128, cute::_128, cute::_128>;
 using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
-using ForwardGemm = Config<kTile, cutlass::bfloat16_t, Tile128, Cluster2x1>::Gemm;
+using ForwardGemm = Config<Tile128, Cluster2x1>::Gemm;
 
 template <class Gemm>
 struct Types {
   using Kernel = typename Gemm::GemmKernel;
   using Mainloop = typename Kernel::CollectiveMainloop;
-  using C = typename Kernel::ElementC;
   using D = typename Kernel::ElementD;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
-  using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
   using LayoutSFA = typename Mainloop::InternalLayoutSFA;
   using LayoutSFB = typename Mainloop::InternalLayoutSFB;
-  static constexpr bool kHasC = !std::is_void_v<C>;
 };
 
 // The per-expert arrays of one launch, carved from the workspace.
@@ -118,11 +114,9 @@ struct Groups {
   GroupShape* shape;
   const f8** a;
   const f8** b;
-  const typename T::C** c;  // unused without a source
   typename T::D** d;
   typename T::StrideA* stride_a;
   typename T::StrideB* stride_b;
-  typename T::StrideC* stride_c;
   typename T::StrideD* stride_d;
   const float** sfa;
   const float** sfb;
@@ -137,11 +131,9 @@ Groups<Gemm> carve_groups(Carve& c, int experts) {
   g.shape = c.take<GroupShape>(experts);
   g.a = c.take<const f8*>(experts);
   g.b = c.take<const f8*>(experts);
-  if constexpr (T::kHasC) g.c = c.take<const typename T::C*>(experts);
   g.d = c.take<typename T::D*>(experts);
   g.stride_a = c.take<typename T::StrideA>(experts);
   g.stride_b = c.take<typename T::StrideB>(experts);
-  if constexpr (T::kHasC) g.stride_c = c.take<typename T::StrideC>(experts);
   g.stride_d = c.take<typename T::StrideD>(experts);
   g.sfa = c.take<const float*>(experts);
   g.sfb = c.take<const float*>(experts);
@@ -208,8 +200,7 @@ __global__ void plan_forward_kernel(ForwardPlan p, Groups<ForwardGemm> out) {
 
 // Plans and runs one product: `plan` writes the groups, then CUTLASS reads them.
 template <class Gemm, class Plan, class PlanKernel>
-void launch(const Plan& p, PlanKernel plan, float beta, const char* what) {
-  using T = Types<Gemm>;
+void launch(const Plan& p, PlanKernel plan) {
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.hw_info = hardware<Gemm>();
@@ -227,18 +218,17 @@ void launch(const Plan& p, PlanKernel plan, float beta, const char* what) {
 
   args.problem_shape = {p.experts, g.shape, nullptr};
   args.mainloop = {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb};
-  args.epilogue.ptr_C = g.c;
-  args.epilogue.dC = g.stride_c;
+  args.epilogue.ptr_C = nullptr;
   args.epilogue.ptr_D = g.d;
   args.epilogue.dD = g.stride_d;
   args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = T::kHasC ? beta : 0.0f;
+  args.epilogue.thread.beta = 0.0f;
   Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);
   if (status == cutlass::Status::kSuccess) status = gemm.initialize(args, ws, stream());
   if (status == cutlass::Status::kSuccess) status = gemm.run(stream());
   MT_CHECK(status == cutlass::Status::kSuccess)
-      << "CUTLASS grouped FP8 GEMM (" << what << ", " << p.experts << " experts) failed: "
+      << "CUTLASS grouped FP8 GEMM (" << p.experts << " experts) failed: "
       << cutlass::cutlassGetStatusString(status);
 }
 
@@ -273,7 +263,7 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
   ForwardPlan p{offsets.i32(), static_cast<int>(experts), rows, k, o, static_cast<const f8*>(x.data), x_scale.f32(),
                 static_cast<const f8*>(w.data), w_scale.f32(), ld, static_cast<cutlass::bfloat16_t*>(y.data),
                 leading<T::StrideA>(k), leading<T::StrideB>(k), leading<T::StrideD>(o)};
-  launch<ForwardGemm>(p, plan_forward_kernel, 0.0f, "x w^T");
+  launch<ForwardGemm>(p, plan_forward_kernel);
 }
 
 }  // namespace mt::cuda
