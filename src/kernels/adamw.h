@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/param.h"
 #include "core/tensor.h"
 
 namespace mt {
@@ -20,6 +21,10 @@ struct AdamWBlock {
   // bf16 moments: element i's rounding noise is keyed by key + i (adamw_noise), so a
   // block names where it starts, e.g. its parameter's index << 40 plus its offset.
   uint64_t key = 0;
+  // Optional (q set): the updated param, a [N, K] or [E, N, K] matrix, quantized into
+  // these blockwise FP8 codes, as quantize_blocks writes them (kernels/fp8_quant.h), in
+  // the same pass on the GPU (the update's tiles are the 128x128 blocks).
+  Fp8Copy fp8 = {};
 };
 
 #if defined(__CUDACC__)

@@ -38,9 +38,9 @@ namespace mt::fp8 {
 constexpr int64_t kTile = 128;
 constexpr float kE4m3Max = 448.0f;
 
-inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
+MT_HOST_DEVICE inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
 // The padded row length of a 128x128 block-scale array (see above).
-inline int64_t block_scale_cols(int64_t k) { return (tiles(k) + 3) / 4 * 4; }
+MT_HOST_DEVICE inline int64_t block_scale_cols(int64_t k) { return (tiles(k) + 3) / 4 * 4; }
 
 // The scale of a tile from its amax (>= 0). IEEE division, no fast-math: both backends
 // round amax / 448 the same way; frexpf/ldexpf are exact.

@@ -198,7 +198,7 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
 // for a Param without storage (an ungathered ZeRO-3 layer).
 // And the FP8 copies (Param::fp8) of the weights that have them.
 void refresh_compute_weights(std::vector<Param>& params);
-// Only the FP8 copies (after an optimizer pass, which writes the bf16 copies itself).
+// Only the FP8 copies (after a sharded optimizer pass; the unsharded one writes them).
 void refresh_fp8_weights(std::vector<Param>& params);
 
 }  // namespace mt

@@ -137,14 +137,13 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   auto decay = [&](const Param& p) { return p.matrix || cfg.decay == "all"; };
   std::vector<AdamWBlock> blocks;
   if (!sharded_) {
-    // The bf16 copies the products read are written in the same pass.
+    // The bf16 copies and the FP8 codes the products read are written in the same pass.
     for (size_t i = 0; i < params_.size(); ++i) {
       const Param& p = params_[i];
       blocks.push_back({p.value, p.grad, m_[i], v_[i], decay(p), p.compute.data != p.value.data ? p.compute : Tensor(),
-                        noise_key(i, 0)});
+                        noise_key(i, 0), p.fp8});
     }
     mt::adamw_step_multi(blocks, a);
-    refresh_fp8_weights(params_);
     return;
   }
   // This rank's pieces of the weights, updated in place (the full weights', or with

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gpu/gpu_test.h"
+#include "kernels/adamw.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/fp8_quant.h"
 #include "kernels/gemm.h"
@@ -338,6 +339,90 @@ TEST(CudaFp8Gemm, DISABLED_TimeBenchmarkShapes) {
 // experts, balanced: 512 rows each; hidden 2048, expert FFN 768): each grouped FP8
 // product against the bf16 grouped GEMM at the same shape, and the quantization passes
 // that feed them. Run with --gtest_also_run_disabled_tests.
+// AdamW on weights with FP8 codes updates and quantizes each 128x128 tile in one pass:
+// the weights and moments bit for bit the CPU's update, the codes and scales (both
+// layouts) bit for bit the CPU's quantize_blocks of them; a ragged matrix, a layer's
+// experts, K not a multiple of 4 (the element-by-element path), f32 and bf16 moments.
+TEST(CudaFp8AdamW, UpdateAndCodesEqualCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  const std::vector<Shape> shapes{{130, 200}, {3, 136, 256}, {2, 128, 130}};
+  for (DType moments : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(moments));
+    cpu::AdamWStep s;
+    s.lr = 3e-3;
+    s.weight_decay = 0.1;
+    s.step = 7;
+    std::vector<std::vector<float>> p, g, m, v;
+    std::vector<std::vector<uint8_t>> q, qt;
+    std::vector<std::vector<float>> sc, sct;
+    std::vector<DeviceTensor> dev;
+    std::vector<AdamWBlock> cpu_blocks, gpu_blocks;
+    uint64_t seed = 900;
+    for (const Shape& sh : shapes) {
+      const int64_t n = sh.numel(), e = sh.n == 3 ? sh.d[0] : 1, r = sh.d[sh.n - 2], k = sh.d[sh.n - 1];
+      const Shape qs = sh.n == 3 ? Shape{e, fp8::tiles(r), fp8::block_scale_cols(k)} : Shape{fp8::tiles(r), fp8::block_scale_cols(k)};
+      const Shape ts = sh.n == 3 ? Shape{e, k, r} : Shape{k, r};
+      const Shape tss = sh.n == 3 ? Shape{e, fp8::tiles(k), fp8::block_scale_cols(r)} : Shape{fp8::tiles(k), fp8::block_scale_cols(r)};
+      p.push_back(random_floats(n, -1, 1, ++seed));
+      g.push_back(random_floats(n, -1, 1, ++seed));
+      m.push_back(random_floats(n, -0.1f, 0.1f, ++seed));
+      v.push_back(random_floats(n, 1e-4f, 1e-2f, ++seed));
+      if (moments == DType::bf16) {
+        m.back() = round_bf16(m.back());
+        v.back() = round_bf16(v.back());
+      }
+      const size_t b = p.size() - 1;
+      q.emplace_back(n);
+      qt.emplace_back(n);
+      sc.emplace_back(qs.numel());
+      sct.emplace_back(tss.numel());
+      for (auto* x : {&p[b], &g[b]}) dev.push_back(upload(*x, DType::f32, sh));
+      for (auto* x : {&m[b], &v[b]}) dev.push_back(upload(*x, moments, sh));
+      dev.push_back(poisoned(DType::f8e4m3, sh));
+      dev.push_back(poisoned(DType::f32, qs));
+      dev.push_back(poisoned(DType::f8e4m3, ts));
+      dev.push_back(poisoned(DType::f32, tss));
+      const size_t d = dev.size() - 8;
+      gpu_blocks.push_back({dev[d].t, dev[d + 1].t, dev[d + 2].t, dev[d + 3].t, true, Tensor(), 1000 * b,
+                            Fp8Copy{dev[d + 4].t, dev[d + 5].t, dev[d + 6].t, dev[d + 7].t, true}});
+    }
+    // The CPU's moments in the same dtype: bf16 ones as their bits.
+    std::vector<std::vector<uint16_t>> mb(shapes.size()), vb(shapes.size());
+    for (size_t b = 0; b < shapes.size(); ++b) {
+      const Shape& sh = shapes[b];
+      const int64_t e = sh.n == 3 ? sh.d[0] : 1, r = sh.d[sh.n - 2], k = sh.d[sh.n - 1];
+      Tensor tm = host(m[b], sh), tv = host(v[b], sh);
+      if (moments == DType::bf16) {
+        for (float x : m[b]) mb[b].push_back(bf16_from_f32(x));
+        for (float x : v[b]) vb[b].push_back(bf16_from_f32(x));
+        tm = Tensor(mb[b].data(), sh, DType::bf16);
+        tv = Tensor(vb[b].data(), sh, DType::bf16);
+      }
+      const Shape qs = sh.n == 3 ? Shape{e, fp8::tiles(r), fp8::block_scale_cols(k)} : Shape{fp8::tiles(r), fp8::block_scale_cols(k)};
+      const Shape ts = sh.n == 3 ? Shape{e, k, r} : Shape{k, r};
+      const Shape tss = sh.n == 3 ? Shape{e, fp8::tiles(k), fp8::block_scale_cols(r)} : Shape{fp8::tiles(k), fp8::block_scale_cols(r)};
+      cpu_blocks.push_back({host(p[b], sh), host(g[b], sh), tm, tv, true, Tensor(), 1000 * b,
+                            Fp8Copy{Tensor(q[b].data(), sh, DType::f8e4m3), host(sc[b], qs),
+                                    Tensor(qt[b].data(), ts, DType::f8e4m3), host(sct[b], tss), true}});
+    }
+    cpu::adamw_step_multi(cpu_blocks, s);
+    cuda::adamw_step_multi(gpu_blocks, s);
+    for (size_t b = 0; b < shapes.size(); ++b) {
+      SCOPED_TRACE("block " + std::to_string(b));
+      EXPECT_TRUE(same_bits("param", download(gpu_blocks[b].param), p[b]));
+      std::vector<float> want_m = m[b], want_v = v[b];
+      if (moments == DType::bf16)
+        for (size_t i = 0; i < want_m.size(); ++i) want_m[i] = f32_from_bf16(mb[b][i]), want_v[i] = f32_from_bf16(vb[b][i]);
+      EXPECT_TRUE(same_bits("m", download(gpu_blocks[b].m), want_m));
+      EXPECT_TRUE(same_bits("v", download(gpu_blocks[b].v), want_v));
+      EXPECT_TRUE(same_codes("q", download_codes(gpu_blocks[b].fp8.q), q[b]));
+      EXPECT_TRUE(same_bits("scale", download(gpu_blocks[b].fp8.scale), sc[b]));
+      EXPECT_TRUE(same_codes("qt", download_codes(gpu_blocks[b].fp8.qt), qt[b]));
+      EXPECT_TRUE(same_bits("scale_t", download(gpu_blocks[b].fp8.scale_t), sct[b]));
+    }
+  }
+}
+
 TEST(CudaFp8GroupedGemm, DISABLED_TimeBenchmarkShapes) {
   MT_SKIP_WITHOUT_GPU();
   const int64_t e = 128, r = 8192 * 8, d = 2048, inter = 768;

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/elementwise.h"
+#include "kernels/fp8_quant.h"
 
 namespace mt::cpu {
 
@@ -65,6 +66,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const AdamWStep& s)
     // Qualified: unqualified, lookup by argument type also finds the mt:: dispatcher.
     cpu::adamw_step(b.param, b.grad, b.m, b.v, block_step, b.key);
     if (b.compute.data != nullptr) cpu::cast(b.param, b.compute);
+    if (b.fp8.q.data != nullptr) cpu::quantize_blocks(b.param, b.fp8.q, b.fp8.scale, b.fp8.pow2, b.fp8.qt, b.fp8.scale_t);
   }
 }
 

@@ -1,12 +1,16 @@
 // Multi-tensor AdamW on the GPU: the list of parameter blocks travels in the kernel's
 // parameters and each thread block updates one chunk of one tensor: one launch per
-// kTableSize blocks.
+// kTableSize blocks. Blocks that carry FP8 codes go through adamw_fp8_kernel, which
+// updates them tile by tile and quantizes each tile as it goes.
 
 #include <algorithm>
 #include <cmath>
 
+#include <cuda_fp8.h>
+
 #include "kernels/adamw.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/fp8_quant.h"
 #include "kernels/cuda/runtime.h"
 
 namespace mt::cuda {
@@ -74,6 +78,31 @@ __device__ __forceinline__ void store4(void* base, int64_t j, const Moments4& r,
   }
 }
 
+// One element where four at a time do not fit (tails, unaligned pieces); out: its new value.
+__device__ __forceinline__ void update_one(const AdamWTable& t, float decay, float* p, const float* g, void* m,
+                                           void* v, uint64_t key, int64_t j, float& out) {
+  const bool bf16 = t.bf16_moments;
+  float pj = p[j], mj, vj;
+  if (bf16) {
+    mj = __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(m)[j]) << 16);
+    vj = __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(v)[j]) << 16);
+  } else {
+    mj = static_cast<const float*>(m)[j];
+    vj = static_cast<const float*>(v)[j];
+  }
+  adamw_element(t, decay, g[j], pj, mj, vj);
+  p[j] = pj;
+  if (bf16) {
+    const uint64_t noise = adamw_noise(key + static_cast<uint64_t>(j), t.step);
+    static_cast<uint16_t*>(m)[j] = bf16_stochastic(__float_as_uint(mj), noise);
+    static_cast<uint16_t*>(v)[j] = bf16_stochastic(__float_as_uint(vj), noise >> 16);
+  } else {
+    static_cast<float*>(m)[j] = mj;
+    static_cast<float*>(v)[j] = vj;
+  }
+  out = pj;
+}
+
 // The step is bound by memory traffic (6 to 8 streams of 2 or 4 bytes a parameter), so
 // aligned chunks move four elements per load and store; the tail and unaligned pieces
 // (shards of a sharded optimizer start anywhere) go one by one.
@@ -115,25 +144,135 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
     i = vec_end;
   }
   for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x) {
-    float pj = p[j], mj, vj;
-    if (bf16) {
-      mj = __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(m)[j]) << 16);
-      vj = __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(v)[j]) << 16);
-    } else {
-      mj = static_cast<const float*>(m)[j];
-      vj = static_cast<const float*>(v)[j];
-    }
-    adamw_element(t, decay, g[j], pj, mj, vj);
-    p[j] = pj;
-    if (bf16) {
-      const uint64_t noise = adamw_noise(key + static_cast<uint64_t>(j), t.step);
-      static_cast<uint16_t*>(m)[j] = bf16_stochastic(__float_as_uint(mj), noise);
-      static_cast<uint16_t*>(v)[j] = bf16_stochastic(__float_as_uint(vj), noise >> 16);
-    } else {
-      static_cast<float*>(m)[j] = mj;
-      static_cast<float*>(v)[j] = vj;
-    }
+    float pj;
+    update_one(t, decay, p, g, m, v, key, j, pj);
     if (c != nullptr) c[j] = __float2bfloat16_rn(pj);
+  }
+}
+
+// Blocks with FP8 codes (AdamWBlock::fp8): one thread block a 128x128 tile of a
+// [E, N, K] matrix (fp8::kTile), which is also the tile of its block scale: warp w updates
+// rows 16w..16w+15, lane l columns 4l..4l+3 of each (float4 where K allows), keeping only
+// the running amax; after the block's barrier each thread reads back the values it wrote
+// (from L1/L2) and writes their codes (4 at a time) and the transposed ones (through
+// shared memory), as quantize_blocks does. (Holding the 64 values across the barrier
+// instead spilled and took twice the time of a separate pass.)
+constexpr int kQTile = 128, kQWarps = kThreads / 32, kQRows = kQTile / kQWarps;
+
+struct Fp8Table {
+  uint8_t* q[kTableSize];
+  float* scale[kTableSize];
+  uint8_t* qt[kTableSize];  // or null
+  float* scale_t[kTableSize];
+  int64_t experts[kTableSize], rows[kTableSize], cols[kTableSize];
+  bool pow2[kTableSize];
+  int64_t first_tile[kTableSize + 1];
+};
+
+__global__ void __launch_bounds__(kThreads) adamw_fp8_kernel(AdamWTable t, Fp8Table f) {
+  __shared__ float smax[kQWarps];
+  __shared__ __align__(16) uint8_t sq[kQTile][kQTile + 16];
+  const int lo = tensor_of_chunk(f.first_tile, t.count, blockIdx.x);
+  const int64_t n = f.rows[lo], k = f.cols[lo], tn = (n + kQTile - 1) / kQTile, tk = (k + kQTile - 1) / kQTile;
+  const int64_t tile = blockIdx.x - f.first_tile[lo], e = tile / (tn * tk), by = tile % (tn * tk) / tk,
+                bx = tile % tk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t base = e * n * k, r0 = by * kQTile, c0 = bx * kQTile;
+  float* p = t.p[lo];
+  const float* g = t.g[lo];
+  void* m = t.m[lo];
+  void* v = t.v[lo];
+  const float decay = t.decay[lo];
+  const uint64_t key = t.key[lo];
+  const bool bf16 = t.bf16_moments;
+  const auto addr = [](const void* x) { return reinterpret_cast<uintptr_t>(x); };
+  const bool vector = k % 4 == 0 && ((addr(p) | addr(g)) % 16 == 0) && ((addr(m) | addr(v)) % (bf16 ? 8 : 16) == 0);
+  float amax = 0.0f;
+  for (int i = 0; i < kQRows; ++i) {
+    const int64_t r = r0 + warp * kQRows + i, c = c0 + 4 * lane, j = base + r * k + c;
+    if (vector && r < n && c + 4 <= k) {
+      const float4 gj = *reinterpret_cast<const float4*>(g + j);
+      float4 pj = *reinterpret_cast<float4*>(p + j);
+      Moments4 mj = load4(m, j, bf16), vj = load4(v, j, bf16);
+      adamw_element(t, decay, gj.x, pj.x, mj.x[0], vj.x[0]);
+      adamw_element(t, decay, gj.y, pj.y, mj.x[1], vj.x[1]);
+      adamw_element(t, decay, gj.z, pj.z, mj.x[2], vj.x[2]);
+      adamw_element(t, decay, gj.w, pj.w, mj.x[3], vj.x[3]);
+      *reinterpret_cast<float4*>(p + j) = pj;
+      uint64_t noise[4] = {0, 0, 0, 0};
+      if (bf16)
+        for (int q = 0; q < 4; ++q) noise[q] = adamw_noise(key + static_cast<uint64_t>(j + q), t.step);
+      store4(m, j, mj, bf16, noise, 0);
+      store4(v, j, vj, bf16, noise, 16);
+      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(pj.x), fabsf(pj.y)), fmaxf(fabsf(pj.z), fabsf(pj.w))));
+    } else {
+      for (int q = 0; q < 4; ++q) {
+        float w = 0.0f;
+        if (r < n && c + q < k) update_one(t, decay, p, g, m, v, key, j + q, w);
+        amax = fmaxf(amax, fabsf(w));
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (lane == 0) smax[warp] = amax;
+  __syncthreads();
+  amax = 0.0f;
+  for (int i = 0; i < kQWarps; ++i) amax = fmaxf(amax, smax[i]);
+  const bool pow2 = f.pow2[lo];
+  const float s = fp8::tile_scale(amax, pow2);
+  // Block scales [E, tn, ld] (padding zeroed by each row's last block) and, transposed,
+  // [E, tk, ldt].
+  const int64_t ld = fp8::block_scale_cols(k), ldt = fp8::block_scale_cols(n);
+  float* scale = f.scale[lo] + e * tn * ld;
+  if (threadIdx.x == 0) scale[by * ld + bx] = s;
+  if (bx == tk - 1 && threadIdx.x < ld - tk) scale[by * ld + tk + threadIdx.x] = 0.0f;
+  uint8_t* q = f.q[lo] + base;
+  uint8_t* qt = f.qt[lo];
+  const float* pt = p + base;
+  for (int i = 0; i < kQRows; ++i) {
+    const int rl = warp * kQRows + i;
+    const int64_t r = r0 + rl, c = c0 + 4 * lane;
+    float w[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (vector && r < n && c + 4 <= k) {
+      const float4 x = *reinterpret_cast<const float4*>(pt + r * k + c);
+      w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+    } else {
+      for (int j = 0; j < 4; ++j)
+        if (r < n && c + j < k) w[j] = pt[r * k + c + j];
+    }
+    uint8_t code[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) code[j] = __nv_cvt_float_to_fp8(fp8::scaled(w[j], s, pow2), __NV_SATFINITE, __NV_E4M3);
+    if (qt != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sq[4 * lane + j][rl] = code[j];
+    }
+    if (r >= n) continue;
+    if (k % 4 == 0 && addr(q) % 4 == 0 && c + 4 <= k) {
+      uint32_t word;
+      memcpy(&word, code, 4);
+      *reinterpret_cast<uint32_t*>(q + r * k + c) = word;
+    } else {
+      for (int j = 0; j < 4 && c + j < k; ++j) q[r * k + c + j] = code[j];
+    }
+  }
+  if (qt == nullptr) return;
+  float* scale_t = f.scale_t[lo] + e * tk * ldt;
+  if (threadIdx.x == 0) scale_t[bx * ldt + by] = s;
+  if (by == tn - 1 && threadIdx.x < ldt - tn) scale_t[bx * ldt + tn + threadIdx.x] = 0.0f;
+  __syncthreads();
+  qt += base;
+  const int64_t rows = min(n - r0, int64_t{kQTile}), cols = min(k - c0, int64_t{kQTile});
+  const bool qt_vector = n % 16 == 0 && addr(qt) % 16 == 0;
+  for (int idx = threadIdx.x; idx < kQTile * kQTile / 16; idx += kThreads) {
+    const int cl = idx / (kQTile / 16), rl = idx % (kQTile / 16) * 16;
+    if (cl >= cols || rl >= rows) continue;
+    uint8_t* dst = qt + (c0 + cl) * n + r0 + rl;
+    if (qt_vector && rl + 16 <= rows)
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sq[cl][rl]);
+    else
+      for (int b = 0; b < 16 && rl + b < rows; ++b) dst[b] = sq[cl][rl + b];
   }
 }
 
@@ -173,11 +312,48 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
   t.step = static_cast<uint64_t>(s.step);
   // Without decay the factor is exactly 1, as the CPU's 1 - lr * 0 rounds.
   const float with_decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
-  for (size_t first = 0; first < blocks.size(); first += kTableSize) {
-    t.count = static_cast<int>(std::min<size_t>(kTableSize, blocks.size() - first));
+  std::vector<const AdamWBlock*> plain, quantized;
+  for (const AdamWBlock& b : blocks) (b.fp8.q.data != nullptr ? quantized : plain).push_back(&b);
+  for (size_t first = 0; first < quantized.size(); first += kTableSize) {
+    t.count = static_cast<int>(std::min<size_t>(kTableSize, quantized.size() - first));
+    Fp8Table f{};
+    int64_t tiles = 0;
+    for (int j = 0; j < t.count; ++j) {
+      const AdamWBlock& b = *quantized[first + j];
+      const Shape& sh = b.param.shape;
+      MT_CHECK((sh.n == 2 || sh.n == 3) && b.compute.data == nullptr)
+          << "adamw with FP8 codes wants a [N, K] or [E, N, K] param without a bf16 copy, got " << b.param.str();
+      f.experts[j] = sh.n == 3 ? sh.d[0] : 1;
+      f.rows[j] = sh.d[sh.n - 2];
+      f.cols[j] = sh.d[sh.n - 1];
+      const Shape per = sh.n == 3 ? Shape{f.experts[j], f.rows[j], f.cols[j]} : Shape{f.rows[j], f.cols[j]};
+      check_arg(b.fp8.q, "adamw fp8 q", {DType::f8e4m3}, per);
+      f.q[j] = static_cast<uint8_t*>(b.fp8.q.data);
+      f.scale[j] = b.fp8.scale.f32();
+      f.qt[j] = static_cast<uint8_t*>(b.fp8.qt.data);
+      f.scale_t[j] = b.fp8.qt.data != nullptr ? b.fp8.scale_t.f32() : nullptr;
+      f.pow2[j] = b.fp8.pow2;
+      t.p[j] = b.param.f32();
+      t.g[j] = b.grad.f32();
+      t.m[j] = b.m.data;
+      t.v[j] = b.v.data;
+      t.key[j] = b.key;
+      t.c[j] = nullptr;
+      t.n[j] = b.param.numel();
+      t.decay[j] = b.decay ? with_decay : 1.0f;
+      f.first_tile[j] = tiles;
+      tiles += f.experts[j] * fp8::tiles(f.rows[j]) * fp8::tiles(f.cols[j]);
+    }
+    f.first_tile[t.count] = tiles;
+    if (tiles == 0) continue;
+    adamw_fp8_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream()>>>(t, f);
+    CUDA_CHECK_LAUNCH();
+  }
+  for (size_t first = 0; first < plain.size(); first += kTableSize) {
+    t.count = static_cast<int>(std::min<size_t>(kTableSize, plain.size() - first));
     int64_t chunks = 0;
     for (int j = 0; j < t.count; ++j) {
-      const AdamWBlock& b = blocks[first + j];
+      const AdamWBlock& b = *plain[first + j];
       t.p[j] = b.param.f32();
       t.g[j] = b.grad.f32();
       t.m[j] = b.m.data;
