@@ -64,11 +64,6 @@ namespace mt::cpu {
 
 // x f32 or bf16 [M, K] -> q f8e4m3 [M, K], scale f32 [ceil(K/128), M] (1x128 tiles).
 void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2);
-// The same, plus x^T in 1x128 tiles along M (128x1 tiles of x, for the weight
-// gradient): qt f8e4m3 [K, M], scale_t f32 [ceil(M/128), K]. q and scale may both be
-// empty: then only x^T's codes are written (what the weight gradient reads).
-void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
-                               const Tensor& scale_t, bool pow2);
 // w f32 or bf16 [N, K] -> q f8e4m3 [N, K], scale f32 [ceil(N/128), block_scale_cols(K)].
 // A 3-D w [E, N, K] (a layer's experts) is E such matrices: q [E, N, K], scale
 // [E, ceil(N/128), block_scale_cols(K)]. With qt and scale_t (both or neither) also w's
@@ -83,8 +78,8 @@ void dequantize_blocks(const Tensor& q, const Tensor& scale, const Tensor& x);
 
 // The FP8 product: c [M, N] = alpha a b^T + beta c, a f8e4m3 [M, K] with 1x128 scales
 // (quantize_rows), b f8e4m3 [N, K] with 128x128 scales (quantize_blocks: a weight) when
-// b_blocks, else with 1x128 scales (the weight gradient, whose two operands are token-
-// major: quantize_rows_and_columns' qt). The CPU computes it in f32 from the dequantized
+// b_blocks, else with 1x128 scales (two token-major operands; a weight gradient's, unused
+// since those run in bf16, models/linear.h). The CPU computes it in f32 from the dequantized
 // values (c f32), which is what the GPU's products compute up to the order of the sums.
 void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
               const Tensor& c, float alpha = 1.0f, float beta = 0.0f);
@@ -107,8 +102,6 @@ namespace mt::cuda {
 // (staged through shared memory), or for weights the one block scale (and with qt the
 // block's transposed codes; a 3-D w is one launch over every expert's blocks).
 void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2);
-void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
-                               const Tensor& scale_t, bool pow2);
 void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt = {},
                      const Tensor& scale_t = {});
 // cuBLASLt's block-scaled FP8 product (VEC128_32F for a, BLK128x128_32F or VEC128_32F
@@ -133,14 +126,6 @@ inline void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale,
   if (q.device == Device::cuda) return cuda::quantize_rows(x, q, scale, pow2);
 #endif
   return cpu::quantize_rows(x, q, scale, pow2);
-}
-
-inline void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
-                                      const Tensor& scale_t, bool pow2) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (qt.device == Device::cuda) return cuda::quantize_rows_and_columns(x, q, scale, qt, scale_t, pow2);
-#endif
-  return cpu::quantize_rows_and_columns(x, q, scale, qt, scale_t, pow2);
 }
 
 inline void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt = {},

@@ -26,14 +26,6 @@ Rows quantized_rows(const Tensor& x, bool pow2) {
   return r;
 }
 
-// x^T [K, M] in 1x128 tiles along M (the tokens): the weight gradient's operands.
-Rows quantized_columns(const Tensor& x, bool pow2) {
-  const int64_t m = x.dim(0), k = x.dim(1);
-  Rows cols{make_buffer(x.device, DType::f8e4m3, {k, m}), make_buffer(x.device, DType::f32, {fp8::tiles(m), k})};
-  quantize_rows_and_columns(x, Tensor(), Tensor(), cols.q.t, cols.scale.t, pow2);
-  return cols;
-}
-
 const Fp8Copy& cache(const Param& w) {
   MT_CHECK(w.fp8.q.data != nullptr) << w.name << " has no FP8 copy: training.fp8 = blockwise quantizes only the "
                                     << "weights of linear layers";
@@ -64,15 +56,7 @@ void Linear::backward_input(const Tensor& dy, const Param& w, const Tensor& dx, 
 }
 
 void Linear::backward_weight(const Tensor& x, std::initializer_list<Grad> grads) const {
-  if (!fp8()) {
-    for (const Grad& g : grads) gemm(g.dy, x, g.w.grad, true, false, 1.0f, grad_beta(g.w));
-    return;
-  }
-  const Rows xt = quantized_columns(x, pow2_);
-  for (const Grad& g : grads) {
-    const Rows dyt = quantized_columns(g.dy, pow2_);
-    gemm_fp8(dyt.q.t, dyt.scale.t, xt.q.t, xt.scale.t, false, g.w.grad, 1.0f, grad_beta(g.w));
-  }
+  for (const Grad& g : grads) gemm(g.dy, x, g.w.grad, true, false, 1.0f, grad_beta(g.w));  // bf16 in either mode
 }
 
 void Linear::grouped_forward(const Tensor& x, const Param& w, const Tensor& bias, const Tensor& offsets,

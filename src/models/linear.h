@@ -6,17 +6,16 @@
 // blockwise: DeepSeek-V3's recipe, kernels/fp8_quant.h: e4m3 codes with one f32 scale
 // per tile. The forward quantizes its input x in 1x128 tiles along the reduction once
 // per call, shared by every weight that reads it (q, k and v); the input gradient
-// quantizes dy the same way; the weight gradient quantizes x^T and dy^T in 1x128 tiles
-// along the tokens. The experts' weight gradients stay in bf16: reducing over an
-// expert's few hundred tokens, CUTLASS's blockwise FP8 grouped product ran no faster
-// than the bf16 one (H200: 441 against 468 TFLOPS), so quantizing x^T and dy^T per
-// segment only added time (+15.5 ms a step on the 8-layer benchmark; bench/NOTES.md
-// v11; the kernels are in git, 0a2094f). Weights come quantized from their
-// Param::fp8 cache in both layouts (128x128 blocks), quantized from the f32 master after
-// every update (such a weight has no bf16 copy). Products accumulate in f32. The quantized
-// activations are temporaries of the call (the stream-ordered pool on the GPU); the
-// stash keeps the bf16 ones, so W quantizes its operands again rather than keeping FP8
-// copies alive from F and B.
+// quantizes dy the same way. The weight gradients stay in bf16, measured on the 8-layer
+// benchmark (bench/NOTES.md v11, v12): reducing over an expert's few hundred tokens,
+// CUTLASS's blockwise FP8 grouped product ran no faster than the bf16 one (H200: 441
+// against 468 TFLOPS), so quantizing x^T and dy^T per segment only added time (+15.5 ms
+// a step); the dense products gained less than quantizing x^T and dy^T cost (3.7 ms a
+// step in bf16 against 7.0 in FP8; fp8 rows +2.6%). Both are in git (0a2094f, 0bc24e0).
+// Weights come quantized from their Param::fp8 cache in both layouts (128x128 blocks),
+// written by the optimizer's AdamW pass from the f32 master after every update (such a
+// weight has no bf16 copy). Products accumulate in f32. The quantized activations are
+// temporaries of the call (the stream-ordered pool on the GPU).
 #pragma once
 
 #include <initializer_list>
@@ -53,8 +52,7 @@ class Linear {
   void backward_weight(const Tensor& x, std::initializer_list<Grad> grads) const;
 
   // The experts' grouped products (kernels/grouped_gemm.h): rows offsets[e] ..
-  // offsets[e+1] of x against w [E, O, K]. A bias (none with fp8) rides as there; the
-  // weight gradient is bf16 either way (above).
+  // offsets[e+1] of x against w [E, O, K]. A bias (none with fp8) rides as there.
   void grouped_forward(const Tensor& x, const Param& w, const Tensor& bias, const Tensor& offsets,
                        const Tensor& y) const;
   void grouped_backward_input(const Tensor& dy, const Param& w, const Tensor& offsets, const Tensor& dx) const;

@@ -55,41 +55,26 @@ struct Shape2 {
 };
 const Shape2 kShapes[] = {{4096, 2048}, {300, 384}, {1, 128}, {130, 200}, {257, 1}};
 
-TEST(CudaFp8Quant, RowsAndColumnsEqualCpu) {
+TEST(CudaFp8Quant, RowsEqualCpu) {
   MT_SKIP_WITHOUT_GPU();
   uint64_t seed = 5000;
   for (Shape2 c : kShapes)
     for (DType dtype : {DType::bf16, DType::f32})
       for (bool pow2 : {true, false}) {
         SCOPED_TRACE(testing::Message() << "M=" << c.m << " K=" << c.k << " " << dtype_name(dtype) << " pow2=" << pow2);
-        const int64_t m = c.m, k = c.k, tk = fp8::tiles(k), tm = fp8::tiles(m);
+        const int64_t m = c.m, k = c.k, tk = fp8::tiles(k);
         auto x = wide_floats(m * k, ++seed);
         if (dtype == DType::bf16) x = round_bf16(x);
-        std::vector<uint8_t> q(m * k), qt(m * k);
-        std::vector<float> s(tk * m), st(tm * k);
+        std::vector<uint8_t> q(m * k);
+        std::vector<float> s(tk * m);
         // The CPU reads f32; the bf16 values are exactly those the GPU reads.
-        cpu::quantize_rows_and_columns(host(x, {m, k}), Tensor(q.data(), {m, k}, DType::f8e4m3), host(s, {tk, m}),
-                                       Tensor(qt.data(), {k, m}, DType::f8e4m3), host(st, {tm, k}), pow2);
+        cpu::quantize_rows(host(x, {m, k}), Tensor(q.data(), {m, k}, DType::f8e4m3), host(s, {tk, m}), pow2);
         auto d_x = upload(x, dtype, {m, k});
-        auto d_q = poisoned(DType::f8e4m3, {m, k}), d_qt = poisoned(DType::f8e4m3, {k, m});
-        auto d_s = poisoned(DType::f32, {tk, m}), d_st = poisoned(DType::f32, {tm, k});
-        cuda::quantize_rows_and_columns(d_x.t, d_q.t, d_s.t, d_qt.t, d_st.t, pow2);
+        auto d_q = poisoned(DType::f8e4m3, {m, k});
+        auto d_s = poisoned(DType::f32, {tk, m});
+        cuda::quantize_rows(d_x.t, d_q.t, d_s.t, pow2);
         EXPECT_TRUE(same_codes("q", download_codes(d_q.t), q));
         EXPECT_TRUE(same_bits("scale", download(d_s.t), s));
-        EXPECT_TRUE(same_codes("qt", download_codes(d_qt.t), qt));
-        EXPECT_TRUE(same_bits("scale_t", download(d_st.t), st));
-        // Rows alone: the same bytes.
-        auto d_q1 = poisoned(DType::f8e4m3, {m, k});
-        auto d_s1 = poisoned(DType::f32, {tk, m});
-        cuda::quantize_rows(d_x.t, d_q1.t, d_s1.t, pow2);
-        EXPECT_TRUE(same_codes("q (rows only)", download_codes(d_q1.t), q));
-        EXPECT_TRUE(same_bits("scale (rows only)", download(d_s1.t), s));
-        // Columns alone: the same bytes.
-        auto d_qt1 = poisoned(DType::f8e4m3, {k, m});
-        auto d_st1 = poisoned(DType::f32, {tm, k});
-        cuda::quantize_rows_and_columns(d_x.t, Tensor(), Tensor(), d_qt1.t, d_st1.t, pow2);
-        EXPECT_TRUE(same_codes("qt (columns only)", download_codes(d_qt1.t), qt));
-        EXPECT_TRUE(same_bits("scale_t (columns only)", download(d_st1.t), st));
       }
 }
 
@@ -320,18 +305,17 @@ TEST(CudaFp8Gemm, DISABLED_TimeBenchmarkShapes) {
     const int64_t m = sh.m, n = sh.n, k = sh.k;
     auto a = random_device(DType::bf16, {m, k}, 1), b = random_device(DType::bf16, {n, k}, 2);
     auto c = random_device(DType::bf16, {m, n}, 3);
-    auto qa = poisoned(DType::f8e4m3, {m, k}), qb = poisoned(DType::f8e4m3, {n, k}), qt = poisoned(DType::f8e4m3, {k, m});
-    auto sa = poisoned(DType::f32, {fp8::tiles(k), m}), st = poisoned(DType::f32, {fp8::tiles(m), k});
+    auto qa = poisoned(DType::f8e4m3, {m, k}), qb = poisoned(DType::f8e4m3, {n, k});
+    auto sa = poisoned(DType::f32, {fp8::tiles(k), m});
     auto sb = poisoned(DType::f32, {fp8::tiles(n), fp8::block_scale_cols(k)});
     cuda::quantize_blocks(b.t, qb.t, sb.t, true);
     const double flops = 2.0 * m * n * k;
     const double bf16 = median_ms(20, [&] { cuda::gemm(a.t, b.t, c.t, false, true); });
     const double f8 = median_ms(20, [&] { cuda::gemm_fp8(qa.t, sa.t, qb.t, sb.t, true, c.t); });
     const double q1 = median_ms(20, [&] { cuda::quantize_rows(a.t, qa.t, sa.t, true); });
-    const double q2 = median_ms(20, [&] { cuda::quantize_rows_and_columns(a.t, qa.t, sa.t, qt.t, st.t, true); });
-    std::printf("M %lld N %lld K %lld: bf16 %.0f TFLOPS, fp8 %.0f TFLOPS; quantize rows %.0f GB/s, rows+columns %.0f GB/s\n",
+    std::printf("M %lld N %lld K %lld: bf16 %.0f TFLOPS, fp8 %.0f TFLOPS; quantize rows %.0f GB/s\n",
                 static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k), flops / bf16 / 1e9,
-                flops / f8 / 1e9, 3.0 * m * k / q1 / 1e6, 4.0 * m * k / q2 / 1e6);
+                flops / f8 / 1e9, 3.0 * m * k / q1 / 1e6);
   }
 }
 

@@ -63,18 +63,6 @@ void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool p
   quantize_view(src, {m, k, 1, fp8::kTile, k, 1, k, 1, 1, m}, codes(q, "quantize_rows q", {m, k}), scale.f32(), pow2);
 }
 
-void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
-                               const Tensor& scale_t, bool pow2) {
-  MT_CHECK((q.data == nullptr) == (scale.data == nullptr)) << "quantize_rows_and_columns: q and scale go together";
-  if (q.data != nullptr) cpu::quantize_rows(x, q, scale, pow2);
-  check_input(x, "quantize_rows_and_columns x");
-  const int64_t m = x.dim(0), k = x.dim(1);
-  check_tensor(scale_t, "quantize_rows_and_columns scale_t", DType::f32, {fp8::tiles(m), k});
-  // x^T [K, M]: element (k, m) is x[m*K + k]; its codes qt[k*M + m], its scales [M/128, K].
-  quantize_view(Src{x.data, x.dtype == DType::bf16}, {k, m, 1, fp8::kTile, 1, k, m, 1, 1, k},
-                codes(qt, "quantize_rows_and_columns qt", {k, m}), scale_t.f32(), pow2);
-}
-
 void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt,
                      const Tensor& scale_t) {
   MT_CHECK((w.ndim() == 2 || w.ndim() == 3) && (w.dtype == DType::f32 || w.dtype == DType::bf16))

@@ -1,7 +1,7 @@
-// Blockwise FP8 quantization on the GPU: a kernel each for 1x128 rows, rows plus the
-// transposed 1x128 columns, and 128x128 weight blocks (of one matrix or a layer's
-// experts, optionally with their transposed copy). Scales come from the header's tile_scale()/scaled(), the codes from the
-// hardware's satfinite conversion, so the bytes equal the CPU backend's
+// Blockwise FP8 quantization on the GPU: a kernel each for 1x128 rows and 128x128 weight
+// blocks (of one matrix or a layer's experts, optionally with their transposed copy).
+// Scales come from the header's tile_scale()/scaled(), the codes from the hardware's
+// satfinite conversion, so the bytes equal the CPU backend's
 // (tests/gpu/test_cuda_fp8.cpp).
 #include <cuda_fp8.h>
 
@@ -15,22 +15,20 @@ namespace {
 
 constexpr int kTile = static_cast<int>(fp8::kTile);
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
-constexpr int kRowsPerWarp = kTile / kWarps, kColsPerLane = kTile / 32;
+constexpr int kRowsPerWarp = kTile / kWarps;
 
-// One quantization's arguments: rows_and_columns_kernel's (1x128 row tiles and x^T's 1x128
-// tiles, 128x1 of x) and blocks_kernel's (128x128 blocks); quantize_rows has a kernel
-// of its own, rows_kernel.
+// One quantization's arguments: quantize_rows' (rows_kernel) and blocks_kernel's
+// (128x128 blocks).
 struct Job {
   In x;
   int64_t m, k;  // x [m, k]; with blocks, blockIdx.z picks one of the experts' matrices
   bool pow2;
-  uint8_t* q;    // [m, k], or null (rows_and_columns: x^T's codes alone)
+  uint8_t* q;    // [m, k]
   float* scale;  // rows: [tiles(k), m]; blocks: [tiles(m), ld]
   int64_t ld;
-  uint8_t* qt;     // [k, ldq], or null
-  float* scale_t;  // columns: [tiles(m) or T, k]; blocks: [tiles(k), ldt]
-  int64_t ldq, ldt;
-  bool qt_words;  // qt rows may be written 4 bytes at a time (ldq % 4 == 0, qt aligned)
+  uint8_t* qt;     // blocks: [k, m], or null
+  float* scale_t;  // blocks: [tiles(k), ldt]
+  int64_t ldt;
   int64_t expert_elements, expert_scales, expert_scales_t;  // blocks: one expert's strides
 };
 
@@ -41,86 +39,6 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
-}
-
-// Block (bx, by) owns columns [128 bx, +128) of rows [128 by, +128) of x [M, K]: warp w
-// its rows 16w..16w+15, lane l the columns l + 32j (coalesced loads); elements outside x
-// read as 0, which leaves every amax unchanged and makes their codes 0.
-__global__ void __launch_bounds__(kThreads) rows_and_columns_kernel(Job p) {
-  __shared__ float smax[kWarps][kTile];
-  __shared__ float sscale[kTile];
-  __shared__ __align__(16) uint8_t sq[kTile][kTile + 4];  // +4: no bank conflicts
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-  // The tile's rows of x, and where its transposed codes and column scales go.
-  const int64_t row0 = blockIdx.y * int64_t{kTile}, row_end = p.m;
-  const int64_t t_col0 = row0, t_cols = min(p.m - row0, int64_t{kTile});  // qt columns
-  In x = p.x;
-  uint8_t *q = p.q, *qt = p.qt;
-  float *scale = p.scale, *scale_t = p.scale_t;
-
-  // Element (i, j) of this thread's part; the codes that need a whole tile's amax read
-  // it again (from L2) rather than hold 64 values across the block's barriers, which
-  // would leave room for two blocks a multiprocessor.
-  const int64_t r0 = row0 + warp * kRowsPerWarp, c0 = blockIdx.x * int64_t{kTile} + lane;
-  auto at = [&](int i, int j) {
-    const int64_t r = r0 + i, c = c0 + 32 * j;
-    return r < row_end && c < p.k ? x[r * p.k + c] : 0.0f;
-  };
-  float cmax[kColsPerLane] = {};
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int64_t r = r0 + i;
-    float v[kColsPerLane], rmax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kColsPerLane; ++j) {
-      v[j] = at(i, j);
-      rmax = fmaxf(rmax, fabsf(v[j]));
-      cmax[j] = fmaxf(cmax[j], fabsf(v[j]));
-    }
-    {
-      rmax = warp_max(rmax);
-      if (q != nullptr && r < p.m) {
-        const float s = fp8::tile_scale(rmax, p.pow2);
-        if (lane == 0) scale[blockIdx.x * p.m + r] = s;
-#pragma unroll
-        for (int j = 0; j < kColsPerLane; ++j)
-          if (c0 + 32 * j < p.k) q[r * p.k + c0 + 32 * j] = e4m3(fp8::scaled(v[j], s, p.pow2));
-      }
-    }
-  }
-  {
-    // Column amax over the 8 warps, then the codes of x^T staged as [column][row].
-#pragma unroll
-    for (int j = 0; j < kColsPerLane; ++j) smax[warp][lane + 32 * j] = cmax[j];
-    __syncthreads();
-    if (threadIdx.x < kTile) {
-      float amax = 0.0f;
-      for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, smax[w][threadIdx.x]);
-      sscale[threadIdx.x] = fp8::tile_scale(amax, p.pow2);
-      const int64_t c = blockIdx.x * int64_t{kTile} + threadIdx.x;
-      if (c < p.k) scale_t[blockIdx.y * p.k + c] = sscale[threadIdx.x];
-    }
-    __syncthreads();
-#pragma unroll 4
-    for (int i = 0; i < kRowsPerWarp; ++i)
-#pragma unroll
-      for (int j = 0; j < kColsPerLane; ++j)
-        sq[lane + 32 * j][warp * kRowsPerWarp + i] = e4m3(fp8::scaled(at(i, j), sscale[lane + 32 * j], p.pow2));
-  }
-  // Each row of qt's tile (a column of x's) goes out as 128 consecutive bytes, in
-  // 4-byte words where qt's layout allows.
-  __syncthreads();
-  const int64_t cols = min(p.k - blockIdx.x * int64_t{kTile}, int64_t{kTile});
-  for (int idx = threadIdx.x; idx < kTile * kTile / 4; idx += kThreads) {
-    const int c = idx / (kTile / 4), i = idx % (kTile / 4) * 4;
-    if (c >= cols) break;
-    uint8_t* dst = qt + (blockIdx.x * int64_t{kTile} + c) * p.ldq + t_col0 + i;
-    if (p.qt_words && i + 4 <= t_cols)
-      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&sq[c][i]);
-    else
-      for (int b = 0; b < 4 && i + b < t_cols; ++b) dst[b] = sq[c][i + b];
-  }
 }
 
 In check_input(const Tensor& x, const char* name) {
@@ -134,7 +52,6 @@ uint8_t* codes(const Tensor& q, const char* name, Shape shape) {
   return static_cast<uint8_t*>(q.data);
 }
 
-bool word_rows(const uint8_t* qt, int64_t ldq) { return ldq % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0; }
 
 // quantize_rows alone, at the bandwidth it needs: a half-warp a 1x128 tile, a lane 8
 // consecutive elements (one 16-byte load of bf16, two of f32; scalar where the row's
@@ -289,30 +206,6 @@ void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool p
   CUDA_CHECK_LAUNCH();
 }
 
-void quantize_rows_and_columns(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& qt,
-                               const Tensor& scale_t, bool pow2) {
-  Job p{};
-  p.x = check_input(x, "quantize_rows_and_columns x");
-  p.m = x.dim(0), p.k = x.dim(1), p.pow2 = pow2;
-  check_arg(scale_t, "quantize_rows_and_columns scale_t", {DType::f32}, {fp8::tiles(p.m), p.k});
-  MT_CHECK((q.data == nullptr) == (scale.data == nullptr)) << "quantize_rows_and_columns: q and scale go together";
-  if (q.data != nullptr) {  // else x^T's codes alone
-    check_arg(scale, "quantize_rows_and_columns scale", {DType::f32}, {fp8::tiles(p.k), p.m});
-    p.q = codes(q, "quantize_rows_and_columns q", {p.m, p.k});
-    p.scale = scale.f32();
-  }
-  p.qt = codes(qt, "quantize_rows_and_columns qt", {p.k, p.m});
-  p.scale_t = scale_t.f32();
-  p.ldq = p.m;
-  p.qt_words = word_rows(p.qt, p.ldq);
-  if (p.m * p.k == 0) return;
-  MT_CHECK(fp8::tiles(p.m) <= 65535 && fp8::tiles(p.k) <= INT_MAX)
-      << "quantize_rows_and_columns of [" << p.m << ", " << p.k << "]: more 128-row tiles than one launch takes (65535)";
-  const dim3 grid(static_cast<unsigned>(fp8::tiles(p.k)), static_cast<unsigned>(fp8::tiles(p.m)));
-  rows_and_columns_kernel<<<grid, kThreads, 0, stream()>>>(p);
-  CUDA_CHECK_LAUNCH();
-}
-
 void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt,
                      const Tensor& scale_t) {
   MT_CHECK(w.ndim() == 2 || w.ndim() == 3) << "quantize_blocks w should be [N, K] or [E, N, K], got " << w.str();
@@ -336,7 +229,7 @@ void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool
     check_arg(scale_t, "quantize_blocks scale_t", {DType::f32}, per_expert({fp8::tiles(k), ldt}));
     p.qt = codes(qt, "quantize_blocks qt", per_expert({k, n}));
     p.scale_t = scale_t.f32();
-    p.ldq = n, p.ldt = ldt;
+    p.ldt = ldt;
     p.expert_scales_t = fp8::tiles(k) * ldt;
   }
   if (n * k == 0 || experts == 0) return;
