@@ -109,7 +109,7 @@ void TensorBoardWriter::restart(int64_t step, double wall_time) {
   std::string e = event(step, wall_time), start;
   key(start, 1, 0);
   varint(start, 1);  // SessionLog.START
-  bytes(e, 6, start);
+  bytes(e, 7, start);
   record(e);
 }
 

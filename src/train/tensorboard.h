@@ -4,7 +4,7 @@
 // (little-endian) whose data is an Event message in protobuf's wire format:
 //   wall_time (double, 1), step (int64, 2), file_version (string, 3; the first record,
 //   "brain.Event:2"), summary (5: repeated Value {tag string 1, simple_value float 2}),
-//   session_log (6: {status 1}; START, at a resumed step, makes TensorBoard drop the
+//   session_log (7: {status 1}; START, at a resumed step, makes TensorBoard drop the
 //   events at and after that step that earlier files of the folder hold).
 // Those few fields are all the scalars dashboard reads.
 #pragma once
