@@ -126,7 +126,7 @@ def test_plot(binary):
         check(paths > 20, f"{svg}: {paths} paths")
     heatmaps = sum(1 for _ in ET.parse(os.path.join(dump, "plots", "expert_load.svg")).getroot().iter(
         "{http://www.w3.org/2000/svg}image"))
-    check(heatmaps == len(rows[0]["moe_layers"]) + 1, f"expert_load.svg: {heatmaps} images (a heatmap a layer, a colour bar)")
+    check(heatmaps == len(rows[0]["moe_layers"]) + 1, f"expert_load.svg: {heatmaps} images (one a layer, a colour bar)")
 
 
 if __name__ == "__main__":

@@ -599,12 +599,14 @@ TEST(Commands, TrainFromOverridesMatchesTransformers) {
 TEST(Commands, TrainOnATerminalRedrawsOneLine) {
   if (run("command -v script").first != 0) GTEST_SKIP() << "script (util-linux) not found";
   std::string dump = temp_dir("train_tty");
-  auto [rc, out] = run("script -qec '" + std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
-                       " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.steps=3" +
+  auto [rc, out] = run("script -qec '" + std::string(MOETRAIN_BIN) + " train --model.init=hf:" +
+                       fixture("qwen3_moe_b") + " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") +
+                       " --training.steps=3" +
                        " --job.dump_folder=" + dump + "' /dev/null");
   ASSERT_EQ(rc, 0) << out;
-  for (const char* want : {"\r[######              ] step 1/3  loss ", "\r[#############       ] step 2/3  loss ",
-                           "\r[####################] step 3/3  loss ", "\nsummary: 3 steps (1 to 3 of 3) in "})
+  for (const char* want : {"\r[######              ] step 1/3  eta ", "\r[#############       ] step 2/3  eta ",
+                           "\r[####################] step 3/3  eta 0:00:00  elapsed ",
+                           "\nsummary: 3 steps (1 to 3 of 3) in "})
     EXPECT_NE(out.find(want), std::string::npos) << want << " in\n" << out;
   EXPECT_EQ(out.find("\nstep "), std::string::npos) << out;
 }
@@ -624,6 +626,7 @@ TEST(Progress, StepLineAndSummary) {
             "step_time 0.250s  elapsed 1:02:05  eta 0:01:01");
   r.device_memory_bytes = static_cast<size_t>(5.5 * (1 << 30));  // measured, on a GPU, wins
   EXPECT_NE(step_line(r, 10, 0, 0).find("  memory 5.50 GiB  "), std::string::npos);
+  EXPECT_EQ(step_line(r, 10, 3725, 61, true).rfind("step 3/10  eta 0:01:01  elapsed 1:02:05  loss 2.3457  ", 0), 0u);
   // A run resumed at step 3 of 5: 100 and 300 tokens in half a second each.
   Progress p(3, 5, 1000, false, Progress::Clock::now());
   for (int64_t step : {4, 5}) {
@@ -635,10 +638,13 @@ TEST(Progress, StepLineAndSummary) {
   }
   const std::string s = p.summary("", "checkpoint.interval = 0");
   EXPECT_EQ(s.rfind("summary: 2 steps (4 to 5 of 5) in ", 0), 0u) << s;
-  EXPECT_TRUE(s.ends_with(" s, 400 tokens/s mean, final loss 0.7500\ncheckpoint: none written (checkpoint.interval = 0)\n"))
+  EXPECT_TRUE(s.ends_with(" s, 400 tokens/s mean, final loss 0.7500\n"
+                          "checkpoint: none written (checkpoint.interval = 0)\n"))
       << s;
-  EXPECT_TRUE(p.summary("runs/x/checkpoints/step-00000005", "").ends_with("\ncheckpoint: runs/x/checkpoints/step-00000005\n"));
-  EXPECT_EQ(Progress(5, 5, 1, false, Progress::Clock::now()).summary("c", "").rfind("summary: no steps run (the run was at step 5 of 5) in ", 0), 0u);
+  const std::string saved = p.summary("runs/x/checkpoints/step-00000005", "");
+  EXPECT_TRUE(saved.ends_with("\ncheckpoint: runs/x/checkpoints/step-00000005\n")) << saved;
+  const std::string none = Progress(5, 5, 1, false, Progress::Clock::now()).summary("c", "");
+  EXPECT_EQ(none.rfind("summary: no steps run (the run was at step 5 of 5) in ", 0), 0u) << none;
   EXPECT_EQ(clock_time(59.6), "0:01:00");
 }
 

@@ -84,9 +84,9 @@ void print_banner(const Config& c, const comm::DeviceMesh& mesh, const std::stri
               (c.data.corpus.empty() ? c.data.tokens : c.data.corpus).c_str(), static_cast<long long>(t.seq_len()),
               static_cast<long long>(t.global_batch()), static_cast<long long>(t.seq_len() * t.global_batch()),
               micro.c_str());
-  const std::string saves = c.checkpoint.interval > 0
-                                ? "checkpoints/ every " + std::to_string(c.checkpoint.interval) + " steps and at the end"
-                                : "no checkpoints: checkpoint.interval = 0";
+  const std::string every = std::to_string(c.checkpoint.interval);
+  const std::string saves = c.checkpoint.interval > 0 ? "checkpoints/ every " + every + " steps and at the end"
+                                                      : "no checkpoints: checkpoint.interval = 0";
   std::printf("  run folder: %s (metrics.jsonl%s, %s)\n", c.job.dump_folder.c_str(),
               c.metrics.tensorboard ? ", TensorBoard events in tb/" : "", saves.c_str());
 }
@@ -165,8 +165,9 @@ int run_train(const Args& args) {
   if (mesh.shape().pp > 1) mesh.pp().all_reduce(Tensor(counts.data(), {2}, DType::i64));
   if (writer) {
     print_banner(cfg, mesh, config_json, model->num_layers(), counts, trainer);
-    const std::string init = cfg.model.init == "random" ? "random weights (seed " + std::to_string(cfg.training.seed) + ")"
-                                                        : "weights from " + cfg.model.init.substr(3);
+    const std::string seed = std::to_string(cfg.training.seed);
+    const std::string init =
+        cfg.model.init == "random" ? "random weights (seed " + seed + ")" : "weights from " + cfg.model.init.substr(3);
     if (resume.empty()) std::printf("  start: fresh, %s\n", init.c_str());
     std::fflush(stdout);
   }

@@ -31,16 +31,23 @@ std::string clock_time(double seconds) {
   return format("%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
 }
 
-std::string step_line(const StepResult& r, int64_t total_steps, double elapsed, double eta) {
-  return format("step %lld/%lld  loss %.4f  lb_loss %.4f  grad_norm %.4f  lr %.3e  tokens/s %.0f  memory %s  "
-                "step_time %.3fs  elapsed %s  eta %s",
-                static_cast<long long>(r.step), static_cast<long long>(total_steps), r.loss, r.lb_loss, r.grad_norm,
-                r.lr, r.tokens_per_s, memory(r).c_str(), r.seconds, clock_time(elapsed).c_str(),
-                clock_time(eta).c_str());
+std::string step_line(const StepResult& r, int64_t total_steps, double elapsed, double eta, bool times_first) {
+  const std::string step =
+      format("step %lld/%lld  ", static_cast<long long>(r.step), static_cast<long long>(total_steps));
+  const std::string values =
+      format("loss %.4f  lb_loss %.4f  grad_norm %.4f  lr %.3e  tokens/s %.0f  memory %s  step_time %.3fs", r.loss,
+             r.lb_loss, r.grad_norm, r.lr, r.tokens_per_s, memory(r).c_str(), r.seconds);
+  const std::string e = clock_time(elapsed), left = clock_time(eta);
+  return times_first ? step + "eta " + left + "  elapsed " + e + "  " + values
+                     : step + values + "  elapsed " + e + "  eta " + left;
 }
 
 Progress::Progress(int64_t done, int64_t total, int64_t log_interval, bool tty, Clock::time_point started)
-    : first_(done), total_(total), log_interval_(log_interval), tty_(tty), started_(started),
+    : first_(done),
+      total_(total),
+      log_interval_(log_interval),
+      tty_(tty),
+      started_(started),
       loop_start_(Clock::now()) {
   struct winsize w {};
   if (tty_ && ioctl(STDOUT_FILENO, TIOCGWINSZ, &w) == 0) columns_ = w.ws_col;
@@ -55,12 +62,12 @@ void Progress::step(const StepResult& r) {
   const auto now = Clock::now();
   const double loop = std::chrono::duration<double>(now - loop_start_).count();
   const double eta = loop / static_cast<double>(steps_) * static_cast<double>(total_ - r.step);
-  const std::string line = step_line(r, total_, std::chrono::duration<double>(now - started_).count(), eta);
+  const std::string line = step_line(r, total_, std::chrono::duration<double>(now - started_).count(), eta, tty_);
   if (!tty_) {
     if (r.step % log_interval_ == 0 || r.step == total_) std::printf("%s\n", line.c_str());
   } else {
-    // [#####     ] step N/total ..., cut to the terminal's width so that \r returns to
-    // the start of this one line.
+    // [#####     ] step N/total  eta ..., cut to the terminal's width so that \r
+    // returns to the start of this one line (the times first, so they stay).
     const int width = 20, filled = static_cast<int>(width * r.step / std::max<int64_t>(total_, 1));
     std::string bar = "[";
     bar.append(static_cast<size_t>(filled), '#').append(static_cast<size_t>(width - filled), ' ').append("] ") += line;

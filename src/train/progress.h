@@ -14,8 +14,8 @@ namespace mt {
 
 // "h:mm:ss"
 std::string clock_time(double seconds);
-// The plain step line; elapsed and eta in seconds.
-std::string step_line(const StepResult& r, int64_t total_steps, double elapsed, double eta);
+// The step line; elapsed and eta in seconds, after the values or (the bar's) before.
+std::string step_line(const StepResult& r, int64_t total_steps, double elapsed, double eta, bool times_first = false);
 
 class Progress {
  public:

@@ -114,14 +114,13 @@ void TensorBoardWriter::restart(int64_t step, double wall_time) {
 }
 
 std::vector<std::pair<std::string, float>> step_scalars(const StepResult& r) {
-  std::vector<std::pair<std::string, float>> v = {
-      {"loss", static_cast<float>(r.loss)},
-      {"lb_loss", static_cast<float>(r.lb_loss)},
-      {"grad_norm", static_cast<float>(r.grad_norm)},
-      {"lr", static_cast<float>(r.lr)},
-      {"tokens_per_s", static_cast<float>(r.tokens_per_s)},
-      {"memory_bytes", static_cast<float>(r.memory_bytes)},
-      {"dropped_slots", static_cast<float>(r.dropped_slots)}};
+  std::vector<std::pair<std::string, float>> v = {{"loss", static_cast<float>(r.loss)},
+                                                  {"lb_loss", static_cast<float>(r.lb_loss)},
+                                                  {"grad_norm", static_cast<float>(r.grad_norm)},
+                                                  {"lr", static_cast<float>(r.lr)},
+                                                  {"tokens_per_s", static_cast<float>(r.tokens_per_s)},
+                                                  {"memory_bytes", static_cast<float>(r.memory_bytes)},
+                                                  {"dropped_slots", static_cast<float>(r.dropped_slots)}};
   if (r.device_memory_bytes > 0) v.emplace_back("device_memory_bytes", static_cast<float>(r.device_memory_bytes));
   for (size_t i = 0; i < r.expert_counts.size(); ++i) {
     const std::vector<int64_t>& c = r.expert_counts[i];
@@ -129,7 +128,8 @@ std::vector<std::pair<std::string, float>> step_scalars(const StepResult& r) {
     double sum = 0;
     for (int64_t n : c) sum += static_cast<double>(n);
     const double mean = std::max(sum / static_cast<double>(c.size()), 1e-30);
-    const std::string layer = "expert_load/layer_" + std::to_string(i < r.moe_layers.size() ? r.moe_layers[i] : static_cast<int64_t>(i));
+    const std::string layer =
+        "expert_load/layer_" + std::to_string(i < r.moe_layers.size() ? r.moe_layers[i] : static_cast<int64_t>(i));
     v.emplace_back(layer + "/max_over_mean", static_cast<float>(*std::max_element(c.begin(), c.end()) / mean));
     v.emplace_back(layer + "/min_over_mean", static_cast<float>(*std::min_element(c.begin(), c.end()) / mean));
   }
