@@ -8,8 +8,10 @@ writes, each as .png and .svg:
   metrics      loss, learning rate, gradient norm and tokens/s against step
   expert_load  (a run with MoE layers) the most loaded expert's tokens over the mean,
                per layer, against step; then per MoE layer a heatmap, expert against
-               step, of each expert's tokens over the layer's mean (1 = balanced)
-and prints one line per file written.
+               step, of each expert's tokens over the layer's mean (1 = balanced),
+               averaged over bins of steps when the run has more than 1000
+and prints one line per file written. The file is read line by line, so a long run
+of a large model needs memory for its bins, not for every step's counts.
 """
 import argparse
 import json
@@ -17,20 +19,43 @@ import math
 import os
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 plt.rcParams["svg.fonttype"] = "none"  # text stays text in the SVG
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s")
+COLUMNS = 1000  # the most heatmap columns
 
 
-def read_metrics(run):
-    path = os.path.join(run, "metrics.jsonl")
+def read_run(path):
+    """Every step's scalars and each layer's max/mean load; the load per expert in bins."""
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not rows:
+        n = sum(1 for line in f if line.strip())
+    if n == 0:
         raise SystemExit(f"{path}: no steps")
-    return rows
+    per_bin = math.ceil(n / COLUMNS)
+    run = {"step": [], "max_over_mean": [], "bins": [], "bin_steps": [], "layers": []}
+    run.update({k: [] for k in SCALARS})
+    with open(path) as f:
+        for i, line in enumerate(line for line in f if line.strip()):
+            r = json.loads(line)
+            run["step"].append(r["step"])
+            for k in SCALARS:
+                run[k].append(r[k])
+            c = np.asarray(r.get("expert_counts", []), dtype=np.float64)  # [moe layer, expert]
+            if c.size == 0:
+                continue
+            load = c / np.maximum(c.mean(axis=1, keepdims=True), 1e-30)
+            run["layers"] = r.get("moe_layers", list(range(len(c))))
+            run["max_over_mean"].append(load.max(axis=1))
+            if i % per_bin == 0:
+                run["bins"].append(np.zeros_like(load))
+                run["bin_steps"].append([r["step"], 0])
+            run["bins"][-1] += load
+            run["bin_steps"][-1][1] += 1
+    return run
 
 
 def save(fig, out, name):
@@ -41,16 +66,15 @@ def save(fig, out, name):
     plt.close(fig)
 
 
-def plot_metrics(rows, out, title):
-    steps = [r["step"] for r in rows]
+def plot_metrics(run, out, title):
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True, layout="constrained")
     panels = [("loss", "loss (cross-entropy)", False), ("lr", "learning rate", False),
               ("grad_norm", "gradient norm (before clipping)", True), ("tokens_per_s", "tokens/s", False)]
     for ax, (key, label, log) in zip(axes.flat, panels):
-        ax.plot(steps, [r[key] for r in rows], color="#1f77b4", linewidth=1.5)
+        ax.plot(run["step"], run[key], color="#1f77b4", linewidth=1.5)
         ax.set_title(label)
         ax.set_ylabel(key)
-        if log and min(r[key] for r in rows) > 0:
+        if log and min(run[key]) > 0:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     for ax in axes[1]:
@@ -59,26 +83,19 @@ def plot_metrics(rows, out, title):
     save(fig, out, "metrics")
 
 
-def plot_expert_load(rows, out, title):
-    counts = [r["expert_counts"] for r in rows]  # [step][moe layer][expert]
-    layers = rows[-1].get("moe_layers", list(range(len(counts[-1]))))
-    if not layers:
+def plot_expert_load(run, out, title):
+    layers = run["layers"]
+    if not layers or len(run["max_over_mean"]) != len(run["step"]):
         return
-    steps = [r["step"] for r in rows]
-    # load[l][e][s]: expert e's tokens over the mean of its layer at step s
-    load = []
-    for i in range(len(layers)):
-        per_step = []
-        for c in counts:
-            mean = sum(c[i]) / len(c[i])
-            per_step.append([n / mean if mean > 0 else 0.0 for n in c[i]])
-        load.append([list(col) for col in zip(*per_step)])
+    # [layer, expert, bin]: each bin's mean load
+    load = np.stack([b / n for b, (_, n) in zip(run["bins"], run["bin_steps"])], axis=-1)
     cols = min(4, len(layers) + 1)
-    nrows = math.ceil((len(layers) + 1) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False, layout="constrained")
+    rows = math.ceil((len(layers) + 1) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, layout="constrained")
     ax = axes[0][0]
+    peaks = np.asarray(run["max_over_mean"])  # [step, layer]
     for i, layer in enumerate(layers):
-        ax.plot(steps, [max(s) for s in zip(*load[i])], label=f"layer {layer}")
+        ax.plot(run["step"], peaks[:, i], label=f"layer {layer}")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_title("max / mean expert load")
     ax.set_xlabel("step")
@@ -86,12 +103,13 @@ def plot_expert_load(rows, out, title):
     ax.grid(alpha=0.3)
     if len(layers) <= 12:
         ax.legend(fontsize=7)
-    top = max(max(max(row) for row in m) for m in load)
+    first, last = run["step"][0], run["step"][-1]
     image = None
     for i, layer in enumerate(layers):
         ax = axes.flat[i + 1]
-        image = ax.imshow(load[i], aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=max(top, 1.0),
-                          extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(load[i]) - 0.5), interpolation="nearest")
+        image = ax.imshow(load[i], aspect="auto", origin="lower", cmap="viridis", vmin=0,
+                          vmax=max(float(load.max()), 1.0), interpolation="nearest",
+                          extent=(first - 0.5, last + 0.5, -0.5, load.shape[1] - 0.5))
         ax.set_title(f"layer {layer}: tokens per expert / mean")
         ax.set_xlabel("step")
         ax.set_ylabel("expert")
@@ -109,10 +127,10 @@ def main():
     a = p.parse_args()
     out = a.output or os.path.join(a.run, "plots")
     os.makedirs(out, exist_ok=True)
-    rows = read_metrics(a.run)
-    title = f"{os.path.basename(os.path.abspath(a.run))}: steps {rows[0]['step']}-{rows[-1]['step']}"
-    plot_metrics(rows, out, title)
-    plot_expert_load(rows, out, title)
+    run = read_run(os.path.join(a.run, "metrics.jsonl"))
+    title = f"{os.path.basename(os.path.abspath(a.run))}: steps {run['step'][0]}-{run['step'][-1]}"
+    plot_metrics(run, out, title)
+    plot_expert_load(run, out, title)
 
 
 if __name__ == "__main__":
