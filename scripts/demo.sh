@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The demo: build, then train a tiny Qwen3-style MoE on a bundled corpus, export it
-# to Hugging Face format and plot the loss.
+# to Hugging Face format and plot the run.
 set -euo pipefail
 build="${1:-build}"
 bin="$build/moetrain"
@@ -17,12 +17,16 @@ if [ ! -d "$demo/kjv" ]; then
 fi
 "$bin" tokenize --tokenizer "$root/data/tokenizer.json" --input "$demo/kjv" --output "$demo/corpus" >/dev/null
 # Train from scratch on the corpus (resuming if a previous demo run was interrupted),
-# export the result as a Hugging Face folder, and plot the loss.
+# export the result as a Hugging Face folder, and plot the run.
 run="$demo/run"
 "$bin" train --config "$root/configs/demo.toml" --model.config="$root/configs/demo/config.json" \
-  --data.corpus="$demo/corpus" --job.dump_folder="$run"
+  --data.corpus="$demo/corpus" --job.dump_folder="$run" --metrics.tensorboard=true
 ckpt="$(dirname "$(ls "$run"/checkpoints/step-*/COMPLETE | sort | tail -n 1)")"
 "$bin" export-hf --checkpoint "$ckpt" --output "$demo/hf" --dtype bf16
 cp "$root/data/tokenizer.json" "$demo/hf/"
-python3 "$root/scripts/plot_loss.py" "$run/metrics.jsonl" "$demo/loss.svg"
-echo "demo: done. Hugging Face model: $demo/hf (with tokenizer.json); metrics: $run/metrics.jsonl"
+# matplotlib is Debian's (setup.sh), for the system python3 unless the first one has it.
+py=python3
+python3 -c 'import matplotlib' 2>/dev/null || py=/usr/bin/python3
+"$py" "$root/tools/plot_run.py" "$run" --output "$demo/plots"
+echo "demo: done. Hugging Face model: $demo/hf (with tokenizer.json); metrics: $run/metrics.jsonl;" \
+  "plots: $demo/plots; TensorBoard: tensorboard --logdir $run/tb"

@@ -3,7 +3,8 @@
 # everything is present: apt is only touched for packages that are missing.
 # The CUDA toolkit (nvcc, cuBLASLt, cuDNN, NCCL) is not a Debian package here; when
 # /usr/local/cuda is present the CUDA backend is built, otherwise it is skipped.
-# With it, CUTLASS's headers are installed from PyPI (pip, at the end).
+# With it, CUTLASS's headers are installed from PyPI (pip, at the end), as is, always,
+# the tensorboard package.
 set -euo pipefail
 
 packages=(
@@ -16,7 +17,8 @@ packages=(
   libzstd-dev libpcre2-dev libutf8proc-dev  # corpus reading and the tokenizer
   bible-kjv zstd             # the demo corpus (data/make_kjv_corpus.py): KJV text, compressed
   python3 python3-numpy      # fixtures and tools inspect .npy files
-  python3-pip                # CUTLASS's headers for the CUDA backend (below)
+  python3-matplotlib         # tools/plot_run.py: a run's plots (make demo, a test)
+  python3-pip                # tensorboard, and CUTLASS's headers for the CUDA backend (below)
 )
 
 missing=()
@@ -32,6 +34,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# The tensorboard package reads metrics.tensorboard's event files back in a test (and
+# serves them: tensorboard --logdir RUN/tb). Debian has none; it goes to the system
+# python3, which has Debian's numpy and matplotlib and runs the tests.
+/usr/bin/python3 -c 'import importlib.metadata as m; assert m.version("tensorboard") == "2.20.0"' 2>/dev/null ||
+  /usr/bin/python3 -m pip install --quiet --break-system-packages --root-user-action=ignore tensorboard==2.20.0
 
 # CUTLASS's headers (the CUDA backend's Hopper grouped GEMM) come from PyPI; CMake finds
 # them through python3's cutlass_library. Headers only, so none of its Python dependencies.

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -14,7 +15,9 @@
 #include "io/npy.h"
 #include "io/safetensors.h"
 #include "train/config.h"
+#include "train/progress.h"
 #include "train/schedule.h"
+#include "train/tensorboard.h"
 #include "train/trainer.h"
 #include "test_util.h"
 
@@ -548,11 +551,23 @@ TEST(Commands, EvalPrintsTheContractLine) {
 
 TEST(Commands, TrainFromOverridesMatchesTransformers) {
   std::string dump = temp_dir("train_cli");
+  const double before = static_cast<double>(std::time(nullptr));
   auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
                        " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.steps=5" +
                        " --optimizer.lr=1e-3 --optimizer.weight_decay=0 --job.dump_folder=" + dump);
+  const double after = static_cast<double>(std::time(nullptr)) + 1;
   ASSERT_EQ(rc, 0) << out;
-  EXPECT_NE(out.find("step     5  loss"), std::string::npos) << out;
+  // The banner, a plain line a step (standard output is a pipe here) and the summary.
+  for (std::string want : {"moetrain train: qwen3_moe (" + fixture("qwen3_moe_b/config.json") + "), ",
+                           std::string("\n  mesh: dp 1 x cp 1 x ep 1 x pp 1 (1 rank), cpu\n"),
+                           "\n  data: tokens " + fixture("qwen3_moe_b/tokens.npy") + ", seq_len ",
+                           "\n  run folder: " + dump + " (metrics.jsonl, no checkpoints: checkpoint.interval = 0)\n",
+                           "\n  start: fresh, weights from " + fixture("qwen3_moe_b") + "\n",
+                           std::string("\nstep 1/5  loss "), std::string("\nstep 5/5  loss "),
+                           std::string("  eta 0:00:00\nsummary: 5 steps (1 to 5 of 5) in "),
+                           std::string("\ncheckpoint: none written (checkpoint.interval = 0)\n")})
+    EXPECT_NE(out.find(want), std::string::npos) << want << " in\n" << out;
+  EXPECT_EQ(out.find('\r'), std::string::npos) << out;
   io::SafetensorsFile exp(fixture("qwen3_moe_b/expected.safetensors"));
   std::vector<float> losses(5), norms(5);
   exp.read_f32(*exp.find("step_loss"), losses.data());
@@ -568,11 +583,73 @@ TEST(Commands, TrainFromOverridesMatchesTransformers) {
     for (const char* key : {"lb_loss", "lr", "tokens_per_s", "memory_bytes", "expert_counts"})
       EXPECT_TRUE(j.contains(key)) << key;
     EXPECT_EQ(j["expert_counts"].size(), 1u);  // qwen3_moe_b has one MoE layer
+    EXPECT_EQ(j["moe_layers"], nlohmann::json::parse("[1]"));  // its layer 0 is dense
+    // When the step ended, Unix seconds to the millisecond.
+    const double t = j["time"].get<double>();
+    EXPECT_TRUE(t >= before && t <= after) << t << " not in [" << before << ", " << after << "]";
+    EXPECT_EQ(std::round(t * 1000) / 1000, t);
     ++n;
   }
   EXPECT_EQ(n, 5);
   EXPECT_TRUE(std::filesystem::exists(dump + "/config.toml"));
 }
+
+// On a terminal (script(1) gives the run one) the step line is redrawn in place
+// behind a bar: carriage returns, not a line a step.
+TEST(Commands, TrainOnATerminalRedrawsOneLine) {
+  if (run("command -v script").first != 0) GTEST_SKIP() << "script (util-linux) not found";
+  std::string dump = temp_dir("train_tty");
+  auto [rc, out] = run("script -qec '" + std::string(MOETRAIN_BIN) + " train --model.init=hf:" +
+                       fixture("qwen3_moe_b") + " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") +
+                       " --training.steps=3" +
+                       " --job.dump_folder=" + dump + "' /dev/null");
+  ASSERT_EQ(rc, 0) << out;
+  for (const char* want : {"\r[######              ] step 1/3  eta ", "\r[#############       ] step 2/3  eta ",
+                           "\r[####################] step 3/3  eta 0:00:00  elapsed ",
+                           "\nsummary: 3 steps (1 to 3 of 3) in "})
+    EXPECT_NE(out.find(want), std::string::npos) << want << " in\n" << out;
+  EXPECT_EQ(out.find("\nstep "), std::string::npos) << out;
+}
+
+TEST(Progress, StepLineAndSummary) {
+  StepResult r;
+  r.step = 3;
+  r.loss = 2.345678;
+  r.lb_loss = 1.5;
+  r.grad_norm = 0.25;
+  r.lr = 3e-4;
+  r.tokens_per_s = 1234.4;
+  r.memory_bytes = 3 << 20;
+  r.seconds = 0.25;
+  EXPECT_EQ(step_line(r, 10, 3725, 61),
+            "step 3/10  loss 2.3457  lb_loss 1.5000  grad_norm 0.2500  lr 3.000e-04  tokens/s 1234  memory 3.0 MiB  "
+            "step_time 0.250s  elapsed 1:02:05  eta 0:01:01");
+  r.device_memory_bytes = static_cast<size_t>(5.5 * (1 << 30));  // measured, on a GPU, wins
+  EXPECT_NE(step_line(r, 10, 0, 0).find("  memory 5.50 GiB  "), std::string::npos);
+  EXPECT_EQ(step_line(r, 10, 3725, 61, true).rfind("step 3/10  eta 0:01:01  elapsed 1:02:05  loss 2.3457  ", 0), 0u);
+  // A run resumed at step 3 of 5: 100 and 300 tokens in half a second each.
+  Progress p(3, 5, 1000, false, Progress::Clock::now());
+  for (int64_t step : {4, 5}) {
+    r.step = step;
+    r.tokens = step == 4 ? 100 : 300;
+    r.seconds = 0.5;
+    r.loss = step == 4 ? 1.0 : 0.75;
+    p.step(r);
+  }
+  const std::string s = p.summary("", "checkpoint.interval = 0");
+  EXPECT_EQ(s.rfind("summary: 2 steps (4 to 5 of 5) in ", 0), 0u) << s;
+  EXPECT_TRUE(s.ends_with(" s, 400 tokens/s mean, final loss 0.7500\n"
+                          "checkpoint: none written (checkpoint.interval = 0)\n"))
+      << s;
+  const std::string saved = p.summary("runs/x/checkpoints/step-00000005", "");
+  EXPECT_TRUE(saved.ends_with("\ncheckpoint: runs/x/checkpoints/step-00000005\n")) << saved;
+  const std::string none = Progress(5, 5, 1, false, Progress::Clock::now()).summary("c", "");
+  EXPECT_EQ(none.rfind("summary: no steps run (the run was at step 5 of 5) in ", 0), 0u) << none;
+  EXPECT_EQ(clock_time(59.6), "0:01:00");
+}
+
+// TFRecord frames: CRC-32C (check value 0xe3069283 for "123456789"), rotated and offset.
+TEST(TensorBoard, FramesCarryTheMaskedCrc32c) { EXPECT_EQ(tfrecord_masked_crc("123456789", 9), 0xc78ab0e5u); }
 
 // training.capacity_factor: each expert keeps ceil(f * tokens * k / E) rows of a
 // micro-batch. Before the first update both runs route alike, so the dropless run's

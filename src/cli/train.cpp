@@ -3,9 +3,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "cli/commands.h"
@@ -17,6 +20,8 @@
 #endif
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/progress.h"
+#include "train/tensorboard.h"
 #include "train/trainer.h"
 
 namespace mt::cli {
@@ -56,15 +61,40 @@ void truncate_metrics(const std::string& path, int64_t step) {
   std::ostringstream keep;
   std::string line;
   while (std::getline(in, line)) {
-    size_t at = line.find("\"step\":");
-    if (at != std::string::npos && std::stoll(line.substr(at + 7)) <= step) keep << line << "\n";
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.value("step", step + 1) <= step) keep << line << "\n";
   }
   io::write_file_atomic(path, {keep.str()});
+}
+
+// Before the first step: what runs, on what, from where, into where.
+void print_banner(const Config& c, const comm::DeviceMesh& mesh, const std::string& model_config, int64_t layers,
+                  const std::vector<int64_t>& params, const Trainer& t) {
+  std::vector<uint8_t> b = io::read_file(model_config);
+  const std::string type = nlohmann::json::parse(b.begin(), b.end(), nullptr, false).value("model_type", "?");
+  const comm::MeshShape& m = mesh.shape();
+  std::printf("moetrain train: %s (%s), %lld layers, %.3fM parameters (%.3fM active)\n", type.c_str(),
+              model_config.c_str(), static_cast<long long>(layers), params[0] / 1e6, params[1] / 1e6);
+  std::printf("  mesh: dp %d x cp %d x ep %d x pp %d (%d rank%s), %s%s\n", m.dp, m.cp, m.ep, m.pp, m.size(),
+              m.size() == 1 ? "" : "s",
+              c.training.device.c_str(), c.parallelism.zero3 && m.size() > 1 ? ", zero3" : "");
+  const std::string micro = c.training.micro_batch_size ? std::to_string(c.training.micro_batch_size) : "whole share";
+  std::printf("  data: %s %s, seq_len %lld, global batch %lld sequences (%lld tokens a step), micro-batch %s\n",
+              c.data.corpus.empty() ? "tokens" : "corpus",
+              (c.data.corpus.empty() ? c.data.tokens : c.data.corpus).c_str(), static_cast<long long>(t.seq_len()),
+              static_cast<long long>(t.global_batch()), static_cast<long long>(t.seq_len() * t.global_batch()),
+              micro.c_str());
+  const std::string every = std::to_string(c.checkpoint.interval);
+  const std::string saves = c.checkpoint.interval > 0 ? "checkpoints/ every " + every + " steps and at the end"
+                                                      : "no checkpoints: checkpoint.interval = 0";
+  std::printf("  run folder: %s (metrics.jsonl%s, %s)\n", c.job.dump_folder.c_str(),
+              c.metrics.tensorboard ? ", TensorBoard events in tb/" : "", saves.c_str());
 }
 
 }  // namespace
 
 int run_train(const Args& args) {
+  const auto started = std::chrono::steady_clock::now();
   install_signal_handlers();
   Options o("train", args, {"config"});
   Config cfg = load_config(o.get("config"), o.dotted());
@@ -133,9 +163,14 @@ int run_train(const Args& args) {
   // Parameters of the whole model: each pp rank counts its own (of one ep rank's experts).
   std::vector<int64_t> counts = {model->param_count(), model->active_param_count()};
   if (mesh.shape().pp > 1) mesh.pp().all_reduce(Tensor(counts.data(), {2}, DType::i64));
-  if (writer)
-    std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), mesh %s\n",
-                static_cast<long long>(model->num_layers()), counts[0] / 1e6, counts[1] / 1e6, mesh.str().c_str());
+  if (writer) {
+    print_banner(cfg, mesh, config_json, model->num_layers(), counts, trainer);
+    const std::string seed = std::to_string(cfg.training.seed);
+    const std::string init =
+        cfg.model.init == "random" ? "random weights (seed " + seed + ")" : "weights from " + cfg.model.init.substr(3);
+    if (resume.empty()) std::printf("  start: fresh, %s\n", init.c_str());
+    std::fflush(stdout);
+  }
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
@@ -149,7 +184,7 @@ int run_train(const Args& args) {
     trainer.set_steps_done(from.step);
     trainer.set_data_cursor(from.data_cursor);
     if (writer) {
-      std::printf("resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
+      std::printf("  start: resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
       truncate_metrics(folder + "/metrics.jsonl", from.step);
     }
   }
@@ -159,6 +194,16 @@ int run_train(const Args& args) {
     metrics.open(folder + "/metrics.jsonl", resume.empty() ? std::ios::trunc : std::ios::app);
     MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
   }
+  std::unique_ptr<TensorBoardWriter> tb;
+  if (writer && cfg.metrics.tensorboard) {
+    tb = std::make_unique<TensorBoardWriter>(folder + "/tb");
+    // Earlier files of the folder may hold the steps about to run again (or a previous
+    // run's): TensorBoard drops them from here on.
+    tb->restart(trainer.steps_done() + 1, static_cast<double>(std::time(nullptr)));
+  }
+  Progress progress(trainer.steps_done(), cfg.training.steps, cfg.metrics.log_interval, isatty(STDOUT_FILENO) == 1,
+                    started);
+  std::string last_checkpoint;
 
   int64_t saved_step = -1;
   auto save = [&](double lr) {
@@ -177,7 +222,10 @@ int run_train(const Args& args) {
       std::string dir =
           save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep,
                           &mesh.pp_ep(), mesh.coord().ep == 0);
-      if (writer) std::printf("saved %s\n", dir.c_str());
+      if (writer) {
+        progress.say("saved " + dir);
+        last_checkpoint = dir;
+      }
     }
     trainer.release_weights();
     trainer.optimizer().release_moments();
@@ -190,9 +238,8 @@ int run_train(const Args& args) {
     if (writer) {
       metrics << step_json(r) << "\n";
       metrics.flush();
-      if (r.step % cfg.metrics.log_interval == 0 || r.step == cfg.training.steps)
-        std::printf("%s\n", step_line(r).c_str());
-      std::fflush(stdout);
+      if (tb) tb->scalars(r.step, r.time, step_scalars(r));
+      progress.step(r);
     }
     // A signal reaches one rank or all; every rank stops at the same step.
     std::vector<int64_t> signalled = {g_signals.load() > 0 ? 1 : 0};
@@ -200,13 +247,17 @@ int run_train(const Args& args) {
     bool stop = signalled[0] > 0;
     if ((cfg.checkpoint.interval > 0 && r.step % cfg.checkpoint.interval == 0) || stop) save(lr);
     if (stop) {
-      if (writer) std::printf("stopped by a signal after step %lld\n", static_cast<long long>(r.step));
+      if (writer) {
+        progress.say("stopped by a signal after step " + std::to_string(r.step));
+        progress.finish(last_checkpoint, "");
+      }
       return 0;
     }
   }
   // The end of a run is always kept when checkpoints are on (step 0 too: an export of
   // the initial weights).
   if (cfg.checkpoint.interval > 0) save(lr);
+  if (writer) progress.finish(last_checkpoint, "checkpoint.interval = 0");
   return 0;
 }
 

@@ -56,6 +56,7 @@ void visit(Config& c, F&& f) {
   f("checkpoint", "load", c.checkpoint.load);
   f("metrics", "log_interval", c.metrics.log_interval);
   f("metrics", "profile", c.metrics.profile);
+  f("metrics", "tensorboard", c.metrics.tensorboard);
 }
 
 template <typename T>

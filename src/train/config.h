@@ -84,6 +84,7 @@ struct CheckpointConfig {
 struct MetricsConfig {
   int64_t log_interval = 1;
   bool profile = false;  // time each stage (a "breakdown" in metrics.jsonl)
+  bool tensorboard = false;  // also write TensorBoard event files to DUMP_FOLDER/tb (train/tensorboard.h)
 };
 
 struct Config {

@@ -5,11 +5,9 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <iomanip>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <span>
-#include <sstream>
 
 #include "core/check.h"
 #include "core/rng.h"
@@ -298,7 +296,10 @@ StepResult Trainer::step() {
   std::vector<int64_t> moe_index(static_cast<size_t>(model_.num_layers()), -1);
   size_t moe_layers = 0;
   for (int64_t l = 0; l < model_.num_layers(); ++l)
-    if (model_.is_moe_layer(l)) moe_index[l] = static_cast<int64_t>(moe_layers++);
+    if (model_.is_moe_layer(l)) {
+      moe_index[l] = static_cast<int64_t>(moe_layers++);
+      r.moe_layers.push_back(l);
+    }
   const size_t E = static_cast<size_t>(model_.num_experts());
   std::vector<std::vector<int64_t>> counts(moe_layers, std::vector<int64_t>(E, 0));
   std::vector<std::vector<double>> prob_sums(moe_layers, std::vector<double>(E, 0.0));
@@ -456,8 +457,11 @@ StepResult Trainer::step() {
   r.lb_loss = lb_total;
   r.expert_counts = counts;
   r.dropped_slots = dropped[0];
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  r.tokens_per_s = static_cast<double>(count) / std::max(seconds, 1e-9);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.tokens = count;
+  r.tokens_per_s = static_cast<double>(count) / std::max(r.seconds, 1e-9);
+  const auto since_epoch = std::chrono::system_clock::now().time_since_epoch();
+  r.time = static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(since_epoch).count()) / 1e3;
   size_t bytes = optimizer_.bytes() + (zero3_ ? zero3_->bytes() : 0);
   for (const Param& p : model_.params()) {
     if (zero3_ && in_layer(p)) continue;  // shards (optimizer) and the slot (zero3)
@@ -512,7 +516,9 @@ std::string step_json(const StepResult& r) {
     j["device_memory_bytes"] = r.device_memory_bytes;
     j["host_waits"] = r.host_waits;
   }
+  j["time"] = r.time;
   j["expert_counts"] = r.expert_counts;
+  j["moe_layers"] = r.moe_layers;
   j["dropped_slots"] = r.dropped_slots;
   if (!r.breakdown.empty()) {
     nlohmann::json ms = nlohmann::json::object(), counts = nlohmann::json::object();
@@ -524,15 +530,6 @@ std::string step_json(const StepResult& r) {
     j["breakdown_counts"] = counts;
   }
   return j.dump();
-}
-
-std::string step_line(const StepResult& r) {
-  std::ostringstream s;
-  s << "step " << std::setw(5) << r.step << "  loss " << std::fixed << std::setprecision(4) << r.loss << "  lb_loss "
-    << r.lb_loss << "  grad_norm " << r.grad_norm << "  lr " << std::scientific << std::setprecision(3) << r.lr
-    << "  tokens/s " << std::fixed << std::setprecision(0) << r.tokens_per_s << "  memory " << std::setprecision(1)
-    << static_cast<double>(r.memory_bytes) / (1 << 20) << " MiB";
-  return s.str();
 }
 
 }  // namespace mt

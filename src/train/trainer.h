@@ -38,10 +38,14 @@ struct StepResult {
   double grad_norm = 0;      // global norm before clipping
   double lr = 0;
   double tokens_per_s = 0;
+  int64_t tokens = 0;        // labelled positions of the global batch
+  double seconds = 0;        // the step's duration
+  double time = 0;           // when it ended: Unix seconds, to the millisecond
   size_t memory_bytes = 0;   // parameters, gradients, optimizer state, activations (planned)
   size_t device_memory_bytes = 0;  // GPU: what the process holds on the device, measured
   int64_t host_waits = 0;  // GPU: times the host waited for the device during the step
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert (kept)
+  std::vector<int64_t> moe_layers;  // the decoder layer of each MoE layer (expert_counts' rows)
   int64_t dropped_slots = 0;  // (token, expert) slots over capacity (training.capacity_factor)
   std::vector<ProfileEntry> breakdown;  // metrics.profile: time (and spans) per stage
 };
@@ -67,6 +71,8 @@ class Trainer {
   static Pipeline pipeline_of(const Config& cfg, int64_t layers);
   StepResult step();
   int64_t steps_done() const { return step_; }
+  int64_t seq_len() const { return seq_; }
+  int64_t global_batch() const { return global_batch_; }
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
   void set_steps_done(int64_t step) { step_ = step; }
   AdamW& optimizer() { return optimizer_; }
@@ -119,7 +125,5 @@ class Trainer {
 
 // One JSON object per line: the metrics.jsonl contract.
 std::string step_json(const StepResult& r);
-// A torchtitan-style step line for stdout.
-std::string step_line(const StepResult& r);
 
 }  // namespace mt

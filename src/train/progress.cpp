@@ -1,0 +1,109 @@
+#include "train/progress.h"
+
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+
+namespace mt {
+
+namespace {
+
+std::string format(const char* fmt, auto... args) {
+  char b[512];
+  std::snprintf(b, sizeof b, fmt, args...);
+  return b;
+}
+
+std::string memory(const StepResult& r) {
+  // Measured on a GPU; planned (the arenas `moetrain plan` prints) on the CPU.
+  const double bytes = static_cast<double>(r.device_memory_bytes > 0 ? r.device_memory_bytes : r.memory_bytes);
+  return bytes < (1 << 30) ? format("%.1f MiB", bytes / (1 << 20)) : format("%.2f GiB", bytes / (1 << 30));
+}
+
+std::string span(double seconds) { return seconds < 60 ? format("%.1f s", seconds) : clock_time(seconds); }
+
+}  // namespace
+
+std::string clock_time(double seconds) {
+  const long t = static_cast<long>(std::max(0.0, seconds) + 0.5);
+  return format("%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+}
+
+std::string step_line(const StepResult& r, int64_t total_steps, double elapsed, double eta, bool times_first) {
+  const std::string step =
+      format("step %lld/%lld  ", static_cast<long long>(r.step), static_cast<long long>(total_steps));
+  const std::string values =
+      format("loss %.4f  lb_loss %.4f  grad_norm %.4f  lr %.3e  tokens/s %.0f  memory %s  step_time %.3fs", r.loss,
+             r.lb_loss, r.grad_norm, r.lr, r.tokens_per_s, memory(r).c_str(), r.seconds);
+  const std::string e = clock_time(elapsed), left = clock_time(eta);
+  return times_first ? step + "eta " + left + "  elapsed " + e + "  " + values
+                     : step + values + "  elapsed " + e + "  eta " + left;
+}
+
+Progress::Progress(int64_t done, int64_t total, int64_t log_interval, bool tty, Clock::time_point started)
+    : first_(done),
+      total_(total),
+      log_interval_(log_interval),
+      tty_(tty),
+      started_(started),
+      loop_start_(Clock::now()) {
+  struct winsize w {};
+  if (tty_ && ioctl(STDOUT_FILENO, TIOCGWINSZ, &w) == 0) columns_ = w.ws_col;
+}
+
+void Progress::step(const StepResult& r) {
+  ++steps_;
+  last_step_ = r.step;
+  last_loss_ = r.loss;
+  tokens_ += r.tokens;
+  step_seconds_ += r.seconds;
+  const auto now = Clock::now();
+  const double loop = std::chrono::duration<double>(now - loop_start_).count();
+  const double eta = loop / static_cast<double>(steps_) * static_cast<double>(total_ - r.step);
+  const std::string line = step_line(r, total_, std::chrono::duration<double>(now - started_).count(), eta, tty_);
+  if (!tty_) {
+    if (r.step % log_interval_ == 0 || r.step == total_) std::printf("%s\n", line.c_str());
+  } else {
+    // [#####     ] step N/total  eta ..., cut to the terminal's width so that \r
+    // returns to the start of this one line (the times first, so they stay).
+    const int width = 20, filled = static_cast<int>(width * r.step / std::max<int64_t>(total_, 1));
+    std::string bar = "[";
+    bar.append(static_cast<size_t>(filled), '#').append(static_cast<size_t>(width - filled), ' ').append("] ") += line;
+    if (columns_ > 1 && bar.size() >= static_cast<size_t>(columns_)) bar.resize(static_cast<size_t>(columns_ - 1));
+    std::printf("\r%s\033[K", bar.c_str());
+    bar_shown_ = true;
+  }
+  std::fflush(stdout);
+}
+
+void Progress::say(const std::string& line) {
+  std::printf(bar_shown_ ? "\r\033[K%s\n" : "%s\n", line.c_str());
+  bar_shown_ = false;
+  std::fflush(stdout);
+}
+
+std::string Progress::summary(const std::string& last_checkpoint, const std::string& why_none) {
+  const double wall = std::chrono::duration<double>(Clock::now() - started_).count();
+  std::string s;
+  if (steps_ == 0)
+    s = format("summary: no steps run (the run was at step %lld of %lld) in %s\n", static_cast<long long>(first_),
+               static_cast<long long>(total_), span(wall).c_str());
+  else
+    s = format("summary: %lld steps (%lld to %lld of %lld) in %s, %.0f tokens/s mean, final loss %.4f\n",
+               static_cast<long long>(steps_), static_cast<long long>(first_ + 1), static_cast<long long>(last_step_),
+               static_cast<long long>(total_), span(wall).c_str(),
+               static_cast<double>(tokens_) / std::max(step_seconds_, 1e-9), last_loss_);
+  return s + (last_checkpoint.empty() ? "checkpoint: none written (" + why_none + ")\n"
+                                      : "checkpoint: " + last_checkpoint + "\n");
+}
+
+void Progress::finish(const std::string& last_checkpoint, const std::string& why_none) {
+  if (bar_shown_) std::printf("\n");
+  bar_shown_ = false;
+  std::printf("%s", summary(last_checkpoint, why_none).c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace mt
