@@ -627,7 +627,9 @@ TEST(CheckpointCommands, TheCorpusTokenizerTravelsToTheExport) {
   // The same weights (fp32 export); the export alone stops at eos (generation_config.json).
   ASSERT_LE(ids[0].size(), ids[1].size());
   EXPECT_EQ(ids[0], std::vector<int64_t>(ids[1].begin(), ids[1].begin() + ids[0].size()));
-  if (ids[0].size() < 5) EXPECT_EQ(ids[0].back(), 0);
+  if (ids[0].size() < 5) {
+    EXPECT_EQ(ids[0].back(), 0);
+  }
 }
 
 // The tokenizer of an hf:DIR model (tokenizer.json and tokenizer_config.json) travels the

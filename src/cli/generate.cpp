@@ -132,6 +132,8 @@ int run_generate(const Args& args) {
   MT_CHECK(o.has("prompt") != o.has("prompt-ids")) << "give one of --prompt TEXT and --prompt-ids 1,2,3";
 
   // A Hugging Face folder, or a checkpoint: a step folder, or a run folder's newest.
+  MT_CHECK(fs::is_directory(dir)) << dir.string() << " is not a folder (expected a Hugging Face model folder, a "
+                                  << "checkpoint step folder or a run folder)";
   const bool checkpoint = fs::exists(dir / "COMPLETE") || fs::exists(dir / "train_state.json") ||
                           !fs::exists(dir / "config.json");
   if (checkpoint) dir = find_checkpoint(dir.string());
