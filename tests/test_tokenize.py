@@ -186,8 +186,8 @@ def test_malformed(binary, tmp):
     other = os.path.join(tmp, "other.json")
     with open(other, "w") as f:
         f.write(open(TOKENIZER).read().replace('"<|im_end|>"', '"<|im_stop|>"'))
-    r = subprocess.run([binary, "tokenize", "--tokenizer", other, "--input", path, "--output", os.path.join(tmp, "bad")],
-                       capture_output=True, text=True)
+    r = subprocess.run([binary, "tokenize", "--tokenizer", other, "--input", path,
+                        "--output", os.path.join(tmp, "bad")], capture_output=True, text=True)
     check(r.returncode == 1 and "tokenized with another tokenizer" in r.stderr, f"another tokenizer: {r.stderr}")
     r = tokenize(binary, [path], os.path.join(tmp, "w"), "--workers", "two")
     check(r.returncode == 1 and "--workers expects a count" in r.stderr, f"--workers two: {r.stderr}")

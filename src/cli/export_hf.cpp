@@ -197,9 +197,8 @@ int run_export_hf(const Args& args) {
   }
   copied += write_generation_files(ckpt, config, out);
   std::printf("exported %s: %zu tensors (%s, %zu shard%s, %lld bytes) and %d tokenizer and generation file%s to %s\n",
-              ckpt.string().c_str(), all.size(),
-              dtype.c_str(), shards.size(), shards.size() == 1 ? "" : "s", static_cast<long long>(total), copied,
-              copied == 1 ? "" : "s", out.string().c_str());
+              ckpt.string().c_str(), all.size(), dtype.c_str(), shards.size(), shards.size() == 1 ? "" : "s",
+              static_cast<long long>(total), copied, copied == 1 ? "" : "s", out.string().c_str());
   return 0;
 }
 

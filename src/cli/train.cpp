@@ -192,13 +192,14 @@ int run_train(const Args& args) {
     mesh.world().barrier();
   };
   const int64_t every = cfg.checkpoint.interval, done = trainer.steps_done(), steps = cfg.training.steps;
-  if (writer && !cfg.checkpoint.save_final && (every == 0 || steps / every <= done / every))
+  if (writer && !cfg.checkpoint.save_final && (every == 0 || steps / every <= done / every)) {
+    std::string why = every == 0 ? "is 0" : "divides none of steps " + std::to_string(done + 1) + ".." +
+                                                std::to_string(steps);
     std::fprintf(stderr,
                  "moetrain train: warning: this run will save no checkpoint: checkpoint.save_final is false and "
                  "checkpoint.interval (%lld) %s; set checkpoint.save_final = true to keep its weights\n",
-                 static_cast<long long>(every),
-                 every == 0 ? "is 0"
-                            : ("divides none of steps " + std::to_string(done + 1) + ".." + std::to_string(steps)).c_str());
+                 static_cast<long long>(every), why.c_str());
+  }
   double lr = 0;
   while (trainer.steps_done() < cfg.training.steps) {
     StepResult r = trainer.step();

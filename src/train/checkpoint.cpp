@@ -168,8 +168,8 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   std::vector<uint8_t> config = io::read_file(model_config_path);
   io::write_file_atomic((tmp / "config.json").string(),
                         {std::string_view(reinterpret_cast<const char*>(config.data()), config.size())});
+  const fs::path source(tokenizer_dir);
   for (const char* f : kTokenizerFiles) {
-    const fs::path source(tokenizer_dir);
     if (tokenizer_dir.empty() || !fs::exists(source / f)) continue;
     std::vector<uint8_t> b = io::read_file((source / f).string());
     io::write_file_atomic((tmp / f).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
