@@ -32,7 +32,7 @@ def run(args, tmp, name, extra):
            f"--data.seq_len={args.seq}", f"--training.global_batch_size={args.batch}",
            f"--training.steps={args.steps}", f"--training.device={args.device}", "--training.load_balance_coef=0.01",
            "--lr_scheduler.warmup_steps=20", "--lr_scheduler.decay=cosine", "--lr_scheduler.min_lr_ratio=0.1",
-           "--checkpoint.interval=0", f"--job.dump_folder={dump}", *extra]
+           "--checkpoint.save_final=false", f"--job.dump_folder={dump}", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")

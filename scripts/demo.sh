@@ -17,13 +17,13 @@ if [ ! -d "$demo/kjv" ]; then
 fi
 "$bin" tokenize --tokenizer "$root/data/tokenizer.json" --input "$demo/kjv" --output "$demo/corpus" >/dev/null
 # Train from scratch on the corpus (resuming if a previous demo run was interrupted),
-# export the result as a Hugging Face folder, and plot the run.
+# export the result as a Hugging Face folder (the corpus's tokenizer travels with it),
+# continue a prompt with it, and plot the run.
 run="$demo/run"
 "$bin" train --config "$root/configs/demo.toml" --model.config="$root/configs/demo/config.json" \
   --data.corpus="$demo/corpus" --job.dump_folder="$run" --metrics.tensorboard=true
-ckpt="$(dirname "$(ls "$run"/checkpoints/step-*/COMPLETE | sort | tail -n 1)")"
-"$bin" export-hf --checkpoint "$ckpt" --output "$demo/hf" --dtype bf16
-cp "$root/data/tokenizer.json" "$demo/hf/"
+"$bin" export-hf --checkpoint "$run" --output "$demo/hf" --dtype bf16
+"$bin" generate --model "$demo/hf" --prompt "In the beginning" --max-new-tokens 24
 # matplotlib is Debian's (setup.sh), for the system python3 unless the first one has it.
 py=python3
 python3 -c 'import matplotlib' 2>/dev/null || py=/usr/bin/python3

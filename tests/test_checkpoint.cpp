@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "io/file.h"
+#include "data/tokenizer.h"
 #include "io/safetensors.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -76,7 +77,7 @@ void check_exact_resume(const std::string& state_dtype, const std::string& model
   TrainState st;
   st.step = b.steps_done();
   std::string dir = save_checkpoint(dump + "/checkpoints", *first, b.optimizer(), st,
-                                    fixture(model + "/config.json"), 2);
+                                    fixture(model + "/config.json"), "", 2);
   EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), dir);
 
   // A fresh process's view: a new model with other weights, then the checkpoint.
@@ -116,7 +117,7 @@ TEST(Checkpoint, KeepsTheNewestCompleteOnes) {
   for (int64_t s : {1, 2, 3, 4}) {
     TrainState st;
     st.step = s;
-    save_checkpoint(dump, *m, opt, st, fixture("qwen3_moe_b/config.json"), 2);
+    save_checkpoint(dump, *m, opt, st, fixture("qwen3_moe_b/config.json"), "", 2);
   }
   // A crash after the rename but before the marker: that folder does not count.
   fs::create_directories(dump + "/step-00000009");
@@ -137,7 +138,7 @@ class BrokenCheckpoint : public ::testing::Test {
     opt_ = std::make_unique<AdamW>(model_->params());
     TrainState st;
     st.step = 3;
-    dir_ = save_checkpoint(dump_, *model_, *opt_, st, fixture("qwen3_moe_a/config.json"), 1);
+    dir_ = save_checkpoint(dump_, *model_, *opt_, st, fixture("qwen3_moe_a/config.json"), "", 1);
   }
   // Rewrites model.safetensors through `edit` (which may drop, add or reshape keys).
   void rewrite(const std::function<void(std::vector<io::StWrite>&)>& edit) {
@@ -223,7 +224,7 @@ TEST_F(BrokenCheckpoint, UnwritableFolder) {
   TrainState st;
   st.step = 4;
   std::string e = error_of([&] {
-    save_checkpoint(dump_ + "/plain_file/checkpoints", *model_, *opt_, st, fixture("qwen3_moe_a/config.json"), 1);
+    save_checkpoint(dump_ + "/plain_file/checkpoints", *model_, *opt_, st, fixture("qwen3_moe_a/config.json"), "", 1);
   });
   EXPECT_NE(e.find("plain_file/checkpoints"), std::string::npos) << e;
 }
@@ -529,6 +530,130 @@ TEST(CheckpointCommands, ExportRoundTripsAndEvaluatesTheSame) {
     half.read_f32(n, shape, h.data());
     for (size_t i = 0; i < f.size(); ++i) ASSERT_EQ(h[i], f32_from_bf16(bf16_from_f32(f[i]))) << n << " " << i;
   }
+}
+
+// A run saves its last step unless checkpoint.save_final is false, and warns when it will
+// save nothing; export-hf takes a run folder's newest complete checkpoint.
+TEST(CheckpointCommands, RunsSaveTheirEndAndExportTakesTheNewest) {
+  std::string dump = temp_dir("final");
+  auto [rc, out] = run(train_cmd(dump, 2));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), dump + "/checkpoints/step-00000002");
+  EXPECT_EQ(out.find("warning"), std::string::npos) << out;
+  fs::create_directories(dump + "/checkpoints/step-00000009");  // unfinished: no COMPLETE
+  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dump + " --output " + dump + "/hf");
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find("/checkpoints/step-00000002: 80 tensors"), std::string::npos) << out2;
+  EXPECT_EQ(io::HfWeights(dump + "/hf").names(), io::HfWeights(fixture("qwen3_moe_a")).names());
+  auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dump +
+                         "/checkpoints/step-00000009 --output " + dump + "/hf2");
+  EXPECT_EQ(rc3, 1);
+  EXPECT_NE(out3.find("step-00000009 is not a complete checkpoint"), std::string::npos) << out3;
+
+  std::string none = temp_dir("no_final");
+  auto [rc4, out4] = run(train_cmd(none, 2, "--checkpoint.save_final=false --checkpoint.interval=3"));
+  ASSERT_EQ(rc4, 0) << out4;
+  EXPECT_NE(out4.find("warning: this run will save no checkpoint: checkpoint.save_final is false and "
+                      "checkpoint.interval (3) divides none of steps 1..2"),
+            std::string::npos)
+      << out4;
+  EXPECT_EQ(latest_checkpoint(none + "/checkpoints"), "");
+  auto [rc5, out5] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + none + " --output " + none + "/hf");
+  EXPECT_EQ(rc5, 1);
+  EXPECT_NE(out5.find("holds no complete checkpoint"), std::string::npos) << out5;
+  // Periodic saves alone: steps 2 and 4 of 5, not the 5th.
+  std::string periodic = temp_dir("periodic");
+  auto [rc6, out6] = run(train_cmd(periodic, 5, "--checkpoint.save_final=false --checkpoint.interval=2"));
+  ASSERT_EQ(rc6, 0) << out6;
+  EXPECT_EQ(out6.find("warning"), std::string::npos) << out6;
+  EXPECT_EQ(latest_checkpoint(periodic + "/checkpoints"), periodic + "/checkpoints/step-00000004");
+  EXPECT_TRUE(fs::exists(periodic + "/checkpoints/step-00000002/COMPLETE"));
+}
+
+std::string file_text(const std::string& path) {
+  std::vector<uint8_t> b = io::read_file(path);
+  return std::string(b.begin(), b.end());
+}
+
+nlohmann::json json_file(const std::string& path) { return nlohmann::json::parse(file_text(path)); }
+
+// tokenize keeps its tokenizer beside the corpus; a run on the corpus carries it into its
+// checkpoints and export-hf into the model folder, with a tokenizer_config.json and a
+// generation_config.json; generate encodes a text prompt with it and prints the decoding.
+TEST(CheckpointCommands, TheCorpusTokenizerTravelsToTheExport) {
+  const std::string dir = temp_dir("corpus_tokenizer"), root = std::string(MOETRAIN_FIXTURES) + "/../..";
+  const std::string tokenizer = root + "/data/tokenizer.json";
+  std::string jsonl;
+  for (int i = 0; i < 8; ++i)
+    jsonl += "{\"text\": \"And God said, Let there be light: and there was light. And the evening and the morning "
+             "were the day " + std::to_string(i) + ".\"}\n";
+  io::write_file_atomic(dir + "/kjv.jsonl", {jsonl});
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " tokenize --tokenizer " + tokenizer + " --input " + dir +
+                       "/kjv.jsonl --output " + dir + "/corpus");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_EQ(file_text(dir + "/corpus/tokenizer.json"), file_text(tokenizer));
+  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " train --model.config=" + root + "/configs/demo/config.json" +
+                         " --data.corpus=" + dir + "/corpus --data.seq_len=16 --training.steps=1" +
+                         " --training.global_batch_size=2 --job.dump_folder=" + dir + "/run");
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_EQ(file_text(dir + "/run/checkpoints/step-00000001/tokenizer.json"), file_text(tokenizer));
+  auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dir + "/run --output " + dir +
+                         "/hf --dtype fp32");
+  ASSERT_EQ(rc3, 0) << out3;
+  EXPECT_NE(out3.find("and 3 tokenizer and generation files"), std::string::npos) << out3;
+  EXPECT_EQ(file_text(dir + "/hf/tokenizer.json"), file_text(tokenizer));
+  nlohmann::json tc = json_file(dir + "/hf/tokenizer_config.json"), gen = json_file(dir + "/hf/generation_config.json");
+  EXPECT_EQ(tc["tokenizer_class"], "PreTrainedTokenizerFast");
+  EXPECT_EQ(tc["eos_token"], "<|endoftext|>");
+  EXPECT_EQ(gen["eos_token_id"], 0);  // the demo config has none: the tokenizer's end of document
+  EXPECT_FALSE(gen.contains("bos_token_id"));
+
+  // The prompt's ids and the continuation, decoded: from the export and from the run.
+  const std::string prompt = "In the beginning";
+  std::vector<std::vector<int64_t>> ids;
+  for (const std::string& model : {dir + "/hf", dir + "/run"}) {
+    auto [rc4, out4] = run(std::string(MOETRAIN_BIN) + " generate --model " + model + " --prompt '" + prompt +
+                           "' --max-new-tokens 5");
+    ASSERT_EQ(rc4, 0) << out4;
+    std::string text = out4.substr(0, out4.rfind('\n', out4.size() - 2));
+    nlohmann::json got = nlohmann::json::parse(out4.substr(text.size() + 1));
+    ASSERT_TRUE(got.is_array() && !got.empty() && got.size() <= 5) << out4;
+    data::Tokenizer tok(tokenizer);
+    std::vector<int32_t> all = tok.encode(prompt);
+    for (const auto& id : got) all.push_back(id.get<int32_t>());
+    EXPECT_EQ(text, tok.decode(all, true)) << out4;
+    EXPECT_EQ(text.substr(0, prompt.size()), prompt);
+    ids.push_back(got.get<std::vector<int64_t>>());
+  }
+  // The same weights (fp32 export); the export alone stops at eos (generation_config.json).
+  ASSERT_LE(ids[0].size(), ids[1].size());
+  EXPECT_EQ(ids[0], std::vector<int64_t>(ids[1].begin(), ids[1].begin() + ids[0].size()));
+  if (ids[0].size() < 5) {
+    EXPECT_EQ(ids[0].back(), 0);
+  }
+}
+
+// The tokenizer of an hf:DIR model (tokenizer.json and tokenizer_config.json) travels the
+// same way, and generate refuses a text whose ids the model's vocabulary cannot hold.
+TEST(CheckpointCommands, AnHfModelsTokenizerTravelsToTheExport) {
+  const std::string dir = temp_dir("hf_tokenizer");
+  for (const char* f : {"config.json", "model.safetensors"})
+    fs::copy_file(fixture(std::string("qwen3_moe_a/") + f), dir + "/" + f);
+  fs::copy_file(fixture("tokenizers/gpt2_style.json"), dir + "/tokenizer.json");
+  io::write_file_atomic(dir + "/tokenizer_config.json", {"{\"eos_token\": \"<pad>\"}\n"});
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + dir + " --data.tokens=" +
+                       fixture("qwen3_moe_a/tokens.npy") + " --training.steps=0 --job.dump_folder=" + dir + "/run");
+  ASSERT_EQ(rc, 0) << out;
+  auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dir + "/run --output " + dir + "/hf");
+  ASSERT_EQ(rc2, 0) << out2;
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
+    EXPECT_EQ(file_text(dir + "/run/checkpoints/step-00000000/" + f), file_text(dir + "/" + f)) << f;
+    EXPECT_EQ(file_text(dir + "/hf/" + f), file_text(dir + "/" + f)) << f;
+  }
+  EXPECT_EQ(json_file(dir + "/hf/generation_config.json")["eos_token_id"], 1);  // <pad>, by tokenizer_config.json
+  auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " generate --model " + dir + "/hf --prompt Café");
+  EXPECT_EQ(rc3, 1);
+  EXPECT_NE(out3.find("prompt token 1500 is outside the model's vocabulary of 96"), std::string::npos) << out3;
 }
 
 // What export-hf reads of config.json: quantization_config goes (an MXFP4 import exports

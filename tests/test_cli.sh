@@ -13,7 +13,7 @@ check() {  # check <description> <expected-exit> <command...>
     echo "FAIL: $what: exit $got, expected $want"; cat /tmp/moetrain-cli.err; fail=1
   fi
 }
-for c in train eval encode tokenize export-hf plan; do
+for c in train eval encode tokenize export-hf generate plan; do
   check "$c --help" 0 "$bin" "$c" --help
   grep -q "usage: moetrain $c" /tmp/moetrain-cli.out || { echo "FAIL: $c --help prints no usage line"; fail=1; }
 done
@@ -25,7 +25,8 @@ check "--version" 0 "$bin" --version
 grep -Eq "^cuda: (built in|not built in)" /tmp/moetrain-cli.out || { echo "FAIL: --version does not report cuda"; fail=1; }
 # A command run without its inputs fails (exit 1) and names what is missing.
 for pair in "train:model.config is not set" "eval:--model is required" "encode:--tokenizer is required" \
-            "tokenize:--tokenizer is required" "export-hf:--checkpoint is required" "plan:model.config is not set"; do
+            "tokenize:--tokenizer is required" "export-hf:--checkpoint is required" "generate:--model is required" \
+            "plan:model.config is not set"; do
   c="${pair%%:*}"
   "$bin" "$c" </dev/null >/dev/null 2>/tmp/moetrain-cli.err
   rc=$?

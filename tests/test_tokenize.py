@@ -10,6 +10,7 @@ killed part-way and resumed, malformed lines reported.
   complete and the second under way; the rerun must redo only the unfinished files
   and give files byte-identical to an uninterrupted run (with two workers).
 - malformed lines: reported with file and line, counted, skipped; fatal with --strict.
+- the output folder keeps a copy of the tokenizer.json; another tokenizer is refused there.
 
 Run: test_tokenize.py MOETRAIN_BINARY
 """
@@ -159,7 +160,7 @@ def test_kill_and_resume(binary, tmp):
     check(summary.get("files_skipped") == len(complete), f"rerun skipped {summary.get('files_skipped')} files, "
                                                          f"expected the {len(complete)} complete ones")
     names = sorted(os.listdir(ref))
-    check(sorted(os.listdir(out)) == names and len(names) == n, f"output files differ: {sorted(os.listdir(out))}")
+    check(sorted(os.listdir(out)) == names and len(names) == n + 1, f"output files differ: {sorted(os.listdir(out))}")
     same = all(open(os.path.join(ref, x), "rb").read() == open(os.path.join(out, x), "rb").read() for x in names)
     check(same, "resumed files are not byte-identical to the uninterrupted run")
 
@@ -179,6 +180,15 @@ def test_malformed(binary, tmp):
     r = tokenize(binary, [path], os.path.join(tmp, "strict"), "--strict")
     check(r.returncode == 1 and f"{path}:2: not valid JSON" in r.stderr and "--strict" in r.stderr,
           f"--strict: exit {r.returncode}: {r.stderr}")
+    # The corpus keeps its tokenizer; another tokenizer into the same folder is refused.
+    same = open(os.path.join(tmp, "bad", "tokenizer.json"), "rb").read() == open(TOKENIZER, "rb").read()
+    check(same, "the output folder holds a copy of the tokenizer.json")
+    other = os.path.join(tmp, "other.json")
+    with open(other, "w") as f:
+        f.write(open(TOKENIZER).read().replace('"<|im_end|>"', '"<|im_stop|>"'))
+    r = subprocess.run([binary, "tokenize", "--tokenizer", other, "--input", path,
+                        "--output", os.path.join(tmp, "bad")], capture_output=True, text=True)
+    check(r.returncode == 1 and "tokenized with another tokenizer" in r.stderr, f"another tokenizer: {r.stderr}")
     r = tokenize(binary, [path], os.path.join(tmp, "w"), "--workers", "two")
     check(r.returncode == 1 and "--workers expects a count" in r.stderr, f"--workers two: {r.stderr}")
     r = tokenize(binary, [path], os.path.join(tmp, "field"), "--field", "other")

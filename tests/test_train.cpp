@@ -561,11 +561,11 @@ TEST(Commands, TrainFromOverridesMatchesTransformers) {
   for (std::string want : {"moetrain train: qwen3_moe (" + fixture("qwen3_moe_b/config.json") + "), ",
                            std::string("\n  mesh: dp 1 x cp 1 x ep 1 x pp 1 (1 rank), cpu\n"),
                            "\n  data: tokens " + fixture("qwen3_moe_b/tokens.npy") + ", seq_len ",
-                           "\n  run folder: " + dump + " (metrics.jsonl, no checkpoints: checkpoint.interval = 0)\n",
+                           "\n  run folder: " + dump + " (metrics.jsonl, checkpoints/ at the end)\n",
                            "\n  start: fresh, weights from " + fixture("qwen3_moe_b") + "\n",
                            std::string("\nstep 1/5  loss "), std::string("\nstep 5/5  loss "),
                            std::string("  eta 0:00:00\nsummary: 5 steps (1 to 5 of 5) in "),
-                           std::string("\ncheckpoint: none written (checkpoint.interval = 0)\n")})
+                           "\ncheckpoint: " + dump + "/checkpoints/step-00000005\n"})
     EXPECT_NE(out.find(want), std::string::npos) << want << " in\n" << out;
   EXPECT_EQ(out.find('\r'), std::string::npos) << out;
   io::SafetensorsFile exp(fixture("qwen3_moe_b/expected.safetensors"));

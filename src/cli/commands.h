@@ -13,5 +13,6 @@ int run_encode(const Args& args);
 int run_tokenize(const Args& args);
 int run_export_hf(const Args& args);
 int run_plan(const Args& args);
+int run_generate(const Args& args);
 
 }  // namespace mt::cli

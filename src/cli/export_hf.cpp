@@ -10,9 +10,11 @@
 #include "cli/commands.h"
 #include "core/check.h"
 #include "core/dtype.h"
+#include "data/tokenizer.h"
 #include "io/file.h"
 #include "io/safetensors.h"
 #include "models/interface.h"
+#include "train/checkpoint.h"
 
 namespace mt::cli {
 
@@ -62,15 +64,43 @@ std::vector<int64_t> stack_experts(const io::HfWeights& w, const fs::path& ckpt,
   return shape;
 }
 
+// Where the checkpoint has none: generation_config.json with config.json's bos, eos and
+// pad ids (eos: else the tokenizer's end-of-document token, which ends every document of
+// a corpus), and beside a tokenizer.json a tokenizer_config.json that loads it as it is.
+// Returns the files written.
+int write_generation_files(const fs::path& ckpt, const nlohmann::json& config, const fs::path& out) {
+  std::unique_ptr<data::Tokenizer> tok;
+  if (fs::exists(ckpt / "tokenizer.json")) tok = std::make_unique<data::Tokenizer>((ckpt / "tokenizer.json").string());
+  nlohmann::json gen = {{"_from_model_config", true}};
+  for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if (config.contains(key) && !config[key].is_null()) gen[key] = config[key];
+  if (!gen.contains("eos_token_id") && tok && tok->has_eos()) gen["eos_token_id"] = tok->eos_id();
+  int written = 0;
+  if (!fs::exists(ckpt / "generation_config.json")) {
+    io::write_file_atomic((out / "generation_config.json").string(), {gen.dump(2) + "\n"});
+    ++written;
+  }
+  if (tok && !fs::exists(ckpt / "tokenizer_config.json")) {
+    nlohmann::json tc = {{"tokenizer_class", "PreTrainedTokenizerFast"}};
+    auto token = [&](int32_t id) { return tok->decode(std::vector<int32_t>{id}); };
+    if (gen.contains("bos_token_id") && gen["bos_token_id"].is_number_integer())
+      tc["bos_token"] = token(gen["bos_token_id"].get<int32_t>());
+    if (gen.contains("eos_token_id") && gen["eos_token_id"].is_number_integer())
+      tc["eos_token"] = token(gen["eos_token_id"].get<int32_t>());
+    io::write_file_atomic((out / "tokenizer_config.json").string(), {tc.dump(2) + "\n"});
+    ++written;
+  }
+  return written;
+}
+
 }  // namespace
 
 int run_export_hf(const Args& args) {
   Options o("export-hf", args, {"checkpoint", "output", "dtype", "max-shard-size"});
-  const fs::path ckpt = o.required("checkpoint"), out = o.required("output");
+  const fs::path ckpt = find_checkpoint(o.required("checkpoint")), out = o.required("output");
   const std::string dtype = o.get("dtype", "bf16");
   MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
   const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
-  MT_CHECK(fs::exists(ckpt / "COMPLETE")) << ckpt.string() << " is not a complete checkpoint (no COMPLETE marker)";
 
   // Experts that Hugging Face keeps as slices of one key per layer (GPT-OSS): the model
   // built from config.json, without memory, says which.
@@ -165,9 +195,10 @@ int run_export_hf(const Args& args) {
     io::write_file_atomic((out / n).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
     ++copied;
   }
-  std::printf("exported %zu tensors (%s, %zu shard%s, %lld bytes) and %d tokenizer file%s to %s\n", all.size(),
-              dtype.c_str(), shards.size(), shards.size() == 1 ? "" : "s", static_cast<long long>(total), copied,
-              copied == 1 ? "" : "s", out.string().c_str());
+  copied += write_generation_files(ckpt, config, out);
+  std::printf("exported %s: %zu tensors (%s, %zu shard%s, %lld bytes) and %d tokenizer and generation file%s to %s\n",
+              ckpt.string().c_str(), all.size(), dtype.c_str(), shards.size(), shards.size() == 1 ? "" : "s",
+              static_cast<long long>(total), copied, copied == 1 ? "" : "s", out.string().c_str());
   return 0;
 }
 

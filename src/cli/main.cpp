@@ -48,6 +48,15 @@ const Command kCommands[] = {
      "usage: moetrain export-hf --checkpoint DIR --output DIR [--dtype bf16|fp32]\n"
      "                          [--max-shard-size 5GB]\n",
      mt::cli::run_export_hf},
+    {"generate", "continue a prompt with a Hugging Face model folder or a checkpoint",
+     "usage: moetrain generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens 32]\n"
+     "                         [--temperature 0] [--top-p 1] [--seed 0] [--device cpu|cuda]\n"
+     "  DIR is a Hugging Face folder (export-hf's output), a checkpoint step folder or a run\n"
+     "  folder (its newest checkpoint). Temperature 0 is greedy; above 0, tokens are drawn from\n"
+     "  the top-p nucleus, the same ones for the same --seed. Stops at eos_token_id (of\n"
+     "  generation_config.json, else config.json). Prints the prompt and its continuation\n"
+     "  where DIR has a tokenizer.json, then the new ids as one JSON array on the last line.\n",
+     mt::cli::run_generate},
     {"plan", "print memory per rank and the mesh for a config, before launch",
      "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n"
      "                     [--schedule [--profile metrics.jsonl] [--output schedule.svg]]\n"

@@ -54,6 +54,14 @@ std::string model_config_path(const Config& c) {
   return (fs::path(c.model.init.substr(3)) / "config.json").string();
 }
 
+// Where the tokenizer a checkpoint carries comes from: the corpus's (tokenize copies it
+// there), else the folder of an hf:DIR model or of model.config.
+std::string tokenizer_dir(const Config& c, const std::string& config_json) {
+  for (const std::string& d : {c.data.corpus, c.model.init.starts_with("hf:") ? c.model.init.substr(3) : ""})
+    if (!d.empty() && fs::exists(fs::path(d) / "tokenizer.json")) return d;
+  return fs::path(config_json).parent_path().string();
+}
+
 // metrics.jsonl up to and including `step`: a resumed run continues the file from
 // its checkpoint, dropping lines of steps that will be run again.
 void truncate_metrics(const std::string& path, int64_t step) {
@@ -85,8 +93,10 @@ void print_banner(const Config& c, const comm::DeviceMesh& mesh, const std::stri
               static_cast<long long>(t.global_batch()), static_cast<long long>(t.seq_len() * t.global_batch()),
               micro.c_str());
   const std::string every = std::to_string(c.checkpoint.interval);
-  const std::string saves = c.checkpoint.interval > 0 ? "checkpoints/ every " + every + " steps and at the end"
-                                                      : "no checkpoints: checkpoint.interval = 0";
+  const std::string end = c.checkpoint.save_final ? " and at the end" : "";
+  const std::string saves = c.checkpoint.interval > 0 ? "checkpoints/ every " + every + " steps" + end
+                            : c.checkpoint.save_final ? std::string("checkpoints/ at the end")
+                                                      : std::string("no checkpoints");
   std::printf("  run folder: %s (metrics.jsonl%s, %s)\n", c.job.dump_folder.c_str(),
               c.metrics.tensorboard ? ", TensorBoard events in tb/" : "", saves.c_str());
 }
@@ -220,8 +230,8 @@ int run_train(const Args& args) {
     trainer.materialize_weights();
     if (mesh.coord().dp == 0 && mesh.coord().cp == 0) {
       std::string dir =
-          save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, cfg.checkpoint.keep,
-                          &mesh.pp_ep(), mesh.coord().ep == 0);
+          save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, tokenizer_dir(cfg, config_json),
+                          cfg.checkpoint.keep, &mesh.pp_ep(), mesh.coord().ep == 0);
       if (writer) {
         progress.say("saved " + dir);
         last_checkpoint = dir;
@@ -231,6 +241,15 @@ int run_train(const Args& args) {
     trainer.optimizer().release_moments();
     mesh.world().barrier();
   };
+  const int64_t every = cfg.checkpoint.interval, done = trainer.steps_done(), steps = cfg.training.steps;
+  if (writer && !cfg.checkpoint.save_final && (every == 0 || steps / every <= done / every)) {
+    std::string why = every == 0 ? "is 0" : "divides none of steps " + std::to_string(done + 1) + ".." +
+                                                std::to_string(steps);
+    std::fprintf(stderr,
+                 "moetrain train: warning: this run will save no checkpoint: checkpoint.save_final is false and "
+                 "checkpoint.interval (%lld) %s; set checkpoint.save_final = true to keep its weights\n",
+                 static_cast<long long>(every), why.c_str());
+  }
   double lr = 0;
   while (trainer.steps_done() < cfg.training.steps) {
     StepResult r = trainer.step();
@@ -254,10 +273,9 @@ int run_train(const Args& args) {
       return 0;
     }
   }
-  // The end of a run is always kept when checkpoints are on (step 0 too: an export of
-  // the initial weights).
-  if (cfg.checkpoint.interval > 0) save(lr);
-  if (writer) progress.finish(last_checkpoint, "checkpoint.interval = 0");
+  // The end of a run is kept unless told not to (step 0 too: an export of the initial weights).
+  if (cfg.checkpoint.save_final) save(lr);
+  if (writer) progress.finish(last_checkpoint, "checkpoint.save_final = false and no step a multiple of checkpoint.interval");
   return 0;
 }
 

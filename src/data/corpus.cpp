@@ -314,6 +314,26 @@ std::string clock_time(double s) {
   return b;
 }
 
+// The corpus keeps the tokenizer that made it (training copies it into checkpoints):
+// tokenizer.json, and tokenizer_config.json where one is beside it. An output folder
+// holding another tokenizer.json has files of another vocabulary: an error.
+void keep_tokenizer(const std::string& tokenizer, const std::string& output) {
+  const fs::path src(tokenizer), out = fs::path(output) / "tokenizer.json";
+  std::vector<uint8_t> b = io::read_file(tokenizer);
+  MT_CHECK(!fs::exists(out) || io::read_file(out.string()) == b)
+      << output << " holds files tokenized with another tokenizer (" << out.string() << " differs from " << tokenizer
+      << "); give a new --output folder";
+  auto text = [](const std::vector<uint8_t>& v) {
+    return std::string_view(reinterpret_cast<const char*>(v.data()), v.size());
+  };
+  io::write_file_atomic(out.string(), {text(b)});
+  const fs::path config = src.parent_path() / "tokenizer_config.json";
+  if (fs::exists(config)) {
+    std::vector<uint8_t> c = io::read_file(config.string());
+    io::write_file_atomic((fs::path(output) / "tokenizer_config.json").string(), {text(c)});
+  }
+}
+
 }  // namespace
 
 TokenizeReport tokenize_corpus(const TokenizeOptions& o) {
@@ -321,6 +341,7 @@ TokenizeReport tokenize_corpus(const TokenizeOptions& o) {
   tok.eos_id();  // fail now, not in every worker, when there is no end-of-document token
   std::vector<Job> jobs = find_jobs(o);
   fs::create_directories(o.output);
+  keep_tokenizer(o.tokenizer, o.output);
 
   TokenizeReport rep;
   rep.files = static_cast<int64_t>(jobs.size());

@@ -6,6 +6,8 @@
 //   tokens   [n]  the smallest unsigned type that holds every id (u1, u2 or u4)
 //   doc_ends [d]  uint64, cumulative: document i is tokens[ends[i-1]:ends[i]]
 // Every document ends with the tokenizer's end-of-document token (see eos_id()).
+// The folder also gets a copy of the tokenizer.json (and a tokenizer_config.json beside
+// it), which training puts into its checkpoints and export-hf into the model folder.
 //
 // Resuming: each output is written to X.bin.tmp and renamed to X.bin; a X.bin.lock
 // beside it exists from before the work starts until after the rename. A rerun

@@ -618,6 +618,8 @@ int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
 
 std::optional<int32_t> Tokenizer::token_id(std::string_view token) const { return impl_->token_id(token); }
 
+bool Tokenizer::has_eos() const { return impl_->eos.has_value(); }
+
 int32_t Tokenizer::eos_id() const {
   MT_CHECK(impl_->eos.has_value()) << impl_->eos_problem;
   return *impl_->eos;

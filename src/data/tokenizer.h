@@ -56,6 +56,7 @@ class Tokenizer {
   // tokenizer_config.json beside the file, else the added token <|endoftext|>;
   // an error saying so when neither exists.
   int32_t eos_id() const;
+  bool has_eos() const;
 
  private:
   struct Impl;

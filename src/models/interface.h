@@ -182,7 +182,7 @@ class Model {
   virtual void head_backward_weight(Stash& s) = 0;
   virtual void embed_backward(Stash& s) = 0;
 
-  // The logits of the last head_forward, [batch * seq, vocab] (parity tests, eval).
+  // The logits of the last head_forward, [batch * seq, vocab] (parity tests, generate).
   virtual Tensor logits(Stash& s) = 0;
   virtual std::vector<RouterStats> router_stats(const Stash& s) const = 0;
   // The load-balance loss's gradient with respect to each router probability of a

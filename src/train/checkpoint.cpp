@@ -84,8 +84,8 @@ int64_t step_of(const fs::path& dir) {
 }  // namespace
 
 std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
-                            const std::string& model_config_path, int64_t keep, comm::Communicator* writers,
-                            bool write_dense) {
+                            const std::string& model_config_path, const std::string& tokenizer_dir, int64_t keep,
+                            comm::Communicator* writers, bool write_dense) {
   const int rank = writers ? writers->rank() : 0, ranks = writers ? writers->size() : 1;
   auto barrier = [&] {
     if (ranks > 1) writers->barrier();
@@ -168,9 +168,9 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   std::vector<uint8_t> config = io::read_file(model_config_path);
   io::write_file_atomic((tmp / "config.json").string(),
                         {std::string_view(reinterpret_cast<const char*>(config.data()), config.size())});
-  fs::path source = fs::path(model_config_path).parent_path();
+  const fs::path source(tokenizer_dir);
   for (const char* f : kTokenizerFiles) {
-    if (!fs::exists(source / f)) continue;
+    if (tokenizer_dir.empty() || !fs::exists(source / f)) continue;
     std::vector<uint8_t> b = io::read_file((source / f).string());
     io::write_file_atomic((tmp / f).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
   }
@@ -206,6 +206,20 @@ std::string latest_checkpoint(const std::string& checkpoints_dir) {
     }
   }
   return path;
+}
+
+std::string find_checkpoint(const std::string& path) {
+  MT_CHECK(fs::is_directory(path)) << path << " is not a folder (expected a checkpoint step-NNNNNNNN folder, or a run "
+                                   << "folder holding checkpoints/)";
+  if (complete(path)) return path;
+  fs::path p = fs::path(path).lexically_normal();
+  if (!p.has_filename()) p = p.parent_path();  // a trailing slash
+  MT_CHECK(step_of(p) < 0) << path << " is not a complete checkpoint (no COMPLETE marker)";
+  const std::string where = fs::is_directory(p / "checkpoints") ? (p / "checkpoints").string() : p.string();
+  std::string found = latest_checkpoint(where);
+  MT_CHECK(!found.empty()) << path << " holds no complete checkpoint (looked for step-NNNNNNNN folders with a COMPLETE "
+                           << "marker in " << where << ")";
+  return found;
 }
 
 TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {

@@ -7,7 +7,8 @@
 //       one per writer, and a <stem>.safetensors.index.json naming each key's file)
 //     train_state.json       step, seed, learning rate, data cursor, the run's config
 //     config.json            the model's Hugging Face config
-//     tokenizer files        copied from beside the model's config when present
+//     tokenizer files        tokenizer.json (and tokenizer_config.json, ...) of the run's
+//                            tokenizer: the corpus's, else the model's (see save_checkpoint)
 //     COMPLETE               written last: a folder without it is ignored
 //
 // A save goes to step-N.tmp/ (every file fsynced), is renamed to step-N/ and then
@@ -33,17 +34,23 @@ struct TrainState {
 };
 
 // Saves step `st.step` under `checkpoints_dir` and keeps the newest `keep` complete
-// checkpoints. Returns the checkpoint's folder. With expert or pipeline parallelism every
+// checkpoints. Returns the checkpoint's folder. The tokenizer files found in
+// `tokenizer_dir` are copied in (none: nothing is copied). With expert or pipeline parallelism every
 // rank of `writers` (the pp x ep ranks of one replica) calls it: each writes model-part<r>
 // and optimizer-part<r> with its experts, and with its layers' dense weights where
 // `write_dense` (the first of each ep group); rank 0 adds the indices and the rest,
 // renames and marks the folder.
 std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
-                            const std::string& model_config_path, int64_t keep, comm::Communicator* writers = nullptr,
-                            bool write_dense = true);
+                            const std::string& model_config_path, const std::string& tokenizer_dir, int64_t keep,
+                            comm::Communicator* writers = nullptr, bool write_dense = true);
 
 // The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);
+
+// What a user names as "a checkpoint": a step folder (it must be complete), a
+// checkpoints folder or a run folder (job.dump_folder: its checkpoints/), whose newest
+// complete step is taken. An error saying where it looked when there is none.
+std::string find_checkpoint(const std::string& path);
 
 // Reads a checkpoint into the model and (when given) the optimizer. Every key the
 // model has must be there with its shape and no other key may be; errors name the

@@ -52,6 +52,7 @@ void visit(Config& c, F&& f) {
   f("parallelism", "zero3", c.parallelism.zero3);
   f("parallelism", "pipeline_schedule", c.parallelism.pipeline_schedule);
   f("checkpoint", "interval", c.checkpoint.interval);
+  f("checkpoint", "save_final", c.checkpoint.save_final);
   f("checkpoint", "keep", c.checkpoint.keep);
   f("checkpoint", "load", c.checkpoint.load);
   f("metrics", "log_interval", c.metrics.log_interval);

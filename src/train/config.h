@@ -76,7 +76,10 @@ struct ParallelismConfig {
 };
 
 struct CheckpointConfig {
-  int64_t interval = 0;  // steps between checkpoints; 0: never
+  int64_t interval = 0;  // steps between checkpoints; 0: none along the way
+  // Save the run's last step as well (step 0 too: the initial weights). With false and
+  // no multiple of interval among the steps to run, the run saves nothing (it warns).
+  bool save_final = true;
   int64_t keep = 3;      // newest complete checkpoints kept
   std::string load;      // a checkpoint folder to start from instead of the newest
 };

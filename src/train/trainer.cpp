@@ -490,17 +490,21 @@ LossSum Trainer::evaluate(Model& model, const TokenBatch& data, int64_t micro_ba
     if (!s || s->batch != n) s = model.make_stash(n, data.seq);
     copy(s->ids, Tensor(const_cast<int32_t*>(data.ids.data()) + row * data.seq, s->ids.shape, DType::i32));
     copy(s->labels, Tensor(const_cast<int32_t*>(data.labels.data()) + row * data.seq, s->labels.shape, DType::i32));
-    model.embed_forward(*s);
-    for (int64_t l = 0; l < model.num_layers(); ++l)
-      for (Stage st : kStages) {
-        model.stage_forward(l, st, *s);
-        model.finish_forward(l, st, *s);
-      }
-    LossSum part = model.head_forward(*s);
+    LossSum part = forward(model, *s);
     total.sum += part.sum;
     total.count += part.count;
   }
   return total;
+}
+
+LossSum Trainer::forward(Model& model, Stash& s) {
+  model.embed_forward(s);
+  for (int64_t l = 0; l < model.num_layers(); ++l)
+    for (Stage st : kStages) {
+      model.stage_forward(l, st, s);
+      model.finish_forward(l, st, s);
+    }
+  return model.head_forward(s);
 }
 
 std::string step_json(const StepResult& r) {

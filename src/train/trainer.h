@@ -88,6 +88,9 @@ class Trainer {
   void set_data_cursor(const std::string& json);
   // Mean loss and token count of a batch without touching the weights.
   static LossSum evaluate(Model& model, const TokenBatch& data, int64_t micro_batch);
+  // The forward of one micro-batch whose ids and labels are in s, on one rank: the
+  // embedding, every layer's stages, the head (then model.logits(s) holds its logits).
+  static LossSum forward(Model& model, Stash& s);
 
  private:
   bool in_layer(const Param& p) const { return p.layer >= 0 && p.layer < model_.num_layers(); }

@@ -1,0 +1,178 @@
+// moetrain generate: continues a prompt with a Hugging Face model folder or a
+// checkpoint. Each new token runs the whole sequence's forward again (no KV cache: this
+// is for looking at what a model learned and for checks against transformers, not for
+// serving) and picks from the last position's logits: greedy at temperature 0, else a
+// seeded draw (Philox: the same seed gives the same tokens) from the top-p nucleus.
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "cli/commands.h"
+#include "core/check.h"
+#include "core/rng.h"
+#include "data/tokenizer.h"
+#include "io/file.h"
+#include "kernels/elementwise.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace mt::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// "1,2,3" (brackets and spaces allowed) -> ids, each in [0, vocab).
+std::vector<int32_t> parse_ids(const std::string& text, int64_t vocab) {
+  std::vector<int32_t> ids;
+  std::string s = text;
+  std::replace_if(s.begin(), s.end(), [](char c) { return c == '[' || c == ']' || c == ' '; }, ',');
+  for (size_t at = 0; at < s.size();) {
+    size_t end = std::min(s.find(',', at), s.size());
+    if (end > at) {
+      int64_t id = -1;
+      auto [p, ec] = std::from_chars(s.data() + at, s.data() + end, id);
+      MT_CHECK(ec == std::errc() && p == s.data() + end && id >= 0 && id < vocab)
+          << "--prompt-ids expects ids in [0, " << vocab << ") separated by commas, got '" << s.substr(at, end - at)
+          << "' in '" << text << "'";
+      ids.push_back(static_cast<int32_t>(id));
+    }
+    at = end + 1;
+  }
+  return ids;
+}
+
+// --name's value as a number (fallback when absent); anything else is an error naming it.
+template <typename T>
+T number(const Options& o, const char* name, T fallback) {
+  if (!o.has(name)) return fallback;
+  const std::string v = o.get(name);
+  T x{};
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  MT_CHECK(ec == std::errc() && p == v.data() + v.size() && !v.empty())
+      << "--" << name << " expects " << (std::is_integral_v<T> ? "an integer" : "a number") << ", got '" << v << "'";
+  return x;
+}
+
+// The ids that end a generation: eos_token_id (a number or a list) of the folder's
+// generation_config.json, else of its config.json; none when neither sets it.
+std::vector<int64_t> eos_ids(const fs::path& dir) {
+  for (const char* name : {"generation_config.json", "config.json"}) {
+    if (!fs::exists(dir / name)) continue;
+    std::vector<uint8_t> b = io::read_file((dir / name).string());
+    nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("eos_token_id") || j["eos_token_id"].is_null()) continue;
+    const nlohmann::json& e = j["eos_token_id"];
+    MT_CHECK(e.is_number_integer() || e.is_array())
+        << (dir / name).string() << ": eos_token_id should be an id or a list of ids, got " << e.dump();
+    return e.is_array() ? e.get<std::vector<int64_t>>() : std::vector<int64_t>{e.get<int64_t>()};
+  }
+  return {};
+}
+
+// The next id from the last position's logits: the largest (temperature 0; a tie goes
+// to the lower id, as torch.argmax), else a draw from softmax(logits / temperature)
+// over the most likely ids whose probabilities first reach top_p (at least one),
+// with a uniform number that depends only on (seed, step).
+int32_t pick(const std::vector<float>& logits, double temperature, double top_p, uint64_t seed, int64_t step) {
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  if (temperature == 0) return order[0];
+  std::vector<double> p(order.size());
+  double total = 0;
+  for (size_t i = 0; i < order.size(); ++i)
+    total += p[i] = std::exp((logits[order[i]] - logits[order[0]]) / temperature);
+  size_t kept = 0;
+  double mass = 0;
+  while (kept < p.size() && (kept == 0 || mass < top_p * total)) mass += p[kept++];
+  float u = 0;
+  fill_uniform(&u, 1, seed, static_cast<uint64_t>(step), 0.0f, 1.0f);  // in (0, 1]
+  double target = u * mass, sum = 0;
+  for (size_t i = 0; i < kept; ++i)
+    if ((sum += p[i]) >= target) return order[i];
+  return order[kept - 1];  // rounding left the sum a little short of the target
+}
+
+// The last position's logits [V] on the host, in f32, wherever the model runs.
+std::vector<float> last_logits(Model& model, Stash& s) {
+  Tensor all = model.logits(s);  // [T, V]
+  Tensor last = all.rows(all.dim(0) - 1, all.dim(0));
+  std::vector<float> out(static_cast<size_t>(last.numel()));
+  Tensor host(out.data(), last.shape, DType::f32);
+  if (last.dtype == DType::f32) {
+    copy(host, last);
+  } else {
+    std::vector<uint8_t> raw(last.nbytes());
+    Tensor staged(raw.data(), last.shape, last.dtype);
+    copy(staged, last);
+    cast(staged, host);
+  }
+  return out;
+}
+
+}  // namespace
+
+int run_generate(const Args& args) {
+  Options o("generate", args,
+            {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "seed", "device"});
+  fs::path dir = o.required("model");
+  const std::string device = o.get("device", "cpu");
+  MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
+  const int64_t max_new = number<int64_t>(o, "max-new-tokens", 32);
+  const double temperature = number(o, "temperature", 0.0), top_p = number(o, "top-p", 1.0);
+  const uint64_t seed = number<uint64_t>(o, "seed", 0);
+  MT_CHECK(max_new >= 0) << "--max-new-tokens should be >= 0, got " << max_new;
+  MT_CHECK(temperature >= 0) << "--temperature should be >= 0 (0: greedy), got " << temperature;
+  MT_CHECK(top_p > 0 && top_p <= 1) << "--top-p should be in (0, 1], got " << top_p;
+  MT_CHECK(o.has("prompt") != o.has("prompt-ids")) << "give one of --prompt TEXT and --prompt-ids 1,2,3";
+
+  // A Hugging Face folder, or a checkpoint: a step folder, or a run folder's newest.
+  MT_CHECK(fs::is_directory(dir)) << dir.string() << " is not a folder (expected a Hugging Face model folder, a "
+                                  << "checkpoint step folder or a run folder)";
+  const bool checkpoint = fs::exists(dir / "COMPLETE") || fs::exists(dir / "train_state.json") ||
+                          !fs::exists(dir / "config.json");
+  if (checkpoint) dir = find_checkpoint(dir.string());
+  ModelOptions options;
+  options.device = device == "cuda" ? Device::cuda : Device::cpu;
+  std::unique_ptr<Model> model = make_model((dir / "config.json").string(), options);
+  if (checkpoint)
+    load_checkpoint(dir.string(), *model, nullptr);
+  else
+    load_hf(*model, dir.string());
+  std::unique_ptr<data::Tokenizer> tok;
+  if (fs::exists(dir / "tokenizer.json")) tok = std::make_unique<data::Tokenizer>((dir / "tokenizer.json").string());
+  MT_CHECK(tok || !o.has("prompt")) << dir.string() << " has no tokenizer.json to encode --prompt with; give the ids "
+                                    << "with --prompt-ids 1,2,3";
+  std::vector<int32_t> ids =
+      o.has("prompt") ? tok->encode(o.get("prompt")) : parse_ids(o.get("prompt-ids"), model->vocab_size());
+  MT_CHECK(!ids.empty()) << "the prompt is empty: it should have at least one token";
+  for (int32_t id : ids)
+    MT_CHECK(id < model->vocab_size()) << "prompt token " << id << " is outside the model's vocabulary of "
+                                       << model->vocab_size() << " (is " << dir.string()
+                                       << "/tokenizer.json the model's?)";
+
+  const std::vector<int64_t> eos = eos_ids(dir);
+  const size_t prompt = ids.size();
+  for (int64_t step = 0; step < max_new; ++step) {
+    const int64_t T = static_cast<int64_t>(ids.size());
+    std::unique_ptr<Stash> s = model->make_stash(1, T);
+    std::vector<int32_t> labels(ids.size(), 0);  // the head's loss is computed and not used
+    copy(s->ids, Tensor(ids.data(), s->ids.shape, DType::i32));
+    copy(s->labels, Tensor(labels.data(), s->labels.shape, DType::i32));
+    Trainer::forward(*model, *s);
+    ids.push_back(pick(last_logits(*model, *s), temperature, top_p, seed, step));
+    if (std::find(eos.begin(), eos.end(), ids.back()) != eos.end()) break;
+  }
+  if (tok) std::printf("%s\n", tok->decode(ids, true).c_str());
+  std::string out = "[";
+  for (size_t i = prompt; i < ids.size(); ++i) out += (i > prompt ? ", " : "") + std::to_string(ids[i]);
+  std::printf("%s]\n", out.c_str());
+  return 0;
+}
+
+}  // namespace mt::cli
