@@ -564,7 +564,7 @@ TEST(Commands, TrainFromOverridesMatchesTransformers) {
                            "\n  run folder: " + dump + " (metrics.jsonl, checkpoints/ at the end)\n",
                            "\n  start: fresh, weights from " + fixture("qwen3_moe_b") + "\n",
                            std::string("\nstep 1/5  loss "), std::string("\nstep 5/5  loss "),
-                           std::string("  eta 0:00:00\nsummary: 5 steps (1 to 5 of 5) in "),
+                           "  eta 0:00:00\nsaved " + dump + "/checkpoints/step-00000005\nsummary: 5 steps (1 to 5 of 5) in ",
                            "\ncheckpoint: " + dump + "/checkpoints/step-00000005\n"})
     EXPECT_NE(out.find(want), std::string::npos) << want << " in\n" << out;
   EXPECT_EQ(out.find('\r'), std::string::npos) << out;
