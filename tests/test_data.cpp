@@ -190,6 +190,10 @@ TEST(Tokenizer, UnsupportedPartsAreNamed) {
        {"model.merges[5]", "zzzq is not in model.vocab"}},
       {"merge format", [](json& j) { j["model"]["merges"][0] = "a b c"; }, {"model.merges[0]", "two tokens"}},
       {"byte missing", [](json& j) { j["model"]["vocab"].erase("Ġ"); }, {"no token for byte 0x20"}},
+      // Ids that overflowed id + 1, or made the id tables gigabytes long.
+      {"vocab id 2^31-1", [](json& j) { j["model"]["vocab"]["zzq"] = 2147483647; }, {"model.vocab", "[0, 2^24)"}},
+      {"added id 2^31-1", [](json& j) { j["added_tokens"][0]["id"] = 2147483647; }, {"added_tokens[0]", "[0, 2^24)"}},
+      {"sparse id", [](json& j) { j["added_tokens"][0]["id"] = 5000000; }, {"token id 5000000", "far beyond"}},
   };
   TempDir t;
   for (const Case& c : cases) {

@@ -695,6 +695,11 @@ TEST_F(Io, MalformedNpyAreClearErrors) {
   expect_error([&] { read_npy(p); }, {p, "dimension '-3'", "not a non-negative integer"});
   with("'shape': (2, 3)", "'shape': (2, 3 ");
   expect_error([&] { read_npy(p); }, {p, "unterminated value of 'shape'"});
+  // Not a tuple (this looped forever, growing memory).
+  with("'shape': (2, 3), ", "'shape': 6,      ");
+  expect_error([&] { read_npy(p); }, {p, "shape 6 is not a tuple"});
+  with("'shape': (2, 3), ", "'shape': [2, 3], ");
+  expect_error([&] { read_npy(p); }, {p, "shape [2 is not a tuple"});
 }
 
 TEST_F(Io, NumpyReadsWhatWeWriteNpy) {

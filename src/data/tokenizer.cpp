@@ -223,6 +223,9 @@ void unsupported(const std::string& file, const std::string& key, const std::str
 
 }  // namespace
 
+// Ids are below 2^24 (the largest vocabularies have ~2^18), so id + 1 never overflows.
+constexpr int64_t kMaxIds = int64_t{1} << 24;
+
 struct Tokenizer::Impl {
   std::string path;
   bool nfc = false;
@@ -302,9 +305,9 @@ void Tokenizer::Impl::load_model(const json& m) {
   MT_CHECK(m.contains("merges") && m["merges"].is_array()) << path << ": model.merges: missing or not a list";
 
   for (const auto& [token, id] : m["vocab"].items()) {
-    MT_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < (int64_t{1} << 31))
+    MT_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxIds)
         << path << ": model.vocab: token " << json(token).dump() << " has id " << id.dump()
-        << " (expected an integer in [0, 2^31))";
+        << " (expected an integer in [0, 2^24))";
     vocab.emplace(token, id.get<int32_t>());
     vocab_size = std::max(vocab_size, id.get<int32_t>() + 1);
   }
@@ -418,9 +421,9 @@ void Tokenizer::Impl::load_added_tokens(const json& at) {
     std::string key = "added_tokens[" + std::to_string(i) + "]";
     MT_CHECK(t.is_object() && t.contains("content") && t["content"].is_string() && !t["content"].empty() &&
              t.contains("id") && t["id"].is_number_integer() && t["id"].get<int64_t>() >= 0 &&
-             t["id"].get<int64_t>() < (int64_t{1} << 31))
+             t["id"].get<int64_t>() < kMaxIds)
         << path << ": " << key << ": " << t.dump()
-        << " (expected an object with a content string and an id in [0, 2^31))";
+        << " (expected an object with a content string and an id in [0, 2^24))";
     for (const char* f : {"lstrip", "rstrip", "single_word"})
       if (flag(t, f)) unsupported(path, key + "." + f, std::string(f) + " true on " + t["content"].dump());
     std::string content = t["content"].get<std::string>();
@@ -434,6 +437,12 @@ void Tokenizer::Impl::load_added_tokens(const json& at) {
     added.emplace_back(spelled, id, t.value("special", false));
     vocab_size = std::max(vocab_size, id + 1);
   }
+  // The id tables below are as long as the largest id: a few stray huge ids in a small
+  // file (corrupt, or not a vocabulary) would allocate gigabytes.
+  const int64_t listed = static_cast<int64_t>(vocab.size() + at.size());
+  MT_CHECK(vocab_size <= 4 * listed + 65536)
+      << path << ": token id " << vocab_size - 1 << " is far beyond the " << listed
+      << " tokens the file lists (expected ids below about that count); is the file corrupt?";
 
   decoded.assign(static_cast<size_t>(vocab_size), std::string());
   kind.assign(static_cast<size_t>(vocab_size), kNone);

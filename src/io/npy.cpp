@@ -67,11 +67,15 @@ NpyHeader parse_npy_header(const uint8_t* p, size_t n, const std::string& where)
   MT_CHECK(dict_value(h, "fortran_order", where) == "False")
       << where << ": Fortran-ordered .npy arrays are not supported (save with C order)";
   std::string shape = dict_value(h, "shape", where);
+  // A tuple, so the loop below always finds its ',' or ')'; numpy allows 64 dimensions.
+  MT_CHECK(shape.size() >= 2 && shape.front() == '(' && shape.back() == ')' && shape.size() < 1024)
+      << where << ": .npy shape " << shape.substr(0, 64) << " is not a tuple of dimensions such as (2, 3)";
   for (size_t i = 1; i < shape.size();) {
     size_t j = shape.find_first_of(",)", i);
     std::string tok = shape.substr(i, j - i);
     if (tok.find_first_not_of(' ') != std::string::npos) out.shape.push_back(parse_count(tok, "dimension", where));
     i = j + 1;
+    MT_CHECK(out.shape.size() <= 64) << where << ": .npy shape " << shape << " has more than 64 dimensions";
   }
   // Compared without forming header_bytes + data_bytes, which a corrupt shape could overflow.
   int64_t bytes = static_cast<int64_t>(out.item_bytes);
