@@ -180,7 +180,7 @@ def test_malformed(binary, tmp):
     check(r.returncode == 1 and f"{path}:2: not valid JSON" in r.stderr and "--strict" in r.stderr,
           f"--strict: exit {r.returncode}: {r.stderr}")
     r = tokenize(binary, [path], os.path.join(tmp, "w"), "--workers", "two")
-    check(r.returncode == 1 and "--workers expects a count" in r.stderr, f"--workers two: {r.stderr}")
+    check(r.returncode == 1 and "--workers should be an integer, got 'two'" in r.stderr, f"--workers two: {r.stderr}")
     r = tokenize(binary, [path], os.path.join(tmp, "field"), "--field", "other")
     check(r.returncode == 0 and json.loads(r.stdout)["documents"] == 1, f"--field other: {r.stdout} {r.stderr}")
 
