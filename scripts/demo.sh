@@ -19,8 +19,7 @@ fi
 # Train from scratch on the corpus (resuming if a previous demo run was interrupted),
 # export the result as a Hugging Face folder, and plot the loss.
 run="$demo/run"
-"$bin" train --config "$root/configs/demo.toml" --model.config="$root/configs/demo/config.json" \
-  --data.corpus="$demo/corpus" --job.dump_folder="$run"
+"$bin" train --config "$root/configs/demo.toml" --data.corpus="$demo/corpus" --job.dump_folder="$run"
 ckpt="$(dirname "$(ls "$run"/checkpoints/step-*/COMPLETE | sort | tail -n 1)")"
 "$bin" export-hf --checkpoint "$ckpt" --output "$demo/hf" --dtype bf16
 cp "$root/data/tokenizer.json" "$demo/hf/"

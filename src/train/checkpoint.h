@@ -45,6 +45,9 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
 // The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);
 
+// A complete checkpoint's train_state.json (step, seed, lr, data cursor, config).
+TrainState read_train_state(const std::string& dir);
+
 // Reads a checkpoint into the model and (when given) the optimizer. Every key the
 // model has must be there with its shape and no other key may be; errors name the
 // file, the key and the shapes.
