@@ -63,7 +63,8 @@ const Command kCommands[] = {
      "  activations each pp rank holds, from the allocation code training uses.\n"
      "  --schedule plays the step's schedule out on every pp rank, prints its bubble and\n"
      "  draws the timeline as SVG; --profile takes the stage times of a run trained with\n"
-     "  --metrics.profile=true (its last step) and predicts the step time from them.\n",
+     "  --metrics.profile=true (its last step) and predicts the step time from them.\n"
+     "  The config and its keys are train's (moetrain train --help lists them).\n",
      mt::cli::run_plan},
 };
 

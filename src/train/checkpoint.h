@@ -29,7 +29,7 @@ struct TrainState {
   int64_t seed = 0;
   double lr = 0;
   std::string data_cursor = "null";  // JSON, owned by the data source
-  std::string config_toml;           // the run's config, for the record
+  std::string config_toml;           // the run's config (TOML): a resume compares its own with it
 };
 
 // Saves step `st.step` under `checkpoints_dir` and keeps the newest `keep` complete
