@@ -20,8 +20,8 @@ fi
 # export the result as a Hugging Face folder (the corpus's tokenizer travels with it),
 # continue a prompt with it, and plot the run.
 run="$demo/run"
-"$bin" train --config "$root/configs/demo.toml" --model.config="$root/configs/demo/config.json" \
-  --data.corpus="$demo/corpus" --job.dump_folder="$run" --metrics.tensorboard=true
+"$bin" train --config "$root/configs/demo.toml" --data.corpus="$demo/corpus" --job.dump_folder="$run" \
+  --metrics.tensorboard=true
 "$bin" export-hf --checkpoint "$run" --output "$demo/hf" --dtype bf16
 "$bin" generate --model "$demo/hf" --prompt "In the beginning" --max-new-tokens 24
 # matplotlib is Debian's (setup.sh), for the system python3 unless the first one has it.

@@ -318,6 +318,58 @@ TEST(CheckpointCommands, SigtermSavesAndResumeIsExact) {
   }
 }
 
+// A resume prints the keys changed since its checkpoint, refuses a change that breaks
+// an exact resume (naming the key and both values) unless
+// checkpoint.allow_config_change, and keeps every config the run ran with: config.toml
+// from its start, config.step-N.toml from each resume at step N.
+TEST(CheckpointCommands, ResumeReportsAndRefusesConfigChanges) {
+  const std::string dump = temp_dir("config_change"), ckpt = dump + "/checkpoints/step-0000000";
+  auto config_of = [&](const std::string& name) {
+    std::vector<uint8_t> b = io::read_file(dump + "/" + name);
+    return std::string(b.begin(), b.end());
+  };
+  const std::string every2 = "--checkpoint.interval=2 ";
+  auto [rc, out] = run(train_cmd(dump, 2, every2));
+  ASSERT_EQ(rc, 0) << out;
+  // A changed micro-batch size is refused before anything is written.
+  std::tie(rc, out) = run(train_cmd(dump, 4, every2 + "--training.micro_batch_size=3"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("moetrain train: error: training.micro_batch_size (1 -> 3) changed since " + ckpt +
+                     "2 was saved, and an exact resume needs them unchanged"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("--checkpoint.allow_config_change=true"), std::string::npos) << out;
+  EXPECT_EQ(metric_lines(dump).size(), 2u);
+  EXPECT_FALSE(fs::exists(dump + "/config.step-00000002.toml"));
+  // Allowed, it resumes and prints what changed.
+  std::tie(rc, out) =
+      run(train_cmd(dump, 4, every2 + "--training.micro_batch_size=3 --checkpoint.allow_config_change=true"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("config changed since " + ckpt + "2:\n  training.steps: 2 -> 4\n"
+                     "  training.micro_batch_size: 1 -> 3\n  checkpoint.allow_config_change: false -> true\n"
+                     "moetrain train: "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("resumed from " + ckpt + "2 (step 2)"), std::string::npos) << out;
+  EXPECT_EQ(metric_lines(dump).size(), 4u);
+  // A change exact resume survives (the learning rate) needs no permission.
+  std::tie(rc, out) = run(train_cmd(dump, 5, every2 + "--training.micro_batch_size=3 --optimizer.lr=1e-3"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("config changed since " + ckpt + "4:\n  training.steps: 4 -> 5\n  optimizer.lr: 0.002 -> "
+                     "0.001\n  checkpoint.allow_config_change: true -> false\n"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(metric_lines(dump).size(), 5u);
+  // Every config the run ran with is kept.
+  EXPECT_NE(config_of("config.toml").find("\nsteps = 2\nglobal_batch_size = 0\nmicro_batch_size = 1\n"),
+            std::string::npos);
+  EXPECT_NE(config_of("config.step-00000002.toml").find("\nsteps = 4\nglobal_batch_size = 0\nmicro_batch_size = 3\n"),
+            std::string::npos);
+  EXPECT_NE(config_of("config.step-00000004.toml").find("\nsteps = 5\n"), std::string::npos);
+  EXPECT_NE(config_of("config.step-00000004.toml").find("\nlr = 0.001\n"), std::string::npos);
+  EXPECT_NE(config_of("config.toml").find("\nlr = 0.002\n"), std::string::npos);
+}
+
 TEST(CheckpointCommands, CrashInTheMiddleOfASaveResumesFromThePreviousOne) {
   std::string dump = temp_dir("crash");
   // Each file of a save is followed by a pause, so the kill lands inside the save.

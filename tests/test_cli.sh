@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The command-line contract: every subcommand answers --help with exit 0; an unbuilt
 # one says so on stderr and exits non-zero; unknown commands fail; --version reports
-# the CUDA build flag; every config under configs/ plans.
+# the CUDA build flag; train --help lists every key and --print-config the resolved
+# config; errors lead with the message (the source place only with --verbose); every
+# config under configs/ plans from another working folder.
 set -u
 bin="$1"
 fail=0
@@ -23,6 +25,36 @@ check "unknown command" 2 "$bin" frobnicate
 grep -q "unknown command 'frobnicate'" /tmp/moetrain-cli.err || { echo "FAIL: unknown command not named"; fail=1; }
 check "--version" 0 "$bin" --version
 grep -Eq "^cuda: (built in|not built in)" /tmp/moetrain-cli.out || { echo "FAIL: --version does not report cuda"; fail=1; }
+no_gpu=0
+grep -Eq "^cuda: not built in|^cuda devices: none" /tmp/moetrain-cli.out && no_gpu=1
+if grep -q "^cuda devices: none" /tmp/moetrain-cli.out && ! grep -q "no usable GPU" /tmp/moetrain-cli.out; then
+  echo "FAIL: --version without a device does not say there is no usable GPU: $(cat /tmp/moetrain-cli.out)"; fail=1
+fi
+# train --help: every key with its type, default and meaning (a sample of each kind).
+check "train --help" 0 "$bin" train --help
+for line in "optimizer.state_dtype +string +'fp32' +AdamW's moments" "data.tokens +path +'' +a .npy" \
+            "training.steps +integer +10 +optimizer steps" "optimizer.lr +number +3e-04 +the peak learning rate" \
+            "metrics.tensorboard +bool +false +also write TensorBoard event files to job.dump_folder/tb"; do
+  grep -Eq "^  $line" /tmp/moetrain-cli.out || { echo "FAIL: train --help lacks '$line'"; fail=1; }
+done
+# --print-config: the resolved config (overrides applied), exit 0, nothing trained or written.
+check "train --print-config" 0 "$bin" train --print-config --optimizer.lr=1e-3 --job.dump_folder=/nonexistent/run
+grep -q "^lr = 0.001$" /tmp/moetrain-cli.out && grep -q "^\[checkpoint\]$" /tmp/moetrain-cli.out ||
+  { echo "FAIL: --print-config: $(head -c 300 /tmp/moetrain-cli.out)"; fail=1; }
+[ -e /nonexistent/run ] && { echo "FAIL: --print-config created the run folder"; fail=1; }
+# Errors: the message first, with a suggestion; the source place only with --verbose.
+check "unknown key" 1 "$bin" train --optimizer.lrr=1
+grep -q "^moetrain train: error: unknown option --optimizer.lrr: no such config key; did you mean --optimizer.lr?" \
+  /tmp/moetrain-cli.err && ! grep -q "src/" /tmp/moetrain-cli.err ||
+  { echo "FAIL: unknown key: $(cat /tmp/moetrain-cli.err)"; fail=1; }
+check "unknown key --verbose" 1 "$bin" train --optimizer.lrr=1 --verbose
+grep -q "^  (check .* failed at src/train/config.cpp:[0-9]*)$" /tmp/moetrain-cli.err ||
+  { echo "FAIL: --verbose shows no source place: $(cat /tmp/moetrain-cli.err)"; fail=1; }
+if [ $no_gpu = 1 ]; then
+  check "train on cuda without a GPU" 1 "$bin" train --training.device=cuda --model.config="$(dirname "$0")/../configs/demo/config.json"
+  grep -q "training.device = cuda, but there is no usable GPU" /tmp/moetrain-cli.err ||
+    { echo "FAIL: no GPU: $(cat /tmp/moetrain-cli.err)"; fail=1; }
+fi
 # A command run without its inputs fails (exit 1) and names what is missing.
 for pair in "train:model.config is not set" "eval:--model is required" "encode:--tokenizer is required" \
             "tokenize:--tokenizer is required" "export-hf:--checkpoint is required" "generate:--model is required" \
@@ -34,10 +66,12 @@ for pair in "train:model.config is not set" "eval:--model is required" "encode:-
     echo "FAIL: $c without inputs: exit $rc, stderr: $(head -c 300 /tmp/moetrain-cli.err)"; fail=1
   fi
 done
-# Every shipped config plans (run from the repository root, as its paths are written).
+# Every shipped config plans from another working folder: its paths are taken against
+# the config file's folder.
 bin="$(realpath "$bin")"
-cd "$(dirname "$0")/.." || exit 1
-for cfg in configs/*.toml; do
+configs="$(realpath "$(dirname "$0")/../configs")"
+cd / || exit 1
+for cfg in "$configs"/*.toml; do
   check "plan --config $cfg" 0 "$bin" plan --config "$cfg"
   grep -q "total" /tmp/moetrain-cli.out || { echo "FAIL: plan of $cfg prints no total"; fail=1; }
 done

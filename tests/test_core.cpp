@@ -256,8 +256,24 @@ TEST(Check, MessageNamesStatementPlaceRankAndDetail) {
     EXPECT_NE(m.find("on rank 3"), std::string::npos) << m;
     EXPECT_NE(m.find("router logits should be f32[2,4], got f32[2,3]@cpu"), std::string::npos) << m;
     EXPECT_NE(m.find("check `"), std::string::npos) << m;
+    // The message leads; where it was raised follows (the CLI prints it with --verbose).
+    EXPECT_EQ(e.message, "router logits should be f32[2,4], got f32[2,3]@cpu");
+    EXPECT_EQ(m, e.message + " [" + e.where + "]");
+    EXPECT_EQ(e.where.rfind("check `", 0), 0u) << e.where;
+    EXPECT_NE(e.where.find("src/core/tensor.cpp:"), std::string::npos) << e.where;
   }
   set_check_rank(-1);
+  // A check with nothing streamed is an internal invariant: the place is the message.
+  try {
+    MT_CHECK(buf.size() == 7);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message.rfind("internal error: check `buf.size() == 7` failed at tests/test_core.cpp:", 0), 0u)
+        << e.message;
+    EXPECT_EQ(e.where, "");
+  }
+  EXPECT_EQ(closest("lrr", {"seed", "lr", "steps"}), "lr");
+  EXPECT_EQ(closest("print_config", {"config", "print-config"}), "print-config");
 }
 
 TEST(Arena, AlignsCountsAndRefusesOverflow) {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <map>
+#include <sstream>
 #include <set>
 #include <tuple>
 
@@ -78,14 +79,23 @@ TEST(Config, DefaultsFileAndOverrides) {
 TEST(Config, WrongKeysAndValuesAreNamed) {
   std::string d = temp_dir("config_bad");
   std::ofstream(d + "/a.toml") << "[training]\nstepz = 7\n";
-  EXPECT_NE(error_of([&] { load_config(d + "/a.toml", {}); }).find("a.toml: unknown key [training] stepz"),
+  EXPECT_NE(error_of([&] { load_config(d + "/a.toml", {}); })
+                .find("a.toml: unknown key [training] stepz; did you mean [training] steps?"),
+            std::string::npos);
+  // The same key name in another section comes first.
+  std::ofstream(d + "/lr.toml") << "[training]\nlr = 1e-3\n";
+  EXPECT_NE(error_of([&] { load_config(d + "/lr.toml", {}); }).find("[training] lr; did you mean [optimizer] lr?"),
             std::string::npos);
   std::ofstream(d + "/b.toml") << "[optimizer]\nlr = \"fast\"\n";
   EXPECT_NE(error_of([&] { load_config(d + "/b.toml", {}); }).find("b.toml: [optimizer] lr should be a number"),
             std::string::npos);
   std::ofstream(d + "/c.toml") << "[training\nsteps = 1\n";
   EXPECT_NE(error_of([&] { load_config(d + "/c.toml", {}); }).find("c.toml:1:"), std::string::npos);
-  EXPECT_NE(error_of([&] { load_config("", {{"optimizer.lrr", "1"}}); }).find("unknown option --optimizer.lrr"),
+  EXPECT_NE(error_of([&] { load_config("", {{"optimizer.lrr", "1"}}); })
+                .find("unknown option --optimizer.lrr: no such config key; did you mean --optimizer.lr?"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_config("", {{"checkpoint.allow_config_changes", "true"}}); })
+                .find("did you mean --checkpoint.allow_config_change?"),
             std::string::npos);
   EXPECT_NE(error_of([&] { load_config("", {{"training.steps", "ten"}}); })
                 .find("--training.steps should be an integer, got 'ten'"),
@@ -93,6 +103,97 @@ TEST(Config, WrongKeysAndValuesAreNamed) {
   EXPECT_NE(error_of([&] { load_config("", {{"lr_scheduler.decay", "exp"}}); })
                 .find("lr_scheduler.decay should be one of constant, linear, cosine, wsd, got 'exp'"),
             std::string::npos);
+  // The message leads; where it was raised follows in brackets.
+  const std::string e = error_of([&] { load_config("", {{"training.steps", "-1"}}); });
+  EXPECT_EQ(e.rfind("training.steps should be >= 0, got -1 [check `", 0), 0u) << e;
+}
+
+// Paths in a file are taken against the file's folder (hf:DIR too; absolute ones and
+// "random" stay); overrides are kept as written, against the working folder.
+TEST(Config, PathsInAFileAreTakenAgainstItsFolder) {
+  const std::string d = std::filesystem::path(temp_dir("config_paths")).lexically_normal().string();
+  std::filesystem::create_directories(d + "/sub");
+  std::ofstream(d + "/sub/run.toml") << "[job]\ndump_folder = \"../runs/a\"\n[model]\ninit = \"hf:models/m\"\n"
+                                        "config = \"/abs/config.json\"\n[data]\ntokens = \"./t.npy\"\n"
+                                        "[checkpoint]\nload = \"ck/step-00000002\"\n";
+  Config c = load_config(d + "/sub/run.toml", {{"checkpoint.load", "here/step-00000004"}});
+  EXPECT_EQ(c.job.dump_folder, d + "/runs/a");
+  EXPECT_EQ(c.model.init, "hf:" + d + "/sub/models/m");
+  EXPECT_EQ(c.model.config, "/abs/config.json");
+  EXPECT_EQ(c.data.tokens, d + "/sub/t.npy");
+  EXPECT_EQ(c.data.corpus, "");
+  EXPECT_EQ(c.checkpoint.load, "here/step-00000004");  // the override, against the working folder
+  // config_to_toml writes paths absolute: its text reads back the same from any folder.
+  const std::string toml = config_to_toml(c);
+  EXPECT_NE(toml.find("load = '" + (std::filesystem::current_path() / "here/step-00000004").string() + "'"),
+            std::string::npos)
+      << toml;
+  std::ofstream(d + "/sub/again.toml") << toml;
+  EXPECT_EQ(config_to_toml(load_config(d + "/sub/again.toml", {})), toml);
+  std::ofstream(d + "/sub/random.toml") << "[model]\ninit = \"random\"\n";
+  EXPECT_EQ(load_config(d + "/sub/random.toml", {}).model.init, "random");
+  // A missing input names its key and the path it was resolved to.
+  EXPECT_NE(error_of([&] { check_inputs_exist(c); })
+                .find("model.init = 'hf:" + d + "/sub/models/m': " + d + "/sub/models/m does not exist"),
+            std::string::npos);
+}
+
+// train --help and docs/config.md: every key once, with its type, default and meaning.
+TEST(Config, ReferenceListsEveryKey) {
+  const std::string toml = config_to_toml(Config{}), text = config_reference(false), md = config_reference(true);
+  int keys = 0;
+  std::istringstream lines(toml);
+  std::string section;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.starts_with("[")) section = line.substr(1, line.size() - 2);
+    if (line.find(" = ") == std::string::npos) continue;
+    ++keys;
+    const std::string key = section + "." + line.substr(0, line.find(" = "));
+    EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
+    EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
+  }
+  EXPECT_EQ(keys, 44);
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
+  EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(md.find("| `data.seq_len` | integer | `0` | tokens a sequence; 0: T - 1 of data.tokens (set it with "
+                    "data.corpus) (*fixed on resume*) |"),
+            std::string::npos);
+  EXPECT_NE(md.find("| `metrics.tensorboard` | bool | `false` | also write TensorBoard event files to job.dump_folder/tb |"),
+            std::string::npos);
+}
+
+// What a resume prints and refuses: the keys changed since the saved config.
+TEST(Config, ChangesSinceASavedConfig) {
+  Config was;
+  was.data.tokens = "t.npy";
+  was.optimizer.lr = 2e-3;
+  // A key the saved config has that no longer exists is ignored; one it lacks is its default.
+  std::string saved = config_to_toml(was) + "\n[legacy]\ndtype = 'bf16'\n";
+  saved.erase(saved.find("force_balanced_routing = false\n"), 31);
+  Config now = was;
+  EXPECT_TRUE(config_changes(saved, now).empty());
+  now.data.tokens = "./t.npy";  // the same file, spelled otherwise
+  EXPECT_TRUE(config_changes(saved, now).empty());
+  now.optimizer.lr = 1e-3;
+  now.training.micro_batch_size = 2;
+  std::vector<ConfigChange> c = config_changes(saved, now);
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0].key, "training.micro_batch_size");
+  EXPECT_EQ(c[0].before, "0");
+  EXPECT_EQ(c[0].after, "2");
+  EXPECT_TRUE(c[0].breaks_resume);
+  EXPECT_EQ(c[1].key, "optimizer.lr");
+  EXPECT_EQ(c[1].before, "0.002");
+  EXPECT_EQ(c[1].after, "0.001");
+  EXPECT_FALSE(c[1].breaks_resume);
+  now.data.tokens = "other.npy";
+  c = config_changes(saved, now);
+  ASSERT_EQ(c.size(), 3u);
+  EXPECT_EQ(c[0].key, "data.tokens");
+  EXPECT_EQ(c[0].after, "'" + (std::filesystem::current_path() / "other.npy").string() + "'");
+  EXPECT_TRUE(c[0].breaks_resume);
 }
 
 TEST(Config, LearningRateSchedules) {
@@ -1096,7 +1197,12 @@ TEST(Commands, CorpusFedMeshMatchesOneRank) {
 TEST(Commands, BadConfigFailsNamingTheKey) {
   auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --training.stepz=3");
   EXPECT_EQ(rc, 1);
-  EXPECT_NE(out.find("unknown option --training.stepz"), std::string::npos) << out;
+  EXPECT_EQ(out.rfind("moetrain train: error: unknown option --training.stepz: no such config key; did you mean "
+                      "--training.steps?",
+                      0),
+            0u)
+      << out;
+  EXPECT_EQ(out.find("src/"), std::string::npos) << "the source place is for --verbose: " << out;
   auto [rc2, out2] = run(std::string(MOETRAIN_BIN) + " eval --model " + fixture("qwen3_moe_a") + " --tokens " +
                          fixture("nonexistent.npy"));
   EXPECT_EQ(rc2, 1);

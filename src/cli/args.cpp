@@ -1,6 +1,7 @@
 #include "cli/args.h"
 
 #include <algorithm>
+#include <charconv>
 
 #include "core/check.h"
 
@@ -17,8 +18,8 @@ Options::Options(const char* command, const Args& args, std::vector<std::string>
   };
   for (size_t i = 0; i < args.size(); ++i) {
     std::string_view a = args[i];
-    MT_CHECK(a.starts_with("--")) << "moetrain " << command_ << ": unexpected argument '" << a
-                                  << "' (options start with --; see --help)";
+    MT_CHECK(a.starts_with("--")) << "unexpected argument '" << a << "': options start with -- (moetrain "
+                                  << command_ << " --help lists them)";
     a.remove_prefix(2);
     std::string value;
     bool inline_value = false;
@@ -31,7 +32,7 @@ Options::Options(const char* command, const Args& args, std::vector<std::string>
     // The value after '=', else the next argument.
     auto one_value = [&] {
       if (inline_value) return value;
-      MT_CHECK(i + 1 < args.size()) << "moetrain " << command_ << ": --" << name << " needs a value";
+      MT_CHECK(i + 1 < args.size()) << "--" << name << " needs a value (--" << name << "=VALUE)";
       return std::string(args[++i]);
     };
     if (name.find('.') != std::string::npos) {
@@ -39,13 +40,18 @@ Options::Options(const char* command, const Args& args, std::vector<std::string>
       continue;
     }
     const std::string* s = spec(name);
-    MT_CHECK(s != nullptr) << "moetrain " << command_ << ": unknown option --" << name << " (see --help)";
+    if (s == nullptr) {
+      std::vector<std::string> names;
+      for (const std::string& k : known) names.push_back(k.substr(0, k.find_first_of("*?")));
+      MT_FAIL() << "unknown option --" << name << "; did you mean --" << closest(name, names) << "? (moetrain "
+                << command_ << " --help lists the options)";
+    }
     std::vector<std::string> vals;
     if (s->ends_with('?')) {
-      MT_CHECK(!inline_value) << "moetrain " << command_ << ": --" << name << " takes no value";
+      MT_CHECK(!inline_value) << "--" << name << " is a flag and takes no value; write --" << name << " alone";
     } else if (s->ends_with('*') && !inline_value) {
       while (i + 1 < args.size() && !args[i + 1].starts_with("--")) vals.emplace_back(args[++i]);
-      MT_CHECK(!vals.empty()) << "moetrain " << command_ << ": --" << name << " needs at least one value";
+      MT_CHECK(!vals.empty()) << "--" << name << " needs at least one value";
     } else {
       vals.push_back(one_value());
     }
@@ -64,8 +70,18 @@ std::string Options::get(std::string_view name, std::string_view fallback) const
 }
 
 std::string Options::required(std::string_view name) const {
-  MT_CHECK(has(name)) << "moetrain " << command_ << ": --" << name << " is required (see --help)";
+  MT_CHECK(has(name)) << "--" << name << " is required (moetrain " << command_ << " --help describes it)";
   return get(name);
+}
+
+int64_t Options::integer(std::string_view name, int64_t fallback) const {
+  if (!has(name)) return fallback;
+  const std::string text = get(name);
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  MT_CHECK(ec == std::errc() && end == text.data() + text.size() && !text.empty())
+      << "--" << name << " should be an integer, got '" << text << "'";
+  return v;
 }
 
 std::vector<std::string> Options::list(std::string_view name) const {

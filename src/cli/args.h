@@ -2,6 +2,7 @@
 // and repeated values (`--input a b c`). Unknown options are an error naming them.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,6 +23,8 @@ class Options {
   // an error naming the command and the option when it is missing.
   std::string get(std::string_view name, std::string_view fallback = {}) const;
   std::string required(std::string_view name) const;
+  // An integer option: `fallback` when absent, an error naming it when not an integer.
+  int64_t integer(std::string_view name, int64_t fallback) const;
   std::vector<std::string> list(std::string_view name) const;
   // Options of the form --section.key=value (or --section.key value), in order:
   // the train and plan commands pass them on as config overrides.

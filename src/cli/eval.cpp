@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "core/arena.h"
 #include "core/check.h"
 #include "train/trainer.h"
 
@@ -13,7 +14,8 @@ int run_eval(const Args& args) {
   std::string folder = o.required("model");
   std::string device = o.get("device", "cpu");
   MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
-  int64_t micro = std::stoll(o.get("micro-batch", "8"));
+  if (device == "cuda") require_gpu("--device cuda");
+  const int64_t micro = o.integer("micro-batch", 8);
   MT_CHECK(micro >= 1) << "--micro-batch should be >= 1";
   ModelOptions options;
   options.device = device == "cuda" ? Device::cuda : Device::cpu;

@@ -6,6 +6,8 @@
 
 #include "cli/commands.h"
 #include "comm/communicator.h"
+#include "core/check.h"
+#include "train/config.h"
 #ifdef MOETRAIN_WITH_CUDA
 #include "kernels/cuda/device.h"
 #endif
@@ -19,6 +21,7 @@ struct Command {
   const char* summary;
   const char* usage;
   int (*run)(const Args& args);
+  bool keys = false;  // --help lists the config keys after the usage
 };
 
 const Command kCommands[] = {
@@ -26,8 +29,13 @@ const Command kCommands[] = {
      "usage: moetrain train [--config FILE.toml] [--section.key=value ...]\n"
      "  Every key has a default, so overrides alone can describe a run. Sections:\n"
      "  [job] [model] [data] [training] [optimizer] [lr_scheduler] [parallelism]\n"
-     "  [checkpoint] [metrics]. Under mpirun or srun every rank runs the same command.\n",
-     mt::cli::run_train},
+     "  [checkpoint] [metrics]. Under mpirun or srun every rank runs the same command.\n"
+     "  A relative path in the config file is taken against the file's folder, one on the\n"
+     "  command line against the working folder. A resume prints the keys changed since\n"
+     "  its checkpoint and refuses those marked fixed on resume (docs/config.md).\n"
+     "  --print-config  print the resolved config as TOML and exit\n\n"
+     "keys (section.key, type, default, meaning):\n",
+     mt::cli::run_train, true},
     {"eval", "mean next-token loss of a Hugging Face model on a token matrix",
      "usage: moetrain eval --model DIR --tokens FILE.npy [--device cpu|cuda]\n"
      "  Prints {\"loss\": <mean cross-entropy>, \"tokens\": <B*(T-1)>} for the [B,T] int32/int64\n"
@@ -64,17 +72,19 @@ const Command kCommands[] = {
      "  activations each pp rank holds, from the allocation code training uses.\n"
      "  --schedule plays the step's schedule out on every pp rank, prints its bubble and\n"
      "  draws the timeline as SVG; --profile takes the stage times of a run trained with\n"
-     "  --metrics.profile=true (its last step) and predicts the step time from them.\n",
+     "  --metrics.profile=true (its last step) and predicts the step time from them.\n"
+     "  The config and its keys are train's (moetrain train --help lists them).\n",
      mt::cli::run_plan},
 };
 
 void print_help() {
   std::printf(
       "moetrain %s: train Mixture-of-Experts language models (C++20/CUDA)\n\n"
-      "usage: moetrain <command> [options]\n       moetrain --version\n\ncommands:\n",
+      "usage: moetrain <command> [options] [--verbose]\n       moetrain --version\n\ncommands:\n",
       MOETRAIN_VERSION);
   for (const Command& c : kCommands) std::printf("  %-10s %s\n", c.name, c.summary);
-  std::printf("\n'moetrain <command> --help' describes one command.\n");
+  std::printf("\n'moetrain <command> --help' describes one command. --verbose adds to an error\n"
+              "where in the source it was raised.\n");
 }
 
 int print_version() {
@@ -82,14 +92,13 @@ int print_version() {
 #ifdef MOETRAIN_WITH_CUDA
   std::printf("cuda: built in (sm_90a)\n");
   mt::cuda::DeviceInfo d = mt::cuda::query_device();
-  if (!d.error.empty() && d.count == 0)
-    std::printf("cuda devices: none usable (%s)\n", d.error.c_str());
-  else if (d.count == 0)
-    std::printf("cuda devices: none\n");
+  if (d.count == 0)
+    std::printf("cuda devices: none: no usable GPU here%s%s%s\n", d.error.empty() ? "" : " (the CUDA runtime says: ",
+                d.error.c_str(), d.error.empty() ? "" : ")");
   else
     std::printf("cuda devices: %d, device 0: %s, sm_%d%d, %.1f GiB, probe kernel %s\n", d.count, d.name.c_str(),
                 d.sm_major, d.sm_minor, static_cast<double>(d.memory_bytes) / (1ull << 30),
-                d.kernels_run ? "ran" : "failed");
+                d.kernels_run ? "ran" : "failed: no usable GPU (moetrain's kernels are for sm_90a, Hopper)");
 #else
   std::printf("cuda: not built in (CPU backend only)\n");
 #endif
@@ -114,16 +123,23 @@ int main(int argc, char** argv) {
   }
   if (cmd == "--version") return print_version();
   Args args(argv + 2, argv + argc);
+  const bool verbose = std::erase(args, "--verbose") > 0;
   for (const Command& c : kCommands) {
     if (cmd != c.name) continue;
     if (wants_help(args)) {
       std::fputs(c.usage, stdout);
+      if (c.keys) std::fputs(mt::config_reference(false).c_str(), stdout);
       return 0;
     }
     try {
       return c.run(args);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "moetrain %s: error: %s\n", c.name, e.what());
+      // The message says what was wrong and how to fix it; where in the source it was
+      // raised is for --verbose (an internal error's message includes it).
+      const auto* m = dynamic_cast<const mt::Error*>(&e);
+      std::string rank = mt::comm::world().size() > 1 ? " on rank " + std::to_string(mt::comm::world().rank()) : "";
+      std::fprintf(stderr, "moetrain %s: error%s: %s\n", c.name, rank.c_str(), m ? m->message.c_str() : e.what());
+      if (verbose && m && !m->where.empty()) std::fprintf(stderr, "  (%s)\n", m->where.c_str());
       // The other ranks may be waiting in a collective for this one: end them all.
       if (mt::comm::world().size() > 1) mt::comm::world().abort(1);
       return 1;

@@ -138,15 +138,11 @@ int run_plan(const Args& args) {
   Options o("plan", args, {"config", "world", "schedule?", "profile", "output"});
   Config cfg = load_config(o.get("config"), o.dotted());
   MT_CHECK(o.has("schedule") || (!o.has("profile") && !o.has("output")))
-      << "plan: --profile and --output describe the schedule's picture: add --schedule";
-  const int world = std::stoi(o.get("world", "1"));
+      << "--profile and --output describe the schedule's picture: add --schedule";
+  const int world = static_cast<int>(o.integer("world", 1));
   comm::MeshShape mesh = comm::mesh_shape(world, static_cast<int>(cfg.parallelism.pp),
                                           static_cast<int>(cfg.parallelism.cp), static_cast<int>(cfg.parallelism.ep));
-  std::string config_json = cfg.model.config;
-  if (config_json.empty()) {
-    MT_CHECK(cfg.model.init.starts_with("hf:")) << "model.config is not set and model.init is not hf:DIR";
-    config_json = (std::filesystem::path(cfg.model.init.substr(3)) / "config.json").string();
-  }
+  const std::string config_json = model_config_path(cfg);
   ModelOptions options;
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
   options.plan_only = true;

@@ -1,6 +1,5 @@
 // moetrain tokenize: JSONL(.zst) files to packed token files (src/data/corpus.h).
 // Progress and malformed lines go to stderr; one JSON summary line to stdout.
-#include <charconv>
 #include <cstdio>
 #include <string>
 
@@ -15,12 +14,10 @@ int run_tokenize(const Args& args) {
   data::TokenizeOptions o;
   o.tokenizer = opt.required("tokenizer");
   o.inputs = opt.list("input");
-  MT_CHECK(!o.inputs.empty()) << "moetrain tokenize: --input is required (see --help)";
+  MT_CHECK(!o.inputs.empty()) << "--input is required: the JSONL(.zst) files or folders to tokenize";
   o.output = opt.required("output");
-  std::string workers = opt.get("workers", "0");
-  auto [end, ec] = std::from_chars(workers.data(), workers.data() + workers.size(), o.workers);
-  MT_CHECK(ec == std::errc() && end == workers.data() + workers.size() && o.workers >= 0)
-      << "moetrain tokenize: --workers expects a count (0 = one per core), got '" << workers << "'";
+  o.workers = static_cast<int>(opt.integer("workers", 0));
+  MT_CHECK(o.workers >= 0) << "--workers should be a count (0 = one per core), got " << o.workers;
   o.field = opt.get("field", "text");
   o.strict = opt.has("strict");
 

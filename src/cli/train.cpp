@@ -13,6 +13,7 @@
 
 #include "cli/commands.h"
 #include "comm/mesh.h"
+#include "core/arena.h"
 #include "core/check.h"
 #include "io/file.h"
 #ifdef MOETRAIN_WITH_CUDA
@@ -47,11 +48,20 @@ void install_signal_handlers() {
   sigaction(SIGINT, &sa, nullptr);
 }
 
-std::string model_config_path(const Config& c) {
-  if (!c.model.config.empty()) return c.model.config;
-  MT_CHECK(c.model.init.starts_with("hf:"))
-      << "model.config is not set: random initialisation needs a Hugging Face config.json for the architecture";
-  return (fs::path(c.model.init.substr(3)) / "config.json").string();
+// A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
+// exact resume needs unchanged is refused unless checkpoint.allow_config_change; rank
+// 0 (`print`) prints every changed key.
+void compare_with_checkpoint(const Config& cfg, const std::string& dir, const std::string& saved, bool print) {
+  const std::vector<ConfigChange> changes = config_changes(saved, cfg);
+  std::string fixed;
+  for (const ConfigChange& c : changes)
+    if (c.breaks_resume) fixed += (fixed.empty() ? "" : ", ") + c.key + " (" + c.before + " -> " + c.after + ")";
+  MT_CHECK(fixed.empty() || cfg.checkpoint.allow_config_change)
+      << fixed << " changed since " << dir << " was saved, and an exact resume needs them unchanged: set them back, "
+      << "start a new run (another job.dump_folder), or resume anyway with --checkpoint.allow_config_change=true";
+  if (!print || changes.empty()) return;
+  std::printf("config changed since %s:\n", dir.c_str());
+  for (const ConfigChange& c : changes) std::printf("  %s: %s -> %s\n", c.key.c_str(), c.before.c_str(), c.after.c_str());
 }
 
 // Where the tokenizer a checkpoint carries comes from: the corpus's (tokenize copies it
@@ -106,13 +116,27 @@ void print_banner(const Config& c, const comm::DeviceMesh& mesh, const std::stri
 int run_train(const Args& args) {
   const auto started = std::chrono::steady_clock::now();
   install_signal_handlers();
-  Options o("train", args, {"config"});
+  Options o("train", args, {"config", "print-config?", "config-reference?"});
+  if (o.has("config-reference")) {
+    std::fputs(config_reference(true).c_str(), stdout);
+    return 0;
+  }
   Config cfg = load_config(o.get("config"), o.dotted());
+  if (o.has("print-config")) {
+    std::fputs(config_to_toml(cfg).c_str(), stdout);
+    return 0;
+  }
+  check_inputs_exist(cfg);
+  if (cfg.training.device == "cuda") require_gpu("training.device = cuda");
   // Every rank runs this same function; rank 0 alone writes the run folder.
   comm::World& world = comm::world();
+  const bool writer = world.rank() == 0;
+  const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
+  const std::string resume = cfg.checkpoint.load.empty() ? latest_checkpoint(checkpoints) : cfg.checkpoint.load;
+  const TrainState saved = resume.empty() ? TrainState{} : read_train_state(resume);
+  if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, resume, saved.config_toml, writer);
   comm::DeviceMesh mesh(world.comm(), static_cast<int>(cfg.parallelism.pp), static_cast<int>(cfg.parallelism.cp),
                         static_cast<int>(cfg.parallelism.ep));
-  const bool writer = world.rank() == 0;
   const std::string config_json = model_config_path(cfg);
   ModelOptions options;
   options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
@@ -142,16 +166,18 @@ int run_train(const Args& args) {
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";
   MT_CHECK(cfg.data.corpus.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus";
 
-  const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
   std::error_code ec;
   if (writer) {
     fs::create_directories(folder, ec);
     MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
-    io::write_file_atomic(folder + "/config.toml", {config_to_toml(cfg)});
+    // config.toml is the config a run started with; a resume from step N keeps its own
+    // beside it, as config.step-0000000N.toml (N as the checkpoint folders write it).
+    char name[64] = "config.toml";
+    if (!resume.empty()) std::snprintf(name, sizeof name, "config.step-%08lld.toml", static_cast<long long>(saved.step));
+    io::write_file_atomic(folder + "/" + name, {config_to_toml(cfg)});
   }
   mesh.world().barrier();
 
-  std::string resume = cfg.checkpoint.load.empty() ? latest_checkpoint(checkpoints) : cfg.checkpoint.load;
   std::unique_ptr<Trainer> made;
   if (cfg.data.corpus.empty())
     made = std::make_unique<Trainer>(cfg, *model, read_token_batch(cfg.data.tokens, model->vocab_size()));

@@ -42,6 +42,20 @@ bool cuda_built() {
 #endif
 }
 
+void require_gpu(const std::string& what) {
+#ifdef MOETRAIN_WITH_CUDA
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) cudaGetLastError();
+  MT_CHECK(e == cudaSuccess && count > 0)
+      << what << ", but there is no usable GPU here (" << (e == cudaSuccess ? "no CUDA device" : cudaGetErrorString(e))
+      << "); use the CPU, or a machine with an NVIDIA Hopper GPU and a driver for CUDA 13";
+#else
+  MT_FAIL() << what << ", but there is no usable GPU: this moetrain was built without CUDA (CPU backend only; "
+            << "build it where nvcc is, make CUDA=ON), so use the CPU";
+#endif
+}
+
 void* device_alloc(Device device, size_t bytes) {
   if (bytes == 0) return nullptr;
   if (device == Device::cpu) {

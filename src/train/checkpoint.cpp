@@ -222,6 +222,21 @@ std::string find_checkpoint(const std::string& path) {
   return found;
 }
 
+TrainState read_train_state(const std::string& dir) {
+  MT_CHECK(complete(dir)) << dir << " is not a complete checkpoint (no COMPLETE marker)";
+  std::vector<uint8_t> b = io::read_file((fs::path(dir) / "train_state.json").string());
+  nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
+  MT_CHECK(!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer())
+      << dir << "/train_state.json: expected a JSON object with an integer \"step\"";
+  TrainState st;
+  st.step = j["step"].get<int64_t>();
+  st.seed = j.value("seed", int64_t{0});
+  st.lr = j.value("lr", 0.0);
+  st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
+  st.config_toml = j.value("config", std::string());
+  return st;
+}
+
 TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
   MT_CHECK(complete(dir)) << dir << " is not a complete checkpoint (no COMPLETE marker)";
   io::HfWeights weights(dir);
@@ -256,17 +271,7 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
       MT_CHECK(used) << dir << ": optimizer state " << name << " belongs to no parameter of this model";
     }
   }
-  std::vector<uint8_t> b = io::read_file((fs::path(dir) / "train_state.json").string());
-  nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
-  MT_CHECK(!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer())
-      << dir << "/train_state.json: expected a JSON object with an integer \"step\"";
-  TrainState st;
-  st.step = j["step"].get<int64_t>();
-  st.seed = j.value("seed", int64_t{0});
-  st.lr = j.value("lr", 0.0);
-  st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
-  st.config_toml = j.value("config", std::string());
-  return st;
+  return read_train_state(dir);
 }
 
 }  // namespace mt

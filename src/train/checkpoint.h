@@ -30,7 +30,7 @@ struct TrainState {
   int64_t seed = 0;
   double lr = 0;
   std::string data_cursor = "null";  // JSON, owned by the data source
-  std::string config_toml;           // the run's config, for the record
+  std::string config_toml;           // the run's config (TOML): a resume compares its own with it
 };
 
 // Saves step `st.step` under `checkpoints_dir` and keeps the newest `keep` complete
@@ -51,6 +51,9 @@ std::string latest_checkpoint(const std::string& checkpoints_dir);
 // checkpoints folder or a run folder (job.dump_folder: its checkpoints/), whose newest
 // complete step is taken. An error saying where it looked when there is none.
 std::string find_checkpoint(const std::string& path);
+
+// A complete checkpoint's train_state.json (step, seed, lr, data cursor, config).
+TrainState read_train_state(const std::string& dir);
 
 // Reads a checkpoint into the model and (when given) the optimizer. Every key the
 // model has must be there with its shape and no other key may be; errors name the

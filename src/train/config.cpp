@@ -2,8 +2,12 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <sstream>
+#include <utility>
 
 #include "core/check.h"
 
@@ -11,53 +15,84 @@ namespace mt {
 
 namespace {
 
-// Calls f(section, key, field) for every key: the one list that parsing, overrides
-// and printing share.
-template <typename F>
-void visit(Config& c, F&& f) {
-  f("job", "dump_folder", c.job.dump_folder);
-  f("model", "init", c.model.init);
-  f("model", "config", c.model.config);
-  f("model", "init_std", c.model.init_std);
-  f("data", "tokens", c.data.tokens);
-  f("data", "corpus", c.data.corpus);
-  f("data", "seq_len", c.data.seq_len);
-  f("training", "steps", c.training.steps);
-  f("training", "global_batch_size", c.training.global_batch_size);
-  f("training", "micro_batch_size", c.training.micro_batch_size);
-  f("training", "clip_grad_norm", c.training.clip_grad_norm);
-  f("training", "seed", c.training.seed);
-  f("training", "device", c.training.device);
-  f("training", "fp8", c.training.fp8);
-  f("training", "fp8_scale", c.training.fp8_scale);
-  f("training", "load_balance_coef", c.training.load_balance_coef);
-  f("training", "load_balance_type", c.training.load_balance_type);
-  f("training", "capacity_factor", c.training.capacity_factor);
-  f("training", "force_balanced_routing", c.training.force_balanced_routing);
-  f("optimizer", "name", c.optimizer.name);
-  f("optimizer", "lr", c.optimizer.lr);
-  f("optimizer", "beta1", c.optimizer.beta1);
-  f("optimizer", "beta2", c.optimizer.beta2);
-  f("optimizer", "eps", c.optimizer.eps);
-  f("optimizer", "weight_decay", c.optimizer.weight_decay);
-  f("optimizer", "decay", c.optimizer.decay);
-  f("optimizer", "state_dtype", c.optimizer.state_dtype);
-  f("lr_scheduler", "warmup_steps", c.lr_scheduler.warmup_steps);
-  f("lr_scheduler", "decay", c.lr_scheduler.decay);
-  f("lr_scheduler", "min_lr_ratio", c.lr_scheduler.min_lr_ratio);
-  f("lr_scheduler", "decay_ratio", c.lr_scheduler.decay_ratio);
-  f("parallelism", "pp", c.parallelism.pp);
-  f("parallelism", "cp", c.parallelism.cp);
-  f("parallelism", "ep", c.parallelism.ep);
-  f("parallelism", "zero3", c.parallelism.zero3);
-  f("parallelism", "pipeline_schedule", c.parallelism.pipeline_schedule);
-  f("checkpoint", "interval", c.checkpoint.interval);
-  f("checkpoint", "save_final", c.checkpoint.save_final);
-  f("checkpoint", "keep", c.checkpoint.keep);
-  f("checkpoint", "load", c.checkpoint.load);
-  f("metrics", "log_interval", c.metrics.log_interval);
-  f("metrics", "profile", c.metrics.profile);
-  f("metrics", "tensorboard", c.metrics.tensorboard);
+namespace fs = std::filesystem;
+
+// kPath: a path (relative ones in a config file are taken against its folder);
+// kFixed: fixed on resume, as an exact resume needs it (checkpoint.allow_config_change).
+enum : int { kPath = 1, kFixed = 2 };
+
+struct Key {
+  const char* section;
+  const char* name;
+  int flags;
+  const char* meaning;
+  std::string dotted() const { return std::string(section) + "." + name; }
+};
+
+// Calls f(key, field) for every key: the one list that parsing, overrides, printing,
+// the reference and the resume check share. A meaning is one line.
+template <typename C, typename F>
+void visit(C& c, F&& f) {
+  f({"job", "dump_folder", kPath, "the run folder: config.toml, metrics.jsonl, checkpoints/"}, c.job.dump_folder);
+  f({"model", "init", kPath | kFixed, "random, or hf:DIR to start from a Hugging Face model folder"}, c.model.init);
+  f({"model", "config", kPath | kFixed, "the architecture: a Hugging Face config.json (or hf:DIR's)"}, c.model.config);
+  f({"model", "init_std", 0, "random init: N(0, init_std); output projections / sqrt(2 * layers)"}, c.model.init_std);
+  f({"data", "tokens", kPath | kFixed, "a .npy [B, T] token matrix: the whole global batch every step"}, c.data.tokens);
+  f({"data", "corpus", kPath | kFixed, "a folder of tokenized .bin files (moetrain tokenize)"}, c.data.corpus);
+  f({"data", "seq_len", kFixed, "tokens a sequence; 0: T - 1 of data.tokens (set it with data.corpus)"}, c.data.seq_len);
+  f({"training", "steps", 0, "optimizer steps of the whole run (a resumed run continues to it)"}, c.training.steps);
+  f({"training", "global_batch_size", kFixed, "sequences a step; 0: every row of data.tokens"},
+    c.training.global_batch_size);
+  f({"training", "micro_batch_size", kFixed, "sequences a forward on one rank; 0: the rank's whole share"},
+    c.training.micro_batch_size);
+  f({"training", "clip_grad_norm", 0, "clip the gradients' global norm to this; 0: no clipping"},
+    c.training.clip_grad_norm);
+  f({"training", "seed", kFixed, "seeds the random init and the corpus order"}, c.training.seed);
+  f({"training", "device", 0, "cpu, or cuda (bf16 compute, fp32 master weights; one GPU a rank)"}, c.training.device);
+  f({"training", "fp8", 0, "none, or blockwise: linear layers in e4m3 with 1x128 / 128x128 scales"}, c.training.fp8);
+  f({"training", "fp8_scale", 0, "pow2 (scales rounded up to powers of two) or fp32 (as computed)"},
+    c.training.fp8_scale);
+  f({"training", "load_balance_coef", 0, "weight of the load-balance loss added to the cross-entropy"},
+    c.training.load_balance_coef);
+  f({"training", "load_balance_type", 0, "micro_batch or global_batch: the tokens the balance is measured over"},
+    c.training.load_balance_type);
+  f({"training", "capacity_factor", 0, "an expert keeps ceil(f * tokens * top_k / experts) rows; 0: dropless"},
+    c.training.capacity_factor);
+  f({"training", "force_balanced_routing", 0, "benchmarks: route tokens round-robin, not by the router"},
+    c.training.force_balanced_routing);
+  f({"optimizer", "name", 0, "adamw (the one optimizer)"}, c.optimizer.name);
+  f({"optimizer", "lr", 0, "the peak learning rate"}, c.optimizer.lr);
+  f({"optimizer", "beta1", 0, "AdamW's first-moment decay"}, c.optimizer.beta1);
+  f({"optimizer", "beta2", 0, "AdamW's second-moment decay"}, c.optimizer.beta2);
+  f({"optimizer", "eps", 0, "AdamW's epsilon"}, c.optimizer.eps);
+  f({"optimizer", "weight_decay", 0, "decoupled weight decay"}, c.optimizer.weight_decay);
+  f({"optimizer", "decay", 0, "which parameters decay: matrices (2-D and up) or all"}, c.optimizer.decay);
+  f({"optimizer", "state_dtype", 0, "AdamW's moments in fp32, or in bf16 rounded stochastically"},
+    c.optimizer.state_dtype);
+  f({"lr_scheduler", "warmup_steps", 0, "steps of linear warmup from 0 to optimizer.lr"}, c.lr_scheduler.warmup_steps);
+  f({"lr_scheduler", "decay", 0, "after warmup: constant, linear, cosine or wsd"}, c.lr_scheduler.decay);
+  f({"lr_scheduler", "min_lr_ratio", 0, "where the decay ends, as a fraction of optimizer.lr"},
+    c.lr_scheduler.min_lr_ratio);
+  f({"lr_scheduler", "decay_ratio", 0, "wsd: the fraction of the steps spent decaying at the end"},
+    c.lr_scheduler.decay_ratio);
+  f({"parallelism", "pp", 0, "pipeline stages (dp = ranks / (pp * cp * ep))"}, c.parallelism.pp);
+  f({"parallelism", "cp", 0, "context-parallel ranks (ring attention over a sequence)"}, c.parallelism.cp);
+  f({"parallelism", "ep", 0, "expert-parallel ranks (each holds experts / ep experts)"}, c.parallelism.ep);
+  f({"parallelism", "zero3", 0, "shard the decoder layers' weights and gradients too (ZeRO-3)"}, c.parallelism.zero3);
+  f({"parallelism", "pipeline_schedule", 0, "auto (dualpipev when pp > 1), dualpipev or 1f1b"},
+    c.parallelism.pipeline_schedule);
+  f({"checkpoint", "interval", 0, "steps between checkpoints; 0: none along the way"}, c.checkpoint.interval);
+  f({"checkpoint", "save_final", 0, "also save the run's last step (warns when the run would save none)"},
+    c.checkpoint.save_final);
+  f({"checkpoint", "keep", 0, "the newest complete checkpoints kept"}, c.checkpoint.keep);
+  f({"checkpoint", "load", kPath, "resume from this checkpoint folder, not the run's newest"}, c.checkpoint.load);
+  f({"checkpoint", "allow_config_change", 0, "resume even though keys marked fixed on resume changed"},
+    c.checkpoint.allow_config_change);
+  f({"metrics", "log_interval", 0, "steps between lines on stdout (metrics.jsonl has every step)"},
+    c.metrics.log_interval);
+  f({"metrics", "profile", 0, "time each stage (a breakdown in metrics.jsonl; moetrain plan --profile)"},
+    c.metrics.profile);
+  f({"metrics", "tensorboard", 0, "also write TensorBoard event files to job.dump_folder/tb"}, c.metrics.tensorboard);
 }
 
 template <typename T>
@@ -66,6 +101,56 @@ const char* type_name() {
   else if constexpr (std::is_same_v<T, bool>) return "true or false";
   else if constexpr (std::is_same_v<T, int64_t>) return "an integer";
   else return "a number";
+}
+
+// A value in TOML; a number in the fewest digits that read back the same, as a float.
+template <typename T>
+std::string toml_text(const T& v) {
+  std::ostringstream s;
+  if constexpr (std::is_same_v<T, std::string>) {
+    s << toml::value<std::string>(v);
+  } else if constexpr (std::is_same_v<T, bool>) {
+    s << (v ? "true" : "false");
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    s << v;
+  } else {
+    char buf[32];
+    std::string t(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+    s << t << (t.find_first_of(".en") == std::string::npos ? ".0" : "");
+  }
+  return s.str();
+}
+
+// The path in a path key's value, through `f` (hf:DIR keeps its prefix; "random" and
+// empty values are not paths).
+template <typename F>
+std::string on_path(const std::string& v, F&& f) {
+  const size_t skip = v.starts_with("hf:") ? 3 : 0;
+  if (v == "random" || v.size() == skip) return v;
+  return v.substr(0, skip) + f(fs::path(v.substr(skip))).string();
+}
+
+// A key's value as config_to_toml writes it and a resume compares it: TOML, with paths
+// absolute (against the working folder), so that the text reads back the same anywhere.
+template <typename T>
+std::string key_text(const Key& k, const T& v) {
+  if constexpr (std::is_same_v<T, std::string>)
+    if (k.flags & kPath) return toml_text(on_path(v, [](const fs::path& p) { return fs::absolute(p).lexically_normal(); }));
+  return toml_text(v);
+}
+
+// The known key closest to `dotted` ("section.key"); the same key name in another
+// section first (lr under [training] is optimizer.lr).
+std::string closest_key(const std::string& dotted) {
+  const std::string name = dotted.substr(dotted.find('.') + 1);
+  std::vector<std::string> keys;
+  std::string same_name;
+  const Config c;
+  visit(c, [&](const Key& k, const auto&) {
+    keys.push_back(k.dotted());
+    if (k.name == name) same_name = k.dotted();
+  });
+  return same_name.empty() ? closest(dotted, keys) : same_name;
 }
 
 // One TOML value into a field; `where` is "FILE: [section] key" for messages.
@@ -162,31 +247,37 @@ Config load_config(const std::string& toml_path, const std::vector<std::pair<std
       MT_FAIL() << toml_path << ":" << e.source().begin.line << ":" << e.source().begin.column << ": "
                 << e.description();
     }
+    const fs::path folder = fs::path(toml_path).parent_path();
     for (auto&& [section, node] : t) {
       std::string sec(section.str());
       MT_CHECK(node.is_table()) << toml_path << ": '" << sec << "' should be a [section]";
       for (auto&& [key, value] : *node.as_table()) {
         std::string k(key.str());
         bool found = false;
-        visit(c, [&](const char* s, const char* name, auto& field) {
-          if (sec == s && k == name) {
-            set_from_toml(value, field, toml_path + ": [" + sec + "] " + k);
-            found = true;
-          }
+        visit(c, [&](const Key& known, auto& field) {
+          if (sec != known.section || k != known.name) return;
+          set_from_toml(value, field, toml_path + ": [" + sec + "] " + k);
+          if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
+            if (known.flags & kPath)
+              field = on_path(field, [&](const fs::path& p) { return p.is_absolute() ? p : (folder / p).lexically_normal(); });
+          found = true;
         });
-        MT_CHECK(found) << toml_path << ": unknown key [" << sec << "] " << k;
+        if (found) continue;
+        const std::string near = closest_key(sec + "." + k);
+        MT_FAIL() << toml_path << ": unknown key [" << sec << "] " << k << "; did you mean [" << near.substr(0, near.find('.'))
+                  << "] " << near.substr(near.find('.') + 1) << "? (moetrain train --help lists every key)";
       }
     }
   }
   for (const auto& [dotted, text] : overrides) {
     bool found = false;
-    visit(c, [&](const char* s, const char* name, auto& field) {
-      if (dotted == std::string(s) + "." + name) {
-        set_from_text(text, field, "--" + dotted);
-        found = true;
-      }
+    visit(c, [&](const Key& k, auto& field) {
+      if (dotted != k.dotted()) return;
+      set_from_text(text, field, "--" + dotted);
+      found = true;
     });
-    MT_CHECK(found) << "unknown option --" << dotted << " (no key '" << dotted << "' in any config section)";
+    MT_CHECK(found) << "unknown option --" << dotted << ": no such config key; did you mean --" << closest_key(dotted)
+                    << "? (moetrain train --help lists every key)";
   }
   validate(c);
   return c;
@@ -195,21 +286,101 @@ Config load_config(const std::string& toml_path, const std::vector<std::pair<std
 std::string config_to_toml(const Config& c) {
   std::ostringstream s;
   std::string current;
-  Config copy = c;
-  visit(copy, [&](const char* sec, const char* name, auto& field) {
-    if (current != sec) {
-      s << (current.empty() ? "" : "\n") << "[" << sec << "]\n";
-      current = sec;
-    }
-    using T = std::decay_t<decltype(field)>;
-    s << name << " = ";
-    if constexpr (std::is_same_v<T, std::string>) s << toml::value<std::string>(field);
-    else if constexpr (std::is_same_v<T, bool>) s << (field ? "true" : "false");
-    else if constexpr (std::is_same_v<T, int64_t>) s << field;
-    else s << toml::value<double>(field);
-    s << "\n";
+  visit(c, [&](const Key& k, const auto& field) {
+    if (current != k.section) s << (current.empty() ? "" : "\n") << "[" << k.section << "]\n";
+    current = k.section;
+    s << k.name << " = " << key_text(k, field) << "\n";
   });
   return s.str();
+}
+
+std::string config_reference(bool markdown) {
+  std::ostringstream s;
+  if (markdown)
+    s << "# Configuration keys\n\n"
+         "Generated from the key list in src/train/config.cpp by\n"
+         "`moetrain train --config-reference > docs/config.md`; the ctest test `config_doc` fails\n"
+         "when this page is out of date. `moetrain train --help` prints the same list.\n\n"
+         "A run is described by a TOML file (`--config FILE.toml`, keys under `[section]`) and\n"
+         "`--section.key=value` overrides, applied in order after the file. Every key has a\n"
+         "default, so overrides alone can describe a run; `--print-config` prints the resolved\n"
+         "config as TOML and exits. An unknown key is an error naming the closest known one.\n\n"
+         "- Paths (type `path`): a relative path in a config file is taken against the file's\n"
+         "  folder, one on the command line against the working folder.\n"
+         "- Resume: a run whose `job.dump_folder` holds a checkpoint (or given\n"
+         "  `checkpoint.load`) resumes from it and prints every key changed since that\n"
+         "  checkpoint was saved (old -> new). A change of a key marked *fixed on resume*\n"
+         "  breaks an exact resume and is refused unless `checkpoint.allow_config_change =\n"
+         "  true`. The run folder keeps `config.toml`, the config the run started with, and\n"
+         "  `config.step-NNNNNNNN.toml`, the config of each resume from step N.\n";
+  std::string current;
+  const Config defaults;
+  char line[512];
+  visit(defaults, [&](const Key& k, const auto& field) {
+    using T = std::decay_t<decltype(field)>;
+    const char* type = k.flags & kPath                    ? "path"
+                       : std::is_same_v<T, std::string> ? "string"
+                       : std::is_same_v<T, bool>        ? "bool"
+                       : std::is_same_v<T, int64_t>     ? "integer"
+                                                        : "number";
+    const std::string meaning =
+        std::string(k.meaning) + (k.flags & kFixed ? (markdown ? " (*fixed on resume*)" : " (fixed on resume)") : "");
+    if (markdown) {
+      if (current != k.section)
+        s << "\n## [" << k.section << "]\n\n| key | type | default | meaning |\n| --- | --- | --- | --- |\n";
+      s << "| `" << k.dotted() << "` | " << type << " | `" << toml_text(field) << "` | " << meaning << " |\n";
+    } else {
+      std::snprintf(line, sizeof line, "  %-31s %-8s %-14s %s\n", k.dotted().c_str(), type, toml_text(field).c_str(),
+                    meaning.c_str());
+      s << line;
+    }
+    current = k.section;
+  });
+  return s.str();
+}
+
+std::vector<ConfigChange> config_changes(const std::string& saved_toml, const Config& c) {
+  toml::table t;
+  try {
+    t = toml::parse(saved_toml);
+  } catch (const toml::parse_error& e) {
+    MT_FAIL() << "the checkpoint's saved config is not valid TOML: " << e.description();
+  }
+  Config saved;
+  std::vector<std::string> before;
+  visit(saved, [&](const Key& k, auto& field) {
+    if (const toml::node* n = t.at_path(k.dotted()).node()) set_from_toml(*n, field, "the checkpoint's " + k.dotted());
+    before.push_back(key_text(k, field));
+  });
+  std::vector<ConfigChange> changes;
+  size_t i = 0;
+  visit(c, [&](const Key& k, const auto& field) {
+    const std::string after = key_text(k, field);
+    if (after != before[i]) changes.push_back({k.dotted(), before[i], after, (k.flags & kFixed) != 0});
+    ++i;
+  });
+  return changes;
+}
+
+void check_inputs_exist(const Config& c) {
+  visit(c, [&](const Key& k, const auto& field) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
+      if ((k.flags & kPath) && k.dotted() != "job.dump_folder")
+        on_path(field, [&](const fs::path& p) {
+          MT_CHECK(fs::exists(p)) << k.dotted() << " = " << toml_text(field) << ": " << p.string()
+                                  << " does not exist (a relative path is taken against the config file's folder, "
+                                     "or on the command line against the working folder)";
+          return p;
+        });
+  });
+}
+
+std::string model_config_path(const Config& c) {
+  if (!c.model.config.empty()) return c.model.config;
+  MT_CHECK(c.model.init.starts_with("hf:"))
+      << "model.config is not set: model.init = random needs the architecture as a Hugging Face config.json "
+         "(--model.config=PATH), or start from a model folder with --model.init=hf:DIR";
+  return (fs::path(c.model.init.substr(3)) / "config.json").string();
 }
 
 double lr_at(const Config& c, int64_t step) {

@@ -1,5 +1,7 @@
 // Training configuration: TOML sections as torchtitan names them, every key with a
-// default, overridden by --section.key=value on the command line.
+// default, overridden by --section.key=value on the command line. config.cpp lists
+// every key once, with its meaning: `moetrain train --help` and docs/config.md print
+// that list.
 #pragma once
 
 #include <cstdint>
@@ -82,6 +84,7 @@ struct CheckpointConfig {
   bool save_final = true;
   int64_t keep = 3;      // newest complete checkpoints kept
   std::string load;      // a checkpoint folder to start from instead of the newest
+  bool allow_config_change = false;  // resume even if keys that break exact resume changed
 };
 
 struct MetricsConfig {
@@ -103,12 +106,40 @@ struct Config {
 };
 
 // Reads `toml_path` (may be empty: defaults only), then applies the overrides in
-// order. An unknown section or key, a value of the wrong type, or an invalid value is
+// order. A relative path in the file (job.dump_folder, model.init's hf:DIR,
+// model.config, data.tokens, data.corpus, checkpoint.load) is taken against the file's
+// folder; one on the command line against the working folder. An unknown key (with the
+// closest known one as a suggestion), a value of the wrong type, or an invalid value is
 // an error naming the file (or "--section.key") and the key.
 Config load_config(const std::string& toml_path, const std::vector<std::pair<std::string, std::string>>& overrides);
 
-// Every key as "section.key = value" lines in TOML syntax (for logs and train_state).
+// Every key as "[section]" and "key = value" lines in TOML (config.toml, train_state),
+// paths made absolute, so the text reads back the same from any folder.
 std::string config_to_toml(const Config& c);
+
+// Every key with its type, default and meaning: aligned text (train --help) or the
+// Markdown page docs/config.md.
+std::string config_reference(bool markdown);
+
+// A key whose value differs from a saved config's; `breaks_resume` for the keys an
+// exact resume needs unchanged (the model, the data, the batch sizes, the seed).
+struct ConfigChange {
+  std::string key, before, after;
+  bool breaks_resume = false;
+};
+
+// The keys of `c` that differ from `saved_toml` (config_to_toml's text; a key it lacks
+// counts as its default, one it has that no longer exists is ignored), in
+// config_to_toml's text (relative paths made absolute against the working folder).
+std::vector<ConfigChange> config_changes(const std::string& saved_toml, const Config& c);
+
+// Every input path that is set (model.init's hf:DIR, model.config, data.tokens,
+// data.corpus, checkpoint.load) exists; else an error naming the key and the path.
+void check_inputs_exist(const Config& c);
+
+// The model's Hugging Face config.json: model.config, else DIR/config.json of model.init
+// = hf:DIR; an error saying what to set when neither is there.
+std::string model_config_path(const Config& c);
 
 // The learning rate at 0-based `step`: linear warmup to lr over warmup_steps, then
 // the decay shape down to lr * min_lr_ratio at the last step.

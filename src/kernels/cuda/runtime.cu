@@ -15,7 +15,9 @@
 namespace mt::cuda {
 
 void fail_cuda(cudaError_t e, const char* call, const char* file, int line) {
-  ::mt::CheckFailure(call, file, line) << "CUDA error " << cudaGetErrorName(e) << ": " << cudaGetErrorString(e);
+  const bool no_gpu = e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver;
+  ::mt::CheckFailure(call, file, line) << (no_gpu ? "there is no usable GPU here: " : "") << "CUDA error "
+                                       << cudaGetErrorName(e) << ": " << cudaGetErrorString(e);
   __builtin_unreachable();  // CheckFailure's destructor throws
 }
 
