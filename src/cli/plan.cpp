@@ -21,6 +21,7 @@
 #include "parallel/zero3.h"
 #include "train/config.h"
 #include "train/optimizer.h"
+#include "train/progress.h"
 #include "train/schedule.h"
 
 namespace mt::cli {
@@ -180,11 +181,10 @@ int run_plan(const Args& args) {
   std::vector<std::vector<Action>> schedules;
   for (int r = 0; r < mesh.pp; ++r) schedules.push_back(make_schedule(shape, pipeline, r));
 
-  auto gib = [](size_t b) { return static_cast<double>(b) / (1ull << 30); };
   std::printf("mesh: world %d = pp %d x dp %d x cp %d x ep %d\n", world, mesh.pp, mesh.dp, mesh.cp, mesh.ep);
-  std::printf("model: %lld layers, %.3fB parameters (%.3fB active per token), device %s\n",
-              static_cast<long long>(L), whole->param_count() / 1e9, whole->active_param_count() / 1e9,
-              cfg.training.device.c_str());
+  std::printf("model: %lld layers, %s parameters (%s active per token), device %s\n", static_cast<long long>(L),
+              count_text(static_cast<double>(whole->param_count())).c_str(),
+              count_text(static_cast<double>(whole->active_param_count())).c_str(), cfg.training.device.c_str());
   if (mesh.pp > 1) {
     std::printf("pipeline: %s, %d chunks of layers", pipeline.dualpipev ? "dualpipev" : "1f1b", pipeline.chunks());
     for (int c = 0; c < pipeline.chunks(); ++c)
@@ -235,26 +235,32 @@ int run_plan(const Args& args) {
       separator = ", ";
     }
     const size_t total = 2 * weights + optimizer + compute + slot + activations;
+    // One unit for the table, the one train's step line would use for the total.
+    const bool mib = total < (size_t{1} << 30);
+    const char* unit = mib ? "MiB" : "GiB";
+    auto in = [&](size_t bytes) {
+      return static_cast<double>(bytes) / static_cast<double>(size_t{1} << (mib ? 20 : 30));
+    };
     if (mesh.pp > 1) {
       const std::vector<int64_t> mine = pipeline.layers_of(r);
       std::printf(" pp rank %d: %zu layers%s%s\n", r, mine.size(), options.embedding ? ", the embedding" : "",
                   options.head ? ", the head" : "");
     }
-    std::printf("  master weights (f32)      %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
-    std::printf("  gradients (f32)           %10.3f GiB%s\n", gib(weights), zero3 ? " (embedding and head)" : "");
+    std::printf("  master weights (f32)      %10.3f %s%s\n", in(weights), unit, zero3 ? " (embedding and head)" : "");
+    std::printf("  gradients (f32)           %10.3f %s%s\n", in(weights), unit, zero3 ? " (embedding and head)" : "");
     if (sharded)
-      std::printf("  AdamW shards              %10.3f GiB (moments and summed gradients%s over %d ranks)\n",
-                  gib(optimizer), zero3 ? ", layers' weights" : "", replicas);
+      std::printf("  AdamW shards              %10.3f %s (moments and summed gradients%s over %d ranks)\n",
+                  in(optimizer), unit, zero3 ? ", layers' weights" : "", replicas);
     else
-      std::printf("  AdamW moments (2 x %s)  %10.3f GiB\n", state == DType::bf16 ? "bf16" : "f32 ", gib(optimizer));
-    std::printf("  %-26s%10.3f GiB\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies", gib(compute));
+      std::printf("  AdamW moments (2 x %s)  %10.3f %s\n", state == DType::bf16 ? "bf16" : "f32 ", in(optimizer), unit);
+    std::printf("  %-26s%10.3f %s\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies", in(compute), unit);
     if (zero3)
-      std::printf("  zero3 layer slots         %10.3f GiB (two layers' weights and copies, two layers' gradients)\n",
-                  gib(slot));
-    std::printf("  activations               %10.3f GiB (micro-batches of %lld x %lld tokens in flight: %s)\n",
-                gib(activations), static_cast<long long>(micro), static_cast<long long>(seq / mesh.cp),
+      std::printf("  zero3 layer slots         %10.3f %s (two layers' weights and copies, two layers' gradients)\n",
+                  in(slot), unit);
+    std::printf("  activations               %10.3f %s (micro-batches of %lld x %lld tokens in flight: %s)\n",
+                in(activations), unit, static_cast<long long>(micro), static_cast<long long>(seq / mesh.cp),
                 in_flight.c_str());
-    std::printf("  total                     %10.3f GiB (%zu bytes)\n", gib(total), total);
+    std::printf("  total                     %10.3f %s (%zu bytes)\n", in(total), unit, total);
   }
   if (!o.has("schedule")) return 0;
 

@@ -91,8 +91,9 @@ void print_banner(const Config& c, const comm::DeviceMesh& mesh, const std::stri
   std::vector<uint8_t> b = io::read_file(model_config);
   const std::string type = nlohmann::json::parse(b.begin(), b.end(), nullptr, false).value("model_type", "?");
   const comm::MeshShape& m = mesh.shape();
-  std::printf("moetrain train: %s (%s), %lld layers, %.3fM parameters (%.3fM active)\n", type.c_str(),
-              model_config.c_str(), static_cast<long long>(layers), params[0] / 1e6, params[1] / 1e6);
+  std::printf("moetrain train: %s (%s), %lld layers, %s parameters (%s active)\n", type.c_str(),
+              model_config.c_str(), static_cast<long long>(layers), count_text(static_cast<double>(params[0])).c_str(),
+              count_text(static_cast<double>(params[1])).c_str());
   std::printf("  mesh: dp %d x cp %d x ep %d x pp %d (%d rank%s), %s%s\n", m.dp, m.cp, m.ep, m.pp, m.size(),
               m.size() == 1 ? "" : "s",
               c.training.device.c_str(), c.parallelism.zero3 && m.size() > 1 ? ", zero3" : "");

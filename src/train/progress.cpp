@@ -18,13 +18,18 @@ std::string format(const char* fmt, auto... args) {
 
 std::string memory(const StepResult& r) {
   // Measured on a GPU; planned (the arenas `moetrain plan` prints) on the CPU.
-  const double bytes = static_cast<double>(r.device_memory_bytes > 0 ? r.device_memory_bytes : r.memory_bytes);
-  return bytes < (1 << 30) ? format("%.1f MiB", bytes / (1 << 20)) : format("%.2f GiB", bytes / (1 << 30));
+  return bytes_text(static_cast<double>(r.device_memory_bytes > 0 ? r.device_memory_bytes : r.memory_bytes));
 }
 
 std::string span(double seconds) { return seconds < 60 ? format("%.1f s", seconds) : clock_time(seconds); }
 
 }  // namespace
+
+std::string bytes_text(double bytes) {
+  return bytes < (1 << 30) ? format("%.1f MiB", bytes / (1 << 20)) : format("%.2f GiB", bytes / (1 << 30));
+}
+
+std::string count_text(double n) { return n < 1e9 ? format("%.3fM", n / 1e6) : format("%.3fB", n / 1e9); }
 
 std::string clock_time(double seconds) {
   const long t = static_cast<long>(std::max(0.0, seconds) + 0.5);
