@@ -152,7 +152,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 44);
+  EXPECT_EQ(keys, 45);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -648,6 +648,41 @@ TEST(Commands, EvalPrintsTheContractLine) {
     io::NpyArray tokens = io::read_npy(fixture(name + "/tokens.npy"));
     EXPECT_EQ(j["tokens"].get<int64_t>(), tokens.header.shape[0] * (tokens.header.shape[1] - 1));
   }
+}
+
+// A step whose loss or gradient norm is not finite is not applied: at lr 1e30 the first
+// update blows the weights up and step 2's gradient norm is NaN. By default the run stops
+// there (exit 1) and saves nothing after step 1; with training.max_skipped_steps it runs
+// on, skipping, and its final checkpoint holds step 1's weights, unchanged.
+TEST(Commands, NonFiniteStepsAreNotApplied) {
+  const std::string dump = temp_dir("non_finite");
+  const std::string cmd = std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                          " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy") +
+                          " --training.steps=4 --optimizer.lr=1e30 --training.clip_grad_norm=0 --checkpoint.interval=1";
+  auto [rc, out] = run(cmd + " --job.dump_folder=" + dump + "/stop 2>&1");
+  EXPECT_EQ(rc, 1) << out;
+  for (const char* want : {"step 2: the ", " is not finite", "its update was not applied", "Stopping",
+                           "training.max_skipped_steps = 0", "checkpoints/step-00000001"})
+    EXPECT_NE(out.find(want), std::string::npos) << want << " in\n" << out;
+  EXPECT_TRUE(std::filesystem::exists(dump + "/stop/checkpoints/step-00000001/COMPLETE"));
+  EXPECT_FALSE(std::filesystem::exists(dump + "/stop/checkpoints/step-00000002")) << "a checkpoint of a non-finite step";
+
+  auto [rc2, out2] = run(cmd + " --training.max_skipped_steps=3 --checkpoint.keep=10 --job.dump_folder=" + dump +
+                         "/skip 2>&1");
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find("warning: step 4: the "), std::string::npos) << out2;
+  std::ifstream metrics(dump + "/skip/metrics.jsonl");
+  int lines = 0;
+  for (std::string line; std::getline(metrics, line); ++lines)
+    EXPECT_EQ(nlohmann::json::parse(line).contains("skipped"), lines > 0) << line;
+  EXPECT_EQ(lines, 4);
+  auto bytes = [](const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  const std::string one = bytes(dump + "/skip/checkpoints/step-00000001/model.safetensors");
+  EXPECT_FALSE(one.empty());
+  EXPECT_EQ(bytes(dump + "/skip/checkpoints/step-00000004/model.safetensors"), one);
 }
 
 TEST(Commands, TrainFromOverridesMatchesTransformers) {

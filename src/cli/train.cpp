@@ -278,6 +278,7 @@ int run_train(const Args& args) {
                  static_cast<long long>(every), why.c_str());
   }
   double lr = 0;
+  int64_t skipped = 0;  // steps not applied (non-finite), this run
   while (trainer.steps_done() < cfg.training.steps) {
     StepResult r = trainer.step();
     lr = r.lr;
@@ -286,6 +287,20 @@ int run_train(const Args& args) {
       metrics.flush();
       if (tb) tb->scalars(r.step, r.time, step_scalars(r));
       progress.step(r);
+    }
+    if (!r.non_finite.empty()) {
+      // Not applied (trainer.h). Within the allowance the run goes on; past it, it stops
+      // before saving anything: no checkpoint holds a non-finite step.
+      const std::string what = "step " + std::to_string(r.step) + ": the " + r.non_finite +
+                               " is not finite (loss " + std::to_string(r.loss) + ", grad_norm " +
+                               std::to_string(r.grad_norm) + "); its update was not applied";
+      MT_CHECK(++skipped <= cfg.training.max_skipped_steps)
+          << what << ". Stopping: " << skipped - 1 << " such steps were allowed (training.max_skipped_steps = "
+          << cfg.training.max_skipped_steps << "); the last checkpoint is "
+          << (last_checkpoint.empty() ? std::string("none of this run's") : last_checkpoint)
+          << ". A lower optimizer.lr or training.clip_grad_norm may help (docs/playbooks/debug-loss-spike.md)";
+      if (writer) progress.say("warning: " + what + " (" + std::to_string(skipped) + " of training.max_skipped_steps = " +
+                               std::to_string(cfg.training.max_skipped_steps) + ")");
     }
     // A signal reaches one rank or all; every rank stops at the same step.
     std::vector<int64_t> signalled = {g_signals.load() > 0 ? 1 : 0};

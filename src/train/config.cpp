@@ -60,6 +60,8 @@ void visit(C& c, F&& f) {
     c.training.capacity_factor);
   f({"training", "force_balanced_routing", 0, "benchmarks: route tokens round-robin, not by the router"},
     c.training.force_balanced_routing);
+  f({"training", "max_skipped_steps", 0, "steps with a non-finite loss or gradient norm skipped before the run stops"},
+    c.training.max_skipped_steps);
   f({"optimizer", "name", 0, "adamw (the one optimizer)"}, c.optimizer.name);
   f({"optimizer", "lr", 0, "the peak learning rate"}, c.optimizer.lr);
   f({"optimizer", "beta1", 0, "AdamW's first-moment decay"}, c.optimizer.beta1);
@@ -209,6 +211,8 @@ void validate(const Config& c) {
   check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");
   check_one_of(c.optimizer.decay, {"matrices", "all"}, "optimizer.decay");
   check_one_of(c.optimizer.state_dtype, {"fp32", "bf16"}, "optimizer.state_dtype");
+  MT_CHECK(c.training.max_skipped_steps >= 0)
+      << "training.max_skipped_steps should be >= 0, got " << c.training.max_skipped_steps;
   check_one_of(c.lr_scheduler.decay, {"constant", "linear", "cosine", "wsd"}, "lr_scheduler.decay");
   MT_CHECK(c.training.steps >= 0) << "training.steps should be >= 0, got " << c.training.steps;
   MT_CHECK(c.training.global_batch_size >= 0 && c.training.micro_batch_size >= 0)

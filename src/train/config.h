@@ -44,6 +44,7 @@ struct TrainingConfig {
   std::string load_balance_type = "micro_batch";  // micro_batch or global_batch
   double capacity_factor = 0.0;   // 0: dropless
   bool force_balanced_routing = false;  // benchmarks: route round-robin, not by the router
+  int64_t max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm a run may skip
 };
 
 struct OptimizerConfig {

@@ -445,16 +445,19 @@ StepResult Trainer::step() {
   } else {
     r.grad_norm = std::sqrt(optimizer_.grad_sum_squares());
   }
+  r.loss = loss_sum / static_cast<double>(count);
+  r.lb_loss = lb_total;
+  // All three are the same numbers on every rank, so every rank skips the same steps.
+  for (auto [name, v] : {std::pair{"loss", r.loss}, {"lb_loss", r.lb_loss}, {"grad_norm", r.grad_norm}})
+    if (!std::isfinite(v) && r.non_finite.empty()) r.non_finite = name;
   // torch's clipping factor, applied by the optimizer as it reads each gradient.
   float clip = 1.0f;
   if (t.clip_grad_norm > 0) clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
   r.lr = lr_at(cfg_, r.step - 1);
   profile_.mark("optimizer");
-  optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
+  if (r.non_finite.empty()) optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
   r.breakdown = profile_.finish();
 
-  r.loss = loss_sum / static_cast<double>(count);
-  r.lb_loss = lb_total;
   r.expert_counts = counts;
   r.dropped_slots = dropped[0];
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -514,6 +517,7 @@ std::string step_json(const StepResult& r) {
   j["lb_loss"] = r.lb_loss;
   j["grad_norm"] = r.grad_norm;
   j["lr"] = r.lr;
+  if (!r.non_finite.empty()) j["skipped"] = r.non_finite;  // NaN and inf print as null
   j["tokens_per_s"] = r.tokens_per_s;
   j["memory_bytes"] = r.memory_bytes;
   if (r.device_memory_bytes > 0) {

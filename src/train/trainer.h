@@ -48,6 +48,9 @@ struct StepResult {
   std::vector<int64_t> moe_layers;  // the decoder layer of each MoE layer (expert_counts' rows)
   int64_t dropped_slots = 0;  // (token, expert) slots over capacity (training.capacity_factor)
   std::vector<ProfileEntry> breakdown;  // metrics.profile: time (and spans) per stage
+  // The first of loss, lb_loss and grad_norm that is not finite, or "": such a step's
+  // update is not applied (the weights and moments stay as they were).
+  std::string non_finite;
 };
 
 class Trainer {
