@@ -532,6 +532,11 @@ TEST_F(Mesh, AWorldThatDoesNotDivideIsAnErrorNamingTheNumbers) {
   EXPECT_NE(e.find("world of 4 ranks does not divide into pp 1 x cp 3 x ep 1 = 3"), std::string::npos) << e;
   e = error_of([] { comm::mesh_shape(8, 1, 0, 2); });
   EXPECT_NE(e.find("cp 0"), std::string::npos) << e;
+  // Degrees whose product overflows int (it divided by zero), and an empty world.
+  e = error_of([] { comm::mesh_shape(8, 65536, 65536, 1); });
+  EXPECT_NE(e.find("= 4294967296 (dp"), std::string::npos) << e;
+  e = error_of([] { comm::mesh_shape(0, 1, 1, 1); });
+  EXPECT_NE(e.find("at least one rank, got 0"), std::string::npos) << e;
   comm::MeshShape s = comm::mesh_shape(24, 2, 3, 2);
   EXPECT_EQ(s.dp, 2);
   EXPECT_EQ(comm::mesh_rank(s, comm::mesh_coord(s, 17)), 17);

@@ -103,6 +103,18 @@ TEST(Config, WrongKeysAndValuesAreNamed) {
   EXPECT_NE(error_of([&] { load_config("", {{"lr_scheduler.decay", "exp"}}); })
                 .find("lr_scheduler.decay should be one of constant, linear, cosine, wsd, got 'exp'"),
             std::string::npos);
+  // No inf or NaN (capacity_factor = inf was a capacity of one row); degrees bounded.
+  const std::string f = temp_dir("config_finite");
+  std::ofstream(f + "/inf.toml") << "[training]\ncapacity_factor = inf\n";
+  std::ofstream(f + "/nan.toml") << "[optimizer]\nlr = nan\n";
+  EXPECT_NE(error_of([&] { load_config(f + "/inf.toml", {}); })
+                .find("training.capacity_factor should be a finite number, got inf"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_config(f + "/nan.toml", {}); }).find("optimizer.lr should be a finite number"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { load_config("", {{"parallelism.ep", "1048576"}}); })
+                .find("parallelism.pp, cp and ep should be in [1, 65536], got 1, 1, 1048576"),
+            std::string::npos);
   // The message leads; where it was raised follows in brackets.
   const std::string e = error_of([&] { load_config("", {{"training.steps", "-1"}}); });
   EXPECT_EQ(e.rfind("training.steps should be >= 0, got -1 [check `", 0), 0u) << e;

@@ -140,7 +140,9 @@ int run_plan(const Args& args) {
   Config cfg = load_config(o.get("config"), o.dotted());
   MT_CHECK(o.has("schedule") || (!o.has("profile") && !o.has("output")))
       << "--profile and --output describe the schedule's picture: add --schedule";
-  const int world = static_cast<int>(o.integer("world", 1));
+  const int64_t world_flag = o.integer("world", 1);
+  MT_CHECK(world_flag >= 1 && world_flag <= (int64_t{1} << 20)) << "--world should be in [1, 2^20], got " << world_flag;
+  const int world = static_cast<int>(world_flag);
   comm::MeshShape mesh = comm::mesh_shape(world, static_cast<int>(cfg.parallelism.pp),
                                           static_cast<int>(cfg.parallelism.cp), static_cast<int>(cfg.parallelism.ep));
   const std::string config_json = model_config_path(cfg);

@@ -35,10 +35,13 @@ Communicator split_group(Communicator& world, const MeshShape& s, const MeshCoor
 MeshShape mesh_shape(int world_size, int pp, int cp, int ep) {
   MT_CHECK(pp >= 1 && cp >= 1 && ep >= 1) << "parallelism degrees must be >= 1, got pp " << pp << ", cp " << cp
                                           << ", ep " << ep;
-  MT_CHECK(world_size % (pp * cp * ep) == 0)
+  MT_CHECK(world_size >= 1) << "the world should have at least one rank, got " << world_size;
+  // In 64 bits, and no larger than the world: pp * cp * ep of large degrees overflows int.
+  const int64_t model_ranks = int64_t{pp} * cp * ep;
+  MT_CHECK(model_ranks <= world_size && world_size % model_ranks == 0)
       << "the world of " << world_size << " ranks does not divide into pp " << pp << " x cp " << cp << " x ep " << ep
-      << " = " << pp * cp * ep << " (dp = world / (pp * cp * ep) must be a whole number)";
-  return MeshShape{pp, world_size / (pp * cp * ep), cp, ep};
+      << " = " << model_ranks << " (dp = world / (pp * cp * ep) must be a whole number)";
+  return MeshShape{pp, world_size / static_cast<int>(model_ranks), cp, ep};
 }
 
 MeshCoord mesh_coord(const MeshShape& s, int rank) {

@@ -97,6 +97,9 @@ void visit(C& c, F&& f) {
   f({"metrics", "tensorboard", 0, "also write TensorBoard event files to job.dump_folder/tb"}, c.metrics.tensorboard);
 }
 
+// A parallel degree no machine reaches, so that products of degrees fit an int.
+constexpr int64_t kMaxDegree = int64_t{1} << 16;
+
 template <typename T>
 const char* type_name() {
   if constexpr (std::is_same_v<T, std::string>) return "a string";
@@ -201,6 +204,13 @@ void check_one_of(const std::string& value, std::initializer_list<const char*> a
 }
 
 void validate(const Config& c) {
+  // No key takes inf or NaN (capacity_factor = inf became a capacity of one row).
+  visit(c, [](const Key& k, const auto& v) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, double>)
+      MT_CHECK(std::isfinite(v)) << k.dotted() << " should be a finite number, got " << v;
+  });
+  MT_CHECK(c.training.capacity_factor >= 0.0) << "training.capacity_factor = " << c.training.capacity_factor
+                                              << ": expected 0 (dropless) or a positive factor";
   MT_CHECK(c.model.init == "random" || c.model.init.starts_with("hf:"))
       << "model.init should be 'random' or 'hf:DIR', got '" << c.model.init << "'";
   check_one_of(c.training.device, {"cpu", "cuda"}, "training.device");
@@ -227,9 +237,10 @@ void validate(const Config& c) {
       << "lr_scheduler.min_lr_ratio should be in [0, 1], got " << c.lr_scheduler.min_lr_ratio;
   MT_CHECK(c.lr_scheduler.decay_ratio > 0 && c.lr_scheduler.decay_ratio <= 1)
       << "lr_scheduler.decay_ratio should be in (0, 1], got " << c.lr_scheduler.decay_ratio;
-  MT_CHECK(c.parallelism.pp >= 1 && c.parallelism.cp >= 1 && c.parallelism.ep >= 1)
-      << "parallelism.pp, cp and ep should be >= 1, got " << c.parallelism.pp << ", " << c.parallelism.cp << ", "
-      << c.parallelism.ep;
+  MT_CHECK(c.parallelism.pp >= 1 && c.parallelism.cp >= 1 && c.parallelism.ep >= 1 &&
+           c.parallelism.pp <= kMaxDegree && c.parallelism.cp <= kMaxDegree && c.parallelism.ep <= kMaxDegree)
+      << "parallelism.pp, cp and ep should be in [1, " << kMaxDegree << "], got " << c.parallelism.pp << ", "
+      << c.parallelism.cp << ", " << c.parallelism.ep;
   MT_CHECK(!c.parallelism.zero3 || c.parallelism.pp == 1)
       << "parallelism.zero3 with parallelism.pp > 1 is not supported (pipeline stages would gather other ranks' layers)";
   MT_CHECK(c.data.tokens.empty() || c.data.corpus.empty())

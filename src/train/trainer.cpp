@@ -128,8 +128,6 @@ void Trainer::setup() {
                                     << (model_.device() == Device::cuda ? "cuda" : "cpu") << " device";
   MT_CHECK(t.force_balanced_routing == model_.balanced_routing())
       << "training.force_balanced_routing must match the model's option";
-  MT_CHECK(t.capacity_factor >= 0.0) << "training.capacity_factor = " << t.capacity_factor
-                                     << ": expected 0 (dropless) or a positive factor";
   rank_rows_ = global_batch_;
   micro_batch_ = t.micro_batch_size ? t.micro_batch_size : rank_rows_;
   MT_CHECK(rank_rows_ % micro_batch_ == 0) << "training.micro_batch_size = " << micro_batch_
