@@ -296,6 +296,25 @@ TEST(Arena, AlignsCountsAndRefusesOverflow) {
   EXPECT_EQ(a.used(), 0u);
   EXPECT_EQ(a.peak(), 326u);
   EXPECT_EQ(a.alloc(DType::f32, {1024}).nbytes(), 4096u);
+  // Sizes whose products wrap (a config.json's huge dims made arenas too small and the
+  // writes went past them): an error, in a counting arena too.
+  Arena count = Arena::counting("weights", Device::cpu);
+  auto error = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error([&] { count.alloc(DType::f32, {int64_t{1} << 40, int64_t{1} << 30}); })
+                .find("has more elements than fit in 64 bits"),
+            std::string::npos);
+  EXPECT_NE(error([&] { count.alloc(DType::f32, {int64_t{1} << 62}); }).find("needs more bytes than fit in 64 bits"),
+            std::string::npos);
+  // One block past the machine's memory is refused before it is asked for.
+  EXPECT_NE(error([] { Arena huge("weights", Device::cpu, size_t{1} << 60); }).find("more than this machine's"),
+            std::string::npos);
 }
 
 TEST(Arena, CountingArenaMeasuresWithoutStorage) {

@@ -454,6 +454,13 @@ TEST(HfConfig, SpellingsNestingFallbacksAndErrors) {
             std::string::npos);
   EXPECT_NE(error([&] { hf.integer({"name"}); }).find("c.json: key name has the wrong type: \"x\""),
             std::string::npos);
+  // Sizes near 2^62 overflowed the arenas' sizes; a layer count like that spun for ever.
+  const nlohmann::json big = nlohmann::json::parse(R"({"n": 4611686018427387904, "m": -2, "l": [1, 16777217]})");
+  const HfConfig hb(big, "big.json");
+  EXPECT_NE(error([&] { hb.integer({"n"}); }).find("big.json: key n = 4611686018427387904 is out of range"),
+            std::string::npos);
+  EXPECT_NE(error([&] { hb.integer({"m"}); }).find("key m = -2 is out of range"), std::string::npos);
+  EXPECT_NE(error([&] { hb.integers({"l"}); }).find("key l = 16777217 is out of range"), std::string::npos);
 }
 
 // A checkpoint whose tensor has the wrong shape names the key, the file and both shapes.

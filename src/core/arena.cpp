@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <unistd.h>
 #include <utility>
 
 #ifdef MOETRAIN_WITH_CUDA
@@ -59,6 +60,13 @@ void require_gpu(const std::string& what) {
 void* device_alloc(Device device, size_t bytes) {
   if (bytes == 0) return nullptr;
   if (device == Device::cpu) {
+    // Refused before allocating: past the machine's memory the kernel would let it
+    // through (overcommit) and kill the process later, somewhere else.
+    const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+    MT_CHECK(static_cast<double>(bytes) <= physical)
+        << "planned host memory of " << static_cast<double>(bytes) / (1 << 30) << " GiB (" << bytes
+        << " bytes) in one block is more than this machine's " << physical / (1 << 30) << " GiB; a smaller model, "
+        << "or more ranks to shard it (moetrain plan shows what each rank holds)";
     size_t rounded = (bytes + Arena::kAlign - 1) / Arena::kAlign * Arena::kAlign;
     void* p = std::aligned_alloc(Arena::kAlign, rounded);
     MT_CHECK(p != nullptr) << "out of host memory allocating " << bytes << " bytes";
@@ -123,14 +131,17 @@ Arena& Arena::operator=(Arena&& o) noexcept {
 }
 
 Tensor Arena::alloc(DType dtype, Shape shape) {
-  size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
-  size_t start = (used_ + kAlign - 1) / kAlign * kAlign;
+  size_t bytes = 0, start = (used_ + kAlign - 1) / kAlign * kAlign, end = 0;
+  MT_CHECK(!__builtin_mul_overflow(static_cast<size_t>(shape.numel()), dtype_size(dtype), &bytes) &&
+           !__builtin_add_overflow(start, bytes, &end))
+      << "arena '" << name_ << "': " << dtype_name(dtype) << shape.str() << " at offset " << start
+      << " needs more bytes than fit in 64 bits";
   if (!counting_) {
-    MT_CHECK(start + bytes <= capacity_) << "arena '" << name_ << "' is full: " << dtype_name(dtype) << shape.str()
+    MT_CHECK(end <= capacity_) << "arena '" << name_ << "' is full: " << dtype_name(dtype) << shape.str()
                                          << " needs " << bytes << " bytes at offset " << start << " of "
                                          << capacity_;
   }
-  used_ = start + bytes;
+  used_ = end;
   if (used_ > peak_) peak_ = used_;
   return Tensor(counting_ ? nullptr : base_ + start, shape, dtype, device_);
 }

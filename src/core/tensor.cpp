@@ -14,7 +14,8 @@ Shape::Shape(std::initializer_list<int64_t> dims) {
 
 int64_t Shape::numel() const {
   int64_t p = 1;
-  for (int i = 0; i < n; ++i) p *= d[i];
+  for (int i = 0; i < n; ++i)
+    MT_CHECK(!__builtin_mul_overflow(p, d[i], &p)) << "shape " << str() << " has more elements than fit in 64 bits";
   return p;
 }
 

@@ -44,11 +44,25 @@ T HfConfig::read(Names names, const std::optional<T>& fallback) const {
   return T{};
 }
 
-int64_t HfConfig::integer(Names n, std::optional<int64_t> f) const { return read(n, f); }
+// Every integer a model reads is a size, a count or a layer index: bounded, so that the
+// sizes' products fit in 64 bits and no loop over layers runs for ever.
+static int64_t bounded(int64_t v, HfConfig::Names names, const std::string& where) {
+  if (v >= 0 && v <= kMaxConfigInteger) return v;
+  std::string list;
+  for (const char* n : names) list += list.empty() ? n : std::string(" or ") + n;
+  MT_FAIL() << where << ": key " << list << " = " << v << " is out of range (expected a size or count in [0, 2^24])";
+  return 0;
+}
+
+int64_t HfConfig::integer(Names n, std::optional<int64_t> f) const { return bounded(read(n, f), n, where_); }
 double HfConfig::number(Names n, std::optional<double> f) const { return read(n, f); }
 bool HfConfig::flag(Names n, std::optional<bool> f) const { return read(n, f); }
 std::string HfConfig::text(Names n, std::optional<std::string> f) const { return read(n, f); }
-std::vector<int64_t> HfConfig::integers(Names n, std::optional<std::vector<int64_t>> f) const { return read(n, f); }
+std::vector<int64_t> HfConfig::integers(Names n, std::optional<std::vector<int64_t>> f) const {
+  std::vector<int64_t> v = read(n, f);
+  for (int64_t& x : v) x = bounded(x, n, where_);
+  return v;
+}
 
 cpu::RopeConfig read_rope(const HfConfig& hf, int64_t rotary_dim) {
   cpu::RopeConfig r;

@@ -18,12 +18,15 @@
 
 namespace mt {
 
+constexpr int64_t kMaxConfigInteger = int64_t{1} << 24;
+
 class HfConfig {
  public:
   HfConfig(const nlohmann::json& j, std::string where) : j_(j), where_(std::move(where)) {}
   const std::string& where() const { return where_; }
 
-  // The first spelling present; without a fallback, an error when none is.
+  // The first spelling present; without a fallback, an error when none is. Integers
+  // are sizes, counts or layer indices: outside [0, kMaxConfigInteger] an error.
   using Names = std::initializer_list<const char*>;
   int64_t integer(Names names, std::optional<int64_t> fallback = {}) const;
   double number(Names names, std::optional<double> fallback = {}) const;
