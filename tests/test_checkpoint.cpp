@@ -127,6 +127,42 @@ TEST(Checkpoint, KeepsTheNewestCompleteOnes) {
   EXPECT_EQ(latest_checkpoint(dump), dump + "/step-00000004");
 }
 
+// A run resumed from an earlier step into the same folder (a branch): its saves are
+// written, over a step folder already there too, and rotation keeps the other branch's
+// later steps. A train_state.json whose step is not its folder's is refused.
+TEST(Checkpoint, BranchesAreWrittenAndLaterStepsKept) {
+  std::string dump = temp_dir("branch");
+  std::unique_ptr<Model> m = make_model(fixture("qwen3_moe_b/config.json"));
+  load_hf(*m, fixture("qwen3_moe_b"));
+  AdamW opt(m->params());
+  auto save = [&](int64_t step) {
+    TrainState st;
+    st.step = step;
+    return save_checkpoint(dump, *m, opt, st, fixture("qwen3_moe_b/config.json"), "", 2);
+  };
+  auto bytes = [](const std::string& p) {
+    std::vector<uint8_t> b = io::read_file(p);
+    return std::string(b.begin(), b.end());
+  };
+  for (int64_t s : {2, 4, 8}) save(s);
+  const std::string first8 = bytes(dump + "/step-00000008/model.safetensors");
+  m->params()[0].value.f32()[0] += 1.0f;  // the branch's weights differ
+  save(6);  // keeps 4 and 6 (the newest two up to 6) and the other branch's 8
+  EXPECT_FALSE(fs::exists(dump + "/step-00000002"));
+  for (const char* d : {"/step-00000004", "/step-00000006", "/step-00000008"})
+    EXPECT_TRUE(fs::exists(dump + d + "/COMPLETE")) << d;
+  save(8);
+  EXPECT_FALSE(fs::exists(dump + "/step-00000004"));
+  EXPECT_FALSE(fs::exists(dump + "/step-00000008.tmp"));
+  EXPECT_NE(bytes(dump + "/step-00000008/model.safetensors"), first8) << "step 8 was not written anew";
+  // Edited to another step: refused, naming both.
+  std::string state = bytes(dump + "/step-00000006/train_state.json");
+  state.replace(state.find("\"step\": 6"), 9, "\"step\": 999");
+  std::ofstream(dump + "/step-00000006/train_state.json") << state;
+  const std::string e = error_of([&] { load_checkpoint(dump + "/step-00000006", *m, &opt); });
+  EXPECT_NE(e.find("step 999 but the folder is step 6"), std::string::npos) << e;
+}
+
 // ---- malformed input ---------------------------------------------------------------
 
 class BrokenCheckpoint : public ::testing::Test {

@@ -93,26 +93,17 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   fs::path root(checkpoints_dir);
   fs::path final_dir = root / step_name(st.step);
   fs::path tmp = root / (step_name(st.step) + ".tmp");
-  bool done_already = false;
+  // A step folder already there (a run resumed from an earlier step into the same
+  // folder: another branch) is written anew, replaced only once the new one is whole.
   if (rank == 0) {
     std::error_code ec;
     fs::create_directories(root, ec);
     MT_CHECK(!ec && fs::is_directory(root)) << "cannot create the checkpoint folder " << root.string() << ": "
                                             << ec.message();
-    done_already = complete(final_dir);  // this step is already saved
-    if (!done_already) {
-      fs::remove_all(tmp);
-      fs::remove_all(final_dir);  // an unmarked folder from a crash between rename and mark
-      fs::create_directories(tmp, ec);
-      MT_CHECK(!ec) << "cannot create " << tmp.string() << ": " << ec.message();
-    }
+    fs::remove_all(tmp);
+    fs::create_directories(tmp, ec);
+    MT_CHECK(!ec) << "cannot create " << tmp.string() << ": " << ec.message();
   }
-  if (ranks > 1) {
-    std::vector<int64_t> flag = {done_already ? 1 : 0};
-    writers->broadcast(Tensor(flag.data(), {1}, DType::i64), 0);
-    done_already = flag[0] != 0;
-  }
-  if (done_already) return final_dir.string();
   barrier();
 
   // Each writer saves what it owns: its experts, and the dense tensors of its layers
@@ -177,16 +168,19 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   test_delay();
   sync_dir(tmp);
   std::error_code ec;
+  fs::remove_all(final_dir, ec);
+  MT_CHECK(!ec) << "removing the earlier " << final_dir.string() << " to replace it: " << ec.message();
   fs::rename(tmp, final_dir, ec);
   MT_CHECK(!ec) << "renaming " << tmp.string() << " to " << final_dir.string() << ": " << ec.message();
   sync_dir(root);
   io::write_file_atomic((final_dir / "COMPLETE").string(), {std::to_string(st.step) + "\n"});
 
-  // Keep the newest `keep` complete checkpoints; drop older ones and leftovers.
+  // Keep the newest `keep` complete checkpoints up to this one; drop older ones. Later
+  // steps (another branch of the run) are never deleted for this one.
   std::vector<std::pair<int64_t, fs::path>> done;
   for (const auto& e : fs::directory_iterator(root)) {
     int64_t s = step_of(e.path());
-    if (s >= 0 && complete(e.path())) done.emplace_back(s, e.path());
+    if (s >= 0 && s <= st.step && complete(e.path())) done.emplace_back(s, e.path());
   }
   std::sort(done.begin(), done.end());
   for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) fs::remove_all(done[i].second);
@@ -230,6 +224,13 @@ TrainState read_train_state(const std::string& dir) {
       << dir << "/train_state.json: expected a JSON object with an integer \"step\"";
   TrainState st;
   st.step = j["step"].get<int64_t>();
+  // The folder's name says the step too (a step edited to 999 was trusted, and rotation
+  // then deleted good checkpoints).
+  fs::path folder = fs::path(dir).lexically_normal();
+  if (!folder.has_filename()) folder = folder.parent_path();  // a trailing slash
+  const int64_t named = step_of(folder);
+  MT_CHECK(named < 0 || named == st.step) << dir << "/train_state.json: step " << st.step << " but the folder is step "
+                                          << named << "; the checkpoint was edited or moved";
   st.seed = j.value("seed", int64_t{0});
   st.lr = j.value("lr", 0.0);
   st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
