@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The command-line contract: every subcommand answers --help with exit 0; an unbuilt
 # one says so on stderr and exits non-zero; unknown commands fail; --version reports
-# the CUDA build flag; every config under configs/ plans.
+# the CUDA build flag; the OpenMP defaults hold; every config under configs/ plans.
 set -u
 bin="$1"
 fail=0
@@ -23,6 +23,21 @@ check "unknown command" 2 "$bin" frobnicate
 grep -q "unknown command 'frobnicate'" /tmp/moetrain-cli.err || { echo "FAIL: unknown command not named"; fail=1; }
 check "--version" 0 "$bin" --version
 grep -Eq "^cuda: (built in|not built in)" /tmp/moetrain-cli.out || { echo "FAIL: --version does not report cuda"; fail=1; }
+# OpenMP defaults: idle threads sleep (libgomp's spin count 0) and each of mpirun's ranks
+# on a host gets cores / ranks threads; what the user sets wins. omp VAR [ENV...] prints
+# what libgomp last read for VAR (OMP_DISPLAY_ENV; the binary may run itself again).
+omp() {
+  local var="$1"; shift
+  env -u OMP_WAIT_POLICY -u OMP_NUM_THREADS OMP_DISPLAY_ENV=verbose "$@" "$bin" --version 2>&1 >/dev/null |
+    sed -n "s/^ *$var = '\(.*\)'/\1/p" | tail -n 1
+}
+[ "$(omp GOMP_SPINCOUNT)" = 0 ] || { echo "FAIL: idle OpenMP threads spin by default"; fail=1; }
+[ "$(omp GOMP_SPINCOUNT OMP_WAIT_POLICY=active)" != 0 ] || { echo "FAIL: OMP_WAIT_POLICY=active ignored"; fail=1; }
+want=$(( $(getconf _NPROCESSORS_ONLN) / 2 )); [ "$want" -gt "$(nproc)" ] && want=$(nproc); [ "$want" -lt 1 ] && want=1
+[ "$(omp OMP_NUM_THREADS OMPI_COMM_WORLD_LOCAL_SIZE=2)" = "$want" ] ||
+  { echo "FAIL: 2 ranks on a host do not get $want threads each"; fail=1; }
+[ "$(omp OMP_NUM_THREADS OMPI_COMM_WORLD_LOCAL_SIZE=2 OMP_NUM_THREADS=3)" = 3 ] ||
+  { echo "FAIL: OMP_NUM_THREADS=3 ignored under mpirun"; fail=1; }
 # A command run without its inputs fails (exit 1) and names what is missing.
 for pair in "train:model.config is not set" "eval:--model is required" "encode:--tokenizer is required" \
             "tokenize:--tokenizer is required" "export-hf:--checkpoint is required" "plan:model.config is not set"; do
