@@ -1,4 +1,5 @@
 // moetrain train: a config file and/or --section.key=value overrides describe a run.
+#include <omp.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -103,14 +104,6 @@ int run_train(const Args& args) {
   MT_CHECK(cfg.data.corpus.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus";
 
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
-  std::error_code ec;
-  if (writer) {
-    fs::create_directories(folder, ec);
-    MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
-    io::write_file_atomic(folder + "/config.toml", {config_to_toml(cfg)});
-  }
-  mesh.world().barrier();
-
   std::string resume = cfg.checkpoint.load.empty() ? latest_checkpoint(checkpoints) : cfg.checkpoint.load;
   std::unique_ptr<Trainer> made;
   if (cfg.data.corpus.empty())
@@ -134,8 +127,9 @@ int run_train(const Args& args) {
   std::vector<int64_t> counts = {model->param_count(), model->active_param_count()};
   if (mesh.shape().pp > 1) mesh.pp().all_reduce(Tensor(counts.data(), {2}, DType::i64));
   if (writer)
-    std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), mesh %s\n",
-                static_cast<long long>(model->num_layers()), counts[0] / 1e6, counts[1] / 1e6, mesh.str().c_str());
+    std::printf("moetrain train: %lld layers, %.3fM parameters (%.3fM active), mesh %s, OpenMP threads a rank: %d\n",
+                static_cast<long long>(model->num_layers()), counts[0] / 1e6, counts[1] / 1e6, mesh.str().c_str(),
+                omp_get_max_threads());
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
@@ -148,17 +142,21 @@ int run_train(const Args& args) {
     trainer.optimizer().commit_moments();
     trainer.set_steps_done(from.step);
     trainer.set_data_cursor(from.data_cursor);
-    if (writer) {
-      std::printf("resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
-      truncate_metrics(folder + "/metrics.jsonl", from.step);
-    }
+    if (writer) std::printf("resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
   }
+  // The run folder is made once everything above has accepted the run: a refused run
+  // leaves none behind. A resumed run appends to what truncate_metrics kept.
   std::ofstream metrics;
   if (writer) {
-    // A resumed run appends to what truncate_metrics kept; a new one starts the file.
+    std::error_code ec;
+    fs::create_directories(folder, ec);
+    MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
+    io::write_file_atomic(folder + "/config.toml", {config_to_toml(cfg)});
+    if (!resume.empty()) truncate_metrics(folder + "/metrics.jsonl", trainer.steps_done());
     metrics.open(folder + "/metrics.jsonl", resume.empty() ? std::ios::trunc : std::ios::app);
     MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
   }
+  mesh.world().barrier();
 
   int64_t saved_step = -1;
   auto save = [&](double lr) {
