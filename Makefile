@@ -1,8 +1,8 @@
 # The two things a new user runs: `make demo` and `make test`. Both install the
 # Debian packages first (scripts/setup.sh), then build with CMake and Ninja.
+# CUDA=AUTO|ON|OFF and WERROR=ON|OFF, where given, go to CMake, whose cache keeps them
+# for the next runs (the first configure gets CUDA=AUTO and WERROR=OFF).
 BUILD ?= build
-CUDA ?= AUTO
-WERROR ?= OFF
 JOBS ?= $(shell nproc)
 PREFIX ?= /usr/local
 
@@ -13,9 +13,9 @@ all: build
 setup:
 	@bash scripts/setup.sh
 
-# Run every time (quick once configured), so that CUDA= and WERROR= always take effect.
+# Run every time (quick once configured), so that CUDA= and WERROR= take effect.
 configure: setup
-	cmake -S . -B $(BUILD) -G Ninja -DMOETRAIN_CUDA=$(CUDA) -DMOETRAIN_WERROR=$(WERROR)
+	cmake -S . -B $(BUILD) -G Ninja $(if $(CUDA),-DMOETRAIN_CUDA=$(CUDA)) $(if $(WERROR),-DMOETRAIN_WERROR=$(WERROR))
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
