@@ -20,7 +20,7 @@ namespace {
 using mt::cli::Args;
 
 // OpenMP defaults, where the user has not set them. Idle threads sleep instead of
-// spinning: spinning ones ran training 6x slower when other processes wanted the cores.
+// spinning: spinning ones ran training 2-6x slower when other processes wanted the cores.
 // The ranks mpirun starts on one host share its cores: cores / ranks threads each.
 // libgomp reads its environment once, in its constructor, before main (and a setenv in
 // .preinit_array is undone by libc's start-up), so the process sets them and runs itself
