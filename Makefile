@@ -1,29 +1,40 @@
 # The two things a new user runs: `make demo` and `make test`. Both install the
 # Debian packages first (scripts/setup.sh), then build with CMake and Ninja.
+# CUDA=AUTO|ON|OFF and WERROR=ON|OFF, where given, go to CMake, whose cache keeps them
+# for the next runs (the first configure gets CUDA=AUTO and WERROR=OFF).
 BUILD ?= build
-CUDA ?= AUTO
 JOBS ?= $(shell nproc)
+PREFIX ?= /usr/local
 
-.PHONY: all setup build test demo clean
+.PHONY: all setup configure build moetrain test demo install clean
 
 all: build
 
 setup:
 	@bash scripts/setup.sh
 
-$(BUILD)/build.ninja: CMakeLists.txt tests/CMakeLists.txt
-	cmake -S . -B $(BUILD) -G Ninja -DMOETRAIN_CUDA=$(CUDA)
+# Run every time (quick once configured), so that CUDA= and WERROR= take effect.
+configure: setup
+	cmake -S . -B $(BUILD) -G Ninja $(if $(CUDA),-DMOETRAIN_CUDA=$(CUDA)) $(if $(WERROR),-DMOETRAIN_WERROR=$(WERROR))
 
-build: setup $(BUILD)/build.ninja
+build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Tests run one at a time: each already uses every core through OpenMP, and two
-# OpenMP programs spinning on the same cores slow each other down many times over.
-test: build
-	cd $(BUILD) && ctest --output-on-failure
+# The binary alone, without the test programs: what demo and install need.
+moetrain: configure
+	cmake --build $(BUILD) -j $(JOBS) --target moetrain
 
-demo: build
+# Tests run one at a time: each already uses every core through OpenMP, and two
+# OpenMP programs on the same cores slow each other down many times over. Their idle
+# threads sleep, as moetrain's do (README, Threads), unless OMP_WAIT_POLICY says otherwise.
+test: build
+	cd $(BUILD) && OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-passive} ctest --output-on-failure
+
+demo: moetrain
 	@bash scripts/demo.sh $(BUILD)
+
+install: moetrain
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 clean:
 	rm -rf $(BUILD)

@@ -1,6 +1,9 @@
 // The trainer, its config and the train/eval commands.
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
@@ -434,7 +437,7 @@ TEST(Schedule, SequentialOrderKeepsEveryDependency) {
           }
         EXPECT_LT(prev, at(Op::embed_backward, m, 0, Stage::attention)) << what;
       }
-      if (global) EXPECT_LT(last_forward, first_backward) << what;
+      if (global) { EXPECT_LT(last_forward, first_backward) << what; }
       // Reductions: each part once per step after the last micro-batch's W of it (ZeRO-3
       // layers once per micro-batch, right after that micro-batch's W), all finished.
       int in_flight = 0;
@@ -473,12 +476,12 @@ TEST(Schedule, SequentialOrderKeepsEveryDependency) {
             EXPECT_TRUE(grads.insert(x.layer).second && grads.size() <= 2) << what << ": " << describe(x);
             break;
           case Op::reduce_finish:
-            if (x.layer >= 0 && x.layer < 3) EXPECT_EQ(grads.erase(x.layer), 1u) << what << ": " << describe(x);
+            if (x.layer >= 0 && x.layer < 3) { EXPECT_EQ(grads.erase(x.layer), 1u) << what << ": " << describe(x); }
             break;
           case Op::forward:
           case Op::backward_input:
             EXPECT_EQ(weights.count(x.layer), 1u) << what << ": " << describe(x);
-            if (x.op == Op::backward_input) EXPECT_EQ(grads.count(x.layer), 1u) << what << ": " << describe(x);
+            if (x.op == Op::backward_input) { EXPECT_EQ(grads.count(x.layer), 1u) << what << ": " << describe(x); }
             break;
           case Op::backward_weight: EXPECT_EQ(grads.count(x.layer), 1u) << what << ": " << describe(x); break;
           default: break;
@@ -554,8 +557,8 @@ TEST(Schedule, PipelinesKeepEveryDependencyAndTheBubbleOfThePaper) {
                 ++seen[{static_cast<int>(x.op), x.micro_batch, L, 0}];
               if (x.op == Op::embed_forward || x.op == Op::embed_backward)
                 ++seen[{static_cast<int>(x.op), x.micro_batch, -1, 0}];
-              if (x.op == Op::head_forward) EXPECT_EQ(p.owner(L - 1), r) << what;
-              if (x.op == Op::embed_forward) EXPECT_EQ(p.owner(0), r) << what;
+              if (x.op == Op::head_forward) { EXPECT_EQ(p.owner(L - 1), r) << what; }
+              if (x.op == Op::embed_forward) { EXPECT_EQ(p.owner(0), r) << what; }
             }
             for (int m = 0; m < M; ++m) {
               const int load = index(Op::load, m, 0, Stage::attention);
@@ -578,7 +581,7 @@ TEST(Schedule, PipelinesKeepEveryDependencyAndTheBubbleOfThePaper) {
                   first_b = std::min(first_b, b);
                   // Descending layers and stages within one micro-batch (a chunk boundary
                   // on this rank is the previous layer here only within the chunk).
-                  if (i < 4) EXPECT_LT(index(Op::finish_backward_input, m, *it, kStages[i + 1]), b) << what;
+                  if (i < 4) { EXPECT_LT(index(Op::finish_backward_input, m, *it, kStages[i + 1]), b) << what; }
                 }
               if (p.owner(L - 1) == r) {
                 const int hf = index(Op::head_forward, m, 0, Stage::attention);
@@ -593,15 +596,16 @@ TEST(Schedule, PipelinesKeepEveryDependencyAndTheBubbleOfThePaper) {
                 const Action& x = a[i];
                 if (x.micro_batch != m) continue;
                 const int64_t l = x.layer;
-                if (x.op == Op::send_activation)
+                if (x.op == Op::send_activation) {
                   EXPECT_LT(index(Op::finish_forward, m, l - 1, Stage::aggregate), i) << what << ": " << describe(x);
-                if (x.op == Op::recv_activation)
+                } else if (x.op == Op::recv_activation) {
                   EXPECT_LT(commit_after(i), index(Op::forward, m, l, Stage::attention)) << what << ": " << describe(x);
-                if (x.op == Op::send_gradient)
+                } else if (x.op == Op::send_gradient) {
                   EXPECT_LT(index(Op::finish_backward_input, m, l, Stage::attention), i) << what << ": " << describe(x);
-                if (x.op == Op::recv_gradient)
+                } else if (x.op == Op::recv_gradient) {
                   EXPECT_LT(commit_after(i), index(Op::backward_input, m, l - 1, Stage::aggregate))
                       << what << ": " << describe(x);
+                }
               }
             }
           }
@@ -904,9 +908,13 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
     std::ifstream metrics(dump + "/" + name + "/metrics.jsonl");
     std::string line;
     std::getline(metrics, line);
-    if (rc2 == 0) EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned) << name << "\n" << out;
-    if (name == "one") EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
-    if (name == "bf16") EXPECT_NE(out.find("AdamW moments (2 x bf16)"), std::string::npos) << out;
+    if (rc2 == 0) {
+      EXPECT_EQ(nlohmann::json::parse(line)["memory_bytes"].get<int64_t>(), planned) << name << "\n" << out;
+    }
+    if (name == "one") {
+      EXPECT_NE(out.find("mesh: world 1 = pp 1 x dp 1 x cp 1 x ep 1"), std::string::npos) << out;
+    }
+    if (name == "bf16") { EXPECT_NE(out.find("AdamW moments (2 x bf16)"), std::string::npos) << out; }
     return planned;
   };
   const std::string tokens3 = fixture("qwen3_moe_a/tokens.npy");
@@ -1254,6 +1262,60 @@ TEST(Commands, BadConfigFailsNamingTheKey) {
                          fixture("nonexistent.npy"));
   EXPECT_EQ(rc2, 1);
   EXPECT_NE(out2.find("nonexistent.npy"), std::string::npos) << out2;
+}
+
+// Two ranks started as the README's "Several processes" says, on one host (--bind-to
+// none; --allow-run-as-root as root; --oversubscribe with fewer cores than ranks), and
+// no OMP_NUM_THREADS: data parallel, one rank's losses, and cores / 2 threads a rank.
+TEST(Commands, TwoRanksStartedAsTheReadmeSaysMatchOneRank) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  std::string dir = temp_dir("readme_launch");
+  write_four_sequences("qwen3_moe_a", dir);
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  const std::string mpirun = std::string("mpirun -np 2 --bind-to none ") +
+                             (geteuid() == 0 ? "--allow-run-as-root " : "") + (cores < 2 ? "--oversubscribe " : "");
+  std::vector<nlohmann::json> runs[2];
+  for (int ranks : {1, 2}) {
+    std::string dump = dir + "/run" + std::to_string(ranks);
+    auto [rc, out] = run("env -u OMP_NUM_THREADS " + (ranks == 2 ? mpirun : "") + MOETRAIN_BIN +
+                         " train --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir +
+                         "/tokens.npy --training.steps=3 --job.dump_folder=" + dump);
+    ASSERT_EQ(rc, 0) << out;
+    if (ranks == 2) {
+      EXPECT_NE(out.find("mesh: dp 2 x cp 1 x ep 1 x pp 1 (2 ranks)"), std::string::npos) << out;
+      cpu_set_t cpus;
+      ASSERT_EQ(sched_getaffinity(0, sizeof cpus, &cpus), 0);
+      const long threads = std::max(1l, std::min<long>(CPU_COUNT(&cpus), cores / 2));
+      EXPECT_NE(out.find("OpenMP threads a rank: " + std::to_string(threads) + "\n"), std::string::npos) << out;
+    }
+    runs[ranks - 1] = metrics_of(dump);
+    ASSERT_EQ(runs[ranks - 1].size(), 3u) << out;
+  }
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* key : {"loss", "grad_norm"}) {
+      double want = runs[0][i][key], got = runs[1][i][key];
+      EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << "step " << i + 1 << " " << key;
+    }
+}
+
+// A run refused after its config has parsed (by the trainer, the data, the checkpoint to
+// load) says why and leaves no run folder behind.
+TEST(Commands, RefusedRunLeavesNoRunFolder) {
+  const std::string dir = temp_dir("refused"), dump = dir + "/run";
+  const std::string cmd = std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                          " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy") + " --job.dump_folder=" + dump;
+  const std::pair<std::string, std::string> refused[] = {
+      {"--training.micro_batch_size=2", "training.micro_batch_size = 2 does not divide the global batch of 3"},
+      {"--training.capacity_factor=-1", "training.capacity_factor = -1"},
+      {"--data.tokens=" + dir + "/none.npy", dir + "/none.npy does not exist"},
+      {"--checkpoint.load=" + dir + "/none", dir + "/none does not exist"}};
+  for (const auto& [flag, says] : refused) {
+    auto [rc, out] = run(cmd + " " + flag);
+    EXPECT_EQ(rc, 1) << flag << ": " << out;
+    EXPECT_NE(out.find(says), std::string::npos) << flag << ": " << out;
+    EXPECT_FALSE(std::filesystem::exists(dump)) << flag << " left " << dump << " behind";
+    std::filesystem::remove_all(dump);
+  }
 }
 
 }  // namespace

@@ -1,7 +1,12 @@
 // moetrain: one binary, one function per subcommand, no argument framework.
+#include <sched.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <string>
 #include <string_view>
 
 #include "cli/commands.h"
@@ -15,6 +20,25 @@
 namespace {
 
 using mt::cli::Args;
+
+// OpenMP defaults, where the user has not set them. Idle threads sleep instead of
+// spinning: spinning ones ran training 2-6x slower when other processes wanted the cores.
+// The ranks mpirun starts on one host share its cores: cores / ranks threads each.
+// libgomp reads its environment once, in its constructor, before main (and a setenv in
+// .preinit_array is undone by libc's start-up), so the process sets them and runs itself
+// again: exec keeps the process id, which launchers watch.
+void openmp_defaults(char** argv) {
+  bool changed = false;
+  if (!getenv("OMP_WAIT_POLICY")) changed = setenv("OMP_WAIT_POLICY", "passive", 1) == 0;
+  const char* local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const long ranks = local ? std::atol(local) : 1;
+  cpu_set_t cpus;
+  if (ranks > 1 && !getenv("OMP_NUM_THREADS") && sched_getaffinity(0, sizeof cpus, &cpus) == 0) {
+    const long threads = std::max(1l, std::min<long>(CPU_COUNT(&cpus), sysconf(_SC_NPROCESSORS_ONLN) / ranks));
+    changed = setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1) == 0 || changed;
+  }
+  if (changed) execv("/proc/self/exe", argv);  // on failure, libgomp's own defaults stay
+}
 
 struct Command {
   const char* name;
@@ -112,6 +136,7 @@ bool wants_help(const Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  openmp_defaults(argv);
   if (argc < 2) {
     print_help();
     return 2;

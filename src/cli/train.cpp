@@ -1,4 +1,5 @@
 // moetrain train: a config file and/or --section.key=value overrides describe a run.
+#include <omp.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -167,18 +168,6 @@ int run_train(const Args& args) {
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";
   MT_CHECK(cfg.data.corpus.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus";
 
-  std::error_code ec;
-  if (writer) {
-    fs::create_directories(folder, ec);
-    MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
-    // config.toml is the config a run started with; a resume from step N keeps its own
-    // beside it, as config.step-0000000N.toml (N as the checkpoint folders write it).
-    char name[64] = "config.toml";
-    if (!resume.empty()) std::snprintf(name, sizeof name, "config.step-%08lld.toml", static_cast<long long>(saved.step));
-    io::write_file_atomic(folder + "/" + name, {config_to_toml(cfg)});
-  }
-  mesh.world().barrier();
-
   std::unique_ptr<Trainer> made;
   if (cfg.data.corpus.empty())
     made = std::make_unique<Trainer>(cfg, *model, read_token_batch(cfg.data.tokens, model->vocab_size()));
@@ -202,6 +191,7 @@ int run_train(const Args& args) {
   if (mesh.shape().pp > 1) mesh.pp().all_reduce(Tensor(counts.data(), {2}, DType::i64));
   if (writer) {
     print_banner(cfg, mesh, config_json, model->num_layers(), counts, trainer);
+    std::printf("  OpenMP threads a rank: %d\n", omp_get_max_threads());
     const std::string seed = std::to_string(cfg.training.seed);
     const std::string init =
         cfg.model.init == "random" ? "random weights (seed " + seed + ")" : "weights from " + cfg.model.init.substr(3);
@@ -220,17 +210,25 @@ int run_train(const Args& args) {
     trainer.optimizer().commit_moments();
     trainer.set_steps_done(from.step);
     trainer.set_data_cursor(from.data_cursor);
-    if (writer) {
-      std::printf("  start: resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
-      truncate_metrics(folder + "/metrics.jsonl", from.step);
-    }
+    if (writer) std::printf("  start: resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
   }
+  // The run folder is made once everything above has accepted the run: a refused run
+  // leaves none behind. A resumed run appends to what truncate_metrics kept.
   std::ofstream metrics;
   if (writer) {
-    // A resumed run appends to what truncate_metrics kept; a new one starts the file.
+    std::error_code ec;
+    fs::create_directories(folder, ec);
+    MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
+    // config.toml is the config a run started with; a resume from step N keeps its own
+    // beside it, as config.step-0000000N.toml (N as the checkpoint folders write it).
+    char name[64] = "config.toml";
+    if (!resume.empty()) std::snprintf(name, sizeof name, "config.step-%08lld.toml", static_cast<long long>(saved.step));
+    io::write_file_atomic(folder + "/" + name, {config_to_toml(cfg)});
+    if (!resume.empty()) truncate_metrics(folder + "/metrics.jsonl", trainer.steps_done());
     metrics.open(folder + "/metrics.jsonl", resume.empty() ? std::ios::trunc : std::ios::app);
     MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
   }
+  mesh.world().barrier();
   std::unique_ptr<TensorBoardWriter> tb;
   if (writer && cfg.metrics.tensorboard) {
     tb = std::make_unique<TensorBoardWriter>(folder + "/tb");

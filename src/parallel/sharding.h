@@ -1,5 +1,5 @@
 // Sharding of the optimizer state and the gradients over the ranks that hold the same
-// weights (../shared/DESIGN.md, decision 6), in flat per-layer units.
+// weights, in flat per-layer units.
 //
 // A unit is the parameter blocks of one layer part: the embedding, each layer's dense
 // blocks, each layer's experts, the head (Param::layer and Param::expert). Its blocks,

@@ -1,4 +1,4 @@
-// ZeRO-3 for the decoder layers (../shared/DESIGN.md, decision 6; parallelism.zero3).
+// ZeRO-3 for the decoder layers (parallelism.zero3).
 //
 // The model is built with ModelOptions::external_layers, so the Params of layers
 // 0 .. L-1 have shapes but no storage. Their weights live only as this rank's shards

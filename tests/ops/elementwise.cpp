@@ -152,7 +152,9 @@ OpCase sum_squares_case(const std::vector<int64_t>& sizes) {
   }
   OpCase c;
   c.name = name.str();
-  for (size_t i = 0; i < sizes.size(); ++i) c.inputs.push_back({"x" + std::to_string(i), {sizes[i]}, -2.0, 2.0, false});
+  // append, not "x" + std::to_string(i): GCC 12 misreads that one (-Wrestrict).
+  for (size_t i = 0; i < sizes.size(); ++i)
+    c.inputs.push_back({std::string("x").append(std::to_string(i)), {sizes[i]}, -2.0, 2.0, false});
   c.outputs = {{"sum", false}};
   c.fwd_tol = 4.0 * static_cast<double>(total + 1) * std::ldexp(1.0, -53);
   c.reference = [](const Vecs& in) {
