@@ -29,9 +29,12 @@ std::string generate(const std::string& model, const std::string& flags) {
 }
 
 std::string ids_flag(const std::vector<int64_t>& ids) {
-  std::string s;
-  for (int64_t id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
-  return "--prompt-ids " + s;
+  std::string s = "--prompt-ids ";
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i > 0) s += ',';
+    s += std::to_string(ids[i]);
+  }
+  return s;
 }
 
 TEST(GenerateCommand, GreedyMatchesTransformers) {

@@ -206,8 +206,9 @@ void check_one_of(const std::string& value, std::initializer_list<const char*> a
 void validate(const Config& c) {
   // No key takes inf or NaN (capacity_factor = inf became a capacity of one row).
   visit(c, [](const Key& k, const auto& v) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, double>)
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, double>) {
       MT_CHECK(std::isfinite(v)) << k.dotted() << " should be a finite number, got " << v;
+    }
   });
   MT_CHECK(c.training.capacity_factor >= 0.0) << "training.capacity_factor = " << c.training.capacity_factor
                                               << ": expected 0 (dropless) or a positive factor";

@@ -78,6 +78,26 @@ __device__ __forceinline__ void store4(void* base, int64_t j, const Moments4& r,
   }
 }
 
+// Four aligned elements from j, updated in place; returns their new values.
+__device__ __forceinline__ float4 update4(const AdamWTable& t, float decay, float* p, const float* g, void* m, void* v,
+                                          uint64_t key, int64_t j) {
+  const bool bf16 = t.bf16_moments;
+  const float4 gj = *reinterpret_cast<const float4*>(g + j);
+  float4 pj = *reinterpret_cast<float4*>(p + j);
+  Moments4 mj = load4(m, j, bf16), vj = load4(v, j, bf16);
+  adamw_element(t, decay, gj.x, pj.x, mj.x[0], vj.x[0]);
+  adamw_element(t, decay, gj.y, pj.y, mj.x[1], vj.x[1]);
+  adamw_element(t, decay, gj.z, pj.z, mj.x[2], vj.x[2]);
+  adamw_element(t, decay, gj.w, pj.w, mj.x[3], vj.x[3]);
+  *reinterpret_cast<float4*>(p + j) = pj;
+  uint64_t noise[4] = {0, 0, 0, 0};
+  if (bf16)
+    for (int e = 0; e < 4; ++e) noise[e] = adamw_noise(key + static_cast<uint64_t>(j + e), t.step);
+  store4(m, j, mj, bf16, noise, 0);
+  store4(v, j, vj, bf16, noise, 16);
+  return pj;
+}
+
 // One element where four at a time do not fit (tails, unaligned pieces); out: its new value.
 __device__ __forceinline__ void update_one(const AdamWTable& t, float decay, float* p, const float* g, void* m,
                                            void* v, uint64_t key, int64_t j, float& out) {
@@ -126,19 +146,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
   if (aligned) {
     const int64_t vec_end = begin + (end - begin) / 4 * 4;
     for (int64_t j = begin + 4 * threadIdx.x; j < vec_end; j += 4 * blockDim.x) {
-      const float4 gj = *reinterpret_cast<const float4*>(g + j);
-      float4 pj = *reinterpret_cast<float4*>(p + j);
-      Moments4 mj = load4(m, j, bf16), vj = load4(v, j, bf16);
-      adamw_element(t, decay, gj.x, pj.x, mj.x[0], vj.x[0]);
-      adamw_element(t, decay, gj.y, pj.y, mj.x[1], vj.x[1]);
-      adamw_element(t, decay, gj.z, pj.z, mj.x[2], vj.x[2]);
-      adamw_element(t, decay, gj.w, pj.w, mj.x[3], vj.x[3]);
-      *reinterpret_cast<float4*>(p + j) = pj;
-      uint64_t noise[4] = {0, 0, 0, 0};
-      if (bf16)
-        for (int e = 0; e < 4; ++e) noise[e] = adamw_noise(key + static_cast<uint64_t>(j + e), t.step);
-      store4(m, j, mj, bf16, noise, 0);
-      store4(v, j, vj, bf16, noise, 16);
+      const float4 pj = update4(t, decay, p, g, m, v, key, j);
       if (c != nullptr) *reinterpret_cast<uint2*>(c + j) = make_uint2(pack_bf16(pj.x, pj.y), pack_bf16(pj.z, pj.w));
     }
     i = vec_end;
@@ -191,19 +199,7 @@ __global__ void __launch_bounds__(kThreads) adamw_fp8_kernel(AdamWTable t, Fp8Ta
   for (int i = 0; i < kQRows; ++i) {
     const int64_t r = r0 + warp * kQRows + i, c = c0 + 4 * lane, j = base + r * k + c;
     if (vector && r < n && c + 4 <= k) {
-      const float4 gj = *reinterpret_cast<const float4*>(g + j);
-      float4 pj = *reinterpret_cast<float4*>(p + j);
-      Moments4 mj = load4(m, j, bf16), vj = load4(v, j, bf16);
-      adamw_element(t, decay, gj.x, pj.x, mj.x[0], vj.x[0]);
-      adamw_element(t, decay, gj.y, pj.y, mj.x[1], vj.x[1]);
-      adamw_element(t, decay, gj.z, pj.z, mj.x[2], vj.x[2]);
-      adamw_element(t, decay, gj.w, pj.w, mj.x[3], vj.x[3]);
-      *reinterpret_cast<float4*>(p + j) = pj;
-      uint64_t noise[4] = {0, 0, 0, 0};
-      if (bf16)
-        for (int q = 0; q < 4; ++q) noise[q] = adamw_noise(key + static_cast<uint64_t>(j + q), t.step);
-      store4(m, j, mj, bf16, noise, 0);
-      store4(v, j, vj, bf16, noise, 16);
+      const float4 pj = update4(t, decay, p, g, m, v, key, j);
       amax = fmaxf(amax, fmaxf(fmaxf(fabsf(pj.x), fabsf(pj.y)), fmaxf(fabsf(pj.z), fabsf(pj.w))));
     } else {
       for (int q = 0; q < 4; ++q) {
