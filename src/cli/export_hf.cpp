@@ -68,6 +68,13 @@ std::vector<int64_t> stack_experts(const io::HfWeights& w, const fs::path& ckpt,
 // pad ids (eos: else the tokenizer's end-of-document token, which ends every document of
 // a corpus), and beside a tokenizer.json a tokenizer_config.json that loads it as it is.
 // Returns the files written.
+// What an export writes besides its model*.safetensors shards: config.json, the
+// tokenizer's files and the generation config.
+bool exported_file(const std::string& n) {
+  return n == "config.json" || n.starts_with("tokenizer") || n == "special_tokens_map.json" || n == "vocab.json" ||
+         n == "merges.txt" || n == "added_tokens.json" || n == "chat_template.jinja" || n == "generation_config.json";
+}
+
 int write_generation_files(const fs::path& ckpt, const nlohmann::json& config, const fs::path& out) {
   std::unique_ptr<data::Tokenizer> tok;
   if (fs::exists(ckpt / "tokenizer.json")) tok = std::make_unique<data::Tokenizer>((ckpt / "tokenizer.json").string());
@@ -97,7 +104,25 @@ int write_generation_files(const fs::path& ckpt, const nlohmann::json& config, c
 
 int run_export_hf(const Args& args) {
   Options o("export-hf", args, {"checkpoint", "output", "dtype", "max-shard-size"});
-  const fs::path ckpt = find_checkpoint(o.required("checkpoint")), out = o.required("output");
+  const fs::path ckpt = find_checkpoint(o.required("checkpoint")), dest = o.required("output");
+  // The export is written beside dest and swapped in whole: no stale shard of an earlier
+  // export stays for loaders to prefer. dest may be new, empty or an earlier export;
+  // never the checkpoint or a folder holding it, nor a folder of other files.
+  const fs::path rel = fs::weakly_canonical(ckpt).lexically_relative(fs::weakly_canonical(dest));
+  MT_CHECK(rel.empty() || *rel.begin() == "..")
+      << "--output " << dest.string() << " holds the checkpoint " << ckpt.string()
+      << " (an export there would replace its fp32 weights); choose another folder";
+  if (fs::exists(dest)) {
+    MT_CHECK(fs::is_directory(dest)) << "--output " << dest.string() << " is a file, not a folder";
+    for (const auto& e : fs::directory_iterator(dest)) {
+      const std::string n = e.path().filename().string();
+      MT_CHECK(e.is_regular_file() && (exported_file(n) || n.starts_with("model")))
+          << "--output " << dest.string() << " holds " << n << ", which an export does not write; export into a new "
+          << "or empty folder (or an earlier export, which is replaced)";
+    }
+  }
+  const fs::path out = dest.string() + ".tmp";
+  fs::remove_all(out);
   const std::string dtype = o.get("dtype", "bf16");
   MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
   const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
@@ -187,18 +212,19 @@ int run_export_hf(const Args& args) {
   int copied = 0;
   for (const auto& e : fs::directory_iterator(ckpt)) {
     std::string n = e.path().filename().string();
-    bool tokenizer = n.starts_with("tokenizer") || n == "special_tokens_map.json" || n == "vocab.json" ||
-                     n == "merges.txt" || n == "added_tokens.json" || n == "chat_template.jinja" ||
-                     n == "generation_config.json";
-    if (!tokenizer) continue;
+    if (!exported_file(n) || n == "config.json") continue;  // the tokenizer's and generation files
     std::vector<uint8_t> b = io::read_file(e.path().string());
     io::write_file_atomic((out / n).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
     ++copied;
   }
   copied += write_generation_files(ckpt, config, out);
+  fs::remove_all(dest, ec);
+  MT_CHECK(!ec) << "removing the earlier export " << dest.string() << ": " << ec.message();
+  fs::rename(out, dest, ec);
+  MT_CHECK(!ec) << "renaming " << out.string() << " to " << dest.string() << ": " << ec.message();
   std::printf("exported %s: %zu tensors (%s, %zu shard%s, %lld bytes) and %d tokenizer and generation file%s to %s\n",
               ckpt.string().c_str(), all.size(), dtype.c_str(), shards.size(), shards.size() == 1 ? "" : "s",
-              static_cast<long long>(total), copied, copied == 1 ? "" : "s", out.string().c_str());
+              static_cast<long long>(total), copied, copied == 1 ? "" : "s", dest.string().c_str());
   return 0;
 }
 
