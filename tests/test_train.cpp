@@ -1262,6 +1262,15 @@ TEST(Commands, BadConfigFailsNamingTheKey) {
                          fixture("nonexistent.npy"));
   EXPECT_EQ(rc2, 1);
   EXPECT_NE(out2.find("nonexistent.npy"), std::string::npos) << out2;
+  // Past the model's max_position_embeddings (64 in the fixture): refused.
+  const std::string d = temp_dir("eval_long");
+  std::vector<int32_t> zeros(100, 0);
+  io::write_npy(d + "/long.npy", "<i4", {1, 100}, zeros.data());
+  auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " eval --model " + fixture("qwen3_moe_a") + " --tokens " + d +
+                         "/long.npy");
+  EXPECT_EQ(rc3, 1);
+  EXPECT_NE(out3.find("sequences of 99 positions, past the model's max_position_embeddings (64"), std::string::npos)
+      << out3;
 }
 
 // Two ranks started as the README's "Several processes" says, on one host (--bind-to

@@ -5,6 +5,7 @@
 #include "cli/commands.h"
 #include "core/arena.h"
 #include "core/check.h"
+#include "io/file.h"
 #include "train/trainer.h"
 
 namespace mt::cli {
@@ -22,6 +23,14 @@ int run_eval(const Args& args) {
   std::unique_ptr<Model> model = make_model(folder + "/config.json", options);
   load_hf(*model, folder);
   TokenBatch data = read_token_batch(o.required("tokens"), model->vocab_size());
+  // Positions past what the model was made for are not an evaluation of it.
+  const std::vector<uint8_t> b = io::read_file(folder + "/config.json");
+  const nlohmann::json config = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
+  const nlohmann::json max_positions = config.is_object() ? config.value("max_position_embeddings", nlohmann::json())
+                                                          : nlohmann::json();
+  MT_CHECK(!max_positions.is_number_integer() || data.seq <= max_positions.get<int64_t>())
+      << o.required("tokens") << ": sequences of " << data.seq << " positions, past the model's "
+      << "max_position_embeddings (" << max_positions.dump() << " in " << folder << "/config.json)";
   LossSum l = Trainer::evaluate(*model, data, micro);
   nlohmann::json j;
   j["loss"] = l.sum / static_cast<double>(l.count);
