@@ -161,6 +161,12 @@ TEST(Checkpoint, BranchesAreWrittenAndLaterStepsKept) {
   std::ofstream(dump + "/step-00000006/train_state.json") << state;
   const std::string e = error_of([&] { load_checkpoint(dump + "/step-00000006", *m, &opt); });
   EXPECT_NE(e.find("step 999 but the folder is step 6"), std::string::npos) << e;
+  // A key of the wrong type names the file (it was nlohmann's bare type_error).
+  state = bytes(dump + "/step-00000008/train_state.json");
+  state.replace(state.find("\"seed\": 0"), 9, "\"seed\": \"x\"");
+  std::ofstream(dump + "/step-00000008/train_state.json") << state;
+  const std::string e2 = error_of([&] { read_train_state(dump + "/step-00000008"); });
+  EXPECT_NE(e2.find("step-00000008/train_state.json: a key has the wrong type"), std::string::npos) << e2;
 }
 
 // ---- malformed input ---------------------------------------------------------------

@@ -223,7 +223,16 @@ TrainState read_train_state(const std::string& dir) {
   MT_CHECK(!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer())
       << dir << "/train_state.json: expected a JSON object with an integer \"step\"";
   TrainState st;
-  st.step = j["step"].get<int64_t>();
+  try {
+    st.step = j["step"].get<int64_t>();
+    st.seed = j.value("seed", int64_t{0});
+    st.lr = j.value("lr", 0.0);
+    st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
+    st.config_toml = j.value("config", std::string());
+  } catch (const nlohmann::json::exception& e) {
+    MT_FAIL() << dir << "/train_state.json: a key has the wrong type (seed and step integers, lr a number, config a "
+              << "string): " << e.what();
+  }
   // The folder's name says the step too (a step edited to 999 was trusted, and rotation
   // then deleted good checkpoints).
   fs::path folder = fs::path(dir).lexically_normal();
@@ -231,10 +240,6 @@ TrainState read_train_state(const std::string& dir) {
   const int64_t named = step_of(folder);
   MT_CHECK(named < 0 || named == st.step) << dir << "/train_state.json: step " << st.step << " but the folder is step "
                                           << named << "; the checkpoint was edited or moved";
-  st.seed = j.value("seed", int64_t{0});
-  st.lr = j.value("lr", 0.0);
-  st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
-  st.config_toml = j.value("config", std::string());
   return st;
 }
 
