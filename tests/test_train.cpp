@@ -1249,6 +1249,23 @@ TEST(Commands, CorpusFedMeshMatchesOneRank) {
   EXPECT_NE(runs[0][0]["loss"], runs[0][2]["loss"]);
 }
 
+// Ranks started with different configs (here training.steps) stop at once, the one that
+// differs naming the key and both values; it used to hang in a collective.
+TEST(Commands, RanksWithAnotherConfigThanRankZeroStop) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string d = temp_dir("agree");
+  const std::string cmd = std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
+                          " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --job.dump_folder=" + d;
+  auto [rc, out] = run(kMpirun.substr(0, kMpirun.find("mpirun")) + "timeout 120 " +
+                       kMpirun.substr(kMpirun.find("mpirun")) + "1 " + cmd + " --training.steps=2 : -np 1 " + cmd +
+                       " --training.steps=3 2>&1");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(rc, 124) << "the ranks hung: " << out;
+  EXPECT_NE(out.find("this rank's config differs from rank 0's: training.steps (rank 0: 2, here: 3)"),
+            std::string::npos)
+      << out;
+}
+
 TEST(Commands, BadConfigFailsNamingTheKey) {
   auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --training.stepz=3");
   EXPECT_EQ(rc, 1);

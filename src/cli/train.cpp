@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -63,6 +64,29 @@ void compare_with_checkpoint(const Config& cfg, const std::string& dir, const st
   if (!print || changes.empty()) return;
   std::printf("config changed since %s:\n", dir.c_str());
   for (const ConfigChange& c : changes) std::printf("  %s: %s -> %s\n", c.key.c_str(), c.before.c_str(), c.after.c_str());
+}
+
+// Ranks agree or stop: every rank's resolved config must be rank 0's (ranks started with
+// different flags, say training.steps, hung in a collective). Each rank that differs
+// names its keys; every rank stops.
+void agree_with_rank0(comm::Communicator& world, const Config& cfg) {
+  if (world.size() == 1) return;
+  const std::string mine = config_to_toml(cfg);
+  std::vector<int64_t> length = {static_cast<int64_t>(mine.size())};
+  world.broadcast(Tensor(length.data(), {1}, DType::i64), 0);
+  std::vector<int64_t> words(static_cast<size_t>((length[0] + 7) / 8), 0);  // the text as int64s
+  if (world.rank() == 0) std::memcpy(words.data(), mine.data(), mine.size());
+  world.broadcast(Tensor(words.data(), {static_cast<int64_t>(words.size())}, DType::i64), 0);
+  const std::string zero(reinterpret_cast<const char*>(words.data()), static_cast<size_t>(length[0]));
+  std::string differs;
+  for (const ConfigChange& c : config_changes(zero, cfg))
+    differs += (differs.empty() ? "" : ", ") + c.key + " (rank 0: " + c.before + ", here: " + c.after + ")";
+  std::vector<int64_t> bad = {differs.empty() ? 0 : 1};
+  world.all_reduce(Tensor(bad.data(), {1}, DType::i64));
+  MT_CHECK(differs.empty()) << "this rank's config differs from rank 0's: " << differs
+                            << "; every rank must run the same command with the same config";
+  MT_CHECK(bad[0] == 0) << bad[0] << " rank(s) run another config than rank 0 (each names its keys); every rank "
+                        << "must run the same command with the same config";
 }
 
 // Where the tokenizer a checkpoint carries comes from: the corpus's (tokenize copies it
@@ -133,6 +157,7 @@ int run_train(const Args& args) {
   // Every rank runs this same function; rank 0 alone writes the run folder.
   comm::World& world = comm::world();
   const bool writer = world.rank() == 0;
+  agree_with_rank0(world.comm(), cfg);
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
   const std::string resume = cfg.checkpoint.load.empty() ? latest_checkpoint(checkpoints) : cfg.checkpoint.load;
   const TrainState saved = resume.empty() ? TrainState{} : read_train_state(resume);
