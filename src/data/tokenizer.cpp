@@ -598,8 +598,12 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) {
 }
 
 Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()) {
-  impl_->load(path);
-  impl_->load_eos();
+  try {
+    impl_->load(path);
+    impl_->load_eos();
+  } catch (const nlohmann::json::exception& e) {  // a field of the wrong type, read with value()/get()
+    MT_FAIL() << path << ": a field has the wrong JSON type for a Hugging Face tokenizer.json (" << e.what() << ")";
+  }
 }
 Tokenizer::~Tokenizer() = default;
 
