@@ -101,18 +101,7 @@ int32_t pick(const std::vector<float>& logits, double temperature, double top_p,
 // The last position's logits [V] on the host, in f32, wherever the model runs.
 std::vector<float> last_logits(Model& model, Stash& s) {
   Tensor all = model.logits(s);  // [T, V]
-  Tensor last = all.rows(all.dim(0) - 1, all.dim(0));
-  std::vector<float> out(static_cast<size_t>(last.numel()));
-  Tensor host(out.data(), last.shape, DType::f32);
-  if (last.dtype == DType::f32) {
-    copy(host, last);
-  } else {
-    std::vector<uint8_t> raw(last.nbytes());
-    Tensor staged(raw.data(), last.shape, last.dtype);
-    copy(staged, last);
-    cast(staged, host);
-  }
-  return out;
+  return to_host(all.rows(all.dim(0) - 1, all.dim(0)));
 }
 
 }  // namespace

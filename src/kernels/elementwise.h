@@ -3,6 +3,7 @@
 // of squares behind the gradient norm.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "core/tensor.h"
@@ -87,6 +88,21 @@ inline void cast(const Tensor& src, const Tensor& dst) {
   if (dst.device == Device::cuda) return cuda::cast(src, dst);
 #endif
   return cpu::cast(src, dst);
+}
+
+// A tensor's values in host memory as f32, from f32 or bf16 on either device.
+inline std::vector<float> to_host(const Tensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  Tensor out(v.data(), t.shape, DType::f32);
+  if (t.dtype == DType::f32) {
+    copy(out, t);
+  } else {
+    std::vector<uint8_t> raw(t.nbytes());
+    Tensor staged(raw.data(), t.shape, t.dtype);
+    copy(staged, t);
+    cast(staged, out);
+  }
+  return v;
 }
 
 inline void add(const Tensor& a, const Tensor& b, const Tensor& out) {

@@ -40,22 +40,6 @@ void test_delay() {
 
 std::vector<int64_t> dims(const Tensor& t) { return {t.shape.d.begin(), t.shape.d.begin() + t.ndim()}; }
 
-// A tensor's values on the host, wherever it lives.
-// f32 in host memory, from f32 or bf16 (bf16 moments) anywhere.
-std::vector<float> to_host(const Tensor& t) {
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  Tensor out(v.data(), t.shape, DType::f32);
-  if (t.dtype == DType::f32) {
-    copy(out, t);
-  } else {
-    std::vector<uint8_t> raw(t.nbytes());
-    Tensor staged(raw.data(), t.shape, t.dtype);
-    copy(staged, t);
-    cast(staged, out);
-  }
-  return v;
-}
-
 // The other way: host f32 values into `dst`, rounded to nearest if it is bf16 (exact
 // for the bf16 moments this run's checkpoints hold).
 void from_host(const Tensor& dst, const std::vector<float>& host) {
