@@ -15,6 +15,7 @@ packages=(
   nlohmann-json3-dev         # config.json, safetensors headers, metrics
   libtomlplusplus-dev        # training configs
   libzstd-dev libpcre2-dev libutf8proc-dev  # corpus reading and the tokenizer
+  libxxhash-dev              # checkpoint files' checksums (XXH3)
   bible-kjv zstd             # the demo corpus (data/make_kjv_corpus.py): KJV text, compressed
   python3 python3-numpy      # fixtures and tools inspect .npy files
   python3-matplotlib         # tools/plot_run.py: a run's plots (make demo, a test)

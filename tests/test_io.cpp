@@ -270,6 +270,21 @@ TEST_F(Io, AtomicWriterLeavesNoTempFile) {
   EXPECT_EQ(names, std::vector<std::string>{"x.safetensors"});
 }
 
+// The sum a writer returns is XXH3-64 of the bytes written, pieces as one stream, and
+// what file_sum finds on disk (the digests are xxhash's own for "abc" and "").
+TEST_F(Io, WritersReturnTheChecksumOfWhatTheyWrote) {
+  FileSum w = write_file_atomic(path("abc"), {"ab", "", "c"});
+  EXPECT_EQ(w.bytes, 3u);
+  EXPECT_EQ(w.xxh3, 0x78af5f94892f3950u);
+  EXPECT_EQ(file_sum(path("abc")).xxh3, w.xxh3);
+  EXPECT_EQ(write_file_atomic(path("empty"), {}).xxh3, 0x2d06800538d394c2u);
+  EXPECT_EQ(file_sum(path("empty")).xxh3, 0x2d06800538d394c2u);
+  std::vector<float> v = {1.0f, 2.0f};
+  FileSum st = write_safetensors(path("x.safetensors"), {st_f32("v", {2}, v.data())});
+  EXPECT_EQ(st.bytes, fs::file_size(path("x.safetensors")));
+  EXPECT_EQ(st.xxh3, file_sum(path("x.safetensors")).xxh3);
+}
+
 TEST_F(Io, WriterRejectsBadTensors) {
   std::vector<float> v = {1.0f, 2.0f};
   std::string p = path("x.safetensors");

@@ -9,6 +9,14 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
+
+// x86's dispatching entry points take AVX2 where the CPU has it: 3x the SSE2 default.
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>
+#else
+#include <xxhash.h>
+#endif
 
 #include "core/check.h"
 
@@ -46,11 +54,22 @@ MappedFile::MappedFile(const std::string& path, std::string_view what) {
 
 void MappedFile::Unmap::operator()(const uint8_t* p) const { ::munmap(const_cast<uint8_t*>(p), size); }
 
-void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
+FileSum file_sum(const std::string& path) {
+  MappedFile f(path, "file");
+  return {f.bytes().size(), XXH3_64bits(f.bytes().data(), f.bytes().size())};
+}
+
+FileSum write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
   std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   MT_CHECK(fd >= 0) << "cannot write " << tmp << ": " << std::strerror(errno);
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(), XXH3_freeState);
+  MT_CHECK(hash != nullptr) << "out of memory for the checksum of " << path;
+  XXH3_64bits_reset(hash.get());
+  FileSum sum;
   for (std::string_view p : pieces) {
+    XXH3_64bits_update(hash.get(), p.data(), p.size());
+    sum.bytes += p.size();
     size_t done = 0;
     while (done < p.size()) {
       ssize_t w = ::write(fd, p.data() + done, p.size() - done);
@@ -75,6 +94,8 @@ void write_file_atomic(const std::string& path, const std::vector<std::string_vi
     ::fsync(dfd);
     ::close(dfd);
   }
+  sum.xxh3 = XXH3_64bits_digest(hash.get());
+  return sum;
 }
 
 }  // namespace mt::io

@@ -1,4 +1,4 @@
-// Whole-file reads, read-only maps and atomic writes.
+// Whole-file reads, read-only maps, atomic writes and checksums.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +27,17 @@ class MappedFile {
   std::unique_ptr<const uint8_t, Unmap> map_;
 };
 
+// A file's size and XXH3-64 checksum: what a checkpoint records of each of its files.
+struct FileSum {
+  uint64_t bytes = 0, xxh3 = 0;
+};
+
+// The FileSum of the file at `path` as it is now.
+FileSum file_sum(const std::string& path);
+
 // Writes the pieces to path.tmp, fsyncs it, renames it over path and fsyncs the
-// folder: after a crash either the old file or the complete new one is there.
-void write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces);
+// folder: after a crash either the old file or the complete new one is there. Returns
+// the FileSum of the bytes written, hashed on the way (no second read).
+FileSum write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces);
 
 }  // namespace mt::io

@@ -239,8 +239,8 @@ void SafetensorsFile::read_f32(const StTensor& t, float* dst) const {
   }
 }
 
-void write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+FileSum write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
+                          const std::map<std::string, std::string>& metadata) {
   Json header = Json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string_view> names;
@@ -269,7 +269,7 @@ void write_safetensors(const std::string& path, const std::vector<StWrite>& tens
   uint64_t len = text.size();  // little-endian, like every host we build for
   pieces[0] = std::string_view(reinterpret_cast<const char*>(&len), 8);
   pieces[1] = text;
-  write_file_atomic(path, pieces);
+  return write_file_atomic(path, pieces);
 }
 
 HfWeights::HfWeights(const std::string& folder, const std::string& stem) : folder_(folder) {

@@ -66,9 +66,10 @@ inline StWrite st_f32(std::string name, std::vector<int64_t> shape, const float*
 }
 
 // Writes the tensors in the given order, data contiguous, header padded with spaces
-// so the data section starts 8-byte aligned; atomically (write_file_atomic).
-void write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+// so the data section starts 8-byte aligned; atomically (write_file_atomic, whose
+// FileSum of the file it returns).
+FileSum write_safetensors(const std::string& path, const std::vector<StWrite>& tensors,
+                          const std::map<std::string, std::string>& metadata = {});
 
 // src [rows, cols] as its transpose dst [cols, rows].
 void transpose_f32(const float* src, int64_t rows, int64_t cols, float* dst);
