@@ -6,7 +6,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -71,13 +70,7 @@ void compare_with_checkpoint(const Config& cfg, const std::string& dir, const st
 // names its keys; every rank stops.
 void agree_with_rank0(comm::Communicator& world, const Config& cfg) {
   if (world.size() == 1) return;
-  const std::string mine = config_to_toml(cfg);
-  std::vector<int64_t> length = {static_cast<int64_t>(mine.size())};
-  world.broadcast(Tensor(length.data(), {1}, DType::i64), 0);
-  std::vector<int64_t> words(static_cast<size_t>((length[0] + 7) / 8), 0);  // the text as int64s
-  if (world.rank() == 0) std::memcpy(words.data(), mine.data(), mine.size());
-  world.broadcast(Tensor(words.data(), {static_cast<int64_t>(words.size())}, DType::i64), 0);
-  const std::string zero(reinterpret_cast<const char*>(words.data()), static_cast<size_t>(length[0]));
+  const std::string zero = comm::broadcast_text(world, config_to_toml(cfg), 0);
   std::string differs;
   for (const ConfigChange& c : config_changes(zero, cfg))
     differs += (differs.empty() ? "" : ", ") + c.key + " (rank 0: " + c.before + ", here: " + c.after + ")";

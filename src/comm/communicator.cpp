@@ -451,6 +451,14 @@ void Communicator::barrier() {
   check_mpi(MPI_Barrier(impl_->mpi), where("barrier"));
 }
 
+std::string broadcast_text(Communicator& c, const std::string& text, int root) {
+  std::vector<int64_t> length = {static_cast<int64_t>(text.size())};
+  c.broadcast(Tensor(length.data(), {1}, DType::i64), root);
+  std::string out = c.rank() == root ? text : std::string(static_cast<size_t>(length[0]), '\0');
+  c.broadcast(Tensor(out.data(), {length[0]}, DType::u8), root);
+  return out;
+}
+
 Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic traffic) {
   std::string w = where("send/recv batch") + " [";
   for (const P2P& op : ops)

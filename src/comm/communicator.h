@@ -158,6 +158,10 @@ class Communicator {
   std::unique_ptr<Impl> impl_;
 };
 
+// `text` as rank `root` of `c` holds it, on every rank (collective; other ranks' `text`
+// is not read).
+std::string broadcast_text(Communicator& c, const std::string& text, int root);
+
 // The process-wide world. Created at the first world() call: reads the launcher's
 // variables, calls MPI_Init (only when there is more than one rank, so a lone
 // process needs no mpirun), checks that MPI agrees with the launcher, and names the
