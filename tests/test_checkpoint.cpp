@@ -30,6 +30,17 @@ std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTU
 
 std::string temp_dir(const std::string& name) { return test::temp_dir("ckpt_" + name); }
 
+std::string hex(uint64_t v) {
+  char b[17];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+std::string file_text(const std::string& path) {
+  std::vector<uint8_t> b = io::read_file(path);
+  return std::string(b.begin(), b.end());
+}
+
 
 // A run with state worth restoring: warmup and cosine decay (the step count matters),
 // weight decay, micro-batches, the load-balance loss, clipping.
@@ -155,16 +166,21 @@ TEST(Checkpoint, BranchesAreWrittenAndLaterStepsKept) {
   EXPECT_FALSE(fs::exists(dump + "/step-00000004"));
   EXPECT_FALSE(fs::exists(dump + "/step-00000008.tmp"));
   EXPECT_NE(bytes(dump + "/step-00000008/model.safetensors"), first8) << "step 8 was not written anew";
-  // Edited to another step: refused, naming both.
+  // Edited to another step: the manifest refuses it; without one (a checkpoint saved
+  // before checksums), the folder's name does, naming both steps.
   std::string state = bytes(dump + "/step-00000006/train_state.json");
   state.replace(state.find("\"step\": 6"), 9, "\"step\": 999");
   std::ofstream(dump + "/step-00000006/train_state.json") << state;
-  const std::string e = error_of([&] { load_checkpoint(dump + "/step-00000006", *m, &opt); });
+  std::string e = error_of([&] { load_checkpoint(dump + "/step-00000006", *m, &opt); });
+  EXPECT_NE(e.find("step-00000006/train_state.json holds"), std::string::npos) << e;
+  io::write_file_atomic(dump + "/step-00000006/COMPLETE", {"6\n"});
+  e = error_of([&] { load_checkpoint(dump + "/step-00000006", *m, &opt); });
   EXPECT_NE(e.find("step 999 but the folder is step 6"), std::string::npos) << e;
   // A key of the wrong type names the file (it was nlohmann's bare type_error).
   state = bytes(dump + "/step-00000008/train_state.json");
   state.replace(state.find("\"seed\": 0"), 9, "\"seed\": \"x\"");
   std::ofstream(dump + "/step-00000008/train_state.json") << state;
+  io::write_file_atomic(dump + "/step-00000008/COMPLETE", {"8\n"});
   const std::string e2 = error_of([&] { read_train_state(dump + "/step-00000008"); });
   EXPECT_NE(e2.find("step-00000008/train_state.json: a key has the wrong type"), std::string::npos) << e2;
 }
@@ -196,7 +212,11 @@ class BrokenCheckpoint : public ::testing::Test {
     edit(w);
     io::write_safetensors(dir_ + "/model.safetensors.new", w);
     fs::rename(dir_ + "/model.safetensors.new", dir_ + "/model.safetensors");
+    unseal();
   }
+  // COMPLETE as checkpoints wrote it before checksums, so that the files' own checks are
+  // what refuse them.
+  void unseal() { io::write_file_atomic(dir_ + "/COMPLETE", {"3\n"}); }
   std::string load_error() {
     return error_of([&] { load_checkpoint(dir_, *model_, opt_.get()); });
   }
@@ -231,9 +251,58 @@ TEST_F(BrokenCheckpoint, AnotherModelConfig) {
 }
 
 TEST_F(BrokenCheckpoint, TruncatedFile) {
-  fs::resize_file(dir_ + "/optimizer.safetensors", fs::file_size(dir_ + "/optimizer.safetensors") - 100);
+  const uintmax_t size = fs::file_size(dir_ + "/optimizer.safetensors");
+  fs::resize_file(dir_ + "/optimizer.safetensors", size - 100);
   std::string e = load_error();
-  EXPECT_NE(e.find("optimizer.safetensors"), std::string::npos) << e;
+  EXPECT_NE(e.find(dir_ + "/optimizer.safetensors holds " + std::to_string(size - 100) + " bytes, expected " +
+                   std::to_string(size) + " (as saved): truncated"),
+            std::string::npos)
+      << e;
+  unseal();  // the safetensors header's own check
+  e = load_error();
+  EXPECT_NE(e.find("optimizer.safetensors: tensor"), std::string::npos) << e;
+}
+
+// COMPLETE lists every other file with its size and checksum; a correct checkpoint
+// verifies, and a flipped bit in a tensor's data is an error naming the file and both
+// checksums. The generate path (no optimizer) does not read the optimizer's file.
+TEST_F(BrokenCheckpoint, AFlippedByteIsAnErrorNamingTheFile) {
+  nlohmann::json manifest = nlohmann::json::parse(io::read_file(dir_ + "/COMPLETE"));
+  EXPECT_EQ(manifest["step"], 3);
+  std::set<std::string> listed, there;
+  for (const auto& [name, e] : manifest["files"].items()) listed.insert(name);
+  for (const auto& e : fs::directory_iterator(dir_)) there.insert(e.path().filename().string());
+  there.erase("COMPLETE");
+  EXPECT_EQ(listed, there);
+  EXPECT_EQ(manifest["files"]["model.safetensors"]["bytes"], fs::file_size(dir_ + "/model.safetensors"));
+  EXPECT_NO_THROW(verify_checkpoint(dir_, true));
+  EXPECT_EQ(load_error(), "(no error)");
+
+  const std::string file = dir_ + "/optimizer.safetensors";
+  std::string b = file_text(file);
+  b[b.size() - 5] ^= 0x10;  // one bit of the last tensor's data
+  io::write_file_atomic(file, {b});
+  const std::string want = manifest["files"]["optimizer.safetensors"]["xxh3"], found = hex(io::file_sum(file).xxh3);
+  const std::string e = load_error();
+  EXPECT_NE(e.find(file + " has XXH3 checksum " + found + ", expected " + want +
+                   " (as saved); the checkpoint is damaged: use an earlier one"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(error_of([&] { load_checkpoint(dir_, *model_, nullptr); }), "(no error)");
+}
+
+// A checkpoint saved before checksums loads, with a note that it cannot be verified; a
+// COMPLETE that is neither that nor a manifest is damage.
+TEST_F(BrokenCheckpoint, ACheckpointWithoutChecksumsLoadsWithANote) {
+  unseal();
+  ::testing::internal::CaptureStderr();
+  const std::string e = load_error();
+  const std::string note = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(e, "(no error)");
+  EXPECT_EQ(note, "moetrain: note: " + dir_ + " has no checksums (saved before checkpoints recorded them), so its "
+                  "files cannot be verified\n");
+  io::write_file_atomic(dir_ + "/COMPLETE", {"{\"step\": 3, \"files\""});
+  EXPECT_NE(load_error().find(dir_ + "/COMPLETE is not a manifest"), std::string::npos) << load_error();
 }
 
 TEST_F(BrokenCheckpoint, HeaderLiesAboutOffsets) {
@@ -695,11 +764,6 @@ TEST(CheckpointCommands, RunsSaveTheirEndAndExportTakesTheNewest) {
   EXPECT_EQ(out6.find("warning"), std::string::npos) << out6;
   EXPECT_EQ(latest_checkpoint(periodic + "/checkpoints"), periodic + "/checkpoints/step-00000004");
   EXPECT_TRUE(fs::exists(periodic + "/checkpoints/step-00000002/COMPLETE"));
-}
-
-std::string file_text(const std::string& path) {
-  std::vector<uint8_t> b = io::read_file(path);
-  return std::string(b.begin(), b.end());
 }
 
 nlohmann::json json_file(const std::string& path) { return nlohmann::json::parse(file_text(path)); }

@@ -105,6 +105,7 @@ int write_generation_files(const fs::path& ckpt, const nlohmann::json& config, c
 int run_export_hf(const Args& args) {
   Options o("export-hf", args, {"checkpoint", "output", "dtype", "max-shard-size"});
   const fs::path ckpt = find_checkpoint(o.required("checkpoint")), dest = o.required("output");
+  verify_checkpoint(ckpt.string(), false);  // no damaged file passes into an export
   // The export is written beside dest and swapped in whole: no stale shard of an earlier
   // export stays for loaders to prefer. dest may be new, empty or an earlier export;
   // never the checkpoint or a folder holding it, nor a folder of other files.

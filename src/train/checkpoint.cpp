@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -65,7 +66,61 @@ int64_t step_of(const fs::path& dir) {
   return std::stoll(n.substr(5));
 }
 
+std::string hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// What COMPLETE records: each other file's FileSum as saved. A COMPLETE of the format
+// before manifests (the step, or nothing) records none: `legacy`.
+struct Manifest {
+  bool legacy = false;
+  std::map<std::string, io::FileSum> files;
+};
+
+Manifest read_manifest(const std::string& dir) {
+  const std::vector<uint8_t> raw = io::read_file((fs::path(dir) / "COMPLETE").string());
+  const std::string text(raw.begin(), raw.end());
+  Manifest m;
+  m.legacy = text.find_first_not_of("0123456789\n") == std::string::npos;
+  if (m.legacy) return m;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    for (const auto& [name, e] : j.at("files").items()) {
+      const std::string x = e.at("xxh3").get<std::string>();
+      size_t used = 0;
+      m.files[name] = {e.at("bytes").get<uint64_t>(), std::stoull(x, &used, 16)};
+      if (used != x.size() || x.size() != 16) throw std::invalid_argument("xxh3 \"" + x + "\" is not 16 hex digits");
+    }
+  } catch (const std::exception& e) {
+    throw DamagedCheckpoint(dir, "COMPLETE is not a manifest ({\"step\": N, \"files\": {name: {\"bytes\": N, "
+                                 "\"xxh3\": \"16 hex digits\"}}}): " + std::string(e.what()));
+  }
+  return m;
+}
+
+// What is wrong with file `name` of `dir` against its FileSum as saved: "" if nothing.
+std::string file_damage(const std::string& dir, const std::string& name, const io::FileSum& want) {
+  const std::string path = (fs::path(dir) / name).string();
+  std::error_code ec;
+  const uintmax_t bytes = fs::file_size(path, ec);
+  if (ec) return name + " is missing (" + ec.message() + ")";
+  if (bytes != want.bytes)
+    return name + " holds " + std::to_string(bytes) + " bytes, expected " + std::to_string(want.bytes) + " (as saved)" +
+           (bytes < want.bytes ? ": truncated" : "");
+  const uint64_t got = io::file_sum(path).xxh3;
+  if (got != want.xxh3) return name + " has XXH3 checksum " + hex(got) + ", expected " + hex(want.xxh3) + " (as saved)";
+  return "";
+}
+
 }  // namespace
+
+DamagedCheckpoint::DamagedCheckpoint(const std::string& dir, const std::string& why)
+    : Error(dir + "/" + why + "; the checkpoint is damaged: use an earlier one (a run resumes from its newest one "
+                "that verifies, unless checkpoint.load names one) or restore the file from a copy",
+            ""),
+      why(why) {}
 
 std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
                             const std::string& model_config_path, const std::string& tokenizer_dir, int64_t keep,
@@ -110,26 +165,43 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
     host.push_back(to_host(opt.exp_avg_sq(t.value)));
     moments.push_back(io::st_f32(names.back(), dims(t.value), host.back().data()));
   }
-  const std::string suffix = ranks > 1 ? "-part" + std::to_string(rank) : "";
-  io::write_safetensors((tmp / ("model" + suffix + ".safetensors")).string(), weights, {{"format", "pt"}});
+  auto part = [&](int r) { return ranks > 1 ? "-part" + std::to_string(r) : std::string(); };
+  auto path = [&](const std::string& stem) { return (tmp / (stem + part(rank) + ".safetensors")).string(); };
+  const io::FileSum model_sum = io::write_safetensors(path("model"), weights, {{"format", "pt"}});
   test_delay();
-  io::write_safetensors((tmp / ("optimizer" + suffix + ".safetensors")).string(), moments);
+  const io::FileSum moments_sum = io::write_safetensors(path("optimizer"), moments);
   test_delay();
-  barrier();
+  // Rank 0's manifest records every writer's files; gathering their sums also waits for them.
+  std::vector<int64_t> mine = {static_cast<int64_t>(model_sum.bytes), static_cast<int64_t>(model_sum.xxh3),
+                               static_cast<int64_t>(moments_sum.bytes), static_cast<int64_t>(moments_sum.xxh3)};
+  std::vector<int64_t> sums = mine;
+  sums.resize(4 * static_cast<size_t>(ranks));
+  if (ranks > 1)
+    writers->all_gather(Tensor(mine.data(), {4}, DType::i64), Tensor(sums.data(), {4 * ranks}, DType::i64));
   if (rank != 0) {
     barrier();  // rank 0 finishes the checkpoint
     return final_dir.string();
+  }
+  nlohmann::json files;
+  auto record = [&](const std::string& name, io::FileSum sum) {
+    files[name] = {{"bytes", sum.bytes}, {"xxh3", hex(sum.xxh3)}};
+  };
+  for (int r = 0; r < ranks; ++r) {
+    auto at = [&](int i) { return static_cast<uint64_t>(sums[4 * static_cast<size_t>(r) + i]); };
+    record("model" + part(r) + ".safetensors", {at(0), at(1)});
+    record("optimizer" + part(r) + ".safetensors", {at(2), at(3)});
   }
   if (ranks > 1) {
     // The index of each stem lists every writer's keys.
     for (const std::string stem : {"model", "optimizer"}) {
       nlohmann::json index;
       for (int r = 0; r < ranks; ++r) {
-        std::string file = stem + "-part" + std::to_string(r) + ".safetensors";
+        std::string file = stem + part(r) + ".safetensors";
         io::SafetensorsFile f((tmp / file).string());
         for (const io::StTensor& t : f.tensors()) index["weight_map"][t.name] = file;
       }
-      io::write_file_atomic((tmp / (stem + ".safetensors.index.json")).string(), {index.dump(2)});
+      const std::string name = stem + ".safetensors.index.json";
+      record(name, io::write_file_atomic((tmp / name).string(), {index.dump(2)}));
     }
   }
   nlohmann::json state;
@@ -139,16 +211,16 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   state["lr"] = st.lr;
   state["data_cursor"] = nlohmann::json::parse(st.data_cursor);
   state["config"] = st.config_toml;
-  io::write_file_atomic((tmp / "train_state.json").string(), {state.dump(2)});
-  std::vector<uint8_t> config = io::read_file(model_config_path);
-  io::write_file_atomic((tmp / "config.json").string(),
-                        {std::string_view(reinterpret_cast<const char*>(config.data()), config.size())});
+  record("train_state.json", io::write_file_atomic((tmp / "train_state.json").string(), {state.dump(2)}));
+  auto copy_in = [&](const fs::path& from, const std::string& name) {
+    std::vector<uint8_t> b = io::read_file(from.string());
+    record(name, io::write_file_atomic((tmp / name).string(),
+                                       {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())}));
+  };
+  copy_in(model_config_path, "config.json");
   const fs::path source(tokenizer_dir);
-  for (const char* f : kTokenizerFiles) {
-    if (tokenizer_dir.empty() || !fs::exists(source / f)) continue;
-    std::vector<uint8_t> b = io::read_file((source / f).string());
-    io::write_file_atomic((tmp / f).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
-  }
+  for (const char* f : kTokenizerFiles)
+    if (!tokenizer_dir.empty() && fs::exists(source / f)) copy_in(source / f, f);
   test_delay();
   sync_dir(tmp);
   std::error_code ec;
@@ -157,7 +229,8 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   fs::rename(tmp, final_dir, ec);
   MT_CHECK(!ec) << "renaming " << tmp.string() << " to " << final_dir.string() << ": " << ec.message();
   sync_dir(root);
-  io::write_file_atomic((final_dir / "COMPLETE").string(), {std::to_string(st.step) + "\n"});
+  io::write_file_atomic((final_dir / "COMPLETE").string(),
+                        {nlohmann::json{{"step", st.step}, {"files", files}}.dump(2) + "\n"});
 
   // Keep the newest `keep` complete checkpoints up to this one; drop older ones. Later
   // steps (another branch of the run) are never deleted for this one.
@@ -202,10 +275,17 @@ std::string find_checkpoint(const std::string& path) {
 
 TrainState read_train_state(const std::string& dir) {
   MT_CHECK(complete(dir)) << dir << " is not a complete checkpoint (no COMPLETE marker)";
+  const Manifest m = read_manifest(dir);
+  if (!m.legacy) {
+    const auto it = m.files.find("train_state.json");
+    const std::string why = it == m.files.end() ? "COMPLETE does not list train_state.json"
+                                                : file_damage(dir, "train_state.json", it->second);
+    if (!why.empty()) throw DamagedCheckpoint(dir, why);
+  }
   std::vector<uint8_t> b = io::read_file((fs::path(dir) / "train_state.json").string());
   nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
-  MT_CHECK(!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer())
-      << dir << "/train_state.json: expected a JSON object with an integer \"step\"";
+  if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer())
+    throw DamagedCheckpoint(dir, "train_state.json does not read: expected a JSON object with an integer \"step\"");
   TrainState st;
   try {
     st.step = j["step"].get<int64_t>();
@@ -227,8 +307,37 @@ TrainState read_train_state(const std::string& dir) {
   return st;
 }
 
-TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt) {
+void verify_checkpoint(const std::string& dir, bool optimizer, comm::Communicator* ranks) {
+  const int rank = ranks ? ranks->rank() : 0, size = ranks ? ranks->size() : 1;
+  const Manifest m = read_manifest(dir);
+  if (m.legacy) {
+    // Loaded rather than refused: refusing would strand every run saved before manifests,
+    // and the safetensors files' own checks still catch truncation.
+    if (rank == 0)
+      std::fprintf(stderr, "moetrain: note: %s has no checksums (saved before checkpoints recorded them), so its "
+                   "files cannot be verified\n", dir.c_str());
+    return;
+  }
+  std::string why;
+  size_t i = 0;
+  for (const auto& [name, want] : m.files)
+    if ((optimizer || !name.starts_with("optimizer")) && i++ % size == static_cast<size_t>(rank) && why.empty())
+      why = file_damage(dir, name, want);
+  if (size > 1) {
+    // The first rank that found damage speaks for all: every rank falls back or goes on.
+    std::vector<int64_t> found(static_cast<size_t>(size));
+    int64_t mine = why.empty() ? 0 : 1;
+    ranks->all_gather(Tensor(&mine, {1}, DType::i64), Tensor(found.data(), {size}, DType::i64));
+    const auto first = std::find(found.begin(), found.end(), 1);
+    if (first == found.end()) return;
+    why = comm::broadcast_text(*ranks, why, static_cast<int>(first - found.begin()));
+  }
+  if (!why.empty()) throw DamagedCheckpoint(dir, why);
+}
+
+TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt, comm::Communicator* ranks) {
   MT_CHECK(complete(dir)) << dir << " is not a complete checkpoint (no COMPLETE marker)";
+  verify_checkpoint(dir, opt != nullptr, ranks);
   io::HfWeights weights(dir);
   std::vector<HfTensor> tensors = model.hf_tensors();
   std::vector<float> host;

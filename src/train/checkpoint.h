@@ -9,17 +9,22 @@
 //     config.json            the model's Hugging Face config
 //     tokenizer files        tokenizer.json (and tokenizer_config.json, ...) of the run's
 //                            tokenizer: the corpus's, else the model's (see save_checkpoint)
-//     COMPLETE               written last: a folder without it is ignored
+//     COMPLETE               written last, the manifest: every other file's size and XXH3-64
+//                            checksum, {"step": N, "files": {name: {"bytes", "xxh3"}}};
+//                            a folder without it is ignored
 //
 // A save goes to step-N.tmp/ (every file fsynced), is renamed to step-N/ and then
 // marked complete, so a crash at any point leaves the previous checkpoint usable.
-// Loading goes key by key, so any layout of the parameters can read any checkpoint.
+// Loading first checks every file it reads against the manifest, then goes key by key,
+// so any layout of the parameters can read any checkpoint.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
+#include "core/check.h"
 #include "models/interface.h"
 #include "train/optimizer.h"
 
@@ -44,6 +49,15 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
                             const std::string& model_config_path, const std::string& tokenizer_dir, int64_t keep,
                             comm::Communicator* writers = nullptr, bool write_dense = true);
 
+// A checkpoint whose files are not as saved: one missing, truncated or of another
+// checksum, or a train_state.json that does not read. Auto-resume falls back to an
+// earlier checkpoint on this error and on no other. `why` names the file and what is
+// wrong; the message adds what to do.
+struct DamagedCheckpoint : Error {
+  DamagedCheckpoint(const std::string& dir, const std::string& why);
+  std::string why;
+};
+
 // The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);
 
@@ -52,12 +66,20 @@ std::string latest_checkpoint(const std::string& checkpoints_dir);
 // complete step is taken. An error saying where it looked when there is none.
 std::string find_checkpoint(const std::string& path);
 
-// A complete checkpoint's train_state.json (step, seed, lr, data cursor, config).
+// A complete checkpoint's train_state.json (step, seed, lr, data cursor, config), checked
+// against the manifest (DamagedCheckpoint).
 TrainState read_train_state(const std::string& dir);
 
-// Reads a checkpoint into the model and (when given) the optimizer. Every key the
-// model has must be there with its shape and no other key may be; errors name the
-// file, the key and the shapes.
-TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt);
+// Every file of checkpoint `dir` that a load reads (the optimizer's only with
+// `optimizer`) must be there with the size and checksum that its manifest records;
+// otherwise a DamagedCheckpoint, on every rank of `ranks` alike (they share the hashing:
+// each hashes every size()-th file). A checkpoint saved before manifests existed cannot be
+// checked: a note on stderr says so, and it loads as it is.
+void verify_checkpoint(const std::string& dir, bool optimizer, comm::Communicator* ranks = nullptr);
+
+// Reads a checkpoint into the model and (when given) the optimizer, once
+// verify_checkpoint passes. Every key the model has must be there with its shape and no
+// other key may be; errors name the file, the key and the shapes.
+TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt, comm::Communicator* ranks = nullptr);
 
 }  // namespace mt
