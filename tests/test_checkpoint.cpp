@@ -500,6 +500,41 @@ TEST(CheckpointCommands, CrashInTheMiddleOfASaveResumesFromThePreviousOne) {
   EXPECT_FALSE(fs::exists(dump + "/checkpoints/step-00000004.tmp"));
 }
 
+// Auto-resume skips a damaged checkpoint (here the newest, truncated) for the one before
+// it, naming it, and loads that one exactly: saved again, its files are byte for byte
+// what they were (with checkpoint.keep = 1 too: the checkpoint just saved is kept).
+// Named by checkpoint.load, the damaged one is an error; with none intact, so is the run.
+TEST(CheckpointCommands, AutoResumeSkipsADamagedCheckpoint) {
+  const std::string dump = temp_dir("damaged"), ckpt = dump + "/checkpoints/step-0000000";
+  auto [rc, out] = run(train_cmd(dump, 2, "--checkpoint.interval=1"));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string model1 = file_text(ckpt + "1/model.safetensors");
+  const std::string moments1 = file_text(ckpt + "1/optimizer.safetensors");
+  const uintmax_t size = fs::file_size(ckpt + "2/model.safetensors");
+  fs::resize_file(ckpt + "2/model.safetensors", size - 100);
+  const std::string truncated = "model.safetensors holds " + std::to_string(size - 100) + " bytes, expected " +
+                                std::to_string(size) + " (as saved): truncated";
+  std::tie(rc, out) = run(train_cmd(dump, 2, "--checkpoint.interval=1 --checkpoint.load=" + ckpt + "2"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("moetrain train: error: " + ckpt + "2/" + truncated + "; the checkpoint is damaged"),
+            std::string::npos)
+      << out;
+  std::tie(rc, out) = run(train_cmd(dump, 1, "--checkpoint.interval=1 --checkpoint.keep=1"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("moetrain train: warning: skipping " + ckpt + "2: " + truncated + "\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("resumed from " + ckpt + "1 (step 1)"), std::string::npos) << out;
+  EXPECT_TRUE(file_text(ckpt + "1/model.safetensors") == model1);
+  EXPECT_TRUE(file_text(ckpt + "1/optimizer.safetensors") == moments1);
+  EXPECT_TRUE(fs::exists(ckpt + "2/COMPLETE"));  // a later step: kept, as it was
+  fs::remove(ckpt + "1/train_state.json");
+  std::tie(rc, out) = run(train_cmd(dump, 1));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("skipping " + ckpt + "1: train_state.json is missing"), std::string::npos) << out;
+  EXPECT_NE(out.find("error: no checkpoint in " + dump + "/checkpoints verifies (each is named above)"),
+            std::string::npos)
+      << out;
+}
+
 // mpirun with two CPU ranks (CI runs as root, which Open MPI refuses unless told).
 const std::string kMpirun2 =
     "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
@@ -543,6 +578,33 @@ TEST(CheckpointCommands, ExpertParallelCheckpointsResumeOnAnyMesh) {
   ASSERT_EQ(rc5, 0) << out5;
   io::HfWeights exported(resumed + "/hf"), source(fixture("qwen3_moe_b"));
   EXPECT_EQ(exported.names(), source.names());
+}
+
+// Expert parallelism: a flipped byte in one rank's part of the newest checkpoint makes
+// both ranks fall back to the one before it, which they load exactly (saved again, each
+// part is byte for byte what it was). optimizer-part1 is the file that rank 1 both wrote
+// and hashes: its finding must reach rank 0, which prints it once.
+TEST(CheckpointCommands, ExpertParallelRanksFallBackTogether) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dump = temp_dir("ep_damaged"), ckpt = dump + "/checkpoints/step-0000000";
+  const std::string ep = "--parallelism.ep=2 --checkpoint.interval=1";
+  auto [rc, out] = run(kMpirun2 + train_b(dump, 2, ep));
+  ASSERT_EQ(rc, 0) << out;
+  const char* parts[] = {"model-part0", "model-part1", "optimizer-part0", "optimizer-part1"};
+  std::vector<std::string> saved;
+  for (const char* p : parts) saved.push_back(file_text(ckpt + "1/" + p + ".safetensors"));
+  std::string b = file_text(ckpt + "2/optimizer-part1.safetensors");
+  b[b.size() - 3] ^= 0x01;
+  io::write_file_atomic(ckpt + "2/optimizer-part1.safetensors", {b});
+  std::tie(rc, out) = run(kMpirun2 + train_b(dump, 1, ep));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string skip =
+      "moetrain train: warning: skipping " + ckpt + "2: optimizer-part1.safetensors has XXH3 checksum ";
+  ASSERT_NE(out.find(skip), std::string::npos) << out;
+  EXPECT_EQ(out.find(skip, out.find(skip) + 1), std::string::npos) << out;
+  EXPECT_NE(out.find("resumed from " + ckpt + "1 (step 1)"), std::string::npos) << out;
+  for (size_t i = 0; i < saved.size(); ++i)
+    EXPECT_TRUE(file_text(ckpt + "1/" + parts[i] + ".safetensors") == saved[i]) << parts[i];
 }
 
 // Sharded optimizer state (dp = 2: each rank holds half of every unit's moments) is

@@ -152,9 +152,10 @@ int run_train(const Args& args) {
   const bool writer = world.rank() == 0;
   agree_with_rank0(world.comm(), cfg);
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
-  const std::string resume = cfg.checkpoint.load.empty() ? latest_checkpoint(checkpoints) : cfg.checkpoint.load;
-  const TrainState saved = resume.empty() ? TrainState{} : read_train_state(resume);
-  if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, resume, saved.config_toml, writer);
+  // checkpoint.load names the checkpoint to resume from; else the run's complete ones are
+  // tried newest first (below).
+  const std::vector<std::string> tries =
+      cfg.checkpoint.load.empty() ? complete_checkpoints(checkpoints) : std::vector<std::string>{cfg.checkpoint.load};
   comm::DeviceMesh mesh(world.comm(), static_cast<int>(cfg.parallelism.pp), static_cast<int>(cfg.parallelism.cp),
                         static_cast<int>(cfg.parallelism.ep));
   const std::string config_json = model_config_path(cfg);
@@ -196,13 +197,41 @@ int run_train(const Args& args) {
   trainer.set_parallel(mesh);
   // Weights are filled once the trainer has sharded them: with ZeRO-3 through full host
   // copies of the layers, cut into this rank's shards after.
-  if (resume.empty()) {
+  std::string resume;
+  TrainState saved;
+  if (tries.empty()) {
     trainer.materialize_weights();
     if (cfg.model.init == "random")
       init_random(*model, cfg.model.init_std, static_cast<uint64_t>(cfg.training.seed));
     else
       load_hf(*model, cfg.model.init.substr(3));
     trainer.commit_weights();
+  } else {
+    // Sharded moments are read laid out like the weights, then cut into this rank's shards.
+    trainer.optimizer().materialize_moments();
+    trainer.materialize_weights();
+    // A damaged checkpoint (load_checkpoint checks every file first, alike on every rank)
+    // is named and skipped for the one before it, whose load writes every key again; one
+    // that checkpoint.load names must load.
+    for (const std::string& dir : tries) {
+      try {
+        saved = read_train_state(dir);
+        if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, dir, saved.config_toml, false);
+        load_checkpoint(dir, *model, &trainer.optimizer(), &world.comm());
+        resume = dir;
+        break;
+      } catch (const DamagedCheckpoint& e) {
+        if (!cfg.checkpoint.load.empty()) throw;
+        if (writer) std::fprintf(stderr, "moetrain train: warning: skipping %s: %s\n", dir.c_str(), e.why.c_str());
+      }
+    }
+    MT_CHECK(!resume.empty()) << "no checkpoint in " << checkpoints << " verifies (each is named above): restore the "
+                              << "damaged files from a copy, or start afresh in another job.dump_folder";
+    if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, resume, saved.config_toml, writer);
+    trainer.commit_weights();
+    trainer.optimizer().commit_moments();
+    trainer.set_steps_done(saved.step);
+    trainer.set_data_cursor(saved.data_cursor);
   }
   // Parameters of the whole model: each pp rank counts its own (of one ep rank's experts).
   std::vector<int64_t> counts = {model->param_count(), model->active_param_count()};
@@ -213,23 +242,15 @@ int run_train(const Args& args) {
     const std::string seed = std::to_string(cfg.training.seed);
     const std::string init =
         cfg.model.init == "random" ? "random weights (seed " + seed + ")" : "weights from " + cfg.model.init.substr(3);
-    if (resume.empty()) std::printf("  start: fresh, %s\n", init.c_str());
+    if (resume.empty())
+      std::printf("  start: fresh, %s\n", init.c_str());
+    else
+      std::printf("  start: resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(saved.step));
     std::fflush(stdout);
   }
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
-  if (!resume.empty()) {
-    // Sharded moments are read laid out like the weights, then cut into this rank's shards.
-    trainer.optimizer().materialize_moments();
-    trainer.materialize_weights();
-    TrainState from = load_checkpoint(resume, *model, &trainer.optimizer());
-    trainer.commit_weights();
-    trainer.optimizer().commit_moments();
-    trainer.set_steps_done(from.step);
-    trainer.set_data_cursor(from.data_cursor);
-    if (writer) std::printf("  start: resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(from.step));
-  }
   // The run folder is made once everything above has accepted the run: a refused run
   // leaves none behind. A resumed run appends to what truncate_metrics kept.
   std::ofstream metrics;

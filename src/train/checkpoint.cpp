@@ -233,30 +233,29 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
                         {nlohmann::json{{"step", st.step}, {"files", files}}.dump(2) + "\n"});
 
   // Keep the newest `keep` complete checkpoints up to this one; drop older ones. Later
-  // steps (another branch of the run) are never deleted for this one.
-  std::vector<std::pair<int64_t, fs::path>> done;
-  for (const auto& e : fs::directory_iterator(root)) {
-    int64_t s = step_of(e.path());
-    if (s >= 0 && s <= st.step && complete(e.path())) done.emplace_back(s, e.path());
-  }
-  std::sort(done.begin(), done.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) fs::remove_all(done[i].second);
+  // steps (another branch of the run) are never deleted for this one. This one, whole
+  // as just written, is always kept: damaged ones cannot leave the run none that loads.
+  int64_t kept = 0;
+  for (const std::string& dir : complete_checkpoints(root.string()))
+    if (step_of(dir) <= st.step && ++kept > keep) fs::remove_all(dir);
   barrier();
   return final_dir.string();
 }
 
+std::vector<std::string> complete_checkpoints(const std::string& checkpoints_dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  if (fs::is_directory(checkpoints_dir))
+    for (const auto& e : fs::directory_iterator(checkpoints_dir))
+      if (step_of(e.path()) >= 0 && complete(e.path())) found.emplace_back(step_of(e.path()), e.path().string());
+  std::sort(found.rbegin(), found.rend());
+  std::vector<std::string> out;
+  for (const auto& [step, dir] : found) out.push_back(dir);
+  return out;
+}
+
 std::string latest_checkpoint(const std::string& checkpoints_dir) {
-  if (!fs::is_directory(checkpoints_dir)) return "";
-  int64_t best = -1;
-  std::string path;
-  for (const auto& e : fs::directory_iterator(checkpoints_dir)) {
-    int64_t s = step_of(e.path());
-    if (s > best && complete(e.path())) {
-      best = s;
-      path = e.path().string();
-    }
-  }
-  return path;
+  const std::vector<std::string> all = complete_checkpoints(checkpoints_dir);
+  return all.empty() ? "" : all.front();
 }
 
 std::string find_checkpoint(const std::string& path) {

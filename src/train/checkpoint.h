@@ -58,6 +58,9 @@ struct DamagedCheckpoint : Error {
   std::string why;
 };
 
+// The complete checkpoint folders under `checkpoints_dir`, newest first.
+std::vector<std::string> complete_checkpoints(const std::string& checkpoints_dir);
+
 // The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);
 
