@@ -6,7 +6,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 PREFIX ?= /usr/local
 
-.PHONY: all setup configure build moetrain test demo install clean
+.PHONY: all setup configure build moetrain test sanitize demo install clean
 
 all: build
 
@@ -29,6 +29,17 @@ moetrain: configure
 # threads sleep, as moetrain's do (README, Threads), unless OMP_WAIT_POLICY says otherwise.
 test: build
 	cd $(BUILD) && OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-passive} ctest --output-on-failure
+
+# The unit tests again under AddressSanitizer and UndefinedBehaviorSanitizer (clang, no
+# CUDA, in its own build folder), then every fuzz target for FUZZ_SECONDS (fuzz/run.sh).
+SANITIZE_BUILD ?= build-sanitize
+FUZZ_SECONDS ?= 60
+sanitize: setup
+	CC=clang CXX=clang++ cmake -S . -B $(SANITIZE_BUILD) -G Ninja -DMOETRAIN_CUDA=OFF -DMOETRAIN_SANITIZE=ON
+	cmake --build $(SANITIZE_BUILD) -j $(JOBS)
+	cd $(SANITIZE_BUILD) && OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-passive} \
+	  LSAN_OPTIONS=suppressions=$(CURDIR)/fuzz/lsan.supp ctest --output-on-failure
+	bash fuzz/run.sh $(SANITIZE_BUILD) $(FUZZ_SECONDS)
 
 demo: moetrain
 	@bash scripts/demo.sh $(BUILD)

@@ -22,7 +22,7 @@ fi
 run="$demo/run"
 "$bin" train --config "$root/configs/demo.toml" --data.corpus="$demo/corpus" --job.dump_folder="$run" \
   --metrics.tensorboard=true
-"$bin" export-hf --checkpoint "$run" --output "$demo/hf" --dtype bf16
+"$bin" export-hf --checkpoint "$run" --output "$demo/hf" --dtype bf16 --force
 "$bin" generate --model "$demo/hf" --prompt "In the beginning" --max-new-tokens 24
 # matplotlib is Debian's (setup.sh), for the system python3 unless the first one has it.
 py=python3

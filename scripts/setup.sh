@@ -20,6 +20,7 @@ packages=(
   python3 python3-numpy      # fixtures and tools inspect .npy files
   python3-matplotlib         # tools/plot_run.py: a run's plots (make demo, a test)
   python3-pip                # tensorboard, and CUTLASS's headers for the CUDA backend (below)
+  clang libomp-dev           # make sanitize: ASan/UBSan builds and the libFuzzer targets (fuzz/)
 )
 
 missing=()

@@ -759,10 +759,11 @@ TEST(CheckpointCommands, ExportRoundTripsAndEvaluatesTheSame) {
 
 // A run saves its last step unless checkpoint.save_final is false, and warns when it will
 // save nothing; export-hf takes a run folder's newest complete checkpoint.
-// An export replaces an earlier one whole (a sharded export's files do not stay beside
-// the next one's single file), and refuses the checkpoint's own folder, a folder that
-// holds it, and a folder of other files.
-TEST(CheckpointCommands, ExportReplacesAnEarlierExportOnly) {
+// An export into a non-empty folder needs --force, and then replaces the earlier export
+// whole (a sharded export's files do not stay beside the next one's single file) and
+// keeps the folder's other files; it refuses the checkpoint's own folder and a folder
+// that holds it.
+TEST(CheckpointCommands, ExportReplacesAnEarlierExportWithForce) {
   std::string dump = temp_dir("reexport");
   auto [rc, out] = run(train_cmd(dump, 1));
   ASSERT_EQ(rc, 0) << out;
@@ -772,23 +773,23 @@ TEST(CheckpointCommands, ExportReplacesAnEarlierExportOnly) {
   };
   ASSERT_EQ(export_to(dump + "/hf", "--max-shard-size 20000").first, 0);
   EXPECT_TRUE(fs::exists(dump + "/hf/model.safetensors.index.json"));
-  ASSERT_EQ(export_to(dump + "/hf").first, 0);
+  std::ofstream(dump + "/hf/notes.txt") << "keep me";
+  auto [rc1, out1] = export_to(dump + "/hf");
+  EXPECT_EQ(rc1, 1);
+  EXPECT_NE(out1.find("is not empty; add --force to replace its model files"), std::string::npos) << out1;
+  EXPECT_TRUE(fs::exists(dump + "/hf/model.safetensors.index.json"));
+  ASSERT_EQ(export_to(dump + "/hf", "--force").first, 0);
   std::vector<std::string> files;
   for (const auto& e : fs::directory_iterator(dump + "/hf")) files.push_back(e.path().filename().string());
   std::sort(files.begin(), files.end());
-  EXPECT_EQ(files, (std::vector<std::string>{"config.json", "generation_config.json", "model.safetensors"}));
+  EXPECT_EQ(files, (std::vector<std::string>{"config.json", "generation_config.json", "model.safetensors", "notes.txt"}));
   EXPECT_FALSE(fs::exists(dump + "/hf.tmp"));
+  EXPECT_FALSE(fs::exists(dump + "/hf.old"));
   for (const std::string& dest : {ckpt, dump}) {
-    auto [rc2, out2] = export_to(dest);
+    auto [rc2, out2] = export_to(dest, "--force");
     EXPECT_EQ(rc2, 1) << dest;
     EXPECT_NE(out2.find("holds the checkpoint"), std::string::npos) << out2;
   }
-  fs::create_directories(dump + "/mine");
-  std::ofstream(dump + "/mine/notes.txt") << "keep me";
-  auto [rc3, out3] = export_to(dump + "/mine");
-  EXPECT_EQ(rc3, 1);
-  EXPECT_NE(out3.find("holds notes.txt, which an export does not write"), std::string::npos) << out3;
-  EXPECT_TRUE(fs::exists(dump + "/mine/notes.txt"));
   EXPECT_TRUE(fs::exists(ckpt + "/model.safetensors"));
 }
 

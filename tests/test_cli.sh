@@ -83,6 +83,20 @@ for pair in "train:model.config is not set" "eval:--model is required" "encode:-
     echo "FAIL: $c without inputs: exit $rc, stderr: $(head -c 300 $tmp/cli.err)"; fail=1
   fi
 done
+# Numbers in flags: a value that is not a number, or is out of range, names the flag and
+# the range (stoll threw a bare out_of_range on 20 digits; --world 0 divided by zero).
+for pair in "generate --model . --top-p 2:--top-p should be a number in [1e-09, 1], got '2'" \
+            "generate --model . --max-new-tokens 3x:--max-new-tokens should be an integer in [0, 16777216], got '3x'" \
+            "export-hf --checkpoint . --output x --max-shard-size 99999999999999999999GB:--max-shard-size should look like 5GB" \
+            "export-hf --checkpoint . --output x --max-shard-size 2000000TB:--max-shard-size should look like 5GB" \
+            "plan --config $(dirname "$0")/../configs/demo.toml --world 0:--world should be an integer in [1, 1048576], got '0'"; do
+  # shellcheck disable=SC2086  # the command's words
+  "$bin" ${pair%%:*} >/dev/null 2>$tmp/cli.err
+  rc=$?
+  if [ "$rc" != 1 ] || ! grep -qF -- "${pair#*:}" $tmp/cli.err; then
+    echo "FAIL: ${pair%%:*}: exit $rc, stderr: $(head -c 300 $tmp/cli.err)"; fail=1
+  fi
+done
 # Every shipped config plans from another working folder: its paths are taken against
 # the config file's folder.
 bin="$(realpath "$bin")"

@@ -118,6 +118,14 @@ TEST(Config, WrongKeysAndValuesAreNamed) {
   EXPECT_NE(error_of([&] { load_config("", {{"parallelism.ep", "1048576"}}); })
                 .find("parallelism.pp, cp and ep should be in [1, 65536], got 1, 1, 1048576"),
             std::string::npos);
+  // U+FEFD, on which toml++ 3.3 reaches undefined behaviour (found by fuzz/config_toml),
+  // is refused with the line; U+FEFF (a byte-order mark, which toml++ handles) is not.
+  std::ofstream(f + "/fefd.toml") << "[training]\nsteps = 2\nseed =\xEF\xBB\xBD 5\n";
+  EXPECT_NE(error_of([&] { load_config(f + "/fefd.toml", {}); })
+                .find("fefd.toml:3: the characters U+FEE6..U+FEFE (Arabic presentation forms) are not accepted"),
+            std::string::npos);
+  std::ofstream(f + "/bom.toml") << "\xEF\xBB\xBF[training]\nsteps = 2\n";
+  EXPECT_EQ(load_config(f + "/bom.toml", {}).training.steps, 2);
   // The message leads; where it was raised follows in brackets.
   const std::string e = error_of([&] { load_config("", {{"training.steps", "-1"}}); });
   EXPECT_EQ(e.rfind("training.steps should be >= 0, got -1 [check `", 0), 0u) << e;
@@ -692,6 +700,18 @@ TEST(Commands, NonFiniteStepsAreNotApplied) {
   for (std::string line; std::getline(metrics, line); ++lines)
     EXPECT_EQ(nlohmann::json::parse(line).contains("skipped"), lines > 0) << line;
   EXPECT_EQ(lines, 4);
+
+  // A torn last line of metrics.jsonl (the run killed mid-write) does not block the
+  // resume: it is dropped, and the run says so.
+  std::ofstream(dump + "/skip/metrics.jsonl", std::ios::app) << "{\"step\": 5, \"lo";
+  auto [rc3, out3] = run(cmd + " --training.max_skipped_steps=10 --checkpoint.keep=10 --training.steps=5 "
+                         "--job.dump_folder=" + dump + "/skip 2>&1");
+  ASSERT_EQ(rc3, 0) << out3;
+  EXPECT_NE(out3.find("metrics.jsonl had 1 line(s) that are not JSON (a torn write"), std::string::npos) << out3;
+  std::ifstream resumed(dump + "/skip/metrics.jsonl");
+  lines = 0;
+  for (std::string line; std::getline(resumed, line); ++lines) EXPECT_TRUE(nlohmann::json::parse(line).is_object());
+  EXPECT_EQ(lines, 5);
   auto bytes = [](const std::string& p) {
     std::ifstream f(p, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(f), {});
@@ -1006,6 +1026,14 @@ TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
   EXPECT_NE(out.find("in flight: 2; of its chunks' layers 2)"), std::string::npos) << out;
   EXPECT_NE(out.find("in flight: 2; of its chunks' layers 1)"), std::string::npos) << out;
   EXPECT_NE(out.find("step (with the optimizer)  130.000 ms: 985 tokens/s, 492 tokens/s a GPU"), std::string::npos)
+      << out;
+  // A profile value of the wrong JSON type is an error naming the file and the key.
+  line["breakdown_ms"]["dispatch F"] = "fast";
+  io::write_file_atomic(dir + "/bad.jsonl", {line.dump() + "\n"});
+  std::tie(rc, out) = run(plan + " --world=2 --parallelism.pp=2 --training.global_batch_size=8 --profile=" + dir +
+                          "/bad.jsonl --output=" + dir + "/b.svg 2>&1");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("bad.jsonl: breakdown_ms.\"dispatch F\" should be a time in ms, got \"fast\""), std::string::npos)
       << out;
 
   const int64_t M = 4;

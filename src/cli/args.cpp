@@ -74,14 +74,30 @@ std::string Options::required(std::string_view name) const {
   return get(name);
 }
 
-int64_t Options::integer(std::string_view name, int64_t fallback) const {
-  if (!has(name)) return fallback;
-  const std::string text = get(name);
-  int64_t v = 0;
+namespace {
+
+// from_chars, unlike stoll and stod, neither throws nor accepts "3x"; out-of-range
+// values come back as errors too.
+template <typename T>
+T parse_number(const Options& o, std::string_view name, T fallback, T lo, T hi) {
+  if (!o.has(name)) return fallback;
+  const std::string text = o.get(name);
+  T v{};
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  MT_CHECK(ec == std::errc() && end == text.data() + text.size() && !text.empty())
-      << "--" << name << " should be an integer, got '" << text << "'";
+  MT_CHECK(ec == std::errc() && end == text.data() + text.size() && !text.empty() && v >= lo && v <= hi)
+      << "--" << name << " should be " << (std::is_integral_v<T> ? "an integer" : "a number") << " in [" << lo << ", "
+      << hi << "], got '" << text << "'";
   return v;
+}
+
+}  // namespace
+
+int64_t Options::integer(std::string_view name, int64_t fallback, int64_t lo, int64_t hi) const {
+  return parse_number(*this, name, fallback, lo, hi);
+}
+
+double Options::number(std::string_view name, double fallback, double lo, double hi) const {
+  return parse_number(*this, name, fallback, lo, hi);
 }
 
 std::vector<std::string> Options::list(std::string_view name) const {

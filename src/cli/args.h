@@ -23,8 +23,10 @@ class Options {
   // an error naming the command and the option when it is missing.
   std::string get(std::string_view name, std::string_view fallback = {}) const;
   std::string required(std::string_view name) const;
-  // An integer option: `fallback` when absent, an error naming it when not an integer.
-  int64_t integer(std::string_view name, int64_t fallback) const;
+  // Numbers: `fallback` when absent; an error naming the option and the range when the
+  // value is not an integer (a finite number) within [lo, hi].
+  int64_t integer(std::string_view name, int64_t fallback, int64_t lo = INT64_MIN, int64_t hi = INT64_MAX) const;
+  double number(std::string_view name, double fallback, double lo, double hi) const;
   std::vector<std::string> list(std::string_view name) const;
   // Options of the form --section.key=value (or --section.key value), in order:
   // the train and plan commands pass them on as config overrides.

@@ -6,6 +6,7 @@
 #include "core/arena.h"
 #include "core/check.h"
 #include "io/file.h"
+#include "models/hf_config.h"
 #include "train/trainer.h"
 
 namespace mt::cli {
@@ -16,8 +17,7 @@ int run_eval(const Args& args) {
   std::string device = o.get("device", "cpu");
   MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
   if (device == "cuda") require_gpu("--device cuda");
-  const int64_t micro = o.integer("micro-batch", 8);
-  MT_CHECK(micro >= 1) << "--micro-batch should be >= 1";
+  const int64_t micro = o.integer("micro-batch", 8, 1, kMaxConfigInteger);
   ModelOptions options;
   options.device = device == "cuda" ? Device::cuda : Device::cpu;
   std::unique_ptr<Model> model = make_model(folder + "/config.json", options);

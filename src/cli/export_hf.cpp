@@ -1,6 +1,7 @@
 // moetrain export-hf: a checkpoint as a Hugging Face model folder that transformers
 // and vLLM load as it is.
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -22,18 +23,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// "5GB", "500MB", "64KB", "1000": decimal units, as transformers reads them.
+// "5GB", "500MB", "64KB", "1000": decimal units, as transformers reads them; at most 1 PB.
 int64_t parse_size(const std::string& s) {
-  size_t digits = s.find_first_not_of("0123456789");
-  MT_CHECK(digits != 0) << "--max-shard-size should look like 5GB, 500MB or a byte count, got '" << s << "'";
-  int64_t n = std::stoll(s.substr(0, digits));
-  std::string unit = digits == std::string::npos ? "" : s.substr(digits);
-  if (unit.empty() || unit == "B") return n;
-  if (unit == "KB") return n * 1000;
-  if (unit == "MB") return n * 1000 * 1000;
-  if (unit == "GB") return n * 1000 * 1000 * 1000;
-  MT_FAIL() << "--max-shard-size unit '" << unit << "' is not one of B, KB, MB, GB";
-  return 0;
+  int64_t n = -1;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), n);
+  const std::string unit(end, s.data() + s.size());
+  const int64_t scale = unit.empty() || unit == "B" ? 1 : unit == "KB" ? 1000 : unit == "MB" ? 1000000 : unit == "GB" ? 1000000000 : 0;
+  MT_CHECK(ec == std::errc() && n >= 1 && scale > 0 && n <= int64_t{1000000000000000} / scale)
+      << "--max-shard-size should look like 5GB, 500MB, 64KB or a byte count (units B, KB, MB, GB; at most 1 PB), "
+      << "got '" << s << "'";
+  return n * scale;
 }
 
 // Hugging Face key `key` [E, ...] from the checkpoint's experts 0..E-1 (`experts`, by
@@ -103,30 +102,33 @@ int write_generation_files(const fs::path& ckpt, const nlohmann::json& config, c
 }  // namespace
 
 int run_export_hf(const Args& args) {
-  Options o("export-hf", args, {"checkpoint", "output", "dtype", "max-shard-size"});
+  Options o("export-hf", args, {"checkpoint", "output", "dtype", "max-shard-size", "force?"});
+  const std::string dtype = o.get("dtype", "bf16");
+  MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
+  const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
   const fs::path ckpt = find_checkpoint(o.required("checkpoint")), dest = o.required("output");
   verify_checkpoint(ckpt.string(), false);  // no damaged file passes into an export
   // The export is written beside dest and swapped in whole: no stale shard of an earlier
-  // export stays for loaders to prefer. dest may be new, empty or an earlier export;
-  // never the checkpoint or a folder holding it, nor a folder of other files.
+  // export stays for loaders to prefer. dest may be new or empty; with --force a folder
+  // whose model files (an earlier export's) are all replaced, its other files kept.
+  // Never the checkpoint or a folder holding it.
   const fs::path rel = fs::weakly_canonical(ckpt).lexically_relative(fs::weakly_canonical(dest));
   MT_CHECK(rel.empty() || *rel.begin() == "..")
       << "--output " << dest.string() << " holds the checkpoint " << ckpt.string()
       << " (an export there would replace its fp32 weights); choose another folder";
+  std::vector<fs::path> kept;  // dest's files that are not model files: they stay
   if (fs::exists(dest)) {
     MT_CHECK(fs::is_directory(dest)) << "--output " << dest.string() << " is a file, not a folder";
+    MT_CHECK(fs::is_empty(dest) || o.has("force"))
+        << "--output " << dest.string() << " is not empty; add --force to replace its model files (every "
+        << "model*.safetensors, index, config and tokenizer file; other files stay), or choose a new folder";
     for (const auto& e : fs::directory_iterator(dest)) {
       const std::string n = e.path().filename().string();
-      MT_CHECK(e.is_regular_file() && (exported_file(n) || n.starts_with("model")))
-          << "--output " << dest.string() << " holds " << n << ", which an export does not write; export into a new "
-          << "or empty folder (or an earlier export, which is replaced)";
+      if (!(e.is_regular_file() && (exported_file(n) || n.starts_with("model")))) kept.push_back(e.path());
     }
   }
   const fs::path out = dest.string() + ".tmp";
   fs::remove_all(out);
-  const std::string dtype = o.get("dtype", "bf16");
-  MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
-  const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
 
   // Experts that Hugging Face keeps as slices of one key per layer (GPT-OSS): the model
   // built from config.json, without memory, says which.
@@ -219,10 +221,14 @@ int run_export_hf(const Args& args) {
     ++copied;
   }
   copied += write_generation_files(ckpt, config, out);
-  fs::remove_all(dest, ec);
-  MT_CHECK(!ec) << "removing the earlier export " << dest.string() << ": " << ec.message();
+  // Swap: until the second rename dest is whole (the old one), after it the new one.
+  const fs::path old = dest.string() + ".old";
+  fs::remove_all(old);
+  for (const fs::path& p : kept) fs::rename(p, out / p.filename());
+  if (fs::exists(dest)) fs::rename(dest, old);
   fs::rename(out, dest, ec);
   MT_CHECK(!ec) << "renaming " << out.string() << " to " << dest.string() << ": " << ec.message();
+  fs::remove_all(old);
   std::printf("exported %s: %zu tensors (%s, %zu shard%s, %lld bytes) and %d tokenizer and generation file%s to %s\n",
               ckpt.string().c_str(), all.size(), dtype.c_str(), shards.size(), shards.size() == 1 ? "" : "s",
               static_cast<long long>(total), copied, copied == 1 ? "" : "s", dest.string().c_str());

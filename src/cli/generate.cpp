@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "data/tokenizer.h"
 #include "io/file.h"
+#include "models/hf_config.h"
 #include "kernels/elementwise.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -46,18 +47,6 @@ std::vector<int32_t> parse_ids(const std::string& text, int64_t vocab) {
   return ids;
 }
 
-// --name's value as a number (fallback when absent); anything else is an error naming it.
-template <typename T>
-T number(const Options& o, const char* name, T fallback) {
-  if (!o.has(name)) return fallback;
-  const std::string v = o.get(name);
-  T x{};
-  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-  MT_CHECK(ec == std::errc() && p == v.data() + v.size() && !v.empty())
-      << "--" << name << " expects " << (std::is_integral_v<T> ? "an integer" : "a number") << ", got '" << v << "'";
-  return x;
-}
-
 // The ids that end a generation: eos_token_id (a number or a list) of the folder's
 // generation_config.json, else of its config.json; none when neither sets it.
 std::vector<int64_t> eos_ids(const fs::path& dir) {
@@ -67,7 +56,8 @@ std::vector<int64_t> eos_ids(const fs::path& dir) {
     nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
     if (j.is_discarded() || !j.is_object() || !j.contains("eos_token_id") || j["eos_token_id"].is_null()) continue;
     const nlohmann::json& e = j["eos_token_id"];
-    MT_CHECK(e.is_number_integer() || e.is_array())
+    const bool ids = e.is_array() && std::all_of(e.begin(), e.end(), [](const auto& x) { return x.is_number_integer(); });
+    MT_CHECK(e.is_number_integer() || ids)
         << (dir / name).string() << ": eos_token_id should be an id or a list of ids, got " << e.dump();
     return e.is_array() ? e.get<std::vector<int64_t>>() : std::vector<int64_t>{e.get<int64_t>()};
   }
@@ -112,12 +102,10 @@ int run_generate(const Args& args) {
   fs::path dir = o.required("model");
   const std::string device = o.get("device", "cpu");
   MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
-  const int64_t max_new = number<int64_t>(o, "max-new-tokens", 32);
-  const double temperature = number(o, "temperature", 0.0), top_p = number(o, "top-p", 1.0);
-  const uint64_t seed = number<uint64_t>(o, "seed", 0);
-  MT_CHECK(max_new >= 0) << "--max-new-tokens should be >= 0, got " << max_new;
-  MT_CHECK(temperature >= 0) << "--temperature should be >= 0 (0: greedy), got " << temperature;
-  MT_CHECK(top_p > 0 && top_p <= 1) << "--top-p should be in (0, 1], got " << top_p;
+  const int64_t max_new = o.integer("max-new-tokens", 32, 0, kMaxConfigInteger);
+  const double temperature = o.number("temperature", 0.0, 0.0, 1e6);  // 0: greedy
+  const double top_p = o.number("top-p", 1.0, 1e-9, 1.0);
+  const uint64_t seed = static_cast<uint64_t>(o.integer("seed", 0, 0));
   MT_CHECK(o.has("prompt") != o.has("prompt-ids")) << "give one of --prompt TEXT and --prompt-ids 1,2,3";
 
   // A Hugging Face folder, or a checkpoint: a step folder, or a run folder's newest.

@@ -78,7 +78,9 @@ const Command kCommands[] = {
      mt::cli::run_tokenize},
     {"export-hf", "write a checkpoint as a Hugging Face model folder",
      "usage: moetrain export-hf --checkpoint DIR --output DIR [--dtype bf16|fp32]\n"
-     "                          [--max-shard-size 5GB]\n",
+     "                          [--max-shard-size 5GB] [--force]\n"
+     "  The folder is written beside DIR and renamed into place. A non-empty DIR needs\n"
+     "  --force: its model, config and tokenizer files are replaced, its other files kept.\n",
      mt::cli::run_export_hf},
     {"generate", "continue a prompt with a Hugging Face model folder or a checkpoint",
      "usage: moetrain generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens 32]\n"

@@ -44,20 +44,31 @@ StepCosts read_profile(const std::string& path) {
     if (line.find("\"breakdown_counts\"") != std::string::npos) last = line;
   MT_CHECK(!last.empty()) << "--profile " << path << ": no step line with breakdown_ms and breakdown_counts "
                           << "(train with --metrics.profile=true)";
-  const nlohmann::json j = nlohmann::json::parse(last);
+  const nlohmann::json j = nlohmann::json::parse(last, nullptr, false);
+  const auto object = [&](const char* key) -> const nlohmann::json& {
+    MT_CHECK(j.is_object() && j.contains(key) && j[key].is_object())
+        << "--profile " << path << ": its last step line should hold an object \"" << key << "\" (as train "
+        << "--metrics.profile=true writes it); the line is " << last.substr(0, 200);
+    return j[key];
+  };
+  const nlohmann::json &ms = object("breakdown_ms"), &counts = object("breakdown_counts");
+  const auto count = [&](const std::string& name) {
+    const auto n = counts.find(name);
+    MT_CHECK(n != counts.end() && n->is_number_integer() && n->get<int64_t>() > 0)
+        << "--profile " << path << ": breakdown_counts.\"" << name << "\" should be a count > 0, got "
+        << (n == counts.end() ? "none" : n->dump());
+    return static_cast<double>(n->get<int64_t>());
+  };
   StepCosts c;
-  for (const auto& [name, ms] : j["breakdown_ms"].items()) {
-    const int64_t n = j["breakdown_counts"].value(name, int64_t{0});
-    MT_CHECK(n > 0) << "--profile " << path << ": breakdown_counts has no count for '" << name << "'";
-    c.per_action[name] = ms.get<double>() / static_cast<double>(n);
+  for (const auto& [name, t] : ms.items()) {
+    MT_CHECK(t.is_number()) << "--profile " << path << ": breakdown_ms.\"" << name << "\" should be a time in ms, got "
+                            << t.dump();
+    c.per_action[name] = t.get<double>() / count(name);
   }
   // A layer's stage marks twice per micro-batch (start and finish), the head once.
-  const nlohmann::json& n = j["breakdown_counts"];
-  const int64_t heads = n.value("head F", int64_t{0}), stages = n.value("attention+router F", int64_t{0});
-  MT_CHECK(heads > 0 && stages > 0) << "--profile " << path << ": no head F or attention+router F counts";
-  const double layers = static_cast<double>(stages) / (2.0 * static_cast<double>(heads));
-  c.optimizer_per_layer = (j["breakdown_ms"].value("optimizer", 0.0) + j["breakdown_ms"].value("gradient norm", 0.0)) /
-                          layers;
+  const double layers = count("attention+router F") / (2.0 * count("head F"));
+  const auto at = [&](const char* name) { return ms.contains(name) ? ms[name].get<double>() : 0.0; };
+  c.optimizer_per_layer = (at("optimizer") + at("gradient norm")) / layers;
   return c;
 }
 
@@ -140,9 +151,7 @@ int run_plan(const Args& args) {
   Config cfg = load_config(o.get("config"), o.dotted());
   MT_CHECK(o.has("schedule") || (!o.has("profile") && !o.has("output")))
       << "--profile and --output describe the schedule's picture: add --schedule";
-  const int64_t world_flag = o.integer("world", 1);
-  MT_CHECK(world_flag >= 1 && world_flag <= (int64_t{1} << 20)) << "--world should be in [1, 2^20], got " << world_flag;
-  const int world = static_cast<int>(world_flag);
+  const int world = static_cast<int>(o.integer("world", 1, 1, int64_t{1} << 20));
   comm::MeshShape mesh = comm::mesh_shape(world, static_cast<int>(cfg.parallelism.pp),
                                           static_cast<int>(cfg.parallelism.cp), static_cast<int>(cfg.parallelism.ep));
   const std::string config_json = model_config_path(cfg);

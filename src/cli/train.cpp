@@ -91,16 +91,20 @@ std::string tokenizer_dir(const Config& c, const std::string& config_json) {
 }
 
 // metrics.jsonl up to and including `step`: a resumed run continues the file from
-// its checkpoint, dropping lines of steps that will be run again.
-void truncate_metrics(const std::string& path, int64_t step) {
+// its checkpoint, dropping lines of steps that will be run again, and lines that are
+// not JSON objects (a run killed mid-write leaves a torn last line): their count.
+int64_t truncate_metrics(const std::string& path, int64_t step) {
   std::ifstream in(path);
   std::ostringstream keep;
   std::string line;
+  int64_t torn = 0;
   while (std::getline(in, line)) {
     nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    torn += !j.is_object();
     if (j.is_object() && j.value("step", step + 1) <= step) keep << line << "\n";
   }
   io::write_file_atomic(path, {keep.str()});
+  return torn;
 }
 
 // Before the first step: what runs, on what, from where, into where.
@@ -263,7 +267,10 @@ int run_train(const Args& args) {
     char name[64] = "config.toml";
     if (!resume.empty()) std::snprintf(name, sizeof name, "config.step-%08lld.toml", static_cast<long long>(saved.step));
     io::write_file_atomic(folder + "/" + name, {config_to_toml(cfg)});
-    if (!resume.empty()) truncate_metrics(folder + "/metrics.jsonl", trainer.steps_done());
+    const int64_t torn = resume.empty() ? 0 : truncate_metrics(folder + "/metrics.jsonl", trainer.steps_done());
+    if (torn > 0)
+      std::printf("note: %s/metrics.jsonl had %lld line(s) that are not JSON (a torn write of the interrupted run); "
+                  "dropped\n", folder.c_str(), static_cast<long long>(torn));
     metrics.open(folder + "/metrics.jsonl", resume.empty() ? std::ios::trunc : std::ios::app);
     MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
   }

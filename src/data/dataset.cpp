@@ -49,7 +49,7 @@ Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed) : se
     std::string path = p.string();
     MT_CHECK(!fs::exists(path + ".lock"))
         << path << " is unfinished (" << path << ".lock is there); rerun moetrain tokenize to complete it";
-    File& g = files_.emplace_back(io::MappedFile(path, "token file"));
+    File& g = files_.emplace_back(File{io::MappedFile(path, "token file")});
     const uint8_t* base = g.map.bytes().data();
     size_t size = g.map.bytes().size();
     io::NpyHeader h = io::parse_npy_header(base, size, path + ", tokens array");

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "io/file.h"
 
 namespace mt {
 
@@ -251,24 +252,38 @@ void validate(const Config& c) {
       << "checkpoint.interval should be >= 0 and checkpoint.keep >= 1";
 }
 
+// toml++ 3.3 reaches an "unreachable" branch (undefined behaviour; found by fuzzing) on
+// the code points U+FEE6..U+FEFE, UTF-8 EF BB A6..BE: refused before it sees them.
+toml::table parse_toml(std::string_view text, const std::string& where) {
+  for (size_t at = text.find("\xEF\xBB"); at != std::string_view::npos; at = text.find("\xEF\xBB", at + 1)) {
+    const auto third = static_cast<unsigned char>(at + 2 < text.size() ? text[at + 2] : 0);
+    MT_CHECK(third < 0xA6 || third > 0xBE)
+        << where << ":" << 1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n')
+        << ": the characters U+FEE6..U+FEFE (Arabic presentation forms) are not accepted in a config; remove them";
+  }
+  try {
+    return toml::parse(text, where);
+  } catch (const toml::parse_error& e) {
+    MT_FAIL() << where << ":" << e.source().begin.line << ":" << e.source().begin.column << ": " << e.description();
+  }
+  return {};
+}
+
 }  // namespace
 
 Config load_config(const std::string& toml_path, const std::vector<std::pair<std::string, std::string>>& overrides) {
   Config c;
   if (!toml_path.empty()) {
-    toml::table t;
-    try {
-      t = toml::parse_file(toml_path);
-    } catch (const toml::parse_error& e) {
-      MT_FAIL() << toml_path << ":" << e.source().begin.line << ":" << e.source().begin.column << ": "
-                << e.description();
-    }
+    const std::vector<uint8_t> bytes = io::read_file(toml_path);
+    const toml::table t =
+        parse_toml(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), toml_path);
     const fs::path folder = fs::path(toml_path).parent_path();
     for (auto&& [section, node] : t) {
       std::string sec(section.str());
       MT_CHECK(node.is_table()) << toml_path << ": '" << sec << "' should be a [section]";
-      for (auto&& [key, value] : *node.as_table()) {
-        std::string k(key.str());
+      for (auto&& entry : *node.as_table()) {  // not a structured binding: lambdas below use it (clang 14)
+        const std::string k(entry.first.str());
+        const toml::node& value = entry.second;
         bool found = false;
         visit(c, [&](const Key& known, auto& field) {
           if (sec != known.section || k != known.name) return;
@@ -285,7 +300,8 @@ Config load_config(const std::string& toml_path, const std::vector<std::pair<std
       }
     }
   }
-  for (const auto& [dotted, text] : overrides) {
+  for (const auto& override : overrides) {
+    const std::string &dotted = override.first, &text = override.second;
     bool found = false;
     visit(c, [&](const Key& k, auto& field) {
       if (dotted != k.dotted()) return;
@@ -356,12 +372,7 @@ std::string config_reference(bool markdown) {
 }
 
 std::vector<ConfigChange> config_changes(const std::string& saved_toml, const Config& c) {
-  toml::table t;
-  try {
-    t = toml::parse(saved_toml);
-  } catch (const toml::parse_error& e) {
-    MT_FAIL() << "the checkpoint's saved config is not valid TOML: " << e.description();
-  }
+  const toml::table t = parse_toml(saved_toml, "the checkpoint's saved config");
   Config saved;
   std::vector<std::string> before;
   visit(saved, [&](const Key& k, auto& field) {
