@@ -75,9 +75,9 @@ TEST(GenerateCommand, BadArgumentsAreNamed) {
            {"--prompt hello", "has no tokenizer.json to encode --prompt with"},
            {"--prompt-ids 1,x,3", "--prompt-ids expects ids in [0, 96)"},
            {"--prompt-ids 1,96", "got '96'"},
-           {"--prompt-ids 1 --top-p 0", "--top-p should be in (0, 1]"},
-           {"--prompt-ids 1 --temperature -1", "--temperature should be >= 0"},
-           {"--prompt-ids 1 --max-new-tokens two", "--max-new-tokens expects an integer, got 'two'"},
+           {"--prompt-ids 1 --top-p 0", "--top-p should be a number in [1e-09, 1], got '0'"},
+           {"--prompt-ids 1 --temperature -1", "--temperature should be a number in [0, 1e+06], got '-1'"},
+           {"--prompt-ids 1 --max-new-tokens two", "--max-new-tokens should be an integer in [0, 16777216], got 'two'"},
            {"", "give one of --prompt TEXT and --prompt-ids"},
        }) {
     auto [rc, out] = run(generate(model, flags));

@@ -190,7 +190,7 @@ def test_malformed(binary, tmp):
                         "--output", os.path.join(tmp, "bad")], capture_output=True, text=True)
     check(r.returncode == 1 and "tokenized with another tokenizer" in r.stderr, f"another tokenizer: {r.stderr}")
     r = tokenize(binary, [path], os.path.join(tmp, "w"), "--workers", "two")
-    check(r.returncode == 1 and "--workers should be an integer, got 'two'" in r.stderr, f"--workers two: {r.stderr}")
+    check(r.returncode == 1 and "--workers should be an integer in [0, 4096], got 'two'" in r.stderr, f"--workers two: {r.stderr}")
     r = tokenize(binary, [path], os.path.join(tmp, "field"), "--field", "other")
     check(r.returncode == 0 and json.loads(r.stdout)["documents"] == 1, f"--field other: {r.stdout} {r.stderr}")
 

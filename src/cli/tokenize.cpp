@@ -16,8 +16,7 @@ int run_tokenize(const Args& args) {
   o.inputs = opt.list("input");
   MT_CHECK(!o.inputs.empty()) << "--input is required: the JSONL(.zst) files or folders to tokenize";
   o.output = opt.required("output");
-  o.workers = static_cast<int>(opt.integer("workers", 0));
-  MT_CHECK(o.workers >= 0) << "--workers should be a count (0 = one per core), got " << o.workers;
+  o.workers = static_cast<int>(opt.integer("workers", 0, 0, 4096));  // 0: one per core
   o.field = opt.get("field", "text");
   o.strict = opt.has("strict");
 
