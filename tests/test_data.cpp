@@ -124,6 +124,45 @@ TEST(Tokenizer, InvalidUtf8IsAnError) {
   EXPECT_NE(err.find("id 4096 is not a token"), std::string::npos) << err;
 }
 
+// A long run of one character class: Qwen's pattern backtracks once per character of
+// a run of spaces (\s*[\r\n]+ scans it to its end), and 10 MB of them passed PCRE2's
+// match limit. Hugging Face's result follows from the pattern: N spaces and a letter
+// are N-1 spaces (\s+(?!\S)) and " a", and the demo vocabulary merges no spaces, so
+// the ids are N-1 times that of " " (223), then that of " a" (262). HF gives exactly
+// that for N = 10^6; at 10^7 its own regex engine gives up (retry-limit-in-match).
+// Runs of letters, digits or punctuation, and GPT-2's pattern, backtrack at most once.
+TEST(Tokenizer, LongRunOfSpacesIsCutAsHuggingFaceCutsIt) {
+  Tokenizer tok(kQwen);
+  const size_t n = 10'000'000;
+  std::vector<int32_t> want(n - 1, 223);
+  want.push_back(262);
+  EXPECT_EQ(tok.encode(std::string(n, ' ') + "a"), want);
+}
+
+// The gpt2_style fixture after `edit`, written to dir/tokenizer.json and loaded.
+Tokenizer edited_gpt2(const fs::path& dir, const std::function<void(json&)>& edit) {
+  json j = read_json(kFixtures / "gpt2_style.json");
+  edit(j);
+  write_text(dir / "tokenizer.json", j.dump());
+  return Tokenizer((dir / "tokenizer.json").string());
+}
+
+// Any other regex failure (here a pattern that backtracks exponentially) is an error
+// naming the pattern, PCRE2's message and the offset.
+TEST(Tokenizer, RegexFailureIsNamed) {
+  TempDir t;
+  Tokenizer tok = edited_gpt2(t.path, [](json& j) {
+    j["pre_tokenizer"] = {
+        {"type", "Sequence"},
+        {"pretokenizers",
+         {{{"type", "Split"}, {"pattern", {{"Regex", "(x+x+)+y"}}}, {"behavior", "Isolated"}, {"invert", false}},
+          {{"type", "ByteLevel"}, {"use_regex", false}}}}};
+  });
+  std::string err = error_of([&] { tok.encode(std::string(30, 'x') + " y"); });
+  for (const char* want : {"pre_tokenizer.pretokenizers[0].pattern.Regex", "match limit exceeded", "from byte 0"})
+    EXPECT_NE(err.find(want), std::string::npos) << err;
+}
+
 // Anything the tokenizer does not implement is an error naming it and the key.
 TEST(Tokenizer, UnsupportedPartsAreNamed) {
   json base = read_json(kFixtures / "gpt2_style.json");

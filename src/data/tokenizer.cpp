@@ -212,8 +212,11 @@ struct AddedMatcher {
 };
 
 struct Regex {
+  std::string key;  // where the file has it, for errors
   std::unique_ptr<pcre2_code, decltype(&pcre2_code_free)> code{nullptr, pcre2_code_free};
   std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> match{nullptr, pcre2_match_data_free};
+  std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> limits{
+      pcre2_match_context_create(nullptr), pcre2_match_context_free};
 };
 
 std::string type_of(const json& j) { return j.is_object() && j.contains("type") ? j["type"].dump() : j.dump(); }
@@ -372,7 +375,7 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& pt) {
   auto compile = [&](const std::string& pattern, const std::string& key) {
     int err;
     PCRE2_SIZE offset;
-    Regex r;
+    Regex r{key};
     r.code.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP,
                                &err, &offset, nullptr));
     if (r.code == nullptr) {
@@ -521,11 +524,24 @@ void Tokenizer::Impl::pre_tokenize(std::string_view piece, size_t level, std::ve
   }
   const Regex& r = regexes[level];
   auto subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
+  // PCRE2 stops a match after 10^7 backtracking steps by default, but a pattern that is
+  // linear still backtracks once per character of a run: Qwen's \s*[\r\n]+ scans a run
+  // of spaces to its end before it gives up, so 10 MB of spaces failed. A limit growing
+  // with the text lets such runs through and still stops exponential backtracking.
+  pcre2_set_match_limit(r.limits.get(),
+                        static_cast<uint32_t>(std::min<uint64_t>(10'000'000 + 16 * uint64_t{piece.size()}, UINT32_MAX)));
   size_t gap = 0, from = 0;
   while (from <= piece.size()) {
-    int rc = pcre2_match(r.code.get(), subject, piece.size(), from, PCRE2_NO_UTF_CHECK, r.match.get(), nullptr);
+    int rc = pcre2_match(r.code.get(), subject, piece.size(), from, PCRE2_NO_UTF_CHECK, r.match.get(),
+                         r.limits.get());
     if (rc == PCRE2_ERROR_NOMATCH) break;
-    MT_CHECK(rc > 0) << "regex match failed with PCRE2 error " << rc;
+    if (rc < 0) {  // 0 only says the ovector is short of captures; the whole match is in it
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(rc, msg, sizeof msg);
+      MT_FAIL() << path << ": " << r.key << ": the regex failed searching from byte " << from << " of a "
+                << piece.size() << "-byte piece of the text (PCRE2: " << reinterpret_cast<const char*>(msg)
+                << "); a pattern that backtracks without bound needs rewriting";
+    }
     PCRE2_SIZE* ov = pcre2_get_ovector_pointer(r.match.get());
     size_t b = ov[0], e = ov[1];
     if (b > gap) pre_tokenize(piece.substr(gap, b - gap), level + 1, out);
@@ -597,7 +613,9 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) {
   }
   size_t first = out.size();
   for (int32_t i = 0; i >= 0; i = symbols[i].next) out.push_back(symbols[i].id);
-  // Bounded: a corpus with endless distinct words must not grow the cache forever.
+  // Bounded: a corpus with endless distinct words must not grow the cache forever, and
+  // long words (as Hugging Face, below 256 bytes only) are rarely seen twice.
+  if (word.size() >= 256) return;
   if (cache.size() >= (1u << 18)) cache.clear();
   cache.emplace(std::string(word), std::vector<int32_t>(out.begin() + static_cast<std::ptrdiff_t>(first), out.end()));
 }
