@@ -163,6 +163,18 @@ TEST(Tokenizer, RegexFailureIsNamed) {
     EXPECT_NE(err.find(want), std::string::npos) << err;
 }
 
+// An added token with empty content: Hugging Face skips it (no id, it matches
+// nothing); here it matched at every NUL byte and never moved on.
+TEST(Tokenizer, EmptyAddedTokenIsSkipped) {
+  TempDir t;
+  Tokenizer tok = edited_gpt2(t.path, [](json& j) {
+    j["added_tokens"].push_back({{"id", 1509}, {"content", ""}, {"special", true}, {"normalized", false}});
+  });
+  EXPECT_EQ(tok.encode(std::string("a\0b", 3)), (std::vector<int32_t>{66, 190, 67}));  // HF's ids
+  EXPECT_FALSE(tok.token_id("").has_value());
+  EXPECT_EQ(tok.vocab_size(), 1502);
+}
+
 // Anything the tokenizer does not implement is an error naming it and the key.
 TEST(Tokenizer, UnsupportedPartsAreNamed) {
   json base = read_json(kFixtures / "gpt2_style.json");

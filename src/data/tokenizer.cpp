@@ -427,14 +427,16 @@ void Tokenizer::Impl::load_added_tokens(const json& at) {
   for (size_t i = 0; i < at.size(); ++i) {
     const json& t = at[i];
     std::string key = "added_tokens[" + std::to_string(i) + "]";
-    MT_CHECK(t.is_object() && t.contains("content") && t["content"].is_string() && !t["content"].empty() &&
-             t.contains("id") && t["id"].is_number_integer() && t["id"].get<int64_t>() >= 0 &&
-             t["id"].get<int64_t>() < kMaxIds)
+    MT_CHECK(t.is_object() && t.contains("content") && t["content"].is_string() && t.contains("id") &&
+             t["id"].is_number_integer() && t["id"].get<int64_t>() >= 0 && t["id"].get<int64_t>() < kMaxIds)
         << path << ": " << key << ": " << t.dump()
         << " (expected an object with a content string and an id in [0, 2^24))";
+    std::string content = t["content"].get<std::string>();
+    // Hugging Face skips an empty added token: it gets no id and matches nothing (here it
+    // matched at every NUL byte without moving on, forever).
+    if (content.empty()) continue;
     for (const char* f : {"lstrip", "rstrip", "single_word"})
       if (flag(t, f)) unsupported(path, key + "." + f, std::string(f) + " true on " + t["content"].dump());
-    std::string content = t["content"].get<std::string>();
     int32_t id = t["id"].get<int32_t>();
     // Hugging Face matches a normalized token in normalized text by its normalized
     // spelling, and keeps it under that spelling, which is what its decoder sees.
