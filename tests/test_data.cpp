@@ -426,8 +426,6 @@ TEST(Corpus, BadInputsAreNamed) {
   write_text(t.path / "x" / "a.jsonl", "{}\n");
   write_text(t.path / "y" / "a.jsonl", "{}\n");
   write_text(t.path / "z.json", "{}\n");
-  std::string whole = zstd_compress(fixture_docs(0, 29).jsonl);
-  write_text(t.path / "broken.jsonl.zst", whole.substr(0, whole.size() / 2));
   auto run = [&](std::vector<std::string> in) {
     return error_of([&] { tokenize_corpus({kQwen, in, (t.path / "out").string(), 1}); });
   };
@@ -437,8 +435,44 @@ TEST(Corpus, BadInputsAreNamed) {
   EXPECT_NE(err.find("is not a .jsonl or .jsonl.zst file"), std::string::npos) << err;
   err = run({(t.path / "nowhere").string()});
   EXPECT_NE(err.find("does not exist"), std::string::npos) << err;
-  err = run({(t.path / "broken.jsonl.zst").string()});
-  EXPECT_NE(err.find("broken.jsonl.zst: truncated zstd stream"), std::string::npos) << err;
+}
+
+// A bad file is skipped, left without .bin, .tmp and .lock (so a rerun tries it
+// again), and the other files are done; with strict it stops the run.
+TEST(Corpus, BadFilesAreSkippedOrFatalWithStrict) {
+  TempDir t;
+  Docs good = fixture_docs(0, 29);
+  fs::path in = t.path / "in", out = t.path / "out";
+  write_text(in / "good.jsonl", good.jsonl);
+  std::string whole = zstd_compress(good.jsonl);
+  write_text(in / "truncated.jsonl.zst", whole.substr(0, whole.size() / 2));
+  std::string corrupt = whole.substr(0, 4);  // zstd's magic number, then noise
+  std::mt19937 rng(7);
+  for (int i = 0; i < 1000; ++i) corrupt += static_cast<char>(rng());
+  write_text(in / "corrupt.jsonl.zst", corrupt);
+  // As a killed run leaves it: the .bin of a file in flight must go with the lock.
+  for (const char* ext : {".bin", ".bin.tmp", ".bin.lock"}) write_text(out / (std::string("corrupt") + ext), "x");
+
+  TokenizeOptions o{kQwen, {in.string()}, out.string(), 2};
+  TokenizeReport r = tokenize_corpus(o);
+  EXPECT_EQ(r.bad_files,
+            (std::vector<std::string>{(in / "corrupt.jsonl.zst").string(), (in / "truncated.jsonl.zst").string()}));
+  EXPECT_EQ(r.documents, 29);
+  BinFile f = read_bin(out / "good.bin");
+  EXPECT_EQ(f.tokens, good.tokens);
+  EXPECT_EQ(f.ends, good.ends);
+  for (const char* name : {"corrupt", "truncated"})
+    for (const char* ext : {".bin", ".bin.tmp", ".bin.lock"})
+      EXPECT_FALSE(fs::exists(out / (std::string(name) + ext))) << name << ext;
+
+  o.strict = true;
+  for (auto [name, want] : {std::pair<const char*, const char*>{"truncated", "truncated.jsonl.zst: truncated zstd"},
+                            {"corrupt", "corrupt.jsonl.zst: zstd: "}}) {
+    o.inputs = {(in / (std::string(name) + ".jsonl.zst")).string()};
+    std::string err = error_of([&] { tokenize_corpus(o); });
+    EXPECT_NE(err.find(want), std::string::npos) << err;
+    EXPECT_TRUE(fs::exists(out / (std::string(name) + ".bin.lock")));  // unfinished, as a strict run leaves it
+  }
 }
 
 // ---- dataset -----------------------------------------------------------------------
