@@ -10,6 +10,9 @@ killed part-way and resumed, malformed lines reported.
   complete and the second under way; the rerun must redo only the unfinished files
   and give files byte-identical to an uninterrupted run (with two workers).
 - malformed lines: reported with file and line, counted, skipped; fatal with --strict.
+- bad files (a corrupt and a truncated .jsonl.zst): reported, left without .bin, .tmp
+  or .lock, named in the summary, exit status 1 after the good file is done (the same
+  .bin as when it is tokenized alone); fatal with --strict.
 - the output folder keeps a copy of the tokenizer.json; another tokenizer is refused there.
 
 Run: test_tokenize.py MOETRAIN_BINARY
@@ -195,11 +198,45 @@ def test_malformed(binary, tmp):
     check(r.returncode == 0 and json.loads(r.stdout)["documents"] == 1, f"--field other: {r.stdout} {r.stderr}")
 
 
+def test_bad_files(binary, tmp):
+    src = os.path.join(tmp, "mixed")
+    os.makedirs(src)
+    good = os.path.join(src, "good.jsonl")
+    with open(good, "w", encoding="utf-8") as f:
+        for i in range(50):
+            f.write(json.dumps({"text": f"{i}: In the beginning God created the heaven and the earth."}) + "\n")
+    packed = subprocess.run(["zstd", "-q", "-c", good], capture_output=True, check=True).stdout
+    rng = random.Random(3)
+    bad = {"corrupt": packed[:4] + bytes(rng.randrange(256) for _ in range(2000)),  # zstd's magic, then noise
+           "truncated": packed[:len(packed) // 2]}
+    for name, data in bad.items():
+        with open(os.path.join(src, name + ".jsonl.zst"), "wb") as f:
+            f.write(data)
+    out = os.path.join(tmp, "mixed-out")
+    r = tokenize(binary, [src], out, "--workers", "2")
+    check(r.returncode == 1, f"bad files: exit {r.returncode}, expected 1: {r.stderr}")
+    alone = os.path.join(tmp, "alone")
+    check(tokenize(binary, [good], alone).returncode == 0, "good.jsonl alone")
+    same = open(os.path.join(out, "good.bin"), "rb").read() == open(os.path.join(alone, "good.bin"), "rb").read()
+    check(same, "good.bin differs from tokenizing good.jsonl alone")
+    left = [x for x in os.listdir(out) if x.startswith(tuple(bad))]
+    check(left == [], f"bad files left {left} (no .bin, .tmp or .lock expected)")
+    for name in bad:
+        line = [x for x in r.stderr.splitlines() if f"skipped a bad file: {os.path.join(src, name)}.jsonl.zst" in x]
+        check(len(line) == 1 and "zstd" in line[0], f"{name} not reported: {r.stderr}")
+    summary = [x for x in r.stderr.splitlines() if "skipped 2 bad files" in x]
+    check(len(summary) == 1 and all(os.path.join(src, n) + ".jsonl.zst" in summary[0] for n in bad),
+          f"no summary naming the bad files: {r.stderr}")
+    check(json.loads(r.stdout or "{}").get("bad_files") == 2, f"summary {r.stdout}")
+    r = tokenize(binary, [src], os.path.join(tmp, "mixed-strict"), "--strict")
+    check(r.returncode == 1 and "zstd" in r.stderr and r.stdout == "", f"--strict: exit {r.returncode}: {r.stderr}")
+
+
 def main():
     binary = os.path.abspath(sys.argv[1])
     tmp = tempfile.mkdtemp(prefix="moetrain-test-tokenize-")
     try:
-        for test in (test_numpy, test_kill_and_resume, test_malformed):
+        for test in (test_numpy, test_kill_and_resume, test_malformed, test_bad_files):
             t0 = time.time()
             before = len(failures)
             test(binary, tmp)

@@ -74,7 +74,9 @@ const Command kCommands[] = {
      "usage: moetrain tokenize --tokenizer FILE --input PATH... --output DIR [--workers N]\n"
      "                         [--field text] [--strict]\n"
      "  Writes one .bin per input file: the tokens, then uint64 cumulative document ends,\n"
-     "  as two consecutive .npy arrays. Reruns redo only unfinished files.\n",
+     "  as two consecutive .npy arrays. Reruns redo only unfinished files. Malformed lines\n"
+     "  and bad files (unreadable, corrupt) are reported and skipped, a bad file making the\n"
+     "  exit status 1 once the others are done; --strict stops at the first of either.\n",
      mt::cli::run_tokenize},
     {"export-hf", "write a checkpoint as a Hugging Face model folder",
      "usage: moetrain export-hf --checkpoint DIR --output DIR [--dtype bf16|fp32]\n"

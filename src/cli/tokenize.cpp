@@ -1,5 +1,7 @@
 // moetrain tokenize: JSONL(.zst) files to packed token files (src/data/corpus.h).
-// Progress and malformed lines go to stderr; one JSON summary line to stdout.
+// Progress, malformed lines and bad files go to stderr; one JSON summary line to stdout.
+// Exits 1 when a bad file was skipped.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -25,11 +27,21 @@ int run_tokenize(const Args& args) {
       stderr, "tokenize: %lld files (%lld already done), %lld documents, %lld tokens, %lld malformed lines skipped\n",
       static_cast<long long>(r.files), static_cast<long long>(r.files_skipped), static_cast<long long>(r.documents),
       static_cast<long long>(r.tokens), static_cast<long long>(r.malformed));
+  if (!r.bad_files.empty()) {
+    std::string names;
+    for (size_t i = 0; i < std::min<size_t>(r.bad_files.size(), 5); ++i) names += (i ? ", " : "") + r.bad_files[i];
+    if (r.bad_files.size() > 5) names += " and " + std::to_string(r.bad_files.size() - 5) + " more";
+    std::fprintf(stderr,
+                 "tokenize: skipped %zu bad file%s, left without .bin (the errors above say why; fix or remove them, "
+                 "then rerun to redo only those): %s\n",
+                 r.bad_files.size(), r.bad_files.size() == 1 ? "" : "s", names.c_str());
+  }
   std::printf(
-      "{\"files\": %lld, \"files_skipped\": %lld, \"documents\": %lld, \"tokens\": %lld, \"malformed\": %lld}\n",
-      static_cast<long long>(r.files), static_cast<long long>(r.files_skipped), static_cast<long long>(r.documents),
-      static_cast<long long>(r.tokens), static_cast<long long>(r.malformed));
-  return 0;
+      "{\"files\": %lld, \"files_skipped\": %lld, \"bad_files\": %zu, \"documents\": %lld, \"tokens\": %lld, "
+      "\"malformed\": %lld}\n",
+      static_cast<long long>(r.files), static_cast<long long>(r.files_skipped), r.bad_files.size(),
+      static_cast<long long>(r.documents), static_cast<long long>(r.tokens), static_cast<long long>(r.malformed));
+  return r.bad_files.empty() ? 0 : 1;  // scripts must notice, though every other file is done
 }
 
 }  // namespace mt::cli

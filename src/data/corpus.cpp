@@ -118,7 +118,8 @@ class LineReader {
       ZSTD_inBuffer in{in_.data(), in_.size(), in_pos_};
       ZSTD_outBuffer out{text_.data() + old, text_.size() - old, 0};
       size_t rc = ZSTD_decompressStream(dctx_, &out, &in);
-      MT_CHECK(!ZSTD_isError(rc)) << path_ << ": zstd: " << ZSTD_getErrorName(rc);
+      MT_CHECK(!ZSTD_isError(rc)) << path_ << ": zstd: " << ZSTD_getErrorName(rc) << " after byte "
+                                  << bytes_read_ - in_.size() + in.pos << " (the file is corrupt from there)";
       frame_done_ = rc == 0;
       in_pos_ = in.pos;
       text_.resize(old + out.pos);
@@ -190,6 +191,7 @@ std::vector<Job> find_jobs(const TokenizeOptions& o) {
 //   P <docs> <tokens> <bytes>   progress since the last P
 //   M <text>                    a malformed line, reported
 //   D                           the file handed out last is done
+//   F <text>                    it is a bad file, skipped (see tokenize_file)
 //   E <text>                    a fatal error; the worker exits
 void send(int fd, std::string msg) {
   std::replace(msg.begin(), msg.end(), '\n', ' ');
@@ -216,6 +218,9 @@ int take_lock(const std::string& lock, const std::string& input) {
   return fd;
 }
 
+// A bad input (unreadable, corrupt or truncated zstd, a document the tokenizer
+// rejects) is reported with F and left without .bin, .tmp and .lock, so that a rerun
+// tries it again; with --strict it is fatal, as is anything wrong with the output.
 void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int to_parent) {
   fs::create_directories(fs::path(job.output).parent_path());
   std::string lock = job.output + ".lock";
@@ -223,19 +228,16 @@ void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int
   int32_t eos = tok.eos_id();
   std::vector<int32_t> tokens;
   std::vector<uint64_t> ends;
-  LineReader reader(job.input);
-  std::string_view line;
   int64_t line_no = 0, docs_sent = 0;
   size_t tokens_sent = 0;
-  uint64_t bytes_sent = 0;
+  uint64_t bytes_read = 0, bytes_sent = 0;
   auto last = std::chrono::steady_clock::now();
   auto progress = [&] {
     send(to_parent, "P " + std::to_string(static_cast<int64_t>(ends.size()) - docs_sent) + " " +
-                        std::to_string(tokens.size() - tokens_sent) + " " +
-                        std::to_string(reader.bytes_read() - bytes_sent));
+                        std::to_string(tokens.size() - tokens_sent) + " " + std::to_string(bytes_read - bytes_sent));
     docs_sent = static_cast<int64_t>(ends.size());
     tokens_sent = tokens.size();
-    bytes_sent = reader.bytes_read();
+    bytes_sent = bytes_read;
     last = std::chrono::steady_clock::now();
   };
   auto bad = [&](const std::string& why) {
@@ -243,25 +245,47 @@ void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int
     MT_CHECK(!o.strict) << msg << " (--strict)";
     send(to_parent, "M " + msg);
   };
-  while (reader.next(line)) {
-    ++line_no;
-    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;  // blank lines hold no document
-    nlohmann::json doc;
-    try {
-      doc = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      bad(std::string("not valid JSON: ") + e.what());
-      continue;
+  try {
+    LineReader reader(job.input);
+    std::string_view line;
+    while (reader.next(line)) {
+      ++line_no;
+      bytes_read = reader.bytes_read();
+      if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;  // blank lines hold no document
+      nlohmann::json doc;
+      try {
+        doc = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception& e) {
+        bad(std::string("not valid JSON: ") + e.what());
+        continue;
+      }
+      auto f = doc.is_object() ? doc.find(o.field) : doc.end();
+      if (!doc.is_object() || f == doc.end() || !f->is_string()) {
+        bad("no string field \"" + o.field + "\"");
+        continue;
+      }
+      try {
+        tok.encode(f->get_ref<const std::string&>(), tokens);
+      } catch (const Error& e) {
+        MT_FAIL() << job.input << ":" << line_no << ": " << e.message;
+      }
+      tokens.push_back(eos);
+      ends.push_back(tokens.size());
+      if ((ends.size() & 63) == 0 && std::chrono::steady_clock::now() - last > std::chrono::milliseconds(200))
+        progress();
     }
-    auto f = doc.is_object() ? doc.find(o.field) : doc.end();
-    if (!doc.is_object() || f == doc.end() || !f->is_string()) {
-      bad("no string field \"" + o.field + "\"");
-      continue;
-    }
-    tok.encode(f->get_ref<const std::string&>(), tokens);
-    tokens.push_back(eos);
-    ends.push_back(tokens.size());
-    if ((ends.size() & 63) == 0 && std::chrono::steady_clock::now() - last > std::chrono::milliseconds(200)) progress();
+    bytes_read = reader.bytes_read();
+  } catch (const Error& e) {
+    if (o.strict) throw;
+    // Take back the documents and tokens reported, then remove what an earlier killed
+    // run may have left, the .bin before the lock: a .bin without one counts as done.
+    send(to_parent, "P -" + std::to_string(docs_sent) + " -" + std::to_string(tokens_sent) + " 0");
+    fs::remove(job.output + ".tmp");
+    fs::remove(job.output);
+    MT_CHECK(::unlink(lock.c_str()) == 0) << "cannot remove " << lock << ": " << std::strerror(errno);
+    ::close(lock_fd);
+    send(to_parent, "F " + e.message);
+    return;
   }
   write_token_file(job.output, tokens, ends, tok.vocab_size());
   // The .bin is complete and durable (write_file_atomic synced it and the folder);
@@ -471,7 +495,11 @@ TokenizeReport tokenize_corpus(const TokenizeOptions& o) {
                 say("tokenize: skipped malformed line " + body);
               else if (rep.malformed == kReportedMalformed + 1)
                 say("tokenize: more malformed lines; counting them only");
-            } else if (kind == 'D') {
+            } else if (kind == 'D' || kind == 'F') {
+              if (kind == 'F') {
+                rep.bad_files.push_back(jobs[static_cast<size_t>(w.job)].input);
+                say("tokenize: skipped a bad file: " + body);
+              }
               ++files_done;
               hand_out(w);
             } else if (kind == 'E') {
@@ -512,6 +540,7 @@ TokenizeReport tokenize_corpus(const TokenizeOptions& o) {
     std::fputc('\n', stderr);
   }
   MT_CHECK(failure.empty()) << failure << " (unfinished files keep their .lock; rerun to resume)";
+  std::sort(rep.bad_files.begin(), rep.bad_files.end());
   return rep;
 }
 

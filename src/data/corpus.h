@@ -14,6 +14,12 @@
 // skips every X.bin without a lock and redoes the rest, so a killed run loses at
 // most the files in flight, and reruns give byte-identical files. Files are
 // tokenized by forked worker processes, largest first.
+//
+// Bad input: a malformed line (not JSON, no text field) is reported and skipped. A
+// bad file (unreadable, corrupt or truncated zstd, a document the tokenizer rejects)
+// is reported, gets no .bin (nor .tmp or .lock, so a rerun tries it again) and the
+// other files go on; the report lists it, and `tokenize` exits 1 at the end. With
+// strict, either stops the run.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +35,7 @@ struct TokenizeOptions {
   std::string output;               // folder for the .bin files (created)
   int workers = 0;                  // worker processes; 0: one per core
   std::string field = "text";       // the JSON string field holding a document
-  bool strict = false;              // a malformed line is an error instead of skipped
+  bool strict = false;              // a malformed line or bad file is an error, not skipped
 };
 
 struct TokenizeReport {
@@ -37,11 +43,12 @@ struct TokenizeReport {
   int64_t files_skipped = 0;  // of those, already done by an earlier run
   int64_t documents = 0;      // in the files done now
   int64_t tokens = 0;
-  int64_t malformed = 0;  // lines skipped
+  int64_t malformed = 0;               // lines skipped
+  std::vector<std::string> bad_files;  // inputs skipped as unreadable or corrupt, sorted
 };
 
-// Runs the whole build; throws mt::Error on failure (unfinished files keep their
-// .lock, so a rerun resumes).
+// Runs the whole build; throws mt::Error on failure other than bad files (unfinished
+// files keep their .lock, so a rerun resumes).
 TokenizeReport tokenize_corpus(const TokenizeOptions& options);
 
 // Writes one token file atomically: ids must lie in [0, vocab_size), which picks

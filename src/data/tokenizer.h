@@ -18,8 +18,8 @@
 // way, merges spelled "a b" or ["a", "b"]); normalizer none, NFC, or a Sequence of
 // NFC; pre-tokenizer ByteLevel or a Sequence of isolated Regex Splits ending in
 // ByteLevel (add_prefix_space false); post-processor none or ByteLevel; decoder none
-// or ByteLevel; added tokens without lstrip/rstrip/single_word; no truncation or
-// padding.
+// or ByteLevel; added tokens without lstrip/rstrip/single_word (one with empty
+// content is skipped, as Hugging Face skips it); no truncation or padding.
 #pragma once
 
 #include <cstdint>
