@@ -221,6 +221,8 @@ int take_lock(const std::string& lock, const std::string& input) {
 // A bad input (unreadable, corrupt or truncated zstd, a document the tokenizer
 // rejects) is reported with F and left without .bin, .tmp and .lock, so that a rerun
 // tries it again; with --strict it is fatal, as is anything wrong with the output.
+pid_t worker_parent = -1;  // the tokenize process, as a worker saw it at its start
+
 void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int to_parent) {
   fs::create_directories(fs::path(job.output).parent_path());
   std::string lock = job.output + ".lock";
@@ -276,7 +278,9 @@ void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int
     }
     bytes_read = reader.bytes_read();
   } catch (const Error& e) {
-    if (o.strict) throw;
+    // A parent that died (killed: the failure is our send to it) leaves the lock, so
+    // that a rerun redoes the file; only a file's own fault is cleaned and reported.
+    if (o.strict || ::getppid() != worker_parent) throw;
     // Take back the documents and tokens reported, then remove what an earlier killed
     // run may have left, the .bin before the lock: a .bin without one counts as done.
     send(to_parent, "P -" + std::to_string(docs_sent) + " -" + std::to_string(tokens_sent) + " 0");
@@ -298,6 +302,7 @@ void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int
 
 [[noreturn]] void worker_main(int from_parent, int to_parent, const std::vector<Job>& jobs, Tokenizer& tok,
                               const TokenizeOptions& o) {
+  worker_parent = ::getppid();
   int code = 0;
   try {
     int32_t index;
