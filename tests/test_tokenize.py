@@ -133,25 +133,30 @@ def test_kill_and_resume(binary, tmp):
     r = tokenize(binary, [src], ref, "--workers", "2")
     check(r.returncode == 0, f"reference run exit {r.returncode}: {r.stderr}")
 
-    out = os.path.join(tmp, "killed")
-    p = subprocess.Popen([binary, "tokenize", "--tokenizer", TOKENIZER, "--input", src, "--output", out,
-                          "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # Kill once the first file is complete and the next one is under way (its .lock
-    # is there): each file takes tens of milliseconds, the polling a few.
-    deadline = time.time() + 60
-    while p.poll() is None and time.time() < deadline:
-        bins = glob.glob(os.path.join(out, "*.bin"))
-        if any(not os.path.exists(b + ".lock") for b in bins) and glob.glob(os.path.join(out, "*.lock")):
+    # A kill can land between two files (the worker has let one lock go and not yet taken
+    # the next): then nothing is in flight, and the kill is tried again in a fresh folder.
+    for attempt in range(10):
+        out = os.path.join(tmp, f"killed{attempt}")
+        p = subprocess.Popen([binary, "tokenize", "--tokenizer", TOKENIZER, "--input", src, "--output", out,
+                              "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Kill once the first file is complete and the next one is under way (its .lock
+        # is there): each file takes tens of milliseconds, the polling a few.
+        deadline = time.time() + 60
+        while p.poll() is None and time.time() < deadline:
+            bins = glob.glob(os.path.join(out, "*.bin"))
+            if any(not os.path.exists(b + ".lock") for b in bins) and glob.glob(os.path.join(out, "*.lock")):
+                break
+            time.sleep(0.002)
+        workers = children_of(p.pid)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        # The workers die with their parent (PR_SET_PDEATHSIG); wait until they have.
+        while any(alive(w) for w in workers):
+            time.sleep(0.01)
+        complete = [b for b in glob.glob(os.path.join(out, "*.bin")) if not os.path.exists(b + ".lock")]
+        locks = glob.glob(os.path.join(out, "*.lock"))
+        if len(locks) == 1:
             break
-        time.sleep(0.002)
-    workers = children_of(p.pid)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    # The workers die with their parent (PR_SET_PDEATHSIG); wait until they have.
-    while any(alive(w) for w in workers):
-        time.sleep(0.01)
-    complete = [b for b in glob.glob(os.path.join(out, "*.bin")) if not os.path.exists(b + ".lock")]
-    locks = glob.glob(os.path.join(out, "*.lock"))
     print(f"killed with {len(complete)} of {n} files complete, {len(locks)} in flight", flush=True)
     check(p.returncode == -signal.SIGKILL, f"the run ended before it was killed (exit {p.returncode})")
     check(1 <= len(complete) < n, f"killed part-way: {len(complete)} of {n} files complete")
