@@ -37,10 +37,12 @@ first_last_loss() {
   python3 -c 'import json,sys; l=[json.loads(x) for x in open(sys.argv[1])]; print(l[0]["loss"], l[-1]["loss"])' "$1"
 }
 
-# Train the tiny model on a corpus: train_tiny RUN CORPUS STEPS [overrides...]
+# Train the tiny model on a corpus: train_tiny RUN CORPUS STEPS [overrides...]. In the
+# background, `as=exec train_tiny ... &` makes the job moetrain itself, so that a kill of
+# $! kills the run (not only the subshell around it, leaving the run going on).
 train_tiny() {
   local run="$1" corpus="$2" steps="$3"; shift 3
-  "$bin" train --model.config="$work/model/config.json" --data.corpus="$corpus" --data.seq_len=32 \
+  ${as:-} "$bin" train --model.config="$work/model/config.json" --data.corpus="$corpus" --data.seq_len=32 \
     --training.global_batch_size=4 --training.steps="$steps" --optimizer.lr=3e-3 \
     --lr_scheduler.warmup_steps=2 --job.dump_folder="$run" "$@"
 }

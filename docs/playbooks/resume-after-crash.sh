@@ -8,7 +8,7 @@ tiny_text "$work/text"
 train_tiny "$work/straight" "$work/corpus" 12 > /dev/null
 # The same run, killed once its step-4 checkpoint is complete (the delay keeps it from
 # finishing first), then started again as it was.
-MOETRAIN_CHECKPOINT_DELAY_MS=200 train_tiny "$work/crashed" "$work/corpus" 12 --checkpoint.interval=4 > /dev/null &
+as=exec MOETRAIN_CHECKPOINT_DELAY_MS=200 train_tiny "$work/crashed" "$work/corpus" 12 --checkpoint.interval=4 > /dev/null &
 pid=$!
 for _ in $(seq 1 600); do
   [ -f "$work/crashed/checkpoints/step-00000004/COMPLETE" ] && break

@@ -55,7 +55,8 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
   Shape s = shape;
   s.d[0] = end - begin;
   size_t row_bytes = static_cast<size_t>(shape.d[0] ? numel() / shape.d[0] : 0) * dtype_size(dtype);
-  return Tensor(static_cast<char*>(data) + begin * row_bytes, s, dtype, device);
+  // No storage (an arena's sizing pass) stays none: an offset from null is undefined.
+  return Tensor(data ? static_cast<char*>(data) + begin * row_bytes : nullptr, s, dtype, device);
 }
 
 void check_tensor(const Tensor& t, const char* name, DType dtype, Shape shape) {
