@@ -285,6 +285,34 @@ TEST_F(Io, WritersReturnTheChecksumOfWhatTheyWrote) {
   EXPECT_EQ(st.xxh3, file_sum(path("x.safetensors")).xxh3);
 }
 
+// A fingerprint is the whole file's checksum up to 128 KiB; past that it sees the size and
+// the first and last 64 KiB, and nothing between (what ranks compare at start).
+TEST_F(Io, FingerprintsSeeTheSizeAndBothEnds) {
+  std::string small(100000, 'a');
+  write_file_atomic(path("small"), {small});
+  EXPECT_EQ(file_fingerprint(path("small")).xxh3, file_sum(path("small")).xxh3);
+  std::string big(1 << 20, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 2654435761u >> 24);
+  auto print = [&](const std::string& bytes) {
+    write_file_atomic(path("big"), {bytes});
+    return file_fingerprint(path("big"));
+  };
+  const FileSum base = print(big);
+  EXPECT_EQ(base.bytes, big.size());
+  EXPECT_NE(base.xxh3, file_sum(path("big")).xxh3);
+  for (size_t at : {size_t{0}, size_t{65535}, big.size() - 65536, big.size() - 1}) {
+    std::string b = big;
+    b[at] ^= 1;
+    EXPECT_NE(print(b).xxh3, base.xxh3) << "byte " << at;
+  }
+  std::string middle = big;
+  middle[65536] ^= 1;
+  middle[big.size() / 2] ^= 1;
+  EXPECT_EQ(print(middle).xxh3, base.xxh3);  // unseen, by design
+  EXPECT_NE(print(big.substr(1)).xxh3, base.xxh3);
+  EXPECT_EQ(print(big.substr(1)).bytes, big.size() - 1);
+}
+
 TEST_F(Io, WriterRejectsBadTensors) {
   std::vector<float> v = {1.0f, 2.0f};
   std::string p = path("x.safetensors");
@@ -659,7 +687,7 @@ void expect_npy_round_trip(const std::string& p, const std::string& descr, const
   EXPECT_EQ(a.header.header_bytes % 64, 0u) << "data must start 64-byte aligned";
   EXPECT_EQ(raw.size(), a.header.header_bytes + v.size() * sizeof(T));
   ASSERT_EQ(a.data.size(), v.size() * sizeof(T));
-  EXPECT_EQ(std::memcmp(a.data.data(), v.data(), a.data.size()), 0);
+  EXPECT_TRUE(std::equal(a.data.begin(), a.data.end(), reinterpret_cast<const uint8_t*>(v.data())));
   if constexpr (std::is_integral_v<T>) {
     std::vector<int64_t> as64 = npy_as_int64(a, p);
     EXPECT_EQ(as64, std::vector<int64_t>(v.begin(), v.end()));

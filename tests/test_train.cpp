@@ -1289,9 +1289,36 @@ TEST(Commands, RanksWithAnotherConfigThanRankZeroStop) {
                        " --training.steps=3 2>&1");
   EXPECT_NE(rc, 0) << out;
   EXPECT_NE(rc, 124) << "the ranks hung: " << out;
-  EXPECT_NE(out.find("this rank's config differs from rank 0's: training.steps (rank 0: 2, here: 3)"),
+  EXPECT_NE(out.find("this rank's config or data differs from rank 0's: training.steps (rank 0: 2, here: 3)"),
             std::string::npos)
       << out;
+}
+
+// Ranks with the same config but other data at its paths (a node with a stale copy) stop
+// too, naming the file. /proc/self/cwd/tokens.npy is one path, and each rank's own
+// working folder's tokens.npy: rank 1's has one token changed near its end.
+TEST(Commands, RanksReadingOtherDataThanRankZeroStop) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string d = temp_dir("agree_data");
+  for (const char* r : {"/r0", "/r1"}) {
+    std::filesystem::create_directories(d + r);
+    std::filesystem::copy_file(fixture("qwen3_moe_b/tokens.npy"), d + r + "/tokens.npy");
+  }
+  std::vector<uint8_t> b = io::read_file(d + "/r1/tokens.npy");
+  b[b.size() - 3] ^= 1;
+  io::write_file_atomic(d + "/r1/tokens.npy", {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
+  const std::string cmd = std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_b") +
+                          " --data.tokens=/proc/self/cwd/tokens.npy --training.steps=1 --job.dump_folder=" + d + "/run";
+  auto [rc, out] = run(kMpirun.substr(0, kMpirun.find("mpirun")) + "timeout 120 " +
+                       kMpirun.substr(kMpirun.find("mpirun")) + "1 -wdir " + d + "/r0 " + cmd + " : -np 1 -wdir " + d +
+                       "/r1 " + cmd + " 2>&1");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(rc, 124) << "the ranks hung: " << out;
+  EXPECT_NE(out.find("this rank's config or data differs from rank 0's: data.tokens: tokens.npy (rank 0: " +
+                     std::to_string(b.size()) + " bytes, checksum "),
+            std::string::npos)
+      << out;
+  EXPECT_FALSE(std::filesystem::exists(d + "/run/checkpoints")) << out;
 }
 
 TEST(Commands, BadConfigFailsNamingTheKey) {

@@ -9,6 +9,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -65,21 +66,65 @@ void compare_with_checkpoint(const Config& cfg, const std::string& dir, const st
   for (const ConfigChange& c : changes) std::printf("  %s: %s -> %s\n", c.key.c_str(), c.before.c_str(), c.after.c_str());
 }
 
+// The data this rank would read, one line a file: each input key's files (a folder's
+// regular files, walked in name order) with io::file_fingerprint's size and checksum.
+std::map<std::string, std::string> data_identity(const Config& cfg) {
+  std::map<std::string, std::string> out;
+  auto add = [&](const std::string& key, const fs::path& file, const fs::path& under) {
+    const io::FileSum f = io::file_fingerprint(file.string());
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(f.xxh3));
+    out[key + ": " + file.lexically_relative(under).string()] = std::to_string(f.bytes) + " bytes, checksum " + hex;
+  };
+  for (const InputPath& in : input_paths(cfg)) {
+    if (!fs::is_directory(in.path)) {
+      add(in.key, in.path, fs::path(in.path).parent_path());
+      continue;
+    }
+    for (const fs::directory_entry& e : fs::recursive_directory_iterator(in.path))
+      if (e.is_regular_file()) add(in.key, e.path(), in.path);
+  }
+  return out;
+}
+
+std::string identity_text(const std::map<std::string, std::string>& files) {
+  std::string t;
+  for (const auto& [name, what] : files) t += name + "\t" + what + "\n";
+  return t;
+}
+
 // Ranks agree or stop: every rank's resolved config must be rank 0's (ranks started with
-// different flags, say training.steps, hung in a collective). Each rank that differs
-// names its keys; every rank stops.
+// different flags, say training.steps, hung in a collective), and so must the data that
+// config names (a node with a stale copy of the corpus at the same path trained on other
+// tokens, silently). Each rank that differs names its keys and files; every rank stops.
 void agree_with_rank0(comm::Communicator& world, const Config& cfg) {
   if (world.size() == 1) return;
   const std::string zero = comm::broadcast_text(world, config_to_toml(cfg), 0);
   std::string differs;
   for (const ConfigChange& c : config_changes(zero, cfg))
     differs += (differs.empty() ? "" : ", ") + c.key + " (rank 0: " + c.before + ", here: " + c.after + ")";
+  // Every rank takes part in the broadcast, also one whose config differs already.
+  const std::map<std::string, std::string> here = data_identity(cfg);
+  std::map<std::string, std::string> theirs;
+  std::istringstream lines(comm::broadcast_text(world, identity_text(here), 0));
+  for (std::string line; std::getline(lines, line);)
+    theirs[line.substr(0, line.find('\t'))] = line.substr(line.find('\t') + 1);
+  int named = 0;
+  auto note = [&](const std::string& name, const std::string& zero_has, const std::string& here_has) {
+    if (named++ < 4) differs += (differs.empty() ? "" : ", ") + name + " (rank 0: " + zero_has + ", here: " + here_has + ")";
+  };
+  for (const auto& [name, what] : theirs)
+    if (!here.contains(name)) note(name, what, "no such file");
+    else if (here.at(name) != what) note(name, what, here.at(name));
+  for (const auto& [name, what] : here)
+    if (!theirs.contains(name)) note(name, "no such file", what);
+  if (named > 4) differs += " and " + std::to_string(named - 4) + " more file(s)";
   std::vector<int64_t> bad = {differs.empty() ? 0 : 1};
   world.all_reduce(Tensor(bad.data(), {1}, DType::i64));
-  MT_CHECK(differs.empty()) << "this rank's config differs from rank 0's: " << differs
-                            << "; every rank must run the same command with the same config";
-  MT_CHECK(bad[0] == 0) << bad[0] << " rank(s) run another config than rank 0 (each names its keys); every rank "
-                        << "must run the same command with the same config";
+  MT_CHECK(differs.empty()) << "this rank's config or data differs from rank 0's: " << differs
+                            << "; every rank must run the same command with the same config, on the same files";
+  MT_CHECK(bad[0] == 0) << bad[0] << " rank(s) run another config or read other data than rank 0 (each names its keys "
+                        << "and files); every rank must run the same command with the same config, on the same files";
 }
 
 // Where the tokenizer a checkpoint carries comes from: the corpus's (tokenize copies it

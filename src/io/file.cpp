@@ -59,6 +59,15 @@ FileSum file_sum(const std::string& path) {
   return {f.bytes().size(), XXH3_64bits(f.bytes().data(), f.bytes().size())};
 }
 
+FileSum file_fingerprint(const std::string& path) {
+  constexpr size_t kEdge = size_t{64} << 10;
+  MappedFile f(path, "file");
+  std::span<const uint8_t> b = f.bytes();
+  if (b.size() <= 2 * kEdge) return {b.size(), XXH3_64bits(b.data(), b.size())};
+  const uint64_t head = XXH3_64bits(b.data(), kEdge);
+  return {b.size(), XXH3_64bits_withSeed(b.data() + b.size() - kEdge, kEdge, head)};
+}
+
 FileSum write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
   std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);

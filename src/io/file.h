@@ -35,6 +35,12 @@ struct FileSum {
 // The FileSum of the file at `path` as it is now.
 FileSum file_sum(const std::string& path);
 
+// What the file at `path` holds, cheaply: its size, and the XXH3-64 of its first and last
+// 64 KiB (of all of it when smaller). Ranks compare it to know that they read the same
+// data without reading a corpus of terabytes whole: it tells apart files of another
+// size, another header (.npy, safetensors) or another end (a corpus file's document ends).
+FileSum file_fingerprint(const std::string& path);
+
 // Writes the pieces to path.tmp, fsyncs it, renames it over path and fsyncs the
 // folder: after a crash either the old file or the complete new one is there. Returns
 // the FileSum of the bytes written, hashed on the way (no second read).

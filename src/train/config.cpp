@@ -389,17 +389,24 @@ std::vector<ConfigChange> config_changes(const std::string& saved_toml, const Co
   return changes;
 }
 
-void check_inputs_exist(const Config& c) {
+std::vector<InputPath> input_paths(const Config& c) {
+  std::vector<InputPath> out;
   visit(c, [&](const Key& k, const auto& field) {
     if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
       if ((k.flags & kPath) && k.dotted() != "job.dump_folder")
         on_path(field, [&](const fs::path& p) {
-          MT_CHECK(fs::exists(p)) << k.dotted() << " = " << toml_text(field) << ": " << p.string()
-                                  << " does not exist (a relative path is taken against the config file's folder, "
-                                     "or on the command line against the working folder)";
+          out.push_back({k.dotted(), field, p.string()});
           return p;
         });
   });
+  return out;
+}
+
+void check_inputs_exist(const Config& c) {
+  for (const InputPath& in : input_paths(c))
+    MT_CHECK(fs::exists(in.path)) << in.key << " = " << toml_text(in.value) << ": " << in.path
+                                  << " does not exist (a relative path is taken against the config file's folder, "
+                                     "or on the command line against the working folder)";
 }
 
 std::string model_config_path(const Config& c) {

@@ -134,6 +134,13 @@ struct ConfigChange {
 // config_to_toml's text (relative paths made absolute against the working folder).
 std::vector<ConfigChange> config_changes(const std::string& saved_toml, const Config& c);
 
+// The input paths that are set: model.init's hf:DIR, model.config, data.tokens,
+// data.corpus, checkpoint.load; each with its key, its value and the path in it.
+struct InputPath {
+  std::string key, value, path;  // "model.init", "hf:/m", "/m"
+};
+std::vector<InputPath> input_paths(const Config& c);
+
 // Every input path that is set (model.init's hf:DIR, model.config, data.tokens,
 // data.corpus, checkpoint.load) exists; else an error naming the key and the path.
 void check_inputs_exist(const Config& c);
