@@ -245,8 +245,15 @@ TEST(Tokenizer, UnsupportedPartsAreNamed) {
       {"vocab id 2^31-1", [](json& j) { j["model"]["vocab"]["zzq"] = 2147483647; }, {"model.vocab", "[0, 2^24)"}},
       {"added id 2^31-1", [](json& j) { j["added_tokens"][0]["id"] = 2147483647; }, {"added_tokens[0]", "[0, 2^24)"}},
       {"sparse id", [](json& j) { j["added_tokens"][0]["id"] = 5000000; }, {"token id 5000000", "far beyond"}},
-      // A field of the wrong type (it surfaced as nlohmann's bare type_error).
-      {"wrong type", [](json& j) { j["decoder"] = {{"type", 5}}; }, {"wrong JSON type", "type must be string"}},
+      // A field of the wrong type names its key (it surfaced as nlohmann's bare type_error).
+      {"wrong type", [](json& j) { j["decoder"] = {{"type", 5}}; }, {"key /decoder/type has the wrong JSON type",
+                                                                    "type must be string"}},
+      {"wrong type deep",
+       [](json& j) {
+         j["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "NFC"}}, {{"type", false}}}}};
+       },
+       {"key /normalizer/normalizers/1/type has the wrong JSON type"}},
+      {"wrong type model", [](json& j) { j["model"]["type"] = 1; }, {"key /model/type has the wrong JSON type"}},
   };
   TempDir t;
   for (const Case& c : cases) {

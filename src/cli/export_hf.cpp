@@ -106,8 +106,8 @@ int run_export_hf(const Args& args) {
   const std::string dtype = o.get("dtype", "bf16");
   MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
   const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
+  // find_checkpoint verifies it: no damaged file passes into an export.
   const fs::path ckpt = find_checkpoint(o.required("checkpoint")), dest = o.required("output");
-  verify_checkpoint(ckpt.string(), false);  // no damaged file passes into an export
   // The export is written beside dest and swapped in whole: no stale shard of an earlier
   // export stays for loaders to prefer. dest may be new or empty; with --force a folder
   // whose model files (an earlier export's) are all replaced, its other files kept.

@@ -1,3 +1,11 @@
+// JSON_DIAGNOSTICS: nlohmann's type errors carry the JSON pointer of the value (this file
+// only; the library tags its ABI for it), so a field of the wrong type is named. GCC 12
+// then warns, wrongly, of std::map's header read past a 32-byte string (-Warray-bounds,
+// in code inlined from the library, as it parses); before every include, so it holds there.
+#define JSON_DIAGNOSTICS 1
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#endif
 #include "data/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
@@ -223,6 +231,14 @@ std::string type_of(const json& j) { return j.is_object() && j.contains("type") 
 
 bool flag(const json& j, const char* key) { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); }
 
+// j[key], or null where j has none. A reference into the document, not a copy as value()
+// gives, so that a type error below it names its whole path from the file's root.
+const json& field(const json& j, const char* key) {
+  static const json none;
+  const auto it = j.find(key);
+  return it == j.end() ? none : *it;
+}
+
 // Errors about the file name the file and the key, e.g. "tokenizer.json: decoder".
 void unsupported(const std::string& file, const std::string& key, const std::string& what) {
   MT_FAIL() << file << ": " << key << ": " << what
@@ -286,18 +302,18 @@ void Tokenizer::Impl::load(const std::string& file) {
     if (j.contains(key) && !j[key].is_null()) unsupported(file, key, std::string(key) + " " + j[key].dump());
   MT_CHECK(j.contains("model") && j["model"].is_object()) << file << ": model: missing";
   load_model(j["model"]);
-  load_normalizer(j.value("normalizer", json()));
+  load_normalizer(field(j, "normalizer"));
   MT_CHECK(j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null())
       << file << ": pre_tokenizer: missing; a byte-level BPE needs a ByteLevel pre-tokenizer";
   load_pre_tokenizer(j["pre_tokenizer"]);
-  const json pp = j.value("post_processor", json());
+  const json& pp = field(j, "post_processor");
   if (!pp.is_null() && pp.value("type", std::string()) != "ByteLevel")
     unsupported(file, "post_processor", "post-processor " + type_of(pp));
-  const json dec = j.value("decoder", json());
+  const json& dec = field(j, "decoder");
   if (!dec.is_null() && dec.value("type", std::string()) != "ByteLevel")
     unsupported(file, "decoder", "decoder " + type_of(dec));
   has_decoder = !dec.is_null();
-  load_added_tokens(j.value("added_tokens", json::array()));
+  load_added_tokens(field(j, "added_tokens"));
 }
 
 void Tokenizer::Impl::load_model(const json& m) {
@@ -367,7 +383,7 @@ void Tokenizer::Impl::load_normalizer(const json& nz) {
   };
   if (nz.is_null()) return;
   if (nz.value("type", std::string()) != "Sequence") return step(nz, "normalizer");
-  const json steps = nz.value("normalizers", json::array());
+  const json& steps = field(nz, "normalizers");
   for (size_t i = 0; i < steps.size(); ++i) step(steps[i], "normalizer.normalizers[" + std::to_string(i) + "]");
 }
 
@@ -389,9 +405,9 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& pt) {
     r.match.reset(pcre2_match_data_create_from_pattern(r.code.get(), nullptr));
     regexes.push_back(std::move(r));
   };
-  std::vector<std::pair<json, std::string>> steps;
+  std::vector<std::pair<const json&, std::string>> steps;
   if (pt.value("type", std::string()) == "Sequence") {
-    const json list = pt.value("pretokenizers", json::array());
+    const json& list = field(pt, "pretokenizers");
     for (size_t i = 0; i < list.size(); ++i)
       steps.emplace_back(list[i], "pre_tokenizer.pretokenizers[" + std::to_string(i) + "]");
   } else {
@@ -407,7 +423,7 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& pt) {
       if (s.value("use_regex", true)) compile(kGpt2Pattern, key);
       byte_level = true;
     } else if (type == "Split") {
-      const json p = s.value("pattern", json());
+      const json& p = field(s, "pattern");
       if (!p.is_object() || !p.contains("Regex") || !p["Regex"].is_string())
         unsupported(path, key + ".pattern", "Split pattern " + p.dump() + " (only {\"Regex\": ...})");
       if (s.value("behavior", std::string()) != "Isolated")
@@ -478,11 +494,11 @@ void Tokenizer::Impl::load_eos() {
     std::vector<uint8_t> bytes = io::read_file(cfg.string());
     json c = json::parse(bytes.begin(), bytes.end(), nullptr, false);
     MT_CHECK(!c.is_discarded()) << cfg.string() << ": not valid JSON";
-    const json e = c.value("eos_token", json());
-    if (e.is_string())
-      name = e.get<std::string>();
-    else if (e.is_object() && e.contains("content"))
-      name = e["content"].get<std::string>();
+    const json& e = field(c, "eos_token");
+    const json& content = e.is_object() ? field(e, "content") : e;
+    MT_CHECK(e.is_null() || content.is_string()) << cfg.string() << ": key eos_token is " << e.dump()
+                                                 << " (expected a token's text, or an object with a content string)";
+    if (!e.is_null()) name = content.get<std::string>();
     if (!e.is_null()) source = cfg.string() + " eos_token \"" + name + "\"";
   }
   eos = token_id(name);
@@ -627,7 +643,15 @@ Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()) 
     impl_->load(path);
     impl_->load_eos();
   } catch (const nlohmann::json::exception& e) {  // a field of the wrong type, read with value()/get()
-    MT_FAIL() << path << ": a field has the wrong JSON type for a Hugging Face tokenizer.json (" << e.what() << ")";
+    // e.what() is "[json.exception.type_error.302] (/model/type) type must be string, ...".
+    std::string what = e.what();
+    what = what.substr(std::min(what.find("] ") + 2, what.size()));
+    std::string key = "a field";
+    if (what.starts_with("(") && what.find(") ") != std::string::npos) {
+      key = "key " + what.substr(1, what.find(") ") - 1);
+      what = what.substr(what.find(") ") + 2);
+    }
+    MT_FAIL() << path << ": " << key << " has the wrong JSON type for a Hugging Face tokenizer.json: " << what;
   }
 }
 Tokenizer::~Tokenizer() = default;

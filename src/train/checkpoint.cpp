@@ -261,15 +261,29 @@ std::string latest_checkpoint(const std::string& checkpoints_dir) {
 std::string find_checkpoint(const std::string& path) {
   MT_CHECK(fs::is_directory(path)) << path << " is not a folder (expected a checkpoint step-NNNNNNNN folder, or a run "
                                    << "folder holding checkpoints/)";
-  if (complete(path)) return path;
+  if (complete(path)) {
+    verify_checkpoint(path, false);
+    return path;
+  }
   fs::path p = fs::path(path).lexically_normal();
   if (!p.has_filename()) p = p.parent_path();  // a trailing slash
   MT_CHECK(step_of(p) < 0) << path << " is not a complete checkpoint (no COMPLETE marker)";
   const std::string where = fs::is_directory(p / "checkpoints") ? (p / "checkpoints").string() : p.string();
-  std::string found = latest_checkpoint(where);
+  const std::vector<std::string> found = complete_checkpoints(where);
   MT_CHECK(!found.empty()) << path << " holds no complete checkpoint (looked for step-NNNNNNNN folders with a COMPLETE "
                            << "marker in " << where << ")";
-  return found;
+  // The newest whose model files verify, as a resume takes it; each damaged one is named.
+  for (const std::string& dir : found) {
+    try {
+      verify_checkpoint(dir, false);
+      return dir;
+    } catch (const DamagedCheckpoint& e) {
+      std::fprintf(stderr, "moetrain: warning: skipping %s: %s\n", dir.c_str(), e.why.c_str());
+    }
+  }
+  MT_FAIL() << "no checkpoint in " << where << " verifies (each is named above): restore the damaged files from a "
+            << "copy, or name a step folder";
+  return "";
 }
 
 TrainState read_train_state(const std::string& dir) {
@@ -285,17 +299,24 @@ TrainState read_train_state(const std::string& dir) {
   nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
   if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer())
     throw DamagedCheckpoint(dir, "train_state.json does not read: expected a JSON object with an integer \"step\"");
+  // Each key's type, checked before it is read, so that a wrong one is named.
+  struct Expect {
+    const char* key;
+    bool (nlohmann::json::*is)() const noexcept;
+    const char* what;
+  };
+  for (const Expect& x : {Expect{"seed", &nlohmann::json::is_number_integer, "an integer"},
+                          Expect{"lr", &nlohmann::json::is_number, "a number"},
+                          Expect{"config", &nlohmann::json::is_string, "a string"}})
+    MT_CHECK(!j.contains(x.key) || (j[x.key].*x.is)())
+        << dir << "/train_state.json: key \"" << x.key << "\" is " << j[x.key].dump() << " (expected " << x.what
+        << "); the file was edited or is damaged";
   TrainState st;
-  try {
-    st.step = j["step"].get<int64_t>();
-    st.seed = j.value("seed", int64_t{0});
-    st.lr = j.value("lr", 0.0);
-    st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
-    st.config_toml = j.value("config", std::string());
-  } catch (const nlohmann::json::exception& e) {
-    MT_FAIL() << dir << "/train_state.json: a key has the wrong type (seed and step integers, lr a number, config a "
-              << "string): " << e.what();
-  }
+  st.step = j["step"].get<int64_t>();
+  st.seed = j.value("seed", int64_t{0});
+  st.lr = j.value("lr", 0.0);
+  st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
+  st.config_toml = j.value("config", std::string());
   // The folder's name says the step too (a step edited to 999 was trusted, and rotation
   // then deleted good checkpoints).
   fs::path folder = fs::path(dir).lexically_normal();

@@ -64,9 +64,10 @@ std::vector<std::string> complete_checkpoints(const std::string& checkpoints_dir
 // The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
 std::string latest_checkpoint(const std::string& checkpoints_dir);
 
-// What a user names as "a checkpoint": a step folder (it must be complete), a
-// checkpoints folder or a run folder (job.dump_folder: its checkpoints/), whose newest
-// complete step is taken. An error saying where it looked when there is none.
+// What a user names as "a checkpoint", whose model files verify (verify_checkpoint): a
+// step folder (complete; else a DamagedCheckpoint), a checkpoints folder or a run folder
+// (job.dump_folder: its checkpoints/), whose newest complete step that verifies is taken,
+// each damaged newer one named on stderr. An error saying where it looked when none is.
 std::string find_checkpoint(const std::string& path);
 
 // A complete checkpoint's train_state.json (step, seed, lr, data cursor, config), checked
