@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU mesh check: `moetrain train` on the CUDA backend, one GPU against meshes.
 
-    python3 tests/gpu/meshes.py BUILD/moetrain . [--gpus 2|4|8] [--extra="--section.key=value ..."]
+    python3 tests/gpu/meshes.py BUILD/moetrain . [--gpus 2|4|8] [--pipeline] [--extra="--section.key=value ..."]
 
 Trains the qwen3_moe_a fixture for a few steps on one GPU, then under
 `mpirun -np N` (one rank per GPU) on every mesh (dp, cp, ep) of N = 2 .. --gpus ranks
@@ -11,6 +11,12 @@ slots moved per layer), for both load-balance variants. The batch is the one
 tests/test_train.cpp's Commands.MeshesMatchOneRank builds (the fixture's three
 sequences and its first again: 4 rows of 16 positions), so the meshes are those where
 dp * ep divides 4 rows, 2 * cp divides 16 positions and ep divides the 8 experts.
+
+--pipeline: the meshes (pp, dp, cp, ep) of Commands.PipelineMeshesMatchOneRank instead,
+pp = 2 .. --gpus with each schedule of --schedules: the model of
+tests/fixtures/pipeline/config.json (4 experts), made 2 * pp layers deep where DualPipeV
+needs it (two chunks a rank), from random weights, on that test's 32 x 17 token matrix
+in micro-batches of one sequence (DualPipeV needs 2 * pp micro-batches a replica).
 Prints a table; exits 1 on a mismatch, 2 when a run fails. Everything it starts has
 NCCL_NVLS_ENABLE=0 in its environment (NVLink multicast stays off).
 
@@ -47,47 +53,73 @@ import tempfile
 import numpy as np
 
 FIXTURE = "tests/fixtures/qwen3_moe_a"
-ROWS, POSITIONS, EXPERTS = 4, 16, 8  # the batch below and the fixture's expert count
+PIPELINE_CONFIG = "tests/fixtures/pipeline/config.json"
+# Rows and positions of each batch below, and the expert count of each model.
+ROWS, POSITIONS, EXPERTS = 4, 16, 8
+PIPELINE_ROWS, PIPELINE_EXPERTS = 32, 4
 
 
-def meshes_for(gpus):
-    """(dp, cp, ep) of 2 .. gpus ranks (powers of two) that the fixture's batch allows."""
+def meshes_for(gpus, pipeline):
+    """(pp, dp, cp, ep) of 2 .. gpus ranks (powers of two) that the batch allows; pp > 1
+    with --pipeline, pp = 1 otherwise."""
+    rows, experts = (PIPELINE_ROWS, PIPELINE_EXPERTS) if pipeline else (ROWS, EXPERTS)
     out = []
     n = 2
     while n <= gpus:
-        for dp, cp, ep in itertools.product([1, 2, 4, 8], repeat=3):
-            if dp * cp * ep != n:
+        for pp, dp, cp, ep in itertools.product([1, 2, 4, 8], repeat=4):
+            if pp * dp * cp * ep != n or (pp > 1) != pipeline:
                 continue
-            if ROWS % (dp * ep) or POSITIONS % (2 * cp) or EXPERTS % ep:
+            if rows % (dp * ep) or POSITIONS % (2 * cp) or experts % ep:
                 continue
-            out.append((dp, cp, ep))
+            out.append((pp, dp, cp, ep))
         n *= 2
     return out
 
 
-def write_tokens(repo, folder):
-    """The fixture's 3 x 17 token matrix and its first row again, as MeshesMatchOneRank does."""
-    a = np.load(os.path.join(repo, FIXTURE, "tokens.npy")).astype("<i8")
-    b = np.concatenate([a, a[:1]], axis=0)
-    assert b.shape[0] == ROWS and b.shape[1] == POSITIONS + 1, b.shape
+def write_tokens(repo, folder, pipeline):
+    """MeshesMatchOneRank's batch (the fixture's 3 x 17 token matrix and its first row
+    again), or PipelineMeshesMatchOneRank's 32 x 17 one."""
+    if pipeline:
+        i = np.arange(PIPELINE_ROWS * (POSITIONS + 1))
+        b = ((i * 29 + i // 5 + i // 17) % 80).astype("<i8").reshape(PIPELINE_ROWS, POSITIONS + 1)
+    else:
+        a = np.load(os.path.join(repo, FIXTURE, "tokens.npy")).astype("<i8")
+        b = np.concatenate([a, a[:1]], axis=0)
+        assert b.shape[0] == ROWS and b.shape[1] == POSITIONS + 1, b.shape
     path = os.path.join(folder, "tokens.npy")
     np.save(path, b)
     return path
 
 
-def run_train(args, env, np_ranks, mesh, lb, tokens, dump):
-    dp, cp, ep = mesh
-    cmd = [args.moetrain, "train",
-           "--model.init=hf:" + os.path.join(args.repo, FIXTURE),
+def write_pipeline_config(repo, folder, layers):
+    """The pipeline fixture's config.json, `layers` deep (at least its own 8)."""
+    with open(os.path.join(repo, PIPELINE_CONFIG)) as f:
+        c = json.load(f)
+    c["num_hidden_layers"] = max(layers, c["num_hidden_layers"])
+    path = os.path.join(folder, "config.json")
+    with open(path, "w") as f:
+        json.dump(c, f)
+    return path
+
+
+def run_train(args, env, mesh, schedule, lb, tokens, dump):
+    pp, dp, cp, ep = mesh
+    np_ranks = pp * dp * cp * ep
+    model = (["--model.config=" + args.model_config] if args.pipeline
+             else ["--model.init=hf:" + os.path.join(args.repo, FIXTURE)])
+    cmd = [args.moetrain, "train"] + model + [
            "--data.tokens=" + tokens,
            "--training.device=" + args.device,
            "--training.steps=%d" % args.steps,
            "--training.load_balance_coef=0.1",
            "--training.micro_batch_size=1",
            "--training.load_balance_type=" + lb,
+           "--parallelism.pp=%d" % pp,
            "--parallelism.cp=%d" % cp,
            "--parallelism.ep=%d" % ep,
            "--job.dump_folder=" + dump] + args.extra.split()
+    if schedule:
+        cmd.append("--parallelism.pipeline_schedule=" + schedule)
     if np_ranks > 1:
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(np_ranks),
                "-x", "NCCL_NVLS_ENABLE", "-x", "OMP_NUM_THREADS"] + cmd
@@ -146,7 +178,11 @@ def main():
     ap.add_argument("--count-slack", type=int, default=8,
                     help="largest L1 difference of a layer's expert counts (2 = one slot moved)")
     ap.add_argument("--lb", default="micro_batch,global_batch", help="load-balance variants, comma-separated")
-    ap.add_argument("--meshes", default="", help="dp,cp,ep triples separated by spaces (default: all for --gpus)")
+    ap.add_argument("--meshes", default="",
+                    help="dp,cp,ep triples or pp,dp,cp,ep quadruples separated by spaces (default: all for --gpus)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="pipeline meshes (pp > 1) of the pipeline fixture, with each of --schedules")
+    ap.add_argument("--schedules", default="1f1b,dualpipev", help="with --pipeline: schedules, comma-separated")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: try the script itself on the CPU backend (any build)")
@@ -159,11 +195,12 @@ def main():
     args.repo = os.path.abspath(args.repo)
 
     meshes = ([tuple(int(x) for x in m.split(",")) for m in args.meshes.split()] if args.meshes
-              else meshes_for(args.gpus))
+              else meshes_for(args.gpus, args.pipeline))
+    meshes = [m if len(m) == 4 else (1,) + m for m in meshes]
     # Ranks take GPUs local_rank % count: fewer GPUs than ranks would put two on one GPU,
     # which NCCL refuses.
     have = visible_gpus() if args.device == "cuda" else None
-    need = max(dp * cp * ep for dp, cp, ep in meshes)
+    need = max(pp * dp * cp * ep for pp, dp, cp, ep in meshes)
     if have is not None and have < need:
         print("meshes of up to %d ranks need %d GPUs, but %d are visible" % (need, need, have))
         return 2
@@ -174,30 +211,33 @@ def main():
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
 
     work = tempfile.mkdtemp(prefix="moetrain_meshes_")
-    tokens = write_tokens(args.repo, work)
-    print("moetrain %s, %d steps, meshes (dp,cp,ep): %s, rtol %g, count slack %d, runs in %s"
-          % (args.moetrain, args.steps, " ".join("(%d,%d,%d)" % m for m in meshes), args.rtol, args.count_slack,
+    tokens = write_tokens(args.repo, work, args.pipeline)
+    dualpipev = args.pipeline and "dualpipev" in args.schedules.split(",")
+    args.model_config = write_pipeline_config(args.repo, work, 2 * need if dualpipev else 0) if args.pipeline else None
+    # Each run: a mesh and, where pp > 1, a schedule.
+    runs = [(m, s if m[0] > 1 else "") for m in meshes for s in (args.schedules.split(",") if m[0] > 1 else [""])]
+    print("moetrain %s, %d steps, meshes (pp,dp,cp,ep): %s, rtol %g, count slack %d, runs in %s"
+          % (args.moetrain, args.steps, " ".join("(%d,%d,%d,%d)" % m for m in meshes), args.rtol, args.count_slack,
              work))
     # One line per (variant, mesh, step): the one-GPU value and the relative difference
     # of each metric, and the largest L1 difference of a layer's routing counts.
-    header = "%-13s %-8s %4s  %-20s %-20s %-20s %-9s %s" % (
+    header = "%-13s %-20s %4s  %-20s %-20s %-20s %-9s %s" % (
         "lb", "mesh", "step", "loss (rel diff)", "lb_loss (rel diff)", "grad_norm (rel diff)", "counts", "")
     failed_runs, mismatches = 0, 0
     worst = {"loss": 0.0, "lb_loss": 0.0, "grad_norm": 0.0, "expert_counts": 0}
     for lb in args.lb.split(","):
-        ref = run_train(args, env, 1, (1, 1, 1), lb, tokens, os.path.join(work, "ref_" + lb))
+        ref = run_train(args, env, (1, 1, 1, 1), "", lb, tokens, os.path.join(work, "ref_" + lb))
         if ref is None:
             failed_runs += 1
             continue
         print("\n" + header)
-        for mesh in meshes:
-            dp, cp, ep = mesh
-            name = "(%d,%d,%d)" % mesh
-            got = run_train(args, env, dp * cp * ep, mesh, lb, tokens,
-                            os.path.join(work, "run_%d%d%d_%s" % (dp, cp, ep, lb)))
+        for mesh, schedule in runs:
+            name = "(%d,%d,%d,%d)%s" % (mesh + (" " + schedule if schedule else "",))
+            got = run_train(args, env, mesh, schedule, lb, tokens,
+                            os.path.join(work, "run_%d%d%d%d%s_%s" % (mesh + (schedule, lb))))
             if got is None:
                 failed_runs += 1
-                print("%-13s %-10s  run failed (its output is above)" % (lb, name))
+                print("%-13s %-20s  run failed (its output is above)" % (lb, name))
                 continue
             for i, (w, g) in enumerate(zip(ref, got)):
                 cells, bad = [], False
@@ -210,7 +250,7 @@ def main():
                 worst["expert_counts"] = max(worst["expert_counts"], moved)
                 bad = bad or moved > args.count_slack
                 mismatches += bad
-                print("%-13s %-8s %4d  %-20s %-20s %-20s L1 %-6s %s"
+                print("%-13s %-20s %4d  %-20s %-20s %-20s L1 %-6s %s"
                       % (lb, name, i + 1, cells[0], cells[1], cells[2], moved, "MISMATCH" if bad else "ok"))
                 if moved > args.count_slack:
                     print("    expert_counts one GPU %s\n                  mesh    %s"
