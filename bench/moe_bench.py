@@ -129,10 +129,16 @@ def baseline(cfg, batch, seq, steps, warmup, compiled):
     return batch * seq / dt, peak
 
 
-def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, ep=1, cp=1, extra=()):
-    """`batch` sequences per data rank (dp x ep = ranks / cp of them); tokens/s for the job."""
+def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, ep=1, cp=1, extra=(), pp=1,
+         schedule="dualpipev"):
+    """`batch` sequences per data rank (dp x ep = ranks / (pp x cp) of them); tokens/s for the job.
+    With pp > 1 a pipeline stage a GPU, micro-batches of one sequence (DualPipeV needs 2 x pp
+    of them per data rank)."""
     with tempfile.TemporaryDirectory() as tmp:
-        rows = batch * ranks // cp
+        rows = batch * ranks // (cp * pp)
+        if pp > 1:
+            extra = (f"--parallelism.pp={pp}", f"--parallelism.pipeline_schedule={schedule}",
+                     "--training.micro_batch_size=1", *extra)
         tokens = np.random.default_rng(0).integers(0, vocab, size=(rows, seq + 1), dtype=np.int64)
         np.save(os.path.join(tmp, "tokens.npy"), tokens)
         launch = []
@@ -182,6 +188,8 @@ def main():
     p.add_argument("--ranks", type=int, default=1, help="moetrain on this many GPUs (mpirun, one process each)")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (--ranks counts them too)")
+    p.add_argument("--schedule", default="dualpipev", choices=("dualpipev", "1f1b"), help="with --pp > 1")
     p.add_argument("--learned-only", action="store_true", help="skip moetrain's balanced-routing run")
     p.add_argument("--extra", default="", help="more moetrain flags, space-separated (e.g. --parallelism.zero3=true)")
     p.add_argument("--state-dtypes", default="fp32",
@@ -208,7 +216,8 @@ def main():
         if not args.skip_compile:
             runs.append(("transformers torch.compile",
                          lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, True)))
-    mesh = f" on {args.ranks} GPUs (ep {args.ep}, cp {args.cp}), per GPU" if args.ranks > 1 else ""
+    pipeline = f"pp {args.pp} {args.schedule}, " if args.pp > 1 else ""
+    mesh = f" on {args.ranks} GPUs ({pipeline}ep {args.ep}, cp {args.cp}), per GPU" if args.ranks > 1 else ""
     balances = () if args.skip_moetrain else (False,) if args.learned_only else (False, True)
     for fp8, state, balanced in itertools.product(args.fp8.split(","), args.state_dtypes.split(","), balances):
         name = ("moetrain " + ("fp8 " if fp8 != "none" else "") + ("balanced routing" if balanced else "learned routing") +
@@ -217,7 +226,8 @@ def main():
         runs.append((name, lambda b=balanced, st=state, f8=fp8: (lambda tps, mem: (tps / args.ranks, mem))(
             *ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps, args.warmup, b, cfg["vocab_size"],
                   args.ranks, args.ep, args.cp,
-                  (f"--optimizer.state_dtype={st}", f"--training.fp8={f8}", *args.extra.split())))))
+                  (f"--optimizer.state_dtype={st}", f"--training.fp8={f8}", *args.extra.split()),
+                  args.pp, args.schedule))))
     for name, fn in runs:
         try:
             tps, mem = fn()
