@@ -461,6 +461,17 @@ TEST(HfConfig, SpellingsNestingFallbacksAndErrors) {
             std::string::npos);
   EXPECT_NE(error([&] { hb.integer({"m"}); }).find("key m = -2 is out of range"), std::string::npos);
   EXPECT_NE(error([&] { hb.integers({"l"}); }).find("key l = 16777217 is out of range"), std::string::npos);
+  // Integers written as floats: whole ones are taken; others, and 2.5e95 (past int64:
+  // converting it was undefined behaviour, found by fuzz_hf_config), are errors.
+  const nlohmann::json floats =
+      nlohmann::json::parse(R"({"w": 4096.0, "e": 1e3, "f": 2.5e95, "h": 0.5, "l": [1, 2.0, 3.5]})");
+  const HfConfig hf2(floats, "f.json");
+  EXPECT_EQ(hf2.integer({"w"}), 4096);
+  EXPECT_EQ(hf2.integer({"e"}), 1000);
+  EXPECT_NE(error([&] { hf2.integer({"f"}); }).find("f.json: key f = 2.5e+95 should be a whole number"),
+            std::string::npos);
+  EXPECT_NE(error([&] { hf2.integer({"h"}); }).find("key h = 0.5 should be a whole number"), std::string::npos);
+  EXPECT_NE(error([&] { hf2.integers({"l"}); }).find("key l = 3.5 should be a whole number"), std::string::npos);
 }
 
 // A checkpoint whose tensor has the wrong shape names the key, the file and both shapes.

@@ -1,6 +1,8 @@
 #include "models/hf_config.h"
 
+#include <cmath>
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "core/check.h"
 
@@ -25,6 +27,17 @@ const nlohmann::json* find_key(const nlohmann::json& j, HfConfig::Names names) {
   return nullptr;
 }
 
+// An integer of config.json: one written with a fraction part or an exponent (4096.0,
+// 1e6) is taken when it is whole. nlohmann would convert any number, and one past int64's
+// range is undefined behaviour (fuzz_hf_config found 2.5e95).
+int64_t whole_number(const nlohmann::json& v, const std::string& where, const std::string& list) {
+  if (!v.is_number_float()) return v.get<int64_t>();  // a type_error for what is not a number
+  const double d = v.get<double>();
+  MT_CHECK(std::isfinite(d) && d == std::floor(d) && std::fabs(d) <= 9.0e15)
+      << where << ": key " << list << " = " << v.dump() << " should be a whole number";
+  return static_cast<int64_t>(d);
+}
+
 }  // namespace
 
 template <typename T>
@@ -37,7 +50,16 @@ T HfConfig::read(Names names, const std::optional<T>& fallback) const {
     return *fallback;
   }
   try {
-    return v->get<T>();
+    if constexpr (std::is_same_v<T, int64_t>) {
+      return whole_number(*v, where_, list);
+    } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+      MT_CHECK(v->is_array()) << where_ << ": key " << list << " has the wrong type: " << v->dump();
+      T out;
+      for (const nlohmann::json& e : *v) out.push_back(whole_number(e, where_, list));
+      return out;
+    } else {
+      return v->get<T>();
+    }
   } catch (const nlohmann::json::exception&) {
     MT_FAIL() << where_ << ": key " << list << " has the wrong type: " << v->dump();
   }

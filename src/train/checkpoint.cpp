@@ -89,6 +89,7 @@ Manifest read_manifest(const std::string& dir) {
     const nlohmann::json j = nlohmann::json::parse(text);
     for (const auto& [name, e] : j.at("files").items()) {
       const std::string x = e.at("xxh3").get<std::string>();
+      if (!e.at("bytes").is_number_unsigned()) throw std::invalid_argument("bytes " + e.at("bytes").dump() + " is not a size");
       size_t used = 0;
       m.files[name] = {e.at("bytes").get<uint64_t>(), std::stoull(x, &used, 16)};
       if (used != x.size() || x.size() != 16) throw std::invalid_argument("xxh3 \"" + x + "\" is not 16 hex digits");
