@@ -130,6 +130,11 @@ TEST(Config, WrongKeysAndValuesAreNamed) {
   EXPECT_NE(error_of([&] { load_config(f + "/u237.toml", {}); })
                 .find("u237.toml:2: a character past ASCII outside a string or comment"),
             std::string::npos);
+  // A quote inside a bare word opens no string (toml++ scans on as part of the word).
+  std::ofstream(f + "/word.toml") << "[training]\nseed = 5x\"\xEF\xBB\xBE\"\n";
+  EXPECT_NE(error_of([&] { load_config(f + "/word.toml", {}); })
+                .find("word.toml:2: a character past ASCII outside a string or comment"),
+            std::string::npos);
   std::ofstream(f + "/multi.toml") << "[job]\ndump_folder = \"\"\"a\\\n \xC8\xB7\"\"\"\n";
   EXPECT_NE(error_of([&] { load_config(f + "/multi.toml", {}); })
                 .find("multi.toml:3: the character U+237 in a \"\"\" string is not accepted"),

@@ -257,30 +257,41 @@ void validate(const Config& c) {
 // U+FB26..U+FEFE is whitespace (its table misses them), which it asks of characters
 // outside strings and comments and inside multi-line basic strings ("""). TOML allows
 // nothing past ASCII outside strings and comments anyway: such characters are refused
-// here, before it sees them, and those three ranges in """ strings. A leading byte-order
-// mark stays.
+// here, before it sees them, and those three ranges in """ strings. A quote opens a
+// string only where a key or value may start (after =, [, {, a comma, a dot or at a
+// line's start), as for toml++: inside a bare word it is scanned like the rest. A
+// leading byte-order mark stays.
 void refuse_what_tomlpp_mishandles(std::string_view text, const std::string& where) {
   enum { kBare, kComment, kBasic, kLiteral, kMultiBasic, kMultiLiteral } in = kBare;
   auto line = [&](size_t at) { return 1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n'); };
+  char before = '\n';  // the last character in kBare other than a space or tab
   for (size_t i = text.starts_with("\xEF\xBB\xBF") ? 3 : 0; i < text.size(); ++i) {
     const auto b = static_cast<unsigned char>(text[i]);
     const std::string_view three = text.substr(i, 3);
     switch (in) {
-      case kBare:
+      case kBare: {
         MT_CHECK(b < 0x80) << where << ":" << line(i) << ": a character past ASCII outside a string or comment; TOML "
                            << "allows them only in quoted strings and after #: quote the value or remove it";
-        if (three == "\"\"\"" || three == "\'\'\'") {
+        const bool opens = std::string_view("=[{,.\n").find(before) != std::string_view::npos;
+        if (opens && (three == "\"\"\"" || three == "'''")) {
           in = b == '"' ? kMultiBasic : kMultiLiteral;
           i += 2;
-        } else {
-          in = b == '#' ? kComment : b == '"' ? kBasic : b == '\'' ? kLiteral : kBare;
+        } else if (b == '#' || (opens && (b == '"' || b == '\''))) {
+          in = b == '#' ? kComment : b == '"' ? kBasic : kLiteral;
+        } else if (b != ' ' && b != '\t' && b != '\r') {
+          before = static_cast<char>(b);
         }
         break;
+      }
       case kComment:
       case kBasic:
       case kLiteral:
-        if (in == kBasic && b == '\\') ++i;  // an escaped quote does not end the string
-        else if (b == '\n' || (in == kBasic && b == '"') || (in == kLiteral && b == '\'')) in = kBare;
+        if (in == kBasic && b == '\\') {
+          ++i;  // an escaped quote does not end the string
+        } else if (b == '\n' || (in == kBasic && b == '"') || (in == kLiteral && b == '\'')) {
+          before = static_cast<char>(b);
+          in = kBare;
+        }
         break;
       case kMultiBasic:
       case kMultiLiteral: {
@@ -291,6 +302,7 @@ void refuse_what_tomlpp_mishandles(std::string_view text, const std::string& whe
         } else if (three == std::string(3, quote)) {
           while (i + 3 < text.size() && text[i + 3] == quote) ++i;  // up to two quotes end the string's text
           i += 2;
+          before = quote;
           in = kBare;
         } else if (in == kMultiBasic && b >= 0xC0) {
           char32_t c = b >= 0xF0 ? b & 0x07 : b >= 0xE0 ? b & 0x0F : b & 0x1F;
@@ -300,7 +312,7 @@ void refuse_what_tomlpp_mishandles(std::string_view text, const std::string& whe
                            (c >= 0xFB26 && c <= 0xFEFE);
           MT_CHECK(!bad) << where << ":" << line(i) << ": the character U+" << std::hex << static_cast<uint32_t>(c)
                          << " in a \"\"\" string is not accepted (toml++ mishandles U+00A1..U+0499, "
-                            "U+2C5E..U+3057 and U+FB26..U+FEFE there): use a single-line or \'\'\' string";
+                            "U+2C5E..U+3057 and U+FB26..U+FEFE there): use a single-line or ''' string";
         }
         break;
       }
