@@ -122,23 +122,22 @@ TEST(Config, WrongKeysAndValuesAreNamed) {
   // fuzz/config_toml), are refused with the line outside strings and comments (where
   // TOML allows nothing past ASCII) and in """ strings; U+FEFF (a byte-order mark, which
   // toml++ handles) is not, nor any character in other strings and comments.
-  std::ofstream(f + "/fefd.toml") << "[training]\nsteps = 2\nseed =\xEF\xBB\xBD 5\n";
-  EXPECT_NE(error_of([&] { load_config(f + "/fefd.toml", {}); })
-                .find("fefd.toml:3: a character past ASCII outside a string or comment"),
-            std::string::npos);
-  std::ofstream(f + "/u237.toml") << "[training]\n\xC8\xB7";
-  EXPECT_NE(error_of([&] { load_config(f + "/u237.toml", {}); })
-                .find("u237.toml:2: a character past ASCII outside a string or comment"),
-            std::string::npos);
-  // A quote inside a bare word opens no string (toml++ scans on as part of the word).
-  std::ofstream(f + "/word.toml") << "[training]\nseed = 5x\"\xEF\xBB\xBE\"\n";
-  EXPECT_NE(error_of([&] { load_config(f + "/word.toml", {}); })
-                .find("word.toml:2: a character past ASCII outside a string or comment"),
-            std::string::npos);
-  std::ofstream(f + "/multi.toml") << "[job]\ndump_folder = \"\"\"a\\\n \xC8\xB7\"\"\"\n";
-  EXPECT_NE(error_of([&] { load_config(f + "/multi.toml", {}); })
-                .find("multi.toml:3: the character U+237 in a \"\"\" string is not accepted"),
-            std::string::npos);
+  struct Refused {
+    const char *name, *text, *error;
+  };
+  for (const Refused& r :
+       {Refused{"fefd", "[training]\nsteps = 2\nseed =\xEF\xBB\xBD 5\n",
+                "fefd.toml:3: a character past ASCII outside a string or comment"},
+        Refused{"u237", "[training]\n\xC8\xB7", "u237.toml:2: a character past ASCII outside a string or comment"},
+        // A quote inside a bare word opens no string (toml++ scans on as part of the word).
+        Refused{"word", "[training]\nseed = 5x\"\xEF\xBB\xBE\"\n",
+                "word.toml:2: a character past ASCII outside a string or comment"},
+        Refused{"multi", "[job]\ndump_folder = \"\"\"a\\\n \xC8\xB7\"\"\"\n",
+                "multi.toml:3: the character U+237 in a \"\"\" string is not accepted"}}) {
+    const std::string path = f + "/" + r.name + ".toml";
+    std::ofstream(path) << r.text;
+    EXPECT_NE(error_of([&] { load_config(path, {}); }).find(r.error), std::string::npos) << r.name;
+  }
   std::ofstream(f + "/bom.toml") << "\xEF\xBB\xBF[training] # \xC8\xB7\xEF\xBB\xBD\nsteps = 2\n"
                                  << "[job]\ndump_folder = \"r\\\"\xC8\xB7\xEF\xBB\xBD\" # \"\n"
                                  << "[data]\ntokens = \'\'\'t\xC3\xA9\'\'\'\n";
