@@ -991,6 +991,110 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   plan_and_run("v", 1, micro + " --parallelism.pipeline_schedule=dualpipev", tokens4);
 }
 
+// plan takes seq_len and the global batch from data.tokens, as train does.
+TEST(Commands, PlanReadsTheTokenMatrixAsTrainDoes) {
+  const std::string base = std::string(MOETRAIN_BIN) + " plan --model.init=hf:" + fixture("qwen3_moe_a");
+  auto [rc, out] = run(base + " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy"));
+  ASSERT_EQ(rc, 0) << out;
+  auto [rc2, out2] = run(base + " --data.seq_len=16 --training.global_batch_size=3");
+  ASSERT_EQ(rc2, 0) << out2;
+  EXPECT_EQ(out, out2);
+  EXPECT_NE(out.find("micro-batches of 3 x 16 tokens"), std::string::npos) << out;
+  // A seq_len the matrix does not give is refused as train refuses it.
+  std::tie(rc, out) = run(base + " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy") + " --data.seq_len=8");
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("data.seq_len = 8 but the token matrix gives 16"), std::string::npos) << out;
+}
+
+// The GPT-OSS fixture with its router biased so that every token picks experts 0, 1 and
+// 2, which rank 0 owns at ep 2, written to dir with tokens [4, 65] of its vocabulary.
+void write_hot_gpt_oss(const std::string& dir) {
+  std::filesystem::create_directories(dir + "/hot");
+  std::filesystem::copy_file(fixture("gpt_oss_a/config.json"), dir + "/hot/config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  io::HfWeights w(fixture("gpt_oss_a"));
+  std::vector<std::vector<float>> data;
+  std::vector<io::StWrite> out;
+  const std::vector<std::string> names = w.names();
+  data.reserve(names.size());
+  for (const std::string& n : names) {
+    const std::vector<int64_t> shape = w.shape(n);
+    std::vector<float>& v = data.emplace_back(static_cast<size_t>(w.tensor(n).numel()));
+    w.read_f32(n, shape, v.data());
+    if (n.ends_with("mlp.router.bias"))
+      for (size_t e = 0; e < v.size(); ++e) v[e] = e < 3 ? 50.0f : 0.0f;
+    out.push_back(io::st_f32(n, shape, v.data()));
+  }
+  io::write_safetensors(dir + "/hot/model.safetensors", out);
+  std::vector<int64_t> tokens(4 * 65);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 37 + i / 7) % 96);
+  io::write_npy(dir + "/tokens.npy", "<i8", {4, 65}, tokens.data());
+}
+
+// The expert rows follow each micro-batch's routing. With every token sent to rank 0's
+// experts, rank 0 gets twice its balanced share (384 rows a layer: 128 tokens x top 3)
+// and rank 1 none: the losses still match one rank, and the run reports what the plan
+// bounds at --routing-skew 2 (the rows here are multiples of 128, so no rounding).
+TEST(Commands, SkewedRoutingSizesTheExpertRowsByTheCounts) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("skewed");
+  write_hot_gpt_oss(dir);
+  const std::string flags = " --model.init=hf:" + dir + "/hot --data.tokens=" + dir + "/tokens.npy" +
+                            " --training.micro_batch_size=2 --training.load_balance_coef=0.01";
+  auto train = [&](const std::string& launch, const std::string& name, const std::string& extra) {
+    auto [rc, out] = run(launch + MOETRAIN_BIN + " train --training.steps=2 --job.dump_folder=" + dir + "/" + name +
+                         flags + extra);
+    EXPECT_EQ(rc, 0) << out;
+    return metrics_of(dir + "/" + name);
+  };
+  const std::vector<nlohmann::json> one = train("", "one", " --training.micro_batch_size=4"),
+                                    ep = train(kMpirun + "2 ", "ep2", " --parallelism.ep=2");
+  ASSERT_EQ(one.size(), 2u);
+  ASSERT_EQ(ep.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    for (const char* key : {"loss", "grad_norm", "lb_loss"})
+      EXPECT_NEAR(ep[i][key].get<double>(), one[i][key].get<double>(), 1e-5 * one[i][key].get<double>())
+          << "step " << i + 1 << " " << key;
+    EXPECT_EQ(ep[i]["routing_skew"].get<double>(), 2.0) << "step " << i + 1;
+    EXPECT_EQ(one[i]["routing_skew"].get<double>(), 1.0) << "step " << i + 1;
+  }
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan --world=2 --parallelism.ep=2 --routing-skew=2" + flags);
+  ASSERT_EQ(rc, 0) << out;
+  const size_t at = out.find("expert rows ", out.find("at routing skew 2"));
+  ASSERT_NE(at, std::string::npos) << out;
+  EXPECT_EQ(ep[0]["expert_row_bytes"].get<int64_t>(), std::stoll(out.substr(at + 12))) << out;
+  // The plan's bound at skew 2 is twice the balanced rows (every row tensor scales).
+  const size_t balanced = out.find("  expert rows"), skewed_total = out.find("iB (", out.find("at routing skew 2"));
+  ASSERT_NE(balanced, std::string::npos);
+  EXPECT_EQ(ep[0]["memory_bytes"].get<int64_t>(), std::stoll(out.substr(skewed_total + 4))) << out;
+}
+
+// A run whose expert rows cannot be had stops, naming the layer, the rows and the memory
+// left (MOETRAIN_ROW_POOL_BYTES stands in for a full device); every rank ends, none
+// hangs, and the checkpoint before still resumes.
+TEST(Commands, ExhaustedExpertRowsStopTheRunAndKeepTheCheckpoint) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("exhausted");
+  write_four_sequences("qwen3_moe_a", dir);
+  const std::string train = std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                            " --data.tokens=" + dir + "/tokens.npy --training.micro_batch_size=1" +
+                            " --parallelism.ep=2 --checkpoint.interval=1 --job.dump_folder=" + dir + "/run";
+  auto [rc, out] = run(kMpirun + "2 " + train + " --training.steps=1");
+  ASSERT_EQ(rc, 0) << out;
+  std::tie(rc, out) = run(kMpirun + "2 -x MOETRAIN_ROW_POOL_BYTES=1000 " + train + " --training.steps=2");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("layer 0 needs 128 expert rows"), std::string::npos) << out;
+  EXPECT_NE(out.find("the pool has 1000 bytes left of its 1000 (MOETRAIN_ROW_POOL_BYTES)"), std::string::npos) << out;
+  EXPECT_NE(out.find("training.capacity_factor"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run/checkpoints/step-00000002")) << out;
+  std::tie(rc, out) = run(kMpirun + "2 " + train + " --training.steps=2");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("start: resumed from"), std::string::npos) << out;
+  const std::vector<nlohmann::json> m = metrics_of(dir + "/run");
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[1]["step"].get<int64_t>(), 2);
+}
+
 // plan --schedule on the pipeline fixture (8 layers). With unit costs the bubble is the
 // DualPipe paper's (P - 1)(F&B + B - 3W) over the step, per rank, with a chunk's F = c
 // layers, B = 2c (B + W), W = c and F&B = F + B: pp 2 (c = 2, 8 micro-batches): idle 4,

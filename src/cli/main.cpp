@@ -95,9 +95,12 @@ const Command kCommands[] = {
      mt::cli::run_generate},
     {"plan", "print memory per rank and the mesh for a config, before launch",
      "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n"
-     "                     [--schedule [--profile metrics.jsonl] [--output schedule.svg]]\n"
+     "                     [--routing-skew S] [--schedule [--profile metrics.jsonl] [--output schedule.svg]]\n"
      "  The mesh for N ranks and the bytes of weights, gradients, optimizer state and\n"
-     "  activations each pp rank holds, from the allocation code training uses.\n"
+     "  activations each pp rank holds, from the allocation code training uses. The\n"
+     "  expert rows (sized by routing) count in the total under balanced routing; a second\n"
+     "  total bounds them with the hottest rank getting S times its share (default 1.5).\n"
+     "  seq_len and the global batch come from data.tokens where the flags give none.\n"
      "  --schedule plays the step's schedule out on every pp rank, prints its bubble and\n"
      "  draws the timeline as SVG; --profile takes the stage times of a run trained with\n"
      "  --metrics.profile=true (its last step) and predicts the step time from them.\n"

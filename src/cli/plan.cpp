@@ -16,6 +16,7 @@
 #include "core/arena.h"
 #include "core/check.h"
 #include "io/file.h"
+#include "io/npy.h"
 #include "models/interface.h"
 #include "parallel/sharding.h"
 #include "parallel/zero3.h"
@@ -23,6 +24,7 @@
 #include "train/optimizer.h"
 #include "train/progress.h"
 #include "train/schedule.h"
+#include "train/trainer.h"
 
 namespace mt::cli {
 
@@ -147,7 +149,7 @@ std::string timeline_svg(const Timeline& t, const Pipeline& p, const std::string
 }  // namespace
 
 int run_plan(const Args& args) {
-  Options o("plan", args, {"config", "world", "schedule?", "profile", "output"});
+  Options o("plan", args, {"config", "world", "schedule?", "profile", "output", "routing-skew"});
   Config cfg = load_config(o.get("config"), o.dotted());
   MT_CHECK(o.has("schedule") || (!o.has("profile") && !o.has("output")))
       << "--profile and --output describe the schedule's picture: add --schedule";
@@ -155,11 +157,8 @@ int run_plan(const Args& args) {
   comm::MeshShape mesh = comm::mesh_shape(world, static_cast<int>(cfg.parallelism.pp),
                                           static_cast<int>(cfg.parallelism.cp), static_cast<int>(cfg.parallelism.ep));
   const std::string config_json = model_config_path(cfg);
-  ModelOptions options;
-  options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
+  ModelOptions options = model_options(cfg);
   options.plan_only = true;
-  options.fp8 = cfg.training.fp8 == "blockwise" ? Fp8::blockwise : Fp8::none;
-  options.fp8_pow2 = cfg.training.fp8_scale == "pow2";
   const std::unique_ptr<Model> whole = make_model(config_json, options);
   const int64_t L = whole->num_layers();
   const Pipeline pipeline = make_pipeline(L, mesh.pp, cfg.parallelism.pipeline_schedule);
@@ -171,8 +170,31 @@ int run_plan(const Args& args) {
   comm::Communicator ep = comm::Communicator::describing("ep (plan)", 0, mesh.ep);
   if (mesh.ep > 1) options.ep = &ep;
 
+  // The hottest rank's expert rows over the mean, for the bound printed beside the balanced
+  // figure. The default: UltraEP (arXiv 2606.04101) measured the busiest rank at 1.30-4.01
+  // times the mean for MoE models of 106B-671B without rebalancing, at large ep; at ep 8
+  // with a balance term a trained model sits near the low end, and 1.5 leaves room above it.
+  const double skew = o.has("routing-skew") ? std::stod(o.get("routing-skew")) : 1.5;
+  MT_CHECK(skew >= 1.0 && skew <= 1e6) << "--routing-skew " << skew
+                                       << ": the hottest rank's rows over the mean, at least 1";
+  // seq_len and the global batch as train takes them: a token matrix gives its width minus
+  // one and its rows (where the flags give none), a corpus needs both set.
   int64_t seq = cfg.data.seq_len, global = cfg.training.global_batch_size;
-  MT_CHECK(seq > 0 && global > 0) << "plan needs data.seq_len and training.global_batch_size (> 0)";
+  if (!cfg.data.tokens.empty()) {
+    io::MappedFile file(cfg.data.tokens, "data.tokens");
+    const io::NpyHeader h = io::parse_npy_header(file.bytes().data(), file.bytes().size(), cfg.data.tokens);
+    MT_CHECK(h.shape.size() == 2 && h.shape[1] >= 2)
+        << "data.tokens " << cfg.data.tokens << ": a token matrix [B, T] with T >= 2 was expected, the shape has "
+        << h.shape.size() << " dims";
+    MT_CHECK(seq == 0 || seq == h.shape[1] - 1) << "data.seq_len = " << seq << " but the token matrix gives "
+                                                << h.shape[1] - 1 << " (its width minus one)";
+    MT_CHECK(global == 0 || global == h.shape[0]) << "training.global_batch_size = " << global << " but data.tokens has "
+                                                  << h.shape[0] << " rows, and the token matrix is the whole global batch";
+    seq = h.shape[1] - 1;
+    global = h.shape[0];
+  }
+  MT_CHECK(seq > 0) << "plan needs data.seq_len (> 0), or data.tokens to take it from";
+  MT_CHECK(global > 0) << "plan needs training.global_batch_size (> 0), or data.tokens to take it from";
   const int64_t data_ranks = static_cast<int64_t>(mesh.dp) * mesh.ep;  // the ranks that split the batch
   MT_CHECK(global % data_ranks == 0) << "training.global_batch_size " << global << " does not split over dp x ep = "
                                      << data_ranks << " data ranks";
@@ -189,6 +211,7 @@ int run_plan(const Args& args) {
   shape.global_balance = cfg.training.load_balance_type == "global_batch";
   shape.zero3 = zero3;
   shape.reduce = sharded;
+  shape.defer_weights = cfg.training.activation_checkpoint != "full";
   std::vector<std::vector<Action>> schedules;
   for (int r = 0; r < mesh.pp; ++r) schedules.push_back(make_schedule(shape, pipeline, r));
 
@@ -245,7 +268,16 @@ int run_plan(const Args& args) {
       in_flight += separator + std::to_string(c.count);
       separator = ", ";
     }
-    const size_t total = 2 * weights + optimizer + compute + slot + activations;
+    // The expert rows, played through the rank's schedule: under balanced routing (in the
+    // total), and with the hottest rank getting `skew` times its share of every layer.
+    auto rows_at = [&](double s) {
+      ModelOptions with = options;
+      with.routing_skew = s;
+      std::unique_ptr<Model> m = make_model(config_json, with);
+      return row_peak(schedules[r], *m, shape.micro_batches, micro, seq / mesh.cp);
+    };
+    const size_t rows = rows_at(1.0), rows_skewed = rows_at(skew);
+    const size_t total = 2 * weights + optimizer + compute + slot + activations + rows;
     // One unit for the table, the one train's step line would use for the total.
     const bool mib = total < (size_t{1} << 30);
     const char* unit = mib ? "MiB" : "GiB";
@@ -271,7 +303,11 @@ int run_plan(const Args& args) {
     std::printf("  activations               %10.3f %s (micro-batches of %lld x %lld tokens in flight: %s)\n",
                 in(activations), unit, static_cast<long long>(micro), static_cast<long long>(seq / mesh.cp),
                 in_flight.c_str());
+    std::printf("  expert rows               %10.3f %s (balanced routing; the most held at once)\n", in(rows), unit);
     std::printf("  total                     %10.3f %s (%zu bytes)\n", in(total), unit, total);
+    std::printf("  at routing skew %-9g %10.3f %s (%zu bytes; expert rows %zu bytes: the hottest rank gets %g x its "
+                "share)\n",
+                skew, in(total - rows + rows_skewed), unit, total - rows + rows_skewed, rows_skewed, skew);
   }
   if (!o.has("schedule")) return 0;
 

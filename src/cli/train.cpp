@@ -208,12 +208,7 @@ int run_train(const Args& args) {
   comm::DeviceMesh mesh(world.comm(), static_cast<int>(cfg.parallelism.pp), static_cast<int>(cfg.parallelism.cp),
                         static_cast<int>(cfg.parallelism.ep));
   const std::string config_json = model_config_path(cfg);
-  ModelOptions options;
-  options.device = cfg.training.device == "cuda" ? Device::cuda : Device::cpu;
-  options.force_balanced_routing = cfg.training.force_balanced_routing;
-  options.capacity_factor = cfg.training.capacity_factor;
-  options.fp8 = cfg.training.fp8 == "blockwise" ? Fp8::blockwise : Fp8::none;
-  options.fp8_pow2 = cfg.training.fp8_scale == "pow2";
+  ModelOptions options = model_options(cfg);
   options.ep = &mesh.ep();
   options.cp = &mesh.cp();
   // ZeRO-3 shards the layers' weights over the ranks; one rank keeps them whole.

@@ -39,6 +39,10 @@ class Arena {
   Tensor alloc(DType dtype, Shape shape);
   // Everything handed out before becomes invalid; the block is kept.
   void reset() { used_ = 0; }
+  // Hands out from offset `used` on (at most the peak so far): rewound, what was handed
+  // out past it becomes invalid (the same bytes for tensors that never live at once);
+  // moved forward, past what was rewound over.
+  void rewind(size_t used) { used_ = used < peak_ ? used : peak_; }
 
   size_t used() const { return used_; }
   size_t peak() const { return peak_; }

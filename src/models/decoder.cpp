@@ -1,9 +1,12 @@
 #include "models/decoder.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <unistd.h>
 
 #include "core/check.h"
 #include "kernels/cross_entropy.h"
@@ -14,8 +17,13 @@
 #include "kernels/grouped_gemm.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/swiglu.h"
+#include "parallel/buffer.h"
 #include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
+
+#ifdef MOETRAIN_WITH_CUDA
+#include "kernels/cuda/device.h"
+#endif
 
 namespace mt {
 
@@ -96,8 +104,24 @@ struct LayerIndex {
   int router_bias = -1, gate_up_bias = -1, down_bias = -1;  // GPT-OSS: [E], [E, 2I], [E, D]
 };
 
+// The per-row tensors of a MoE layer's experts (LayerActs::held), sized by the rows its
+// routing brings here and held only while the layer needs them (Decoder::row_lives).
+enum Row : uint8_t { kXs, kGu, kHs, kYs, kDYs, kDGu, kDHs, kDXs, kRowTensors };
+enum class Pass : uint8_t { forward, backward_input, backward_weight };
+constexpr int64_t kRowRounding = 128;  // rows are taken in multiples of this
+
+// What the expert rows hold, counted (RowMemory), against a budget: the environment's
+// MOETRAIN_ROW_POOL_BYTES where set (the hook the pool-exhaustion test uses), else the
+// device's memory as the allocator finds it. In a plan the rows are only counted.
+struct RowPool {
+  bool counting = false;
+  size_t in_use = 0, peak = 0, limit = std::numeric_limits<size_t>::max();
+  double skew = 0;
+};
+
 // Activations of one layer for one micro-batch, and the gradients its W stages need.
-// N = batch * seq tokens, R = N * top_k routed rows.
+// N = batch * seq tokens, R = the routed rows this rank's experts got (N * top_k without
+// expert parallelism or a capacity).
 struct LayerActs {
   std::unique_ptr<AttentionActs> attn;  // the model's attention
   Tensor xn, rstd1;             // input norm [N,D], [N]
@@ -106,14 +130,18 @@ struct LayerActs {
   // prob_sum f32 [E] (probs summed over tokens) and counts i32 [E] (slots each expert
   // kept) side by side in `stats`, so the metrics read both in one copy.
   Tensor stats, prob_sum, counts;
-  Tensor offsets, order, slot_row;                  // dispatch plan
+  Tensor offsets, order, slot_row;                  // dispatch plan (without expert parallelism)
   int64_t dropped = 0;                              // slots over capacity
   Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
   Tensor sgu, shs, so;          // shared experts: [N, 2Is], [N, Is], output [N, D]
-  // Expert parallelism: the exchange plan, the rows R it brought to this rank's experts
-  // (xs .. d_xs are allocated for the most R can be and used as rows(0, R)), `back`,
-  // every slot's expert output returned to this rank [N*k, D], and the exchange a
-  // dispatch or combine stage started, until its finish.
+  // MoE layers: the rows R this micro-batch brought to this rank's experts, and the
+  // row tensors held now (xs .. d_xs are views of them, R rounded up to kRowRounding).
+  int64_t rows = 0;
+  std::array<parallel::Buffer, kRowTensors> held;
+  bool recomputing = false;  // full recomputation: the forward again, before the backward
+  // Expert parallelism: the exchange plan, `back`, every slot's expert output returned
+  // to this rank [N*k, D], and the exchange a dispatch or combine stage started, until
+  // its finish.
   parallel::RoutedMark routed;  // where the router's idx is complete
   parallel::EpPlan plan;
   Tensor back;
@@ -143,8 +171,13 @@ class Decoder final : public Model {
   Decoder(const DecoderSpec& c, std::unique_ptr<Attention> attention, const ModelOptions& o)
       : c_(c), k_(c.router.top_k), attention_(std::move(attention)), device_(o.device),
         balanced_(o.force_balanced_routing), plan_only_(o.plan_only), external_layers_(o.external_layers),
-        capacity_factor_(o.capacity_factor), ep_(o.ep), act_(o.device == Device::cuda ? DType::bf16 : DType::f32),
-        embedding_(o.embedding), head_(o.head), linear_(o.fp8, o.fp8_pow2) {
+        capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute), ep_(o.ep),
+        act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
+        linear_(o.fp8, o.fp8_pow2), pool_(std::make_shared<RowPool>()) {
+    MT_CHECK(routing_skew_ >= 1.0) << "a routing skew of " << routing_skew_
+                                   << ": the hottest rank gets at least the mean share of rows (>= 1)";
+    pool_->counting = plan_only_;
+    if (const char* limit = std::getenv("MOETRAIN_ROW_POOL_BYTES")) pool_->limit = std::strtoull(limit, nullptr, 10);
     MT_CHECK(!linear_.fp8() || !c.gpt_oss_experts)
         << "training.fp8 = blockwise: GPT-OSS's linear layers have biases, which the FP8 products do not take yet";
     MT_CHECK(!linear_.fp8() || !o.external_layers)
@@ -211,6 +244,11 @@ class Decoder final : public Model {
   Tensor logits(Stash& s) override { return static_cast<DecoderStash&>(s).logits; }
   std::vector<RouterStats> router_stats(const Stash& s) const override;
   void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override;
+  RowMemory row_memory() const override { return {pool_->peak, pool_->skew}; }
+  void reset_row_memory() override {
+    pool_->peak = pool_->in_use;
+    pool_->skew = 0;
+  }
 
  private:
   void build_params();
@@ -230,19 +268,41 @@ class Decoder final : public Model {
   AttentionIo io(DecoderStash& s, LayerActs& x) const {
     return {s.batch, s.seq, s.cos, s.sin, x.xn, x.hm, x.d_hm, x.d_xn, &attend_, &linear_, s.all_rows};
   }
-  // The expert path of a MoE layer for this micro-batch: every routed row, or with
-  // expert parallelism the R rows the exchange brought to this rank's experts.
+  // The expert path of a MoE layer for this micro-batch: the R rows its routing brought
+  // to this rank's experts (every routed row, the first R under a capacity, or with
+  // expert parallelism what the exchange brought), of the row tensors held now.
   struct Routed {
     Tensor xs, gu, hs, ys, d_ys, d_hs, d_gu, d_xs, offsets;
   };
   Routed routed(LayerActs& x) const {
-    if (ep_ == nullptr && x.dropped == 0) return {x.xs, x.gu, x.hs, x.ys, x.d_ys, x.d_hs, x.d_gu, x.d_xs, x.offsets};
-    // A capacity keeps the first R rows; the exchange brings R rows.
-    const int64_t r = ep_ ? x.plan.local_rows() : x.xs.dim(0) - x.dropped;
-    return {x.xs.rows(0, r),   x.gu.rows(0, r),   x.hs.rows(0, r),   x.ys.rows(0, r),
-            x.d_ys.rows(0, r), x.d_hs.rows(0, r), x.d_gu.rows(0, r), x.d_xs.rows(0, r),
-            ep_ ? x.plan.offsets : x.offsets};
+    auto rows = [&](const Tensor& t) { return t.data != nullptr ? t.rows(0, x.rows) : Tensor(); };
+    return {rows(x.xs),   rows(x.gu),   rows(x.hs),   rows(x.ys), rows(x.d_ys),
+            rows(x.d_hs), rows(x.d_gu), rows(x.d_xs), ep_ ? x.plan.offsets : x.offsets};
   }
+  // When each row tensor is taken and given back, and its width.
+  struct RowLife {
+    Stage take_stage;
+    Pass take_pass;
+    Stage give_stage;
+    Pass give_pass;
+    int64_t width;
+  };
+  std::array<RowLife, kRowTensors> row_lives() const;
+  static Tensor& row_view(LayerActs& x, Row r);
+  // The rows this rank's experts get in a plan: routing_skew times the balanced share,
+  // within what the exchange (or a capacity) can bring.
+  int64_t planned_rows(int64_t tokens) const;
+  // Takes the row tensors that (stage, pass) starts with, and gives back those it ends.
+  void take_rows(int64_t l, LayerActs& x, Stage stage, Pass pass, int64_t tokens);
+  void give_rows(LayerActs& x, Stage stage, Pass pass);
+  // A plan's stage: only the rows it would take and give back.
+  void plan_rows(int64_t l, Stage stage, Pass pass, LayerActs& x, int64_t tokens);
+  // The rows a forward stage ends with given back: with full recomputation the first
+  // forward keeps none past its combine (the backward's recompute takes them again).
+  void end_forward_rows(LayerActs& x, Stage stage);
+  // Full recomputation: layer l's forward again (all but the aggregate, whose output
+  // h[l+1] is the next layer's input and kept), exchanges finished at once.
+  void recompute_layer(int64_t l, Stash& s);
   static LayerActs& layer_acts(Stash& s, int64_t l) { return static_cast<DecoderStash&>(s).layers[l]; }
   // Finishes the expert-parallel exchange layer x has in flight, whichever it is.
   void finish_exchange(LayerActs& x) const;
@@ -264,12 +324,15 @@ class Decoder final : public Model {
   bool plan_only_;
   bool external_layers_;  // ZeRO-3: the decoder layers' Params have no storage here
   double capacity_factor_;  // 0: dropless
+  double routing_skew_;     // plan_only: the rows a MoE layer brings here, over the balanced share
+  Recompute recompute_;
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
   std::vector<bool> held_;  // per layer: built on this rank (pipeline parallelism)
   bool embedding_, head_;
   Linear linear_;
+  std::shared_ptr<RowPool> pool_;  // shared with the rows held, which give back into it
   std::vector<Param> params_;
   Arena values_, grads_, compute_, fp8_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
@@ -472,8 +535,19 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
     s.dh[l] = a.alloc(act_, {N, D});
   }
   s.layers.resize(c_.num_layers);
-  for (int64_t l = 0; l < c_.num_layers; ++l)
-    if (held_[l]) s.layers[l].attn = attention_->make_acts();
+  for (int64_t l = 0; l < c_.num_layers; ++l) {
+    if (!held_[l]) continue;
+    LayerActs& x = s.layers[l];
+    x.attn = attention_->make_acts();
+    if (!c_.moe[l]) continue;
+    // What outlives a layer's activations (which full recomputation drops): its routing
+    // statistics, read after the head's forward, and the balance gradient set then.
+    const int64_t E = c_.num_experts;
+    x.stats = i32({2, E});
+    x.prob_sum = Tensor(x.stats.data, {E}, DType::f32, x.stats.device);
+    x.counts = x.stats.rows(1, 2).view({E});
+    x.dprobs = a.alloc(DType::f32, {1, E});  // the same row for every token
+  }
   if (balanced_) s.balanced_idx = i32({N, k_});
 }
 
@@ -485,24 +559,31 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
   // Gradients that only a layer's own B stages read, each written before it is read:
   // one set serves every layer (a stash's B stages run one layer at a time). What the
-  // W stages read (d_hm, d_gu, d_ys, d_logits_c, d_sgu) stays per layer.
-  const int64_t R = ep_ ? ep_->size() * N * std::min(K, local_experts_) : N * K;
-  bool any_moe = false;
-  int64_t hidden = 0;  // elements of the widest d_hs
+  // W stages read (d_hm, d_gu, d_logits_c, d_sgu) stays per layer. A MoE layer's
+  // expert rows are not here: routing sizes them (take_rows).
+  bool any_moe = false, any = false;
+  int64_t hidden = 0;  // elements of the widest dense d_hs
   std::vector<AttentionActs*> attn;
   for (int64_t l = first; l < last; ++l) {
     if (!held_[l]) continue;
+    any = true;
     any_moe = any_moe || c_.moe[l];
-    hidden = std::max(hidden, c_.moe[l] ? R * c_.moe_intermediate_size : N * c_.intermediate_size);
+    if (!c_.moe[l]) hidden = std::max(hidden, N * c_.intermediate_size);
     attn.push_back(s.layers[l].attn.get());
   }
-  if (hidden == 0 && !(last == c_.num_layers && head_)) return;
-  attention_->allocate(attn, a, act_, s.batch, s.seq);
-  const Tensor d_y = act({N, D}), d_xn = act({N, D}), d_hs = act({hidden}),
-               d_xs = any_moe ? act({R, D}) : Tensor(), d_shs = any_moe && Is > 0 ? act({N, Is}) : Tensor();
+  if (!any && !(last == c_.num_layers && head_)) return;
+  // Full recomputation keeps one layer's activations at a time: every layer of the
+  // block gets the same bytes.
+  const bool one_deep = recompute_ == Recompute::full;
+  if (!one_deep) attention_->allocate(attn, a, act_, s.batch, s.seq);
+  const Tensor d_y = act({N, D}), d_xn = act({N, D}), d_hs = hidden > 0 ? act({hidden}) : Tensor(),
+               d_shs = any_moe && Is > 0 ? act({N, Is}) : Tensor();
+  size_t deepest = a.used();
   for (int64_t l = first; l < last; ++l) {
     if (!held_[l]) continue;
     LayerActs& x = s.layers[l];
+    const size_t start = a.used();
+    if (one_deep) attention_->allocate({x.attn.get()}, a, act_, s.batch, s.seq);
     x.xn = act({N, D});
     x.rstd1 = f32({N});
     x.hm = act({N, D});
@@ -513,30 +594,17 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
     x.d_xn = d_xn;
     x.mo = act({N, D});
     if (c_.moe[l]) {
-      // With expert parallelism every rank's N tokens may each bring up to
-      // min(k, local experts) rows here.
-      const int64_t I = c_.moe_intermediate_size;
       if (ep_) x.back = act({N * K, D});
       x.logits = f32({N, E});
       x.idx = i32({N, K});
       x.weight = f32({N, K});
       x.probs = f32({N, E});
-      x.stats = i32({2, E});
-      x.prob_sum = Tensor(x.stats.data, {E}, DType::f32, x.stats.device);
-      x.counts = x.stats.rows(1, 2).view({E});
-      x.dprobs = f32({1, E});  // the same row for every token
-      x.offsets = i32({E + 1});
-      x.order = i32({R});
-      x.slot_row = i32({R});
-      x.xs = act({R, D});
-      x.gu = act({R, 2 * I});
-      x.hs = act({R, I});
-      x.ys = act({R, D});
-      x.d_ys = act({R, D});
+      if (!ep_) {  // the exchange's plan has its own
+        x.offsets = i32({E + 1});
+        x.order = i32({N * K});
+        x.slot_row = i32({N * K});
+      }
       x.d_weight = f32({N, K});
-      x.d_hs = Tensor(d_hs.data, {R, I}, act_, d_hs.device);
-      x.d_gu = act({R, 2 * I});
-      x.d_xs = d_xs;
       x.d_logits = f32({N, E});
       x.d_logits_c = act_ == DType::f32 ? x.d_logits : act({N, E});
       if (Is > 0) {
@@ -553,7 +621,10 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
       x.d_hs = Tensor(d_hs.data, {N, I}, act_, d_hs.device);
       x.d_gu = act({N, 2 * I});
     }
+    deepest = std::max(deepest, a.used());
+    if (one_deep) a.rewind(start);
   }
+  a.rewind(deepest);
   if (last != c_.num_layers || !head_) return;
   s.hf = act({N, D});
   s.rstd_f = f32({N});
@@ -586,6 +657,8 @@ std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
   mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
   int32_t all_rows[2] = {0, static_cast<int32_t>(batch * seq)};
   mt::copy(s->all_rows, Tensor(all_rows, {2}, DType::i32));
+  for (LayerActs& x : s->layers)  // no load-balance gradient until the trainer sets one
+    if (x.dprobs.data != nullptr) mt::fill(x.dprobs, 0.0f);
   if (balanced_) {
     std::vector<int32_t> idx(static_cast<size_t>(batch * seq * k_));
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
@@ -611,9 +684,6 @@ std::unique_ptr<ActivationBlock> Decoder::make_block(int64_t batch, int64_t seq,
   b->bytes = b->arena.peak();
   if (plan_only_) return b;
   b->arena = Arena("activations", device_, b->bytes);
-  allocate_layers(shape, b->arena, first, last);
-  for (LayerActs& x : shape.layers)  // no load-balance gradient until the trainer sets one
-    if (x.dprobs.data != nullptr) mt::fill(x.dprobs, 0.0f);
   return b;
 }
 
@@ -623,6 +693,104 @@ void Decoder::lend(Stash& base, ActivationBlock& block) {
   // The same allocation sequence from the start of the block's arena: the same views.
   b.arena.reset();
   allocate_layers(s, b.arena, b.first, b.last);
+}
+
+// What the backward needs of a MoE layer's forward rows: xs (the gate_up W), gu (B's
+// SwiGLU), hs (the down W) and, without expert parallelism, ys (the combine's B takes
+// dweight from it; with the exchange, `back` holds the outputs on the token's rank, so
+// ys goes once it is sent). The gradients live from the B that writes them to the W
+// that reads them, or within one B.
+std::array<Decoder::RowLife, kRowTensors> Decoder::row_lives() const {
+  const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size;
+  constexpr Pass F = Pass::forward, B = Pass::backward_input, W = Pass::backward_weight;
+  constexpr Stage dispatch = Stage::dispatch, experts = Stage::experts, combine = Stage::combine;
+  return {{{dispatch, F, experts, W, D},
+           {experts, F, experts, B, 2 * I},
+           {experts, F, experts, W, I},
+           {experts, F, combine, ep_ ? F : B, D},
+           {combine, B, experts, W, D},
+           {experts, B, experts, W, 2 * I},
+           {experts, B, experts, B, I},
+           {experts, B, dispatch, B, D}}};
+}
+
+Tensor& Decoder::row_view(LayerActs& x, Row r) {
+  switch (r) {
+    case kXs: return x.xs;
+    case kGu: return x.gu;
+    case kHs: return x.hs;
+    case kYs: return x.ys;
+    case kDYs: return x.d_ys;
+    case kDGu: return x.d_gu;
+    case kDHs: return x.d_hs;
+    default: return x.d_xs;
+  }
+}
+
+int64_t Decoder::planned_rows(int64_t tokens) const {
+  const int64_t balanced = tokens * k_;
+  int64_t most = ep_ ? ep_->size() * tokens * std::min(k_, local_experts_) : balanced;
+  const int64_t cap = capacity(ep_ ? tokens * ep_->size() : tokens);
+  if (cap > 0) most = std::min(most, cap * local_experts_);
+  return std::min(most, static_cast<int64_t>(std::ceil(routing_skew_ * static_cast<double>(balanced))));
+}
+
+void Decoder::take_rows(int64_t l, LayerActs& x, Stage stage, Pass pass, int64_t tokens) {
+  const std::array<RowLife, kRowTensors> lives = row_lives();
+  const int64_t rows = std::max(kRowRounding, (x.rows + kRowRounding - 1) / kRowRounding * kRowRounding);
+  if (stage == Stage::dispatch && pass == Pass::forward && tokens > 0)
+    pool_->skew = std::max(pool_->skew, static_cast<double>(x.rows) / static_cast<double>(tokens * k_));
+  for (int r = 0; r < kRowTensors; ++r) {
+    const RowLife& life = lives[r];
+    if (life.take_stage != stage || life.take_pass != pass) continue;
+    x.held[r] = parallel::Buffer();  // a forward again without its backward (eval): the old rows first
+    const size_t bytes = static_cast<size_t>(rows * life.width) * dtype_size(act_);
+    auto refuse = [&](const std::string& why) {
+      MT_FAIL() << "layer " << l << " needs " << rows << " expert rows (" << x.rows << " routed here, "
+                << static_cast<double>(bytes) / (1 << 20) << " MiB for one of its row tensors) and " << why
+                << "; the expert rows already hold " << static_cast<double>(pool_->in_use) / (1 << 20)
+                << " MiB. Routing sent this rank " << static_cast<double>(x.rows) / static_cast<double>(tokens * k_)
+                << " times its balanced share. Remedies: a capacity (training.capacity_factor), smaller "
+                   "micro-batches (training.micro_batch_size), more expert-parallel ranks (parallelism.ep), a "
+                   "stronger balance term (training.load_balance_coef); moetrain plan --routing-skew S shows the "
+                   "memory a skew needs";
+    };
+    if (pool_->in_use + bytes > pool_->limit)
+      refuse("the pool has " + std::to_string(pool_->limit - pool_->in_use) + " bytes left of its " +
+             std::to_string(pool_->limit) + " (MOETRAIN_ROW_POOL_BYTES)");
+    parallel::Buffer b;
+    if (!pool_->counting) {
+      try {
+        b = parallel::make_buffer(device_, act_, {rows, life.width});
+      } catch (const Error& e) {
+        size_t free = 0;
+#ifdef MOETRAIN_WITH_CUDA
+        if (device_ == Device::cuda) free = cuda::free_memory();
+#endif
+        if (device_ == Device::cpu)
+          free = static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+        refuse("the device has " + std::to_string(free) + " bytes free (" + e.message + ")");
+      }
+    }
+    // Counted while held: the storage's last owner gives the bytes back.
+    pool_->in_use += bytes;
+    pool_->peak = std::max(pool_->peak, pool_->in_use);
+    b.storage = std::shared_ptr<void>(b.storage.get(), [inner = b.storage, pool = pool_, bytes](void*) mutable {
+      pool->in_use -= bytes;
+      inner.reset();
+    });
+    row_view(x, static_cast<Row>(r)) = b.t.data != nullptr ? b.t : Tensor(nullptr, {rows, life.width}, act_, device_);
+    x.held[r] = std::move(b);
+  }
+}
+
+void Decoder::give_rows(LayerActs& x, Stage stage, Pass pass) {
+  const std::array<RowLife, kRowTensors> lives = row_lives();
+  for (int r = 0; r < kRowTensors; ++r)
+    if (lives[r].give_stage == stage && lives[r].give_pass == pass) {
+      x.held[r] = parallel::Buffer();
+      row_view(x, static_cast<Row>(r)) = Tensor();
+    }
 }
 
 void Decoder::embed_forward(Stash& base) {
@@ -681,9 +849,12 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
   const bool moe = c_.moe[l];
+  const int64_t N = s.batch * s.seq;
   // A stage after an exchange reads its results: one a schedule has not finished yet is
   // finished here (correct, only without the overlap).
   finish_exchange(x);
+  if (plan_only_) return plan_rows(l, stage, Pass::forward, x, N);
+  if (moe && stage != Stage::dispatch) take_rows(l, x, stage, Pass::forward, N);
   switch (stage) {
     case Stage::attention:
       attention_forward(l, s);
@@ -691,14 +862,16 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
     case Stage::dispatch:
       if (moe && ep_) {
         // The experts see the ep ranks' micro-batches end to end: the capacity is theirs.
-        x.plan =
-            parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(s.batch * s.seq * ep_->size()), x.routed);
+        x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(N * ep_->size()), x.routed);
         x.dropped = x.plan.dropped;
+        x.rows = x.plan.local_rows();
+        take_rows(l, x, stage, Pass::forward, N);
         mt::copy(x.counts, x.plan.expert_counts);
         x.exchange = parallel::ep_dispatch_forward_start(*ep_, x.plan, x.y);
       } else if (moe) {
-        x.dropped = mt::dispatch_plan(x.idx, c_.num_experts, capacity(s.batch * s.seq), x.counts, x.offsets,
-                                      x.order, x.slot_row);
+        x.dropped = mt::dispatch_plan(x.idx, c_.num_experts, capacity(N), x.counts, x.offsets, x.order, x.slot_row);
+        x.rows = N * k_ - x.dropped;  // a capacity keeps the first rows
+        take_rows(l, x, stage, Pass::forward, N);
         mt::dispatch_forward(x.y, x.order, k_, routed(x).xs);
       }
       break;
@@ -734,6 +907,36 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
       if (moe && w.shared_gate_up >= 0) mt::add(s.h[l + 1], x.so, s.h[l + 1]);
       break;
   }
+  if (moe) end_forward_rows(x, stage);
+}
+
+void Decoder::plan_rows(int64_t l, Stage stage, Pass pass, LayerActs& x, int64_t tokens) {
+  if (!c_.moe[l]) return;
+  if (stage == Stage::dispatch && pass == Pass::forward) x.rows = planned_rows(tokens);
+  take_rows(l, x, stage, pass, tokens);
+  if (pass == Pass::forward)
+    end_forward_rows(x, stage);
+  else
+    give_rows(x, stage, pass);
+}
+
+void Decoder::end_forward_rows(LayerActs& x, Stage stage) {
+  give_rows(x, stage, Pass::forward);
+  if (recompute_ != Recompute::full || x.recomputing || stage != Stage::combine) return;
+  for (int r = 0; r < kRowTensors; ++r) {
+    x.held[r] = parallel::Buffer();
+    row_view(x, static_cast<Row>(r)) = Tensor();
+  }
+}
+
+void Decoder::recompute_layer(int64_t l, Stash& s) {
+  LayerActs& x = layer_acts(s, l);
+  x.recomputing = true;
+  for (Stage st : {Stage::attention, Stage::dispatch, Stage::experts, Stage::combine}) {
+    stage_forward(l, st, s);
+    finish_exchange(x);
+  }
+  x.recomputing = false;
 }
 
 void Decoder::attention_backward_input(int64_t l, DecoderStash& s) {
@@ -767,6 +970,10 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
   const bool moe = c_.moe[l];
   const Tensor& d_mo = s.dh[l + 1];  // aggregate: h[l+1] = hm + mo, so d_mo = d_hm = dh[l+1]
   finish_exchange(x);  // as in stage_forward
+  // The layer's first B (the aggregate's) finds its activations recomputed.
+  if (recompute_ == Recompute::full && stage == Stage::aggregate) recompute_layer(l, s);
+  if (plan_only_) return plan_rows(l, stage, Pass::backward_input, x, s.batch * s.seq);
+  if (moe) take_rows(l, x, stage, Pass::backward_input, s.batch * s.seq);
   switch (stage) {
     case Stage::aggregate:
       break;
@@ -806,6 +1013,7 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
       attention_backward_input(l, s);
       break;
   }
+  if (moe) give_rows(x, stage, Pass::backward_input);
 }
 
 void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
@@ -813,6 +1021,7 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
   const bool moe = c_.moe[l];
+  if (plan_only_) return plan_rows(l, stage, Pass::backward_weight, x, s.batch * s.seq);
   switch (stage) {
     case Stage::experts:
       if (moe) {
@@ -844,6 +1053,7 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
     case Stage::aggregate:
       break;  // no parameters
   }
+  if (moe) give_rows(x, stage, Pass::backward_weight);
 }
 
 LossSum Decoder::head_forward(Stash& base) {

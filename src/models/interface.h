@@ -90,14 +90,30 @@ struct LossSum {
   int64_t count = 0;
 };
 
+// The memory routing decides: a MoE layer's per-row expert tensors for one micro-batch,
+// sized by the rows its routing brings here and held only while the layer needs them
+// (models/decoder.cpp, take_rows, says which tensors and when). Counted since the last
+// reset_row_memory.
+struct RowMemory {
+  size_t peak = 0;   // the most bytes held at once
+  double skew = 0;   // the most rows a layer's micro-batch brought here over its balanced share (tokens * k)
+};
+
+enum class Recompute : uint8_t { none, selective, full };
+
 struct ModelOptions {
   Device device = Device::cpu;  // where parameters, gradients and activations live
   // Benchmarks: every token goes to experts (t*k + j) mod E with weight 1/k, so speed
   // does not depend on what the router learned (the router still trains on the
   // load-balance term).
   bool force_balanced_routing = false;
-  // `moetrain plan`: arenas only count bytes; no memory is allocated or written.
+  // `moetrain plan`: arenas only count bytes; no memory is allocated or written. The
+  // stages then only take and give back their expert rows, counted, as a run would,
+  // with each MoE layer bringing `routing_skew` times its balanced share of rows here
+  // (at most what the exchange can bring), so a schedule played against the model gives
+  // the rows' peak (train/schedule.h, row_peak).
   bool plan_only = false;
+  double routing_skew = 1.0;
   // Expert parallelism: the experts are split evenly over this group's ranks and the
   // dispatch and combine stages exchange tokens over it.
   comm::Communicator* ep = nullptr;
@@ -118,6 +134,14 @@ struct ModelOptions {
   // global index in every call and name.
   std::vector<int64_t> layers;
   bool embedding = true, head = true;
+  // training.activation_checkpoint. full: between a layer's forward and its backward
+  // only its input (the stash's h[l]) and its routing statistics are kept; its first
+  // backward stage runs the layer's forward again (exchanges included, so every ep rank
+  // recomputes at the same point), and a block holds one layer's activations, shared by
+  // its layers (so W must follow each layer's B before the next layer's, as
+  // ScheduleShape::defer_weights = false makes DualPipeV do). selective: the models/
+  // decoder.cpp header comment lists what is recomputed instead of kept.
+  Recompute recompute = Recompute::none;
   // training.fp8 and training.fp8_scale: the linear layers' products (models/linear.h).
   Fp8 fp8 = Fp8::none;
   bool fp8_pow2 = true;
@@ -188,6 +212,11 @@ class Model {
   // The load-balance loss's gradient with respect to each router probability of a
   // layer: every token's p[e] gets dprob[e]. Applied by that layer's attention B.
   virtual void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) = 0;
+
+  // The expert rows' memory (RowMemory) since the last reset; a trainer resets it at
+  // each step's start. A model without routed rows holds none.
+  virtual RowMemory row_memory() const { return {}; }
+  virtual void reset_row_memory() {}
 };
 
 // One switch on config.json's model_type.

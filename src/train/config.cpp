@@ -59,6 +59,9 @@ void visit(C& c, F&& f) {
     c.training.load_balance_type);
   f({"training", "capacity_factor", 0, "an expert keeps ceil(f * tokens * top_k / experts) rows; 0: dropless"},
     c.training.capacity_factor);
+  f({"training", "activation_checkpoint", 0,
+     "none, selective (recompute the cheap activations) or full (keep each layer's input only)"},
+    c.training.activation_checkpoint);
   f({"training", "force_balanced_routing", 0, "benchmarks: route tokens round-robin, not by the router"},
     c.training.force_balanced_routing);
   f({"training", "max_skipped_steps", 0, "steps with a non-finite loss or gradient norm skipped before the run stops"},
@@ -218,6 +221,7 @@ void validate(const Config& c) {
   check_one_of(c.training.device, {"cpu", "cuda"}, "training.device");
   check_one_of(c.training.fp8, {"none", "blockwise"}, "training.fp8");
   check_one_of(c.training.fp8_scale, {"pow2", "fp32"}, "training.fp8_scale");
+  check_one_of(c.training.activation_checkpoint, {"none", "selective", "full"}, "training.activation_checkpoint");
   check_one_of(c.training.load_balance_type, {"micro_batch", "global_batch"}, "training.load_balance_type");
   check_one_of(c.parallelism.pipeline_schedule, {"auto", "dualpipev", "1f1b"}, "parallelism.pipeline_schedule");
   check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");

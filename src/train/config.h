@@ -44,6 +44,9 @@ struct TrainingConfig {
   std::string load_balance_type = "micro_batch";  // micro_batch or global_batch
   double capacity_factor = 0.0;   // 0: dropless
   bool force_balanced_routing = false;  // benchmarks: route round-robin, not by the router
+  // Recomputation in the backward (torchtitan's names): none, selective or full
+  // (ModelOptions::recompute says what each keeps).
+  std::string activation_checkpoint = "none";
   int64_t max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm a run may skip
 };
 

@@ -96,6 +96,7 @@ class Emitter {
   void backward_chunk(int ph, bool zero_bubble = false, bool recv = true, bool send = true) {
     if (recv) recv_backward(ph);
     commit();
+    zero_bubble = zero_bubble && s_.defer_weights;
     const int m = backward_start(ph, !zero_bubble);
     for (int64_t l = end(ph) - 1; l >= begin(ph); --l)
       for (int i = 4; i >= 0; --i) backward_stage(m, l, kStages[i], !zero_bubble, true);
@@ -141,6 +142,7 @@ class Emitter {
   // The oldest deferred W (a whole chunk of one micro-batch).
   void weight_chunk() {
     commit();
+    if (!s_.defer_weights) return;  // nothing was deferred
     MT_CHECK(!deferred_.empty()) << "schedule: a W with none deferred";
     auto [ph, m] = deferred_.front();
     deferred_.pop_front();

@@ -232,6 +232,19 @@ std::vector<ChunkBlocks> chunk_blocks(const std::vector<Action>& actions, int mi
   return out;
 }
 
+size_t row_peak(const std::vector<Action>& actions, Model& model, int micro_batches, int64_t batch, int64_t seq) {
+  std::vector<std::unique_ptr<Stash>> stashes;
+  for (int m = 0; m < micro_batches; ++m) stashes.push_back(model.make_bare_stash(batch, seq));
+  model.reset_row_memory();
+  for (const Action& a : actions) {
+    Stash& s = *stashes.at(static_cast<size_t>(a.micro_batch));
+    if (a.op == Op::forward) model.stage_forward(a.layer, a.stage, s);
+    if (a.op == Op::backward_input) model.stage_backward_input(a.layer, a.stage, s);
+    if (a.op == Op::backward_weight) model.stage_backward_weight(a.layer, a.stage, s);
+  }
+  return model.row_memory().peak;
+}
+
 void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
   Model& model = *ctx.model;
   const int64_t L = model.num_layers();

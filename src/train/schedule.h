@@ -92,6 +92,9 @@ struct ScheduleShape {
   bool global_balance = false;  // the balance term needs every micro-batch's routing first
   bool zero3 = false;           // layers are gathered around their stages and reduced per micro-batch
   bool reduce = false;          // sharded gradients: each part is reduced after its last backward
+  // DualPipeV's zero-bubble W deferral; off, each W follows its B (full recomputation,
+  // whose blocks hold one layer at a time, needs that).
+  bool defer_weights = true;
 };
 
 std::vector<Action> sequential_schedule(const ScheduleShape& shape);
@@ -165,6 +168,12 @@ struct ChunkBlocks {
 };
 std::vector<ChunkBlocks> chunk_blocks(const std::vector<Action>& actions, int micro_batches, const Pipeline& p,
                                       int rank, int64_t layers);
+
+// The most bytes of expert rows (RowMemory) the model holds at once over `actions`: their
+// stage calls played in order against a plan-only model (ModelOptions::plan_only), whose
+// stages only take and give back the rows its routing skew says, on one stash of
+// batch x seq tokens a micro-batch. Its peak is what a run with that routing reports.
+size_t row_peak(const std::vector<Action>& actions, Model& model, int micro_batches, int64_t batch, int64_t seq);
 
 // What the runner works on. `stashes[m]` is micro-batch m's (several micro-batches may
 // share one when their lifetimes do not overlap); `blocks[phase][m]` the activation

@@ -72,6 +72,20 @@ void load_hf(Model& m, const std::string& folder) {
   }
 }
 
+ModelOptions model_options(const Config& cfg) {
+  const TrainingConfig& t = cfg.training;
+  ModelOptions o;
+  o.device = t.device == "cuda" ? Device::cuda : Device::cpu;
+  o.force_balanced_routing = t.force_balanced_routing;
+  o.capacity_factor = t.capacity_factor;
+  o.fp8 = t.fp8 == "blockwise" ? Fp8::blockwise : Fp8::none;
+  o.fp8_pow2 = t.fp8_scale == "pow2";
+  o.recompute = t.activation_checkpoint == "full"        ? Recompute::full
+                : t.activation_checkpoint == "selective" ? Recompute::selective
+                                                         : Recompute::none;
+  return o;
+}
+
 TokenBatch read_token_batch(const std::string& npy_path, int64_t vocab_size) {
   io::NpyArray a = io::read_npy(npy_path);
   MT_CHECK(a.header.shape.size() == 2 && a.header.shape[1] >= 2)
@@ -151,6 +165,7 @@ void Trainer::make_stashes() {
   shape.global_balance = cfg_.training.load_balance_type == "global_batch";
   shape.zero3 = zero3_ != nullptr;
   shape.reduce = dp_ != nullptr;
+  shape.defer_weights = cfg_.training.activation_checkpoint != "full";
   actions_ = make_schedule(shape, pipeline_, pp_rank_);
   int live = 0;
   slot_ = stash_slots(actions_, shape.micro_batches, &live);
@@ -275,6 +290,7 @@ void Trainer::release_weights() {
 
 StepResult Trainer::step() {
   if (stashes_.empty()) make_stashes();
+  model_.reset_row_memory();
   auto start = std::chrono::steady_clock::now();
 #ifdef MOETRAIN_WITH_CUDA
   const int64_t host_waits_at_start = model_.device() == Device::cuda ? cuda::host_waits() : 0;
@@ -472,7 +488,21 @@ StepResult Trainer::step() {
   }
   for (const auto& s : stashes_) bytes += s->bytes;
   for (const auto& b : blocks_) bytes += b->bytes;
-  r.memory_bytes = bytes;
+  // The expert rows this rank held at most; the metrics give the most of any rank.
+  const RowMemory rows = model_.row_memory();
+  r.memory_bytes = bytes + rows.peak;
+  r.expert_row_bytes = static_cast<int64_t>(rows.peak);
+  r.routing_skew = rows.skew;
+  if (world_) {
+    std::vector<double> each(2 * static_cast<size_t>(world_->size()), 0.0);
+    each[2 * static_cast<size_t>(world_->rank())] = static_cast<double>(rows.peak);
+    each[2 * static_cast<size_t>(world_->rank()) + 1] = rows.skew;
+    sum_ranks_f64(each);
+    for (size_t i = 0; i < each.size(); i += 2) {
+      r.expert_row_bytes = std::max(r.expert_row_bytes, static_cast<int64_t>(each[i]));
+      r.routing_skew = std::max(r.routing_skew, each[i + 1]);
+    }
+  }
 #ifdef MOETRAIN_WITH_CUDA
   if (model_.device() == Device::cuda) {
     r.device_memory_bytes = cuda::memory_held();
@@ -518,6 +548,8 @@ std::string step_json(const StepResult& r) {
   if (!r.non_finite.empty()) j["skipped"] = r.non_finite;  // NaN and inf print as null
   j["tokens_per_s"] = r.tokens_per_s;
   j["memory_bytes"] = r.memory_bytes;
+  j["expert_row_bytes"] = r.expert_row_bytes;
+  j["routing_skew"] = r.routing_skew;
   if (r.device_memory_bytes > 0) {
     j["device_memory_bytes"] = r.device_memory_bytes;
     j["host_waits"] = r.host_waits;

@@ -19,6 +19,11 @@
 
 namespace mt {
 
+// The model's options that the config gives (device, routing, capacity, FP8,
+// recomputation), as train, plan and eval's setup build the model; the mesh's groups,
+// layers and plan_only are the caller's.
+ModelOptions model_options(const Config& cfg);
+
 // Fills every parameter: random (seeded, per Hugging Face name, so any layout gives
 // the same values) or from a Hugging Face model folder.
 void init_random(Model& m, double init_std, uint64_t seed);
@@ -43,6 +48,11 @@ struct StepResult {
   double time = 0;           // when it ended: Unix seconds, to the millisecond
   size_t memory_bytes = 0;   // parameters, gradients, optimizer state, activations (planned)
   size_t device_memory_bytes = 0;  // GPU: what the process holds on the device, measured
+  // The expert rows (models/interface.h, RowMemory), the most of any rank: bytes held at
+  // once (included in memory_bytes for this rank's own), and the most rows a layer's
+  // micro-batch brought to a rank over its balanced share.
+  int64_t expert_row_bytes = 0;
+  double routing_skew = 0;
   int64_t host_waits = 0;  // GPU: times the host waited for the device during the step
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert (kept)
   std::vector<int64_t> moe_layers;  // the decoder layer of each MoE layer (expert_counts' rows)

@@ -63,6 +63,15 @@ void note_memory_baseline() {
   g_noted = true;
 }
 
+size_t free_memory() {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return free;
+}
+
 size_t memory_held() {
   if (!g_noted) return 0;
   const size_t now = in_use();

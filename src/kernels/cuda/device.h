@@ -22,5 +22,7 @@ DeviceInfo query_device();
 // workspaces and handles count too; assumes no other process allocates on it. 0 without a GPU.
 void note_memory_baseline();
 size_t memory_held();
+// Device memory no one holds now (cudaMemGetInfo's free); 0 without a GPU.
+size_t free_memory();
 
 }  // namespace mt::cuda
