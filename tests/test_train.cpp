@@ -989,6 +989,77 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   const int64_t pp2 = plan_and_run("pp2", 2, micro + " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b", tokens4);
   EXPECT_LT(pp2, plan_and_run("pp1", 1, micro, tokens4)) << "a pipeline rank holds fewer layers";
   plan_and_run("v", 1, micro + " --parallelism.pipeline_schedule=dualpipev", tokens4);
+  // Recomputation: the plan counts each mode as the run holds it, and each keeps less.
+  const int64_t ep2 = plan_and_run("ep2none", 2, two + " --parallelism.ep=2", tokens4);
+  const int64_t ep2_selective =
+      plan_and_run("ep2selective", 2, two + " --parallelism.ep=2 --training.activation_checkpoint=selective", tokens4);
+  const int64_t ep2_full =
+      plan_and_run("ep2full", 2, two + " --parallelism.ep=2 --training.activation_checkpoint=full", tokens4);
+  EXPECT_LT(ep2_selective, ep2);
+  EXPECT_LT(ep2_full, ep2_selective);
+  const int64_t selective = plan_and_run("selective", 1, common + " --training.activation_checkpoint=selective", tokens3);
+  EXPECT_LT(selective, planned);
+  EXPECT_LT(plan_and_run("full", 1, common + " --training.activation_checkpoint=full", tokens3), selective);
+  plan_and_run("vfull", 1, micro + " --parallelism.pipeline_schedule=dualpipev --training.activation_checkpoint=full",
+               tokens4);
+}
+
+// training.activation_checkpoint: selective and full recompute what none keeps, with the
+// same kernels on the same inputs, so every loss, gradient norm and AdamW moment after
+// three steps is the same bits as none's: on one rank for each family, and on the ep 2,
+// cp 2 x ep 2, pp 2 (both schedules) and pp 2 x ep 2 meshes (the pipeline fixture,
+// whose 8 layers DualPipeV needs).
+TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
+  const std::string dir = temp_dir("recompute");
+  std::vector<int64_t> tokens(32 * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 29 + i / 5 + i / 17) % 80);
+  io::write_npy(dir + "/tokens32.npy", "<i8", {32, 17}, tokens.data());
+  auto train = [&](const std::string& launch, const std::string& name, const std::string& flags) {
+    auto [rc, out] = run(launch + MOETRAIN_BIN + " train --training.steps=3 --training.load_balance_coef=0.1" +
+                         " --training.micro_batch_size=1 --job.dump_folder=" + dir + "/" + name + flags);
+    EXPECT_EQ(rc, 0) << name << ": " << out;
+  };
+  auto same = [&](const std::string& a, const std::string& b) {
+    const std::vector<nlohmann::json> x = metrics_of(dir + "/" + a), y = metrics_of(dir + "/" + b);
+    ASSERT_EQ(x.size(), 3u) << a;
+    ASSERT_EQ(y.size(), 3u) << b;
+    for (size_t i = 0; i < 3; ++i)
+      for (const char* key : {"loss", "grad_norm", "lb_loss"})
+        EXPECT_EQ(y[i][key].get<double>(), x[i][key].get<double>()) << b << " step " << i + 1 << " " << key;
+    for (const auto& f : std::filesystem::directory_iterator(dir + "/" + a + "/checkpoints/step-00000003")) {
+      const std::string name = f.path().filename().string();
+      if (!name.ends_with(".safetensors")) continue;
+      EXPECT_EQ(io::read_file(f.path().string()),
+                io::read_file(dir + "/" + b + "/checkpoints/step-00000003/" + name))
+          << b << ": " << name << " differs from " << a << "'s";
+    }
+  };
+  const char* modes[] = {"none", "selective", "full"};
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+    for (std::string m : modes)
+      train("", model + m,
+            " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy") +
+                " --training.activation_checkpoint=" + m);
+    same(model + "none", model + "selective");
+    same(model + "none", model + "full");
+  }
+  if (run("command -v mpirun").first != 0) return;
+  struct Mesh {
+    const char* name;
+    int np;
+    const char* flags;
+  };
+  for (Mesh mesh : {Mesh{"ep2", 2, " --parallelism.ep=2"}, Mesh{"cp2ep2", 4, " --parallelism.cp=2 --parallelism.ep=2"},
+                    Mesh{"pp2v", 2, " --parallelism.pp=2 --parallelism.pipeline_schedule=dualpipev"},
+                    Mesh{"pp2f", 2, " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b"},
+                    Mesh{"pp2ep2", 4, " --parallelism.pp=2 --parallelism.ep=2"}}) {
+    for (std::string m : modes)
+      train(kMpirun + std::to_string(mesh.np) + " ", mesh.name + m,
+            std::string(" --model.config=") + fixture("pipeline/config.json") + " --data.tokens=" + dir +
+                "/tokens32.npy --training.activation_checkpoint=" + m + mesh.flags);
+    same(std::string(mesh.name) + "none", std::string(mesh.name) + "selective");
+    same(std::string(mesh.name) + "none", std::string(mesh.name) + "full");
+  }
 }
 
 // plan takes seq_len and the global batch from data.tokens, as train does.

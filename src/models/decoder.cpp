@@ -279,16 +279,25 @@ class Decoder final : public Model {
     return {rows(x.xs),   rows(x.gu),   rows(x.hs),   rows(x.ys), rows(x.d_ys),
             rows(x.d_hs), rows(x.d_gu), rows(x.d_xs), ep_ ? x.plan.offsets : x.offsets};
   }
-  // When each row tensor is taken and given back, and its width.
+  // When a row tensor is taken and given back, and its width (a tensor may live twice:
+  // recomputed in between).
   struct RowLife {
+    Row row;
     Stage take_stage;
     Pass take_pass;
     Stage give_stage;
     Pass give_pass;
     int64_t width;
   };
-  std::array<RowLife, kRowTensors> row_lives() const;
+  std::vector<RowLife> row_lives() const;
   static Tensor& row_view(LayerActs& x, Row r);
+  // The experts' activation (clamped for GPT-OSS): hs = swiglu(gu).
+  void swiglu_out(const Tensor& gu, const Tensor& hs) const {
+    if (c_.swiglu_limit > 0)
+      clamped_swiglu_forward(gu, c_.swiglu_limit, kSwigluAlpha, hs);
+    else
+      swiglu_forward(gu, hs);
+  }
   // The rows this rank's experts get in a plan: routing_skew times the balanced share,
   // within what the exchange (or a capacity) can bring.
   int64_t planned_rows(int64_t tokens) const;
@@ -699,19 +708,26 @@ void Decoder::lend(Stash& base, ActivationBlock& block) {
 // SwiGLU), hs (the down W) and, without expert parallelism, ys (the combine's B takes
 // dweight from it; with the exchange, `back` holds the outputs on the token's rank, so
 // ys goes once it is sent). The gradients live from the B that writes them to the W
-// that reads them, or within one B.
-std::array<Decoder::RowLife, kRowTensors> Decoder::row_lives() const {
+// that reads them, or within one B. Selective recomputation keeps neither hs, which the
+// experts' B computes again from gu (one SwiGLU), nor, without expert parallelism, xs,
+// which their W gathers again from y (with the exchange xs came from other ranks and is
+// kept).
+std::vector<Decoder::RowLife> Decoder::row_lives() const {
   const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size;
   constexpr Pass F = Pass::forward, B = Pass::backward_input, W = Pass::backward_weight;
   constexpr Stage dispatch = Stage::dispatch, experts = Stage::experts, combine = Stage::combine;
-  return {{{dispatch, F, experts, W, D},
-           {experts, F, experts, B, 2 * I},
-           {experts, F, experts, W, I},
-           {experts, F, combine, ep_ ? F : B, D},
-           {combine, B, experts, W, D},
-           {experts, B, experts, W, 2 * I},
-           {experts, B, experts, B, I},
-           {experts, B, dispatch, B, D}}};
+  const bool selective = recompute_ == Recompute::selective, regather = selective && !ep_;
+  std::vector<RowLife> lives = {{kXs, dispatch, F, experts, regather ? F : W, D},
+                                {kGu, experts, F, experts, B, 2 * I},
+                                {kHs, experts, F, experts, selective ? F : W, I},
+                                {kYs, experts, F, combine, ep_ ? F : B, D},
+                                {kDYs, combine, B, experts, W, D},
+                                {kDGu, experts, B, experts, W, 2 * I},
+                                {kDHs, experts, B, experts, B, I},
+                                {kDXs, experts, B, dispatch, B, D}};
+  if (selective) lives.push_back({kHs, experts, B, experts, W, I});
+  if (regather) lives.push_back({kXs, experts, W, experts, W, D});
+  return lives;
 }
 
 Tensor& Decoder::row_view(LayerActs& x, Row r) {
@@ -736,13 +752,12 @@ int64_t Decoder::planned_rows(int64_t tokens) const {
 }
 
 void Decoder::take_rows(int64_t l, LayerActs& x, Stage stage, Pass pass, int64_t tokens) {
-  const std::array<RowLife, kRowTensors> lives = row_lives();
   const int64_t rows = std::max(kRowRounding, (x.rows + kRowRounding - 1) / kRowRounding * kRowRounding);
   if (stage == Stage::dispatch && pass == Pass::forward && tokens > 0)
     pool_->skew = std::max(pool_->skew, static_cast<double>(x.rows) / static_cast<double>(tokens * k_));
-  for (int r = 0; r < kRowTensors; ++r) {
-    const RowLife& life = lives[r];
+  for (const RowLife& life : row_lives()) {
     if (life.take_stage != stage || life.take_pass != pass) continue;
+    const int r = life.row;
     x.held[r] = parallel::Buffer();  // a forward again without its backward (eval): the old rows first
     const size_t bytes = static_cast<size_t>(rows * life.width) * dtype_size(act_);
     auto refuse = [&](const std::string& why) {
@@ -785,11 +800,10 @@ void Decoder::take_rows(int64_t l, LayerActs& x, Stage stage, Pass pass, int64_t
 }
 
 void Decoder::give_rows(LayerActs& x, Stage stage, Pass pass) {
-  const std::array<RowLife, kRowTensors> lives = row_lives();
-  for (int r = 0; r < kRowTensors; ++r)
-    if (lives[r].give_stage == stage && lives[r].give_pass == pass) {
-      x.held[r] = parallel::Buffer();
-      row_view(x, static_cast<Row>(r)) = Tensor();
+  for (const RowLife& life : row_lives())
+    if (life.give_stage == stage && life.give_pass == pass) {
+      x.held[life.row] = parallel::Buffer();
+      row_view(x, life.row) = Tensor();
     }
 }
 
@@ -879,10 +893,7 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
       if (moe) {
         Routed r = routed(x);
         linear_.grouped_forward(r.xs, params_[w.gate_up], bias(w.gate_up_bias), r.offsets, r.gu);
-        if (c_.swiglu_limit > 0)
-          clamped_swiglu_forward(r.gu, c_.swiglu_limit, kSwigluAlpha, r.hs);
-        else
-          swiglu_forward(r.gu, r.hs);
+        swiglu_out(r.gu, r.hs);
         linear_.grouped_forward(r.hs, params_[w.down], bias(w.down_bias), r.offsets, r.ys);
         if (w.shared_gate_up >= 0) {  // the shared experts see every token
           linear_.forward(x.y, {{params_[w.shared_gate_up], x.sgu}});
@@ -987,6 +998,7 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
+        if (recompute_ == Recompute::selective) swiglu_out(r.gu, r.hs);  // W reads it
         linear_.grouped_backward_input(r.d_ys, params_[w.down], r.offsets, r.d_hs);
         if (c_.swiglu_limit > 0)
           clamped_swiglu_backward(r.gu, c_.swiglu_limit, kSwigluAlpha, r.d_hs, r.d_gu);
@@ -1022,10 +1034,12 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   LayerActs& x = s.layers[l];
   const bool moe = c_.moe[l];
   if (plan_only_) return plan_rows(l, stage, Pass::backward_weight, x, s.batch * s.seq);
+  if (moe) take_rows(l, x, stage, Pass::backward_weight, s.batch * s.seq);
   switch (stage) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
+        if (recompute_ == Recompute::selective && !ep_) mt::dispatch_forward(x.y, x.order, k_, r.xs);
         // A bias is written with its weight: one mark serves both.
         linear_.grouped_backward_weight(r.hs, r.d_ys, r.offsets, params_[w.down], grad_of(w.down_bias),
                                         !start(w.down));
