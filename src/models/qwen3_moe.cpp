@@ -71,8 +71,7 @@ namespace {
 struct Qwen3Acts : AttentionActs {
   Tensor q, k, v;         // projections [N,Hq*Dh], [N,Hkv*Dh]
   Tensor rstd_q, rstd_k;  // q/k norm per head [N*Hq], [N*Hkv]
-  Tensor qn, kn;          // normed q, k
-  Tensor qr, kr;          // rotated
+  Tensor qr, kr;          // normed, then rotated (in place)
   Tensor att, lse;        // attention output [N,Hq*Dh], [B,Hq,S]
   Tensor d_att, d_qr, d_kr, d_qn, d_kn, d_v, d_q, d_k;
 };
@@ -121,8 +120,6 @@ class Qwen3Attention final : public Attention {
       x.v = act({N, KV});
       x.rstd_q = f32({N * c_.num_heads});
       x.rstd_k = f32({N * c_.num_kv_heads});
-      x.qn = act({N, Q});
-      x.kn = act({N, KV});
       x.qr = act({N, Q});
       x.kr = act({N, KV});
       x.att = act({N, Q});
@@ -144,10 +141,11 @@ class Qwen3Attention final : public Attention {
     const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
     const float eps = static_cast<float>(c_.rms_norm_eps);
     io.linear->forward(io.xn, {{P[w.q], x.q}, {P[w.k], x.k}, {P[w.v], x.v}});
-    rmsnorm_forward(x.q.view({N * Hq, Dh}), P[w.q_norm].value, eps, x.qn.view({N * Hq, Dh}), x.rstd_q);
-    rmsnorm_forward(x.k.view({N * Hkv, Dh}), P[w.k_norm].value, eps, x.kn.view({N * Hkv, Dh}), x.rstd_k);
-    rope_forward(x.qn.view({B, S, Hq, Dh}), io.cos, io.sin, false, x.qr.view({B, S, Hq, Dh}));
-    rope_forward(x.kn.view({B, S, Hkv, Dh}), io.cos, io.sin, false, x.kr.view({B, S, Hkv, Dh}));
+    // The normed q and k are rotated in place: the backward needs only q, k and rstd.
+    rmsnorm_forward(x.q.view({N * Hq, Dh}), P[w.q_norm].value, eps, x.qr.view({N * Hq, Dh}), x.rstd_q);
+    rmsnorm_forward(x.k.view({N * Hkv, Dh}), P[w.k_norm].value, eps, x.kr.view({N * Hkv, Dh}), x.rstd_k);
+    rope_forward(x.qr.view({B, S, Hq, Dh}), io.cos, io.sin, false, x.qr.view({B, S, Hq, Dh}));
+    rope_forward(x.kr.view({B, S, Hkv, Dh}), io.cos, io.sin, false, x.kr.view({B, S, Hkv, Dh}));
     io.attend->forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
                        args(), x.att.view({B, S, Hq, Dh}), x.lse);
     io.linear->forward(x.att, {{P[w.o], io.hm, 1.0f}});
