@@ -1062,6 +1062,33 @@ TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
   }
 }
 
+// A run whose plan does not fit the device is refused before anything is allocated, with
+// the plan's figures and what recomputation would plan to: here the fixture's model with
+// a vocabulary of 10^9 (an embedding and head of 64 GB of master weights each) on the CPU.
+TEST(Commands, ARunThatDoesNotFitIsRefusedWithThePlan) {
+  const std::string dir = temp_dir("too_big");
+  std::vector<uint8_t> bytes = io::read_file(fixture("qwen3_moe_a/config.json"));
+  nlohmann::json config = nlohmann::json::parse(bytes.begin(), bytes.end());
+  config["vocab_size"] = 16000000;
+  config["hidden_size"] = 4096;
+  std::ofstream(dir + "/config.json") << config.dump();
+  const std::string flags = " --model.config=" + dir + "/config.json --data.tokens=" + fixture("qwen3_moe_a/tokens.npy");
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --training.steps=1 --job.dump_folder=" + dir + "/run" + flags);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("on the cpu device (master weights and gradients"), std::string::npos) << out;
+  EXPECT_NE(out.find("free. Levers; training.activation_checkpoint=selective plans"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run")) << out;
+  // The figure is the plan's total.
+  auto [rc2, plan] = run(std::string(MOETRAIN_BIN) + " plan" + flags);
+  ASSERT_EQ(rc2, 0) << plan;
+  const size_t total = plan.find("iB (", plan.find("  total")), needs = out.find(" bytes) on the cpu");
+  ASSERT_NE(total, std::string::npos) << plan;
+  ASSERT_NE(needs, std::string::npos) << out;
+  const std::string planned = plan.substr(total + 4, plan.find(' ', total + 4) - total - 4);
+  EXPECT_NE(out.find("needs ", needs - 40), std::string::npos);
+  EXPECT_EQ(out.substr(out.rfind('(', needs) + 1, needs - out.rfind('(', needs) - 1), planned) << out << plan;
+}
+
 // plan takes seq_len and the global batch from data.tokens, as train does.
 TEST(Commands, PlanReadsTheTokenMatrixAsTrainDoes) {
   const std::string base = std::string(MOETRAIN_BIN) + " plan --model.init=hf:" + fixture("qwen3_moe_a");

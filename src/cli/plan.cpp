@@ -156,20 +156,11 @@ int run_plan(const Args& args) {
   const int world = static_cast<int>(o.integer("world", 1, 1, int64_t{1} << 20));
   comm::MeshShape mesh = comm::mesh_shape(world, static_cast<int>(cfg.parallelism.pp),
                                           static_cast<int>(cfg.parallelism.cp), static_cast<int>(cfg.parallelism.ep));
-  const std::string config_json = model_config_path(cfg);
   ModelOptions options = model_options(cfg);
   options.plan_only = true;
-  const std::unique_ptr<Model> whole = make_model(config_json, options);
+  const std::unique_ptr<Model> whole = make_model(model_config_path(cfg), options);
   const int64_t L = whole->num_layers();
-  const Pipeline pipeline = make_pipeline(L, mesh.pp, cfg.parallelism.pipeline_schedule);
-  // As `train` builds it: with ZeRO-3 on more than one rank the layers' weights are shards.
-  const bool zero3 = cfg.parallelism.zero3 && world > 1;
-  options.external_layers = zero3;
-  // With ep > 1 the model is built as rank 0 of the ep group builds it: its share of the
-  // experts, and expert buffers sized for the exchange.
-  comm::Communicator ep = comm::Communicator::describing("ep (plan)", 0, mesh.ep);
-  if (mesh.ep > 1) options.ep = &ep;
-
+  const Pipeline pipeline = Trainer::pipeline_of(cfg, L);
   // The hottest rank's expert rows over the mean, for the bound printed beside the balanced
   // figure. The default: UltraEP (arXiv 2606.04101) measured the busiest rank at 1.30-4.01
   // times the mean for MoE models of 106B-671B without rebalancing, at large ep; at ep 8
@@ -177,41 +168,10 @@ int run_plan(const Args& args) {
   const double skew = o.has("routing-skew") ? std::stod(o.get("routing-skew")) : 1.5;
   MT_CHECK(skew >= 1.0 && skew <= 1e6) << "--routing-skew " << skew
                                        << ": the hottest rank's rows over the mean, at least 1";
-  // seq_len and the global batch as train takes them: a token matrix gives its width minus
-  // one and its rows (where the flags give none), a corpus needs both set.
-  int64_t seq = cfg.data.seq_len, global = cfg.training.global_batch_size;
-  if (!cfg.data.tokens.empty()) {
-    io::MappedFile file(cfg.data.tokens, "data.tokens");
-    const io::NpyHeader h = io::parse_npy_header(file.bytes().data(), file.bytes().size(), cfg.data.tokens);
-    MT_CHECK(h.shape.size() == 2 && h.shape[1] >= 2)
-        << "data.tokens " << cfg.data.tokens << ": a token matrix [B, T] with T >= 2 was expected, the shape has "
-        << h.shape.size() << " dims";
-    MT_CHECK(seq == 0 || seq == h.shape[1] - 1) << "data.seq_len = " << seq << " but the token matrix gives "
-                                                << h.shape[1] - 1 << " (its width minus one)";
-    MT_CHECK(global == 0 || global == h.shape[0]) << "training.global_batch_size = " << global << " but data.tokens has "
-                                                  << h.shape[0] << " rows, and the token matrix is the whole global batch";
-    seq = h.shape[1] - 1;
-    global = h.shape[0];
-  }
-  MT_CHECK(seq > 0) << "plan needs data.seq_len (> 0), or data.tokens to take it from";
-  MT_CHECK(global > 0) << "plan needs training.global_batch_size (> 0), or data.tokens to take it from";
-  const int64_t data_ranks = static_cast<int64_t>(mesh.dp) * mesh.ep;  // the ranks that split the batch
-  MT_CHECK(global % data_ranks == 0) << "training.global_batch_size " << global << " does not split over dp x ep = "
-                                     << data_ranks << " data ranks";
-  int64_t per_rank = global / data_ranks;
-  int64_t micro = cfg.training.micro_batch_size ? cfg.training.micro_batch_size : per_rank;
-  MT_CHECK(per_rank % micro == 0) << "training.micro_batch_size " << micro << " does not divide the " << per_rank
-                                  << " sequences of a rank";
-  // More than one rank shards the moments and the summed gradients (train/optimizer.h).
-  const int replicas = mesh.dp * mesh.cp * mesh.ep;
-  const bool sharded = replicas > 1;
-  ScheduleShape shape;
-  shape.layers = L;
-  shape.micro_batches = static_cast<int>(per_rank / micro);
-  shape.global_balance = cfg.training.load_balance_type == "global_batch";
-  shape.zero3 = zero3;
-  shape.reduce = sharded;
-  shape.defer_weights = cfg.training.activation_checkpoint != "full";
+  const StepShape sizes = step_shape(cfg, mesh);
+  const int64_t seq = sizes.seq, global = sizes.global_batch, micro = sizes.micro_batch;
+  const bool zero3 = cfg.parallelism.zero3 && world > 1;
+  const ScheduleShape shape = schedule_shape(cfg, L, sizes.micro_batches, zero3, mesh.dp * mesh.cp * mesh.ep > 1);
   std::vector<std::vector<Action>> schedules;
   for (int r = 0; r < mesh.pp; ++r) schedules.push_back(make_schedule(shape, pipeline, r));
 
@@ -236,78 +196,38 @@ int run_plan(const Args& args) {
     std::printf("per rank (1/ep of the experts; weights and accumulating gradients are sharded only\n"
                 "with zero3):\n");
   for (int r = 0; r < mesh.pp; ++r) {
-    if (mesh.pp > 1) {
-      options.layers = pipeline.layers_of(r);
-      options.embedding = pipeline.owner(-1) == r;
-      options.head = pipeline.owner(L) == r;
-    }
-    std::unique_ptr<Model> model = make_model(config_json, options);
-    size_t weights = 0, compute = 0;
-    const auto in_layer = [&](const Param& p) { return p.layer >= 0 && p.layer < L; };
-    for (const Param& p : model->params()) {
-      if (zero3 && in_layer(p)) continue;  // in the shards and the slot below
-      weights += p.value.nbytes();
-      if (p.compute.dtype != p.value.dtype) compute += p.compute.nbytes();
-      compute += p.fp8.bytes();
-    }
-    const parallel::ShardLayout layout(model->params(), replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : replicas,
-                                       zero3 ? L : 0);
-    const DType state = cfg.optimizer.state();
-    const size_t optimizer =
-        sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
-    const size_t slot = zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
-    // The micro-batches whose activations the schedule keeps at once on this rank: bare
-    // stashes for each one in flight, and each chunk's layer blocks for those working there.
-    int live = 0;
-    stash_slots(schedules[r], shape.micro_batches, &live);
-    size_t activations = model->make_bare_stash(micro, seq / mesh.cp)->bytes * static_cast<size_t>(live);
-    std::string in_flight = std::to_string(live);
-    const char* separator = "; of its chunks' layers ";
-    for (const ChunkBlocks& c : chunk_blocks(schedules[r], shape.micro_batches, pipeline, r, L)) {
-      activations += model->make_block(micro, seq / mesh.cp, c.first, c.last)->bytes * static_cast<size_t>(c.count);
-      in_flight += separator + std::to_string(c.count);
-      separator = ", ";
-    }
-    // The expert rows, played through the rank's schedule: under balanced routing (in the
-    // total), and with the hottest rank getting `skew` times its share of every layer.
-    auto rows_at = [&](double s) {
-      ModelOptions with = options;
-      with.routing_skew = s;
-      std::unique_ptr<Model> m = make_model(config_json, with);
-      return row_peak(schedules[r], *m, shape.micro_batches, micro, seq / mesh.cp);
-    };
-    const size_t rows = rows_at(1.0), rows_skewed = rows_at(skew);
-    const size_t total = 2 * weights + optimizer + compute + slot + activations + rows;
+    const MemoryPlan m = plan_memory(cfg, world, r, skew);
+    const size_t total = m.total();
     // One unit for the table, the one train's step line would use for the total.
     const bool mib = total < (size_t{1} << 30);
     const char* unit = mib ? "MiB" : "GiB";
     auto in = [&](size_t bytes) {
       return static_cast<double>(bytes) / static_cast<double>(size_t{1} << (mib ? 20 : 30));
     };
-    if (mesh.pp > 1) {
-      const std::vector<int64_t> mine = pipeline.layers_of(r);
-      std::printf(" pp rank %d: %zu layers%s%s\n", r, mine.size(), options.embedding ? ", the embedding" : "",
-                  options.head ? ", the head" : "");
-    }
-    std::printf("  master weights (f32)      %10.3f %s%s\n", in(weights), unit, zero3 ? " (embedding and head)" : "");
-    std::printf("  gradients (f32)           %10.3f %s%s\n", in(weights), unit, zero3 ? " (embedding and head)" : "");
-    if (sharded)
+    if (mesh.pp > 1)
+      std::printf(" pp rank %d: %zu layers%s%s\n", r, m.layers, m.embedding ? ", the embedding" : "",
+                  m.head ? ", the head" : "");
+    std::printf("  master weights (f32)      %10.3f %s%s\n", in(m.weights), unit, zero3 ? " (embedding and head)" : "");
+    std::printf("  gradients (f32)           %10.3f %s%s\n", in(m.weights), unit, zero3 ? " (embedding and head)" : "");
+    const DType state = cfg.optimizer.state();
+    if (m.sharded)
       std::printf("  AdamW shards              %10.3f %s (moments and summed gradients%s over %d ranks)\n",
-                  in(optimizer), unit, zero3 ? ", layers' weights" : "", replicas);
+                  in(m.optimizer), unit, zero3 ? ", layers' weights" : "", m.replicas);
     else
-      std::printf("  AdamW moments (2 x %s)  %10.3f %s\n", state == DType::bf16 ? "bf16" : "f32 ", in(optimizer), unit);
-    std::printf("  %-26s%10.3f %s\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies", in(compute), unit);
+      std::printf("  AdamW moments (2 x %s)  %10.3f %s\n", state == DType::bf16 ? "bf16" : "f32 ", in(m.optimizer),
+                  unit);
+    std::printf("  %-26s%10.3f %s\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies", in(m.compute), unit);
     if (zero3)
       std::printf("  zero3 layer slots         %10.3f %s (two layers' weights and copies, two layers' gradients)\n",
-                  in(slot), unit);
+                  in(m.slot), unit);
     std::printf("  activations               %10.3f %s (micro-batches of %lld x %lld tokens in flight: %s)\n",
-                in(activations), unit, static_cast<long long>(micro), static_cast<long long>(seq / mesh.cp),
-                in_flight.c_str());
-    std::printf("  expert rows               %10.3f %s (balanced routing; the most held at once)\n", in(rows), unit);
+                in(m.activations), unit, static_cast<long long>(micro), static_cast<long long>(seq / mesh.cp),
+                m.in_flight.c_str());
+    std::printf("  expert rows               %10.3f %s (balanced routing; the most held at once)\n", in(m.rows), unit);
     std::printf("  total                     %10.3f %s (%zu bytes)\n", in(total), unit, total);
     std::printf("  at routing skew %-9g %10.3f %s (%zu bytes; expert rows %zu bytes: the hottest rank gets %g x its "
                 "share)\n",
-                skew, in(total - rows + rows_skewed), unit, total - rows + rows_skewed, rows_skewed, skew);
+                skew, in(m.total_skewed()), unit, m.total_skewed(), m.rows_skewed, skew);
   }
   if (!o.has("schedule")) return 0;
 

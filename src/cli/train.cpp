@@ -50,6 +50,31 @@ void install_signal_handlers() {
   sigaction(SIGINT, &sa, nullptr);
 }
 
+// A run whose plan (train/trainer.h, plan_memory: what `moetrain plan` prints) needs
+// more than the device has free is refused before anything is allocated, with the
+// plan's figures and what the levers would plan to.
+void refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_t free) {
+  const MemoryPlan m = plan_memory(cfg, world, pp_rank, 1.0);
+  if (m.total() <= free) return;
+  auto gib = [](size_t b) { return std::to_string(static_cast<double>(b) / (1 << 30)).substr(0, 6) + " GiB"; };
+  std::string levers;
+  for (const char* mode : {"selective", "full"}) {
+    if (cfg.training.activation_checkpoint == mode) continue;
+    Config other = cfg;
+    other.training.activation_checkpoint = mode;
+    levers += std::string("; training.activation_checkpoint=") + mode + " plans " + gib(plan_memory(other, world, pp_rank, 1.0).total());
+  }
+  MT_FAIL() << "the plan for pp rank " << pp_rank << " needs " << gib(m.total()) << " (" << m.total()
+            << " bytes) on the "
+            << cfg.training.device << " device (master weights and "
+            << "gradients " << gib(2 * m.weights) << ", optimizer " << gib(m.optimizer) << ", weight copies "
+            << gib(m.compute) << ", zero3 slots " << gib(m.slot) << ", activations " << gib(m.activations)
+            << " for micro-batches of " << m.step.micro_batch << " x " << m.step.seq << ", expert rows "
+            << gib(m.rows) << " under balanced routing) but the device has " << gib(free)
+            << " free. Levers" << levers << "; a smaller training.micro_batch_size; parallelism.zero3=true; more "
+            << "ranks (parallelism.ep, parallelism.pp). moetrain plan with the same flags prints each figure";
+}
+
 // A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
 // exact resume needs unchanged is refused unless checkpoint.allow_config_change; rank
 // 0 (`print`) prints every changed key.
@@ -223,9 +248,15 @@ int run_train(const Args& args) {
     options.embedding = p.owner(-1) == mesh.coord().pp;
     options.head = p.owner(whole->num_layers()) == mesh.coord().pp;
   }
+  // The host's memory the kernel could give now, or the GPU's free memory.
+  size_t free = static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
 #ifdef MOETRAIN_WITH_CUDA
-  if (options.device == Device::cuda) cuda::note_memory_baseline();  // before the first allocation
+  if (options.device == Device::cuda) {
+    cuda::note_memory_baseline();  // before the first allocation
+    free = cuda::free_memory();
+  }
 #endif
+  refuse_what_does_not_fit(cfg, world.size(), mesh.coord().pp, free);
   std::unique_ptr<Model> model = make_model(config_json, options);
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";

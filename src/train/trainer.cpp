@@ -86,6 +86,117 @@ ModelOptions model_options(const Config& cfg) {
   return o;
 }
 
+StepShape step_shape(const Config& cfg, const comm::MeshShape& mesh) {
+  StepShape s;
+  s.seq = cfg.data.seq_len;
+  s.global_batch = cfg.training.global_batch_size;
+  if (!cfg.data.tokens.empty()) {
+    io::MappedFile file(cfg.data.tokens, "data.tokens");
+    const io::NpyHeader h = io::parse_npy_header(file.bytes().data(), file.bytes().size(), cfg.data.tokens);
+    MT_CHECK(h.shape.size() == 2 && h.shape[1] >= 2)
+        << "data.tokens " << cfg.data.tokens << ": a token matrix [B, T] with T >= 2 was expected, the shape has "
+        << h.shape.size() << " dims";
+    MT_CHECK(s.seq == 0 || s.seq == h.shape[1] - 1) << "data.seq_len = " << s.seq << " but the token matrix gives "
+                                                    << h.shape[1] - 1 << " (its width minus one)";
+    MT_CHECK(s.global_batch == 0 || s.global_batch == h.shape[0])
+        << "training.global_batch_size = " << s.global_batch << " but data.tokens has " << h.shape[0]
+        << " rows, and the token matrix is the whole global batch";
+    s.seq = h.shape[1] - 1;
+    s.global_batch = h.shape[0];
+  }
+  MT_CHECK(s.seq > 0) << "data.seq_len must be set (> 0), or data.tokens given to take it from";
+  MT_CHECK(s.global_batch > 0) << "training.global_batch_size must be set (> 0), or data.tokens given to take it from";
+  const int64_t data_ranks = static_cast<int64_t>(mesh.dp) * mesh.ep;  // the ranks that split the batch
+  MT_CHECK(s.global_batch % data_ranks == 0) << "training.global_batch_size " << s.global_batch
+                                             << " does not split over dp x ep = " << data_ranks << " data ranks";
+  const int64_t per_rank = s.global_batch / data_ranks;
+  s.micro_batch = cfg.training.micro_batch_size ? cfg.training.micro_batch_size : per_rank;
+  MT_CHECK(per_rank % s.micro_batch == 0) << "training.micro_batch_size " << s.micro_batch << " does not divide the "
+                                          << per_rank << " sequences of a rank";
+  s.micro_batches = static_cast<int>(per_rank / s.micro_batch);
+  return s;
+}
+
+ScheduleShape schedule_shape(const Config& cfg, int64_t layers, int micro_batches, bool zero3, bool sharded) {
+  ScheduleShape shape;
+  shape.layers = layers;
+  shape.micro_batches = micro_batches;
+  shape.global_balance = cfg.training.load_balance_type == "global_batch";
+  shape.zero3 = zero3;
+  shape.reduce = sharded;
+  shape.defer_weights = cfg.training.activation_checkpoint != "full";
+  return shape;
+}
+
+MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
+  const comm::MeshShape mesh = comm::mesh_shape(world, static_cast<int>(cfg.parallelism.pp),
+                                                static_cast<int>(cfg.parallelism.cp), static_cast<int>(cfg.parallelism.ep));
+  MemoryPlan m;
+  m.step = step_shape(cfg, mesh);
+  const std::string config_json = model_config_path(cfg);
+  ModelOptions options = model_options(cfg);
+  options.plan_only = true;
+  const int64_t L = make_model(config_json, options)->num_layers();
+  const Pipeline pipeline = Trainer::pipeline_of(cfg, L);
+  // As `train` builds it: with ZeRO-3 on more than one rank the layers' weights are shards;
+  // more than one rank shards the moments and the summed gradients (train/optimizer.h).
+  m.zero3 = cfg.parallelism.zero3 && world > 1;
+  m.replicas = mesh.dp * mesh.cp * mesh.ep;
+  m.sharded = m.replicas > 1;
+  options.external_layers = m.zero3;
+  // With ep > 1 the model is built as rank 0 of the ep group builds it: its share of the
+  // experts.
+  comm::Communicator ep = comm::Communicator::describing("ep (plan)", 0, mesh.ep);
+  if (mesh.ep > 1) options.ep = &ep;
+  if (mesh.pp > 1) {
+    options.layers = pipeline.layers_of(pp_rank);
+    options.embedding = pipeline.owner(-1) == pp_rank;
+    options.head = pipeline.owner(L) == pp_rank;
+  }
+  m.embedding = options.embedding;
+  m.head = options.head;
+  m.layers = mesh.pp > 1 ? options.layers.size() : static_cast<size_t>(L);
+  const ScheduleShape shape = schedule_shape(cfg, L, m.step.micro_batches, m.zero3, m.sharded);
+  const std::vector<Action> actions = make_schedule(shape, pipeline, pp_rank);
+  std::unique_ptr<Model> model = make_model(config_json, options);
+  const auto in_layer = [&](const Param& p) { return p.layer >= 0 && p.layer < L; };
+  for (const Param& p : model->params()) {
+    if (m.zero3 && in_layer(p)) continue;  // in the shards and the slot below
+    m.weights += p.value.nbytes();
+    if (p.compute.dtype != p.value.dtype) m.compute += p.compute.nbytes();
+    m.compute += p.fp8.bytes();
+  }
+  const parallel::ShardLayout layout(model->params(), m.replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : m.replicas,
+                                     m.zero3 ? L : 0);
+  const DType state = cfg.optimizer.state();
+  m.optimizer = m.sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
+  m.slot = m.zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
+  // The micro-batches whose activations the schedule keeps at once on this rank: bare
+  // stashes for each one in flight, and each chunk's layer blocks for those working there.
+  const int64_t batch = m.step.micro_batch, seq = m.step.seq / mesh.cp;
+  int live = 0;
+  stash_slots(actions, shape.micro_batches, &live);
+  m.activations = model->make_bare_stash(batch, seq)->bytes * static_cast<size_t>(live);
+  m.in_flight = std::to_string(live);
+  const char* separator = "; of its chunks' layers ";
+  for (const ChunkBlocks& c : chunk_blocks(actions, shape.micro_batches, pipeline, pp_rank, L)) {
+    m.activations += model->make_block(batch, seq, c.first, c.last)->bytes * static_cast<size_t>(c.count);
+    m.in_flight += separator + std::to_string(c.count);
+    separator = ", ";
+  }
+  // The expert rows, played through the rank's schedule: under balanced routing, and with
+  // the hottest rank getting `skew` times its share of every layer.
+  auto rows_at = [&](double s) {
+    ModelOptions with = options;
+    with.routing_skew = s;
+    std::unique_ptr<Model> counted = make_model(config_json, with);
+    return row_peak(actions, *counted, shape.micro_batches, batch, seq);
+  };
+  m.rows = rows_at(1.0);
+  m.rows_skewed = rows_at(skew);
+  return m;
+}
+
 TokenBatch read_token_batch(const std::string& npy_path, int64_t vocab_size) {
   io::NpyArray a = io::read_npy(npy_path);
   MT_CHECK(a.header.shape.size() == 2 && a.header.shape[1] >= 2)
@@ -159,13 +270,8 @@ void Trainer::make_stashes() {
   // load-balance loss, all of them). Made at the first step, once the mesh is known: a
   // stash for the whole batch, dropped when set_parallel splits it, would leave the GPU
   // pool holding its memory in pieces.
-  ScheduleShape shape;
-  shape.layers = model_.num_layers();
-  shape.micro_batches = static_cast<int>(micro_batches_);
-  shape.global_balance = cfg_.training.load_balance_type == "global_batch";
-  shape.zero3 = zero3_ != nullptr;
-  shape.reduce = dp_ != nullptr;
-  shape.defer_weights = cfg_.training.activation_checkpoint != "full";
+  const ScheduleShape shape =
+      schedule_shape(cfg_, model_.num_layers(), static_cast<int>(micro_batches_), zero3_ != nullptr, dp_ != nullptr);
   actions_ = make_schedule(shape, pipeline_, pp_rank_);
   int live = 0;
   slot_ = stash_slots(actions_, shape.micro_batches, &live);

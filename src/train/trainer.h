@@ -24,6 +24,38 @@ namespace mt {
 // layers and plan_only are the caller's.
 ModelOptions model_options(const Config& cfg);
 
+// A step's shape as train takes it: seq_len and the global batch from the flags, or
+// from data.tokens where they give none (a corpus needs both set), the micro-batch, and
+// how many a data rank runs (errors name what does not split).
+struct StepShape {
+  int64_t seq = 0, global_batch = 0, micro_batch = 0;
+  int micro_batches = 0;
+};
+StepShape step_shape(const Config& cfg, const comm::MeshShape& mesh);
+// The schedule's shape for that step, as the trainer runs it.
+ScheduleShape schedule_shape(const Config& cfg, int64_t layers, int micro_batches, bool zero3, bool sharded);
+
+// One pp rank's memory, from the allocation code a run uses (counting arenas, and its
+// schedule played for the expert rows): what `moetrain plan` prints and what train
+// checks against the device before it allocates. With ep > 1 it is ep rank 0's model.
+struct MemoryPlan {
+  StepShape step;
+  bool zero3 = false, sharded = false;
+  int replicas = 1;  // the ranks the optimizer state is sharded over
+  size_t weights = 0;       // master weights, and as many bytes of gradients
+  size_t compute = 0;       // bf16 and FP8 copies
+  size_t optimizer = 0;     // moments (sharded: and summed gradients, weight shards)
+  size_t slot = 0;          // ZeRO-3's layer slots
+  size_t activations = 0;   // bare stashes and blocks of the micro-batches in flight
+  std::string in_flight;    // how many of those: "4; of its chunks' layers 4, 1"
+  size_t rows = 0, rows_skewed = 0;  // expert rows' peak: balanced, and at the skew given
+  bool embedding = true, head = true;
+  size_t layers = 0;
+  size_t total() const { return 2 * weights + optimizer + compute + slot + activations + rows; }
+  size_t total_skewed() const { return total() - rows + rows_skewed; }
+};
+MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew);
+
 // Fills every parameter: random (seeded, per Hugging Face name, so any layout gives
 // the same values) or from a Hugging Face model folder.
 void init_random(Model& m, double init_std, uint64_t seed);
