@@ -259,10 +259,17 @@ int run_plan(const Args& args) {
     }
     std::printf("  master weights (f32)      %10.3f %s%s\n", in(weights), unit, zero3 ? " (embedding and head)" : "");
     std::printf("  gradients (f32)           %10.3f %s%s\n", in(weights), unit, zero3 ? " (embedding and head)" : "");
-    if (sharded)
-      std::printf("  AdamW shards              %10.3f %s (moments and summed gradients%s over %d ranks)\n",
-                  in(optimizer), unit, zero3 ? ", layers' weights" : "", replicas);
-    else
+    if (sharded) {
+      // Experts shard over dp x cp; a group of one has no gradient shard (sharding.h).
+      const int experts = mesh.ep > 1 ? mesh.dp * mesh.cp : replicas;
+      std::string also;
+      if (experts == 1 && !zero3)
+        also = "; the experts' moments only, over 1: their own gradients are their sums";
+      else if (experts != replicas)
+        also = "; the experts' over " + std::to_string(experts);
+      std::printf("  AdamW shards              %10.3f %s (moments and summed gradients%s over %d ranks%s)\n",
+                  in(optimizer), unit, zero3 ? ", layers' weights" : "", replicas, also.c_str());
+    } else
       std::printf("  AdamW moments (2 x %s)  %10.3f %s\n", state == DType::bf16 ? "bf16" : "f32 ", in(optimizer), unit);
     std::printf("  %-26s%10.3f %s\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies", in(compute), unit);
     if (zero3)
