@@ -1080,7 +1080,8 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 
 // Blocks of awkward sizes in four units (the embedding, layer 0's dense blocks and its
 // experts, layer 1), so shards pad and pieces cross block ends. Dense units shard over
-// the world, expert units over pairs of ranks (groups of one on a lone rank).
+// the world, expert units over pairs of ranks (groups of one on a lone rank: no
+// gradient shard, their sums are the blocks' own gradients).
 TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
   comm::Communicator& w = world_comm();
   comm::Communicator pairs = w.split(w.rank() / 2, w.rank(), "pairs");
@@ -1108,9 +1109,17 @@ TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
   }
   parallel::ShardLayout layout(params, &w, &pairs);
   ASSERT_EQ(layout.units().size(), 4u);
+  int64_t shared = 0;  // elements of the units whose group is more than one rank
+  for (const parallel::ShardUnit& u : layout.units()) {
+    EXPECT_EQ(u.grad_at < 0, u.group_size == 1) << "unit of layer " << u.layer;
+    if (u.group_size > 1) shared += u.shard;
+  }
+  EXPECT_EQ(layout.grad_elements(), shared);
+  std::vector<float> grad(static_cast<size_t>(layout.grad_elements()), -1.0f);
   std::vector<float> shard(static_cast<size_t>(layout.shard_elements()), -1.0f);
   std::vector<float> scratch(static_cast<size_t>(layout.scratch_elements()));
-  Tensor shard_t = f32(shard, {layout.shard_elements()}), scratch_t = f32(scratch, {layout.scratch_elements()});
+  Tensor grad_t = f32(grad, {layout.grad_elements()}), shard_t = f32(shard, {layout.shard_elements()});
+  Tensor scratch_t = f32(scratch, {layout.scratch_elements()});
 
   // The reference sum of a block over a group: every rank's gradients, drawn again.
   auto group_sum = [&](size_t i, comm::Communicator& g) {
@@ -1124,14 +1133,15 @@ TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
   };
   // Every part started before any is waited for, as the schedule overlaps them.
   std::vector<parallel::ShardLayout::Reduction> started;
-  for (int64_t part : {-1, 0, 1}) started.push_back(layout.reduce_start(params, part, shard_t));
+  for (int64_t part : {-1, 0, 1}) started.push_back(layout.reduce_start(params, part, grad_t));
   for (parallel::ShardLayout::Reduction& r : started) r.wait();
   int64_t covered = 0;
   for (const parallel::ShardUnit& u : layout.units()) {
     EXPECT_TRUE(u.group_size * u.shard >= u.length && u.shard <= u.length / u.group_size + 1);
     for (const parallel::ShardPiece& p : u.pieces) {
       std::vector<float> want = group_sum(p.param, blocks[p.param].expert ? pairs : w);
-      expect_close(shard.data() + p.at, want.data() + p.offset, p.count, 1e-6, "reduced block " + std::to_string(p.param));
+      Tensor got = parallel::ShardLayout::grad_of(params, grad_t, u, p);
+      expect_close(got.f32(), want.data() + p.offset, p.count, 1e-6, "reduced block " + std::to_string(p.param));
       covered += p.count;
     }
   }
@@ -1172,10 +1182,20 @@ TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
     full_t.push_back(f32(full[i], {blocks[i].n}));
     back_t.push_back(f32(back[i], {blocks[i].n}));
   }
-  layout.scatter(full_t, shard_t);
+  layout.scatter(full_t, shard_t, scratch_t);
   layout.gather(shard_t, back_t, scratch_t);
   for (size_t i = 0; i < blocks.size(); ++i)
     expect_close(back[i].data(), full[i].data(), blocks[i].n, 0, "round trip of block " + std::to_string(i));
+  // bf16 shards (optimizer.state_dtype = bf16) round in the scratch: exact for values
+  // that are bf16 already.
+  std::vector<uint16_t> half(static_cast<size_t>(layout.shard_elements()));
+  Tensor half_t(half.data(), {layout.shard_elements()}, DType::bf16);
+  for (std::vector<float>& f : full)
+    for (float& x : f) x = f32_from_bf16(bf16_from_f32(x));
+  layout.scatter(full_t, half_t, scratch_t);
+  layout.gather(half_t, back_t, scratch_t);
+  for (size_t i = 0; i < blocks.size(); ++i)
+    expect_close(back[i].data(), full[i].data(), blocks[i].n, 0, "bf16 round trip of block " + std::to_string(i));
 }
 
 }  // namespace

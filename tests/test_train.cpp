@@ -18,7 +18,9 @@
 #include "io/file.h"
 #include "io/npy.h"
 #include "io/safetensors.h"
+#include "parallel/sharding.h"
 #include "train/config.h"
+#include "train/optimizer.h"
 #include "train/progress.h"
 #include "train/schedule.h"
 #include "train/tensorboard.h"
@@ -1191,6 +1193,50 @@ TEST(Commands, ExhaustedExpertRowsStopTheRunAndKeepTheCheckpoint) {
   const std::vector<nlohmann::json> m = metrics_of(dir + "/run");
   ASSERT_EQ(m.size(), 2u);
   EXPECT_EQ(m[1]["step"].get<int64_t>(), 2);
+}
+
+// Expert units whose group is one rank (ep = world, dp = cp = 1) keep no gradient
+// shard: their sum is their own gradients, which AdamW reads in place. On 2 ranks at
+// ep 2 rank 0 holds the moments of every unit's shard (the dense units' halves, its 4
+// experts whole) but summed gradients of the dense halves only: 4 bytes less for each
+// of its expert elements than when the experts had a shard too. The counts come from
+// the parameter shapes here, not from the layout. With ZeRO-3 the experts keep their
+// shard (their gradients live in a slot the next layer reuses). That a run holds what
+// sharded_bytes says is PlanPredictsTheMemoryATrainRunHolds (its "ep2" case); that its
+// losses and gradient norms still match one rank is Meshes.MatchOneRank (mesh 1,1,2).
+TEST(Sharding, ExpertsAloneOnTheirRankKeepNoGradientShard) {
+  comm::Communicator ep = comm::Communicator::describing("ep (test)", 0, 2);
+  ModelOptions options;
+  options.plan_only = true;
+  options.ep = &ep;
+  std::unique_ptr<Model> m = make_model(fixture("qwen3_moe_a/config.json"), options);
+  std::map<std::pair<int64_t, bool>, int64_t> length;  // (layer, expert) -> elements
+  for (const Param& p : m->params()) length[{p.layer, p.expert}] += p.value.numel();
+  int64_t dense = 0, experts = 0, scratch = 0;  // this rank's shard elements; the exchange buffer's
+  for (const auto& [unit, n] : length) {
+    const int64_t group = unit.second ? 1 : 2, shard = (n + group - 1) / group;
+    (unit.second ? experts : dense) += shard;
+    scratch = std::max(scratch, (group + 1) * shard);
+  }
+  ASSERT_GT(experts, 0);
+  const parallel::ShardLayout layout(m->params(), 2, 1);
+  EXPECT_EQ(layout.shard_elements(), dense + experts);
+  EXPECT_EQ(layout.grad_elements(), dense);
+  EXPECT_EQ(parallel::ShardLayout(m->params(), 2, 1, m->num_layers()).grad_elements(), dense + experts);
+  for (DType state : {DType::f32, DType::bf16}) {
+    // What shard() allocates, in its order: the two moments, summed gradients, exchange buffer.
+    auto bytes = [&](int64_t grads) {
+      Arena a = Arena::counting("expected", Device::cpu);
+      for (int64_t n : {dense + experts, dense + experts}) a.alloc(state, {n});
+      a.alloc(DType::f32, {grads});
+      a.alloc(DType::f32, {scratch});
+      return a.peak();
+    };
+    EXPECT_EQ(AdamW::sharded_bytes(layout, state), bytes(dense)) << dtype_name(state);
+    // 4 x 9216: whole multiples of the arena's alignment, so the saving is exact.
+    EXPECT_EQ(bytes(dense + experts) - AdamW::sharded_bytes(layout, state), size_t{4} * experts)
+        << dtype_name(state);
+  }
 }
 
 // plan --schedule on the pipeline fixture (8 layers). With unit costs the bubble is the

@@ -210,13 +210,22 @@ int run_plan(const Args& args) {
     std::printf("  master weights (f32)      %10.3f %s%s\n", in(m.weights), unit, zero3 ? " (embedding and head)" : "");
     std::printf("  gradients (f32)           %10.3f %s%s\n", in(m.weights), unit, zero3 ? " (embedding and head)" : "");
     const DType state = cfg.optimizer.state();
-    if (m.sharded)
-      std::printf("  AdamW shards              %10.3f %s (moments and summed gradients%s over %d ranks)\n",
-                  in(m.optimizer), unit, zero3 ? ", layers' weights" : "", m.replicas);
-    else
+    if (m.sharded) {
+      // Experts shard over dp x cp; a group of one has no gradient shard (sharding.h).
+      const int experts = mesh.ep > 1 ? mesh.dp * mesh.cp : m.replicas;
+      std::string also;
+      if (experts == 1 && !zero3)
+        also = "; the experts' moments only, over 1: their own gradients are their sums";
+      else if (experts != m.replicas)
+        also = "; the experts' over " + std::to_string(experts);
+      std::printf("  AdamW shards              %10.3f %s (moments and summed gradients%s over %d ranks%s)\n",
+                  in(m.optimizer), unit, zero3 ? ", layers' weights" : "", m.replicas, also.c_str());
+    } else {
       std::printf("  AdamW moments (2 x %s)  %10.3f %s\n", state == DType::bf16 ? "bf16" : "f32 ", in(m.optimizer),
                   unit);
-    std::printf("  %-26s%10.3f %s\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies", in(m.compute), unit);
+    }
+    std::printf("  %-26s%10.3f %s\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies",
+                in(m.compute), unit);
     if (zero3)
       std::printf("  zero3 layer slots         %10.3f %s (two layers' weights and copies, two layers' gradients)\n",
                   in(m.slot), unit);

@@ -11,7 +11,7 @@ namespace mt::parallel {
 
 namespace {
 
-// Elements [offset, offset + count) of a contiguous f32 tensor, flat.
+// Elements [offset, offset + count) of a contiguous tensor, flat.
 Tensor flat(const Tensor& t, int64_t offset, int64_t count) {
   MT_CHECK(offset >= 0 && offset + count <= t.numel())
       << "sharding: elements [" << offset << ", " << offset + count << ") of " << t.str();
@@ -21,6 +21,12 @@ Tensor flat(const Tensor& t, int64_t offset, int64_t count) {
 }  // namespace
 
 Tensor ShardLayout::piece_of(const Tensor& v, const ShardPiece& p) { return flat(v, p.at, p.count); }
+
+Tensor ShardLayout::grad_of(const std::vector<Param>& params, const Tensor& grad_shard, const ShardUnit& u,
+                            const ShardPiece& p) {
+  if (u.grad_at < 0) return flat(params[p.param].grad, p.offset, p.count);
+  return flat(grad_shard, u.grad_at + p.at - u.state_at, p.count);
+}
 
 ShardLayout::ShardLayout(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert,
                          int64_t weight_layers) {
@@ -61,6 +67,12 @@ void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* de
       u.value_at = value_elements_;
       value_elements_ += u.shard;
     }
+    // A group of one's sum is its blocks' own gradients, read in place; with ZeRO-3
+    // those live in a gradient slot only until the layer's reduction.
+    if (u.group_size > 1 || u.value_at >= 0) {
+      u.grad_at = grad_elements_;
+      grad_elements_ += u.shard;
+    }
     // Room for the padded unit and, after it, one shard (the reduce-scatter's output).
     scratch_elements_ = std::max(scratch_elements_, (u.group_size + 1) * u.shard);
     const int64_t begin = u.group_rank * u.shard, end = begin + u.shard;
@@ -82,16 +94,11 @@ ShardLayout::Reduction ShardLayout::reduce_start(const std::vector<Param>& param
                                                  const Tensor& grad_shard) const {
   Reduction r;
   for (const ShardUnit& u : units_) {
-    if (u.layer != layer || u.value_at >= 0) continue;
+    if (u.layer != layer || u.value_at >= 0 || u.grad_at < 0) continue;
     const int64_t n = u.group_size, s = u.shard;
-    Tensor mine = flat(grad_shard, u.state_at, s);
-    if (u.group == nullptr || n == 1) {
-      // Nothing to sum: this rank's shard is the whole unit.
-      for (const ShardPiece& p : u.pieces)
-        copy(flat(mine, p.at - u.state_at, p.count), flat(params[p.param].grad, p.offset, p.count));
-      if (u.length < s) fill(flat(mine, u.length, s - u.length), 0.0f);
-      continue;
-    }
+    MT_CHECK(u.group != nullptr) << "ShardLayout::reduce_start: part " << layer << " has a unit over " << n
+                                 << " ranks but no communicator (a layout of sizes only, for the plan)";
+    Tensor mine = flat(grad_shard, u.grad_at, s);
     Buffer in = make_buffer(grad_shard.device, DType::f32, {n * s});
     for (size_t j = 0; j < u.params.size(); ++j) {
       const Tensor& g = params[u.params[j]].grad;
@@ -124,11 +131,13 @@ void ShardLayout::all_gather(const std::vector<Param>& params, const Tensor& scr
 void ShardLayout::gather(const Tensor& shard, const std::vector<Tensor>& full, const Tensor& scratch) const {
   for (const ShardUnit& u : units_) {
     const int64_t n = u.group_size, s = u.shard;
-    Tensor all = flat(scratch, 0, n * s);
+    // This rank's shard, as f32, after the room for the whole unit.
+    Tensor all = flat(scratch, 0, n * s), mine = flat(scratch, n * s, s);
+    cast(flat(shard, u.state_at, s), mine);
     if (u.group == nullptr || n == 1)
-      copy(flat(all, 0, s), flat(shard, u.state_at, s));
+      copy(flat(all, 0, s), mine);
     else
-      u.group->all_gather(flat(shard, u.state_at, s), all);
+      u.group->all_gather(mine, all);
     for (size_t j = 0; j < u.params.size(); ++j) {
       const Tensor& f = full[u.params[j]];
       copy(flat(f, 0, f.numel()), flat(all, u.starts[j], f.numel()));
@@ -136,10 +145,14 @@ void ShardLayout::gather(const Tensor& shard, const std::vector<Tensor>& full, c
   }
 }
 
-void ShardLayout::scatter(const std::vector<Tensor>& full, const Tensor& shard) const {
+void ShardLayout::scatter(const std::vector<Tensor>& full, const Tensor& shard, const Tensor& scratch) const {
   for (const ShardUnit& u : units_) {
-    fill(flat(shard, u.state_at, u.shard), 0.0f);
-    for (const ShardPiece& p : u.pieces) copy(piece_of(shard, p), flat(full[p.param], p.offset, p.count));
+    // Assembled as f32 on the shard's device (full is host memory), then cast there.
+    Tensor mine = flat(scratch, 0, u.shard);
+    fill(mine, 0.0f);
+    for (const ShardPiece& p : u.pieces)
+      copy(flat(mine, p.at - u.state_at, p.count), flat(full[p.param], p.offset, p.count));
+    cast(mine, flat(shard, u.state_at, u.shard));
   }
 }
 

@@ -14,7 +14,11 @@
 //   gather / scatter per-block state laid out like the weights <-> the rank's shards
 //
 // AdamW's moments and the reduced gradients always live only as shards (8 + 4 bytes
-// per parameter divided by the group), and AdamW updates each rank's shard. By default
+// per parameter divided by the group), and AdamW updates each rank's shard. A unit
+// whose group is one rank (experts with dp x cp = 1) has no gradient shard
+// (`grad_at` -1): the sum over a group of one is its blocks' own full gradients, which
+// AdamW reads in place (grad_of). Only with ZeRO-3 does such a unit keep one, as its
+// blocks' gradients live in a slot reused by the next layer. By default
 // the weights and the accumulating gradients stay full on every rank (ZeRO-2 memory):
 // the updated shards are all-gathered into them after each step. With ZeRO-3
 // (`weight_layers` > 0, parallel/zero3.h) the units of decoder layers 0 .. weight_layers-1
@@ -45,7 +49,8 @@ struct ShardUnit {
   std::vector<int64_t> starts;  // flat start of each block
   int64_t length = 0;           // elements of all its blocks
   int64_t shard = 0;            // elements per rank, padding included
-  int64_t state_at = 0;         // where its shard starts in the rank's shard vectors
+  int64_t state_at = 0;         // where its shard starts in the rank's moment (state) shard vectors
+  int64_t grad_at = -1;         // where it starts in the gradient shard vector; -1: none (a group of one)
   std::vector<ShardPiece> pieces;  // this rank's shard, block by block
   int64_t layer = 0;               // Param::layer of its blocks
   int64_t value_at = -1;           // ZeRO-3: where its weight shard starts; -1: weights full
@@ -64,6 +69,7 @@ class ShardLayout {
 
   const std::vector<ShardUnit>& units() const { return units_; }
   int64_t shard_elements() const { return shard_elements_; }      // this rank's, all units
+  int64_t grad_elements() const { return grad_elements_; }        // this rank's, units with a gradient shard
   int64_t scratch_elements() const { return scratch_elements_; }  // the largest padded unit
   int64_t value_elements() const { return value_elements_; }      // ZeRO-3 weight shards, all units
 
@@ -74,19 +80,26 @@ class ShardLayout {
     std::vector<Buffer> inputs;
     void wait();
   };
-  // Starts writing, into grad_shard f32 [shard_elements], this rank's shard of the sum
+  // Starts writing, into grad_shard f32 [grad_elements], this rank's shard of the sum
   // over each unit's group of the blocks' `grad`, for the units of part `layer`
   // (Param::layer: -1 the embedding, L the head) whose weights are full (ZeRO-3 units
-  // are skipped). The gradients are packed before it returns, so they may change
-  // afterwards; the shard is written once the Reduction is waited for.
+  // are skipped, and so are groups of one: nothing to sum). The gradients are packed
+  // before it returns, so they may change afterwards; the shard is written once the
+  // Reduction is waited for.
   Reduction reduce_start(const std::vector<Param>& params, int64_t layer, const Tensor& grad_shard) const;
+  // The summed gradient of piece p of unit u: its elements of grad_shard, or, for a unit
+  // without a gradient shard, of its block's own `grad`.
+  static Tensor grad_of(const std::vector<Param>& params, const Tensor& grad_shard, const ShardUnit& u,
+                        const ShardPiece& p);
   // Every rank's shard of each block's `value` -> the full `value` on every rank
   // (units whose weights are shards skipped).
   void all_gather(const std::vector<Param>& params, const Tensor& scratch) const;
-  // full[i] (laid out like block i) <-> shard (this rank's elements): the moments for
-  // checkpoints. gather is collective; scatter copies this rank's pieces.
+  // full[i] (f32, laid out like block i) <-> shard (this rank's elements, f32 or bf16):
+  // the moments for checkpoints. gather is collective; scatter copies this rank's
+  // pieces. Both pass one unit at a time through `scratch` [scratch_elements] (f32, on
+  // the shard's device), where a bf16 shard is widened or rounded.
   void gather(const Tensor& shard, const std::vector<Tensor>& full, const Tensor& scratch) const;
-  void scatter(const std::vector<Tensor>& full, const Tensor& shard) const;
+  void scatter(const std::vector<Tensor>& full, const Tensor& shard, const Tensor& scratch) const;
 
   // The elements of shard vector `v` that piece p covers, as a flat f32 tensor.
   static Tensor piece_of(const Tensor& v, const ShardPiece& p);
@@ -95,7 +108,7 @@ class ShardLayout {
   void build(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert, int dense_size,
              int dense_rank, int expert_size, int expert_rank, int64_t weight_layers);
   std::vector<ShardUnit> units_;
-  int64_t shard_elements_ = 0, scratch_elements_ = 0, value_elements_ = 0;
+  int64_t shard_elements_ = 0, grad_elements_ = 0, scratch_elements_ = 0, value_elements_ = 0;
 };
 
 }  // namespace mt::parallel

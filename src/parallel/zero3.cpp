@@ -61,9 +61,9 @@ size_t Zero3::slot_bytes(const std::vector<Param>& params, const ShardLayout& la
 
 Zero3::Zero3(std::vector<Param>& params, const ShardLayout& layout, Tensor weights, Tensor grads, Device device)
     : params_(params), layout_(layout), weights_(weights), grads_(grads), device_(device) {
-  MT_CHECK(weights_.numel() == layout_.value_elements() && grads_.numel() == layout_.shard_elements())
+  MT_CHECK(weights_.numel() == layout_.value_elements() && grads_.numel() == layout_.grad_elements())
       << "zero3: weight shards " << weights_.str() << " and gradient shards " << grads_.str() << " do not match the "
-      << "layout's " << layout_.value_elements() << " and " << layout_.shard_elements() << " elements";
+      << "layout's " << layout_.value_elements() << " and " << layout_.grad_elements() << " elements";
   const auto& units = layout_.units();
   for (size_t k = 0; k < units.size(); ++k) {
     if (units[k].value_at < 0) continue;
@@ -198,7 +198,7 @@ void Zero3::reduce_start(int64_t layer, bool accumulate) {
   for (int k : units_of(layer, "reduce_start")) {
     const ShardUnit& u = layout_.units()[k];
     const int64_t n = u.group_size, s = u.shard;
-    Tensor in = flat(g.grad, at, n * s), mine = flat(grads_, u.state_at, s);
+    Tensor in = flat(g.grad, at, n * s), mine = flat(grads_, u.grad_at, s);
     // A sum that adds lands in `out` first, and is added at the finish.
     Tensor out = accumulate ? flat(g.out, out_at, s) : mine;
     // The padding is no block's: zero, so the padded shard sums to zero.
@@ -220,7 +220,7 @@ void Zero3::reduce_finish(int64_t layer) {
   for (int k : units_of(layer, "reduce_finish")) {
     const ShardUnit& u = layout_.units()[k];
     if (g.accumulate) {
-      Tensor mine = flat(grads_, u.state_at, u.shard);
+      Tensor mine = flat(grads_, u.grad_at, u.shard);
       add(mine, flat(g.out, out_at, u.shard), mine);
     }
     out_at += u.shard;

@@ -39,7 +39,8 @@ namespace mt::parallel {
 class Zero3 {
  public:
   // `layout` was built with weight_layers = L; `weights` and `grads` are the f32 shard
-  // vectors it lays out (value_elements and shard_elements long); the slots go on `device`.
+  // vectors it lays out (value_elements and grad_elements long: every ZeRO-3 unit has a
+  // gradient shard, groups of one included); the slots go on `device`.
   Zero3(std::vector<Param>& params, const ShardLayout& layout, Tensor weights, Tensor grads, Device device);
   // What the constructor allocates on the device: the weight and gradient slots.
   static size_t slot_bytes(const std::vector<Param>& params, const ShardLayout& layout, Device device);

@@ -44,7 +44,7 @@ void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t
   v_.clear();
   m_shard_ = arena_.alloc(state_, shard);
   v_shard_ = arena_.alloc(state_, shard);
-  g_shard_ = arena_.alloc(DType::f32, shard);
+  g_shard_ = arena_.alloc(DType::f32, {layout_.grad_elements()});
   scratch_ = arena_.alloc(DType::f32, {layout_.scratch_elements()});
   if (layout_.value_elements() > 0) w_shard_ = arena_.alloc(DType::f32, {layout_.value_elements()});
   for (const Tensor& t : {m_shard_, v_shard_, g_shard_}) fill(t, 0.0f);
@@ -55,7 +55,7 @@ void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t
 size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout, DType state) {
   Arena count = Arena::counting("optimizer", Device::cpu);
   for (int j = 0; j < 2; ++j) count.alloc(state, {layout.shard_elements()});  // m, v
-  count.alloc(DType::f32, {layout.shard_elements()});                          // summed gradients
+  count.alloc(DType::f32, {layout.grad_elements()});                           // summed gradients
   count.alloc(DType::f32, {layout.scratch_elements()});
   if (layout.value_elements() > 0) count.alloc(DType::f32, {layout.value_elements()});
   return count.peak();
@@ -75,9 +75,30 @@ void AdamW::reduce_finish(int64_t layer) {
 }
 
 double AdamW::grad_sum_squares() const {
-  if (sharded_) return sum_squares({g_shard_});
   std::vector<Tensor> grads;
-  for (const Param& p : params_) grads.push_back(p.grad);
+  if (!sharded_) {
+    for (const Param& p : params_) grads.push_back(p.grad);
+    return sum_squares(grads);
+  }
+  // Unit by unit, as AdamW reads them: its gradient shard, or a group of one's blocks
+  // (which no other rank holds). Consecutive shards stay one tensor, as the GPU's sum
+  // is ordered by the tensors' chunks: without groups of one it is the whole vector.
+  int64_t begin = 0, end = 0;
+  auto shards = [&] {
+    if (end > begin) grads.push_back(Tensor(static_cast<float*>(g_shard_.data) + begin, {end - begin}, DType::f32,
+                                            g_shard_.device));
+    begin = end;
+  };
+  for (const parallel::ShardUnit& u : layout_.units()) {
+    if (u.grad_at >= 0) {
+      end = u.grad_at + u.shard;
+      continue;
+    }
+    shards();
+    for (const parallel::ShardPiece& p : u.pieces)
+      grads.push_back(parallel::ShardLayout::grad_of(params_, g_shard_, u, p));
+  }
+  shards();
   return sum_squares(grads);
 }
 
@@ -93,28 +114,19 @@ void AdamW::materialize_moments() {
     m_.push_back(full_.alloc(DType::f32, p.value.shape));
     v_.push_back(full_.alloc(DType::f32, p.value.shape));
   }
-  // bf16 shards go through the gradient shards (free between steps) as f32.
-  for (auto [shard, full] : {std::pair{&m_shard_, &m_}, std::pair{&v_shard_, &v_}}) {
-    if (state_ == DType::f32) {
-      layout_.gather(*shard, *full, scratch_);
-      continue;
-    }
-    cast(*shard, g_shard_);
-    layout_.gather(g_shard_, *full, scratch_);
-  }
+  // One unit at a time through the exchange buffer (bf16 shards widened there): no
+  // f32 copy of a whole shard vector, which a checkpoint's peak would have to hold.
+  layout_.gather(m_shard_, m_, scratch_);
+  layout_.gather(v_shard_, v_, scratch_);
 }
 
 void AdamW::commit_moments() {
   if (!sharded_) return;
   MT_CHECK(!m_.empty()) << "AdamW::commit_moments without materialize_moments";
-  for (auto [shard, full] : {std::pair{&m_shard_, &m_}, std::pair{&v_shard_, &v_}}) {
-    if (state_ == DType::f32) {
-      layout_.scatter(*full, *shard);
-      continue;
-    }
-    layout_.scatter(*full, g_shard_);
-    cast(g_shard_, *shard);  // exact for moments that were bf16 (what this run saved)
-  }
+  // Rounded to bf16 in the exchange buffer unit by unit: exact for moments that were
+  // bf16 (what this run saved).
+  layout_.scatter(m_, m_shard_, scratch_);
+  layout_.scatter(v_, v_shard_, scratch_);
   release_moments();
 }
 
@@ -156,7 +168,7 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
                          ? Tensor(static_cast<float*>(w_shard_.data) + u.value_at + (p.at - u.state_at), {p.count},
                                   DType::f32, w_shard_.device)
                          : Tensor(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device);
-      blocks.push_back({value, ShardLayout::piece_of(g_shard_, p), ShardLayout::piece_of(m_shard_, p),
+      blocks.push_back({value, ShardLayout::grad_of(params_, g_shard_, u, p), ShardLayout::piece_of(m_shard_, p),
                         ShardLayout::piece_of(v_shard_, p), decay(w), Tensor(), noise_key(p.param, p.offset)});
     }
   mt::adamw_step_multi(blocks, a);

@@ -1,6 +1,7 @@
 // AdamW over the model's parameter blocks, with its moments laid out like them, or,
 // sharded over the ranks that hold the same weights, with only this rank's shard of
-// the moments and of the summed gradients (parallel/sharding.h).
+// the moments and of the summed gradients (parallel/sharding.h); blocks that no other
+// rank holds have no gradient shard: AdamW reads their own gradients.
 #pragma once
 
 #include <map>
@@ -24,9 +25,10 @@ class AdamW {
   // One update of every block at 1-based `step` with learning rate `lr`; weight decay
   // applies to matrices, or to everything when optimizer.decay = "all".
   // grad_scale multiplies every gradient as it is read (the clipping factor).
-  // Sharded, the gradients are read from this rank's shards (reduce_start) and
-  // the updated shards are all-gathered into every rank's full weights. Either way
-  // every Param's compute copy is current afterwards.
+  // Sharded, the gradients are read from this rank's shards (reduce_start), a group
+  // of one's from its blocks' own `grad`, and the updated shards are all-gathered
+  // into every rank's full weights. Either way every Param's compute copy is current
+  // afterwards.
   void step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale = 1.0f);
 
   // From here on the moments (zero: call before any step or load) live as this rank's
@@ -38,7 +40,7 @@ class AdamW {
   bool sharded() const { return sharded_; }
   const parallel::ShardLayout& layout() const { return layout_; }
   Tensor weight_shards() const { return w_shard_; }
-  Tensor grad_shards() const { return g_shard_; }
+  Tensor grad_shards() const { return g_shard_; }  // f32 [layout().grad_elements()]
   // What shard() allocates for a layout: moment and gradient shards, exchange buffer.
   static size_t sharded_bytes(const parallel::ShardLayout& layout, DType state);
   // Sharded: this rank's shard of every rank's gradients of one part (-1 the embedding,
@@ -49,15 +51,17 @@ class AdamW {
   // skipped (parallel::Zero3 reduces them per micro-batch).
   void reduce_start(int64_t layer);
   void reduce_finish(int64_t layer);
-  // Sum of squares of the gradients this step reads: this rank's shards when sharded
-  // (every element on exactly one rank of each group), else every block.
+  // Sum of squares of the gradients this step reads: this rank's shards and its groups
+  // of one's blocks when sharded (every element on exactly one rank of each group),
+  // else every block.
   double grad_sum_squares() const;
 
   // The moments of `value`, a Param's tensor or a view into one (an HfTensor), in the
   // state dtype unsharded and f32 (host) when materialized. Sharded,
   // they exist laid out like the weights (in host memory) only between
   // materialize_moments (collective: gathers the shards) and release_moments;
-  // commit_moments first takes this rank's shards back from them (after a load).
+  // commit_moments first takes this rank's shards back from them (after a load). Both
+  // pass through the exchange buffer, so they need no device memory of their own.
   Tensor exp_avg(const Tensor& value) const { return moment(value, m_); }
   Tensor exp_avg_sq(const Tensor& value) const { return moment(value, v_); }
   void materialize_moments();

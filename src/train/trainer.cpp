@@ -315,8 +315,9 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
   if (all->size() == 1) return;
   dp_ = all;
   // AdamW's moments and the summed gradients live as shards: dense blocks over every
-  // rank, experts over the ranks holding the same experts; with ZeRO-3 the layers'
-  // weights too.
+  // rank, experts over the ranks holding the same experts (this rank alone when
+  // dp x cp = 1: no gradient shard then, AdamW reads their gradients); with ZeRO-3
+  // the layers' weights too.
   optimizer_.shard(all, ep_ ? expert_all : all, zero3 ? model_.num_layers() : 0);
   if (zero3)
     zero3_ = std::make_unique<parallel::Zero3>(model_.params(), optimizer_.layout(), optimizer_.weight_shards(),
@@ -551,8 +552,9 @@ StepResult Trainer::step() {
   if (world_) {
     // Each rank's shard of the gradients was summed over the ranks that share its
     // blocks during the backward (the schedule's reductions); every element lives on
-    // one rank of its group, so the squares of all shards add up to the global norm
-    // over the whole mesh (experts of every ep rank and layers of every pp rank too).
+    // one rank of its group (a group of one's blocks on this rank alone), so the
+    // squares of all shards add up to the global norm over the whole mesh (experts of
+    // every ep rank and layers of every pp rank too).
     std::vector<double> sums = {loss_sum, lb_total, optimizer_.grad_sum_squares()};
     sum_ranks_f64(sums);
     loss_sum = sums[0];
