@@ -49,7 +49,8 @@ def f32(x):
 
 
 def expected_scalars(m):
-    want = {k: m[k] for k in ("loss", "lb_loss", "grad_norm", "lr", "tokens_per_s", "memory_bytes", "dropped_slots")}
+    want = {k: m[k] for k in ("loss", "lb_loss", "grad_norm", "lr", "tokens_per_s", "memory_bytes", "dropped_slots",
+                                 "expert_row_bytes", "routing_skew")}
     for layer, c in zip(m["moe_layers"], m["expert_counts"]):
         mean = sum(c) / len(c)
         want[f"expert_load/layer_{layer}/max_over_mean"] = max(c) / mean

@@ -1091,6 +1091,30 @@ TEST(Commands, ARunThatDoesNotFitIsRefusedWithThePlan) {
   EXPECT_EQ(out.substr(out.rfind('(', needs) + 1, needs - out.rfind('(', needs) - 1), planned) << out << plan;
 }
 
+// The head runs over chunks of 1024 tokens: a micro-batch of 2048 (two chunks: the
+// logits computed again in B, the weight gradient taken there) trains as two
+// micro-batches of 1024 do (one chunk each, the unchunked path), to fp32 rounding.
+TEST(Commands, TheHeadOverChunksMatchesWholeMicroBatches) {
+  const std::string dir = temp_dir("head_chunks");
+  std::vector<int64_t> tokens(32 * 65);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 37 + i / 11) % 96);
+  io::write_npy(dir + "/tokens.npy", "<i8", {32, 65}, tokens.data());
+  auto train = [&](const std::string& name, int micro) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                         " --data.tokens=" + dir + "/tokens.npy --training.steps=3 --training.micro_batch_size=" +
+                         std::to_string(micro) + " --job.dump_folder=" + dir + "/" + name);
+    EXPECT_EQ(rc, 0) << out;
+    return metrics_of(dir + "/" + name);
+  };
+  const std::vector<nlohmann::json> two = train("two_chunks", 32), one = train("one_chunk", 16);
+  ASSERT_EQ(two.size(), 3u);
+  ASSERT_EQ(one.size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* key : {"loss", "grad_norm"})
+      EXPECT_NEAR(two[i][key].get<double>(), one[i][key].get<double>(), 1e-6 * one[i][key].get<double>())
+          << "step " << i + 1 << " " << key;
+}
+
 // plan takes seq_len and the global batch from data.tokens, as train does.
 TEST(Commands, PlanReadsTheTokenMatrixAsTrainDoes) {
   const std::string base = std::string(MOETRAIN_BIN) + " plan --model.init=hf:" + fixture("qwen3_moe_a");

@@ -109,6 +109,11 @@ struct LayerIndex {
 enum Row : uint8_t { kXs, kGu, kHs, kYs, kDYs, kDGu, kDHs, kDXs, kRowTensors };
 enum class Pass : uint8_t { forward, backward_input, backward_weight };
 constexpr int64_t kRowRounding = 128;  // rows are taken in multiples of this
+// The LM head and the cross-entropy run over chunks of this many tokens, so a stash
+// holds [kHeadRows, vocab] logits, not [tokens, vocab] (Liger-Kernel's fused linear
+// cross-entropy does the same): past one chunk, the head's B computes each chunk's
+// logits again and its weight gradient with them, and its W has nothing left to do.
+constexpr int64_t kHeadRows = 1024;
 
 // What the expert rows hold, counted (RowMemory), against a budget: the environment's
 // MOETRAIN_ROW_POOL_BYTES where set (the hook the pool-exhaustion test uses), else the
@@ -241,7 +246,12 @@ class Decoder final : public Model {
   void head_backward_input(Stash& s, float scale) override;
   void head_backward_weight(Stash& s) override;
   void embed_backward(Stash& s) override;
-  Tensor logits(Stash& s) override { return static_cast<DecoderStash&>(s).logits; }
+  // The last chunk's: every token's where the micro-batch fits in one.
+  Tensor logits(Stash& s) override {
+    auto& d = static_cast<DecoderStash&>(s);
+    const int64_t n = d.batch * d.seq, last = n - (n - 1) / kHeadRows * kHeadRows;
+    return d.logits.rows(0, last);
+  }
   std::vector<RouterStats> router_stats(const Stash& s) const override;
   void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override;
   RowMemory row_memory() const override { return {pool_->peak, pool_->skew}; }
@@ -637,7 +647,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   if (last != c_.num_layers || !head_) return;
   s.hf = act({N, D});
   s.rstd_f = f32({N});
-  s.logits = act({N, c_.vocab_size});
+  s.logits = act({std::min(N, kHeadRows), c_.vocab_size});
   s.lse = f32({N});
   s.d_hf = act({N, D});
 }
@@ -1074,25 +1084,41 @@ LossSum Decoder::head_forward(Stash& base) {
   auto& s = static_cast<DecoderStash&>(base);
   const int64_t N = s.batch * s.seq;
   rmsnorm_forward(s.h[c_.num_layers], W(final_norm_), static_cast<float>(c_.rms_norm_eps), s.hf, s.rstd_f);
-  gemm(s.hf, C(lm_head_ >= 0 ? lm_head_ : embed_), s.logits, false, true);
-  cpu::CrossEntropySum ce = cross_entropy_forward(s.logits, s.labels.view({N}), kIgnoreIndex, s.lse);
-  s.loss = {ce.loss_sum, ce.count};
+  s.loss = {};
+  for (int64_t r0 = 0; r0 < N; r0 += kHeadRows) {
+    const int64_t r1 = std::min(N, r0 + kHeadRows);
+    const Tensor logits = s.logits.rows(0, r1 - r0);
+    gemm(s.hf.rows(r0, r1), C(lm_head_ >= 0 ? lm_head_ : embed_), logits, false, true);
+    cpu::CrossEntropySum ce =
+        cross_entropy_forward(logits, s.labels.view({N}).rows(r0, r1), kIgnoreIndex, s.lse.rows(r0, r1));
+    s.loss.sum += ce.loss_sum;
+    s.loss.count += ce.count;
+  }
   return s.loss;
 }
 
 void Decoder::head_backward_input(Stash& base, float scale) {
   auto& s = static_cast<DecoderStash&>(base);
   const int64_t N = s.batch * s.seq;
-  // In place: from here on s.logits holds d(loss)/d(logits), which the W half reads.
-  cross_entropy_backward(s.logits, s.labels.view({N}), s.lse, kIgnoreIndex, scale, s.logits);
-  gemm(s.logits, C(lm_head_ >= 0 ? lm_head_ : embed_), s.d_hf, false, false);
+  const int out = lm_head_ >= 0 ? lm_head_ : embed_;
+  const bool chunked = N > kHeadRows;
+  for (int64_t r0 = 0; r0 < N; r0 += kHeadRows) {
+    const int64_t r1 = std::min(N, r0 + kHeadRows);
+    const Tensor logits = s.logits.rows(0, r1 - r0), hf = s.hf.rows(r0, r1);
+    if (chunked) gemm(hf, C(out), logits, false, true);  // one chunk's are still there
+    // In place: the chunk's logits become d(loss)/d(logits), which the weight's gradient
+    // reads (here, or in W when there is one chunk).
+    cross_entropy_backward(logits, s.labels.view({N}).rows(r0, r1), s.lse.rows(r0, r1), kIgnoreIndex, scale, logits);
+    gemm(logits, C(out), s.d_hf.rows(r0, r1), false, false);
+    if (chunked) gemm(logits, hf, G(out), true, false, 1.0f, beta(out));
+  }
   rmsnorm_backward(s.h[c_.num_layers], W(final_norm_), s.rstd_f, s.d_hf, s.dh[c_.num_layers], Z(final_norm_));
 }
 
 void Decoder::head_backward_weight(Stash& base) {
   auto& s = static_cast<DecoderStash&>(base);
   const int out = lm_head_ >= 0 ? lm_head_ : embed_;
-  gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta(out));
+  if (s.batch * s.seq <= kHeadRows) gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta(out));
 }
 
 void Decoder::embed_backward(Stash& base) {

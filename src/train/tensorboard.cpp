@@ -120,7 +120,9 @@ std::vector<std::pair<std::string, float>> step_scalars(const StepResult& r) {
                                                   {"lr", static_cast<float>(r.lr)},
                                                   {"tokens_per_s", static_cast<float>(r.tokens_per_s)},
                                                   {"memory_bytes", static_cast<float>(r.memory_bytes)},
-                                                  {"dropped_slots", static_cast<float>(r.dropped_slots)}};
+                                                  {"dropped_slots", static_cast<float>(r.dropped_slots)},
+                                                  {"expert_row_bytes", static_cast<float>(r.expert_row_bytes)},
+                                                  {"routing_skew", static_cast<float>(r.routing_skew)}};
   if (r.device_memory_bytes > 0) v.emplace_back("device_memory_bytes", static_cast<float>(r.device_memory_bytes));
   for (size_t i = 0; i < r.expert_counts.size(); ++i) {
     const std::vector<int64_t>& c = r.expert_counts[i];

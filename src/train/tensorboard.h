@@ -37,7 +37,7 @@ class TensorBoardWriter {
 };
 
 // What a step contributes: loss, lb_loss, grad_norm, lr, tokens_per_s, memory_bytes
-// (and device_memory_bytes on a GPU), dropped_slots, and per MoE layer l (its index
+// (and device_memory_bytes on a GPU), dropped_slots, expert_row_bytes, routing_skew, and per MoE layer l (its index
 // among all decoder layers) expert_load/layer_<l>/max_over_mean and min_over_mean:
 // the most and least loaded experts' token counts over the mean count (1 = balanced).
 std::vector<std::pair<std::string, float>> step_scalars(const StepResult& r);

@@ -111,8 +111,11 @@ StepShape step_shape(const Config& cfg, const comm::MeshShape& mesh) {
                                              << " does not split over dp x ep = " << data_ranks << " data ranks";
   const int64_t per_rank = s.global_batch / data_ranks;
   s.micro_batch = cfg.training.micro_batch_size ? cfg.training.micro_batch_size : per_rank;
-  MT_CHECK(per_rank % s.micro_batch == 0) << "training.micro_batch_size " << s.micro_batch << " does not divide the "
-                                          << per_rank << " sequences of a rank";
+  MT_CHECK(per_rank % s.micro_batch == 0)
+      << "training.micro_batch_size = " << s.micro_batch << " does not divide the "
+      << (data_ranks == 1 ? "global batch of " + std::to_string(per_rank)
+                          : std::to_string(per_rank) + " sequences of each of the " + std::to_string(data_ranks) +
+                                " data ranks");
   s.micro_batches = static_cast<int>(per_rank / s.micro_batch);
   return s;
 }
