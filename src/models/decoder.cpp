@@ -109,10 +109,12 @@ struct LayerIndex {
 enum Row : uint8_t { kXs, kGu, kHs, kYs, kDYs, kDGu, kDHs, kDXs, kRowTensors };
 enum class Pass : uint8_t { forward, backward_input, backward_weight };
 constexpr int64_t kRowRounding = 128;  // rows are taken in multiples of this
-// The LM head and the cross-entropy run over chunks of this many tokens, so a stash
-// holds [kHeadRows, vocab] logits, not [tokens, vocab] (Liger-Kernel's fused linear
-// cross-entropy does the same): past one chunk, the head's B computes each chunk's
-// logits again and its weight gradient with them, and its W has nothing left to do.
+// With full recomputation the LM head and the cross-entropy run over chunks of this many
+// tokens, so a stash holds [kHeadRows, vocab] logits, not [tokens, vocab] (Liger-Kernel's
+// fused linear cross-entropy does the same): past one chunk, the head's B computes each
+// chunk's logits again and its weight gradient with them, and its W has nothing left to
+// do. Not by default: on the H200 it cost 8% of the 8-layer benchmark's tokens/s (the
+// logits' product again, and a host wait a chunk) for 2.2 GB (bench/RESULTS.md).
 constexpr int64_t kHeadRows = 1024;
 
 // What the expert rows hold, counted (RowMemory), against a budget: the environment's
@@ -249,7 +251,7 @@ class Decoder final : public Model {
   // The last chunk's: every token's where the micro-batch fits in one.
   Tensor logits(Stash& s) override {
     auto& d = static_cast<DecoderStash&>(s);
-    const int64_t n = d.batch * d.seq, last = n - (n - 1) / kHeadRows * kHeadRows;
+    const int64_t n = d.batch * d.seq, c = head_rows(n), last = n - (n - 1) / c * c;
     return d.logits.rows(0, last);
   }
   std::vector<RouterStats> router_stats(const Stash& s) const override;
@@ -301,6 +303,10 @@ class Decoder final : public Model {
   };
   std::vector<RowLife> row_lives() const;
   static Tensor& row_view(LayerActs& x, Row r);
+  // Tokens a chunk of the head's work (kHeadRows).
+  int64_t head_rows(int64_t tokens) const {
+    return recompute_ == Recompute::full ? std::min(tokens, kHeadRows) : tokens;
+  }
   // The experts' activation (clamped for GPT-OSS): hs = swiglu(gu).
   void swiglu_out(const Tensor& gu, const Tensor& hs) const {
     if (c_.swiglu_limit > 0)
@@ -647,7 +653,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   if (last != c_.num_layers || !head_) return;
   s.hf = act({N, D});
   s.rstd_f = f32({N});
-  s.logits = act({std::min(N, kHeadRows), c_.vocab_size});
+  s.logits = act({head_rows(N), c_.vocab_size});
   s.lse = f32({N});
   s.d_hf = act({N, D});
 }
@@ -1085,8 +1091,8 @@ LossSum Decoder::head_forward(Stash& base) {
   const int64_t N = s.batch * s.seq;
   rmsnorm_forward(s.h[c_.num_layers], W(final_norm_), static_cast<float>(c_.rms_norm_eps), s.hf, s.rstd_f);
   s.loss = {};
-  for (int64_t r0 = 0; r0 < N; r0 += kHeadRows) {
-    const int64_t r1 = std::min(N, r0 + kHeadRows);
+  for (int64_t r0 = 0, c = head_rows(N); r0 < N; r0 += c) {
+    const int64_t r1 = std::min(N, r0 + c);
     const Tensor logits = s.logits.rows(0, r1 - r0);
     gemm(s.hf.rows(r0, r1), C(lm_head_ >= 0 ? lm_head_ : embed_), logits, false, true);
     cpu::CrossEntropySum ce =
@@ -1101,9 +1107,10 @@ void Decoder::head_backward_input(Stash& base, float scale) {
   auto& s = static_cast<DecoderStash&>(base);
   const int64_t N = s.batch * s.seq;
   const int out = lm_head_ >= 0 ? lm_head_ : embed_;
-  const bool chunked = N > kHeadRows;
-  for (int64_t r0 = 0; r0 < N; r0 += kHeadRows) {
-    const int64_t r1 = std::min(N, r0 + kHeadRows);
+  const int64_t c = head_rows(N);
+  const bool chunked = N > c;
+  for (int64_t r0 = 0; r0 < N; r0 += c) {
+    const int64_t r1 = std::min(N, r0 + c);
     const Tensor logits = s.logits.rows(0, r1 - r0), hf = s.hf.rows(r0, r1);
     if (chunked) gemm(hf, C(out), logits, false, true);  // one chunk's are still there
     // In place: the chunk's logits become d(loss)/d(logits), which the weight's gradient
@@ -1118,7 +1125,7 @@ void Decoder::head_backward_input(Stash& base, float scale) {
 void Decoder::head_backward_weight(Stash& base) {
   auto& s = static_cast<DecoderStash&>(base);
   const int out = lm_head_ >= 0 ? lm_head_ : embed_;
-  if (s.batch * s.seq <= kHeadRows) gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta(out));
+  if (s.batch * s.seq <= head_rows(s.batch * s.seq)) gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta(out));
 }
 
 void Decoder::embed_backward(Stash& base) {
