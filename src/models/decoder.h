@@ -10,7 +10,10 @@
 // block runs dropless or with a capacity, locally or over the ep group, with the
 // balanced-routing benchmark mode, the router statistics and the load-balance
 // gradient; its tensors keep Hugging Face's names (`mlp.gate`, `mlp.experts.E.*`,
-// `mlp.shared_experts.*`).
+// `mlp.shared_experts.*`). Its memory: arenas for the weights and the stash's blocks;
+// the expert rows, sized by each micro-batch's routing, from the stream-ordered pool
+// while a layer needs them (decoder.cpp, Decoder::row_lives, is the table); and the
+// recompute modes (ModelOptions::recompute, interface.h).
 #pragma once
 
 #include <memory>
