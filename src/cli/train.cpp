@@ -249,7 +249,7 @@ int run_train(const Args& args) {
     options.head = p.owner(whole->num_layers()) == mesh.coord().pp;
   }
   // The host's memory the kernel could give now, or the GPU's free memory.
-  size_t free = static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t free = available_host_memory();
 #ifdef MOETRAIN_WITH_CUDA
   if (options.device == Device::cuda) {
     cuda::note_memory_baseline();  // before the first allocation

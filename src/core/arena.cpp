@@ -35,6 +35,10 @@ static cudaMemPool_t cuda_pool() {
 }
 #endif
 
+size_t available_host_memory() {
+  return static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+}
+
 bool cuda_built() {
 #ifdef MOETRAIN_WITH_CUDA
   return true;

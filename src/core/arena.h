@@ -19,6 +19,8 @@ namespace mt {
 void* device_alloc(Device device, size_t bytes);
 void device_free(Device device, void* p);
 bool cuda_built();
+// Host memory the kernel could hand out now (free pages, not counting caches it may drop).
+size_t available_host_memory();
 // Throws unless a GPU can be used: `what` (the option that asks for one), then that
 // there is no usable GPU and why (no CUDA in this build, no device, the driver).
 void require_gpu(const std::string& what);

@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <unistd.h>
 
 #include "core/check.h"
 #include "kernels/cross_entropy.h"
@@ -200,6 +199,7 @@ class Decoder final : public Model {
         << "tie_word_embeddings: the embedding and the head share a weight, so they must be on one pipeline rank "
         << "(parallelism.pipeline_schedule = dualpipev places both on rank 0)";
     build_params();
+    lives_ = row_lives();  // ep_ and the mode are settled: the table is the same every stage
   }
 
   Device device() const override { return device_; }
@@ -302,6 +302,7 @@ class Decoder final : public Model {
     int64_t width;
   };
   std::vector<RowLife> row_lives() const;
+  std::vector<RowLife> lives_;  // row_lives(), made once
   static Tensor& row_view(LayerActs& x, Row r);
   // Tokens a chunk of the head's work (kHeadRows).
   int64_t head_rows(int64_t tokens) const {
@@ -771,7 +772,7 @@ void Decoder::take_rows(int64_t l, LayerActs& x, Stage stage, Pass pass, int64_t
   const int64_t rows = std::max(kRowRounding, (x.rows + kRowRounding - 1) / kRowRounding * kRowRounding);
   if (stage == Stage::dispatch && pass == Pass::forward && tokens > 0)
     pool_->skew = std::max(pool_->skew, static_cast<double>(x.rows) / static_cast<double>(tokens * k_));
-  for (const RowLife& life : row_lives()) {
+  for (const RowLife& life : lives_) {
     if (life.take_stage != stage || life.take_pass != pass) continue;
     const int r = life.row;
     x.held[r] = parallel::Buffer();  // a forward again without its backward (eval): the old rows first
@@ -798,8 +799,7 @@ void Decoder::take_rows(int64_t l, LayerActs& x, Stage stage, Pass pass, int64_t
 #ifdef MOETRAIN_WITH_CUDA
         if (device_ == Device::cuda) free = cuda::free_memory();
 #endif
-        if (device_ == Device::cpu)
-          free = static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+        if (device_ == Device::cpu) free = available_host_memory();
         refuse("the device has " + std::to_string(free) + " bytes free (" + e.message + ")");
       }
     }
@@ -816,7 +816,7 @@ void Decoder::take_rows(int64_t l, LayerActs& x, Stage stage, Pass pass, int64_t
 }
 
 void Decoder::give_rows(LayerActs& x, Stage stage, Pass pass) {
-  for (const RowLife& life : row_lives())
+  for (const RowLife& life : lives_)
     if (life.give_stage == stage && life.give_pass == pass) {
       x.held[life.row] = parallel::Buffer();
       row_view(x, life.row) = Tensor();
