@@ -604,24 +604,33 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   if (!one_deep) attention_->allocate(attn, a, act_, s.batch, s.seq);
   const Tensor d_y = act({N, D}), d_xn = act({N, D}), d_hs = hidden > 0 ? act({hidden}) : Tensor(),
                d_shs = any_moe && Is > 0 ? act({N, Is}) : Tensor();
+  // What only a layer's forward reads (the router's logits, the MLP's or experts' output
+  // and the shared experts'), and B's f32 router gradient where the products read a bf16
+  // copy: one set for every layer too. Under selective the norms' outputs xn and y are
+  // computed again in W (stage_backward_weight), so they are one set as well.
+  const bool renorm = recompute_ == Recompute::selective;
+  const Tensor mo = act({N, D}), logits = any_moe ? f32({N, E}) : Tensor(),
+               so = any_moe && Is > 0 ? act({N, D}) : Tensor(),
+               d_logits = any_moe && act_ != DType::f32 ? f32({N, E}) : Tensor(),
+               xn = renorm ? act({N, D}) : Tensor(), y = renorm ? act({N, D}) : Tensor();
   size_t deepest = a.used();
   for (int64_t l = first; l < last; ++l) {
     if (!held_[l]) continue;
     LayerActs& x = s.layers[l];
     const size_t start = a.used();
     if (one_deep) attention_->allocate({x.attn.get()}, a, act_, s.batch, s.seq);
-    x.xn = act({N, D});
+    x.xn = renorm ? xn : act({N, D});
     x.rstd1 = f32({N});
     x.hm = act({N, D});
-    x.y = act({N, D});
+    x.y = renorm ? y : act({N, D});
     x.rstd2 = f32({N});
     x.d_y = d_y;
     x.d_hm = act({N, D});
     x.d_xn = d_xn;
-    x.mo = act({N, D});
+    x.mo = mo;
     if (c_.moe[l]) {
       if (ep_) x.back = act({N * K, D});
-      x.logits = f32({N, E});
+      x.logits = logits;
       x.idx = i32({N, K});
       x.weight = f32({N, K});
       x.probs = f32({N, E});
@@ -631,12 +640,12 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
         x.slot_row = i32({N * K});
       }
       x.d_weight = f32({N, K});
-      x.d_logits = f32({N, E});
+      x.d_logits = act_ == DType::f32 ? f32({N, E}) : d_logits;
       x.d_logits_c = act_ == DType::f32 ? x.d_logits : act({N, E});
       if (Is > 0) {
         x.sgu = act({N, 2 * Is});
         x.shs = act({N, Is});
-        x.so = act({N, D});
+        x.so = so;
         x.d_sgu = act({N, 2 * Is});
         x.d_shs = d_shs;
       }
@@ -1051,6 +1060,12 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   const bool moe = c_.moe[l];
   if (plan_only_) return plan_rows(l, stage, Pass::backward_weight, x, s.batch * s.seq);
   if (moe) take_rows(l, x, stage, Pass::backward_weight, s.batch * s.seq);
+  // selective: the norms' outputs that this W reads, computed again (allocate_layers).
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  if (recompute_ == Recompute::selective && (stage == Stage::experts || (stage == Stage::attention && moe)))
+    rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
+  if (recompute_ == Recompute::selective && stage == Stage::attention)
+    rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
   switch (stage) {
     case Stage::experts:
       if (moe) {

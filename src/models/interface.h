@@ -139,8 +139,10 @@ struct ModelOptions {
   // backward stage runs the layer's forward again (exchanges included, so every ep rank
   // recomputes at the same point), and a block holds one layer's activations, shared by
   // its layers (so W must follow each layer's B before the next layer's, as
-  // ScheduleShape::defer_weights = false makes DualPipeV do). selective: the models/
-  // decoder.cpp header comment lists what is recomputed instead of kept.
+  // ScheduleShape::defer_weights = false makes DualPipeV do). selective: the norms'
+  // outputs xn and y are computed again in W, the experts' SwiGLU output in their B and,
+  // without ep, their input rows in their W (models/decoder.cpp: allocate_layers and
+  // Decoder::row_lives).
   Recompute recompute = Recompute::none;
   // training.fp8 and training.fp8_scale: the linear layers' products (models/linear.h).
   Fp8 fp8 = Fp8::none;
