@@ -1213,6 +1213,13 @@ TEST(Commands, ExhaustedExpertRowsStopTheRunAndKeepTheCheckpoint) {
   EXPECT_NE(out.find("the pool has 1000 bytes left of its 1000 (MOETRAIN_ROW_POOL_BYTES)"), std::string::npos) << out;
   EXPECT_NE(out.find("training.capacity_factor"), std::string::npos) << out;
   EXPECT_FALSE(std::filesystem::exists(dir + "/run/checkpoints/step-00000002")) << out;
+  // One rank alone short of rows: it names the layer and the job ends (the other rank,
+  // waiting in the exchange, is ended by the abort rather than left hanging).
+  std::tie(rc, out) = run(kMpirun + "1 " + train + " --training.steps=2 : -np 1 -x MOETRAIN_ROW_POOL_BYTES=1000 " +
+                          train + " --training.steps=2");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("error on rank 1: layer 0 needs 128 expert rows"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run/checkpoints/step-00000002")) << out;
   std::tie(rc, out) = run(kMpirun + "2 " + train + " --training.steps=2");
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("start: resumed from"), std::string::npos) << out;
