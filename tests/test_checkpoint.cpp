@@ -8,12 +8,16 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <cstring>
+#include <limits>
 #include <set>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "io/file.h"
 #include "data/tokenizer.h"
+#include "io/npy.h"
 #include "io/safetensors.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -25,6 +29,10 @@ namespace {
 namespace fs = std::filesystem;
 using test::error_of;
 const auto run = test::run_command;
+
+// mpirun with two CPU ranks (CI runs as root, which Open MPI refuses unless told).
+const std::string kMpirun2 =
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
 
 std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTURES) + "/" + name; }
 
@@ -408,7 +416,7 @@ TEST(CheckpointCommands, SigtermSavesAndResumeIsExact) {
   kill(pid, SIGTERM);
   int status = 0;
   waitpid(pid, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << io::read_file(dump + "/log").size();
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 75) << file_text(dump + "/log");
   std::string ckpt = latest_checkpoint(dump + "/checkpoints");
   ASSERT_FALSE(ckpt.empty());
   int64_t stopped = static_cast<int64_t>(metric_lines(dump).size());
@@ -429,6 +437,305 @@ TEST(CheckpointCommands, SigtermSavesAndResumeIsExact) {
     ASSERT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << t.name;
   }
 }
+
+// ---- reliability: one run a folder, signals as schedulers send them, readers that
+// verify and survive rotation, bounded reads ------------------------------------------
+
+// The exit status of a spawned child, or -1 while it runs.
+int exited(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, WNOHANG) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+int wait_exit(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// metrics.jsonl holds steps 1..n, each line whole.
+void expect_steps_whole(const std::string& dump) {
+  std::ifstream in(dump + "/metrics.jsonl");
+  std::string line;
+  int64_t want = 1;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << "a broken line in " << dump << "/metrics.jsonl: " << line;
+    EXPECT_EQ(j["step"].get<int64_t>(), want++) << dump;
+  }
+  EXPECT_GT(want, 1) << dump;
+}
+
+// Two trains on one folder: the second is refused at once, naming the first's pid, and
+// the first goes on untouched, whether started 3 s apart or together; under mpirun too.
+TEST(CheckpointCommands, OneRunAFolder) {
+  const std::string dump = temp_dir("one_writer");
+  const std::string constant = "--lr_scheduler.decay=constant --checkpoint.interval=1000000";
+  const pid_t first = spawn(train_cmd(dump, 1000000, constant), dump + ".log");
+  ASSERT_TRUE(wait_for([&] { return metric_lines(dump).size() >= 3; }, 60)) << file_text(dump + ".log");
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  auto [rc, out] = run(train_cmd(dump, 5, constant));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("job.dump_folder " + dump + " is in use: " + dump + "/moetrain.lock is held by pid " +
+                     std::to_string(first) + " on host "),
+            std::string::npos)
+      << out;
+  if (run("command -v mpirun").first == 0) {
+    std::tie(rc, out) = run(kMpirun2 + train_cmd(dump, 5, constant + " --parallelism.ep=2"));
+    EXPECT_NE(rc, 0) << out;
+    EXPECT_NE(out.find("is held by pid " + std::to_string(first)), std::string::npos) << out;
+    EXPECT_NE(out.find("error on rank 1: rank 0 cannot have the run folder"), std::string::npos) << out;
+  }
+  EXPECT_EQ(exited(first), -1) << "the first run stopped";
+  kill(first, SIGTERM);
+  EXPECT_EQ(wait_exit(first), 75) << file_text(dump + ".log");
+  expect_steps_whole(dump);
+  EXPECT_FALSE(fs::exists(dump + "/moetrain.lock"));
+  // Started together: one runs, the other is refused.
+  const std::string both = temp_dir("one_writer_both");
+  const pid_t a = spawn(train_cmd(both, 1000000, constant), both + ".a.log");
+  const pid_t b = spawn(train_cmd(both, 1000000, constant), both + ".b.log");
+  int ra = -1, rb = -1;
+  ASSERT_TRUE(wait_for([&] { return (ra = exited(a)) >= 0 || (rb = exited(b)) >= 0; }, 60));
+  const pid_t winner = ra >= 0 ? b : a;
+  EXPECT_EQ(ra >= 0 ? ra : rb, 1);
+  const std::string lost = file_text(both + (ra >= 0 ? ".a.log" : ".b.log"));
+  EXPECT_NE(lost.find("is held by pid " + std::to_string(winner)), std::string::npos) << lost;
+  ASSERT_TRUE(wait_for([&] { return metric_lines(both).size() >= 3; }, 60));
+  kill(winner, SIGTERM);
+  EXPECT_EQ(wait_exit(winner), 75);
+  expect_steps_whole(both);
+}
+
+// A wrapper that forwards a signal to a group that got it already (timeout does) is one
+// request: the step is saved, the exit status is 75, and the run resumes bit for bit.
+// So are SIGTERMs sent to every rank (Slurm's form) and a kill of mpirun's process group.
+TEST(CheckpointCommands, SignalsThroughWrappersAreOneRequest) {
+  const std::string constant = "--lr_scheduler.decay=constant";
+  auto resumes_exactly = [&](const std::string& dump, const std::string& launch, const std::string& flags) {
+    const int64_t stopped = static_cast<int64_t>(metric_lines(dump).size());
+    ASSERT_GE(stopped, 3) << dump;
+    EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"),
+              dump + "/checkpoints/step-" + std::string(8 - std::to_string(stopped).size(), '0') +
+                  std::to_string(stopped));
+    auto [rc, out] = run(launch + train_cmd(dump, stopped + 3, constant + flags));
+    ASSERT_EQ(rc, 0) << out;
+    const std::string straight = dump + "_straight";
+    std::tie(rc, out) = run(launch + train_cmd(straight, stopped + 3, constant + flags));
+    ASSERT_EQ(rc, 0) << out;
+    EXPECT_EQ(metric_lines(dump), metric_lines(straight)) << dump;
+  };
+  const std::string dump = temp_dir("timeout");
+  const pid_t wrapper = spawn("timeout -s TERM 600 " + train_cmd(dump, 1000000, constant), dump + ".log");
+  ASSERT_TRUE(wait_for([&] { return metric_lines(dump).size() >= 3; }, 60)) << file_text(dump + ".log");
+  kill(wrapper, SIGTERM);  // timeout passes it on to moetrain, and to its whole group
+  wait_exit(wrapper);
+  const std::string log = file_text(dump + ".log");
+  EXPECT_NE(log.find("stopped by a signal after step"), std::string::npos) << log;
+  EXPECT_EQ(log.find("exiting now"), std::string::npos) << log;
+  resumes_exactly(dump, "", "");
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  // Four sequences, two a rank.
+  io::NpyArray three = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
+  std::vector<int64_t> four = io::npy_as_int64(three, "tokens");
+  const int64_t t = three.header.shape[1];
+  four.insert(four.end(), four.begin(), four.begin() + t);
+  io::write_npy(dump + "_four.npy", "<i8", {4, t}, four.data());
+  const std::string ep = " --parallelism.ep=2 --data.tokens=" + dump + "_four.npy";
+  for (const std::string form : {"ranks", "group"}) {
+    const std::string d = temp_dir("mpirun_" + form);
+    // mpirun, given SIGTERM itself, kills the ranks odls_base_sigkill_timeout seconds later
+    // and waits twice that: 3 s is enough for this save.
+    const pid_t m = spawn("setsid env " + kMpirun2 + "--mca odls_base_sigkill_timeout 3 " +
+                          train_cmd(d, 1000000, constant + ep), d + ".log");
+    ASSERT_TRUE(wait_for([&] { return metric_lines(d).size() >= 3; }, 60)) << file_text(d + ".log");
+    if (form == "group") {
+      kill(-m, SIGTERM);
+    } else {
+      auto [rc, ranks] = run("pgrep -P " + std::to_string(m));
+      std::istringstream pids(ranks);
+      for (pid_t p; pids >> p;) kill(p, SIGTERM);
+    }
+    const int status = wait_exit(m);
+    if (form == "ranks") {
+      EXPECT_EQ(status, 75) << file_text(d + ".log");
+    }
+    resumes_exactly(d, kMpirun2, ep);
+  }
+}
+
+// eval verifies a checkpoint folder as generate and export-hf do: a flipped byte is an
+// error naming the file, never a loss of null; a loss that is not finite is an error.
+TEST(CheckpointCommands, EvalVerifiesTheCheckpoint) {
+  const std::string dump = temp_dir("eval_verify");
+  auto [rc, out] = run(train_cmd(dump, 2));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string ckpt = dump + "/checkpoints/step-00000002";
+  const std::string eval = std::string(MOETRAIN_BIN) + " eval --tokens " + fixture("qwen3_moe_a/tokens.npy") + " --model ";
+  std::tie(rc, out) = run(eval + ckpt);
+  ASSERT_EQ(rc, 0) << out;
+  const double loss = nlohmann::json::parse(out)["loss"].get<double>();
+  std::tie(rc, out) = run(eval + dump);  // the run folder: its newest
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["loss"].get<double>(), loss);
+  {
+    std::fstream f(ckpt + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-5, std::ios::end);
+    f.put('\x7f');  // a float's high byte: a NaN where the manifest is not checked
+  }
+  std::tie(rc, out) = run(eval + ckpt);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("model.safetensors has XXH3 checksum"), std::string::npos) << out;
+  EXPECT_EQ(out.find("null"), std::string::npos) << out;
+  // A Hugging Face folder has no manifest: a NaN weight there gives a loss that is refused.
+  const std::string hf = dump + "/hf";
+  fs::create_directories(hf);
+  fs::copy_file(fixture("qwen3_moe_a/config.json"), hf + "/config.json");
+  {
+    io::SafetensorsFile in(fixture("qwen3_moe_a/model.safetensors"));
+    std::vector<std::vector<uint8_t>> data;
+    std::vector<io::StWrite> out;
+    for (const io::StTensor& t : in.tensors()) {
+      auto b = in.bytes(t);
+      std::vector<uint8_t>& d = data.emplace_back(b.begin(), b.end());
+      if (t.name == "model.norm.weight") {
+        ASSERT_EQ(t.dtype, "F32");
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::memcpy(d.data(), &nan, 4);
+      }
+      out.push_back({t.name, t.dtype, t.shape, d.data()});
+    }
+    io::write_safetensors(hf + "/model.safetensors", out, {});
+  }
+  std::tie(rc, out) = run(eval + hf);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("is nan over 48 tokens: the weights hold a non-finite value"), std::string::npos) << out;
+}
+
+// export-hf (and eval) of a run folder while the run saves every step with keep = 1: each
+// export is whole and of a step the run saved, with no raw filesystem error, no false
+// report of damage and nothing left beside the output.
+TEST(CheckpointCommands, ExportsSurviveARunRotatingItsCheckpoints) {
+  const std::string dump = temp_dir("rotating");
+  const pid_t trainer = spawn(train_cmd(dump, 1000000, "--lr_scheduler.decay=constant --checkpoint.interval=1 "
+                                                       "--checkpoint.keep=1"),
+                              dump + ".log");
+  ASSERT_TRUE(wait_for([&] { return !latest_checkpoint(dump + "/checkpoints").empty(); }, 60));
+  for (int i = 0; i < 20; ++i) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dump + " --output " + dump +
+                         "/hf --force");
+    EXPECT_EQ(rc, 0) << i << ": " << out;
+    EXPECT_EQ(out.find("restore the damaged"), std::string::npos) << out;
+    EXPECT_EQ(out.find("directory iterator"), std::string::npos) << out;
+    EXPECT_NE(out.find("/checkpoints/step-"), std::string::npos) << out;
+    EXPECT_EQ(out.rfind("exported ", 0) == 0 || out.find("\nexported ") != std::string::npos, true) << out;
+  }
+  EXPECT_EQ(exited(trainer), -1);
+  kill(trainer, SIGTERM);
+  EXPECT_EQ(wait_exit(trainer), 75);
+  for (const char* left : {"/hf.tmp", "/hf.old", "/hf.lock"}) EXPECT_FALSE(fs::exists(dump + left)) << left;
+  for (const auto& e : fs::directory_iterator(dump + "/checkpoints"))
+    EXPECT_FALSE(e.path().string().ends_with(".tmp")) << e.path();
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " eval --model " + dump + "/hf --tokens " +
+                       fixture("qwen3_moe_a/tokens.npy"));
+  EXPECT_EQ(rc, 0) << out;
+}
+
+// Two exports to one output at once: each is refused while the other writes, or runs
+// after it; the output is always one checkpoint's export whole, never a blend.
+TEST(CheckpointCommands, TwoExportsToOneOutputNeverBlend) {
+  const std::string dump = temp_dir("two_exports");
+  auto [rc, out] = run(train_cmd(dump, 2, "--checkpoint.interval=1"));
+  ASSERT_EQ(rc, 0) << out;
+  auto export_cmd = [&](int step, const std::string& dest) {
+    return std::string(MOETRAIN_BIN) + " export-hf --force --max-shard-size 20000 --checkpoint " + dump +
+           "/checkpoints/step-0000000" + std::to_string(step) + " --output " + dest;
+  };
+  std::vector<std::string> whole;  // each step's export alone, its shards' bytes
+  auto shards_of = [&](const std::string& dir) {
+    std::string all;
+    for (int k = 1; fs::exists(dir + "/model.safetensors.index.json"); ++k) {
+      char name[64];
+      std::snprintf(name, sizeof name, "model-%05d-of-", k);
+      bool found = false;
+      for (const auto& e : fs::directory_iterator(dir))
+        if (e.path().filename().string().rfind(name, 0) == 0) {
+          all += file_text(e.path().string());
+          found = true;
+        }
+      if (!found) break;
+    }
+    return all;
+  };
+  for (int step : {1, 2}) {
+    std::tie(rc, out) = run(export_cmd(step, dump + "/alone" + std::to_string(step)));
+    ASSERT_EQ(rc, 0) << out;
+    whole.push_back(shards_of(dump + "/alone" + std::to_string(step)));
+    ASSERT_FALSE(whole.back().empty());
+  }
+  ASSERT_NE(whole[0], whole[1]);
+  int refused = 0;
+  for (int round = 0; round < 10; ++round) {
+    const pid_t a = spawn(export_cmd(1, dump + "/hf"), dump + "/a.log");
+    const pid_t b = spawn(export_cmd(2, dump + "/hf"), dump + "/b.log");
+    for (auto [pid, log] : {std::pair{a, dump + "/a.log"}, std::pair{b, dump + "/b.log"}}) {
+      const int status = wait_exit(pid);
+      const std::string text = file_text(log);
+      if (status != 0) {
+        EXPECT_NE(text.find("is being written by another export"), std::string::npos) << text;
+        ++refused;
+      }
+    }
+    const std::string got = shards_of(dump + "/hf");
+    EXPECT_TRUE(got == whole[0] || got == whole[1]) << "round " << round << ": the output is not one export whole";
+    for (const char* left : {"/hf.tmp", "/hf.old", "/hf.lock"}) EXPECT_FALSE(fs::exists(dump + left)) << left;
+  }
+  std::printf("exports refused while another wrote: %d of 20\n", refused);
+}
+
+// Reads are bounded: a device or a folder where a file belongs is a named error, not a
+// read without end; sequences past max_position_embeddings are refused (or allowed, with a
+// warning); `..` in a run folder makes no stray folder.
+TEST(CheckpointCommands, BadPathsAndLongSequencesAreRefused) {
+  const std::string dump = temp_dir("bounded");
+  auto [rc, out] = run(train_cmd(dump + "/a", 1, "--data.tokens=/dev/zero"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("/dev/zero is a character device, where a regular file was expected"), std::string::npos) << out;
+  std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " eval --model " + fixture("qwen3_moe_a") + " --tokens /dev/urandom");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("/dev/urandom is a character device"), std::string::npos) << out;
+  std::tie(rc, out) = run(train_cmd(dump + "/a", 1, "--data.tokens=" + dump));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("data.tokens = '" + dump + "' is a folder, where a .npy [B, T] token matrix was expected"),
+            std::string::npos)
+      << out;
+  EXPECT_FALSE(fs::exists(dump + "/a"));
+  // qwen3_moe_a is made for 64 positions.
+  std::vector<int64_t> tokens(2 * 81);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>(i % 50);
+  io::write_npy(dump + "/long.npy", "<i8", {2, 81}, tokens.data());
+  const std::string long_run = std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                               " --data.tokens=" + dump + "/long.npy --training.steps=1 --job.dump_folder=" + dump;
+  std::tie(rc, out) = run(long_run + "/long");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("sequences of 80 tokens, past the model's max_position_embeddings (64 in "), std::string::npos)
+      << out;
+  EXPECT_FALSE(fs::exists(dump + "/long"));
+  std::tie(rc, out) = run(long_run + "/long --data.allow_past_max_positions=true");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("warning: sequences of 80 tokens"), std::string::npos) << out;
+  std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " generate --model " + fixture("qwen3_moe_a") +
+                          " --prompt-ids 1,2,3 --max-new-tokens 100");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("stopped at the model's max_position_embeddings (64 tokens) after 61 new"), std::string::npos)
+      << out;
+  std::tie(rc, out) = run(train_cmd(dump + "/x/y/../z", 1));
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_TRUE(fs::exists(dump + "/x/z/metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(dump + "/x/y"));
+}
+
 
 // A resume prints the keys changed since its checkpoint, refuses a change that breaks
 // an exact resume (naming the key and both values) unless
@@ -546,9 +853,6 @@ TEST(CheckpointCommands, AutoResumeSkipsADamagedCheckpoint) {
       << out;
 }
 
-// mpirun with two CPU ranks (CI runs as root, which Open MPI refuses unless told).
-const std::string kMpirun2 =
-    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
 
 // `train` on qwen3_moe_b's tokens, one sequence a micro-batch, `steps` steps.
 std::string train_b(const std::string& dump, int steps, const std::string& extra) {
@@ -771,9 +1075,9 @@ TEST(CheckpointCommands, ExportRoundTripsAndEvaluatesTheSame) {
 // A run saves its last step unless checkpoint.save_final is false, and warns when it will
 // save nothing; export-hf takes a run folder's newest complete checkpoint.
 // An export into a non-empty folder needs --force, and then replaces the earlier export
-// whole (a sharded export's files do not stay beside the next one's single file) and
-// keeps the folder's other files; it refuses the checkpoint's own folder and a folder
-// that holds it.
+// whole (a sharded export's files do not stay beside the next one's single file); it
+// refuses, naming them, a folder with files an export does not write, the checkpoint's
+// own folder, a folder that holds it, and another checkpoint.
 TEST(CheckpointCommands, ExportReplacesAnEarlierExportWithForce) {
   std::string dump = temp_dir("reexport");
   auto [rc, out] = run(train_cmd(dump, 1));
@@ -787,21 +1091,44 @@ TEST(CheckpointCommands, ExportReplacesAnEarlierExportWithForce) {
   std::ofstream(dump + "/hf/notes.txt") << "keep me";
   auto [rc1, out1] = export_to(dump + "/hf");
   EXPECT_EQ(rc1, 1);
-  EXPECT_NE(out1.find("is not empty; add --force to replace its model files"), std::string::npos) << out1;
+  EXPECT_NE(out1.find("is not empty; add --force to replace an earlier export there"), std::string::npos) << out1;
+  std::tie(rc1, out1) = export_to(dump + "/hf", "--force");
+  EXPECT_EQ(rc1, 1);
+  EXPECT_NE(out1.find("holds what export-hf does not write (notes.txt); --force replaces an earlier export only"),
+            std::string::npos)
+      << out1;
   EXPECT_TRUE(fs::exists(dump + "/hf/model.safetensors.index.json"));
+  fs::remove(dump + "/hf/notes.txt");
   ASSERT_EQ(export_to(dump + "/hf", "--force").first, 0);
   std::vector<std::string> files;
   for (const auto& e : fs::directory_iterator(dump + "/hf")) files.push_back(e.path().filename().string());
   std::sort(files.begin(), files.end());
-  EXPECT_EQ(files, (std::vector<std::string>{"config.json", "generation_config.json", "model.safetensors", "notes.txt"}));
-  EXPECT_FALSE(fs::exists(dump + "/hf.tmp"));
-  EXPECT_FALSE(fs::exists(dump + "/hf.old"));
+  EXPECT_EQ(files, (std::vector<std::string>{"config.json", "generation_config.json", "model.safetensors"}));
+  for (const char* left : {"/hf.tmp", "/hf.old", "/hf.lock"}) EXPECT_FALSE(fs::exists(dump + left)) << left;
   for (const std::string& dest : {ckpt, dump}) {
     auto [rc2, out2] = export_to(dest, "--force");
     EXPECT_EQ(rc2, 1) << dest;
     EXPECT_NE(out2.find("holds the checkpoint"), std::string::npos) << out2;
   }
   EXPECT_TRUE(fs::exists(ckpt + "/model.safetensors"));
+  // Another checkpoint of the run (step 2's export forced onto step 1's folder).
+  std::tie(rc, out) = run(train_cmd(dump, 2));
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<uint8_t> before = io::read_file(ckpt + "/model.safetensors");
+  std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dump +
+                          "/checkpoints/step-00000002 --output " + ckpt + " --force");
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(out.find("holds a checkpoint (COMPLETE, train_state.json), which an export never replaces"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(io::read_file(ckpt + "/model.safetensors"), before);
+  // What an export that died left beside its output is cleared by the next.
+  fs::create_directories(dump + "/hf2.tmp");
+  std::ofstream(dump + "/hf2.tmp/model-00001-of-00009.safetensors") << "torn";
+  std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dump + " --output " + dump + "/hf2");
+  EXPECT_EQ(rc, 0) << out;
+  for (const char* left : {"/hf2.tmp", "/hf2.lock", "/hf2/model-00001-of-00009.safetensors"})
+    EXPECT_FALSE(fs::exists(dump + left)) << left;
 }
 
 TEST(CheckpointCommands, RunsSaveTheirEndAndExportTakesTheNewest) {

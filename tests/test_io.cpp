@@ -392,7 +392,7 @@ TEST_F(Io, MalformedSafetensorsAreClearErrors) {
   expect_error(open, {p, "tensor 'a' appears twice in the header"});
   expect_error([&] { SafetensorsFile f(path("missing.safetensors")); },
                {"cannot open safetensors file", path("missing.safetensors")});
-  expect_error([&] { SafetensorsFile f(dir_.string()); }, {dir_.string(), "is not a regular file"});
+  expect_error([&] { SafetensorsFile f(dir_.string()); }, {dir_.string(), "is a folder, where a regular file was expected"});
 }
 
 // ------------------------------------------------------------ fixtures

@@ -1,4 +1,6 @@
-// moetrain eval: mean next-token loss of a Hugging Face model folder on a token matrix.
+// moetrain eval: mean next-token loss of a Hugging Face model folder or a checkpoint on a
+// token matrix.
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -7,6 +9,7 @@
 #include "core/check.h"
 #include "io/file.h"
 #include "models/hf_config.h"
+#include "train/checkpoint.h"
 #include "train/trainer.h"
 
 namespace mt::cli {
@@ -20,20 +23,22 @@ int run_eval(const Args& args) {
   const int64_t micro = o.integer("micro-batch", 8, 1, kMaxConfigInteger);
   ModelOptions options;
   options.device = device == "cuda" ? Device::cuda : Device::cpu;
-  std::unique_ptr<Model> model = make_model(folder + "/config.json", options);
-  load_hf(*model, folder);
+  // A Hugging Face folder, or a checkpoint (verified, as generate and export-hf read it).
+  std::string read;
+  std::unique_ptr<Model> model = load_model_folder(folder, options, &read);
   TokenBatch data = read_token_batch(o.required("tokens"), model->vocab_size());
   // Positions past what the model was made for are not an evaluation of it.
-  const std::vector<uint8_t> b = io::read_file(folder + "/config.json");
-  const nlohmann::json config = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
-  const nlohmann::json max_positions = config.is_object() ? config.value("max_position_embeddings", nlohmann::json())
-                                                          : nlohmann::json();
-  MT_CHECK(!max_positions.is_number_integer() || data.seq <= max_positions.get<int64_t>())
+  const int64_t max_positions = max_position_embeddings(read + "/config.json");
+  MT_CHECK(max_positions == 0 || data.seq <= max_positions)
       << o.required("tokens") << ": sequences of " << data.seq << " positions, past the model's "
-      << "max_position_embeddings (" << max_positions.dump() << " in " << folder << "/config.json)";
+      << "max_position_embeddings (" << max_positions << " in " << read << "/config.json)";
   LossSum l = Trainer::evaluate(*model, data, micro);
+  const double loss = l.sum / static_cast<double>(l.count);
+  MT_CHECK(l.count > 0 && std::isfinite(loss))
+      << "the mean loss of " << read << " on " << o.required("tokens") << " is " << loss << " over " << l.count
+      << " tokens: the weights hold a non-finite value, or no token has a label";
   nlohmann::json j;
-  j["loss"] = l.sum / static_cast<double>(l.count);
+  j["loss"] = loss;
   j["tokens"] = l.count;
   std::printf("%s\n", j.dump().c_str());
   return 0;

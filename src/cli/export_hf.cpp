@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -99,37 +100,21 @@ int write_generation_files(const fs::path& ckpt, const nlohmann::json& config, c
   return written;
 }
 
-}  // namespace
+// The files of an earlier export, which --force may replace: its shards and index, the
+// config, tokenizer and generation files.
+bool export_file(const std::string& n) {
+  return exported_file(n) || (n.starts_with("model") && (n.ends_with(".safetensors") || n.ends_with(".index.json")));
+}
 
-int run_export_hf(const Args& args) {
-  Options o("export-hf", args, {"checkpoint", "output", "dtype", "max-shard-size", "force?"});
-  const std::string dtype = o.get("dtype", "bf16");
-  MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
-  const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
-  // find_checkpoint verifies it: no damaged file passes into an export.
-  const fs::path ckpt = find_checkpoint(o.required("checkpoint")), dest = o.required("output");
-  // The export is written beside dest and swapped in whole: no stale shard of an earlier
-  // export stays for loaders to prefer. dest may be new or empty; with --force a folder
-  // whose model files (an earlier export's) are all replaced, its other files kept.
-  // Never the checkpoint or a folder holding it.
-  const fs::path rel = fs::weakly_canonical(ckpt).lexically_relative(fs::weakly_canonical(dest));
-  MT_CHECK(rel.empty() || *rel.begin() == "..")
-      << "--output " << dest.string() << " holds the checkpoint " << ckpt.string()
-      << " (an export there would replace its fp32 weights); choose another folder";
-  std::vector<fs::path> kept;  // dest's files that are not model files: they stay
-  if (fs::exists(dest)) {
-    MT_CHECK(fs::is_directory(dest)) << "--output " << dest.string() << " is a file, not a folder";
-    MT_CHECK(fs::is_empty(dest) || o.has("force"))
-        << "--output " << dest.string() << " is not empty; add --force to replace its model files (every "
-        << "model*.safetensors, index, config and tokenizer file; other files stay), or choose a new folder";
-    for (const auto& e : fs::directory_iterator(dest)) {
-      const std::string n = e.path().filename().string();
-      if (!(e.is_regular_file() && (exported_file(n) || n.starts_with("model")))) kept.push_back(e.path());
-    }
-  }
-  const fs::path out = dest.string() + ".tmp";
-  fs::remove_all(out);
+// What an export wrote.
+struct Written {
+  size_t tensors = 0, shards = 0;
+  int64_t bytes = 0;
+  int copied = 0;  // tokenizer and generation files
+};
 
+// The export of checkpoint `ckpt` into the new folder `out`.
+Written write_export(const fs::path& ckpt, const fs::path& out, bool bf16, int64_t max_shard) {
   // Experts that Hugging Face keeps as slices of one key per layer (GPT-OSS): the model
   // built from config.json, without memory, says which.
   ModelOptions plan;
@@ -152,9 +137,9 @@ int run_export_hf(const Args& args) {
   std::error_code ec;
   fs::create_directories(out, ec);
   MT_CHECK(!ec && fs::is_directory(out)) << "cannot create the output folder " << out.string() << ": " << ec.message();
+  Written w;
 
   // Convert every tensor, then cut the list into shards of at most max_shard bytes.
-  const bool bf16 = dtype == "bf16";
   std::vector<std::vector<uint16_t>> data;  // bf16 values, or fp32 ones as pairs of halves
   std::vector<io::StWrite> all;
   std::vector<float> f;
@@ -212,26 +197,104 @@ int run_export_hf(const Args& args) {
   if (config.contains("dtype")) config["dtype"] = torch_dtype;
   if (config.contains("torch_dtype") || !config.contains("dtype")) config["torch_dtype"] = torch_dtype;
   io::write_file_atomic((out / "config.json").string(), {config.dump(2) + "\n"});
-  int copied = 0;
   for (const auto& e : fs::directory_iterator(ckpt)) {
     std::string n = e.path().filename().string();
     if (!exported_file(n) || n == "config.json") continue;  // the tokenizer's and generation files
     std::vector<uint8_t> b = io::read_file(e.path().string());
     io::write_file_atomic((out / n).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
-    ++copied;
+    ++w.copied;
   }
-  copied += write_generation_files(ckpt, config, out);
-  // Swap: until the second rename dest is whole (the old one), after it the new one.
-  const fs::path old = dest.string() + ".old";
+  w.copied += write_generation_files(ckpt, config, out);
+  w.tensors = all.size();
+  w.shards = shards.size();
+  w.bytes = total;
+  return w;
+}
+
+}  // namespace
+
+int run_export_hf(const Args& args) {
+  Options o("export-hf", args, {"checkpoint", "output", "dtype", "max-shard-size", "force?"});
+  const std::string dtype = o.get("dtype", "bf16");
+  MT_CHECK(dtype == "bf16" || dtype == "fp32") << "--dtype should be bf16 or fp32, got '" << dtype << "'";
+  const int64_t max_shard = parse_size(o.get("max-shard-size", "5GB"));
+  const std::string named = o.required("checkpoint");
+  // Lexically, so that a/b/../c makes no a/b; a trailing slash names the folder itself.
+  fs::path dest = fs::path(o.required("output")).lexically_normal();
+  if (!dest.has_filename()) dest = dest.parent_path();
+  MT_CHECK(!dest.empty() && dest.filename() != "." && dest.filename() != "..")
+      << "--output " << o.required("output") << " should name a folder to write";
+  // Never the checkpoint or a folder holding it (the checkpoint found is within `named`).
+  const fs::path rel = fs::weakly_canonical(named).lexically_relative(fs::weakly_canonical(dest));
+  MT_CHECK(rel.empty() || *rel.begin() == "..")
+      << "--output " << dest.string() << " holds the checkpoint " << named
+      << " (an export there would replace its fp32 weights); choose another folder";
+  std::error_code ec;
+  if (dest.has_parent_path()) fs::create_directories(dest.parent_path(), ec);
+  MT_CHECK(!ec) << "cannot create " << dest.parent_path().string() << " for --output: " << ec.message();
+  // One export an output at a time: DIR.lock beside it, held until the swap is done.
+  std::optional<io::FileLock> lock;
+  try {
+    lock.emplace(dest.string() + ".lock", "moetrain export-hf to " + dest.string());
+  } catch (const Error& e) {
+    MT_FAIL() << "--output " << dest.string() << " is being written by another export: " << e.message
+              << "; wait for it to end, or choose another --output";
+  }
+  // The export is written beside dest and swapped in whole: no stale shard of an earlier
+  // export stays for loaders to prefer. dest may be new or empty; with --force a folder
+  // that holds an earlier export and nothing else. Never a checkpoint, and never what
+  // export-hf does not write.
+  if (fs::exists(dest)) {
+    MT_CHECK(fs::is_directory(dest)) << "--output " << dest.string() << " is a file, not a folder";
+    MT_CHECK(fs::is_empty(dest) || o.has("force"))
+        << "--output " << dest.string() << " is not empty; add --force to replace an earlier export there, or choose "
+        << "a new folder";
+    MT_CHECK(!fs::exists(dest / "COMPLETE") && !fs::exists(dest / "train_state.json"))
+        << "--output " << dest.string() << " holds a checkpoint (" << (fs::exists(dest / "COMPLETE") ? "COMPLETE" : "")
+        << (fs::exists(dest / "COMPLETE") && fs::exists(dest / "train_state.json") ? ", " : "")
+        << (fs::exists(dest / "train_state.json") ? "train_state.json" : "")
+        << "), which an export never replaces, --force or not; choose another folder";
+    std::string foreign;
+    int named = 0;
+    for (const auto& e : fs::directory_iterator(dest)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_regular_file() && export_file(n)) continue;
+      if (named++ < 5) foreign += (foreign.empty() ? "" : ", ") + n + (e.is_directory() ? "/" : "");
+    }
+    if (named > 5) foreign += " and " + std::to_string(named - 5) + " more";
+    MT_CHECK(foreign.empty()) << "--output " << dest.string() << " holds what export-hf does not write (" << foreign
+                              << "); --force replaces an earlier export only: move them, or choose another folder";
+  }
+  const fs::path out = dest.string() + ".tmp", old = dest.string() + ".old";
+  // Left by an export that died (this one holds the lock now); and on failure, its own.
+  fs::remove_all(out);
   fs::remove_all(old);
-  for (const fs::path& p : kept) fs::rename(p, out / p.filename());
+  struct Cleanup {
+    const fs::path& out;
+    bool done = false;
+    ~Cleanup() {
+      std::error_code ignored;
+      if (!done) fs::remove_all(out, ignored);
+    }
+  } cleanup{out};
+  // find_checkpoint verifies it: no damaged file passes into an export. A run saving
+  // there may rotate it away meanwhile: read_checkpoint reads the newest again.
+  fs::path ckpt;
+  Written w;
+  read_checkpoint(named, [&](const std::string& dir) {
+    ckpt = dir;
+    fs::remove_all(out);
+    w = write_export(ckpt, out, dtype == "bf16", max_shard);
+  });
+  // Swap: until the second rename dest is whole (the old one), after it the new one.
   if (fs::exists(dest)) fs::rename(dest, old);
   fs::rename(out, dest, ec);
   MT_CHECK(!ec) << "renaming " << out.string() << " to " << dest.string() << ": " << ec.message();
+  cleanup.done = true;
   fs::remove_all(old);
   std::printf("exported %s: %zu tensors (%s, %zu shard%s, %lld bytes) and %d tokenizer and generation file%s to %s\n",
-              ckpt.string().c_str(), all.size(), dtype.c_str(), shards.size(), shards.size() == 1 ? "" : "s",
-              static_cast<long long>(total), copied, copied == 1 ? "" : "s", dest.string().c_str());
+              ckpt.string().c_str(), w.tensors, dtype.c_str(), w.shards, w.shards == 1 ? "" : "s",
+              static_cast<long long>(w.bytes), w.copied, w.copied == 1 ? "" : "s", dest.string().c_str());
   return 0;
 }
 

@@ -16,8 +16,8 @@
 #include "core/rng.h"
 #include "data/tokenizer.h"
 #include "io/file.h"
-#include "models/hf_config.h"
 #include "kernels/elementwise.h"
+#include "models/hf_config.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -98,7 +98,8 @@ std::vector<float> last_logits(Model& model, Stash& s) {
 
 int run_generate(const Args& args) {
   Options o("generate", args,
-            {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "seed", "device"});
+            {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "seed", "device",
+             "past-max-positions?"});
   fs::path dir = o.required("model");
   const std::string device = o.get("device", "cpu");
   MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
@@ -109,18 +110,11 @@ int run_generate(const Args& args) {
   MT_CHECK(o.has("prompt") != o.has("prompt-ids")) << "give one of --prompt TEXT and --prompt-ids 1,2,3";
 
   // A Hugging Face folder, or a checkpoint: a step folder, or a run folder's newest.
-  MT_CHECK(fs::is_directory(dir)) << dir.string() << " is not a folder (expected a Hugging Face model folder, a "
-                                  << "checkpoint step folder or a run folder)";
-  const bool checkpoint = fs::exists(dir / "COMPLETE") || fs::exists(dir / "train_state.json") ||
-                          !fs::exists(dir / "config.json");
-  if (checkpoint) dir = find_checkpoint(dir.string());
   ModelOptions options;
   options.device = device == "cuda" ? Device::cuda : Device::cpu;
-  std::unique_ptr<Model> model = make_model((dir / "config.json").string(), options);
-  if (checkpoint)
-    load_checkpoint(dir.string(), *model, nullptr);
-  else
-    load_hf(*model, dir.string());
+  std::string read;
+  std::unique_ptr<Model> model = load_model_folder(dir.string(), options, &read);
+  dir = read;
   std::unique_ptr<data::Tokenizer> tok;
   if (fs::exists(dir / "tokenizer.json")) tok = std::make_unique<data::Tokenizer>((dir / "tokenizer.json").string());
   MT_CHECK(tok || !o.has("prompt")) << dir.string() << " has no tokenizer.json to encode --prompt with; give the ids "
@@ -133,10 +127,21 @@ int run_generate(const Args& args) {
                                        << model->vocab_size() << " (is " << dir.string()
                                        << "/tokenizer.json the model's?)";
 
+  // Positions past what the model was made for: not without --past-max-positions.
+  const int64_t max_positions = o.has("past-max-positions") ? 0 : max_position_embeddings((dir / "config.json").string());
+  MT_CHECK(max_positions == 0 || static_cast<int64_t>(ids.size()) <= max_positions)
+      << "the prompt has " << ids.size() << " tokens, past the model's max_position_embeddings (" << max_positions
+      << " in " << dir.string() << "/config.json); shorten it, or add --past-max-positions";
   const std::vector<int64_t> eos = eos_ids(dir);
   const size_t prompt = ids.size();
   for (int64_t step = 0; step < max_new; ++step) {
     const int64_t T = static_cast<int64_t>(ids.size());
+    if (max_positions > 0 && T >= max_positions) {
+      std::fprintf(stderr, "moetrain generate: stopped at the model's max_position_embeddings (%lld tokens) after %lld "
+                   "new; --past-max-positions goes on\n", static_cast<long long>(max_positions),
+                   static_cast<long long>(step));
+      break;
+    }
     std::unique_ptr<Stash> s = model->make_stash(1, T);
     std::vector<int32_t> labels(ids.size(), 0);  // the head's loss is computed and not used
     copy(s->ids, Tensor(ids.data(), s->ids.shape, DType::i32));

@@ -56,14 +56,21 @@ const Command kCommands[] = {
      "  [checkpoint] [metrics]. Under mpirun or srun every rank runs the same command.\n"
      "  A relative path in the config file is taken against the file's folder, one on the\n"
      "  command line against the working folder. A resume prints the keys changed since\n"
-     "  its checkpoint and refuses those marked fixed on resume (docs/config.md).\n"
+     "  its checkpoint and refuses those marked fixed on resume (docs/config.md). One run a\n"
+     "  folder: job.dump_folder/moetrain.lock is held while it runs. SIGTERM, SIGINT or SIGUSR1\n"
+     "  (those within 2 s of the first are one request) finishes the step, saves and exits\n"
+     "  with status 75; run the same command again to resume. A signal after that exits at\n"
+     "  once. mpirun kills its ranks 1 s after a SIGTERM: send it SIGUSR1, or run it with\n"
+     "  --mca odls_base_sigkill_timeout 600.\n"
      "  --print-config  print the resolved config as TOML and exit\n\n"
      "keys (section.key, type, default, meaning):\n",
      mt::cli::run_train, true},
-    {"eval", "mean next-token loss of a Hugging Face model on a token matrix",
+    {"eval", "mean next-token loss of a Hugging Face model or a checkpoint on a token matrix",
      "usage: moetrain eval --model DIR --tokens FILE.npy [--device cpu|cuda]\n"
      "  Prints {\"loss\": <mean cross-entropy>, \"tokens\": <B*(T-1)>} for the [B,T] int32/int64\n"
-     "  matrix (inputs are columns 0..T-2, labels columns 1..T-1).\n",
+     "  matrix (inputs are columns 0..T-2, labels columns 1..T-1). DIR is a Hugging Face\n"
+     "  folder, a checkpoint step folder or a run folder (its newest checkpoint that verifies).\n"
+     "  A loss that is not finite is an error.\n",
      mt::cli::run_eval},
     {"encode", "encode text with a tokenizer.json, print ids as JSON",
      "usage: moetrain encode --tokenizer tokenizer.json [--text STR]\n"
@@ -81,17 +88,20 @@ const Command kCommands[] = {
     {"export-hf", "write a checkpoint as a Hugging Face model folder",
      "usage: moetrain export-hf --checkpoint DIR --output DIR [--dtype bf16|fp32]\n"
      "                          [--max-shard-size 5GB] [--force]\n"
-     "  The folder is written beside DIR and renamed into place. A non-empty DIR needs\n"
-     "  --force: its model, config and tokenizer files are replaced, its other files kept.\n",
+     "  The folder is written beside DIR (DIR.tmp, under the lock DIR.lock) and renamed into\n"
+     "  place. A non-empty DIR needs --force, which replaces an earlier export only: a DIR\n"
+     "  holding a checkpoint or files export-hf does not write is refused.\n",
      mt::cli::run_export_hf},
     {"generate", "continue a prompt with a Hugging Face model folder or a checkpoint",
      "usage: moetrain generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens 32]\n"
      "                         [--temperature 0] [--top-p 1] [--seed 0] [--device cpu|cuda]\n"
+     "                         [--past-max-positions]\n"
      "  DIR is a Hugging Face folder (export-hf's output), a checkpoint step folder or a run\n"
      "  folder (its newest checkpoint). Temperature 0 is greedy; above 0, tokens are drawn from\n"
      "  the top-p nucleus, the same ones for the same --seed. Stops at eos_token_id (of\n"
      "  generation_config.json, else config.json). Prints the prompt and its continuation\n"
-     "  where DIR has a tokenizer.json, then the new ids as one JSON array on the last line.\n",
+     "  where DIR has a tokenizer.json, then the new ids as one JSON array on the last line.\n"
+     "  It stops at config.json's max_position_embeddings unless --past-max-positions.\n",
      mt::cli::run_generate},
     {"plan", "print memory per rank and the mesh for a config, before launch",
      "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n"

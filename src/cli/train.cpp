@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -18,6 +20,7 @@
 #include "core/arena.h"
 #include "core/check.h"
 #include "io/file.h"
+#include "models/hf_config.h"
 #ifdef MOETRAIN_WITH_CUDA
 #include "kernels/cuda/device.h"
 #endif
@@ -33,21 +36,75 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// SIGTERM/SIGINT: the first asks the loop to finish its step, save and exit 0 (what
-// a SLURM preemption needs); a second ends the process at once. Saves are atomic, so
-// that cannot leave a half-written checkpoint behind.
-std::atomic<int> g_signals{0};
+// SIGTERM, SIGINT and SIGUSR1 ask the loop to finish its step, save and exit with
+// kStoppedBySignal (what a preemption needs; a requeue script tells it from success).
+// Wrappers and schedulers deliver one request as several signals (timeout forwards its
+// own to a process group that got it already; Slurm signals every task of a step):
+// those within kSignalWindow of the first are the same request. A signal after that ends
+// the process at once, saying so on stderr first. Saves are atomic, so that cannot leave
+// a half-written checkpoint behind. Open MPI's mpirun, given SIGTERM, forwards it and
+// kills the ranks 1 s later (odls_base_sigkill_timeout); SIGUSR1 it only forwards.
+constexpr int kStoppedBySignal = 75;           // sysexits' EX_TEMPFAIL: run it again
+constexpr int64_t kSignalWindow = 2000000000;  // ns
+std::atomic<int64_t> g_first_signal{0};        // CLOCK_MONOTONIC ns of the first; 0: none
+static_assert(std::atomic<int64_t>::is_always_lock_free);
 
 void on_signal(int sig) {
-  if (g_signals.fetch_add(1) > 0) _exit(128 + sig);
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  const int64_t now = std::max<int64_t>(1, ts.tv_sec * 1000000000 + ts.tv_nsec);
+  int64_t first = 0;
+  if (g_first_signal.compare_exchange_strong(first, now) || now - first < kSignalWindow) return;
+  const char says[] = "moetrain train: another signal more than 2 s after the first: exiting now, without saving "
+                      "this step (the last checkpoint stays)\n";
+  ssize_t ignored = write(STDERR_FILENO, says, sizeof says - 1);
+  (void)ignored;
+  _exit(128 + sig);
 }
 
 void install_signal_handlers() {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaction(sig, &sa, nullptr);
+}
+
+// One writer a run folder: rank 0 holds <folder>/moetrain.lock (io::FileLock) from before
+// it looks for a checkpoint to resume until the run ends, and every rank stops when it
+// cannot be had. The folders made for it are removed again when the run is refused
+// before it starts (unless `keep`), so a refused run leaves none behind.
+struct RunFolder {
+  std::vector<fs::path> made;  // outermost first
+  std::optional<io::FileLock> lock;
+  bool keep = false;
+  ~RunFolder() {
+    lock.reset();
+    std::error_code ec;
+    if (!keep)
+      for (auto p = made.rbegin(); p != made.rend(); ++p) fs::remove(*p, ec);  // only if empty
+  }
+};
+
+void claim_run_folder(RunFolder& run, comm::Communicator& world, const std::string& folder) {
+  std::string refused;
+  if (world.rank() == 0) {
+    try {
+      for (fs::path p = fs::path(folder).lexically_normal(); !p.empty() && !fs::exists(p); p = p.parent_path())
+        run.made.insert(run.made.begin(), p);
+      std::error_code ec;
+      fs::create_directories(folder, ec);
+      MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
+      run.lock.emplace(folder + "/moetrain.lock", "moetrain train");
+    } catch (const Error& e) {
+      refused = e.message;
+    }
+  }
+  std::vector<int64_t> bad = {refused.empty() ? 0 : 1};
+  world.all_reduce(Tensor(bad.data(), {1}, DType::i64));
+  MT_CHECK(refused.empty()) << "job.dump_folder " << folder << " is in use: " << refused
+                            << "; one run writes a folder at a time: wait for it to end, stop it, or choose another "
+                            << "job.dump_folder";
+  MT_CHECK(bad[0] == 0) << "rank 0 cannot have the run folder " << folder << " (it says why)";
 }
 
 // A run whose plan (train/trainer.h, plan_memory: what `moetrain plan` prints) needs
@@ -226,6 +283,8 @@ int run_train(const Args& args) {
   const bool writer = world.rank() == 0;
   agree_with_rank0(world.comm(), cfg);
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
+  RunFolder run_folder;
+  claim_run_folder(run_folder, world.comm(), folder);
   // checkpoint.load names the checkpoint to resume from; else the run's complete ones are
   // tried newest first (below).
   const std::vector<std::string> tries =
@@ -269,6 +328,16 @@ int run_train(const Args& args) {
     made = std::make_unique<Trainer>(cfg, *model, std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
                                                                                   cfg.training.seed));
   Trainer& trainer = *made;
+  // Positions past what the model was made for (as eval refuses them).
+  const int64_t max_positions = max_position_embeddings(config_json);
+  if (max_positions > 0 && trainer.seq_len() > max_positions) {
+    const std::string past = "sequences of " + std::to_string(trainer.seq_len()) + " tokens, past the model's " +
+                             "max_position_embeddings (" + std::to_string(max_positions) + " in " + config_json + ")";
+    MT_CHECK(cfg.data.allow_past_max_positions)
+        << past << ": set data.seq_len to at most " << max_positions << ", raise max_position_embeddings in a copy of "
+        << "config.json (with the rope scaling it needs), or train past it with data.allow_past_max_positions = true";
+    if (writer) std::fprintf(stderr, "moetrain train: warning: %s (data.allow_past_max_positions)\n", past.c_str());
+  }
   trainer.set_parallel(mesh);
   // Weights are filled once the trainer has sharded them: with ZeRO-3 through full host
   // copies of the layers, cut into this rank's shards after.
@@ -326,13 +395,11 @@ int run_train(const Args& args) {
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
-  // The run folder is made once everything above has accepted the run: a refused run
-  // leaves none behind. A resumed run appends to what truncate_metrics kept.
+  // The run folder is kept once everything above has accepted the run: a refused run
+  // leaves none behind (RunFolder). A resumed run appends to what truncate_metrics kept.
   std::ofstream metrics;
+  run_folder.keep = true;
   if (writer) {
-    std::error_code ec;
-    fs::create_directories(folder, ec);
-    MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
     // config.toml is the config a run started with; a resume from step N keeps its own
     // beside it, as config.step-0000000N.toml (N as the checkpoint folders write it).
     char name[64] = "config.toml";
@@ -418,16 +485,18 @@ int run_train(const Args& args) {
                                std::to_string(cfg.training.max_skipped_steps) + ")");
     }
     // A signal reaches one rank or all; every rank stops at the same step.
-    std::vector<int64_t> signalled = {g_signals.load() > 0 ? 1 : 0};
+    std::vector<int64_t> signalled = {g_first_signal.load() != 0 ? 1 : 0};
     mesh.world().all_reduce(Tensor(signalled.data(), {1}, DType::i64));
     bool stop = signalled[0] > 0;
     if ((cfg.checkpoint.interval > 0 && r.step % cfg.checkpoint.interval == 0) || stop) save(lr);
     if (stop) {
       if (writer) {
-        progress.say("stopped by a signal after step " + std::to_string(r.step));
+        progress.say("stopped by a signal after step " + std::to_string(r.step) + " (exit status " +
+                     std::to_string(kStoppedBySignal) + ": resume by running the same command again)");
         progress.finish(last_checkpoint, "");
       }
-      return 0;
+      mesh.world().barrier();  // no rank ends the job before rank 0 has said so
+      return kStoppedBySignal;
     }
   }
   // The end of a run is kept unless told not to (step 0 too: an export of the initial weights).

@@ -1,6 +1,7 @@
 #include "io/file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <memory>
 
@@ -22,9 +24,31 @@
 
 namespace mt::io {
 
+namespace {
+
+// What a path that is not a regular file is, for the refusal.
+std::string kind_of(mode_t m) {
+  return S_ISDIR(m) ? "a folder" : S_ISCHR(m) ? "a character device" : S_ISBLK(m) ? "a block device"
+         : S_ISFIFO(m) ? "a pipe" : S_ISSOCK(m) ? "a socket" : "not a regular file";
+}
+
+void check_regular(int fd, const std::string& path) {
+  struct stat st {};
+  MT_CHECK(::fstat(fd, &st) == 0) << "cannot stat " << path << ": " << std::strerror(errno);
+  MT_CHECK(S_ISREG(st.st_mode)) << path << " is " << kind_of(st.st_mode) << ", where a regular file was expected";
+}
+
+}  // namespace
+
 std::vector<uint8_t> read_file(const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "rb");
   MT_CHECK(f != nullptr) << "cannot open " << path << ": " << std::strerror(errno);
+  try {
+    check_regular(::fileno(f), path);
+  } catch (...) {
+    std::fclose(f);
+    throw;
+  }
   std::vector<uint8_t> out;
   uint8_t buf[1 << 16];
   size_t n;
@@ -47,7 +71,7 @@ MappedFile::MappedFile(const std::string& path, std::string_view what) {
   int map_errno = errno;
   ::close(fd);
   MT_CHECK(stat_ok) << "cannot stat " << path << ": " << std::strerror(stat_errno);
-  MT_CHECK(regular) << path << " is not a regular file";
+  MT_CHECK(regular) << path << " is " << kind_of(st.st_mode) << ", where a regular file was expected";
   MT_CHECK(m != MAP_FAILED) << "cannot mmap " << path << " (" << size << " bytes): " << std::strerror(map_errno);
   map_ = {static_cast<const uint8_t*>(m), Unmap{size}};
 }
@@ -66,6 +90,50 @@ FileSum file_fingerprint(const std::string& path) {
   if (b.size() <= 2 * kEdge) return {b.size(), XXH3_64bits(b.data(), b.size())};
   const uint64_t head = XXH3_64bits(b.data(), kEdge);
   return {b.size(), XXH3_64bits_withSeed(b.data() + b.size() - kEdge, kEdge, head)};
+}
+
+FileLock::FileLock(const std::string& path, std::string_view what) : path_(path) {
+  // A file another taker removed between our open and our lock is not the lock any more:
+  // lock again whatever the path names now.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    MT_CHECK(fd_ >= 0) << "cannot open the lock file " << path << ": " << std::strerror(errno);
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      char text[512] = {};
+      ssize_t n = 0;
+      // A holder that has just taken it writes its name right after: a moment for that.
+      for (int wait = 0; wait < 20 && (n = ::pread(fd_, text, sizeof text - 1, 0)) <= 0; ++wait) ::usleep(10000);
+      ::close(fd_);
+      fd_ = -1;
+      std::string holder(text, n > 0 ? static_cast<size_t>(n) : 0);
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+      MT_CHECK(e == EWOULDBLOCK) << "cannot lock " << path << ": " << std::strerror(e);
+      MT_FAIL() << path << " is held by " << (holder.empty() ? std::string("another process") : holder);
+    }
+    struct stat mine {}, now {};
+    if (::fstat(fd_, &mine) == 0 && ::stat(path.c_str(), &now) == 0 && mine.st_ino == now.st_ino &&
+        mine.st_dev == now.st_dev)
+      break;
+    ::close(fd_);
+    fd_ = -1;
+  }
+  MT_CHECK(fd_ >= 0) << "cannot lock " << path << ": it is removed and made again faster than it can be locked";
+  char host[256] = "?";
+  ::gethostname(host, sizeof host - 1);
+  const std::time_t t = std::time(nullptr);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  const std::string text = "pid " + std::to_string(::getpid()) + " on host " + host + " since " + when + " (" +
+                           std::string(what) + ")\n";
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size()))
+    std::fprintf(stderr, "moetrain: warning: cannot write the holder into %s: %s\n", path.c_str(), std::strerror(errno));
+}
+
+FileLock::~FileLock() {
+  if (fd_ < 0) return;
+  ::unlink(path_.c_str());  // while held: a taker that opened it finds it gone and locks anew
+  ::close(fd_);
 }
 
 FileSum write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {

@@ -1,4 +1,6 @@
-// Whole-file reads, read-only maps, atomic writes and checksums.
+// Whole-file reads, read-only maps, atomic writes, locks and checksums. Every read takes
+// regular files only: a device (/dev/zero) or a folder is refused by name, not read
+// without bound.
 #pragma once
 
 #include <cstdint>
@@ -6,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace mt::io {
@@ -40,6 +43,24 @@ FileSum file_sum(const std::string& path);
 // data without reading a corpus of terabytes whole: it tells apart files of another
 // size, another header (.npy, safetensors) or another end (a corpus file's document ends).
 FileSum file_fingerprint(const std::string& path);
+
+// An exclusive lock on the file at `path` (flock), created if missing and held until
+// destroyed, when the file is removed. The kernel drops it when the process dies, so a
+// crash never leaves it held (only a stale file, which the next taker reuses). The
+// holder writes "pid P on host H since T (what)" into the file; a second taker is
+// refused at once with an error that quotes it: "<path> is held by pid P on host H ...".
+// `what` names the holder's work, written for the next taker to read.
+class FileLock {
+ public:
+  FileLock(const std::string& path, std::string_view what);
+  FileLock(FileLock&& o) noexcept : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)) {}
+  FileLock& operator=(FileLock&&) = delete;
+  ~FileLock();
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 // Writes the pieces to path.tmp, fsyncs it, renames it over path and fsyncs the
 // folder: after a crash either the old file or the complete new one is there. Returns

@@ -57,6 +57,9 @@ NpyHeader parse_npy_header(const uint8_t* p, size_t n, const std::string& where)
   MT_CHECK(n >= start) << where << ": truncated .npy header";
   size_t len = 0;
   std::memcpy(&len, p + 8, start - 8);  // little-endian, like every host we build for
+  constexpr size_t kMaxHeader = 65536;  // numpy's reader takes 10000 unless told otherwise
+  MT_CHECK(len <= kMaxHeader) << where << ": a .npy header of " << len << " bytes, over the " << kMaxHeader
+                              << " read (numpy writes under 10000): a damaged file, or not a token matrix";
   MT_CHECK(start + len <= n) << where << ": truncated .npy header (" << start + len << " bytes needed, " << n
                              << " present)";
   std::string h(reinterpret_cast<const char*>(p + start), len);

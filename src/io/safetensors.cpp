@@ -141,6 +141,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), file_(p
                       << " bytes, shorter than the 8-byte header length";
   uint64_t header_len;
   std::memcpy(&header_len, map, 8);  // little-endian, like every host we build for
+  constexpr uint64_t kMaxHeader = 100000000;  // the safetensors format's own limit
+  MT_CHECK(header_len <= kMaxHeader) << path << ": header length " << header_len << ", over the format's limit of "
+                                     << kMaxHeader << " bytes (a damaged file, or not a safetensors file)";
   MT_CHECK(header_len <= size - 8) << path << ": header length " << header_len << " runs past the end of the file ("
                                    << size << " bytes; truncated, or not a safetensors file)";
   data_begin_ = 8 + static_cast<size_t>(header_len);

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "core/check.h"
+#include "io/file.h"
 
 namespace mt {
 
@@ -109,6 +110,13 @@ cpu::RopeConfig read_rope(const HfConfig& hf, int64_t rotary_dim) {
   r.mscale_all_dim = hf.number({"rope_parameters.mscale_all_dim", "rope_scaling.mscale_all_dim"}, 0.0);
   r.truncate = hf.flag({"rope_parameters.truncate", "rope_scaling.truncate"}, true);
   return r;
+}
+
+int64_t max_position_embeddings(const std::string& config_json) {
+  const std::vector<uint8_t> b = io::read_file(config_json);
+  const nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
+  MT_CHECK(j.is_object()) << config_json << ": not a JSON object";
+  return HfConfig(j, config_json).integer({"max_position_embeddings"}, 0);
 }
 
 }  // namespace mt

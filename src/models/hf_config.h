@@ -47,4 +47,8 @@ class HfConfig {
 // attention_factor, mscale, mscale_all_dim, truncate); another type is an error.
 cpu::RopeConfig read_rope(const HfConfig& hf, int64_t rotary_dim);
 
+// config.json's max_position_embeddings, the positions the model was made for (0 when
+// it gives none): train, eval and generate hold sequences to it.
+int64_t max_position_embeddings(const std::string& config_json);
+
 }  // namespace mt

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "comm/communicator.h"
 #include "io/safetensors.h"
 #include "kernels/elementwise.h"
+#include "train/trainer.h"
 
 namespace mt {
 
@@ -245,9 +247,10 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
 
 std::vector<std::string> complete_checkpoints(const std::string& checkpoints_dir) {
   std::vector<std::pair<int64_t, std::string>> found;
-  if (fs::is_directory(checkpoints_dir))
-    for (const auto& e : fs::directory_iterator(checkpoints_dir))
-      if (step_of(e.path()) >= 0 && complete(e.path())) found.emplace_back(step_of(e.path()), e.path().string());
+  // A run may save and rotate while this lists: a folder gone meanwhile is not listed.
+  std::error_code ec;
+  for (fs::directory_iterator it(checkpoints_dir, ec), end; !ec && it != end; it.increment(ec))
+    if (step_of(it->path()) >= 0 && complete(it->path())) found.emplace_back(step_of(it->path()), it->path().string());
   std::sort(found.rbegin(), found.rend());
   std::vector<std::string> out;
   for (const auto& [step, dir] : found) out.push_back(dir);
@@ -270,21 +273,75 @@ std::string find_checkpoint(const std::string& path) {
   if (!p.has_filename()) p = p.parent_path();  // a trailing slash
   MT_CHECK(step_of(p) < 0) << path << " is not a complete checkpoint (no COMPLETE marker)";
   const std::string where = fs::is_directory(p / "checkpoints") ? (p / "checkpoints").string() : p.string();
-  const std::vector<std::string> found = complete_checkpoints(where);
-  MT_CHECK(!found.empty()) << path << " holds no complete checkpoint (looked for step-NNNNNNNN folders with a COMPLETE "
-                           << "marker in " << where << ")";
   // The newest whose model files verify, as a resume takes it; each damaged one is named.
-  for (const std::string& dir : found) {
+  // One that a run's rotation (checkpoint.keep) removed while it was checked is not
+  // damaged: the folders are listed again, once.
+  for (int look = 0; look < 2; ++look) {
+    const std::vector<std::string> found = complete_checkpoints(where);
+    MT_CHECK(!found.empty()) << path << " holds no complete checkpoint (looked for step-NNNNNNNN folders with a "
+                             << "COMPLETE marker in " << where << ")";
+    bool rotated = false;
+    for (const std::string& dir : found) {
+      try {
+        verify_checkpoint(dir, false);
+        return dir;
+      } catch (const Error& e) {
+        if (!complete(dir)) {
+          rotated = true;
+          continue;
+        }
+        const auto* damaged = dynamic_cast<const DamagedCheckpoint*>(&e);
+        if (damaged == nullptr) throw;
+        std::fprintf(stderr, "moetrain: warning: skipping %s: %s\n", dir.c_str(), damaged->why.c_str());
+      }
+    }
+    MT_CHECK(rotated) << "no checkpoint in " << where << " verifies (each is named above): restore the damaged files "
+                      << "from a copy, or name a step folder";
+  }
+  MT_FAIL() << "the checkpoints in " << where << " were removed while being checked, twice: a run saving there "
+            << "rotates them (checkpoint.keep) faster than they can be read; try again, or name a step folder";
+  return "";
+}
+
+void read_checkpoint(const std::string& path, const std::function<void(const std::string& dir)>& read) {
+  for (int attempt = 0;; ++attempt) {
+    const std::string dir = find_checkpoint(path);
     try {
-      verify_checkpoint(dir, false);
-      return dir;
-    } catch (const DamagedCheckpoint& e) {
-      std::fprintf(stderr, "moetrain: warning: skipping %s: %s\n", dir.c_str(), e.why.c_str());
+      read(dir);
+      return;
+    } catch (const std::exception& e) {
+      // Gone while read, and not the folder the user named: a run rotated it away.
+      if (complete(dir) || fs::path(dir).lexically_normal() == fs::path(path).lexically_normal()) throw;
+      MT_CHECK(attempt == 0) << dir << " was removed while being read, as was the one before it: a run saving into "
+                             << path << " rotates its checkpoints (checkpoint.keep) faster than they can be read; "
+                             << "raise checkpoint.keep, or read a copy (" << e.what() << ")";
+      std::fprintf(stderr, "moetrain: note: %s was removed while being read (a run rotated it away); reading the "
+                   "newest checkpoint again\n", dir.c_str());
     }
   }
-  MT_FAIL() << "no checkpoint in " << where << " verifies (each is named above): restore the damaged files from a "
-            << "copy, or name a step folder";
-  return "";
+}
+
+bool is_checkpoint_folder(const std::string& path) {
+  const fs::path dir(path);
+  return complete(dir) || fs::exists(dir / "train_state.json") || !fs::exists(dir / "config.json");
+}
+
+std::unique_ptr<Model> load_model_folder(const std::string& path, const ModelOptions& options, std::string* read) {
+  MT_CHECK(fs::is_directory(path)) << path << " is not a folder (expected a Hugging Face model folder, a checkpoint "
+                                   << "step folder or a run folder)";
+  std::unique_ptr<Model> model;
+  if (!is_checkpoint_folder(path)) {
+    model = make_model(path + "/config.json", options);
+    load_hf(*model, path);
+    if (read != nullptr) *read = path;
+    return model;
+  }
+  read_checkpoint(path, [&](const std::string& dir) {
+    model = make_model(dir + "/config.json", options);
+    load_checkpoint(dir, *model, nullptr);
+    if (read != nullptr) *read = dir;
+  });
+  return model;
 }
 
 TrainState read_train_state(const std::string& dir) {

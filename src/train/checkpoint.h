@@ -20,6 +20,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,6 +71,21 @@ std::string latest_checkpoint(const std::string& checkpoints_dir);
 // (job.dump_folder: its checkpoints/), whose newest complete step that verifies is taken,
 // each damaged newer one named on stderr. An error saying where it looked when none is.
 std::string find_checkpoint(const std::string& path);
+
+// For readers of a folder a run may be saving into: `read` runs on the checkpoint that
+// find_checkpoint(path) names, and when it fails because that checkpoint was rotated away
+// under it (checkpoint.keep removed it meanwhile), the newest is found and read again,
+// once; a second such loss is an error that says so. Other failures pass through.
+void read_checkpoint(const std::string& path, const std::function<void(const std::string& dir)>& read);
+
+// Whether eval and generate take `path` as a checkpoint (a step folder, a run folder,
+// its checkpoints/) rather than a Hugging Face model folder (config.json, no train_state).
+bool is_checkpoint_folder(const std::string& path);
+
+// The model of a Hugging Face folder, or of a checkpoint found, verified and read through
+// read_checkpoint, built with `options`; `read` gets the folder read.
+std::unique_ptr<Model> load_model_folder(const std::string& path, const ModelOptions& options,
+                                         std::string* read = nullptr);
 
 // A complete checkpoint's train_state.json (step, seed, lr, data cursor, config), checked
 // against the manifest (DamagedCheckpoint).

@@ -41,6 +41,9 @@ void visit(C& c, F&& f) {
   f({"data", "tokens", kPath | kFixed, "a .npy [B, T] token matrix: the whole global batch every step"}, c.data.tokens);
   f({"data", "corpus", kPath | kFixed, "a folder of tokenized .bin files (moetrain tokenize)"}, c.data.corpus);
   f({"data", "seq_len", kFixed, "tokens a sequence; 0: T - 1 of data.tokens (set it with data.corpus)"}, c.data.seq_len);
+  f({"data", "allow_past_max_positions", 0,
+     "train on sequences longer than config.json's max_position_embeddings (with a warning)"},
+    c.data.allow_past_max_positions);
   f({"training", "steps", 0, "optimizer steps of the whole run (a resumed run continues to it)"}, c.training.steps);
   f({"training", "global_batch_size", kFixed, "sequences a step; 0: every row of data.tokens"},
     c.training.global_batch_size);
@@ -371,6 +374,13 @@ Config load_config(const std::string& toml_path, const std::vector<std::pair<std
     visit(c, [&](const Key& k, auto& field) {
       if (dotted != k.dotted()) return;
       set_from_text(text, field, "--" + dotted);
+      // `..` lexically, as in a config file: a/b/../c is a/c, so no a/b is made for a run
+      // folder (the rest as written).
+      if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
+        if (k.flags & kPath)
+          field = on_path(field, [](const fs::path& p) {
+            return std::find(p.begin(), p.end(), fs::path("..")) != p.end() ? p.lexically_normal() : p;
+          });
       found = true;
     });
     MT_CHECK(found) << "unknown option --" << dotted << ": no such config key; did you mean --" << closest_key(dotted)
@@ -403,7 +413,8 @@ std::string config_reference(bool markdown) {
          "default, so overrides alone can describe a run; `--print-config` prints the resolved\n"
          "config as TOML and exits. An unknown key is an error naming the closest known one.\n\n"
          "- Paths (type `path`): a relative path in a config file is taken against the file's\n"
-         "  folder, one on the command line against the working folder.\n"
+         "  folder, one on the command line against the working folder; `..` is taken\n"
+         "  lexically (`a/b/../c` is `a/c`).\n"
          "- Resume: a run whose `job.dump_folder` holds a checkpoint (or given\n"
          "  `checkpoint.load`) resumes from it and prints every key changed since that\n"
          "  checkpoint was saved (old -> new). A change of a key marked *fixed on resume*\n"
@@ -468,10 +479,17 @@ std::vector<InputPath> input_paths(const Config& c) {
 }
 
 void check_inputs_exist(const Config& c) {
-  for (const InputPath& in : input_paths(c))
+  for (const InputPath& in : input_paths(c)) {
     MT_CHECK(fs::exists(in.path)) << in.key << " = " << toml_text(in.value) << ": " << in.path
                                   << " does not exist (a relative path is taken against the config file's folder, "
                                      "or on the command line against the working folder)";
+    MT_CHECK(in.key != "data.tokens" || !fs::is_directory(in.path))
+        << "data.tokens = " << toml_text(in.value) << " is a folder, where a .npy [B, T] token matrix was expected (a "
+        << "folder of tokenized .bin files is data.corpus)";
+    MT_CHECK(in.key != "data.corpus" || fs::is_directory(in.path))
+        << "data.corpus = " << toml_text(in.value) << " is not a folder (expected moetrain tokenize's output folder; "
+        << "a .npy token matrix is data.tokens)";
+  }
 }
 
 std::string model_config_path(const Config& c) {

@@ -27,6 +27,7 @@ struct DataConfig {
   std::string tokens;  // a .npy [B, T] matrix used as the global batch every step
   std::string corpus;  // a folder of tokenized .bin files
   int64_t seq_len = 0;  // 0: T - 1 of the tokens matrix (required with a corpus)
+  bool allow_past_max_positions = false;  // seq_len over config.json's max_position_embeddings
 };
 
 struct TrainingConfig {

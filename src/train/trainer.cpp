@@ -201,6 +201,9 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
 }
 
 TokenBatch read_token_batch(const std::string& npy_path, int64_t vocab_size) {
+  MT_CHECK(!std::filesystem::is_directory(npy_path))
+      << npy_path << " is a folder, where a .npy [B, T] token matrix was expected (a folder of tokenized .bin files "
+      << "is data.corpus, for train)";
   io::NpyArray a = io::read_npy(npy_path);
   MT_CHECK(a.header.shape.size() == 2 && a.header.shape[1] >= 2)
       << npy_path << ": expected a [B, T] token matrix with T >= 2, got " << a.header.shape.size() << " dims";
