@@ -196,7 +196,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 47);
+  EXPECT_EQ(keys, 48);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -1193,6 +1193,26 @@ TEST(Commands, SkewedRoutingSizesTheExpertRowsByTheCounts) {
   const size_t balanced = out.find("  expert rows"), skewed_total = out.find("iB (", out.find("at routing skew 2"));
   ASSERT_NE(balanced, std::string::npos);
   EXPECT_EQ(ep[0]["memory_bytes"].get<int64_t>(), std::stoll(out.substr(skewed_total + 4))) << out;
+  // training.device_memory_limit at the balanced plan: the run is let start, and its rows
+  // at skew 2 are more than the limit leaves (a smaller GPU stood in for); below it the
+  // run is refused, and plan says so.
+  const size_t total_at = out.find("(", out.find("  total "));
+  const double total = static_cast<double>(std::stoll(out.substr(total_at + 1)));
+  char limit[64];
+  std::snprintf(limit, sizeof limit, "%.17g", (total + 64) / static_cast<double>(1 << 30));
+  std::tie(rc, out) = run(kMpirun + "2 " + MOETRAIN_BIN + " train --training.steps=2 --parallelism.ep=2 --job.dump_folder=" +
+                          dir + "/capped" + flags + " --training.device_memory_limit=" + limit);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("(training.device_memory_limit, less the arenas)"), std::string::npos) << out;
+  std::snprintf(limit, sizeof limit, "%.17g", (total - 64) / static_cast<double>(1 << 30));
+  std::tie(rc, out) = run(kMpirun + "2 " + MOETRAIN_BIN + " train --training.steps=2 --parallelism.ep=2 --job.dump_folder=" +
+                          dir + "/refused" + flags + " --training.device_memory_limit=" + limit);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("but training.device_memory_limit allows"), std::string::npos) << out;
+  std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " plan --world=2 --parallelism.ep=2" + flags +
+                          " --training.device_memory_limit=" + limit);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("the plan does not fit (train refuses it)"), std::string::npos) << out;
 }
 
 // A run whose expert rows cannot be had stops, naming the layer, the rows and the memory

@@ -237,6 +237,13 @@ int run_plan(const Args& args) {
     std::printf("  at routing skew %-9g %10.3f %s (%zu bytes; expert rows %zu bytes: the hottest rank gets %g x its "
                 "share)\n",
                 skew, in(m.total_skewed()), unit, m.total_skewed(), m.rows_skewed, skew);
+    if (cfg.training.device_memory_limit > 0) {
+      const double limit = cfg.training.device_memory_limit * static_cast<double>(size_t{1} << 30);
+      std::printf("  training.device_memory_limit %7.3f GiB: %s\n", cfg.training.device_memory_limit,
+                  static_cast<double>(total) > limit             ? "the plan does not fit (train refuses it)"
+                  : static_cast<double>(m.total_skewed()) > limit ? "the plan fits, not at the skew"
+                                                                  : "the plan fits, at the skew too");
+    }
   }
   if (!o.has("schedule")) return 0;
 

@@ -110,9 +110,15 @@ void claim_run_folder(RunFolder& run, comm::Communicator& world, const std::stri
 // A run whose plan (train/trainer.h, plan_memory: what `moetrain plan` prints) needs
 // more than the device has free is refused before anything is allocated, with the
 // plan's figures and what the levers would plan to.
-void refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_t free) {
+// training.device_memory_limit caps `free` (a smaller GPU stood in for); the expert rows
+// then get what the limit leaves once the planned arenas are taken (returned; 0: no
+// limit), so the run holds no more than the limit but for libraries' workspaces.
+size_t refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_t free) {
   const MemoryPlan m = plan_memory(cfg, world, pp_rank, 1.0);
-  if (m.total() <= free) return;
+  const size_t limit = static_cast<size_t>(cfg.training.device_memory_limit * static_cast<double>(size_t{1} << 30));
+  const bool capped = limit > 0 && limit < free;
+  if (capped) free = limit;
+  if (m.total() <= free) return limit > 0 ? free - (m.total() - m.rows) : 0;
   auto gib = [](size_t b) { return std::to_string(static_cast<double>(b) / (1 << 30)).substr(0, 6) + " GiB"; };
   std::string levers;
   for (const char* mode : {"selective", "full"}) {
@@ -127,9 +133,11 @@ void refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_t 
             << "gradients " << gib(2 * m.weights) << ", optimizer " << gib(m.optimizer) << ", weight copies "
             << gib(m.compute) << ", zero3 slots " << gib(m.slot) << ", activations " << gib(m.activations)
             << " for micro-batches of " << m.step.micro_batch << " x " << m.step.seq << ", expert rows "
-            << gib(m.rows) << " under balanced routing) but the device has " << gib(free)
-            << " free. Levers" << levers << "; a smaller training.micro_batch_size; parallelism.zero3=true; more "
+            << gib(m.rows) << " under balanced routing) but "
+            << (capped ? "training.device_memory_limit allows " + gib(free) : "the device has " + gib(free) + " free")
+            << ". Levers" << levers << "; a smaller training.micro_batch_size; parallelism.zero3=true; more "
             << "ranks (parallelism.ep, parallelism.pp). moetrain plan with the same flags prints each figure";
+  return 0;
 }
 
 // A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
@@ -315,7 +323,7 @@ int run_train(const Args& args) {
     free = cuda::free_memory();
   }
 #endif
-  refuse_what_does_not_fit(cfg, world.size(), mesh.coord().pp, free);
+  options.row_memory_limit = refuse_what_does_not_fit(cfg, world.size(), mesh.coord().pp, free);
   std::unique_ptr<Model> model = make_model(config_json, options);
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";

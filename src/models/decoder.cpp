@@ -117,11 +117,13 @@ constexpr int64_t kRowRounding = 128;  // rows are taken in multiples of this
 constexpr int64_t kHeadRows = 1024;
 
 // What the expert rows hold, counted (RowMemory), against a budget: the environment's
-// MOETRAIN_ROW_POOL_BYTES where set (the hook the pool-exhaustion test uses), else the
-// device's memory as the allocator finds it. In a plan the rows are only counted.
+// MOETRAIN_ROW_POOL_BYTES where set (the hook the pool-exhaustion test uses), else
+// ModelOptions::row_memory_limit where set, else the device's memory as the allocator
+// finds it. In a plan the rows are only counted.
 struct RowPool {
   bool counting = false;
   size_t in_use = 0, peak = 0, limit = std::numeric_limits<size_t>::max();
+  std::string limit_key;  // what set the limit
   double skew = 0;
 };
 
@@ -183,7 +185,14 @@ class Decoder final : public Model {
     MT_CHECK(routing_skew_ >= 1.0) << "a routing skew of " << routing_skew_
                                    << ": the hottest rank gets at least the mean share of rows (>= 1)";
     pool_->counting = plan_only_;
-    if (const char* limit = std::getenv("MOETRAIN_ROW_POOL_BYTES")) pool_->limit = std::strtoull(limit, nullptr, 10);
+    if (o.row_memory_limit > 0) {
+      pool_->limit = o.row_memory_limit;
+      pool_->limit_key = "training.device_memory_limit, less the arenas";
+    }
+    if (const char* limit = std::getenv("MOETRAIN_ROW_POOL_BYTES")) {
+      pool_->limit = std::strtoull(limit, nullptr, 10);
+      pool_->limit_key = "MOETRAIN_ROW_POOL_BYTES";
+    }
     MT_CHECK(!linear_.fp8() || !c.gpt_oss_experts)
         << "training.fp8 = blockwise: GPT-OSS's linear layers have biases, which the FP8 products do not take yet";
     MT_CHECK(!linear_.fp8() || !o.external_layers)
@@ -798,7 +807,7 @@ void Decoder::take_rows(int64_t l, LayerActs& x, Stage stage, Pass pass, int64_t
     };
     if (pool_->in_use + bytes > pool_->limit)
       refuse("the pool has " + std::to_string(pool_->limit - pool_->in_use) + " bytes left of its " +
-             std::to_string(pool_->limit) + " (MOETRAIN_ROW_POOL_BYTES)");
+             std::to_string(pool_->limit) + " (" + pool_->limit_key + ")");
     parallel::Buffer b;
     if (!pool_->counting) {
       try {

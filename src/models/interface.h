@@ -114,6 +114,9 @@ struct ModelOptions {
   // the rows' peak (train/schedule.h, row_peak).
   bool plan_only = false;
   double routing_skew = 1.0;
+  // The bytes the expert rows may take at once (0: what the device gives): what
+  // training.device_memory_limit leaves once the planned arenas are taken.
+  size_t row_memory_limit = 0;
   // Expert parallelism: the experts are split evenly over this group's ranks and the
   // dispatch and combine stages exchange tokens over it.
   comm::Communicator* ep = nullptr;

@@ -53,6 +53,9 @@ void visit(C& c, F&& f) {
     c.training.clip_grad_norm);
   f({"training", "seed", kFixed, "seeds the random init and the corpus order"}, c.training.seed);
   f({"training", "device", 0, "cpu, or cuda (bf16 compute, fp32 master weights; one GPU a rank)"}, c.training.device);
+  f({"training", "device_memory_limit", 0,
+     "GiB of device memory a rank may take (stands in for a smaller GPU); 0: what is free"},
+    c.training.device_memory_limit);
   f({"training", "fp8", 0, "none, or blockwise: linear layers in e4m3 with 1x128 / 128x128 scales"}, c.training.fp8);
   f({"training", "fp8_scale", 0, "pow2 (scales rounded up to powers of two) or fp32 (as computed)"},
     c.training.fp8_scale);
@@ -217,6 +220,8 @@ void validate(const Config& c) {
       MT_CHECK(std::isfinite(v)) << k.dotted() << " should be a finite number, got " << v;
     }
   });
+  MT_CHECK(c.training.device_memory_limit >= 0.0)
+      << "training.device_memory_limit = " << c.training.device_memory_limit << ": expected GiB >= 0 (0: no limit)";
   MT_CHECK(c.training.capacity_factor >= 0.0) << "training.capacity_factor = " << c.training.capacity_factor
                                               << ": expected 0 (dropless) or a positive factor";
   MT_CHECK(c.model.init == "random" || c.model.init.starts_with("hf:"))

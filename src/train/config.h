@@ -37,6 +37,7 @@ struct TrainingConfig {
   double clip_grad_norm = 1.0;    // 0: no clipping
   int64_t seed = 0;
   std::string device = "cpu";     // cpu or cuda
+  double device_memory_limit = 0;  // GiB a rank may take on its device; 0: what is free
   // Linear layers in blockwise FP8 (none or blockwise; models/linear.h), with the tile
   // scales rounded up to powers of two (pow2) or kept as computed (fp32).
   std::string fp8 = "none";
