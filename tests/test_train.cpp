@@ -1091,6 +1091,33 @@ TEST(Commands, ARunThatDoesNotFitIsRefusedWithThePlan) {
   EXPECT_EQ(out.substr(out.rfind('(', needs) + 1, needs - out.rfind('(', needs) - 1), planned) << out << plan;
 }
 
+// Ranks that share one memory share its free bytes: two CPU ranks of one host whose
+// plans fit one at a time but not together are refused, with the sum named.
+TEST(Commands, RanksSharingAHostAreRefusedTogether) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("sharing");
+  std::vector<int64_t> tokens(4 * 33);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 37 + i / 11) % 96);
+  io::write_npy(dir + "/tokens.npy", "<i8", {4, 33}, tokens.data());
+  const std::string flags = " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir +
+                            "/tokens.npy --training.steps=1 --parallelism.ep=2";
+  auto [rc, plan] = run(std::string(MOETRAIN_BIN) + " plan" + flags + " --world=2");
+  ASSERT_EQ(rc, 0) << plan;
+  const size_t at = plan.find("iB (", plan.find("  total"));
+  ASSERT_NE(at, std::string::npos) << plan;
+  const size_t one = std::stoull(plan.substr(at + 4));
+  auto train = [&](size_t host, const std::string& name) {
+    return run("MOETRAIN_HOST_MEMORY_BYTES=" + std::to_string(host) + " " + kMpirun + "2 " + MOETRAIN_BIN +
+               " train" + flags + " --job.dump_folder=" + dir + "/" + name);
+  };
+  auto [refused, out] = train(one * 3 / 2, "refused");
+  EXPECT_NE(refused, 0);
+  EXPECT_NE(out.find("(with the 1 other rank(s) sharing this memory"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/refused")) << out;
+  auto [let, out2] = train(one * 5 / 2, "let");
+  EXPECT_EQ(let, 0) << out2;
+}
+
 // With full recomputation the head runs over chunks of 1024 tokens: a micro-batch of 2048
 // (two chunks: the logits computed again in B, the weight gradient taken there) trains
 // as two micro-batches of 1024 do without recomputation (one chunk each), to fp32

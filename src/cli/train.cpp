@@ -10,6 +10,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -113,13 +114,21 @@ void claim_run_folder(RunFolder& run, comm::Communicator& world, const std::stri
 // training.device_memory_limit caps `free` (a smaller GPU stood in for); the expert rows
 // then get what the limit leaves once the planned arenas are taken (returned; 0: no
 // limit), so the run holds no more than the limit but for libraries' workspaces.
-size_t refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_t free) {
+// Ranks that share one memory (the CPU ranks of a host, the CUDA ranks given one GPU)
+// share its free bytes: `others` is what the plans of the others sharing it need, and
+// `sharing` how many ranks they are with this one.
+size_t refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_t free, size_t others, int sharing) {
   const MemoryPlan m = plan_memory(cfg, world, pp_rank, 1.0);
   const size_t limit = static_cast<size_t>(cfg.training.device_memory_limit * static_cast<double>(size_t{1} << 30));
-  const bool capped = limit > 0 && limit < free;
-  if (capped) free = limit;
-  if (m.total() <= free) return limit > 0 ? free - (m.total() - m.rows) : 0;
+  const bool capped = limit > 0 && limit < free, together = m.total() + others > free;
+  const size_t cap = capped ? limit : free;
+  if (m.total() <= cap && !together) return limit > 0 ? cap - (m.total() - m.rows) : 0;
   auto gib = [](size_t b) { return std::to_string(static_cast<double>(b) / (1 << 30)).substr(0, 6) + " GiB"; };
+  const std::string shared = together && sharing > 1 ? " (with the " + std::to_string(sharing - 1) +
+                                                           " other rank(s) sharing this memory, " +
+                                                           gib(m.total() + others) + " together)"
+                                                     : "";
+  const bool over_limit = capped && m.total() > limit;
   std::string levers;
   for (const char* mode : {"selective", "full"}) {
     if (cfg.training.activation_checkpoint == mode) continue;
@@ -133,8 +142,8 @@ size_t refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_
             << "gradients " << gib(2 * m.weights) << ", optimizer " << gib(m.optimizer) << ", weight copies "
             << gib(m.compute) << ", zero3 slots " << gib(m.slot) << ", activations " << gib(m.activations)
             << " for micro-batches of " << m.step.micro_batch << " x " << m.step.seq << ", expert rows "
-            << gib(m.rows) << " under balanced routing) but "
-            << (capped ? "training.device_memory_limit allows " + gib(free) : "the device has " + gib(free) + " free")
+            << gib(m.rows) << " under balanced routing)" << shared << " but "
+            << (over_limit ? "training.device_memory_limit allows " + gib(limit) : "the device has " + gib(free) + " free")
             << ". Levers" << levers << "; a smaller training.micro_batch_size; parallelism.zero3=true; more "
             << "ranks (parallelism.ep, parallelism.pp). moetrain plan with the same flags prints each figure";
   return 0;
@@ -323,7 +332,27 @@ int run_train(const Args& args) {
     free = cuda::free_memory();
   }
 #endif
-  options.row_memory_limit = refuse_what_does_not_fit(cfg, world.size(), mesh.coord().pp, free);
+  // Which memory this rank's plan draws on: its host's, and on CUDA its GPU's. Every rank
+  // learns every other's plan, to sum those that share it.
+  char host[256] = "?";
+  gethostname(host, sizeof host - 1);
+  int gpu = -1;
+#ifdef MOETRAIN_WITH_CUDA
+  if (options.device == Device::cuda) gpu = cuda::current_device();
+#endif
+  const int64_t memory = static_cast<int64_t>(std::hash<std::string>{}(std::string(host) + "/" + std::to_string(gpu)) >> 1);
+  std::vector<int64_t> plans(2 * static_cast<size_t>(world.size()), 0);
+  plans[2 * world.rank()] = memory;
+  plans[2 * world.rank() + 1] = static_cast<int64_t>(plan_memory(cfg, world.size(), mesh.coord().pp, 1.0).total());
+  if (world.size() > 1) world.comm().all_reduce(Tensor(plans.data(), {static_cast<int64_t>(plans.size())}, DType::i64));
+  size_t others = 0;
+  int sharing = 0;
+  for (int r = 0; r < world.size(); ++r) {
+    if (plans[2 * r] != memory) continue;
+    ++sharing;
+    if (r != world.rank()) others += static_cast<size_t>(plans[2 * r + 1]);
+  }
+  options.row_memory_limit = refuse_what_does_not_fit(cfg, world.size(), mesh.coord().pp, free, others, sharing);
   std::unique_ptr<Model> model = make_model(config_json, options);
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";

@@ -19,7 +19,9 @@ namespace mt {
 void* device_alloc(Device device, size_t bytes);
 void device_free(Device device, void* p);
 bool cuda_built();
-// Host memory the kernel could hand out now (free pages, not counting caches it may drop).
+// Host memory the kernel could hand out now (free pages, not counting caches it may drop);
+// the environment's MOETRAIN_HOST_MEMORY_BYTES where set (the hook of the test of ranks
+// that share a host).
 size_t available_host_memory();
 // Throws unless a GPU can be used: `what` (the option that asks for one), then that
 // there is no usable GPU and why (no CUDA in this build, no device, the driver).

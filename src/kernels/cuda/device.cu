@@ -72,6 +72,15 @@ size_t free_memory() {
   return free;
 }
 
+int current_device() {
+  int d = -1;
+  if (cudaGetDevice(&d) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return d;
+}
+
 size_t memory_held() {
   if (!g_noted) return 0;
   const size_t now = in_use();
