@@ -522,6 +522,7 @@ TEST(CheckpointCommands, SignalsThroughWrappersAreOneRequest) {
     auto [rc, out] = run(launch + train_cmd(dump, stopped + 3, constant + flags));
     ASSERT_EQ(rc, 0) << out;
     const std::string straight = dump + "_straight";
+    fs::remove_all(straight);  // an earlier run's, in a build folder used again
     std::tie(rc, out) = run(launch + train_cmd(straight, stopped + 3, constant + flags));
     ASSERT_EQ(rc, 0) << out;
     EXPECT_EQ(metric_lines(dump), metric_lines(straight)) << dump;

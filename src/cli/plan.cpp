@@ -208,7 +208,7 @@ int run_plan(const Args& args) {
       std::printf(" pp rank %d: %zu layers%s%s\n", r, m.layers, m.embedding ? ", the embedding" : "",
                   m.head ? ", the head" : "");
     std::printf("  master weights (f32)      %10.3f %s%s\n", in(m.weights), unit, zero3 ? " (embedding and head)" : "");
-    std::printf("  gradients (f32)           %10.3f %s%s\n", in(m.weights), unit, zero3 ? " (embedding and head)" : "");
+    std::printf("  gradients (f32)           %10.3f %s%s\n", in(m.gradients), unit, zero3 ? " (embedding and head)" : "");
     const DType state = cfg.optimizer.state();
     if (m.sharded) {
       // Experts shard over dp x cp; a group of one has no gradient shard (sharding.h).
@@ -237,6 +237,16 @@ int run_plan(const Args& args) {
     std::printf("  at routing skew %-9g %10.3f %s (%zu bytes; expert rows %zu bytes: the hottest rank gets %g x its "
                 "share)\n",
                 skew, in(m.total_skewed()), unit, m.total_skewed(), m.rows_skewed, skew);
+    if (m.host > 0) {
+      // The update streams the offloaded blocks in and out once a step (train/offload.h),
+      // at the rate measured on the H200 machine's pinned buffers.
+      std::printf("  host memory (offload)     %10.3f %s (%zu bytes: the routed experts' master weights and moments; "
+                  "the host has %.3f GiB free)\n",
+                  in(m.host), unit, m.host, static_cast<double>(available_host_memory()) / (1 << 30));
+      std::printf("  offload traffic a step    %10.3f %s each way: %.1f ms a direction at %.0f GB/s\n",
+                  in(m.offload_traffic), unit,
+                  1e3 * static_cast<double>(m.offload_traffic) / kPcieBytesPerSecond, kPcieBytesPerSecond / 1e9);
+    }
     if (cfg.training.device_memory_limit > 0) {
       const double limit = cfg.training.device_memory_limit * static_cast<double>(size_t{1} << 30);
       std::printf("  training.device_memory_limit %7.3f GiB: %s\n", cfg.training.device_memory_limit,
@@ -268,9 +278,18 @@ int run_plan(const Args& args) {
   if (profiled) {
     // Each rank then updates its own layers' weights: the profile's optimizer and norm
     // time per layer, times the rank's layers; the slowest rank ends the step.
-    double step = 0;
-    for (int r = 0; r < mesh.pp; ++r)
-      step = std::max(step, t.step + costs.optimizer_per_layer * static_cast<double>(pipeline.layers_of(r).size()));
+    // With offload.experts the offloaded blocks' transfers come on top, in at the
+    // rate a direction (the copies out overlap the next chunk's in).
+    double step = 0, offload = 0;
+    for (int r = 0; r < mesh.pp; ++r) {
+      const double moved = 1e3 * static_cast<double>(plan_memory(cfg, world, r, skew).offload_traffic) / kPcieBytesPerSecond;
+      offload = std::max(offload, moved);
+      step = std::max(step, t.step + moved +
+                                costs.optimizer_per_layer * static_cast<double>(pipeline.layers_of(r).size()));
+    }
+    if (offload > 0)
+      std::printf("  offloaded update's transfers  %.3f ms (at %.0f GB/s), against %.3f ms of forward and backward\n",
+                  offload, kPcieBytesPerSecond / 1e9, t.step);
     const double tokens = static_cast<double>(global * seq);
     std::printf("  step (with the optimizer)  %.3f ms: %.0f tokens/s, %.0f tokens/s a GPU\n", step,
                 tokens / (step / 1e3), tokens / (step / 1e3) / world);

@@ -108,6 +108,8 @@ void claim_run_folder(RunFolder& run, comm::Communicator& world, const std::stri
   MT_CHECK(bad[0] == 0) << "rank 0 cannot have the run folder " << folder << " (it says why)";
 }
 
+std::string gib(size_t b) { return std::to_string(static_cast<double>(b) / (1 << 30)).substr(0, 6) + " GiB"; }
+
 // A run whose plan (train/trainer.h, plan_memory: what `moetrain plan` prints) needs
 // more than the device has free is refused before anything is allocated, with the
 // plan's figures and what the levers would plan to.
@@ -119,16 +121,17 @@ void claim_run_folder(RunFolder& run, comm::Communicator& world, const std::stri
 // `sharing` how many ranks they are with this one.
 size_t refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_t free, size_t others, int sharing) {
   const MemoryPlan m = plan_memory(cfg, world, pp_rank, 1.0);
+  // On the CPU the offloaded blocks' host memory is the device's too.
+  const size_t host = cfg.training.device == "cpu" ? m.host : 0, need = m.total() + host;
   const size_t limit = static_cast<size_t>(cfg.training.device_memory_limit * static_cast<double>(size_t{1} << 30));
-  const bool capped = limit > 0 && limit < free, together = m.total() + others > free;
+  const bool capped = limit > 0 && limit < free, together = need + others > free;
   const size_t cap = capped ? limit : free;
-  if (m.total() <= cap && !together) return limit > 0 ? cap - (m.total() - m.rows) : 0;
-  auto gib = [](size_t b) { return std::to_string(static_cast<double>(b) / (1 << 30)).substr(0, 6) + " GiB"; };
+  if (need <= cap && !together) return limit > 0 ? cap - (need - m.rows) : 0;
   const std::string shared = together && sharing > 1 ? " (with the " + std::to_string(sharing - 1) +
                                                            " other rank(s) sharing this memory, " +
-                                                           gib(m.total() + others) + " together)"
+                                                           gib(need + others) + " together)"
                                                      : "";
-  const bool over_limit = capped && m.total() > limit;
+  const bool over_limit = capped && need > limit;
   std::string levers;
   for (const char* mode : {"selective", "full"}) {
     if (cfg.training.activation_checkpoint == mode) continue;
@@ -136,17 +139,31 @@ size_t refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_
     other.training.activation_checkpoint = mode;
     levers += std::string("; training.activation_checkpoint=") + mode + " plans " + gib(plan_memory(other, world, pp_rank, 1.0).total());
   }
-  MT_FAIL() << "the plan for pp rank " << pp_rank << " needs " << gib(m.total()) << " (" << m.total()
-            << " bytes) on the "
-            << cfg.training.device << " device (master weights and "
-            << "gradients " << gib(2 * m.weights) << ", optimizer " << gib(m.optimizer) << ", weight copies "
-            << gib(m.compute) << ", zero3 slots " << gib(m.slot) << ", activations " << gib(m.activations)
-            << " for micro-batches of " << m.step.micro_batch << " x " << m.step.seq << ", expert rows "
-            << gib(m.rows) << " under balanced routing)" << shared << " but "
+  MT_FAIL() << "the plan for pp rank " << pp_rank << " needs " << gib(need) << " (" << need << " bytes) on the "
+            << cfg.training.device << " device (master weights " << gib(m.weights) << ", gradients "
+            << gib(m.gradients) << ", optimizer " << gib(m.optimizer) << ", weight copies " << gib(m.compute)
+            << ", zero3 slots " << gib(m.slot) << ", activations " << gib(m.activations) << " for micro-batches of "
+            << m.step.micro_batch << " x " << m.step.seq << ", expert rows " << gib(m.rows)
+            << " under balanced routing" << (host > 0 ? ", offloaded experts and moments " + gib(host) : "") << ")"
+            << shared << " but "
             << (over_limit ? "training.device_memory_limit allows " + gib(limit) : "the device has " + gib(free) + " free")
             << ". Levers" << levers << "; a smaller training.micro_batch_size; parallelism.zero3=true; more "
             << "ranks (parallelism.ep, parallelism.pp). moetrain plan with the same flags prints each figure";
   return 0;
+}
+
+// With offload.experts on a GPU: the offloaded blocks' master weights and moments of
+// this rank (`host`) and of the `others` on its host against the host's free memory.
+void refuse_short_host(size_t host, size_t others, int sharing, size_t free) {
+  if (host + others <= free) return;
+  MT_FAIL() << "offload.experts = optimizer: this rank's offloaded expert weights and moments need " << gib(host) << " ("
+            << host << " bytes) of host memory"
+            << (sharing > 1 ? ", " + gib(host + others) + " with the " + std::to_string(sharing - 1) +
+                                  " other rank(s) on this host,"
+                            : "")
+            << " but the host has " << gib(free) << " free. Levers: optimizer.state_dtype=bf16 (8 bytes a parameter, "
+            << "not 12); fewer ranks a host; more ranks over the experts (parallelism.ep, parallelism.pp); "
+            << "offload.experts=none where the device holds them. moetrain plan with the same flags prints each figure";
 }
 
 // A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
@@ -340,19 +357,33 @@ int run_train(const Args& args) {
 #ifdef MOETRAIN_WITH_CUDA
   if (options.device == Device::cuda) gpu = cuda::current_device();
 #endif
+  // Per rank: the memory its device plan draws on and what it needs there, and its host
+  // and the offloaded bytes it needs there (counted in the first on the CPU).
   const int64_t memory = static_cast<int64_t>(std::hash<std::string>{}(std::string(host) + "/" + std::to_string(gpu)) >> 1);
-  std::vector<int64_t> plans(2 * static_cast<size_t>(world.size()), 0);
-  plans[2 * world.rank()] = memory;
-  plans[2 * world.rank() + 1] = static_cast<int64_t>(plan_memory(cfg, world.size(), mesh.coord().pp, 1.0).total());
+  const int64_t host_key = static_cast<int64_t>(std::hash<std::string>{}(std::string(host)) >> 1);
+  const MemoryPlan plan = plan_memory(cfg, world.size(), mesh.coord().pp, 1.0);
+  const bool on_host = options.device == Device::cpu;
+  std::vector<int64_t> plans(4 * static_cast<size_t>(world.size()), 0);
+  const size_t me = 4 * static_cast<size_t>(world.rank());
+  plans[me] = memory;
+  plans[me + 1] = static_cast<int64_t>(plan.total() + (on_host ? plan.host : 0));
+  plans[me + 2] = host_key;
+  plans[me + 3] = on_host ? 0 : static_cast<int64_t>(plan.host);
   if (world.size() > 1) world.comm().all_reduce(Tensor(plans.data(), {static_cast<int64_t>(plans.size())}, DType::i64));
-  size_t others = 0;
-  int sharing = 0;
-  for (int r = 0; r < world.size(); ++r) {
-    if (plans[2 * r] != memory) continue;
-    ++sharing;
-    if (r != world.rank()) others += static_cast<size_t>(plans[2 * r + 1]);
+  size_t others = 0, host_others = 0;
+  int sharing = 0, host_sharing = 0;
+  for (size_t r = 0; r < static_cast<size_t>(world.size()); ++r) {
+    if (plans[4 * r] == memory) {
+      ++sharing;
+      if (4 * r != me) others += static_cast<size_t>(plans[4 * r + 1]);
+    }
+    if (plans[4 * r + 2] == host_key && plans[4 * r + 3] > 0) {
+      ++host_sharing;
+      if (4 * r != me) host_others += static_cast<size_t>(plans[4 * r + 3]);
+    }
   }
   options.row_memory_limit = refuse_what_does_not_fit(cfg, world.size(), mesh.coord().pp, free, others, sharing);
+  if (!on_host && plan.host > 0) refuse_short_host(plan.host, host_others, host_sharing, available_host_memory());
   std::unique_ptr<Model> model = make_model(config_json, options);
   MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
       << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";

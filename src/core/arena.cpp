@@ -109,6 +109,24 @@ Arena::Arena(std::string name, Device device, size_t capacity_bytes)
   base_ = static_cast<char*>(device_alloc(device, capacity_bytes));
 }
 
+Arena Arena::host(std::string name, size_t capacity_bytes, bool pinned) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (pinned && capacity_bytes > 0) {
+    Arena a;
+    a.name_ = std::move(name);
+    a.capacity_ = capacity_bytes;
+    a.pinned_ = true;
+    const cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&a.base_), capacity_bytes, cudaHostAllocDefault);
+    MT_CHECK(e == cudaSuccess) << "page-locking " << static_cast<double>(capacity_bytes) / (1 << 30) << " GiB ("
+                               << capacity_bytes << " bytes) of host memory for '" << a.name_
+                               << "': " << cudaGetErrorString(e) << "; moetrain plan shows what each rank holds";
+    return a;
+  }
+#endif
+  (void)pinned;
+  return Arena(std::move(name), Device::cpu, capacity_bytes);
+}
+
 Arena Arena::counting(std::string name, Device device) {
   Arena a;
   a.name_ = std::move(name);
@@ -117,13 +135,25 @@ Arena Arena::counting(std::string name, Device device) {
   return a;
 }
 
-Arena::~Arena() { device_free(device_, base_); }
+static void release(Device device, void* base, bool pinned) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (pinned && base != nullptr) {
+    cudaDeviceSynchronize();  // copies on any stream may still read or write it
+    cudaFreeHost(base);
+    return;
+  }
+#endif
+  (void)pinned;
+  device_free(device, base);
+}
+
+Arena::~Arena() { release(device_, base_, pinned_); }
 
 Arena::Arena(Arena&& o) noexcept { *this = std::move(o); }
 
 Arena& Arena::operator=(Arena&& o) noexcept {
   if (this != &o) {
-    device_free(device_, base_);
+    release(device_, base_, pinned_);
     name_ = std::move(o.name_);
     device_ = o.device_;
     base_ = std::exchange(o.base_, nullptr);
@@ -131,6 +161,7 @@ Arena& Arena::operator=(Arena&& o) noexcept {
     used_ = std::exchange(o.used_, 0);
     peak_ = std::exchange(o.peak_, 0);
     counting_ = o.counting_;
+    pinned_ = o.pinned_;
   }
   return *this;
 }

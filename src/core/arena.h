@@ -33,6 +33,9 @@ class Arena {
 
   Arena() = default;  // empty: holds nothing until assigned
   Arena(std::string name, Device device, size_t capacity_bytes);
+  // Host memory (Device::cpu tensors), page-locked when `pinned` and CUDA is built, so
+  // that copies to and from a GPU run asynchronously at the bus's full rate.
+  static Arena host(std::string name, size_t capacity_bytes, bool pinned);
   static Arena counting(std::string name, Device device);
   ~Arena();
   Arena(Arena&& o) noexcept;
@@ -62,6 +65,7 @@ class Arena {
   size_t used_ = 0;
   size_t peak_ = 0;
   bool counting_ = false;
+  bool pinned_ = false;
 };
 
 }  // namespace mt

@@ -32,6 +32,9 @@ struct Param {
   Fp8Copy fp8;       // empty unless the products read this weight in FP8
   bool matrix = false;  // 2-D and up: decayed when optimizer.decay = "matrices"
   bool expert = false;
+  // offload.experts: `value` lives in host memory (pinned on a GPU run) and `compute` on
+  // the device; AdamW streams its update through device staging (train/offload.h).
+  bool offloaded = false;
   // The part of the model it belongs to: -1 the embedding, 0 .. L-1 a decoder layer, L
   // the head. Sharding cuts units by (layer, expert); pipeline stages will cut by it.
   int64_t layer = -1;

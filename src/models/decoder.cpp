@@ -179,7 +179,8 @@ class Decoder final : public Model {
   Decoder(const DecoderSpec& c, std::unique_ptr<Attention> attention, const ModelOptions& o)
       : c_(c), k_(c.router.top_k), attention_(std::move(attention)), device_(o.device),
         balanced_(o.force_balanced_routing), plan_only_(o.plan_only), external_layers_(o.external_layers),
-        capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute), ep_(o.ep),
+        capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute),
+        offload_experts_(o.offload_experts), ep_(o.ep),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
         linear_(o.fp8, o.fp8_pow2), pool_(std::make_shared<RowPool>()) {
     MT_CHECK(routing_skew_ >= 1.0) << "a routing skew of " << routing_skew_
@@ -361,6 +362,7 @@ class Decoder final : public Model {
   double capacity_factor_;  // 0: dropless
   double routing_skew_;     // plan_only: the rows a MoE layer brings here, over the balanced share
   Recompute recompute_;
+  bool offload_experts_;  // the routed experts' master weights in host memory
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
@@ -369,7 +371,7 @@ class Decoder final : public Model {
   Linear linear_;
   std::shared_ptr<RowPool> pool_;  // shared with the rows held, which give back into it
   std::vector<Param> params_;
-  Arena values_, grads_, compute_, fp8_;
+  Arena values_, grads_, compute_, fp8_, host_values_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<LayerIndex> layer_;
   cpu::RopeFreqs rope_;
@@ -432,7 +434,7 @@ void Decoder::build_params() {
     if (p.name == "final_norm" || p.name == "lm_head") p.layer = c_.num_layers;
   }
 
-  // Two arenas of identical layout, master weights and their gradients, and on the GPU
+  // Two arenas, master weights and their gradients, and on the GPU
   // a third with the bf16 copies of the matrices that the products read. With external
   // layers, only the embedding's and the head's. With FP8, a fourth holds the linear
   // layers' weights quantized in both layouts (Param::fp8): a layer's matrices but its
@@ -455,22 +457,30 @@ void Decoder::build_params() {
                    a.alloc(DType::f8e4m3, t), a.alloc(DType::f32, fp8_block_scale_shape(p.value.shape, true)),
                    linear_.pow2()};
   };
-  Arena count = Arena::counting("parameters", device_), count_c = Arena::counting("compute weights", device_),
-        count_q = Arena::counting("fp8 weights", device_);
+  // offload.experts: the routed experts' matrices keep their master weights in a fourth
+  // arena, in host memory; their compute copies (on the CPU the master itself) and
+  // gradients stay here.
+  for (Param& p : params_) p.offloaded = offload_experts_ && held(p) && p.expert && p.matrix;
+  Arena count_v = Arena::counting("parameters", device_), count_g = Arena::counting("gradients", device_),
+        count_c = Arena::counting("compute weights", device_), count_q = Arena::counting("fp8 weights", device_),
+        count_h = Arena::counting("parameters (host)", Device::cpu);
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     if (!held(p)) continue;
-    count.alloc(DType::f32, p.value.shape);
+    (p.offloaded ? count_h : count_v).alloc(DType::f32, p.value.shape);
+    count_g.alloc(DType::f32, p.value.shape);
     if (copies && p.matrix && !quantized[i]) count_c.alloc(DType::bf16, p.value.shape);
     if (quantized[i]) fp8_copy(count_q, p);
   }
   auto arena = [&](const char* name, size_t bytes) {
     return plan_only_ ? Arena::counting(name, device_) : Arena(name, device_, bytes);
   };
-  values_ = arena("parameters", count.peak());
-  grads_ = arena("gradients", count.peak());
+  values_ = arena("parameters", count_v.peak());
+  grads_ = arena("gradients", count_g.peak());
   compute_ = arena("compute weights", count_c.peak());
   fp8_ = arena("fp8 weights", count_q.peak());
+  host_values_ = plan_only_ ? Arena::counting("parameters (host)", Device::cpu)
+                            : Arena::host("parameters (host)", count_h.peak(), device_ == Device::cuda);
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (!held(p)) {
@@ -479,7 +489,7 @@ void Decoder::build_params() {
       p.compute = copies && p.matrix && !quantized[i] ? Tensor(nullptr, p.value.shape, DType::bf16, device_) : p.value;
       continue;
     }
-    p.value = values_.alloc(DType::f32, p.value.shape);
+    p.value = (p.offloaded ? host_values_ : values_).alloc(DType::f32, p.value.shape);
     p.grad = grads_.alloc(DType::f32, p.value.shape);
     p.compute = copies && p.matrix && !quantized[i] ? compute_.alloc(DType::bf16, p.value.shape) : p.value;
     if (quantized[i]) p.fp8 = fp8_copy(fp8_, p);

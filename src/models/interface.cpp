@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/arena.h"
 #include "core/check.h"
 #include "io/file.h"
 #include "kernels/elementwise.h"
@@ -36,16 +37,34 @@ std::vector<int64_t> hf_shape(const HfTensor& t, int64_t experts) {
   return s;
 }
 
-void refresh_compute_weights(std::vector<Param>& params) {
-  for (Param& p : params)
-    if (p.value.data != nullptr && p.compute.data != p.value.data) mt::cast(p.value, p.compute);
-  refresh_fp8_weights(params);
+namespace {
+
+// `t` on `device`: itself, or a copy there held until `use` returns (a master weight in
+// host memory, Param::offloaded, read by a GPU kernel).
+template <typename F>
+void on_device(const Tensor& t, Device device, F use) {
+  if (t.device == device) return use(t);
+  Arena staging("weight staging", device, t.nbytes());
+  const Tensor d = staging.alloc(t.dtype, t.shape);
+  copy(d, t);
+  use(d);
 }
 
-void refresh_fp8_weights(std::vector<Param>& params) {
+}  // namespace
+
+void refresh_compute_weights(std::vector<Param>& params, bool offloaded) {
   for (Param& p : params)
-    if (p.value.data != nullptr && p.fp8.q.data != nullptr)
-      quantize_blocks(p.compute, p.fp8.q, p.fp8.scale, p.fp8.pow2, p.fp8.qt, p.fp8.scale_t);
+    if (p.value.data != nullptr && p.compute.data != p.value.data && (offloaded || !p.offloaded))
+      on_device(p.value, p.compute.device, [&](const Tensor& v) { mt::cast(v, p.compute); });
+  refresh_fp8_weights(params, offloaded);
+}
+
+void refresh_fp8_weights(std::vector<Param>& params, bool offloaded) {
+  for (Param& p : params)
+    if (p.value.data != nullptr && p.fp8.q.data != nullptr && (offloaded || !p.offloaded))
+      on_device(p.compute, p.fp8.q.device, [&](const Tensor& w) {
+        quantize_blocks(w, p.fp8.q, p.fp8.scale, p.fp8.pow2, p.fp8.qt, p.fp8.scale_t);
+      });
 }
 
 }  // namespace mt

@@ -150,6 +150,10 @@ struct ModelOptions {
   // training.fp8 and training.fp8_scale: the linear layers' products (models/linear.h).
   Fp8 fp8 = Fp8::none;
   bool fp8_pow2 = true;
+  // offload.experts = optimizer: the routed experts' matrices keep their f32 master
+  // weights in host memory (pinned on the GPU; Param::offloaded), their compute copies and
+  // gradients on the device (train/offload.h streams their update).
+  bool offload_experts = false;
 };
 
 class Model {
@@ -230,9 +234,11 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
 // Brings every Param's compute copy up to date with its master value (after an
 // optimizer step or a load); nothing to do on the CPU, where they are the same, nor
 // for a Param without storage (an ungathered ZeRO-3 layer).
-// And the FP8 copies (Param::fp8) of the weights that have them.
-void refresh_compute_weights(std::vector<Param>& params);
+// And the FP8 copies (Param::fp8) of the weights that have them. A master in host
+// memory (Param::offloaded) is staged on the device for it, unless `offloaded` is false:
+// then those are left alone (the optimizer's streamed update wrote theirs).
+void refresh_compute_weights(std::vector<Param>& params, bool offloaded = true);
 // Only the FP8 copies (after a sharded optimizer pass; the unsharded one writes them).
-void refresh_fp8_weights(std::vector<Param>& params);
+void refresh_fp8_weights(std::vector<Param>& params, bool offloaded = true);
 
 }  // namespace mt

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 #include <utility>
 
 #include "core/check.h"
@@ -40,14 +41,15 @@ ShardLayout::ShardLayout(const std::vector<Param>& params, int dense_size, int e
 
 void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert,
                         int dense_size, int dense_rank, int expert_size, int expert_rank, int64_t weight_layers) {
-  // Units in order of first appearance, keyed by (layer, expert).
-  std::map<std::pair<int64_t, bool>, size_t> index;
+  // Units in order of first appearance, keyed by (layer, expert, offloaded).
+  std::map<std::tuple<int64_t, bool, bool>, size_t> index;
   for (size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
     MT_CHECK(p.value.dtype == DType::f32) << "sharding: block " << p.name << " is not f32: " << p.value.str();
-    auto [it, added] = index.try_emplace({p.layer, p.expert}, units_.size());
+    auto [it, added] = index.try_emplace({p.layer, p.expert, p.offloaded}, units_.size());
     if (added) {
       ShardUnit u;
+      u.offloaded = p.offloaded;
       u.group = p.expert ? expert : dense;
       u.group_size = p.expert ? expert_size : dense_size;
       u.group_rank = p.expert ? expert_rank : dense_rank;
@@ -61,6 +63,16 @@ void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* de
   }
   for (ShardUnit& u : units_) {
     u.shard = (u.length + u.group_size - 1) / u.group_size;
+    if (u.offloaded) {
+      // Its state lives with the optimizer, in host memory, block by block.
+      MT_CHECK(u.group_size == 1 && u.layer >= weight_layers)
+          << "offload.experts = optimizer with the experts' state sharded over " << u.group_size
+          << " ranks (dp x cp), or with parallelism.zero3, is not built yet: offload it with dp x cp = 1 (parallelism.ep "
+          << "= ranks / pp), or set offload.experts = none";
+      for (size_t j = 0; j < u.params.size(); ++j)
+        u.pieces.push_back({u.params[j], 0, params[u.params[j]].value.numel(), -1});
+      continue;
+    }
     u.state_at = shard_elements_;
     shard_elements_ += u.shard;
     if (u.layer >= 0 && u.layer < weight_layers) {
@@ -130,6 +142,7 @@ void ShardLayout::all_gather(const std::vector<Param>& params, const Tensor& scr
 
 void ShardLayout::gather(const Tensor& shard, const std::vector<Tensor>& full, const Tensor& scratch) const {
   for (const ShardUnit& u : units_) {
+    if (u.offloaded) continue;
     const int64_t n = u.group_size, s = u.shard;
     // This rank's shard, as f32, after the room for the whole unit.
     Tensor all = flat(scratch, 0, n * s), mine = flat(scratch, n * s, s);
@@ -147,6 +160,7 @@ void ShardLayout::gather(const Tensor& shard, const std::vector<Tensor>& full, c
 
 void ShardLayout::scatter(const std::vector<Tensor>& full, const Tensor& shard, const Tensor& scratch) const {
   for (const ShardUnit& u : units_) {
+    if (u.offloaded) continue;
     // Assembled as f32 on the shard's device (full is host memory), then cast there.
     Tensor mine = flat(scratch, 0, u.shard);
     fill(mine, 0.0f);

@@ -54,6 +54,9 @@ struct ShardUnit {
   std::vector<ShardPiece> pieces;  // this rank's shard, block by block
   int64_t layer = 0;               // Param::layer of its blocks
   int64_t value_at = -1;           // ZeRO-3: where its weight shard starts; -1: weights full
+  // Blocks whose master weights are in host memory (Param::offloaded): a group of one,
+  // with no state in the shard vectors (state_at -1; AdamW keeps it, train/offload.h).
+  bool offloaded = false;
 };
 
 class ShardLayout {

@@ -93,6 +93,11 @@ void visit(C& c, F&& f) {
   f({"parallelism", "zero3", 0, "shard the decoder layers' weights and gradients too (ZeRO-3)"}, c.parallelism.zero3);
   f({"parallelism", "pipeline_schedule", 0, "auto (dualpipev when pp > 1), dualpipev or 1f1b"},
     c.parallelism.pipeline_schedule);
+  f({"offload", "experts", 0,
+     "none, or optimizer: the routed experts' f32 master weights and AdamW moments in host memory"},
+    c.offload.experts);
+  f({"offload", "staging_mib", 0, "MiB of each of the two device buffers an offloaded update streams through"},
+    c.offload.staging_mib);
   f({"checkpoint", "interval", 0, "steps between checkpoints; 0: none along the way"}, c.checkpoint.interval);
   f({"checkpoint", "save_final", 0, "also save the run's last step (warns when the run would save none)"},
     c.checkpoint.save_final);
@@ -235,6 +240,14 @@ void validate(const Config& c) {
   check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");
   check_one_of(c.optimizer.decay, {"matrices", "all"}, "optimizer.decay");
   check_one_of(c.optimizer.state_dtype, {"fp32", "bf16"}, "optimizer.state_dtype");
+  MT_CHECK(c.offload.experts != "weights")
+      << "offload.experts = weights (the experts' bf16 weights on the host too, an LRU of device slots) is not built "
+      << "yet; offload.experts = optimizer keeps their master weights and moments there";
+  check_one_of(c.offload.experts, {"none", "optimizer"}, "offload.experts");
+  MT_CHECK(c.offload.staging_mib > 0) << "offload.staging_mib should be > 0, got " << c.offload.staging_mib;
+  MT_CHECK(c.offload.experts == "none" || !c.parallelism.zero3)
+      << "offload.experts = optimizer with parallelism.zero3 is not built yet (ZeRO-3 gathers the layers' master "
+      << "weights from shards on the device); choose one";
   MT_CHECK(c.training.max_skipped_steps >= 0)
       << "training.max_skipped_steps should be >= 0, got " << c.training.max_skipped_steps;
   check_one_of(c.lr_scheduler.decay, {"constant", "linear", "cosine", "wsd"}, "lr_scheduler.decay");

@@ -83,6 +83,12 @@ struct ParallelismConfig {
   std::string pipeline_schedule = "auto";
 };
 
+// Expert offload to host memory (train/offload.h).
+struct OffloadConfig {
+  std::string experts = "none";  // none, or optimizer: the routed experts' master weights and moments on the host
+  double staging_mib = 64;       // MiB of each of the update's two device staging sets
+};
+
 struct CheckpointConfig {
   int64_t interval = 0;  // steps between checkpoints; 0: none along the way
   // Save the run's last step as well (step 0 too: the initial weights). With false and
@@ -107,6 +113,7 @@ struct Config {
   OptimizerConfig optimizer;
   SchedulerConfig lr_scheduler;
   ParallelismConfig parallelism;
+  OffloadConfig offload;
   CheckpointConfig checkpoint;
   MetricsConfig metrics;
 };

@@ -15,33 +15,51 @@ uint64_t noise_key(size_t param, int64_t offset) {
 
 }  // namespace
 
-AdamW::AdamW(std::vector<Param>& params, DType state) : params_(params), state_(state) {
+AdamW::AdamW(std::vector<Param>& params, DType state, double staging_mib) : params_(params), state_(state) {
   MT_CHECK(state == DType::f32 || state == DType::bf16)
       << "AdamW keeps its moments in f32 or bf16, not " << dtype_name(state);
-  const Device device = params_.empty() ? Device::cpu : params_.front().value.device;
+  const Device device = params_.empty() ? Device::cpu : params_.front().grad.device;
   arena_ = Arena("optimizer", device, moment_bytes(params_, state_));
+  host_ = Arena::host("optimizer (host)", host_bytes(params_, state_), device == Device::cuda);
+  const int64_t staged = StreamedUpdate::set_elements(params_, state_, staging_mib);
+  if (staged > 0) streamed_ = StreamedUpdate(device, state_, staged);
+  staging_bytes_ = StreamedUpdate::bytes(state_, staged);
   for (const Param& p : params_) {
-    m_.push_back(arena_.alloc(state_, p.value.shape));
-    v_.push_back(arena_.alloc(state_, p.value.shape));
+    Arena& a = p.offloaded ? host_ : arena_;
+    m_.push_back(a.alloc(state_, p.value.shape));
+    v_.push_back(a.alloc(state_, p.value.shape));
     fill(m_.back(), 0.0f);
     fill(v_.back(), 0.0f);
+    host_m_.push_back(p.offloaded ? m_.back() : Tensor());
+    host_v_.push_back(p.offloaded ? v_.back() : Tensor());
   }
 }
 
 size_t AdamW::moment_bytes(const std::vector<Param>& params, DType state) {
   Arena count = Arena::counting("optimizer", Device::cpu);
   for (const Param& p : params)
-    for (int j = 0; j < 2; ++j) count.alloc(state, p.value.shape);
+    for (int j = 0; j < 2 && !p.offloaded; ++j) count.alloc(state, p.value.shape);
   return count.peak();
+}
+
+size_t AdamW::host_bytes(const std::vector<Param>& params, DType state) {
+  Arena count = Arena::counting("optimizer (host)", Device::cpu);
+  for (const Param& p : params)
+    for (int j = 0; j < 2 && p.offloaded; ++j) count.alloc(state, p.value.shape);
+  return count.peak();
+}
+
+size_t AdamW::staging_bytes(const std::vector<Param>& params, DType state, double staging_mib) {
+  return StreamedUpdate::bytes(state, StreamedUpdate::set_elements(params, state, staging_mib));
 }
 
 void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t weight_layers) {
   layout_ = parallel::ShardLayout(params_, dense, expert, weight_layers);
-  const Device device = params_.empty() ? Device::cpu : params_.front().value.device;
+  const Device device = params_.empty() ? Device::cpu : params_.front().grad.device;
   const Shape shard{layout_.shard_elements()};
   arena_ = Arena("optimizer", device, sharded_bytes(layout_, state_));  // the full moments go with the old arena
-  m_.clear();
-  v_.clear();
+  m_ = host_m_;  // the offloaded blocks' stay whole
+  v_ = host_v_;
   m_shard_ = arena_.alloc(state_, shard);
   v_shard_ = arena_.alloc(state_, shard);
   g_shard_ = arena_.alloc(DType::f32, {layout_.grad_elements()});
@@ -106,13 +124,14 @@ void AdamW::materialize_moments() {
   if (!sharded_) return;
   Arena count = Arena::counting("optimizer moments (host)", Device::cpu);
   for (const Param& p : params_)
-    for (int j = 0; j < 2; ++j) count.alloc(DType::f32, p.value.shape);
+    for (int j = 0; j < 2 && !p.offloaded; ++j) count.alloc(DType::f32, p.value.shape);
   full_ = Arena("optimizer moments (host)", Device::cpu, count.peak());
-  m_.clear();
-  v_.clear();
-  for (const Param& p : params_) {
-    m_.push_back(full_.alloc(DType::f32, p.value.shape));
-    v_.push_back(full_.alloc(DType::f32, p.value.shape));
+  m_ = host_m_;
+  v_ = host_v_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].offloaded) continue;
+    m_[i] = full_.alloc(DType::f32, params_[i].value.shape);
+    v_[i] = full_.alloc(DType::f32, params_[i].value.shape);
   }
   // One unit at a time through the exchange buffer (bf16 shards widened there): no
   // f32 copy of a whole shard vector, which a checkpoint's peak would have to hold.
@@ -122,7 +141,7 @@ void AdamW::materialize_moments() {
 
 void AdamW::commit_moments() {
   if (!sharded_) return;
-  MT_CHECK(!m_.empty()) << "AdamW::commit_moments without materialize_moments";
+  MT_CHECK(full_.capacity() > 0 || layout_.shard_elements() == 0) << "AdamW::commit_moments without materialize_moments";
   // Rounded to bf16 in the exchange buffer unit by unit: exact for moments that were
   // bf16 (what this run saved).
   layout_.scatter(m_, m_shard_, scratch_);
@@ -132,8 +151,8 @@ void AdamW::commit_moments() {
 
 void AdamW::release_moments() {
   if (!sharded_) return;
-  m_.clear();
-  v_.clear();
+  m_ = host_m_;
+  v_ = host_v_;
   full_ = Arena();
 }
 
@@ -147,21 +166,38 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   a.grad_scale = grad_scale;
   a.weight_decay = cfg.weight_decay;
   auto decay = [&](const Param& p) { return p.matrix || cfg.decay == "all"; };
-  std::vector<AdamWBlock> blocks;
+  std::vector<AdamWBlock> blocks, offloaded;
+  // An offloaded block: whole, its moments in host memory, streamed (train/offload.h);
+  // its compute copy and FP8 codes written in the same pass.
+  auto offload = [&](size_t i) {
+    const Param& p = params_[i];
+    offloaded.push_back({p.value, p.grad, host_m_[i], host_v_[i], decay(p),
+                         p.compute.data != p.value.data ? p.compute : Tensor(), noise_key(i, 0), p.fp8});
+  };
+  auto stream = [&] { traffic_ = offloaded.empty() ? OffloadTraffic{} : streamed_.update(offloaded, a); };
   if (!sharded_) {
     // The bf16 copies and the FP8 codes the products read are written in the same pass.
     for (size_t i = 0; i < params_.size(); ++i) {
       const Param& p = params_[i];
+      if (p.offloaded) {
+        offload(i);
+        continue;
+      }
       blocks.push_back({p.value, p.grad, m_[i], v_[i], decay(p), p.compute.data != p.value.data ? p.compute : Tensor(),
                         noise_key(i, 0), p.fp8});
     }
     mt::adamw_step_multi(blocks, a);
+    stream();
     return;
   }
   // This rank's pieces of the weights, updated in place (the full weights', or with
   // ZeRO-3 the layers' weight shards), then shared.
   using parallel::ShardLayout;
-  for (const parallel::ShardUnit& u : layout_.units())
+  for (const parallel::ShardUnit& u : layout_.units()) {
+    if (u.offloaded) {
+      for (int i : u.params) offload(static_cast<size_t>(i));
+      continue;
+    }
     for (const parallel::ShardPiece& p : u.pieces) {
       const Param& w = params_[p.param];
       Tensor value = u.value_at >= 0
@@ -171,20 +207,22 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
       blocks.push_back({value, ShardLayout::grad_of(params_, g_shard_, u, p), ShardLayout::piece_of(m_shard_, p),
                         ShardLayout::piece_of(v_shard_, p), decay(w), Tensor(), noise_key(p.param, p.offset)});
     }
+  }
   mt::adamw_step_multi(blocks, a);
+  stream();
   layout_.all_gather(params_, scratch_);
-  refresh_compute_weights(params_);
+  refresh_compute_weights(params_, false);
 }
 
 Tensor AdamW::moment(const Tensor& value, const std::vector<Tensor>& which) const {
-  MT_CHECK(which.size() == params_.size()) << "the optimizer is sharded: its moments laid out like the weights "
-                                           << "exist only between materialize_moments and release_moments";
   const char* p = static_cast<const char*>(value.data);
   for (size_t i = 0; i < params_.size(); ++i) {
     const char* base = static_cast<const char*>(params_[i].value.data);
-    if (p >= base && p + value.nbytes() <= base + params_[i].value.nbytes())
-      return Tensor(static_cast<char*>(which[i].data) + (p - base) / dtype_size(value.dtype) * dtype_size(which[i].dtype),
-                    value.shape, which[i].dtype, which[i].device);
+    if (p < base || p + value.nbytes() > base + params_[i].value.nbytes()) continue;
+    MT_CHECK(which[i].data != nullptr) << "the optimizer is sharded: its moments laid out like the weights "
+                                       << "exist only between materialize_moments and release_moments";
+    return Tensor(static_cast<char*>(which[i].data) + (p - base) / dtype_size(value.dtype) * dtype_size(which[i].dtype),
+                  value.shape, which[i].dtype, which[i].device);
   }
   MT_FAIL() << "tensor " << value.str() << " is not part of any parameter block";
   return Tensor();

@@ -1,7 +1,9 @@
 // AdamW over the model's parameter blocks, with its moments laid out like them, or,
 // sharded over the ranks that hold the same weights, with only this rank's shard of
 // the moments and of the summed gradients (parallel/sharding.h); blocks that no other
-// rank holds have no gradient shard: AdamW reads their own gradients.
+// rank holds have no gradient shard: AdamW reads their own gradients. Blocks whose
+// master weights live in host memory (Param::offloaded) keep their moments there,
+// whole, in either case, and are updated through device staging (train/offload.h).
 #pragma once
 
 #include <map>
@@ -10,6 +12,7 @@
 #include "core/arena.h"
 #include "models/interface.h"
 #include "parallel/sharding.h"
+#include "train/offload.h"
 #include "train/config.h"
 
 namespace mt {
@@ -18,10 +21,14 @@ class AdamW {
  public:
   // The moments in `state` (optimizer.state_dtype): f32, or bf16 rounded stochastically
   // (kernels/adamw.h), which halves their bytes.
-  explicit AdamW(std::vector<Param>& params, DType state = DType::f32);
+  // offload.staging_mib sizes the staging of offloaded blocks' updates.
+  explicit AdamW(std::vector<Param>& params, DType state = DType::f32, double staging_mib = 64);
   DType state_dtype() const { return state_; }
-  // What the unsharded moments of `params` take.
+  // What the unsharded moments of `params` take on the device (the blocks not offloaded),
+  // and what the offloaded blocks' take in host memory plus, on the device, their staging.
   static size_t moment_bytes(const std::vector<Param>& params, DType state);
+  static size_t host_bytes(const std::vector<Param>& params, DType state);
+  static size_t staging_bytes(const std::vector<Param>& params, DType state, double staging_mib);
   // One update of every block at 1-based `step` with learning rate `lr`; weight decay
   // applies to matrices, or to everything when optimizer.decay = "all".
   // grad_scale multiplies every gradient as it is read (the clipping factor).
@@ -69,7 +76,10 @@ class AdamW {
   void release_moments();
   // Moments, and when sharded the gradient shards, the exchange buffer and (ZeRO-3) the
   // layers' weight shards.
-  size_t bytes() const { return arena_.capacity(); }
+  size_t bytes() const { return arena_.capacity() + staging_bytes_; }
+  size_t host_bytes() const { return host_.capacity(); }
+  // The last step's transfers of offloaded blocks (none without them).
+  const OffloadTraffic& traffic() const { return traffic_; }
 
  private:
   Tensor moment(const Tensor& value, const std::vector<Tensor>& which) const;
@@ -77,6 +87,13 @@ class AdamW {
   DType state_ = DType::f32;
   Arena arena_;
   std::vector<Tensor> m_, v_;  // unsharded: the moments; sharded: views of full_ while materialized
+  // Offloaded blocks' moments (null for the others), in host memory; m_ and v_ name them
+  // too, sharded or not.
+  Arena host_;
+  std::vector<Tensor> host_m_, host_v_;
+  StreamedUpdate streamed_;
+  size_t staging_bytes_ = 0;
+  OffloadTraffic traffic_;
   // Sharded state.
   bool sharded_ = false;
   parallel::ShardLayout layout_;

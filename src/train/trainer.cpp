@@ -83,6 +83,7 @@ ModelOptions model_options(const Config& cfg) {
   o.recompute = t.activation_checkpoint == "full"        ? Recompute::full
                 : t.activation_checkpoint == "selective" ? Recompute::selective
                                                          : Recompute::none;
+  o.offload_experts = cfg.offload.experts == "optimizer";
   return o;
 }
 
@@ -165,7 +166,8 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   const auto in_layer = [&](const Param& p) { return p.layer >= 0 && p.layer < L; };
   for (const Param& p : model->params()) {
     if (m.zero3 && in_layer(p)) continue;  // in the shards and the slot below
-    m.weights += p.value.nbytes();
+    (p.offloaded ? m.host : m.weights) += p.value.nbytes();
+    m.gradients += p.grad.nbytes();
     if (p.compute.dtype != p.value.dtype) m.compute += p.compute.nbytes();
     m.compute += p.fp8.bytes();
   }
@@ -173,6 +175,10 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
                                      m.zero3 ? L : 0);
   const DType state = cfg.optimizer.state();
   m.optimizer = m.sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
+  m.optimizer += AdamW::staging_bytes(model->params(), state, cfg.offload.staging_mib);
+  const size_t host_moments = AdamW::host_bytes(model->params(), state);
+  m.offload_traffic = m.host + host_moments;  // in, and as much out
+  m.host += host_moments;
   m.slot = m.zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
   // The micro-batches whose activations the schedule keeps at once on this rank: bare
   // stashes for each one in flight, and each chunk's layer blocks for those working there.
@@ -228,7 +234,7 @@ Trainer::Trainer(Config cfg, Model& model, TokenBatch data)
     : cfg_(std::move(cfg)),
       model_(model),
       data_(std::move(data)),
-      optimizer_(model.params(), cfg_.optimizer.state()),
+      optimizer_(model.params(), cfg_.optimizer.state(), cfg_.offload.staging_mib),
       profile_(model.device(), cfg_.metrics.profile) {
   global_batch_ = cfg_.training.global_batch_size ? cfg_.training.global_batch_size : data_.rows;
   MT_CHECK(global_batch_ == data_.rows) << "training.global_batch_size = " << global_batch_ << " but data.tokens has "
@@ -244,7 +250,7 @@ Trainer::Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus
     : cfg_(std::move(cfg)),
       model_(model),
       corpus_(std::move(corpus)),
-      optimizer_(model.params(), cfg_.optimizer.state()),
+      optimizer_(model.params(), cfg_.optimizer.state(), cfg_.offload.staging_mib),
       profile_(model.device(), cfg_.metrics.profile) {
   global_batch_ = cfg_.training.global_batch_size;
   MT_CHECK(global_batch_ > 0) << "training.global_batch_size must be set (> 0) to train on data.corpus";
@@ -594,9 +600,12 @@ StepResult Trainer::step() {
   const auto since_epoch = std::chrono::system_clock::now().time_since_epoch();
   r.time = static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(since_epoch).count()) / 1e3;
   size_t bytes = optimizer_.bytes() + (zero3_ ? zero3_->bytes() : 0);
+  r.host_memory_bytes = optimizer_.host_bytes();
+  r.offload = optimizer_.traffic();
   for (const Param& p : model_.params()) {
     if (zero3_ && in_layer(p)) continue;  // shards (optimizer) and the slot (zero3)
-    bytes += 2 * p.value.nbytes();  // weights and gradients
+    bytes += p.grad.nbytes();
+    (p.offloaded ? r.host_memory_bytes : bytes) += p.value.nbytes();
     if (p.compute.data != p.value.data) bytes += p.compute.nbytes();  // bf16 copies on the GPU
     bytes += p.fp8.bytes();
   }
@@ -667,6 +676,12 @@ std::string step_json(const StepResult& r) {
   if (r.device_memory_bytes > 0) {
     j["device_memory_bytes"] = r.device_memory_bytes;
     j["host_waits"] = r.host_waits;
+  }
+  if (r.host_memory_bytes > 0) {
+    j["host_memory_bytes"] = r.host_memory_bytes;
+    j["offload_bytes_in"] = r.offload.bytes_in;
+    j["offload_bytes_out"] = r.offload.bytes_out;
+    j["offload_s"] = r.offload.seconds;
   }
   j["time"] = r.time;
   j["expert_counts"] = r.expert_counts;

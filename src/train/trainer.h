@@ -42,16 +42,20 @@ struct MemoryPlan {
   StepShape step;
   bool zero3 = false, sharded = false;
   int replicas = 1;  // the ranks the optimizer state is sharded over
-  size_t weights = 0;       // master weights, and as many bytes of gradients
+  size_t weights = 0;       // master weights on the device
+  size_t gradients = 0;     // f32, as many as the master weights but the ZeRO-3 layers'
   size_t compute = 0;       // bf16 and FP8 copies
-  size_t optimizer = 0;     // moments (sharded: and summed gradients, weight shards)
+  size_t optimizer = 0;     // moments (sharded: and summed gradients, weight shards), offload staging
   size_t slot = 0;          // ZeRO-3's layer slots
   size_t activations = 0;   // bare stashes and blocks of the micro-batches in flight
   std::string in_flight;    // how many of those: "4; of its chunks' layers 4, 1"
   size_t rows = 0, rows_skewed = 0;  // expert rows' peak: balanced, and at the skew given
   bool embedding = true, head = true;
   size_t layers = 0;
-  size_t total() const { return 2 * weights + optimizer + compute + slot + activations + rows; }
+  // offload.experts: the offloaded blocks' master weights and moments in host memory,
+  // and the bytes their update moves each way a step (train/offload.h).
+  size_t host = 0, offload_traffic = 0;
+  size_t total() const { return weights + gradients + optimizer + compute + slot + activations + rows; }
   size_t total_skewed() const { return total() - rows + rows_skewed; }
 };
 MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew);
@@ -86,6 +90,10 @@ struct StepResult {
   int64_t expert_row_bytes = 0;
   double routing_skew = 0;
   int64_t host_waits = 0;  // GPU: times the host waited for the device during the step
+  // offload.experts (train/offload.h), this rank's: host memory the offloaded blocks and
+  // their moments take, and the update's transfers (bytes each way, its wall time).
+  size_t host_memory_bytes = 0;
+  OffloadTraffic offload;
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert (kept)
   std::vector<int64_t> moe_layers;  // the decoder layer of each MoE layer (expert_counts' rows)
   int64_t dropped_slots = 0;  // (token, expert) slots over capacity (training.capacity_factor)
