@@ -162,6 +162,12 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, 
         print("  step time by stage: " + ", ".join(f"{k} {v:.1f} ms ({100*v/total:.0f}%)"
                                                    for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])),
               flush=True)
+        if "offload_bytes_in" in rows[-1]:
+            last = rows[-1]
+            gbs = (last["offload_bytes_in"] + last["offload_bytes_out"]) / max(last["offload_s"], 1e-9) / 1e9
+            print(f"  offload: {last['host_memory_bytes']/1e9:.1f} GB in host memory; the update moved "
+                  f"{last['offload_bytes_in']/1e9:.1f} GB in and {last['offload_bytes_out']/1e9:.1f} GB out in "
+                  f"{1e3*last['offload_s']:.0f} ms ({gbs:.1f} GB/s both ways together)", flush=True)
         if "host_waits" in rows[-1]:
             print(f"  host waits for the device in the last step: {rows[-1]['host_waits']}", flush=True)
         planned = max(r["memory_bytes"] for r in rows)
@@ -175,7 +181,7 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--moetrain", required=True)
-    p.add_argument("--layers", type=int, default=8, choices=(4, 8), help="Qwen3-30B-A3B cut to this many layers")
+    p.add_argument("--layers", type=int, default=8, help="Qwen3-30B-A3B cut to this many layers")
     p.add_argument("--config", help="a config.json instead of Qwen3-30B-A3B (its num_hidden_layers counts)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
@@ -197,6 +203,12 @@ def main():
     p.add_argument("--fp8", default="none", help="comma-separated training.fp8 values (none, blockwise)")
     args = p.parse_args()
     cfg_path = args.config or os.path.join(HERE, "configs", f"qwen3_30b_a3b_{args.layers}l.json")
+    if not os.path.exists(cfg_path) and not args.config:
+        # Another cut of the whole model (offload's 14 and 20 layers): written for the run.
+        cfg = json.load(open(os.path.join(HERE, "configs", "qwen3_30b_a3b.json")))
+        cfg["num_hidden_layers"] = args.layers
+        cfg_path = os.path.join(tempfile.mkdtemp(), f"qwen3_30b_a3b_{args.layers}l.json")
+        json.dump(cfg, open(cfg_path, "w"))
     cfg = json.load(open(cfg_path))
     name_of_model = os.path.splitext(os.path.basename(cfg_path))[0]
     fpt, active = flops_per_token(cfg, args.seq)
