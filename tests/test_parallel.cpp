@@ -1182,8 +1182,8 @@ TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
     full_t.push_back(f32(full[i], {blocks[i].n}));
     back_t.push_back(f32(back[i], {blocks[i].n}));
   }
-  layout.scatter(full_t, shard_t, scratch_t);
-  layout.gather(shard_t, back_t, scratch_t);
+  layout.scatter(full_t, shard_t, Tensor(), scratch_t);
+  layout.gather(shard_t, Tensor(), back_t, scratch_t);
   for (size_t i = 0; i < blocks.size(); ++i)
     expect_close(back[i].data(), full[i].data(), blocks[i].n, 0, "round trip of block " + std::to_string(i));
   // bf16 shards (optimizer.state_dtype = bf16) round in the scratch: exact for values
@@ -1192,8 +1192,8 @@ TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
   Tensor half_t(half.data(), {layout.shard_elements()}, DType::bf16);
   for (std::vector<float>& f : full)
     for (float& x : f) x = f32_from_bf16(bf16_from_f32(x));
-  layout.scatter(full_t, half_t, scratch_t);
-  layout.gather(half_t, back_t, scratch_t);
+  layout.scatter(full_t, half_t, Tensor(), scratch_t);
+  layout.gather(half_t, Tensor(), back_t, scratch_t);
   for (size_t i = 0; i < blocks.size(); ++i)
     expect_close(back[i].data(), full[i].data(), blocks[i].n, 0, "bf16 round trip of block " + std::to_string(i));
 }

@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "kernels/elementwise.h"
+#include "kernels/fp8_quant.h"
 
 namespace mt::parallel {
 
@@ -63,18 +64,12 @@ void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* de
   }
   for (ShardUnit& u : units_) {
     u.shard = (u.length + u.group_size - 1) / u.group_size;
-    if (u.offloaded) {
-      // Its state lives with the optimizer, in host memory, block by block.
-      MT_CHECK(u.group_size == 1 && u.layer >= weight_layers)
-          << "offload.experts = optimizer with the experts' state sharded over " << u.group_size
-          << " ranks (dp x cp), or with parallelism.zero3, is not built yet: offload it with dp x cp = 1 (parallelism.ep "
-          << "= ranks / pp), or set offload.experts = none";
-      for (size_t j = 0; j < u.params.size(); ++j)
-        u.pieces.push_back({u.params[j], 0, params[u.params[j]].value.numel(), -1});
-      continue;
-    }
-    u.state_at = shard_elements_;
-    shard_elements_ += u.shard;
+    // An offloaded unit's state is numbered in the host shard vectors (host_elements).
+    MT_CHECK(!u.offloaded || u.layer >= weight_layers)
+        << "offload.experts = optimizer with parallelism.zero3 is not built yet: choose one";
+    int64_t& state = u.offloaded ? host_elements_ : shard_elements_;
+    u.state_at = state;
+    state += u.shard;
     if (u.layer >= 0 && u.layer < weight_layers) {
       u.value_at = value_elements_;
       value_elements_ += u.shard;
@@ -134,19 +129,35 @@ void ShardLayout::all_gather(const std::vector<Param>& params, const Tensor& scr
       copy(flat(mine, p.at - u.state_at, p.count), flat(params[p.param].value, p.offset, p.count));
     u.group->all_gather(mine, all);
     for (size_t j = 0; j < u.params.size(); ++j) {
-      const Tensor& v = params[u.params[j]].value;
-      copy(flat(v, 0, v.numel()), flat(all, u.starts[j], v.numel()));
+      const Param& w = params[u.params[j]];
+      const Tensor gathered = flat(all, u.starts[j], w.value.numel());
+      copy(flat(w.value, 0, w.value.numel()), gathered);
+      if (!u.offloaded) continue;
+      // The master is in host memory: the copies the products read come from the
+      // gathered values on the device instead (refresh_compute_weights skips them).
+      const Tensor values = gathered.view(w.value.shape);
+      if (w.compute.data != w.value.data) cast(values, w.compute);
+      if (w.fp8.q.data != nullptr)
+        quantize_blocks(values, w.fp8.q, w.fp8.scale, w.fp8.pow2, w.fp8.qt, w.fp8.scale_t);
     }
   }
 }
 
-void ShardLayout::gather(const Tensor& shard, const std::vector<Tensor>& full, const Tensor& scratch) const {
+void ShardLayout::gather(const Tensor& shard, const Tensor& host_shard, const std::vector<Tensor>& full,
+                         const Tensor& scratch) const {
   for (const ShardUnit& u : units_) {
-    if (u.offloaded) continue;
     const int64_t n = u.group_size, s = u.shard;
-    // This rank's shard, as f32, after the room for the whole unit.
+    if (u.offloaded && n == 1) continue;  // its blocks' moments are whole already
+    // This rank's shard, as f32, after the room for the whole unit (an offloaded one's
+    // widened on the host: it lives there).
     Tensor all = flat(scratch, 0, n * s), mine = flat(scratch, n * s, s);
-    cast(flat(shard, u.state_at, s), mine);
+    if (u.offloaded) {
+      std::vector<float> wide(static_cast<size_t>(s));
+      cpu::cast(flat(host_shard, u.state_at, s), Tensor(wide.data(), {s}, DType::f32));
+      copy(mine, Tensor(wide.data(), {s}, DType::f32));
+    } else {
+      cast(flat(shard, u.state_at, s), mine);
+    }
     if (u.group == nullptr || n == 1)
       copy(flat(all, 0, s), mine);
     else
@@ -158,15 +169,22 @@ void ShardLayout::gather(const Tensor& shard, const std::vector<Tensor>& full, c
   }
 }
 
-void ShardLayout::scatter(const std::vector<Tensor>& full, const Tensor& shard, const Tensor& scratch) const {
+void ShardLayout::scatter(const std::vector<Tensor>& full, const Tensor& shard, const Tensor& host_shard,
+                          const Tensor& scratch) const {
   for (const ShardUnit& u : units_) {
-    if (u.offloaded) continue;
+    if (u.offloaded && u.group_size == 1) continue;
     // Assembled as f32 on the shard's device (full is host memory), then cast there.
     Tensor mine = flat(scratch, 0, u.shard);
     fill(mine, 0.0f);
     for (const ShardPiece& p : u.pieces)
       copy(flat(mine, p.at - u.state_at, p.count), flat(full[p.param], p.offset, p.count));
-    cast(mine, flat(shard, u.state_at, u.shard));
+    if (!u.offloaded) {
+      cast(mine, flat(shard, u.state_at, u.shard));
+      continue;
+    }
+    std::vector<float> wide(static_cast<size_t>(u.shard));
+    copy(Tensor(wide.data(), {u.shard}, DType::f32), mine);
+    cpu::cast(Tensor(wide.data(), {u.shard}, DType::f32), flat(host_shard, u.state_at, u.shard));
   }
 }
 

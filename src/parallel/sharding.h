@@ -54,8 +54,9 @@ struct ShardUnit {
   std::vector<ShardPiece> pieces;  // this rank's shard, block by block
   int64_t layer = 0;               // Param::layer of its blocks
   int64_t value_at = -1;           // ZeRO-3: where its weight shard starts; -1: weights full
-  // Blocks whose master weights are in host memory (Param::offloaded): a group of one,
-  // with no state in the shard vectors (state_at -1; AdamW keeps it, train/offload.h).
+  // Blocks whose master weights are in host memory (Param::offloaded): their state_at
+  // numbers the host shard vectors (host_elements), which AdamW keeps in host memory
+  // (train/offload.h); all_gather also writes their compute copies and FP8 codes.
   bool offloaded = false;
 };
 
@@ -75,6 +76,7 @@ class ShardLayout {
   int64_t grad_elements() const { return grad_elements_; }        // this rank's, units with a gradient shard
   int64_t scratch_elements() const { return scratch_elements_; }  // the largest padded unit
   int64_t value_elements() const { return value_elements_; }      // ZeRO-3 weight shards, all units
+  int64_t host_elements() const { return host_elements_; }        // offloaded units' state, in host memory
 
   // A part's gradients on their way into the shards: the packed inputs (one buffer
   // per unit, alive until the transfer is done) and the transfers.
@@ -95,14 +97,19 @@ class ShardLayout {
   static Tensor grad_of(const std::vector<Param>& params, const Tensor& grad_shard, const ShardUnit& u,
                         const ShardPiece& p);
   // Every rank's shard of each block's `value` -> the full `value` on every rank
-  // (units whose weights are shards skipped).
+  // (units whose weights are shards skipped); for an offloaded unit also its blocks'
+  // compute copies and FP8 codes, from the gathered values on the device.
   void all_gather(const std::vector<Param>& params, const Tensor& scratch) const;
-  // full[i] (f32, laid out like block i) <-> shard (this rank's elements, f32 or bf16):
-  // the moments for checkpoints. gather is collective; scatter copies this rank's
-  // pieces. Both pass one unit at a time through `scratch` [scratch_elements] (f32, on
-  // the shard's device), where a bf16 shard is widened or rounded.
-  void gather(const Tensor& shard, const std::vector<Tensor>& full, const Tensor& scratch) const;
-  void scatter(const std::vector<Tensor>& full, const Tensor& shard, const Tensor& scratch) const;
+  // full[i] (f32, laid out like block i) <-> shard (this rank's elements, f32 or bf16;
+  // an offloaded unit's in host_shard): the moments for checkpoints. gather is
+  // collective; scatter copies this rank's pieces. Both pass one unit at a time through
+  // `scratch` [scratch_elements] (f32, on the shard's device), where a bf16 shard is
+  // widened or rounded. Offloaded units of a group of one are skipped: their blocks'
+  // moments are whole (AdamW names them).
+  void gather(const Tensor& shard, const Tensor& host_shard, const std::vector<Tensor>& full,
+              const Tensor& scratch) const;
+  void scatter(const std::vector<Tensor>& full, const Tensor& shard, const Tensor& host_shard,
+               const Tensor& scratch) const;
 
   // The elements of shard vector `v` that piece p covers, as a flat f32 tensor.
   static Tensor piece_of(const Tensor& v, const ShardPiece& p);
@@ -111,7 +118,7 @@ class ShardLayout {
   void build(const std::vector<Param>& params, comm::Communicator* dense, comm::Communicator* expert, int dense_size,
              int dense_rank, int expert_size, int expert_rank, int64_t weight_layers);
   std::vector<ShardUnit> units_;
-  int64_t shard_elements_ = 0, grad_elements_ = 0, scratch_elements_ = 0, value_elements_ = 0;
+  int64_t shard_elements_ = 0, grad_elements_ = 0, scratch_elements_ = 0, value_elements_ = 0, host_elements_ = 0;
 };
 
 }  // namespace mt::parallel

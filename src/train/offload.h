@@ -49,8 +49,9 @@ class StreamedUpdate {
   static int64_t set_elements(const std::vector<Param>& params, DType state, double staging_mib);
   static size_t bytes(DType state, int64_t elements);
   // Each block's param, m and v in host memory, its grad, compute and FP8 codes on the
-  // device, all [E, ...]: updated chunk by chunk along E, with AdamW's rounding noise
-  // keyed from block.key as if in one piece. Returns once the host copies are written.
+  // device, all [E, ...] (or flat: a shard's piece, without copies): updated chunk by
+  // chunk along E, with AdamW's rounding noise keyed from block.key as if in one piece.
+  // Returns once the host copies are written.
   OffloadTraffic update(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& a);
 
  private:

@@ -58,7 +58,22 @@ void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t
   const Device device = params_.empty() ? Device::cpu : params_.front().grad.device;
   const Shape shard{layout_.shard_elements()};
   arena_ = Arena("optimizer", device, sharded_bytes(layout_, state_));  // the full moments go with the old arena
-  m_ = host_m_;  // the offloaded blocks' stay whole
+  // Offloaded units' shards in host memory; a group of one's are its blocks' whole moments.
+  host_ = Arena::host("optimizer (host)", sharded_host_bytes(layout_, state_), device == Device::cuda);
+  host_m_shard_ = host_.alloc(state_, {layout_.host_elements()});
+  host_v_shard_ = host_.alloc(state_, {layout_.host_elements()});
+  fill(host_m_shard_, 0.0f);
+  fill(host_v_shard_, 0.0f);
+  for (Tensor& t : host_m_) t = Tensor();
+  for (Tensor& t : host_v_) t = Tensor();
+  for (const parallel::ShardUnit& u : layout_.units())
+    if (u.offloaded && u.group_size == 1)
+      for (const parallel::ShardPiece& p : u.pieces) {
+        const Shape& shape = params_[p.param].value.shape;
+        host_m_[p.param] = parallel::ShardLayout::piece_of(host_m_shard_, p).view(shape);
+        host_v_[p.param] = parallel::ShardLayout::piece_of(host_v_shard_, p).view(shape);
+      }
+  m_ = host_m_;
   v_ = host_v_;
   m_shard_ = arena_.alloc(state_, shard);
   v_shard_ = arena_.alloc(state_, shard);
@@ -76,6 +91,12 @@ size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout, DType state) {
   count.alloc(DType::f32, {layout.grad_elements()});                           // summed gradients
   count.alloc(DType::f32, {layout.scratch_elements()});
   if (layout.value_elements() > 0) count.alloc(DType::f32, {layout.value_elements()});
+  return count.peak();
+}
+
+size_t AdamW::sharded_host_bytes(const parallel::ShardLayout& layout, DType state) {
+  Arena count = Arena::counting("optimizer (host)", Device::cpu);
+  for (int j = 0; j < 2; ++j) count.alloc(state, {layout.host_elements()});
   return count.peak();
 }
 
@@ -122,21 +143,22 @@ double AdamW::grad_sum_squares() const {
 
 void AdamW::materialize_moments() {
   if (!sharded_) return;
+  // Host copies for the blocks whose moments are not whole already.
   Arena count = Arena::counting("optimizer moments (host)", Device::cpu);
-  for (const Param& p : params_)
-    for (int j = 0; j < 2 && !p.offloaded; ++j) count.alloc(DType::f32, p.value.shape);
+  for (size_t i = 0; i < params_.size(); ++i)
+    for (int j = 0; j < 2 && host_m_[i].data == nullptr; ++j) count.alloc(DType::f32, params_[i].value.shape);
   full_ = Arena("optimizer moments (host)", Device::cpu, count.peak());
   m_ = host_m_;
   v_ = host_v_;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].offloaded) continue;
+    if (host_m_[i].data != nullptr) continue;
     m_[i] = full_.alloc(DType::f32, params_[i].value.shape);
     v_[i] = full_.alloc(DType::f32, params_[i].value.shape);
   }
   // One unit at a time through the exchange buffer (bf16 shards widened there): no
   // f32 copy of a whole shard vector, which a checkpoint's peak would have to hold.
-  layout_.gather(m_shard_, m_, scratch_);
-  layout_.gather(v_shard_, v_, scratch_);
+  layout_.gather(m_shard_, host_m_shard_, m_, scratch_);
+  layout_.gather(v_shard_, host_v_shard_, v_, scratch_);
 }
 
 void AdamW::commit_moments() {
@@ -144,8 +166,8 @@ void AdamW::commit_moments() {
   MT_CHECK(full_.capacity() > 0 || layout_.shard_elements() == 0) << "AdamW::commit_moments without materialize_moments";
   // Rounded to bf16 in the exchange buffer unit by unit: exact for moments that were
   // bf16 (what this run saved).
-  layout_.scatter(m_, m_shard_, scratch_);
-  layout_.scatter(v_, v_shard_, scratch_);
+  layout_.scatter(m_, m_shard_, host_m_shard_, scratch_);
+  layout_.scatter(v_, v_shard_, host_v_shard_, scratch_);
   release_moments();
 }
 
@@ -193,9 +215,22 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   // This rank's pieces of the weights, updated in place (the full weights', or with
   // ZeRO-3 the layers' weight shards), then shared.
   using parallel::ShardLayout;
+  int64_t gathered_in = 0, gathered_out = 0;
   for (const parallel::ShardUnit& u : layout_.units()) {
-    if (u.offloaded) {
+    if (u.offloaded && u.group_size == 1) {
       for (int i : u.params) offload(static_cast<size_t>(i));
+      continue;
+    }
+    if (u.offloaded) {
+      // This rank's flat pieces; all_gather then writes the compute copies and codes.
+      for (const parallel::ShardPiece& p : u.pieces) {
+        const Param& w = params_[p.param];
+        offloaded.push_back({Tensor(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device),
+                             ShardLayout::grad_of(params_, g_shard_, u, p), ShardLayout::piece_of(host_m_shard_, p),
+                             ShardLayout::piece_of(host_v_shard_, p), decay(w), Tensor(), noise_key(p.param, p.offset)});
+      }
+      gathered_in += u.shard * static_cast<int64_t>(sizeof(float));
+      gathered_out += u.length * static_cast<int64_t>(sizeof(float));
       continue;
     }
     for (const parallel::ShardPiece& p : u.pieces) {
@@ -211,6 +246,9 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   mt::adamw_step_multi(blocks, a);
   stream();
   layout_.all_gather(params_, scratch_);
+  // all_gather brings offloaded units' pieces in and their gathered values back out.
+  traffic_.bytes_in += gathered_in;
+  traffic_.bytes_out += gathered_out;
   refresh_compute_weights(params_, false);
 }
 

@@ -50,6 +50,8 @@ class AdamW {
   Tensor grad_shards() const { return g_shard_; }  // f32 [layout().grad_elements()]
   // What shard() allocates for a layout: moment and gradient shards, exchange buffer.
   static size_t sharded_bytes(const parallel::ShardLayout& layout, DType state);
+  // What shard() allocates in host memory: the offloaded units' moment shards.
+  static size_t sharded_host_bytes(const parallel::ShardLayout& layout, DType state);
   // Sharded: this rank's shard of every rank's gradients of one part (-1 the embedding,
   // 0 .. L-1 a decoder layer, L the head), summed, in two halves so the transfer
   // overlaps the backward of the parts before it: start once the part's gradients of
@@ -90,7 +92,8 @@ class AdamW {
   // Offloaded blocks' moments (null for the others), in host memory; m_ and v_ name them
   // too, sharded or not.
   Arena host_;
-  std::vector<Tensor> host_m_, host_v_;
+  std::vector<Tensor> host_m_, host_v_;  // sharded: those of offloaded units of a group of one
+  Tensor host_m_shard_, host_v_shard_;  // sharded: offloaded units' moment shards
   StreamedUpdate streamed_;
   size_t staging_bytes_ = 0;
   OffloadTraffic traffic_;

@@ -176,9 +176,14 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   const DType state = cfg.optimizer.state();
   m.optimizer = m.sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
   m.optimizer += AdamW::staging_bytes(model->params(), state, cfg.offload.staging_mib);
-  const size_t host_moments = AdamW::host_bytes(model->params(), state);
-  m.offload_traffic = m.host + host_moments;  // in, and as much out
-  m.host += host_moments;
+  // Offloaded blocks: their moments (or shards of them) on the host too, and the
+  // update's traffic out, the larger way: this rank's weights and moments, and with a
+  // group over dp x cp the gathered weights (train/offload.h).
+  m.host += m.sharded ? AdamW::sharded_host_bytes(layout, state) : AdamW::host_bytes(model->params(), state);
+  for (const parallel::ShardUnit& u : layout.units())
+    if (u.offloaded)
+      m.offload_traffic += static_cast<size_t>(u.group_size == 1 ? u.length : u.shard) * (4 + 2 * dtype_size(state)) +
+                           (u.group_size > 1 ? static_cast<size_t>(u.length) * 4 : 0);
   m.slot = m.zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
   // The micro-batches whose activations the schedule keeps at once on this rank: bare
   // stashes for each one in flight, and each chunk's layer blocks for those working there.
