@@ -196,7 +196,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 50);
+  EXPECT_EQ(keys, 51);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -1075,8 +1075,9 @@ TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
 // (offload.staging_mib tiny), two sets alternating, so every path runs on the CPU: the
 // same bits as without offload, for each family (and FP8 with bf16 moments), on one rank
 // and on the ep 2, pp 2, dp 2 and cp 2 x ep 2 meshes; each step moves the experts' 12 bytes a parameter in
-// and out. A checkpoint written without offload resumes with it, and the reverse, to
-// the uninterrupted run's bits; dp and cp x ep meshes too. ZeRO-3 is refused by name.
+// and out (offload.layers = 1: half of that). A checkpoint written without offload
+// resumes with it, and the reverse, to the uninterrupted run's bits; dp and cp x ep
+// meshes too. ZeRO-3 is refused by name.
 TEST(Commands, OffloadedExpertsGiveTheSameBits) {
   const std::string dir = temp_dir("offload");
   std::vector<int64_t> tokens(32 * 17);
@@ -1107,6 +1108,11 @@ TEST(Commands, OffloadedExpertsGiveTheSameBits) {
   // Off the device: those, less the staging's two sets of one gate_up expert.
   EXPECT_EQ(metrics_of(dir + "/qwen3_moe_a").back()["memory_bytes"].get<int64_t>() - m.back()["memory_bytes"].get<int64_t>(),
             12 * expert_params - 2 * 12 * (24 * 32));
+  // offload.layers = 1: the first MoE layer's experts only, the same bits.
+  const std::string qwen3 = " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy");
+  train("", "qwen3_first_layer", qwen3 + on + " --offload.layers=1");
+  expect_same_run(dir + "/qwen3_moe_a", dir + "/qwen3_first_layer");
+  EXPECT_EQ(metrics_of(dir + "/qwen3_first_layer").back()["offload_bytes_in"].get<int64_t>(), 12 * expert_params / 2);
   // Resume across the switch, both ways.
   const std::string qwen = " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" +
                            fixture("qwen3_moe_a/tokens.npy") + " --checkpoint.interval=2";

@@ -139,6 +139,13 @@ size_t refuse_what_does_not_fit(const Config& cfg, int world, int pp_rank, size_
     other.training.activation_checkpoint = mode;
     levers += std::string("; training.activation_checkpoint=") + mode + " plans " + gib(plan_memory(other, world, pp_rank, 1.0).total());
   }
+  if (cfg.offload.experts == "none" && !cfg.parallelism.zero3 && cfg.training.device == "cuda") {
+    Config other = cfg;
+    other.offload.experts = "optimizer";
+    const MemoryPlan o = plan_memory(other, world, pp_rank, 1.0);
+    levers += "; offload.experts=optimizer plans " + gib(o.total()) + " and " + gib(o.host) +
+              " of host memory (offload.layers offloads fewer layers)";
+  }
   MT_FAIL() << "the plan for pp rank " << pp_rank << " needs " << gib(need) << " (" << need << " bytes) on the "
             << cfg.training.device << " device (master weights " << gib(m.weights) << ", gradients "
             << gib(m.gradients) << ", optimizer " << gib(m.optimizer) << ", weight copies " << gib(m.compute)

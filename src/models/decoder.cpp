@@ -180,7 +180,7 @@ class Decoder final : public Model {
       : c_(c), k_(c.router.top_k), attention_(std::move(attention)), device_(o.device),
         balanced_(o.force_balanced_routing), plan_only_(o.plan_only), external_layers_(o.external_layers),
         capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute),
-        offload_experts_(o.offload_experts), ep_(o.ep),
+        offload_experts_(o.offload_experts), offload_layers_(o.offload_layers), ep_(o.ep),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
         linear_(o.fp8, o.fp8_pow2), pool_(std::make_shared<RowPool>()) {
     MT_CHECK(routing_skew_ >= 1.0) << "a routing skew of " << routing_skew_
@@ -363,6 +363,7 @@ class Decoder final : public Model {
   double routing_skew_;     // plan_only: the rows a MoE layer brings here, over the balanced share
   Recompute recompute_;
   bool offload_experts_;  // the routed experts' master weights in host memory
+  int64_t offload_layers_;  // of the first this many MoE layers held here (0: all)
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
@@ -457,10 +458,14 @@ void Decoder::build_params() {
                    a.alloc(DType::f8e4m3, t), a.alloc(DType::f32, fp8_block_scale_shape(p.value.shape, true)),
                    linear_.pow2()};
   };
-  // offload.experts: the routed experts' matrices keep their master weights in a fourth
-  // arena, in host memory; their compute copies (on the CPU the master itself) and
-  // gradients stay here.
-  for (Param& p : params_) p.offloaded = offload_experts_ && held(p) && p.expert && p.matrix;
+  // offload.experts: the routed experts' matrices (of the first offload.layers MoE
+  // layers) keep their master weights in a fourth arena, in host memory; their compute
+  // copies (on the CPU the master itself) and gradients stay here.
+  std::vector<bool> offload(static_cast<size_t>(c_.num_layers), false);
+  for (int64_t l = 0, moe = 0; l < c_.num_layers; ++l)
+    if (held_[l] && c_.moe[l]) offload[l] = offload_experts_ && (offload_layers_ == 0 || moe++ < offload_layers_);
+  for (Param& p : params_)
+    p.offloaded = held(p) && p.expert && p.matrix && offload[static_cast<size_t>(p.layer)];
   Arena count_v = Arena::counting("parameters", device_), count_g = Arena::counting("gradients", device_),
         count_c = Arena::counting("compute weights", device_), count_q = Arena::counting("fp8 weights", device_),
         count_h = Arena::counting("parameters (host)", Device::cpu);

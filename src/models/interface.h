@@ -154,6 +154,8 @@ struct ModelOptions {
   // weights in host memory (pinned on the GPU; Param::offloaded), their compute copies and
   // gradients on the device (train/offload.h streams their update).
   bool offload_experts = false;
+  // offload.layers: only the first this many MoE layers this rank holds (0: all of them).
+  int64_t offload_layers = 0;
 };
 
 class Model {

@@ -98,6 +98,8 @@ void visit(C& c, F&& f) {
     c.offload.experts);
   f({"offload", "staging_mib", 0, "MiB of each of the two device buffers an offloaded update streams through"},
     c.offload.staging_mib);
+  f({"offload", "layers", 0, "offload the experts of only the first this many MoE layers a rank holds; 0: all"},
+    c.offload.layers);
   f({"checkpoint", "interval", 0, "steps between checkpoints; 0: none along the way"}, c.checkpoint.interval);
   f({"checkpoint", "save_final", 0, "also save the run's last step (warns when the run would save none)"},
     c.checkpoint.save_final);
@@ -245,6 +247,7 @@ void validate(const Config& c) {
       << "yet; offload.experts = optimizer keeps their master weights and moments there";
   check_one_of(c.offload.experts, {"none", "optimizer"}, "offload.experts");
   MT_CHECK(c.offload.staging_mib > 0) << "offload.staging_mib should be > 0, got " << c.offload.staging_mib;
+  MT_CHECK(c.offload.layers >= 0) << "offload.layers should be >= 0 (0: every MoE layer), got " << c.offload.layers;
   MT_CHECK(c.offload.experts == "none" || !c.parallelism.zero3)
       << "offload.experts = optimizer with parallelism.zero3 is not built yet (ZeRO-3 gathers the layers' master "
       << "weights from shards on the device); choose one";

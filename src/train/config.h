@@ -87,6 +87,7 @@ struct ParallelismConfig {
 struct OffloadConfig {
   std::string experts = "none";  // none, or optimizer: the routed experts' master weights and moments on the host
   double staging_mib = 64;       // MiB of each of the update's two device staging sets
+  int64_t layers = 0;            // offload only the first this many MoE layers a rank holds; 0: all
 };
 
 struct CheckpointConfig {

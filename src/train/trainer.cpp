@@ -84,6 +84,7 @@ ModelOptions model_options(const Config& cfg) {
                 : t.activation_checkpoint == "selective" ? Recompute::selective
                                                          : Recompute::none;
   o.offload_experts = cfg.offload.experts == "optimizer";
+  o.offload_layers = cfg.offload.layers;
   return o;
 }
 
