@@ -1008,6 +1008,20 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
 
 // Two runs of three steps in these folders: the same losses, gradient norms and
 // load-balance terms, and the same bytes in every file of their step-3 checkpoints.
+// A mesh of CPU ranks: a name for its run folders, the ranks, its flags.
+struct RunMesh {
+  const char* name;
+  int np;
+  const char* flags;
+};
+
+// The pipeline fixture's 32 sequences of 17 tokens, dir/tokens32.npy.
+static void write_tokens32(const std::string& dir) {
+  std::vector<int64_t> tokens(32 * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 29 + i / 5 + i / 17) % 80);
+  io::write_npy(dir + "/tokens32.npy", "<i8", {32, 17}, tokens.data());
+}
+
 static void expect_same_run(const std::string& a, const std::string& b) {
   const std::vector<nlohmann::json> x = metrics_of(a), y = metrics_of(b);
   ASSERT_EQ(x.size(), 3u) << a;
@@ -1033,9 +1047,7 @@ static void expect_same_run(const std::string& a, const std::string& b) {
 // whose 8 layers DualPipeV needs).
 TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
   const std::string dir = temp_dir("recompute");
-  std::vector<int64_t> tokens(32 * 17);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 29 + i / 5 + i / 17) % 80);
-  io::write_npy(dir + "/tokens32.npy", "<i8", {32, 17}, tokens.data());
+  write_tokens32(dir);
   auto train = [&](const std::string& launch, const std::string& name, const std::string& flags) {
     auto [rc, out] = run(launch + MOETRAIN_BIN + " train --training.steps=3 --training.load_balance_coef=0.1" +
                          " --training.micro_batch_size=1 --job.dump_folder=" + dir + "/" + name + flags);
@@ -1052,15 +1064,11 @@ TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
     same(model + "none", model + "full");
   }
   if (run("command -v mpirun").first != 0) return;
-  struct Mesh {
-    const char* name;
-    int np;
-    const char* flags;
-  };
-  for (Mesh mesh : {Mesh{"ep2", 2, " --parallelism.ep=2"}, Mesh{"cp2ep2", 4, " --parallelism.cp=2 --parallelism.ep=2"},
-                    Mesh{"pp2v", 2, " --parallelism.pp=2 --parallelism.pipeline_schedule=dualpipev"},
-                    Mesh{"pp2f", 2, " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b"},
-                    Mesh{"pp2ep2", 4, " --parallelism.pp=2 --parallelism.ep=2"}}) {
+  for (RunMesh mesh : {RunMesh{"ep2", 2, " --parallelism.ep=2"},
+                       RunMesh{"cp2ep2", 4, " --parallelism.cp=2 --parallelism.ep=2"},
+                       RunMesh{"pp2v", 2, " --parallelism.pp=2 --parallelism.pipeline_schedule=dualpipev"},
+                       RunMesh{"pp2f", 2, " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b"},
+                       RunMesh{"pp2ep2", 4, " --parallelism.pp=2 --parallelism.ep=2"}}) {
     for (std::string m : modes)
       train(kMpirun + std::to_string(mesh.np) + " ", mesh.name + m,
             std::string(" --model.config=") + fixture("pipeline/config.json") + " --data.tokens=" + dir +
@@ -1080,9 +1088,7 @@ TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
 // meshes too. ZeRO-3 is refused by name.
 TEST(Commands, OffloadedExpertsGiveTheSameBits) {
   const std::string dir = temp_dir("offload");
-  std::vector<int64_t> tokens(32 * 17);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 29 + i / 5 + i / 17) % 80);
-  io::write_npy(dir + "/tokens32.npy", "<i8", {32, 17}, tokens.data());
+  write_tokens32(dir);
   auto train = [&](const std::string& launch, const std::string& name, const std::string& flags, int steps = 3) {
     auto [rc, out] = run(launch + MOETRAIN_BIN + " train --training.steps=" + std::to_string(steps) +
                          " --training.load_balance_coef=0.1 --training.micro_batch_size=1 --offload.staging_mib=0.0001" +
@@ -1130,16 +1136,11 @@ TEST(Commands, OffloadedExpertsGiveTheSameBits) {
   }
   if (run("command -v mpirun").first != 0) return;
   const std::string pipeline = " --model.config=" + fixture("pipeline/config.json") + " --data.tokens=" + dir + "/tokens32.npy";
-  struct Mesh {
-    const char* name;
-    int np;
-    const char* flags;
-  };
   // dp and cp shard the experts' state over the ranks holding them: host shards, the
   // gradients reduce-scattered, the weights gathered back (with FP8 codes on dp 2).
-  for (Mesh mesh : {Mesh{"ep2", 2, " --parallelism.ep=2"}, Mesh{"pp2", 2, " --parallelism.pp=2"},
-                    Mesh{"dp2", 2, " --training.fp8=blockwise --optimizer.state_dtype=bf16"},
-                    Mesh{"cp2ep2", 4, " --parallelism.cp=2 --parallelism.ep=2"}}) {
+  for (RunMesh mesh : {RunMesh{"ep2", 2, " --parallelism.ep=2"}, RunMesh{"pp2", 2, " --parallelism.pp=2"},
+                       RunMesh{"dp2", 2, " --training.fp8=blockwise --optimizer.state_dtype=bf16"},
+                       RunMesh{"cp2ep2", 4, " --parallelism.cp=2 --parallelism.ep=2"}}) {
     const std::string launch = kMpirun + std::to_string(mesh.np) + " ", name = mesh.name;
     train(launch, name, pipeline + mesh.flags);
     train(launch, name + "_offload", pipeline + mesh.flags + on);

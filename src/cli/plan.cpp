@@ -195,8 +195,10 @@ int run_plan(const Args& args) {
   else
     std::printf("per rank (1/ep of the experts; weights and accumulating gradients are sharded only\n"
                 "with zero3):\n");
+  std::vector<size_t> offload_traffic;  // each pp rank's, for the step's prediction below
   for (int r = 0; r < mesh.pp; ++r) {
     const MemoryPlan m = plan_memory(cfg, world, r, skew);
+    offload_traffic.push_back(m.offload_traffic);
     const size_t total = m.total();
     // One unit for the table, the one train's step line would use for the total.
     const bool mib = total < (size_t{1} << 30);
@@ -282,7 +284,7 @@ int run_plan(const Args& args) {
     // rate a direction (the copies out overlap the next chunk's in).
     double step = 0, offload = 0;
     for (int r = 0; r < mesh.pp; ++r) {
-      const double moved = 1e3 * static_cast<double>(plan_memory(cfg, world, r, skew).offload_traffic) / kPcieBytesPerSecond;
+      const double moved = 1e3 * static_cast<double>(offload_traffic[static_cast<size_t>(r)]) / kPcieBytesPerSecond;
       offload = std::max(offload, moved);
       step = std::max(step, t.step + moved +
                                 costs.optimizer_per_layer * static_cast<double>(pipeline.layers_of(r).size()));

@@ -459,7 +459,7 @@ void Decoder::build_params() {
                    linear_.pow2()};
   };
   // offload.experts: the routed experts' matrices (of the first offload.layers MoE
-  // layers) keep their master weights in a fourth arena, in host memory; their compute
+  // layers) keep their master weights in one more arena, in host memory; their compute
   // copies (on the CPU the master itself) and gradients stay here.
   std::vector<bool> offload(static_cast<size_t>(c_.num_layers), false);
   for (int64_t l = 0, moe = 0; l < c_.num_layers; ++l)

@@ -66,7 +66,7 @@ void ShardLayout::build(const std::vector<Param>& params, comm::Communicator* de
     u.shard = (u.length + u.group_size - 1) / u.group_size;
     // An offloaded unit's state is numbered in the host shard vectors (host_elements).
     MT_CHECK(!u.offloaded || u.layer >= weight_layers)
-        << "offload.experts = optimizer with parallelism.zero3 is not built yet: choose one";
+        << "ShardLayout: layer " << u.layer << "'s offloaded experts cannot keep ZeRO-3 weight shards (config refuses both)";
     int64_t& state = u.offloaded ? host_elements_ : shard_elements_;
     u.state_at = state;
     state += u.shard;

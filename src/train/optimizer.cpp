@@ -57,7 +57,10 @@ void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t
   layout_ = parallel::ShardLayout(params_, dense, expert, weight_layers);
   const Device device = params_.empty() ? Device::cpu : params_.front().grad.device;
   const Shape shard{layout_.shard_elements()};
-  arena_ = Arena("optimizer", device, sharded_bytes(layout_, state_));  // the full moments go with the old arena
+  // The full moments go first, so the shards never share the memory with them.
+  arena_ = Arena();
+  host_ = Arena();
+  arena_ = Arena("optimizer", device, sharded_bytes(layout_, state_));
   // Offloaded units' shards in host memory; a group of one's are its blocks' whole moments.
   host_ = Arena::host("optimizer (host)", sharded_host_bytes(layout_, state_), device == Device::cuda);
   host_m_shard_ = host_.alloc(state_, {layout_.host_elements()});
