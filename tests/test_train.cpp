@@ -134,6 +134,11 @@ TEST(Config, WrongKeysAndValuesAreNamed) {
         // A quote inside a bare word opens no string (toml++ scans on as part of the word).
         Refused{"word", "[training]\nseed = 5x\"\xEF\xBB\xBE\"\n",
                 "word.toml:2: a character past ASCII outside a string or comment"},
+        // Nor one after an = or a bracket inside such a word (fuzz/config_toml's next finds).
+        Refused{"value", "[training]\nsd =7ar='x\"\xEF\xBB\xBE\n",
+                "value.toml:2: a character past ASCII outside a string or comment"},
+        Refused{"bracket", "[training]\nsd =7a[Kd='x\"\xEF\xBB\xBE\n",
+                "bracket.toml:2: a character past ASCII outside a string or comment"},
         Refused{"multi", "[job]\ndump_folder = \"\"\"a\\\n \xC8\xB7\"\"\"\n",
                 "multi.toml:3: the character U+237 in a \"\"\" string is not accepted"}}) {
     const std::string path = f + "/" + r.name + ".toml";

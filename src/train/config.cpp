@@ -287,12 +287,14 @@ void validate(const Config& c) {
 // nothing past ASCII outside strings and comments anyway: such characters are refused
 // here, before it sees them, and those three ranges in """ strings. A quote opens a
 // string only where a key or value may start (after =, [, {, a comma, a dot or at a
-// line's start), as for toml++: inside a bare word it is scanned like the rest. A
-// leading byte-order mark stays.
+// line's start), as for toml++; a value that is no string, array or inline table is a
+// word toml++ scans to the next space or line end, quotes, brackets and = included, so
+// nothing opens inside it (not a comment either). A leading byte-order mark stays.
 void refuse_what_tomlpp_mishandles(std::string_view text, const std::string& where) {
   enum { kBare, kComment, kBasic, kLiteral, kMultiBasic, kMultiLiteral } in = kBare;
   auto line = [&](size_t at) { return 1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n'); };
   char before = '\n';  // the last character in kBare other than a space or tab
+  bool word = false;       // inside such a value
   for (size_t i = text.starts_with("\xEF\xBB\xBF") ? 3 : 0; i < text.size(); ++i) {
     const auto b = static_cast<unsigned char>(text[i]);
     const std::string_view three = text.substr(i, 3);
@@ -300,11 +302,15 @@ void refuse_what_tomlpp_mishandles(std::string_view text, const std::string& whe
       case kBare: {
         MT_CHECK(b < 0x80) << where << ":" << line(i) << ": a character past ASCII outside a string or comment; TOML "
                            << "allows them only in quoted strings and after #: quote the value or remove it";
-        const bool opens = std::string_view("=[{,.\n").find(before) != std::string_view::npos;
+        if (b == ' ' || b == '\t' || b == '\r' || b == '\n')
+          word = false;
+        else if (before == '=' && std::string_view("\"'[{").find(static_cast<char>(b)) == std::string_view::npos)
+          word = true;
+        const bool opens = !word && std::string_view("=[{,.\n").find(before) != std::string_view::npos;
         if (opens && (three == "\"\"\"" || three == "'''")) {
           in = b == '"' ? kMultiBasic : kMultiLiteral;
           i += 2;
-        } else if (b == '#' || (opens && (b == '"' || b == '\''))) {
+        } else if ((b == '#' && !word) || (opens && (b == '"' || b == '\''))) {
           in = b == '#' ? kComment : b == '"' ? kBasic : kLiteral;
         } else if (b != ' ' && b != '\t' && b != '\r') {
           before = static_cast<char>(b);
