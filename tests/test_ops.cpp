@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "kernels/adamw.h"
+#include "kernels/grouped_gemm.h"
 #include "ops/cases.h"
 
 namespace mt::test {
@@ -260,6 +261,47 @@ INSTANTIATE_TEST_SUITE_P(Cpu, OpTable, ::testing::ValuesIn(table()), case_name);
 
 namespace mt::test {
 namespace {
+
+// A window of experts (what the expert cache runs, models/expert_cache.h): experts
+// [1, 3) of 4 as w.rows(1, 3) with offsets.rows(1, 4) over the whole x and y gives the
+// full call's rows of those experts, bit for bit, and leaves every other row alone.
+TEST(GroupedGemm, AWindowOfExpertsTouchesOnlyItsRows) {
+  const int64_t E = 4, K = 5, O = 3;
+  std::vector<int32_t> offsets = {0, 2, 5, 5, 8};
+  const int64_t N = offsets.back();
+  std::mt19937_64 g(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  auto draw = [&](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = u(g);
+    return v;
+  };
+  std::vector<float> x = draw(N * K), w = draw(E * O * K), b = draw(E * O), dy = draw(N * O), dw0 = draw(E * O * K);
+  auto t = [](std::vector<float>& v, Shape s) { return Tensor(v.data(), std::move(s), DType::f32); };
+  const Tensor off(offsets.data(), {E + 1}, DType::i32);
+  std::vector<float> y(N * O), dx(N * K);
+  cpu::grouped_gemm(t(x, {N, K}), t(w, {E, O, K}), t(b, {E, O}), off, t(y, {N, O}));
+  cpu::grouped_gemm_backward_input(t(dy, {N, O}), t(w, {E, O, K}), off, t(dx, {N, K}));
+  for (bool accumulate : {false, true}) {
+    std::vector<float> dw = dw0, db(E * O, 0.5f);
+    cpu::grouped_gemm_backward_weight(t(x, {N, K}), t(dy, {N, O}), off, t(dw, {E, O, K}), t(db, {E, O}), accumulate);
+    const float poison = -7.0f;
+    std::vector<float> wy(N * O, poison), wdx(N * K, poison), wdw(2 * O * K, poison), wdb(2 * O, 0.5f);
+    std::copy(dw0.begin() + O * K, dw0.begin() + 3 * O * K, wdw.begin());
+    const Tensor ww = t(w, {E, O, K}).rows(1, 3), wb = t(b, {E, O}).rows(1, 3), wo = off.rows(1, 4);
+    cpu::grouped_gemm(t(x, {N, K}), ww, wb, wo, t(wy, {N, O}));
+    cpu::grouped_gemm_backward_input(t(dy, {N, O}), ww, wo, t(wdx, {N, K}));
+    cpu::grouped_gemm_backward_weight(t(x, {N, K}), t(dy, {N, O}), wo, t(wdw, {2, O, K}), t(wdb, {2, O}), accumulate);
+    for (int64_t r = 0; r < N; ++r) {
+      const bool in = r >= offsets[1] && r < offsets[3];
+      for (int64_t j = 0; j < O; ++j) EXPECT_EQ(wy[r * O + j], in ? y[r * O + j] : poison) << r;
+      for (int64_t j = 0; j < K; ++j) EXPECT_EQ(wdx[r * K + j], in ? dx[r * K + j] : poison) << r;
+    }
+    // Expert 2 has no rows: zero without accumulation, its old value with.
+    for (int64_t i = 0; i < 2 * O * K; ++i) EXPECT_EQ(wdw[i], dw[O * K + i]) << i;
+    for (int64_t j = 0; j < 2 * O; ++j) EXPECT_EQ(wdb[j], db[O + j]) << j;
+  }
+}
 
 // bf16 moments (optimizer.state_dtype = bf16). One step from random state against a
 // float64 AdamW: the parameter sees the unrounded f32 moments, so it is as close as the

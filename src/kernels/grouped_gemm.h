@@ -8,8 +8,11 @@ namespace mt::cpu {
 // For each expert e, rows offsets[e]..offsets[e+1] of x:
 //   y[seg] = x[seg] @ w[e]^T (+ bias[e])
 // x f32 [N,K]; w f32 [E,O,K] (Hugging Face Linear layout, out x in); bias f32 [E,O] or
-// empty; offsets i32 [E+1] non-decreasing from 0 to N (empty segments allowed); y [N,O].
+// empty; offsets i32 [E+1] non-decreasing within [0, N] (empty segments allowed); y [N,O].
 // A dense Linear (with or without bias) is the one-expert case: w [1,O,K], offsets {0, N}.
+// Rows outside the segments are not touched, so a window of experts [e0, e1) runs alone
+// as w.rows(e0, e1) with offsets.rows(e0, e1 + 1) over the whole x and y (the weights
+// tier's expert cache, models/expert_cache.h, runs a cached line of experts so).
 void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets, const Tensor& y);
 
 // B: dx[seg] = dy[seg] @ w[e]  (dx [N,K], overwritten).

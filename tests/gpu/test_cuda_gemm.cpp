@@ -292,6 +292,64 @@ TEST(CudaGroupedGemm, ForwardAndBackwardMatchCpu) {
   }
 }
 
+// A window of experts [1, 4) of 5 (the expert cache's lines, models/expert_cache.h): the
+// full call's rows and gradients bit for bit on every route, the other rows untouched
+// (poison stays poison), bf16 and f32 outputs, a bias, both W modes.
+TEST(CudaGroupedGemm, AWindowOfExpertsMatchesTheFullCall) {
+  MT_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> counts = {130, 0, 257, 64, 9};
+  const int64_t e = 5, k = 64, o = 136, e0 = 1, e1 = 4;
+  std::vector<int32_t> offsets{0};
+  for (int32_t c : counts) offsets.push_back(offsets.back() + c);
+  const int64_t n = offsets.back();
+  auto d_x = upload(round_bf16(random_floats(n * k, -1, 1, 91)), DType::bf16, {n, k});
+  auto d_w = upload(round_bf16(random_floats(e * o * k, -1, 1, 92)), DType::bf16, {e, o, k});
+  auto d_bias = upload(random_floats(e * o, -1, 1, 93), DType::f32, {e, o});
+  auto d_dy = upload(round_bf16(random_floats(n * o, -1, 1, 94)), DType::bf16, {n, o});
+  const std::vector<float> dw0 = random_floats(e * o * k, -1, 1, 95), db0 = random_floats(e * o, -1, 1, 96);
+  auto d_off = upload(offsets, {e + 1});
+  const Tensor off_w = d_off.t.rows(e0, e1 + 1), w_w = d_w.t.rows(e0, e1), bias_w = d_bias.t.rows(e0, e1);
+  const int64_t r0 = offsets[e0], r1 = offsets[e1];
+  auto expect_window = [&](const char* what, const Tensor& full, const Tensor& window, int64_t width) {
+    const std::vector<float> f = download(full), w = download(window);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < width; ++j) {
+        const size_t i = static_cast<size_t>(r * width + j);
+        if (r >= r0 && r < r1) {
+          ASSERT_EQ(f[i], w[i]) << what << " row " << r << " col " << j;
+        } else {
+          ASSERT_TRUE(std::isnan(w[i])) << what << " row " << r << " outside the window was written";
+        }
+      }
+  };
+  for (DType out : {DType::bf16, DType::f32}) {
+    SCOPED_TRACE(dtype_name(out));
+    auto y = poisoned(out, {n, o}), yw = poisoned(out, {n, o});
+    cuda::grouped_gemm(d_x.t, d_w.t, d_bias.t, d_off.t, y.t);
+    cuda::grouped_gemm(d_x.t, w_w, bias_w, off_w, yw.t);
+    expect_window("y", y.t, yw.t, o);
+    auto dx = poisoned(out, {n, k}), dxw = poisoned(out, {n, k});
+    cuda::grouped_gemm_backward_input(d_dy.t, d_w.t, d_off.t, dx.t);
+    cuda::grouped_gemm_backward_input(d_dy.t, w_w, off_w, dxw.t);
+    expect_window("dx", dx.t, dxw.t, k);
+  }
+  for (bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    auto dw = upload(dw0, DType::f32, {e, o, k}), db = upload(db0, DType::f32, {e, o});
+    auto dww = upload(dw0, DType::f32, {e, o, k}), dbw = upload(db0, DType::f32, {e, o});
+    cuda::grouped_gemm_backward_weight(d_x.t, d_dy.t, d_off.t, dw.t, db.t, accumulate);
+    cuda::grouped_gemm_backward_weight(d_x.t, d_dy.t, off_w, dww.t.rows(e0, e1), dbw.t.rows(e0, e1), accumulate);
+    const std::vector<float> a = download(dw.t), b = download(dww.t), c = download(db.t), d = download(dbw.t);
+    for (int64_t x = 0; x < e; ++x) {
+      const bool in = x >= e0 && x < e1;
+      for (int64_t i = x * o * k; i < (x + 1) * o * k; ++i)
+        ASSERT_EQ(b[static_cast<size_t>(i)], in ? a[static_cast<size_t>(i)] : dw0[static_cast<size_t>(i)]) << x;
+      for (int64_t i = x * o; i < (x + 1) * o; ++i)
+        ASSERT_EQ(d[static_cast<size_t>(i)], in ? c[static_cast<size_t>(i)] : db0[static_cast<size_t>(i)]) << x;
+    }
+  }
+}
+
 // Speed at the benchmark's shapes (Qwen3-30B-A3B: 8192 tokens, top-8 of 128 experts,
 // hidden 2048, expert FFN 768, vocabulary 151936), balanced routing, random bf16 data.
 // Not a correctness test; run with --gtest_also_run_disabled_tests.
