@@ -35,6 +35,10 @@ struct Param {
   // offload.experts: `value` lives in host memory (pinned on a GPU run) and `compute` on
   // the device; AdamW streams its update through device staging (train/offload.h).
   bool offloaded = false;
+  // offload.experts = weights: `compute` and `grad` live in host memory too (pinned, and
+  // mapped on a GPU run: a kernel reads and writes them there over PCIe), and the
+  // decoder's expert cache brings them through device frames (models/expert_cache.h).
+  bool cached = false;
   // The part of the model it belongs to: -1 the embedding, 0 .. L-1 a decoder layer, L
   // the head. Sharding cuts units by (layer, expert); pipeline stages will cut by it.
   int64_t layer = -1;

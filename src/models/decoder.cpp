@@ -14,6 +14,7 @@
 #include "kernels/embedding.h"
 #include "kernels/gemm.h"
 #include "kernels/grouped_gemm.h"
+#include "models/expert_cache.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/swiglu.h"
 #include "parallel/buffer.h"
@@ -147,6 +148,9 @@ struct LayerActs {
   int64_t rows = 0;
   std::array<parallel::Buffer, kRowTensors> held;
   bool recomputing = false;  // full recomputation: the forward again, before the backward
+  // offload.experts = weights: the experts' row offsets in host memory, read at the
+  // forward, so that the expert cache's lines run over their windows of the rows.
+  std::vector<int32_t> host_offsets;
   // Expert parallelism: the exchange plan, `back`, every slot's expert output returned
   // to this rank [N*k, D], and the exchange a dispatch or combine stage started, until
   // its finish.
@@ -180,7 +184,8 @@ class Decoder final : public Model {
       : c_(c), k_(c.router.top_k), attention_(std::move(attention)), device_(o.device),
         balanced_(o.force_balanced_routing), plan_only_(o.plan_only), external_layers_(o.external_layers),
         capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute),
-        offload_experts_(o.offload_experts), offload_layers_(o.offload_layers), ep_(o.ep),
+        offload_experts_(o.offload_experts), offload_layers_(o.offload_layers),
+        offload_weights_(o.offload_experts && o.offload_weights), expert_slots_(o.expert_slots), ep_(o.ep),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
         linear_(o.fp8, o.fp8_pow2), pool_(std::make_shared<RowPool>()) {
     MT_CHECK(routing_skew_ >= 1.0) << "a routing skew of " << routing_skew_
@@ -213,6 +218,8 @@ class Decoder final : public Model {
   }
 
   Device device() const override { return device_; }
+  size_t expert_cache_bytes() const override { return cache_.bytes(); }
+  ExpertCacheStats flush_expert_cache() override { return cache_.flush(); }
   bool balanced_routing() const override { return balanced_; }
   int64_t num_layers() const override { return c_.num_layers; }
   bool is_moe_layer(int64_t layer) const override { return c_.moe[layer]; }
@@ -325,6 +332,13 @@ class Decoder final : public Model {
     else
       swiglu_forward(gu, hs);
   }
+  // Its input gradient: d_gu from d_hs.
+  void swiglu_in(const Tensor& gu, const Tensor& d_hs, const Tensor& d_gu) const {
+    if (c_.swiglu_limit > 0)
+      clamped_swiglu_backward(gu, c_.swiglu_limit, kSwigluAlpha, d_hs, d_gu);
+    else
+      swiglu_backward(gu, d_hs, d_gu);
+  }
   // The rows this rank's experts get in a plan: routing_skew times the balanced share,
   // within what the exchange (or a capacity) can bring.
   int64_t planned_rows(int64_t tokens) const;
@@ -350,6 +364,9 @@ class Decoder final : public Model {
   }
   void attention_forward(int64_t l, DecoderStash& s);
   void attention_backward_input(int64_t l, DecoderStash& s);
+  // offload.experts = weights: layer l's routed experts' pass, line by line from the
+  // expert cache (models/expert_cache.h).
+  void cached_experts(int64_t l, LayerActs& x, Pass pass);
 
   DecoderSpec c_;
   int64_t k_;  // experts a token goes to
@@ -364,6 +381,9 @@ class Decoder final : public Model {
   Recompute recompute_;
   bool offload_experts_;  // the routed experts' master weights in host memory
   int64_t offload_layers_;  // of the first this many MoE layers held here (0: all)
+  bool offload_weights_;    // their compute copies and gradients too, through cache_
+  int64_t expert_slots_;
+  ExpertCache cache_;
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
@@ -464,8 +484,10 @@ void Decoder::build_params() {
   std::vector<bool> offload(static_cast<size_t>(c_.num_layers), false);
   for (int64_t l = 0, moe = 0; l < c_.num_layers; ++l)
     if (held_[l] && c_.moe[l]) offload[l] = offload_experts_ && (offload_layers_ == 0 || moe++ < offload_layers_);
-  for (Param& p : params_)
+  for (Param& p : params_) {
     p.offloaded = held(p) && p.expert && p.matrix && offload[static_cast<size_t>(p.layer)];
+    p.cached = p.offloaded && offload_weights_;
+  }
   Arena count_v = Arena::counting("parameters", device_), count_g = Arena::counting("gradients", device_),
         count_c = Arena::counting("compute weights", device_), count_q = Arena::counting("fp8 weights", device_),
         count_h = Arena::counting("parameters (host)", Device::cpu);
@@ -473,8 +495,8 @@ void Decoder::build_params() {
     const Param& p = params_[i];
     if (!held(p)) continue;
     (p.offloaded ? count_h : count_v).alloc(DType::f32, p.value.shape);
-    count_g.alloc(DType::f32, p.value.shape);
-    if (copies && p.matrix && !quantized[i]) count_c.alloc(DType::bf16, p.value.shape);
+    (p.cached ? count_h : count_g).alloc(DType::f32, p.value.shape);
+    if (copies && p.matrix && !quantized[i]) (p.cached ? count_h : count_c).alloc(DType::bf16, p.value.shape);
     if (quantized[i]) fp8_copy(count_q, p);
   }
   auto arena = [&](const char* name, size_t bytes) {
@@ -495,8 +517,11 @@ void Decoder::build_params() {
       continue;
     }
     p.value = (p.offloaded ? host_values_ : values_).alloc(DType::f32, p.value.shape);
-    p.grad = grads_.alloc(DType::f32, p.value.shape);
-    p.compute = copies && p.matrix && !quantized[i] ? compute_.alloc(DType::bf16, p.value.shape) : p.value;
+    p.grad = (p.cached ? host_values_ : grads_).alloc(DType::f32, p.value.shape);
+    p.compute = copies && p.matrix && !quantized[i] ? (p.cached ? host_values_ : compute_).alloc(DType::bf16, p.value.shape)
+                                                    : p.value;
+    // In mapped host memory the device's kernels (the norm, AdamW) reach them in place.
+    if (p.cached && copies) p.grad.device = p.compute.device = device_;
     if (quantized[i]) p.fp8 = fp8_copy(fp8_, p);
     if (plan_only_) continue;
     mt::fill(p.value, 0.0f);
@@ -504,6 +529,12 @@ void Decoder::build_params() {
   }
   if (!plan_only_) refresh_compute_weights(params_);
   rope_ = cpu::rope_freqs(c_.rope);
+  if (!offload_weights_) return;
+  std::vector<std::vector<int>> blocks(static_cast<size_t>(c_.num_layers));
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].cached) blocks[static_cast<size_t>(params_[i].layer)].push_back(static_cast<int>(i));
+  cache_ = ExpertCache(params_, std::move(blocks), local_experts_, expert_slots_ > 0 ? expert_slots_ : 2 * local_experts_,
+                       device_, plan_only_);
 }
 
 std::vector<HfTensor> Decoder::hf_tensors() {
@@ -941,9 +972,13 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
     case Stage::experts:
       if (moe) {
         Routed r = routed(x);
-        linear_.grouped_forward(r.xs, params_[w.gate_up], bias(w.gate_up_bias), r.offsets, r.gu);
-        swiglu_out(r.gu, r.hs);
-        linear_.grouped_forward(r.hs, params_[w.down], bias(w.down_bias), r.offsets, r.ys);
+        if (cache_.caches(l)) {
+          cached_experts(l, x, Pass::forward);
+        } else {
+          linear_.grouped_forward(r.xs, params_[w.gate_up], bias(w.gate_up_bias), r.offsets, r.gu);
+          swiglu_out(r.gu, r.hs);
+          linear_.grouped_forward(r.hs, params_[w.down], bias(w.down_bias), r.offsets, r.ys);
+        }
         if (w.shared_gate_up >= 0) {  // the shared experts see every token
           linear_.forward(x.y, {{params_[w.shared_gate_up], x.sgu}});
           swiglu_forward(x.sgu, x.shs);
@@ -987,6 +1022,64 @@ void Decoder::end_forward_rows(LayerActs& x, Stage stage) {
     x.held[r] = parallel::Buffer();
     row_view(x, static_cast<Row>(r)) = Tensor();
   }
+}
+
+// Each line of the layer's experts with rows in this micro-batch, fetched from the
+// cache, runs its products over its window of the rows (kernels/grouped_gemm.h), the
+// SwiGLU between them over the window's rows, so the bits are the whole layer's. A W
+// is the step's first write of the layer's expert gradients or an addition to them, as
+// for gradients on the device; a line without rows in the first write leaves its bias
+// gradients at zero, as a whole-layer product would. The next cached layer a pass goes
+// to is prefetched behind it.
+void Decoder::cached_experts(int64_t l, LayerActs& x, Pass pass) {
+  const LayerIndex& w = layer_[l];
+  Routed r = routed(x);
+  if (pass == Pass::forward) {
+    x.host_offsets.assign(static_cast<size_t>(local_experts_ + 1), 0);
+    mt::copy(Tensor(x.host_offsets.data(), {local_experts_ + 1}, DType::i32), r.offsets);
+  }
+  const std::vector<int32_t>& o = x.host_offsets;
+  const bool accumulate = pass == Pass::backward_weight && params_[w.down].grad_started;
+  // Where the cached matrices are in a line's Params (blocks in params_ order).
+  const int gu = w.gate_up < w.down ? 0 : 1, dn = 1 - gu;
+  // Lines write disjoint rows and gradients: any order gives the same bits.
+  for (int64_t i : cache_.order(l)) {
+    const int64_t e0 = i * cache_.line_experts(), e1 = std::min(local_experts_, e0 + cache_.line_experts());
+    const int64_t r0 = o[static_cast<size_t>(e0)], r1 = o[static_cast<size_t>(e1)];
+    auto window = [&](const Tensor& t) { return t.data != nullptr ? t.rows(e0, e1) : t; };
+    if (r0 == r1) {
+      if (pass == Pass::backward_weight && !accumulate)
+        for (int b : {w.gate_up_bias, w.down_bias})
+          if (b >= 0) mt::fill(window(grad_of(b)), 0.0f);
+      continue;
+    }
+    ExpertCache::Line& line = cache_.fetch(l, i, pass == Pass::backward_weight, accumulate);
+    Param &g = line.params[static_cast<size_t>(gu)], &d = line.params[static_cast<size_t>(dn)];
+    const Tensor off = r.offsets.rows(e0, e1 + 1);
+    if (pass == Pass::forward) {
+      linear_.grouped_forward(r.xs, g, window(bias(w.gate_up_bias)), off, r.gu);
+      swiglu_out(r.gu.rows(r0, r1), r.hs.rows(r0, r1));
+      linear_.grouped_forward(r.hs, d, window(bias(w.down_bias)), off, r.ys);
+    } else if (pass == Pass::backward_input) {
+      linear_.grouped_backward_input(r.d_ys, d, off, r.d_hs);
+      swiglu_in(r.gu.rows(r0, r1), r.d_hs.rows(r0, r1), r.d_gu.rows(r0, r1));
+      linear_.grouped_backward_input(r.d_gu, g, off, r.d_xs);
+    } else {
+      linear_.grouped_backward_weight(r.hs, r.d_ys, off, d, window(grad_of(w.down_bias)), accumulate);
+      linear_.grouped_backward_weight(r.xs, r.d_gu, off, g, window(grad_of(w.gate_up_bias)), accumulate);
+    }
+    cache_.done(pass == Pass::backward_weight);
+  }
+  if (pass == Pass::backward_weight) {
+    start(w.down);
+    start(w.gate_up);
+  }
+  const int64_t step = pass == Pass::forward ? 1 : -1;
+  for (int64_t next = l + step; next >= 0 && next < c_.num_layers; next += step)
+    if (cache_.caches(next)) {
+      cache_.prefetch(next);
+      break;
+    }
 }
 
 void Decoder::recompute_layer(int64_t l, Stash& s) {
@@ -1048,12 +1141,13 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
       if (moe) {
         Routed r = routed(x);
         if (recompute_ == Recompute::selective) swiglu_out(r.gu, r.hs);  // W reads it
-        linear_.grouped_backward_input(r.d_ys, params_[w.down], r.offsets, r.d_hs);
-        if (c_.swiglu_limit > 0)
-          clamped_swiglu_backward(r.gu, c_.swiglu_limit, kSwigluAlpha, r.d_hs, r.d_gu);
-        else
-          swiglu_backward(r.gu, r.d_hs, r.d_gu);
-        linear_.grouped_backward_input(r.d_gu, params_[w.gate_up], r.offsets, r.d_xs);
+        if (cache_.caches(l)) {
+          cached_experts(l, x, Pass::backward_input);
+        } else {
+          linear_.grouped_backward_input(r.d_ys, params_[w.down], r.offsets, r.d_hs);
+          swiglu_in(r.gu, r.d_hs, r.d_gu);
+          linear_.grouped_backward_input(r.d_gu, params_[w.gate_up], r.offsets, r.d_xs);
+        }
         if (w.shared_gate_up >= 0) {
           linear_.backward_input(d_mo, params_[w.shared_down], x.d_shs);
           swiglu_backward(x.sgu, x.d_shs, x.d_sgu);
@@ -1096,10 +1190,14 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
         Routed r = routed(x);
         if (recompute_ == Recompute::selective && !ep_) mt::dispatch_forward(x.y, x.order, k_, r.xs);
         // A bias is written with its weight: one mark serves both.
-        linear_.grouped_backward_weight(r.hs, r.d_ys, r.offsets, params_[w.down], grad_of(w.down_bias),
-                                        !start(w.down));
-        linear_.grouped_backward_weight(r.xs, r.d_gu, r.offsets, params_[w.gate_up], grad_of(w.gate_up_bias),
-                                        !start(w.gate_up));
+        if (cache_.caches(l)) {
+          cached_experts(l, x, Pass::backward_weight);
+        } else {
+          linear_.grouped_backward_weight(r.hs, r.d_ys, r.offsets, params_[w.down], grad_of(w.down_bias),
+                                          !start(w.down));
+          linear_.grouped_backward_weight(r.xs, r.d_gu, r.offsets, params_[w.gate_up], grad_of(w.gate_up_bias),
+                                          !start(w.gate_up));
+        }
         if (w.shared_gate_up >= 0) {
           linear_.backward_weight(x.shs, {{s.dh[l + 1], params_[w.shared_down]}});
           linear_.backward_weight(x.y, {{x.d_sgu, params_[w.shared_gate_up]}});

@@ -94,6 +94,14 @@ struct LossSum {
 // sized by the rows its routing brings here and held only while the layer needs them
 // (models/decoder.cpp, take_rows, says which tensors and when). Counted since the last
 // reset_row_memory.
+// The expert cache's traffic since its last flush (offload.experts = weights,
+// models/expert_cache.h): experts found in a device frame and fetched, and the bytes
+// each way.
+struct ExpertCacheStats {
+  int64_t hits = 0, misses = 0;
+  int64_t bytes_in = 0, bytes_out = 0;
+};
+
 struct RowMemory {
   size_t peak = 0;   // the most bytes held at once
   double skew = 0;   // the most rows a layer's micro-batch brought here over its balanced share (tokens * k)
@@ -156,6 +164,11 @@ struct ModelOptions {
   bool offload_experts = false;
   // offload.layers: only the first this many MoE layers this rank holds (0: all of them).
   int64_t offload_layers = 0;
+  // offload.experts = weights (with offload_experts): their compute copies and gradients
+  // in host memory too, `expert_slots` experts of them on the device at once (0: two
+  // layers' worth), through the expert cache (models/expert_cache.h).
+  bool offload_weights = false;
+  int64_t expert_slots = 0;
 };
 
 class Model {
@@ -228,6 +241,11 @@ class Model {
   // each step's start. A model without routed rows holds none.
   virtual RowMemory row_memory() const { return {}; }
   virtual void reset_row_memory() {}
+  // offload.experts = weights: the expert cache's device bytes, and its flush before the
+  // gradient norm (every changed gradient back in host memory, the lines dropped), which
+  // returns the traffic since the last (models/expert_cache.h).
+  virtual size_t expert_cache_bytes() const { return 0; }
+  virtual ExpertCacheStats flush_expert_cache() { return {}; }
 };
 
 // One switch on config.json's model_type.

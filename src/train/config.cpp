@@ -94,12 +94,17 @@ void visit(C& c, F&& f) {
   f({"parallelism", "pipeline_schedule", 0, "auto (dualpipev when pp > 1), dualpipev or 1f1b"},
     c.parallelism.pipeline_schedule);
   f({"offload", "experts", 0,
-     "none, or optimizer: the routed experts' f32 master weights and AdamW moments in host memory"},
+     "none; optimizer: the routed experts' f32 master weights and AdamW moments in host memory; weights: their "
+     "compute copies and gradients too, an LRU cache of gpu_expert_slots experts on the device"},
     c.offload.experts);
   f({"offload", "staging_mib", 0, "MiB of each of the two device buffers an offloaded update streams through"},
     c.offload.staging_mib);
   f({"offload", "layers", 0, "offload the experts of only the first this many MoE layers a rank holds; 0: all"},
     c.offload.layers);
+  f({"offload", "gpu_expert_slots", 0,
+     "offload.experts = weights: experts a rank's device holds at once (fewer than a layer's: lines of half); 0: two "
+     "layers' worth"},
+    c.offload.gpu_expert_slots);
   f({"checkpoint", "interval", 0, "steps between checkpoints; 0: none along the way"}, c.checkpoint.interval);
   f({"checkpoint", "save_final", 0, "also save the run's last step (warns when the run would save none)"},
     c.checkpoint.save_final);
@@ -242,14 +247,16 @@ void validate(const Config& c) {
   check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");
   check_one_of(c.optimizer.decay, {"matrices", "all"}, "optimizer.decay");
   check_one_of(c.optimizer.state_dtype, {"fp32", "bf16"}, "optimizer.state_dtype");
-  MT_CHECK(c.offload.experts != "weights")
-      << "offload.experts = weights (the experts' bf16 weights on the host too, an LRU of device slots) is not built "
-      << "yet; offload.experts = optimizer keeps their master weights and moments there";
-  check_one_of(c.offload.experts, {"none", "optimizer"}, "offload.experts");
+  check_one_of(c.offload.experts, {"none", "optimizer", "weights"}, "offload.experts");
+  MT_CHECK(c.offload.gpu_expert_slots >= 0)
+      << "offload.gpu_expert_slots should be >= 0 (0: two layers' worth of experts), got " << c.offload.gpu_expert_slots;
+  MT_CHECK(c.offload.experts != "weights" || c.training.fp8 == "none")
+      << "offload.experts = weights with training.fp8 = " << c.training.fp8
+      << " is not built yet (the cache moves the bf16 copies, not FP8 codes); offload.experts = optimizer takes both";
   MT_CHECK(c.offload.staging_mib > 0) << "offload.staging_mib should be > 0, got " << c.offload.staging_mib;
   MT_CHECK(c.offload.layers >= 0) << "offload.layers should be >= 0 (0: every MoE layer), got " << c.offload.layers;
   MT_CHECK(c.offload.experts == "none" || !c.parallelism.zero3)
-      << "offload.experts = optimizer with parallelism.zero3 is not built yet (ZeRO-3 gathers the layers' master "
+      << "offload.experts = " << c.offload.experts << " with parallelism.zero3 is not built yet (ZeRO-3 gathers the layers' master "
       << "weights from shards on the device); choose one";
   MT_CHECK(c.training.max_skipped_steps >= 0)
       << "training.max_skipped_steps should be >= 0, got " << c.training.max_skipped_steps;

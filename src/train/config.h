@@ -85,9 +85,12 @@ struct ParallelismConfig {
 
 // Expert offload to host memory (train/offload.h).
 struct OffloadConfig {
-  std::string experts = "none";  // none, or optimizer: the routed experts' master weights and moments on the host
+  // none; optimizer: the routed experts' master weights and moments on the host; weights:
+  // their compute copies and gradients too, through the expert cache (models/expert_cache.h)
+  std::string experts = "none";
   double staging_mib = 64;       // MiB of each of the update's two device staging sets
   int64_t layers = 0;            // offload only the first this many MoE layers a rank holds; 0: all
+  int64_t gpu_expert_slots = 0;  // weights: experts the device holds at once; 0: two layers' worth
 };
 
 struct CheckpointConfig {

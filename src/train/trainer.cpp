@@ -83,8 +83,10 @@ ModelOptions model_options(const Config& cfg) {
   o.recompute = t.activation_checkpoint == "full"        ? Recompute::full
                 : t.activation_checkpoint == "selective" ? Recompute::selective
                                                          : Recompute::none;
-  o.offload_experts = cfg.offload.experts == "optimizer";
+  o.offload_experts = cfg.offload.experts != "none";
   o.offload_layers = cfg.offload.layers;
+  o.offload_weights = cfg.offload.experts == "weights";
+  o.expert_slots = cfg.offload.gpu_expert_slots;
   return o;
 }
 
@@ -168,10 +170,16 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   for (const Param& p : model->params()) {
     if (m.zero3 && in_layer(p)) continue;  // in the shards and the slot below
     (p.offloaded ? m.host : m.weights) += p.value.nbytes();
-    m.gradients += p.grad.nbytes();
-    if (p.compute.dtype != p.value.dtype) m.compute += p.compute.nbytes();
+    (p.cached ? m.host : m.gradients) += p.grad.nbytes();
+    if (p.compute.dtype != p.value.dtype) (p.cached ? m.host : m.compute) += p.compute.nbytes();
     m.compute += p.fp8.bytes();
+    // offload.experts = weights: the norm and the update read the gradients there, and
+    // the update writes the compute copies.
+    if (p.cached)
+      m.offload_traffic += 2 * p.grad.nbytes() + (p.compute.dtype != p.value.dtype ? p.compute.nbytes() : 0);
   }
+  // The expert cache's frames (weights and gradients of its lines) are device memory.
+  m.compute += model->expert_cache_bytes();
   const parallel::ShardLayout layout(model->params(), m.replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : m.replicas,
                                      m.zero3 ? L : 0);
   const DType state = cfg.optimizer.state();
@@ -331,6 +339,12 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
         << p.name << " has no storage (a model built with external_layers) but ZeRO-3 is not on: "
         << "parallelism.zero3 needs more than one rank";
   if (all->size() == 1) return;
+  const int expert_replicas = (ep_ ? expert_all : all)->size();
+  MT_CHECK(cfg_.offload.experts != "weights" || expert_replicas == 1)
+      << "offload.experts = weights with the experts' state shared by " << expert_replicas
+      << " ranks (dp x cp = " << expert_replicas
+      << ") is not built yet: their gradients live in host memory, where the collectives do not reduce them. "
+         "offload.experts = optimizer takes this mesh; weights takes ep and pp meshes";
   dp_ = all;
   // AdamW's moments and the summed gradients live as shards: dense blocks over every
   // rank, experts over the ranks holding the same experts (this rank alone when
@@ -563,6 +577,9 @@ StepResult Trainer::step() {
   clear_gradient_marks(model_.params());  // the step's first write of each gradient replaces it
   run_schedule(actions_, ctx);
   for (const LossSum& l : ctx.losses) loss_sum += l.sum;
+  // offload.experts = weights: the gradients the cache holds go back to host memory,
+  // where the norm and the update read them.
+  r.expert_cache = model_.flush_expert_cache();
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
   // changes nothing, so it is skipped).
@@ -608,12 +625,20 @@ StepResult Trainer::step() {
   size_t bytes = optimizer_.bytes() + (zero3_ ? zero3_->bytes() : 0);
   r.host_memory_bytes = optimizer_.host_bytes();
   r.offload = optimizer_.traffic();
+  // The weights tier's moves: the cache's, and the norm's and the update's reads of the
+  // gradients and the update's writes of the compute copies, in host memory.
+  r.offload.bytes_in += r.expert_cache.bytes_in;
+  r.offload.bytes_out += r.expert_cache.bytes_out;
+  bytes += model_.expert_cache_bytes();
   for (const Param& p : model_.params()) {
     if (zero3_ && in_layer(p)) continue;  // shards (optimizer) and the slot (zero3)
-    bytes += p.grad.nbytes();
+    const bool copy = p.compute.data != p.value.data;  // bf16 copies on the GPU
+    (p.cached ? r.host_memory_bytes : bytes) += p.grad.nbytes() + (copy ? p.compute.nbytes() : 0);
     (p.offloaded ? r.host_memory_bytes : bytes) += p.value.nbytes();
-    if (p.compute.data != p.value.data) bytes += p.compute.nbytes();  // bf16 copies on the GPU
     bytes += p.fp8.bytes();
+    if (!p.cached) continue;
+    r.offload.bytes_in += 2 * static_cast<int64_t>(p.grad.nbytes());
+    r.offload.bytes_out += copy ? static_cast<int64_t>(p.compute.nbytes()) : 0;
   }
   for (const auto& s : stashes_) bytes += s->bytes;
   for (const auto& b : blocks_) bytes += b->bytes;
@@ -689,6 +714,9 @@ std::string step_json(const StepResult& r) {
     j["offload_bytes_out"] = r.offload.bytes_out;
     j["offload_s"] = r.offload.seconds;
   }
+  if (r.expert_cache.hits + r.expert_cache.misses > 0)
+    j["expert_cache_hit_rate"] = static_cast<double>(r.expert_cache.hits) /
+                                 static_cast<double>(r.expert_cache.hits + r.expert_cache.misses);
   j["time"] = r.time;
   j["expert_counts"] = r.expert_counts;
   j["moe_layers"] = r.moe_layers;

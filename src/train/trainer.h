@@ -94,6 +94,7 @@ struct StepResult {
   // their moments take, and the update's transfers (bytes each way, its wall time).
   size_t host_memory_bytes = 0;
   OffloadTraffic offload;
+  ExpertCacheStats expert_cache;  // offload.experts = weights: the step's cache traffic (in `offload` too)
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert (kept)
   std::vector<int64_t> moe_layers;  // the decoder layer of each MoE layer (expert_counts' rows)
   int64_t dropped_slots = 0;  // (token, expert) slots over capacity (training.capacity_factor)
