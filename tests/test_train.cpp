@@ -1166,6 +1166,83 @@ TEST(Commands, OffloadedExpertsGiveTheSameBits) {
   EXPECT_NE(out.find("offload.experts = optimizer with parallelism.zero3 is not built yet"), std::string::npos) << out;
 }
 
+// offload.experts = weights: the experts' compute copies and gradients in host memory
+// too, through the expert cache (models/expert_cache.h). The same bits as without
+// offload: each family with 3 slots (lines of one expert, 3 of a layer's 8 at once:
+// evictions inside every pass), Qwen3 with two layers' worth (each layer fetched once a
+// step) and under full recomputation; ep 2 and pp 2; resumed across the switch.
+TEST(Commands, OffloadedWeightsGiveTheSameBits) {
+  const std::string dir = temp_dir("offload_weights");
+  write_tokens32(dir);
+  auto train = [&](const std::string& launch, const std::string& name, const std::string& flags, int steps = 3) {
+    auto [rc, out] = run(launch + MOETRAIN_BIN + " train --training.steps=" + std::to_string(steps) +
+                         " --training.load_balance_coef=0.1 --training.micro_batch_size=1 --offload.staging_mib=0.0001" +
+                         " --job.dump_folder=" + dir + "/" + name + flags);
+    EXPECT_EQ(rc, 0) << name << ": " << out;
+    return out;
+  };
+  const std::string on = " --offload.experts=weights", three = on + " --offload.gpu_expert_slots=3";
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+    const std::string flags = " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy");
+    train("", model, flags);
+    train("", model + "_weights", flags + three);
+    expect_same_run(dir + "/" + model, dir + "/" + model + "_weights");
+  }
+  const std::string qwen3 = " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + fixture("qwen3_moe_a/tokens.npy");
+  train("", "two_layers", qwen3 + on);
+  expect_same_run(dir + "/qwen3_moe_a", dir + "/two_layers");
+  train("", "full", qwen3 + " --training.activation_checkpoint=full");
+  train("", "full_weights", qwen3 + " --training.activation_checkpoint=full" + three);
+  expect_same_run(dir + "/full", dir + "/full_weights");
+  // The fixture's experts (see above: 18432 parameters, f32 on the CPU). Two layers'
+  // slots hold both MoE layers: each step fetches their weights once, the first W of
+  // each overwrites (nothing fetched), the flush writes the gradients out once; the norm
+  // and the update read the gradients in host memory; the optimizer tier's 12 bytes a
+  // parameter each way on top. Host memory: those, and the gradients.
+  const int64_t expert_params = 2 * 8 * (24 * 32 + 32 * 12), f32 = 4;
+  const nlohmann::json two = metrics_of(dir + "/two_layers").back(), opt = 12 * expert_params;
+  EXPECT_EQ(two["offload_bytes_in"].get<int64_t>(), opt.get<int64_t>() + 3 * f32 * expert_params);
+  EXPECT_EQ(two["offload_bytes_out"].get<int64_t>(), opt.get<int64_t>() + f32 * expert_params);
+  EXPECT_EQ(two["host_memory_bytes"].get<int64_t>(), opt.get<int64_t>() + f32 * expert_params);
+  // Three slots: the device holds three experts' weights and gradients (of the larger
+  // shapes' lines: one gate_up and one down expert a frame) in place of all gradients.
+  const nlohmann::json few = metrics_of(dir + "/qwen3_moe_a_weights").back();
+  const int64_t frames = 3 * 2 * f32 * (24 * 32 + 32 * 12);
+  EXPECT_EQ(metrics_of(dir + "/qwen3_moe_a").back()["memory_bytes"].get<int64_t>() - few["memory_bytes"].get<int64_t>(),
+            opt.get<int64_t>() + f32 * expert_params - frames - 2 * 12 * (24 * 32));
+  const double hit = few["expert_cache_hit_rate"].get<double>();
+  EXPECT_GT(hit, 0.0);
+  EXPECT_LT(hit, 1.0);
+  EXPECT_LT(hit, two["expert_cache_hit_rate"].get<double>());
+  // Resume across the switch, both ways.
+  const std::string every2 = qwen3 + " --checkpoint.interval=2";
+  train("", "to_weights", every2, 2);
+  train("", "to_weights", every2 + three);
+  train("", "from_weights", every2 + three, 2);
+  train("", "from_weights", every2);
+  for (const char* resumed : {"to_weights", "from_weights"})
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(io::read_file(dir + "/" + resumed + "/checkpoints/step-00000003/" + file),
+                io::read_file(dir + "/qwen3_moe_a/checkpoints/step-00000003/" + file))
+          << resumed << " " << file;
+  if (run("command -v mpirun").first != 0) return;
+  const std::string pipeline = " --model.config=" + fixture("pipeline/config.json") + " --data.tokens=" + dir + "/tokens32.npy";
+  for (RunMesh mesh : {RunMesh{"ep2", 2, " --parallelism.ep=2"}, RunMesh{"pp2", 2, " --parallelism.pp=2"}}) {
+    const std::string launch = kMpirun + std::to_string(mesh.np) + " ", name = mesh.name;
+    train(launch, name, pipeline + mesh.flags);
+    train(launch, name + "_weights", pipeline + mesh.flags + three);
+    expect_same_run(dir + "/" + name, dir + "/" + name + "_weights");
+  }
+  // Experts shared by data-parallel ranks: their gradients would be reduced from host
+  // memory, which is not built; named.
+  auto [rc, out] = run(kMpirun + "2 " + MOETRAIN_BIN + " train --training.steps=1 --job.dump_folder=" + dir + "/dp2" +
+                       pipeline + on);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("offload.experts = weights with the experts' state shared by 2 ranks (dp x cp = 2) is not built"),
+            std::string::npos)
+      << out;
+}
+
 // A run whose offloaded experts and moments would not fit the host memory is refused
 // before it allocates, the offloaded bytes named; with the memory it needs it runs.
 TEST(Commands, OffloadShortOfHostMemoryIsRefused) {
