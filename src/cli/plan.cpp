@@ -198,7 +198,7 @@ int run_plan(const Args& args) {
   std::vector<size_t> offload_traffic;  // each pp rank's, for the step's prediction below
   for (int r = 0; r < mesh.pp; ++r) {
     const MemoryPlan m = plan_memory(cfg, world, r, skew);
-    offload_traffic.push_back(m.offload_traffic);
+    offload_traffic.push_back(m.offload_traffic + std::max(m.cache_in, m.cache_out));
     const size_t total = m.total();
     // One unit for the table, the one train's step line would use for the total.
     const bool mib = total < (size_t{1} << 30);
@@ -235,6 +235,9 @@ int run_plan(const Args& args) {
                 in(m.activations), unit, static_cast<long long>(micro), static_cast<long long>(seq / mesh.cp),
                 m.in_flight.c_str());
     std::printf("  expert rows               %10.3f %s (balanced routing; the most held at once)\n", in(m.rows), unit);
+    if (cfg.offload.experts == "weights")
+      std::printf("  expert cache              %10.3f %s (offload.gpu_expert_slots' experts: weights and gradients)\n",
+                  in(m.expert_cache), unit);
     std::printf("  total                     %10.3f %s (%zu bytes)\n", in(total), unit, total);
     std::printf("  at routing skew %-9g %10.3f %s (%zu bytes; expert rows %zu bytes: the hottest rank gets %g x its "
                 "share)\n",
@@ -242,12 +245,19 @@ int run_plan(const Args& args) {
     if (m.host > 0) {
       // The update streams the offloaded blocks in and out once a step (train/offload.h),
       // at the rate measured on the H200 machine's pinned buffers.
-      std::printf("  host memory (offload)     %10.3f %s (%zu bytes: the routed experts' master weights and moments; "
+      std::printf("  host memory (offload)     %10.3f %s (%zu bytes: the routed experts' master weights and moments%s; "
                   "the host has %.3f GiB free)\n",
-                  in(m.host), unit, m.host, static_cast<double>(available_host_memory()) / (1 << 30));
+                  in(m.host), unit, m.host,
+                  cfg.offload.experts == "weights" ? ", compute copies and gradients" : "",
+                  static_cast<double>(available_host_memory()) / (1 << 30));
       std::printf("  offload traffic a step    %10.3f %s each way: %.1f ms a direction at %.0f GB/s\n",
                   in(m.offload_traffic), unit,
                   1e3 * static_cast<double>(m.offload_traffic) / kPcieBytesPerSecond, kPcieBytesPerSecond / 1e9);
+      if (cfg.offload.experts == "weights")
+        std::printf("  expert cache a step       %10.3f %s in, %.3f %s out (at most): %.1f ms at %.0f GB/s\n",
+                    in(m.cache_in), unit, in(m.cache_out), unit,
+                    1e3 * static_cast<double>(std::max(m.cache_in, m.cache_out)) / kPcieBytesPerSecond,
+                    kPcieBytesPerSecond / 1e9);
     }
     if (cfg.training.device_memory_limit > 0) {
       const double limit = cfg.training.device_memory_limit * static_cast<double>(size_t{1} << 30);

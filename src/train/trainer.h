@@ -55,7 +55,13 @@ struct MemoryPlan {
   // offload.experts: the offloaded blocks' master weights and moments in host memory,
   // and the bytes their update moves each way a step (train/offload.h).
   size_t host = 0, offload_traffic = 0;
-  size_t total() const { return weights + gradients + optimizer + compute + slot + activations + rows; }
+  // offload.experts = weights: the expert cache's frames on the device, and the bytes its
+  // fetches move in a step (at most: every pass misses, once the cache holds less than
+  // every cached expert) and its write-backs.
+  size_t expert_cache = 0, cache_in = 0, cache_out = 0;
+  size_t total() const {
+    return weights + gradients + optimizer + compute + slot + activations + rows + expert_cache;
+  }
   size_t total_skewed() const { return total() - rows + rows_skewed; }
 };
 MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew);
