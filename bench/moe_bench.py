@@ -165,9 +165,13 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, 
         if "offload_bytes_in" in rows[-1]:
             last = rows[-1]
             gbs = (last["offload_bytes_in"] + last["offload_bytes_out"]) / max(last["offload_s"], 1e-9) / 1e9
-            print(f"  offload: {last['host_memory_bytes']/1e9:.1f} GB in host memory; the update moved "
+            print(f"  offload: {last['host_memory_bytes']/1e9:.1f} GB in host memory; offload moved "
                   f"{last['offload_bytes_in']/1e9:.1f} GB in and {last['offload_bytes_out']/1e9:.1f} GB out in "
-                  f"{1e3*last['offload_s']:.0f} ms ({gbs:.1f} GB/s both ways together)", flush=True)
+                  f"a step; the update took {1e3*last['offload_s']:.0f} ms ({gbs:.1f} GB/s both ways together if all were its own)", flush=True)
+        if "expert_cache_hit_rate" in rows[-1]:
+            # offload.experts = weights: offload_bytes_* count the cache's moves and the
+            # update's in-place reads of the gradients too (train/trainer.cpp).
+            print(f"  expert cache: hit rate {rows[-1]['expert_cache_hit_rate']:.3f}", flush=True)
         if "host_waits" in rows[-1]:
             print(f"  host waits for the device in the last step: {rows[-1]['host_waits']}", flush=True)
         planned = max(r["memory_bytes"] for r in rows)
