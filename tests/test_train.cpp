@@ -1214,6 +1214,23 @@ TEST(Commands, OffloadedWeightsGiveTheSameBits) {
   EXPECT_GT(hit, 0.0);
   EXPECT_LT(hit, 1.0);
   EXPECT_LT(hit, two["expert_cache_hit_rate"].get<double>());
+  // The plan's prediction of the cache's moves, for the fixture's 3 micro-batches of
+  // one sequence: fewer slots than lines, every pass fetches (weights in F and B, the
+  // gradients in W) and W writes back; two layers' slots, the weights in once and the
+  // gradients out once (0.070 MiB each).
+  auto plan = [&](const std::string& flags) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan --training.micro_batch_size=1" + qwen3 + flags);
+    EXPECT_EQ(rc, 0) << out;
+    return out;
+  };
+  const double mib = 1 << 20;
+  char want[128];
+  std::snprintf(want, sizeof want, "expert cache a step            %.3f MiB in, %.3f MiB out (at most)",
+                3 * 3 * f32 * expert_params / mib, 3 * f32 * expert_params / mib);
+  EXPECT_NE(plan(three).find(want), std::string::npos) << want << "\n" << plan(three);
+  std::snprintf(want, sizeof want, "expert cache a step            %.3f MiB in, %.3f MiB out (at most)",
+                f32 * expert_params / mib, f32 * expert_params / mib);
+  EXPECT_NE(plan(on).find(want), std::string::npos) << want << "\n" << plan(on);
   // Resume across the switch, both ways.
   const std::string every2 = qwen3 + " --checkpoint.interval=2";
   train("", "to_weights", every2, 2);

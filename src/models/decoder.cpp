@@ -219,6 +219,9 @@ class Decoder final : public Model {
 
   Device device() const override { return device_; }
   size_t expert_cache_bytes() const override { return cache_.bytes(); }
+  ExpertCacheStats expert_cache_traffic(int64_t micro_batches) const override {
+    return cache_.planned_traffic(micro_batches);
+  }
   ExpertCacheStats flush_expert_cache() override { return cache_.flush(); }
   bool balanced_routing() const override { return balanced_; }
   int64_t num_layers() const override { return c_.num_layers; }

@@ -21,7 +21,7 @@ cudaStream_t copy_stream() {
 }
 #endif
 
-// Block e of [E, ...] and the rest: the shape of `count` experts of t.
+// The shape of `count` experts of an [E, ...] block.
 Shape experts_shape(const Shape& s, int64_t count) {
   Shape out = s;
   out.d[0] = count;
@@ -92,8 +92,7 @@ void ExpertCache::copy(const Tensor& dst, const Tensor& src) {
 
 // A free frame, else the least recently used one; its line's changed gradients go back
 // to host memory first, once the compute queued on it is done.
-int ExpertCache::victim(int64_t layer) {
-  (void)layer;
+int ExpertCache::victim() {
   int best = 0;
   for (size_t i = 0; i < frames_.size(); ++i) {
     if (frames_[i].layer < 0) return static_cast<int>(i);
@@ -133,10 +132,11 @@ void ExpertCache::load_weights(Frame& f, int64_t layer, int64_t line) {
   f.layer = layer;
   f.line = line;
   f.has_grads = false;
+  f.view = make_view(f);
   stats_.misses += std::min(experts_, (line + 1) * line_) - line * line_;
 }
 
-ExpertCache::Line ExpertCache::view(const Frame& f) const {
+ExpertCache::Line ExpertCache::make_view(const Frame& f) const {
   Line v;
   v.first = f.line * line_;
   v.count = std::min(experts_, v.first + line_) - v.first;
@@ -175,7 +175,7 @@ ExpertCache::Line& ExpertCache::fetch(int64_t layer, int64_t line, bool grads, b
   if (i >= 0) {
     stats_.hits += std::min(experts_, (line + 1) * line_) - line * line_;
   } else {
-    i = victim(layer);
+    i = victim();
     load_weights(frames_[static_cast<size_t>(i)], layer, line);
   }
   Frame& f = frames_[static_cast<size_t>(i)];
@@ -212,8 +212,7 @@ ExpertCache::Line& ExpertCache::fetch(int64_t layer, int64_t line, bool grads, b
     f.ready.wait(cuda::stream());
   }
 #endif
-  line_view_ = view(f);
-  return line_view_;
+  return f.view;
 }
 
 void ExpertCache::done(bool wrote) {
@@ -234,7 +233,7 @@ void ExpertCache::prefetch(int64_t layer) {
   const int64_t spare = static_cast<int64_t>(frames_.size()) - lines_;
   for (int64_t line = 0; line < std::min(lines_, spare); ++line) {
     if (find(layer, line) >= 0) continue;
-    Frame& f = frames_[static_cast<size_t>(victim(layer))];
+    Frame& f = frames_[static_cast<size_t>(victim())];
     load_weights(f, layer, line);
     f.used = ++tick_;
   }
@@ -270,6 +269,26 @@ ExpertCacheStats ExpertCache::flush() {
   const ExpertCacheStats s = stats_;
   stats_ = {};
   return s;
+}
+
+int64_t ExpertCache::cached_layers() const {
+  int64_t n = 0;
+  for (const std::vector<int>& b : blocks_) n += b.empty() ? 0 : 1;
+  return n;
+}
+
+ExpertCacheStats ExpertCache::planned_traffic(int64_t micro_batches) const {
+  int64_t weights = 0, grads = 0;
+  for (const std::vector<int>& b : blocks_)
+    for (int j : b) {
+      weights += static_cast<int64_t>((*params_)[static_cast<size_t>(j)].compute.nbytes());
+      grads += static_cast<int64_t>((*params_)[static_cast<size_t>(j)].grad.nbytes());
+    }
+  ExpertCacheStats t;
+  const bool all = static_cast<int64_t>(frames_.size()) >= cached_layers() * lines_;
+  t.bytes_in = all ? weights : micro_batches * (2 * weights + grads);
+  t.bytes_out = all ? grads : micro_batches * grads;
+  return t;
 }
 
 std::vector<std::vector<int>> ExpertCache::residency() const {

@@ -60,6 +60,11 @@ class ExpertCache {
   int64_t line_experts() const { return line_; }
   int64_t lines() const { return lines_; }
   size_t bytes() const { return frames_arena_.peak(); }
+  // What `moetrain plan` predicts a step of `micro_batches` moves each way: holding
+  // every cached line, the weights come in once and the gradients go out once; holding
+  // fewer, each micro-batch's forward and input gradient fetch the weights and its W
+  // fetches the gradients and writes them back, at most.
+  ExpertCacheStats planned_traffic(int64_t micro_batches) const;
 
   // Experts [first, first + count) of a layer on the device: its cached matrices as
   // Params (the line's compute copies and gradients), in the order of blocks[layer].
@@ -94,17 +99,19 @@ class ExpertCache {
     bool has_grads = false, dirty = false;
     int64_t used = 0;  // LRU tick
     std::vector<Tensor> compute, grad;
+    Line view;  // the line's Params over compute and grad, made when it is loaded
 #ifdef MOETRAIN_WITH_CUDA
     cuda::Event ready, released;  // its copies done; the compute queued on it done
 #endif
   };
   int find(int64_t layer, int64_t line) const;
-  int victim(int64_t layer);
+  int victim();
   void load_weights(Frame& f, int64_t layer, int64_t line);
   void store_grads(Frame& f);
   void copy(const Tensor& dst, const Tensor& src);
   Tensor host_rows(const Tensor& t, int64_t line) const;
-  Line view(const Frame& f) const;
+  Line make_view(const Frame& f) const;
+  int64_t cached_layers() const;
 
   std::vector<Param>* params_ = nullptr;
   std::vector<std::vector<int>> blocks_;
@@ -116,7 +123,6 @@ class ExpertCache {
   std::vector<Frame> frames_;
   int current_ = -1;  // the frame of the last fetch
   int64_t tick_ = 0;
-  Line line_view_;
   ExpertCacheStats stats_;
 };
 

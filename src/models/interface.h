@@ -241,10 +241,15 @@ class Model {
   // each step's start. A model without routed rows holds none.
   virtual RowMemory row_memory() const { return {}; }
   virtual void reset_row_memory() {}
-  // offload.experts = weights: the expert cache's device bytes, and its flush before the
-  // gradient norm (every changed gradient back in host memory, the lines dropped), which
-  // returns the traffic since the last (models/expert_cache.h).
+  // offload.experts = weights: the expert cache's device bytes, the traffic a plan
+  // predicts for a step of this many micro-batches, and its flush before the gradient
+  // norm (every changed gradient back in host memory, the lines dropped), which returns
+  // the traffic since the last (models/expert_cache.h).
   virtual size_t expert_cache_bytes() const { return 0; }
+  virtual ExpertCacheStats expert_cache_traffic(int64_t micro_batches) const {
+    (void)micro_batches;
+    return {};
+  }
   virtual ExpertCacheStats flush_expert_cache() { return {}; }
 };
 

@@ -178,25 +178,11 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
     if (p.cached)
       m.offload_traffic += 2 * p.grad.nbytes() + (p.compute.dtype != p.value.dtype ? p.compute.nbytes() : 0);
   }
-  // The expert cache (models/expert_cache.h): holding every cached expert, it fetches
-  // their weights once a step and writes their gradients back once; holding fewer, a
-  // micro-batch's forward and input gradient fetch the weights and its W fetches and
-  // writes back the gradients, at most.
+  // The expert cache (models/expert_cache.h): its frames, and its moves a step.
   m.expert_cache = model->expert_cache_bytes();
-  size_t cached_weights = 0, cached_grads = 0, cached_experts = 0;
-  int64_t last_layer = -1;
-  for (const Param& p : model->params())
-    if (p.cached) {
-      cached_weights += p.compute.nbytes();
-      cached_grads += p.grad.nbytes();
-      if (p.layer != last_layer) cached_experts += static_cast<size_t>(p.value.dim(0));
-      last_layer = p.layer;
-    }
-  const size_t slots = cfg.offload.gpu_expert_slots > 0 ? static_cast<size_t>(cfg.offload.gpu_expert_slots)
-                                                        : 2 * static_cast<size_t>(model->num_experts() / mesh.ep);
-  const size_t mbs = static_cast<size_t>(m.step.micro_batches);
-  m.cache_in = slots >= cached_experts ? cached_weights : mbs * (2 * cached_weights + cached_grads);
-  m.cache_out = slots >= cached_experts ? cached_grads : mbs * cached_grads;
+  const ExpertCacheStats cache = model->expert_cache_traffic(m.step.micro_batches);
+  m.cache_in = static_cast<size_t>(cache.bytes_in);
+  m.cache_out = static_cast<size_t>(cache.bytes_out);
   const parallel::ShardLayout layout(model->params(), m.replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : m.replicas,
                                      m.zero3 ? L : 0);
   const DType state = cfg.optimizer.state();
