@@ -201,7 +201,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 52);
+  EXPECT_EQ(keys, 53);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -425,6 +425,7 @@ TEST(Training, MicroBatchesAndLoadBalanceTypes) {
 // reverse, W after its B, a part reduced only after the last micro-batch's W of it, at
 // most two reductions in flight, every reduction finished.
 TEST(Schedule, SequentialOrderKeepsEveryDependency) {
+  for (int sweep : {1, 2})
   for (bool global : {false, true})
     for (bool zero3 : {false, true}) {
       ScheduleShape shape;
@@ -433,8 +434,11 @@ TEST(Schedule, SequentialOrderKeepsEveryDependency) {
       shape.global_balance = global;
       shape.zero3 = zero3;
       shape.reduce = true;
+      shape.sweep = sweep;
       const std::vector<Action> a = sequential_schedule(shape);
-      const std::string what = std::string(global ? "global" : "micro") + (zero3 ? " zero3" : "");
+      const std::string what =
+          std::string(global ? "global" : "micro") + (zero3 ? " zero3" : "") + " sweep " + std::to_string(sweep);
+      const int groups = (3 + sweep - 1) / sweep;
       auto at = [&](Op op, int mb, int64_t layer, Stage st) {
         int found = -1, n = 0;
         for (size_t i = 0; i < a.size(); ++i)
@@ -459,7 +463,8 @@ TEST(Schedule, SequentialOrderKeepsEveryDependency) {
         EXPECT_LT(prev, head) << what;
         last_forward = std::max(last_forward, head);
         prev = at(Op::head_backward_input, m, 0, Stage::attention);
-        first_backward = std::min(first_backward, prev);
+        // The balance gradient is read by the layers' B (a sweep runs the head's B with its F).
+        first_backward = std::min(first_backward, at(Op::backward_input, m, 2, Stage::aggregate));
         EXPECT_LT(head, prev) << what;
         EXPECT_LT(prev, at(Op::head_backward_weight, m, 0, Stage::attention)) << what;
         for (int64_t l = 2; l >= 0; --l)
@@ -472,6 +477,23 @@ TEST(Schedule, SequentialOrderKeepsEveryDependency) {
         EXPECT_LT(prev, at(Op::embed_backward, m, 0, Stage::attention)) << what;
       }
       if (global) { EXPECT_LT(last_forward, first_backward) << what; }
+      // A sweep of two: micro-batches 0 and 1 through each layer before the next one,
+      // forward and backward; 2 alone after them.
+      if (sweep == 2)
+        for (int64_t l = 0; l < 3; ++l) {
+          if (l + 1 < 3) {
+            EXPECT_LT(at(Op::finish_forward, 1, l, Stage::aggregate), at(Op::forward, 0, l + 1, Stage::attention))
+                << what;
+          }
+          if (l > 0) {
+            EXPECT_LT(at(Op::backward_weight, 1, l, Stage::attention), at(Op::backward_input, 0, l - 1, Stage::aggregate))
+                << what;
+          }
+          if (!global) {
+            EXPECT_LT(at(Op::backward_weight, 0, 0, Stage::attention), at(Op::forward, 2, l, Stage::attention))
+                << what;
+          }
+        }
       // Reductions: each part once per step after the last micro-batch's W of it (ZeRO-3
       // layers once per micro-batch, right after that micro-batch's W), all finished.
       int in_flight = 0;
@@ -482,10 +504,12 @@ TEST(Schedule, SequentialOrderKeepsEveryDependency) {
           const int64_t part = a[i].layer;
           const int m = a[i].micro_batch;
           EXPECT_TRUE(m == 2 || (zero3 && part >= 0 && part < 3)) << what << ": " << describe(a[i]);
-          int done = part == 3 ? at(Op::head_backward_weight, m, 0, Stage::attention)
-                     : part < 0 ? at(Op::embed_backward, m, 0, Stage::attention)
-                                : at(Op::backward_weight, m, part, Stage::attention);
-          EXPECT_LT(done, static_cast<int>(i)) << what << ": " << describe(a[i]);
+          for (int mm = m; mm < std::min(3, m + sweep); ++mm) {  // every micro-batch of its sweep
+            int done = part == 3 ? at(Op::head_backward_weight, mm, 0, Stage::attention)
+                       : part < 0 ? at(Op::embed_backward, mm, 0, Stage::attention)
+                                  : at(Op::backward_weight, mm, part, Stage::attention);
+            EXPECT_LT(done, static_cast<int>(i)) << what << ": " << describe(a[i]);
+          }
         }
         if (a[i].op == Op::reduce_finish) --in_flight;
       }
@@ -528,7 +552,7 @@ TEST(Schedule, SequentialOrderKeepsEveryDependency) {
           starts += x.op == Op::reduce_start && x.layer == part;
           finishes += x.op == Op::reduce_finish && x.layer == part;
         }
-        const int want = zero3 && part >= 0 && part < 3 ? 3 : 1;
+        const int want = zero3 && part >= 0 && part < 3 ? groups : 1;
         EXPECT_EQ(starts, want) << what << " part " << part;
         EXPECT_EQ(finishes, want) << what << " part " << part;
       }
@@ -683,6 +707,33 @@ TEST(Schedule, BadPipelinesAreRefused) {
   shape.global_balance = true;
   EXPECT_NE(error_of([&] { one_f_one_b_schedule(shape, make_pipeline(8, 2, "1f1b"), 1); }).find("global_batch"),
             std::string::npos);
+}
+
+// Activation blocks: a micro-batch holds one from its first action on the chunk's layers
+// to its last; under full recomputation (one_layer) only for each visit to a layer or the
+// head, so a sweep's micro-batches, which visit a layer one after another, share one,
+// and the global-batch balance, whose head backward waits for every forward, does not.
+TEST(Schedule, FullRecomputationSharesBlocksBetweenVisits) {
+  auto blocks = [](int sweep, bool global, bool one_layer) {
+    ScheduleShape shape;
+    shape.layers = 3;
+    shape.micro_batches = 4;
+    shape.sweep = sweep;
+    shape.global_balance = global;
+    shape.defer_weights = !one_layer;
+    const Pipeline p = make_pipeline(3, 1, "auto");
+    std::vector<ChunkBlocks> c = chunk_blocks(sequential_schedule(shape), 4, p, 0, 3, one_layer);
+    EXPECT_EQ(c.size(), 1u);
+    return c[0].count;
+  };
+  EXPECT_EQ(blocks(1, false, false), 1);
+  EXPECT_EQ(blocks(1, false, true), 1);
+  EXPECT_EQ(blocks(4, false, false), 4);
+  EXPECT_EQ(blocks(4, false, true), 1);
+  EXPECT_EQ(blocks(2, false, false), 2);
+  EXPECT_EQ(blocks(1, true, false), 4);
+  EXPECT_EQ(blocks(1, true, true), 4);
+  EXPECT_EQ(blocks(4, true, true), 1);
 }
 
 TEST(Commands, EvalPrintsTheContractLine) {
@@ -1164,6 +1215,61 @@ TEST(Commands, OffloadedExpertsGiveTheSameBits) {
                        "--job.dump_folder=" + dir + "/zero3" + pipeline + on);
   EXPECT_NE(rc, 0);
   EXPECT_NE(out.find("offload.experts = optimizer with parallelism.zero3 is not built yet"), std::string::npos) << out;
+}
+
+// training.layer_sweep: micro-batches through each layer together. Every parameter's
+// gradient gets the same additions in the same order as depth first, so the bits are the
+// same (the pipeline fixture, untied, 8 micro-batches of 4 sequences): a sweep alone,
+// all 8 under full recomputation (one block for the sweep), sweeps of 3, 3 and 2 with the
+// global-batch balance, and with the weights tier, whose frames for two layers then
+// fetch each layer's weights once a pass.
+TEST(Commands, LayerSweepGivesTheSameBits) {
+  const std::string dir = temp_dir("layer_sweep");
+  write_tokens32(dir);
+  const std::string common = " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=4"
+                             " --offload.staging_mib=0.0001 --model.config=" + fixture("pipeline/config.json") +
+                             " --data.tokens=" + dir + "/tokens32.npy";
+  auto train = [&](const std::string& name, const std::string& flags) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train" + common + " --job.dump_folder=" + dir + "/" + name + flags);
+    EXPECT_EQ(rc, 0) << name << ": " << out;
+  };
+  const std::string full = " --training.activation_checkpoint=full", all = " --training.layer_sweep=0",
+                    weights = " --offload.experts=weights --offload.gpu_expert_slots=8",
+                    global = " --training.load_balance_type=global_batch";
+  train("base", "");
+  train("sweep4", " --training.layer_sweep=4");
+  train("full_all", full + all);
+  train("weights_full", weights + full);
+  train("weights_full_all", weights + full + all);
+  train("global", global);
+  train("global_sweep3", global + full + " --training.layer_sweep=3");
+  for (const char* run : {"sweep4", "full_all", "weights_full", "weights_full_all"})
+    expect_same_run(dir + "/base", dir + "/" + run);
+  expect_same_run(dir + "/global", dir + "/global_sweep3");
+  // 7 MoE layers of 4 experts, 24 x 16 and 8 x 24 each: 9216 bytes (f32) a layer. Swept,
+  // a step's forward fetches each layer once (the next is prefetched), the backward the
+  // five the forward did not leave in the frames (layers 7 and 6 are there), and each
+  // layer's gradients go out once, never in (the step's one write of them). Beside the
+  // cache, as in the weights test: the optimizer tier's 12 bytes a parameter each way, and
+  // the gradient norm and the update reading the gradients in host memory.
+  const int64_t layer = 4 * (24 * 16 + 8 * 24) * 4, params = 7 * layer / 4;
+  const nlohmann::json swept = metrics_of(dir + "/weights_full_all").back(),
+                       depth = metrics_of(dir + "/weights_full").back();
+  EXPECT_EQ(swept["offload_bytes_in"].get<int64_t>(), 12 * params + 2 * 4 * params + 12 * layer);
+  EXPECT_EQ(swept["offload_bytes_out"].get<int64_t>(), 12 * params + 7 * layer);
+  EXPECT_GT(depth["offload_bytes_in"].get<int64_t>(), swept["offload_bytes_in"].get<int64_t>() + 7 * layer);
+  EXPECT_GT(swept["expert_cache_hit_rate"].get<double>(), depth["expert_cache_hit_rate"].get<double>());
+  // The plan's bound for one sweep: the weights twice and the gradients in and out once.
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan" + common + weights + full + all);
+  EXPECT_EQ(rc, 0) << out;
+  char want[128];
+  std::snprintf(want, sizeof want, "expert cache a step            %.3f MiB in, %.3f MiB out (at most)",
+                21.0 * layer / (1 << 20), 7.0 * layer / (1 << 20));
+  EXPECT_NE(out.find(want), std::string::npos) << want << "\n" << out;
+  // A pipeline orders its own micro-batches.
+  auto [rc2, refused] = run(std::string(MOETRAIN_BIN) + " plan" + common + all + " --parallelism.pp=2");
+  EXPECT_NE(rc2, 0);
+  EXPECT_NE(refused.find("training.layer_sweep = 0 with parallelism.pp = 2"), std::string::npos) << refused;
 }
 
 // offload.experts = weights: the experts' compute copies and gradients in host memory

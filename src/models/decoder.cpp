@@ -219,8 +219,8 @@ class Decoder final : public Model {
 
   Device device() const override { return device_; }
   size_t expert_cache_bytes() const override { return cache_.bytes(); }
-  ExpertCacheStats expert_cache_traffic(int64_t micro_batches) const override {
-    return cache_.planned_traffic(micro_batches);
+  ExpertCacheStats expert_cache_traffic(int64_t micro_batches, int64_t sweep) const override {
+    return cache_.planned_traffic(micro_batches, sweep);
   }
   ExpertCacheStats flush_expert_cache() override { return cache_.flush(); }
   bool balanced_routing() const override { return balanced_; }
@@ -1077,7 +1077,7 @@ void Decoder::cached_experts(int64_t l, LayerActs& x, Pass pass) {
     start(w.down);
     start(w.gate_up);
   }
-  const int64_t step = pass == Pass::forward ? 1 : -1;
+  const int64_t step = pass == Pass::forward && !x.recomputing ? 1 : -1;  // a recomputation is in the backward
   for (int64_t next = l + step; next >= 0 && next < c_.num_layers; next += step)
     if (cache_.caches(next)) {
       cache_.prefetch(next);

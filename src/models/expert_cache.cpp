@@ -277,7 +277,7 @@ int64_t ExpertCache::cached_layers() const {
   return n;
 }
 
-ExpertCacheStats ExpertCache::planned_traffic(int64_t micro_batches) const {
+ExpertCacheStats ExpertCache::planned_traffic(int64_t micro_batches, int64_t sweep) const {
   int64_t weights = 0, grads = 0;
   for (const std::vector<int>& b : blocks_)
     for (int j : b) {
@@ -285,9 +285,11 @@ ExpertCacheStats ExpertCache::planned_traffic(int64_t micro_batches) const {
       grads += static_cast<int64_t>((*params_)[static_cast<size_t>(j)].grad.nbytes());
     }
   ExpertCacheStats t;
-  const bool all = static_cast<int64_t>(frames_.size()) >= cached_layers() * lines_;
-  t.bytes_in = all ? weights : micro_batches * (2 * weights + grads);
-  t.bytes_out = all ? grads : micro_batches * grads;
+  const int64_t frames = static_cast<int64_t>(frames_.size());
+  const bool all = frames >= cached_layers() * lines_;
+  const int64_t passes = frames >= 2 * lines_ ? (micro_batches + sweep - 1) / sweep : micro_batches;
+  t.bytes_in = all ? weights : passes * (2 * weights + grads);
+  t.bytes_out = all ? grads : passes * grads;
   return t;
 }
 

@@ -60,11 +60,13 @@ class ExpertCache {
   int64_t line_experts() const { return line_; }
   int64_t lines() const { return lines_; }
   size_t bytes() const { return frames_arena_.peak(); }
-  // What `moetrain plan` predicts a step of `micro_batches` moves each way: holding
-  // every cached line, the weights come in once and the gradients go out once; holding
-  // fewer, each micro-batch's forward and input gradient fetch the weights and its W
-  // fetches the gradients and writes them back, at most.
-  ExpertCacheStats planned_traffic(int64_t micro_batches) const;
+  // What `moetrain plan` predicts a step of `micro_batches` in sweeps of `sweep`
+  // (train/schedule.h) moves each way: holding every cached line, the weights come in
+  // once and the gradients go out once; holding fewer, each pass over a layer (a sweep's
+  // when the frames hold a layer's lines and the next one's, else each micro-batch's)
+  // fetches the weights in its forward and again in its backward, and the gradients in
+  // and out, at most.
+  ExpertCacheStats planned_traffic(int64_t micro_batches, int64_t sweep) const;
 
   // Experts [first, first + count) of a layer on the device: its cached matrices as
   // Params (the line's compute copies and gradients), in the order of blocks[layer].

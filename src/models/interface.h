@@ -242,12 +242,13 @@ class Model {
   virtual RowMemory row_memory() const { return {}; }
   virtual void reset_row_memory() {}
   // offload.experts = weights: the expert cache's device bytes, the traffic a plan
-  // predicts for a step of this many micro-batches, and its flush before the gradient
+  // predicts for a step of this many micro-batches in sweeps of `sweep` (ScheduleShape),
+  // and its flush before the gradient
   // norm (every changed gradient back in host memory, the lines dropped), which returns
   // the traffic since the last (models/expert_cache.h).
   virtual size_t expert_cache_bytes() const { return 0; }
-  virtual ExpertCacheStats expert_cache_traffic(int64_t micro_batches) const {
-    (void)micro_batches;
+  virtual ExpertCacheStats expert_cache_traffic(int64_t micro_batches, int64_t sweep) const {
+    (void)micro_batches, (void)sweep;
     return {};
   }
   virtual ExpertCacheStats flush_expert_cache() { return {}; }

@@ -68,6 +68,10 @@ void visit(C& c, F&& f) {
   f({"training", "activation_checkpoint", 0,
      "none, selective (recompute the cheap activations) or full (keep each layer's input only)"},
     c.training.activation_checkpoint);
+  f({"training", "layer_sweep", 0,
+     "micro-batches that go through each layer together (1: each through the model in turn; 0: all of a step's); "
+     "with offload.experts = weights a layer's experts are then fetched once a sweep"},
+    c.training.layer_sweep);
   f({"training", "force_balanced_routing", 0, "benchmarks: route tokens round-robin, not by the router"},
     c.training.force_balanced_routing);
   f({"training", "max_skipped_steps", 0, "steps with a non-finite loss or gradient norm skipped before the run stops"},
@@ -258,6 +262,13 @@ void validate(const Config& c) {
   MT_CHECK(c.offload.experts == "none" || !c.parallelism.zero3)
       << "offload.experts = " << c.offload.experts << " with parallelism.zero3 is not built yet (ZeRO-3 gathers the layers' master "
       << "weights from shards on the device); choose one";
+  MT_CHECK(c.training.layer_sweep >= 0)
+      << "training.layer_sweep should be >= 0 (0: all of a step's micro-batches), got " << c.training.layer_sweep;
+  MT_CHECK(c.training.layer_sweep == 1 || (c.parallelism.pp == 1 && c.parallelism.pipeline_schedule != "dualpipev"))
+      << "training.layer_sweep = " << c.training.layer_sweep << " with parallelism.pp = " << c.parallelism.pp
+      << " and pipeline_schedule = " << c.parallelism.pipeline_schedule
+      << ": a sweep orders one rank's whole model (the sequential schedule); the pipeline schedules order their "
+         "micro-batches themselves. Set layer_sweep = 1, or pp = 1 without dualpipev";
   MT_CHECK(c.training.max_skipped_steps >= 0)
       << "training.max_skipped_steps should be >= 0, got " << c.training.max_skipped_steps;
   check_one_of(c.lr_scheduler.decay, {"constant", "linear", "cosine", "wsd"}, "lr_scheduler.decay");

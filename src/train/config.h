@@ -49,6 +49,9 @@ struct TrainingConfig {
   // Recomputation in the backward (torchtitan's names): none, selective or full
   // (ModelOptions::recompute says what each keeps).
   std::string activation_checkpoint = "none";
+  // Micro-batches that pass each layer together (train/schedule.h, sequential_schedule):
+  // 1 each through the whole model in turn, 0 all of the step's; one pp rank only.
+  int64_t layer_sweep = 1;
   int64_t max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm a run may skip
 };
 

@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "comm/communicator.h"
 #include "core/check.h"
@@ -62,62 +63,78 @@ const char* profile_name(const Action& a) {
 }
 
 std::vector<Action> sequential_schedule(const ScheduleShape& s) {
-  MT_CHECK(s.layers >= 0 && s.micro_batches >= 1)
-      << "sequential_schedule: " << s.layers << " layers and " << s.micro_batches << " micro-batches";
+  MT_CHECK(s.layers >= 0 && s.micro_batches >= 1 && s.sweep >= 1)
+      << "sequential_schedule: " << s.layers << " layers, " << s.micro_batches << " micro-batches, a sweep of "
+      << s.sweep;
   std::vector<Action> a;
   const int64_t L = s.layers;
-  auto forward = [&](int m) {
-    if (s.zero3 && L > 0) a.push_back({Op::gather, m, 0});
-    a.push_back({Op::load, m});
-    a.push_back({Op::embed_forward, m});
-    for (int64_t l = 0; l < L; ++l) {
-      if (s.zero3) {
-        a.push_back({Op::finish_gather, m, l});
-        if (l + 1 < L) a.push_back({Op::gather, m, l + 1});  // the other weight slot
-      }
-      for (Stage st : kStages) {
-        a.push_back({Op::forward, m, l, st});
-        a.push_back({Op::finish_forward, m, l, st});
-      }
-      if (s.zero3) a.push_back({Op::release, m, l});
-    }
-    a.push_back({Op::head_forward, m});
-    a.push_back({Op::statistics, m});
-  };
-  auto backward = [&](int m) {
-    if (s.zero3 && L > 0) a.push_back({Op::gather, m, L - 1});
+  // A sweep's head backward follows each micro-batch's head forward (full recomputation
+  // shares one block among the sweep, the head's included); alone, it opens the backward.
+  const bool sweeping = s.sweep > 1;
+  auto head_backward = [&](int m) {
     a.push_back({Op::head_backward_input, m});
     a.push_back({Op::head_backward_weight, m});
+  };
+  // Micro-batches [m0, m1), layer by layer.
+  auto forward = [&](int m0, int m1) {
+    if (s.zero3 && L > 0) a.push_back({Op::gather, m0, 0});
+    for (int m = m0; m < m1; ++m) {
+      a.push_back({Op::load, m});
+      a.push_back({Op::embed_forward, m});
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      if (s.zero3) {
+        a.push_back({Op::finish_gather, m0, l});
+        if (l + 1 < L) a.push_back({Op::gather, m0, l + 1});  // the other weight slot
+      }
+      for (int m = m0; m < m1; ++m)
+        for (Stage st : kStages) {
+          a.push_back({Op::forward, m, l, st});
+          a.push_back({Op::finish_forward, m, l, st});
+        }
+      if (s.zero3) a.push_back({Op::release, m0, l});
+    }
+    for (int m = m0; m < m1; ++m) {
+      a.push_back({Op::head_forward, m});
+      a.push_back({Op::statistics, m});
+      if (sweeping) head_backward(m);
+    }
+  };
+  auto backward = [&](int m0, int m1) {
+    if (s.zero3 && L > 0) a.push_back({Op::gather, m0, L - 1});
+    if (!sweeping) head_backward(m0);
     for (int64_t l = L - 1; l >= 0; --l) {
       if (s.zero3) {
-        a.push_back({Op::finish_gather, m, l});
-        if (l > 0) a.push_back({Op::gather, m, l - 1});
-        a.push_back({Op::attach_gradients, m, l});  // free: layer l + 2's reduction is finished
+        a.push_back({Op::finish_gather, m0, l});
+        if (l > 0) a.push_back({Op::gather, m0, l - 1});
+        a.push_back({Op::attach_gradients, m0, l});  // free: layer l + 2's reduction is finished
       }
-      for (int i = 4; i >= 0; --i) {
-        a.push_back({Op::backward_input, m, l, kStages[i]});
-        a.push_back({Op::finish_backward_input, m, l, kStages[i]});
-        a.push_back({Op::backward_weight, m, l, kStages[i]});
-      }
+      for (int m = m0; m < m1; ++m)
+        for (int i = 4; i >= 0; --i) {
+          a.push_back({Op::backward_input, m, l, kStages[i]});
+          a.push_back({Op::finish_backward_input, m, l, kStages[i]});
+          a.push_back({Op::backward_weight, m, l, kStages[i]});
+        }
       if (s.zero3) {
-        // The gradient slot holds this micro-batch's gradients of the layer: summed into
+        // The gradient slot holds these micro-batches' gradients of the layer: summed into
         // the shards during the next layer's backward.
-        a.push_back({Op::release, m, l});
-        a.push_back({Op::reduce_start, m, l});
-        if (l + 1 < L) a.push_back({Op::reduce_finish, m, l + 1});
+        a.push_back({Op::release, m0, l});
+        a.push_back({Op::reduce_start, m0, l});
+        if (l + 1 < L) a.push_back({Op::reduce_finish, m0, l + 1});
       }
     }
-    if (s.zero3 && L > 0) a.push_back({Op::reduce_finish, m, 0});
-    a.push_back({Op::embed_backward, m});
+    if (s.zero3 && L > 0) a.push_back({Op::reduce_finish, m0, 0});
+    for (int m = m0; m < m1; ++m) a.push_back({Op::embed_backward, m});
   };
+  const int M = s.micro_batches, G = std::min(s.sweep, M);
   if (s.global_balance) {
-    for (int m = 0; m < s.micro_batches; ++m) forward(m);
+    for (int m = 0; m < M; m += G) forward(m, std::min(M, m + G));
     a.push_back({Op::balance, 0});
-    for (int m = 0; m < s.micro_batches; ++m) backward(m);
+    for (int m = 0; m < M; m += G) backward(m, std::min(M, m + G));
   } else {
-    for (int m = 0; m < s.micro_batches; ++m) {
-      forward(m);
-      backward(m);
+    for (int m = 0; m < M; m += G) {
+      forward(m, std::min(M, m + G));
+      backward(m, std::min(M, m + G));
     }
   }
   if (s.reduce) add_reductions(a, L, s.zero3);
@@ -157,32 +174,50 @@ void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3) {
 namespace {
 
 // Slots shared by micro-batches whose lives do not overlap, first come first served. A
-// life runs from the first action that life_end gives an end for (nothing: the action
-// does not touch it) to the latest such end.
-std::vector<int> share_slots(const std::vector<Action>& actions, int micro_batches, int* count,
-                             const std::function<std::optional<size_t>(size_t)>& life_end) {
-  std::vector<size_t> first(static_cast<size_t>(micro_batches), SIZE_MAX), last(first.size(), 0);
+// life is a list of closed intervals of action indices, sorted.
+using Life = std::vector<std::pair<size_t, size_t>>;
+std::vector<int> share_slots(const std::vector<Life>& lives, int* count) {
+  const int M = static_cast<int>(lives.size());
+  std::vector<int> order(static_cast<size_t>(M));
+  for (int m = 0; m < M; ++m) order[m] = m;
+  auto start = [&](int m) { return lives[m].empty() ? SIZE_MAX : lives[m].front().first; };
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return start(x) < start(y); });
+  std::vector<int> slot(static_cast<size_t>(M), 0);
+  // Per slot: the disjoint intervals of the micro-batches given it, start -> end.
+  std::vector<std::map<size_t, size_t>> held;
+  auto overlaps = [](const std::map<size_t, size_t>& h, const Life& life) {
+    for (auto [a0, a1] : life) {
+      auto it = h.upper_bound(a1);  // the latest interval starting by a1 ends the latest
+      if (it != h.begin() && std::prev(it)->second >= a0) return true;
+    }
+    return false;
+  };
+  for (int m : order) {
+    size_t k = 0;
+    while (k < held.size() && overlaps(held[k], lives[m])) ++k;
+    if (k == held.size()) held.emplace_back();
+    for (auto [a0, a1] : lives[m]) held[k][a0] = a1;
+    slot[m] = static_cast<int>(k);
+  }
+  *count = static_cast<int>(held.size());
+  return slot;
+}
+
+// One interval a micro-batch: from the first action that life_end gives an end for
+// (nothing: the action does not touch it) to the latest such end.
+std::vector<Life> whole_lives(const std::vector<Action>& actions, int micro_batches,
+                              const std::function<std::optional<size_t>(size_t)>& life_end) {
+  std::vector<Life> lives(static_cast<size_t>(micro_batches));
   for (size_t i = 0; i < actions.size(); ++i) {
     const std::optional<size_t> end = life_end(i);
     if (!end) continue;
-    const int m = actions[i].micro_batch;
-    first[m] = std::min(first[m], i);
-    last[m] = std::max(last[m], *end);
+    Life& l = lives[static_cast<size_t>(actions[i].micro_batch)];
+    if (l.empty())
+      l.push_back({i, *end});
+    else
+      l.front().second = std::max(l.front().second, *end);
   }
-  std::vector<int> slot(first.size(), 0);
-  std::vector<size_t> free_after;  // per slot: the last action of its latest micro-batch
-  std::vector<int> order(first.size());
-  for (int m = 0; m < micro_batches; ++m) order[m] = m;
-  std::sort(order.begin(), order.end(), [&](int x, int y) { return first[x] < first[y]; });
-  for (int m : order) {
-    size_t k = 0;
-    while (k < free_after.size() && free_after[k] >= first[m]) ++k;
-    if (k == free_after.size()) free_after.push_back(0);
-    free_after[k] = last[m];
-    slot[m] = static_cast<int>(k);
-  }
-  *count = static_cast<int>(free_after.size());
-  return slot;
+  return lives;
 }
 
 bool is_message(Op op) { return op >= Op::send_activation && op <= Op::recv_gradient; }
@@ -204,29 +239,54 @@ int block_phase(const Action& a, const Pipeline& p, int rank, int64_t layers) {
 }  // namespace
 
 std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count) {
-  return share_slots(actions, micro_batches, count, [&](size_t i) -> std::optional<size_t> {
-    const Op op = actions[i].op;
-    if (op > Op::embed_backward && !is_message(op)) return std::nullopt;
-    size_t end = i;
-    if (op == Op::send_activation || op == Op::send_gradient)
-      while (end < actions.size() && actions[end].op != Op::commit) ++end;  // read until its commit
-    return end;
-  });
+  return share_slots(whole_lives(actions, micro_batches,
+                                 [&](size_t i) -> std::optional<size_t> {
+                                   const Op op = actions[i].op;
+                                   if (op > Op::embed_backward && !is_message(op)) return std::nullopt;
+                                   size_t end = i;
+                                   if (op == Op::send_activation || op == Op::send_gradient)
+                                     while (end < actions.size() && actions[end].op != Op::commit)
+                                       ++end;  // read until its commit
+                                   return end;
+                                 }),
+                     count);
 }
 
 std::vector<ChunkBlocks> chunk_blocks(const std::vector<Action>& actions, int micro_batches, const Pipeline& p,
-                                      int rank, int64_t layers) {
+                                      int rank, int64_t layers, bool one_layer) {
   std::vector<ChunkBlocks> out;
   for (int c : p.chunks_of(rank)) {
     const int phase = static_cast<int>(out.size());
     ChunkBlocks b;
     b.first = p.bounds[c];
     b.last = p.bounds[c + 1];
-    b.slot = share_slots(actions, micro_batches, &b.count, [&](size_t i) -> std::optional<size_t> {
+    auto touches = [&](size_t i) {
       const int ph = block_phase(actions[i], p, rank, layers);
-      if (ph != phase && ph != 2) return std::nullopt;
-      return i;
-    });
+      return ph == phase || ph == 2;
+    };
+    std::vector<Life> lives;
+    if (!one_layer) {
+      lives = whole_lives(actions, micro_batches,
+                          [&](size_t i) -> std::optional<size_t> { return touches(i) ? std::optional(i) : std::nullopt; });
+    } else {
+      // A visit goes on while the micro-batch's next action in the block is on the same
+      // layer (the head: `layers`); routing statistics live in the bare stash.
+      lives.resize(static_cast<size_t>(micro_batches));
+      std::vector<int64_t> at(static_cast<size_t>(micro_batches), -2);
+      for (size_t i = 0; i < actions.size(); ++i) {
+        const Action& a = actions[i];
+        if (a.op == Op::statistics || a.op == Op::balance || !touches(i)) continue;
+        const bool head = a.op == Op::head_forward || a.op == Op::head_backward_input || a.op == Op::head_backward_weight;
+        const int64_t key = head ? layers : a.layer;
+        Life& l = lives[static_cast<size_t>(a.micro_batch)];
+        if (at[static_cast<size_t>(a.micro_batch)] == key)
+          l.back().second = i;
+        else
+          l.push_back({i, i});
+        at[static_cast<size_t>(a.micro_batch)] = key;
+      }
+    }
+    b.slot = share_slots(lives, &b.count);
     out.push_back(std::move(b));
   }
   return out;

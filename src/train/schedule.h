@@ -15,7 +15,14 @@
 // backward in turn (with global_balance, every forward before any backward), each
 // exchange finished right after it starts, each W right after its B. With ZeRO-3 the
 // next layer's gather starts before the current layer's stages, and a layer's gradient
-// reduction runs during the next layer's backward.
+// reduction runs during the next layer's backward. With a sweep of G > 1
+// (training.layer_sweep) the micro-batches go G at a time, layer by layer: a layer's
+// forward for all G, then the next layer's; each one's head forward and backward; then
+// the layers' backwards from the last, each for all G. A layer's weights are then used G
+// times in a row (the expert cache and ZeRO-3's gathers fetch them once), and every
+// parameter's gradient still gets the micro-batches' additions in order, so the losses
+// and gradients are those of G = 1 (a tied embedding's two writes interleave otherwise).
+// The pipeline schedules keep their own order: a sweep is for one pp rank.
 //
 // The pipeline schedules (parallelism.pp > 1) give each pp rank its own list over the
 // layers it holds (Pipeline): one_f_one_b_schedule and dualpipev_schedule, DeepSeek's
@@ -95,6 +102,7 @@ struct ScheduleShape {
   // DualPipeV's zero-bubble W deferral; off, each W follows its B (full recomputation,
   // whose blocks hold one layer at a time, needs that).
   bool defer_weights = true;
+  int sweep = 1;  // micro-batches that pass each layer together (sequential_schedule)
 };
 
 std::vector<Action> sequential_schedule(const ScheduleShape& shape);
@@ -160,14 +168,17 @@ void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3);
 // and the number of stashes.
 std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count);
 // The same for the activation blocks (models/interface.h) of each of the rank's chunks:
-// a micro-batch holds one from its first to its last stage (or head) action there.
+// a micro-batch holds one from its first to its last stage (or head) action there. With
+// `one_layer` (full recomputation: a block holds one layer's activations, and nothing in
+// it outlives the layer's forward or its backward) only during each visit, the run of
+// its actions on one layer or the head: micro-batches whose visits do not overlap share.
 struct ChunkBlocks {
   int64_t first = 0, last = 0;  // the chunk's layers
   std::vector<int> slot;        // micro-batch -> its block
   int count = 0;                // blocks
 };
 std::vector<ChunkBlocks> chunk_blocks(const std::vector<Action>& actions, int micro_batches, const Pipeline& p,
-                                      int rank, int64_t layers);
+                                      int rank, int64_t layers, bool one_layer = false);
 
 // The most bytes of expert rows (RowMemory) the model holds at once over `actions`: their
 // stage calls played in order against a plan-only model (ModelOptions::plan_only), whose

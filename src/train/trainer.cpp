@@ -132,6 +132,8 @@ ScheduleShape schedule_shape(const Config& cfg, int64_t layers, int micro_batche
   shape.zero3 = zero3;
   shape.reduce = sharded;
   shape.defer_weights = cfg.training.activation_checkpoint != "full";
+  shape.sweep = static_cast<int>(cfg.training.layer_sweep == 0 ? micro_batches
+                                                                : std::min<int64_t>(cfg.training.layer_sweep, micro_batches));
   return shape;
 }
 
@@ -180,7 +182,7 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   }
   // The expert cache (models/expert_cache.h): its frames, and its moves a step.
   m.expert_cache = model->expert_cache_bytes();
-  const ExpertCacheStats cache = model->expert_cache_traffic(m.step.micro_batches);
+  const ExpertCacheStats cache = model->expert_cache_traffic(m.step.micro_batches, shape.sweep);
   m.cache_in = static_cast<size_t>(cache.bytes_in);
   m.cache_out = static_cast<size_t>(cache.bytes_out);
   const parallel::ShardLayout layout(model->params(), m.replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : m.replicas,
@@ -205,7 +207,7 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   m.activations = model->make_bare_stash(batch, seq)->bytes * static_cast<size_t>(live);
   m.in_flight = std::to_string(live);
   const char* separator = "; of its chunks' layers ";
-  for (const ChunkBlocks& c : chunk_blocks(actions, shape.micro_batches, pipeline, pp_rank, L)) {
+  for (const ChunkBlocks& c : chunk_blocks(actions, shape.micro_batches, pipeline, pp_rank, L, cfg.training.activation_checkpoint == "full")) {
     m.activations += model->make_block(batch, seq, c.first, c.last)->bytes * static_cast<size_t>(c.count);
     m.in_flight += separator + std::to_string(c.count);
     separator = ", ";
@@ -307,7 +309,8 @@ void Trainer::make_stashes() {
   for (int i = 0; i < live; ++i) stashes_.push_back(model_.make_bare_stash(micro_batch_, local_seq()));
   // Each of this rank's chunks lends its layers' activations to a micro-batch only for
   // the span it works there (DualPipeV keeps chunk 0's longer than chunk 1's).
-  for (const ChunkBlocks& c : chunk_blocks(actions_, shape.micro_batches, pipeline_, pp_rank_, shape.layers)) {
+  for (const ChunkBlocks& c : chunk_blocks(actions_, shape.micro_batches, pipeline_, pp_rank_, shape.layers,
+                                               cfg_.training.activation_checkpoint == "full")) {
     const size_t base = blocks_.size();
     for (int i = 0; i < c.count; ++i) blocks_.push_back(model_.make_block(micro_batch_, local_seq(), c.first, c.last));
     block_of_.emplace_back();
