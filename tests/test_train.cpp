@@ -1737,7 +1737,8 @@ TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
 
 // Every mesh (dp, cp, ep) of the parallelism issue, under mpirun: (2,1,1), (1,2,1),
 // (1,1,2), (1,2,2), (2,1,2), (2,2,2), and with parallelism.zero3 (2,1,1), (1,2,1),
-// (1,1,2), (2,2,2). Each reports the single-rank run's losses,
+// (1,1,2), (2,2,2), and with training.layer_sweep (2,1,1) under ZeRO-3 and (1,1,2).
+// Each reports the single-rank run's losses,
 // gradient norms and routing counts (1e-5), for both load-balance variants, for each
 // model family. The batch: the fixture's three sequences and its first again, so that
 // it splits over 4 data ranks; its 16 positions split into 2 * cp = 4 chunks.
@@ -1753,19 +1754,21 @@ TEST_P(Meshes, MatchOneRank) {
     struct Mesh {
       int dp, cp, ep;
       bool zero3 = false;
+      bool sweep = false;  // training.layer_sweep = 0: a rank's two micro-batches through each layer together
     };
     for (Mesh m : {Mesh{1, 1, 1}, Mesh{2, 1, 1}, Mesh{1, 2, 1}, Mesh{1, 1, 2}, Mesh{1, 2, 2}, Mesh{2, 1, 2},
                    Mesh{2, 2, 2}, Mesh{2, 1, 1, true}, Mesh{1, 2, 1, true}, Mesh{1, 1, 2, true},
-                   Mesh{2, 2, 2, true}}) {
+                   Mesh{2, 2, 2, true}, Mesh{2, 1, 1, true, true}, Mesh{1, 1, 2, false, true}}) {
       const int np = m.dp * m.cp * m.ep, ep = m.ep;
       std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(ep) +
-                         (m.zero3 ? "zero3" : "") + lb;
+                         (m.zero3 ? "zero3" : "") + (m.sweep ? "sweep" : "") + lb;
       auto [rc, out] = run(kMpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                            fixture(model) + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
                            " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
                            " --parallelism.cp=" + std::to_string(m.cp) +
-                           (m.zero3 ? " --parallelism.zero3=true" : "") + " --job.dump_folder=" + dump);
+                           (m.zero3 ? " --parallelism.zero3=true" : "") + (m.sweep ? " --training.layer_sweep=0" : "") +
+                           " --job.dump_folder=" + dump);
       ASSERT_EQ(rc, 0) << out;
       std::ifstream metrics(dump + "/metrics.jsonl");
       std::string line;

@@ -129,6 +129,9 @@ void ExpertCache::load_weights(Frame& f, int64_t layer, int64_t line) {
     copy(f.compute[j].rows(0, host.dim(0)), host);
     stats_.bytes_in += static_cast<int64_t>(host.nbytes());
   }
+#ifdef MOETRAIN_WITH_CUDA
+  if (device_ == Device::cuda) f.ready = cuda::Event::record(copy_stream());
+#endif
   f.layer = layer;
   f.line = line;
   f.has_grads = false;
@@ -202,15 +205,17 @@ ExpertCache::Line& ExpertCache::fetch(int64_t layer, int64_t line, bool grads, b
         mt::fill(frame, 0.0f);
       }
     }
+#ifdef MOETRAIN_WITH_CUDA
+    if (device_ == Device::cuda && accumulate) f.ready = cuda::Event::record(copy_stream());
+#endif
     f.has_grads = true;
   }
   f.used = ++tick_;
   current_ = i;
+  // The compute waits for this frame's copies only, not for the prefetches and
+  // write-backs queued behind them.
 #ifdef MOETRAIN_WITH_CUDA
-  if (device_ == Device::cuda) {
-    f.ready = cuda::Event::record(copy_stream());
-    f.ready.wait(cuda::stream());
-  }
+  if (device_ == Device::cuda) f.ready.wait(cuda::stream());
 #endif
   return f.view;
 }
