@@ -24,6 +24,13 @@
 // it is evicted or flushed. So each expert's gradient sees the additions an in-device
 // gradient would, in the same order: an offloaded run gives the same bits.
 //
+// The order that makes it pay: at training batch sizes a micro-batch reaches every expert
+// of every layer, so depth first (each micro-batch through the whole model) fetches each
+// layer's weights twice and moves its gradients in and out once per micro-batch. A layer
+// sweep (training.layer_sweep, train/schedule.h) takes G micro-batches through a layer
+// while its lines stay, so that is once per sweep; with full recomputation a sweep's
+// micro-batches share one activation block, which is what lets G be a whole step's.
+//
 // On the GPU the copies run on a stream of their own: a frame is overwritten only after
 // the compute queued on its previous line is done, and the compute on a line waits for
 // its copies. On the CPU backend host and device are one memory, but every path runs:
