@@ -109,10 +109,6 @@ void visit(C& c, F&& f) {
      "offload.experts = weights: experts a rank's device holds at once (fewer than a layer's: lines of half); 0: two "
      "layers' worth"},
     c.offload.gpu_expert_slots);
-  f({"offload", "host_update", 0,
-     "offload.experts = weights: the share (0 to 1) of each expert block the CPU's cores update in place while the "
-     "device streams the rest"},
-    c.offload.host_update);
   f({"checkpoint", "interval", 0, "steps between checkpoints; 0: none along the way"}, c.checkpoint.interval);
   f({"checkpoint", "save_final", 0, "also save the run's last step (warns when the run would save none)"},
     c.checkpoint.save_final);
@@ -261,12 +257,6 @@ void validate(const Config& c) {
   MT_CHECK(c.offload.experts != "weights" || c.training.fp8 == "none")
       << "offload.experts = weights with training.fp8 = " << c.training.fp8
       << " is not built yet (the cache moves the bf16 copies, not FP8 codes); offload.experts = optimizer takes both";
-  MT_CHECK(c.offload.host_update >= 0 && c.offload.host_update <= 1)
-      << "offload.host_update should be a share in [0, 1], got " << c.offload.host_update;
-  MT_CHECK(c.offload.host_update == 0 || c.offload.experts == "weights")
-      << "offload.host_update = " << c.offload.host_update << " with offload.experts = " << c.offload.experts
-      << ": the host updates only blocks whose gradients and compute copies are in host memory (offload.experts = "
-         "weights)";
   MT_CHECK(c.offload.staging_mib > 0) << "offload.staging_mib should be > 0, got " << c.offload.staging_mib;
   MT_CHECK(c.offload.layers >= 0) << "offload.layers should be >= 0 (0: every MoE layer), got " << c.offload.layers;
   MT_CHECK(c.offload.experts == "none" || !c.parallelism.zero3)

@@ -94,9 +94,6 @@ struct OffloadConfig {
   double staging_mib = 64;       // MiB of each of the update's two device staging sets
   int64_t layers = 0;            // offload only the first this many MoE layers a rank holds; 0: all
   int64_t gpu_expert_slots = 0;  // weights: experts the device holds at once; 0: two layers' worth
-  // weights: the share of each block's experts whose update the host's cores run in place
-  // while the device streams the others (train/offload.h)
-  double host_update = 0;
 };
 
 struct CheckpointConfig {

@@ -57,16 +57,12 @@ size_t StreamedUpdate::bytes(DType state, int64_t elements) {
   return count.peak();
 }
 
-OffloadTraffic StreamedUpdate::update(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& a,
-                                      const std::vector<AdamWBlock>& on_host) {
+OffloadTraffic StreamedUpdate::update(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& a) {
   const auto start = std::chrono::steady_clock::now();
   OffloadTraffic traffic;
 #ifdef MOETRAIN_WITH_CUDA
   const bool gpu = device_ == Device::cuda;
   cuda::Event in_done[2], updated[2], out_done[2];
-  // The host's share reads gradients the expert cache's flush wrote on its copy stream,
-  // which the main stream has joined: the host waits for what is queued there first.
-  if (gpu && !on_host.empty()) cuda::synchronize();
 #endif
   int64_t chunk = 0;
   for (const AdamWBlock& b : blocks) {
@@ -119,8 +115,6 @@ OffloadTraffic StreamedUpdate::update(const std::vector<AdamWBlock>& blocks, con
       for (int j = 0; j < 3; ++j) copy(host[j], staged[j]);
     }
   }
-  // Everything above is queued on the device's streams: the host's share runs meanwhile.
-  if (!on_host.empty()) cpu::adamw_step_multi(on_host, a);
 #ifdef MOETRAIN_WITH_CUDA
   // The host copies are read by the host (checkpoints) and the next update: whole first.
   if (gpu && chunk > 0) {

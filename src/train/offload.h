@@ -51,11 +51,8 @@ class StreamedUpdate {
   // Each block's param, m and v in host memory, its grad, compute and FP8 codes on the
   // device, all [E, ...] (or flat: a shard's piece, without copies): updated chunk by
   // chunk along E, with AdamW's rounding noise keyed from block.key as if in one piece.
-  // `on_host` (offload.host_update), every tensor in host memory: updated in place by the
-  // host's cores (the same arithmetic, kernels/adamw.h) while the device works on the
-  // others. Returns once the host copies are written.
-  OffloadTraffic update(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& a,
-                        const std::vector<AdamWBlock>& on_host = {});
+  // Returns once the host copies are written.
+  OffloadTraffic update(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& a);
 
  private:
   Device device_ = Device::cpu;

@@ -1,7 +1,5 @@
 #include "train/optimizer.h"
 
-#include <cmath>
-
 #include "core/check.h"
 #include "kernels/adamw.h"
 #include "kernels/elementwise.h"
@@ -17,8 +15,7 @@ uint64_t noise_key(size_t param, int64_t offset) {
 
 }  // namespace
 
-AdamW::AdamW(std::vector<Param>& params, DType state, double staging_mib, double host_update)
-    : params_(params), state_(state), host_update_(host_update) {
+AdamW::AdamW(std::vector<Param>& params, DType state, double staging_mib) : params_(params), state_(state) {
   MT_CHECK(state == DType::f32 || state == DType::bf16)
       << "AdamW keeps its moments in f32 or bf16, not " << dtype_name(state);
   const Device device = params_.empty() ? Device::cpu : params_.front().grad.device;
@@ -36,11 +33,6 @@ AdamW::AdamW(std::vector<Param>& params, DType state, double staging_mib, double
     host_m_.push_back(p.offloaded ? m_.back() : Tensor());
     host_v_.push_back(p.offloaded ? v_.back() : Tensor());
   }
-}
-
-int64_t AdamW::host_experts(const Param& p, double host_update) {
-  if (!p.cached || p.value.numel() == 0) return 0;
-  return std::llround(host_update * static_cast<double>(p.value.dim(0)));
 }
 
 size_t AdamW::moment_bytes(const std::vector<Param>& params, DType state) {
@@ -199,34 +191,15 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   a.grad_scale = grad_scale;
   a.weight_decay = cfg.weight_decay;
   auto decay = [&](const Param& p) { return p.matrix || cfg.decay == "all"; };
-  std::vector<AdamWBlock> blocks, offloaded, on_host;
-  // An offloaded block: its moments in host memory, streamed (train/offload.h); its
-  // compute copy and FP8 codes written in the same pass. Of a cached one the last
-  // host_experts are the host's, read and written where they are.
+  std::vector<AdamWBlock> blocks, offloaded;
+  // An offloaded block: whole, its moments in host memory, streamed (train/offload.h);
+  // its compute copy and FP8 codes written in the same pass.
   auto offload = [&](size_t i) {
     const Param& p = params_[i];
-    const AdamWBlock whole{p.value, p.grad, host_m_[i], host_v_[i], decay(p),
-                           p.compute.data != p.value.data ? p.compute : Tensor(), noise_key(i, 0), p.fp8};
-    const int64_t E = p.value.dim(0), split = E - host_experts(p, host_update_);
-    if (split == E) return offloaded.push_back(whole);
-    MT_CHECK(p.fp8.q.data == nullptr) << p.name << ": a host update writes no FP8 codes";
-    auto rows = [&](int64_t e0, int64_t e1, bool host) {
-      auto cut = [&](const Tensor& t) {
-        if (t.data == nullptr) return t;
-        const Tensor r = t.rows(e0, e1);
-        return host ? Tensor(r.data, r.shape, r.dtype, Device::cpu) : r;  // pinned host memory, mapped
-      };
-      AdamWBlock b = whole;
-      for (Tensor* t : {&b.param, &b.grad, &b.m, &b.v, &b.compute}) *t = cut(*t);
-      b.key = whole.key + static_cast<uint64_t>(e0 * (p.value.numel() / E));
-      return b;
-    };
-    if (split > 0) offloaded.push_back(rows(0, split, false));
-    on_host.push_back(rows(split, E, true));
+    offloaded.push_back({p.value, p.grad, host_m_[i], host_v_[i], decay(p),
+                         p.compute.data != p.value.data ? p.compute : Tensor(), noise_key(i, 0), p.fp8});
   };
-  auto stream = [&] {
-    traffic_ = offloaded.empty() && on_host.empty() ? OffloadTraffic{} : streamed_.update(offloaded, a, on_host);
-  };
+  auto stream = [&] { traffic_ = offloaded.empty() ? OffloadTraffic{} : streamed_.update(offloaded, a); };
   if (!sharded_) {
     // The bf16 copies and the FP8 codes the products read are written in the same pass.
     for (size_t i = 0; i < params_.size(); ++i) {

@@ -21,12 +21,8 @@ class AdamW {
  public:
   // The moments in `state` (optimizer.state_dtype): f32, or bf16 rounded stochastically
   // (kernels/adamw.h), which halves their bytes.
-  // offload.staging_mib sizes the staging of offloaded blocks' updates; offload.host_update
-  // is the share of a cached block's experts (Param::cached) the host updates in place.
-  explicit AdamW(std::vector<Param>& params, DType state = DType::f32, double staging_mib = 64,
-                 double host_update = 0);
-  // The experts of p [E, ...] the host updates (its last ones): none unless p is cached.
-  static int64_t host_experts(const Param& p, double host_update);
+  // offload.staging_mib sizes the staging of offloaded blocks' updates.
+  explicit AdamW(std::vector<Param>& params, DType state = DType::f32, double staging_mib = 64);
   DType state_dtype() const { return state_; }
   // What the unsharded moments of `params` take on the device (the blocks not offloaded),
   // and what the offloaded blocks' take in host memory plus, on the device, their staging.
@@ -91,7 +87,6 @@ class AdamW {
   Tensor moment(const Tensor& value, const std::vector<Tensor>& which) const;
   std::vector<Param>& params_;
   DType state_ = DType::f32;
-  double host_update_ = 0;
   Arena arena_;
   std::vector<Tensor> m_, v_;  // unsharded: the moments; sharded: views of full_ while materialized
   // Offloaded blocks' moments (null for the others), in host memory; m_ and v_ name them

@@ -169,7 +169,6 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   const std::vector<Action> actions = make_schedule(shape, pipeline, pp_rank);
   std::unique_ptr<Model> model = make_model(config_json, options);
   const auto in_layer = [&](const Param& p) { return p.layer >= 0 && p.layer < L; };
-  size_t host_share = 0;
   for (const Param& p : model->params()) {
     if (m.zero3 && in_layer(p)) continue;  // in the shards and the slot below
     (p.offloaded ? m.host : m.weights) += p.value.nbytes();
@@ -177,14 +176,9 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
     if (p.compute.dtype != p.value.dtype) (p.cached ? m.host : m.compute) += p.compute.nbytes();
     m.compute += p.fp8.bytes();
     // offload.experts = weights: the norm and the update read the gradients there, and
-    // the update writes the compute copies; the host's share of the update
-    // (offload.host_update) moves neither, nor its weights and moments (below).
-    if (!p.cached) continue;
-    const size_t E = static_cast<size_t>(p.value.dim(0)),
-                 on_host = static_cast<size_t>(AdamW::host_experts(p, cfg.offload.host_update));
-    m.offload_traffic += p.grad.nbytes() + p.grad.nbytes() / E * (E - on_host) +
-                         (p.compute.dtype != p.value.dtype ? p.compute.nbytes() / E * (E - on_host) : 0);
-    host_share += static_cast<size_t>(p.value.numel()) / E * on_host * (4 + 2 * dtype_size(cfg.optimizer.state()));
+    // the update writes the compute copies.
+    if (p.cached)
+      m.offload_traffic += 2 * p.grad.nbytes() + (p.compute.dtype != p.value.dtype ? p.compute.nbytes() : 0);
   }
   // The expert cache (models/expert_cache.h): its frames, and its moves a step.
   m.expert_cache = model->expert_cache_bytes();
@@ -204,7 +198,6 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
     if (u.offloaded)
       m.offload_traffic += static_cast<size_t>(u.group_size == 1 ? u.length : u.shard) * (4 + 2 * dtype_size(state)) +
                            (u.group_size > 1 ? static_cast<size_t>(u.length) * 4 : 0);
-  m.offload_traffic -= host_share;
   m.slot = m.zero3 ? parallel::Zero3::slot_bytes(model->params(), layout, options.device) : 0;
   // The micro-batches whose activations the schedule keeps at once on this rank: bare
   // stashes for each one in flight, and each chunk's layer blocks for those working there.
@@ -260,7 +253,7 @@ Trainer::Trainer(Config cfg, Model& model, TokenBatch data)
     : cfg_(std::move(cfg)),
       model_(model),
       data_(std::move(data)),
-      optimizer_(model.params(), cfg_.optimizer.state(), cfg_.offload.staging_mib, cfg_.offload.host_update),
+      optimizer_(model.params(), cfg_.optimizer.state(), cfg_.offload.staging_mib),
       profile_(model.device(), cfg_.metrics.profile) {
   global_batch_ = cfg_.training.global_batch_size ? cfg_.training.global_batch_size : data_.rows;
   MT_CHECK(global_batch_ == data_.rows) << "training.global_batch_size = " << global_batch_ << " but data.tokens has "
@@ -276,7 +269,7 @@ Trainer::Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus
     : cfg_(std::move(cfg)),
       model_(model),
       corpus_(std::move(corpus)),
-      optimizer_(model.params(), cfg_.optimizer.state(), cfg_.offload.staging_mib, cfg_.offload.host_update),
+      optimizer_(model.params(), cfg_.optimizer.state(), cfg_.offload.staging_mib),
       profile_(model.device(), cfg_.metrics.profile) {
   global_batch_ = cfg_.training.global_batch_size;
   MT_CHECK(global_batch_ > 0) << "training.global_batch_size must be set (> 0) to train on data.corpus";
@@ -650,11 +643,8 @@ StepResult Trainer::step() {
     (p.offloaded ? r.host_memory_bytes : bytes) += p.value.nbytes();
     bytes += p.fp8.bytes();
     if (!p.cached) continue;
-    // The norm reads every gradient; the host's share of the update (offload.host_update)
-    // reads and writes its own where they are.
-    const int64_t E = p.value.dim(0), streamed = E - AdamW::host_experts(p, cfg_.offload.host_update);
-    r.offload.bytes_in += static_cast<int64_t>(p.grad.nbytes()) + static_cast<int64_t>(p.grad.nbytes()) / E * streamed;
-    r.offload.bytes_out += copy ? static_cast<int64_t>(p.compute.nbytes()) / E * streamed : 0;
+    r.offload.bytes_in += 2 * static_cast<int64_t>(p.grad.nbytes());
+    r.offload.bytes_out += copy ? static_cast<int64_t>(p.compute.nbytes()) : 0;
   }
   for (const auto& s : stashes_) bytes += s->bytes;
   for (const auto& b : blocks_) bytes += b->bytes;
