@@ -171,7 +171,8 @@ def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, 
         if "expert_cache_hit_rate" in rows[-1]:
             # offload.experts = weights: offload_bytes_* count the cache's moves and the
             # update's in-place reads of the gradients too (train/trainer.cpp).
-            print(f"  expert cache: hit rate {rows[-1]['expert_cache_hit_rate']:.3f}", flush=True)
+            print(f"  expert cache: hit rate {rows[-1]['expert_cache_hit_rate']:.3f}; the compute waited "
+                  f"{1e3*rows[-1].get('expert_cache_wait_s', 0):.0f} ms for its copies", flush=True)
         if "host_waits" in rows[-1]:
             print(f"  host waits for the device in the last step: {rows[-1]['host_waits']}", flush=True)
         planned = max(r["memory_bytes"] for r in rows)

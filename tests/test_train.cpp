@@ -1259,6 +1259,10 @@ TEST(Commands, LayerSweepGivesTheSameBits) {
   EXPECT_EQ(swept["offload_bytes_out"].get<int64_t>(), 12 * params + 7 * layer);
   EXPECT_GT(depth["offload_bytes_in"].get<int64_t>(), swept["offload_bytes_in"].get<int64_t>() + 7 * layer);
   EXPECT_GT(swept["expert_cache_hit_rate"].get<double>(), depth["expert_cache_hit_rate"].get<double>());
+  // On the CPU the copies are the compute's own: their time is all waiting.
+  EXPECT_GT(swept["expert_cache_wait_s"].get<double>(), 0.0);
+  EXPECT_GT(depth["expert_cache_wait_s"].get<double>(), 0.0);
+  EXPECT_FALSE(metrics_of(dir + "/base").back().contains("expert_cache_wait_s"));
   // The plan's bound for one sweep: the weights twice and the gradients in and out once.
   auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan" + common + weights + full + all);
   EXPECT_EQ(rc, 0) << out;

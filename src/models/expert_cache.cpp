@@ -1,6 +1,7 @@
 #include "models/expert_cache.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "core/check.h"
@@ -87,7 +88,9 @@ void ExpertCache::copy(const Tensor& dst, const Tensor& src) {
     return;
   }
 #endif
+  const auto start = std::chrono::steady_clock::now();
   std::memcpy(dst.data, src.data, src.nbytes());
+  stats_.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 // A free frame, else the least recently used one; its line's changed gradients go back
@@ -215,7 +218,11 @@ ExpertCache::Line& ExpertCache::fetch(int64_t layer, int64_t line, bool grads, b
   // The compute waits for this frame's copies only, not for the prefetches and
   // write-backs queued behind them.
 #ifdef MOETRAIN_WITH_CUDA
-  if (device_ == Device::cuda) f.ready.wait(cuda::stream());
+  if (device_ == Device::cuda) {
+    cuda::Event before = cuda::Event::record_timed(cuda::stream());
+    f.ready.wait(cuda::stream());
+    waits_.emplace_back(std::move(before), cuda::Event::record_timed(cuda::stream()));
+  }
 #endif
   return f.view;
 }
@@ -270,6 +277,11 @@ ExpertCacheStats ExpertCache::flush() {
 #ifdef MOETRAIN_WITH_CUDA
   // The norm and the update read the host gradients on the main stream.
   if (device_ == Device::cuda && !counting_) cuda::Event::record(copy_stream()).wait(cuda::stream());
+  // The step's waits, once the main stream has passed the last (the norm waits for it
+  // next anyway).
+  for (const auto& [before, after] : waits_) stats_.wait_s += cuda::Event::elapsed_ms(before, after) / 1e3;
+  if (!waits_.empty()) cuda::count_host_wait();
+  waits_.clear();
 #endif
   const ExpertCacheStats s = stats_;
   stats_ = {};

@@ -38,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/arena.h"
@@ -131,6 +132,11 @@ class ExpertCache {
   Arena frames_arena_;
   std::vector<Frame> frames_;
   int current_ = -1;  // the frame of the last fetch
+#ifdef MOETRAIN_WITH_CUDA
+  // Timed marks on the main stream around each fetch's wait for its frame's copies,
+  // read at the flush.
+  std::vector<std::pair<cuda::Event, cuda::Event>> waits_;
+#endif
   int64_t tick_ = 0;
   ExpertCacheStats stats_;
 };

@@ -95,11 +95,14 @@ struct LossSum {
 // (models/decoder.cpp, take_rows, says which tensors and when). Counted since the last
 // reset_row_memory.
 // The expert cache's traffic since its last flush (offload.experts = weights,
-// models/expert_cache.h): experts found in a device frame and fetched, and the bytes
-// each way.
+// models/expert_cache.h): experts found in a device frame and fetched, the bytes each
+// way, and the compute's waits for them.
 struct ExpertCacheStats {
   int64_t hits = 0, misses = 0;
   int64_t bytes_in = 0, bytes_out = 0;
+  // Seconds the compute waited for the cache's copies (on the CPU backend, whose copies
+  // are the compute's own, all of their time).
+  double wait_s = 0;
 };
 
 struct RowMemory {

@@ -720,9 +720,11 @@ std::string step_json(const StepResult& r) {
     j["offload_bytes_out"] = r.offload.bytes_out;
     j["offload_s"] = r.offload.seconds;
   }
-  if (r.expert_cache.hits + r.expert_cache.misses > 0)
+  if (r.expert_cache.hits + r.expert_cache.misses > 0) {
     j["expert_cache_hit_rate"] = static_cast<double>(r.expert_cache.hits) /
                                  static_cast<double>(r.expert_cache.hits + r.expert_cache.misses);
+    j["expert_cache_wait_s"] = r.expert_cache.wait_s;
+  }
   j["time"] = r.time;
   j["expert_counts"] = r.expert_counts;
   j["moe_layers"] = r.moe_layers;

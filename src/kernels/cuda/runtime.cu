@@ -40,27 +40,28 @@ std::mutex& events_mutex() {
   static std::mutex m;
   return m;
 }
-std::vector<cudaEvent_t>& free_events() {
-  static auto* v = new std::vector<cudaEvent_t>();
-  return *v;
+// Two pools: marks without timing (the cheap ones) and timed marks.
+std::vector<cudaEvent_t>& free_events(bool timed) {
+  static auto* v = new std::vector<cudaEvent_t>[2];
+  return v[timed ? 1 : 0];
 }
 
-cudaError_t take_event(cudaEvent_t& e) {
+cudaError_t take_event(cudaEvent_t& e, bool timed = false) {
   {
     std::lock_guard<std::mutex> lock(events_mutex());
-    if (!free_events().empty()) {
-      e = free_events().back();
-      free_events().pop_back();
+    if (!free_events(timed).empty()) {
+      e = free_events(timed).back();
+      free_events(timed).pop_back();
       return cudaSuccess;
     }
   }
-  return cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  return cudaEventCreateWithFlags(&e, timed ? cudaEventDefault : cudaEventDisableTiming);
 }
 
-void give_event(cudaEvent_t e) noexcept {
+void give_event(cudaEvent_t e, bool timed = false) noexcept {
   if (e == nullptr) return;
   std::lock_guard<std::mutex> lock(events_mutex());
-  free_events().push_back(e);
+  free_events(timed).push_back(e);
 }
 
 // The stream that frees memory let go of on a stream other than its own (stream_free),
@@ -133,14 +134,31 @@ void Event::wait(cudaStream_t s) const {
   if (e_ != nullptr) CUDA_CHECK(cudaStreamWaitEvent(s, e_, 0));
 }
 
-Event::~Event() { give_event(e_); }
+Event Event::record_timed(cudaStream_t s) {
+  cudaEvent_t e = nullptr;
+  CUDA_CHECK(take_event(e, true));
+  Event marked(e, true);
+  CUDA_CHECK(cudaEventRecord(e, s));
+  return marked;
+}
 
-Event::Event(Event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+float Event::elapsed_ms(const Event& a, const Event& b) {
+  MT_CHECK(a.timed_ && b.timed_) << "Event::elapsed_ms of marks without timing";
+  CUDA_CHECK(cudaEventSynchronize(b.e_));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, a.e_, b.e_));
+  return ms;
+}
+
+Event::~Event() { give_event(e_, timed_); }
+
+Event::Event(Event&& o) noexcept : e_(std::exchange(o.e_, nullptr)), timed_(std::exchange(o.timed_, false)) {}
 
 Event& Event::operator=(Event&& o) noexcept {
   if (this != &o) {
-    give_event(e_);
+    give_event(e_, timed_);
     e_ = std::exchange(o.e_, nullptr);
+    timed_ = std::exchange(o.timed_, false);
   }
   return *this;
 }

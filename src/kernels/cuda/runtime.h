@@ -73,6 +73,10 @@ class Event {
   static Event record(cudaStream_t s);
   // `s` runs nothing more until the marked work is done (the host does not wait).
   void wait(cudaStream_t s) const;
+  // A mark that keeps its time (a pool of its own), and the device's milliseconds from
+  // `a` to `b`, both timed; the host waits for b first.
+  static Event record_timed(cudaStream_t s);
+  static float elapsed_ms(const Event& a, const Event& b);
   // Whether it marks anything (a CPU transfer's Request has nothing to wait for, and
   // must not touch the CUDA runtime: the machine may have no GPU).
   bool marks() const { return e_ != nullptr; }
@@ -83,8 +87,9 @@ class Event {
   Event& operator=(const Event&) = delete;
 
  private:
-  explicit Event(cudaEvent_t e) : e_(e) {}
+  explicit Event(cudaEvent_t e, bool timed = false) : e_(e), timed_(timed) {}
   cudaEvent_t e_ = nullptr;
+  bool timed_ = false;
 };
 
 // `waiter` runs nothing more until what `producer` has queued so far is done; later work
