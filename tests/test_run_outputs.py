@@ -10,8 +10,9 @@ EventAccumulator: every tag at steps 1-4 exactly once, equal (as float32) to
 metrics.jsonl's values and to the expert-load statistics of its expert_counts, with
 metrics.jsonl's time as the wall time, so steps 3 and 4 are the resumed run's (the
 first file's are dropped by the START record).
-plot: tools/plot_run.py on a short run writes valid, non-trivial PNG and SVG files
-with titles, axis labels and ticks.
+plot: tools/plot_run.py on a short run (with the expert cache, offload.experts =
+weights) writes valid, non-trivial PNG and SVG files with titles, axis labels and ticks,
+and the cache's residency heatmaps beside the loads'.
 Exits 77 (skipped) when the package it needs cannot be imported.
 """
 import glob
@@ -100,7 +101,8 @@ def test_plot(binary):
         print(f"SKIP: matplotlib cannot be imported ({e}); scripts/setup.sh installs python3-matplotlib")
         sys.exit(77)
     dump = tempfile.mkdtemp(prefix="moetrain_plot_")
-    rows = train(binary, dump, "--training.steps=12", "--lr_scheduler.warmup_steps=3")
+    rows = train(binary, dump, "--training.steps=12", "--lr_scheduler.warmup_steps=3", "--offload.experts=weights",
+                 "--offload.gpu_expert_slots=3")
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_run.py"), dump],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     check(p.returncode == 0, f"plot_run.py failed: {p.stdout}")
@@ -128,6 +130,16 @@ def test_plot(binary):
     heatmaps = sum(1 for _ in ET.parse(os.path.join(dump, "plots", "expert_load.svg")).getroot().iter(
         "{http://www.w3.org/2000/svg}image"))
     check(heatmaps == len(rows[0]["moe_layers"]) + 1, f"expert_load.svg: {heatmaps} images (one a layer, a colour bar)")
+    svg = ET.parse(os.path.join(dump, "plots", "expert_cache.svg")).getroot()
+    found = {"".join(t.itertext()).strip() for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+    for t in ["layer 0: passes finding it on the device", "layer 2: passes finding it on the device",
+              "residency (share of its passes)", "expert", "step"]:
+        check(t in found, f"expert_cache.svg: no text '{t}'")
+    images = sum(1 for _ in svg.iter("{http://www.w3.org/2000/svg}image"))
+    check(images == len(rows[0]["moe_layers"]) + 1, f"expert_cache.svg: {images} images (one a layer, a colour bar)")
+    check(all(0 <= v <= 1 for r in rows for layer in r["expert_cache_residency"] for v in layer if v is not None)
+          and any(0 < v < 1 for layer in rows[-1]["expert_cache_residency"] for v in layer if v is not None),
+          "residency outside [0, 1], or no expert found sometimes on the device and sometimes not")
 
 
 if __name__ == "__main__":

@@ -1263,6 +1263,14 @@ TEST(Commands, LayerSweepGivesTheSameBits) {
   EXPECT_GT(swept["expert_cache_wait_s"].get<double>(), 0.0);
   EXPECT_GT(depth["expert_cache_wait_s"].get<double>(), 0.0);
   EXPECT_FALSE(metrics_of(dir + "/base").back().contains("expert_cache_wait_s"));
+  // Residency: each layer's 4 experts are one line, used by 32 passes a step (the
+  // forward, the recomputed forward, B and W of 8 micro-batches). Only layer 0's first
+  // forward finds its line absent (the step starts with empty frames); every other
+  // line was prefetched or left by the forward.
+  const nlohmann::json& res = swept["expert_cache_residency"];
+  ASSERT_EQ(res.size(), 7u) << res;
+  for (size_t i = 0; i < 7; ++i)
+    for (size_t e = 0; e < 4; ++e) EXPECT_EQ(res[i][e].get<double>(), i == 0 ? 31.0 / 32 : 1.0) << i << " " << e;
   // The plan's bound for one sweep: the weights twice and the gradients in and out once.
   auto [rc, out] = run(std::string(MOETRAIN_BIN) + " plan" + common + weights + full + all);
   EXPECT_EQ(rc, 0) << out;

@@ -10,6 +10,8 @@ writes, each as .png and .svg:
                per layer, against step; then per MoE layer a heatmap, expert against
                step, of each expert's tokens over the layer's mean (1 = balanced),
                averaged over bins of steps when the run has more than 1000
+  expert_cache (offload.experts = weights) beside it, the same heatmaps of each
+               expert's residency: the share of its passes that found it on the device
 and prints one line per file written. The file is read line by line, so a long run
 of a large model needs memory for its bins, not for every step's counts.
 """
@@ -36,7 +38,7 @@ def read_run(path):
     if n == 0:
         raise SystemExit(f"{path}: no steps")
     per_bin = math.ceil(n / COLUMNS)
-    run = {"step": [], "max_over_mean": [], "bins": [], "bin_steps": [], "layers": []}
+    run = {"step": [], "max_over_mean": [], "bins": [], "bin_steps": [], "layers": [], "resident": []}
     run.update({k: [] for k in SCALARS})
     with open(path) as f:
         for i, line in enumerate(line for line in f if line.strip()):
@@ -55,6 +57,13 @@ def read_run(path):
                 run["bin_steps"].append([r["step"], 0])
             run["bins"][-1] += load
             run["bin_steps"][-1][1] += 1
+            if "expert_cache_residency" in r:  # null (no pass used the expert): NaN, left out of the mean
+                res = np.asarray([[np.nan if v is None else v for v in layer] for layer in r["expert_cache_residency"]])
+                if i % per_bin == 0:
+                    run["resident"].append([np.zeros_like(res), np.zeros_like(res)])
+                seen = ~np.isnan(res)
+                run["resident"][-1][0] += np.where(seen, res, 0.0)
+                run["resident"][-1][1] += seen
     return run
 
 
@@ -83,16 +92,37 @@ def plot_metrics(run, out, title):
     save(fig, out, "metrics")
 
 
+def heatmaps(run, axes, maps, label, vmax):
+    """One panel a MoE layer: maps[layer] is [expert, bin], against the bins' steps."""
+    first, last = run["step"][0], run["step"][-1]
+    image = None
+    for i, layer in enumerate(run["layers"]):
+        ax = axes[i]
+        image = ax.imshow(maps[i], aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=vmax,
+                          interpolation="nearest", extent=(first - 0.5, last + 0.5, -0.5, maps.shape[1] - 0.5))
+        ax.set_title(f"layer {layer}: {label}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+    return image
+
+
+def grid(panels):
+    cols = min(4, panels)
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, layout="constrained")
+    for ax in axes.flat[panels:]:
+        ax.axis("off")
+    return fig, axes.flat
+
+
 def plot_expert_load(run, out, title):
     layers = run["layers"]
     if not layers or len(run["max_over_mean"]) != len(run["step"]):
         return
     # [layer, expert, bin]: each bin's mean load
     load = np.stack([b / n for b, (_, n) in zip(run["bins"], run["bin_steps"])], axis=-1)
-    cols = min(4, len(layers) + 1)
-    rows = math.ceil((len(layers) + 1) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, layout="constrained")
-    ax = axes[0][0]
+    fig, axes = grid(len(layers) + 1)
+    ax = axes[0]
     peaks = np.asarray(run["max_over_mean"])  # [step, layer]
     for i, layer in enumerate(layers):
         ax.plot(run["step"], peaks[:, i], label=f"layer {layer}")
@@ -103,21 +133,19 @@ def plot_expert_load(run, out, title):
     ax.grid(alpha=0.3)
     if len(layers) <= 12:
         ax.legend(fontsize=7)
-    first, last = run["step"][0], run["step"][-1]
-    image = None
-    for i, layer in enumerate(layers):
-        ax = axes.flat[i + 1]
-        image = ax.imshow(load[i], aspect="auto", origin="lower", cmap="viridis", vmin=0,
-                          vmax=max(float(load.max()), 1.0), interpolation="nearest",
-                          extent=(first - 0.5, last + 0.5, -0.5, load.shape[1] - 0.5))
-        ax.set_title(f"layer {layer}: tokens per expert / mean")
-        ax.set_xlabel("step")
-        ax.set_ylabel("expert")
-    for ax in axes.flat[len(layers) + 1:]:
-        ax.axis("off")
+    image = heatmaps(run, axes[1:], load, "tokens per expert / mean", max(float(load.max()), 1.0))
     fig.suptitle(title)
-    fig.colorbar(image, ax=axes.flat[1:len(layers) + 1], shrink=0.8, label="load (1 = balanced)")
+    fig.colorbar(image, ax=axes[1:len(layers) + 1], shrink=0.8, label="load (1 = balanced)")
     save(fig, out, "expert_load")
+    if len(run["resident"]) != len(run["bins"]):
+        return
+    with np.errstate(invalid="ignore"):  # a bin in which no pass used an expert stays NaN
+        resident = np.stack([s / n for s, n in run["resident"]], axis=-1)
+    fig, axes = grid(len(layers))
+    image = heatmaps(run, axes, resident, "passes finding it on the device", 1.0)
+    fig.suptitle(title + " (expert cache)")
+    fig.colorbar(image, ax=axes[:len(layers)], shrink=0.8, label="residency (share of its passes)")
+    save(fig, out, "expert_cache")
 
 
 def main():

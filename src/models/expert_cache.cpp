@@ -178,6 +178,15 @@ ExpertCache::Line& ExpertCache::fetch(int64_t layer, int64_t line, bool grads, b
   MT_CHECK(caches(layer) && line >= 0 && line < lines_)
       << "ExpertCache: line " << line << " of layer " << layer << ", which it does not cache";
   int i = find(layer, line);
+  const size_t l = static_cast<size_t>(layer);
+  if (stats_.expert_uses.empty()) {
+    stats_.expert_uses.assign(blocks_.size(), std::vector<int64_t>(static_cast<size_t>(experts_), 0));
+    stats_.expert_hits = stats_.expert_uses;
+  }
+  for (int64_t e = line * line_; e < std::min(experts_, (line + 1) * line_); ++e) {
+    ++stats_.expert_uses[l][static_cast<size_t>(e)];
+    stats_.expert_hits[l][static_cast<size_t>(e)] += i >= 0;
+  }
   if (i >= 0) {
     stats_.hits += std::min(experts_, (line + 1) * line_) - line * line_;
   } else {
@@ -308,15 +317,6 @@ ExpertCacheStats ExpertCache::planned_traffic(int64_t micro_batches, int64_t swe
   t.bytes_in = all ? weights : passes * (2 * weights + grads);
   t.bytes_out = all ? grads : passes * grads;
   return t;
-}
-
-std::vector<std::vector<int>> ExpertCache::residency() const {
-  std::vector<std::vector<int>> r(blocks_.size(), std::vector<int>(static_cast<size_t>(experts_), 0));
-  for (const Frame& f : frames_)
-    if (f.layer >= 0)
-      for (int64_t e = f.line * line_; e < std::min(experts_, (f.line + 1) * line_); ++e)
-        r[static_cast<size_t>(f.layer)][static_cast<size_t>(e)] = 1;
-  return r;
 }
 
 }  // namespace mt

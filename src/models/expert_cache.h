@@ -99,9 +99,6 @@ class ExpertCache {
   // wrote), every line dropped (the update changes the weights). Returns the traffic
   // since the last flush.
   ExpertCacheStats flush();
-  // Experts of the frames holding each layer's lines now, [layers][experts] as 0/1
-  // (the metrics' residency beside the expert loads).
-  std::vector<std::vector<int>> residency() const;
 
  private:
   struct Frame {

@@ -103,6 +103,9 @@ struct ExpertCacheStats {
   // Seconds the compute waited for the cache's copies (on the CPU backend, whose copies
   // are the compute's own, all of their time).
   double wait_s = 0;
+  // [layer][expert of this rank]: the passes that used each expert, and those that found
+  // it in a frame (the residency beside the expert loads).
+  std::vector<std::vector<int64_t>> expert_uses, expert_hits;
 };
 
 struct RowMemory {

@@ -586,6 +586,25 @@ StepResult Trainer::step() {
   // offload.experts = weights: the gradients the cache holds go back to host memory,
   // where the norm and the update read them.
   r.expert_cache = model_.flush_expert_cache();
+  if (cfg_.offload.experts == "weights") {
+    // [MoE layer][expert] over the whole model: each expert lives on one rank (the tier
+    // refuses experts shared by dp x cp ranks), its ep rank's slice of the experts.
+    std::vector<int64_t> uses(moe_layers * E, 0), hits(uses.size(), 0);
+    const ExpertCacheStats& c = r.expert_cache;
+    for (size_t l = 0; l < c.expert_uses.size(); ++l) {
+      if (moe_index[l] < 0) continue;
+      const size_t local = c.expert_uses[l].size(), first = ep_ ? static_cast<size_t>(ep_->rank()) * local : 0;
+      for (size_t e = 0; e < local; ++e) {
+        uses[static_cast<size_t>(moe_index[l]) * E + first + e] = c.expert_uses[l][e];
+        hits[static_cast<size_t>(moe_index[l]) * E + first + e] = c.expert_hits[l][e];
+      }
+    }
+    sum_ranks_i64(uses);
+    sum_ranks_i64(hits);
+    r.expert_residency.assign(moe_layers, std::vector<double>(E, -1.0));
+    for (size_t i = 0; i < uses.size(); ++i)
+      if (uses[i] > 0) r.expert_residency[i / E][i % E] = static_cast<double>(hits[i]) / static_cast<double>(uses[i]);
+  }
 
   // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
   // changes nothing, so it is skipped).
@@ -724,6 +743,15 @@ std::string step_json(const StepResult& r) {
     j["expert_cache_hit_rate"] = static_cast<double>(r.expert_cache.hits) /
                                  static_cast<double>(r.expert_cache.hits + r.expert_cache.misses);
     j["expert_cache_wait_s"] = r.expert_cache.wait_s;
+  }
+  if (!r.expert_residency.empty()) {
+    nlohmann::json res = nlohmann::json::array();
+    for (const std::vector<double>& layer : r.expert_residency) {
+      nlohmann::json row = nlohmann::json::array();
+      for (double v : layer) row.push_back(v < 0 ? nlohmann::json() : nlohmann::json(v));
+      res.push_back(std::move(row));
+    }
+    j["expert_cache_residency"] = std::move(res);
   }
   j["time"] = r.time;
   j["expert_counts"] = r.expert_counts;

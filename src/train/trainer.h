@@ -103,6 +103,9 @@ struct StepResult {
   ExpertCacheStats expert_cache;  // offload.experts = weights: the step's cache traffic (in `offload` too)
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert (kept)
   std::vector<int64_t> moe_layers;  // the decoder layer of each MoE layer (expert_counts' rows)
+  // offload.experts = weights, per MoE layer and expert: the share of the step's passes
+  // over the expert that found it in a device frame (-1: no pass used it).
+  std::vector<std::vector<double>> expert_residency;
   int64_t dropped_slots = 0;  // (token, expert) slots over capacity (training.capacity_factor)
   std::vector<ProfileEntry> breakdown;  // metrics.profile: time (and spans) per stage
   // The first of loss, lb_loss and grad_norm that is not finite, or "": such a step's
