@@ -49,6 +49,44 @@ TEST(GenerateCommand, GreedyMatchesTransformers) {
   }
 }
 
+// A number that follows `key` in the output.
+int64_t after(const std::string& out, const std::string& key) {
+  const size_t at = out.find(key);
+  EXPECT_NE(at, std::string::npos) << key << " not in: " << out;
+  return at == std::string::npos ? -1 : std::stoll(out.substr(at + key.size()));
+}
+
+// The experts in host memory, a few on the device in lines of one expert: the same
+// tokens as transformers. One slot finds nothing on the device (each use loads its
+// expert); slots for every expert load each at most once, whatever the uses.
+TEST(GenerateCommand, OffloadedExpertsGiveTheSameTokens) {
+  for (const char* name : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+    std::vector<uint8_t> b = io::read_file(fixture(std::string(name) + "/generate.json"));
+    nlohmann::json want = nlohmann::json::parse(b.begin(), b.end());
+    std::vector<uint8_t> cb = io::read_file(fixture(std::string(name) + "/config.json"));
+    nlohmann::json c = nlohmann::json::parse(cb.begin(), cb.end());
+    const int64_t experts = c.contains("n_routed_experts") ? c["n_routed_experts"].get<int64_t>()
+                                                           : c["num_local_experts"].get<int64_t>();
+    const int64_t all = experts * c["num_hidden_layers"].get<int64_t>();
+    for (int64_t slots : {int64_t{1}, int64_t{3}, all}) {
+      auto [rc, out] = run(generate(fixture(name), ids_flag(want["prompt_ids"].get<std::vector<int64_t>>()) +
+                                                       " --temperature 0 --max-new-tokens 8 --offload-experts " +
+                                                       std::to_string(slots)));
+      ASSERT_EQ(rc, 0) << name << ": " << out;
+      EXPECT_EQ(new_ids(out), want["new_ids"].get<std::vector<int64_t>>()) << name << " " << slots;
+      const int64_t uses = after(out, "slots: "), hits = after(out, "experts used, "), loads = after(out, "on the device; ");
+      EXPECT_GT(uses, all) << name << ": " << out;  // 8 forwards, each over most experts
+      if (slots == 1) {
+        EXPECT_EQ(hits, 0) << name << ": " << out;
+        EXPECT_EQ(loads, uses) << name << ": " << out;
+      } else if (slots == all) {
+        EXPECT_LE(loads, all) << name << ": " << out;
+        EXPECT_GE(hits, uses - loads) << name << ": " << out;
+      }
+    }
+  }
+}
+
 TEST(GenerateCommand, SamplingRepeatsForASeed) {
   const std::string model = fixture("qwen3_moe_a"), prompt = ids_flag({77, 9, 29, 30, 78, 3});
   auto ids = [&](const std::string& flags) {

@@ -3,8 +3,12 @@
 // is for looking at what a model learned and for checks against transformers, not for
 // serving) and picks from the last position's logits: greedy at temperature 0, else a
 // seeded draw (Philox: the same seed gives the same tokens) from the top-p nucleus.
+// With --offload-experts N the routed experts stay in host memory and N of them at a
+// time are on the device, in the expert cache's lines of one expert
+// (models/expert_cache.h); the tokens/s and the cache's hit rate then go to stderr.
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -99,7 +103,7 @@ std::vector<float> last_logits(Model& model, Stash& s) {
 int run_generate(const Args& args) {
   Options o("generate", args,
             {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "seed", "device",
-             "past-max-positions?"});
+             "past-max-positions?", "offload-experts"});
   fs::path dir = o.required("model");
   const std::string device = o.get("device", "cpu");
   MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
@@ -112,6 +116,11 @@ int run_generate(const Args& args) {
   // A Hugging Face folder, or a checkpoint: a step folder, or a run folder's newest.
   ModelOptions options;
   options.device = device == "cuda" ? Device::cuda : Device::cpu;
+  if (o.has("offload-experts")) {
+    options.offload_experts = options.offload_weights = true;
+    options.expert_slots = o.integer("offload-experts", 1, 1, kMaxConfigInteger);
+    options.expert_line = 1;
+  }
   std::string read;
   std::unique_ptr<Model> model = load_model_folder(dir.string(), options, &read);
   dir = read;
@@ -134,6 +143,7 @@ int run_generate(const Args& args) {
       << " in " << dir.string() << "/config.json); shorten it, or add --past-max-positions";
   const std::vector<int64_t> eos = eos_ids(dir);
   const size_t prompt = ids.size();
+  const auto start = std::chrono::steady_clock::now();
   for (int64_t step = 0; step < max_new; ++step) {
     const int64_t T = static_cast<int64_t>(ids.size());
     if (max_positions > 0 && T >= max_positions) {
@@ -149,6 +159,19 @@ int run_generate(const Args& args) {
     Trainer::forward(*model, *s);
     ids.push_back(pick(last_logits(*model, *s), temperature, top_p, seed, step));
     if (std::find(eos.begin(), eos.end(), ids.back()) != eos.end()) break;
+  }
+  if (o.has("offload-experts")) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "moetrain generate: %zu new tokens in %.3f s (%.2f tokens/s)\n", ids.size() - prompt, seconds,
+                 static_cast<double>(ids.size() - prompt) / std::max(seconds, 1e-9));
+    const ExpertCacheStats c = model->expert_cache_stats();
+    int64_t uses = 0;
+    for (const std::vector<int64_t>& layer : c.expert_uses) uses = std::accumulate(layer.begin(), layer.end(), uses);
+    std::fprintf(stderr, "moetrain generate: expert cache of %lld slots: %lld experts used, %lld of them (%.1f%%) found "
+                 "on the device; %lld loaded, %.3f GB copied in, %.3f s waited for\n",
+                 static_cast<long long>(options.expert_slots), static_cast<long long>(uses),
+                 static_cast<long long>(c.hits), 100.0 * static_cast<double>(c.hits) / std::max<double>(1, uses),
+                 static_cast<long long>(c.misses), static_cast<double>(c.bytes_in) / 1e9, c.wait_s);
   }
   if (tok) std::printf("%s\n", tok->decode(ids, true).c_str());
   std::string out = "[";

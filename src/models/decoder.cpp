@@ -185,7 +185,8 @@ class Decoder final : public Model {
         balanced_(o.force_balanced_routing), plan_only_(o.plan_only), external_layers_(o.external_layers),
         capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute),
         offload_experts_(o.offload_experts), offload_layers_(o.offload_layers),
-        offload_weights_(o.offload_experts && o.offload_weights), expert_slots_(o.expert_slots), ep_(o.ep),
+        offload_weights_(o.offload_experts && o.offload_weights), expert_slots_(o.expert_slots),
+        expert_line_(o.expert_line), ep_(o.ep),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
         linear_(o.fp8, o.fp8_pow2), pool_(std::make_shared<RowPool>()) {
     MT_CHECK(routing_skew_ >= 1.0) << "a routing skew of " << routing_skew_
@@ -223,6 +224,7 @@ class Decoder final : public Model {
     return cache_.planned_traffic(micro_batches, sweep);
   }
   ExpertCacheStats flush_expert_cache() override { return cache_.flush(); }
+  ExpertCacheStats expert_cache_stats() const override { return cache_.stats(); }
   bool balanced_routing() const override { return balanced_; }
   int64_t num_layers() const override { return c_.num_layers; }
   bool is_moe_layer(int64_t layer) const override { return c_.moe[layer]; }
@@ -385,7 +387,7 @@ class Decoder final : public Model {
   bool offload_experts_;  // the routed experts' master weights in host memory
   int64_t offload_layers_;  // of the first this many MoE layers held here (0: all)
   bool offload_weights_;    // their compute copies and gradients too, through cache_
-  int64_t expert_slots_;
+  int64_t expert_slots_, expert_line_;
   ExpertCache cache_;
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
@@ -537,7 +539,7 @@ void Decoder::build_params() {
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].cached) blocks[static_cast<size_t>(params_[i].layer)].push_back(static_cast<int>(i));
   cache_ = ExpertCache(params_, std::move(blocks), local_experts_, expert_slots_ > 0 ? expert_slots_ : 2 * local_experts_,
-                       device_, plan_only_);
+                       expert_line_, device_, plan_only_);
 }
 
 std::vector<HfTensor> Decoder::hf_tensors() {

@@ -32,17 +32,19 @@ Shape experts_shape(const Shape& s, int64_t count) {
 }  // namespace
 
 ExpertCache::ExpertCache(std::vector<Param>& params, std::vector<std::vector<int>> blocks, int64_t experts,
-                         int64_t slots, Device device, bool counting)
+                         int64_t slots, int64_t line, Device device, bool counting)
     : params_(&params), blocks_(std::move(blocks)), experts_(experts), device_(device), counting_(counting) {
   MT_CHECK(slots >= 1) << "offload.gpu_expert_slots = " << slots << ": expected at least one expert slot";
   MT_CHECK(experts >= 1) << "ExpertCache: a cached layer holds " << experts << " experts";
-  line_ = slots >= experts ? experts : std::max<int64_t>(1, slots / 2);
+  MT_CHECK(line >= 0) << "ExpertCache: lines of " << line << " experts";
+  line_ = line > 0 ? std::min(line, experts) : slots >= experts ? experts : std::max<int64_t>(1, slots / 2);
   lines_ = (experts + line_ - 1) / line_;
   const int64_t frames = std::max<int64_t>(1, slots / line_);
   const std::vector<int>* shape_of = nullptr;
   for (const std::vector<int>& b : blocks_)
     if (!b.empty()) shape_of = &b;
   written_.assign(blocks_.size(), std::vector<bool>(static_cast<size_t>(lines_), false));
+  passed_.assign(blocks_.size(), {});
   if (shape_of == nullptr) return;
   for (size_t l = 0; l < blocks_.size(); ++l)
     for (size_t j = 0; j < blocks_[l].size(); ++j) {
@@ -179,6 +181,11 @@ ExpertCache::Line& ExpertCache::fetch(int64_t layer, int64_t line, bool grads, b
       << "ExpertCache: line " << line << " of layer " << layer << ", which it does not cache";
   int i = find(layer, line);
   const size_t l = static_cast<size_t>(layer);
+  if (layer != pass_layer_) {
+    passed_[l].assign(static_cast<size_t>(lines_), false);
+    pass_layer_ = layer;
+  }
+  passed_[l][static_cast<size_t>(line)] = true;
   if (stats_.expert_uses.empty()) {
     stats_.expert_uses.assign(blocks_.size(), std::vector<int64_t>(static_cast<size_t>(experts_), 0));
     stats_.expert_hits = stats_.expert_uses;
@@ -251,8 +258,13 @@ void ExpertCache::done(bool wrote) {
 
 void ExpertCache::prefetch(int64_t layer) {
   if (!caches(layer) || counting_) return;
-  const int64_t spare = static_cast<int64_t>(frames_.size()) - lines_;
-  for (int64_t line = 0; line < std::min(lines_, spare); ++line) {
+  const std::vector<bool>& want = passed_[static_cast<size_t>(layer)];
+  const std::vector<bool>* busy = pass_layer_ >= 0 ? &passed_[static_cast<size_t>(pass_layer_)] : nullptr;
+  int64_t spare = static_cast<int64_t>(frames_.size()) -
+                  (busy != nullptr ? std::count(busy->begin(), busy->end(), true) : 0);
+  for (int64_t line = 0; line < lines_ && spare > 0; ++line) {
+    if (!want.empty() && !want[static_cast<size_t>(line)]) continue;
+    --spare;
     if (find(layer, line) >= 0) continue;
     Frame& f = frames_[static_cast<size_t>(victim())];
     load_weights(f, layer, line);

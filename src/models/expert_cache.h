@@ -12,11 +12,15 @@
 //
 // A line is `line_experts()` consecutive experts of one layer, all of its cached
 // matrices, weights and gradients: a layer's products run once per line, over the
-// line's window of the rows (kernels/grouped_gemm.h). With slots for a layer's experts
-// or more, a line is a whole layer; with fewer, half the slots, so that one line is
-// fetched while the other computes. The frames are replaced least recently used first.
-// A line is fetched when its window has rows (the routing read at the layer's forward);
-// a line none of a micro-batch's tokens reach is not.
+// line's window of the rows (kernels/grouped_gemm.h). In training, with slots for a
+// layer's experts or more, a line is a whole layer; with fewer, half the slots, so that
+// one line is fetched while the other computes. Generation (cli/generate.cpp) takes
+// lines of one expert: a token reaches k experts a layer, and only those are fetched.
+// The frames are replaced least recently used first. A line is fetched when its window
+// has rows (the routing read at the layer's forward); a line none of a micro-batch's
+// tokens reach is not. Behind a layer's pass the next cached layer's lines are
+// prefetched: those its last pass fetched (every line before its first), as many as the
+// frames hold besides the lines this pass fetched.
 //
 // Gradients: a line's gradients are fetched with it for a W (from host memory, or zeros
 // for a line not written yet this step, or nothing for the step's first write, which
@@ -56,9 +60,10 @@ class ExpertCache {
   ExpertCache() = default;
   // blocks[l]: indices into params of layer l's cached matrices ([experts, ...] each, the
   // same shapes in every layer that has any; empty: a layer not cached). `slots`: the
-  // experts the device holds at once (>= 1). With `counting` the frames are only counted.
+  // experts the device holds at once (>= 1); `line`: the experts a line holds (0: the
+  // training rule above). With `counting` the frames are only counted.
   ExpertCache(std::vector<Param>& params, std::vector<std::vector<int>> blocks, int64_t experts, int64_t slots,
-              Device device, bool counting);
+              int64_t line, Device device, bool counting);
   ExpertCache(ExpertCache&&) = default;
   ExpertCache& operator=(ExpertCache&&) = default;
 
@@ -92,9 +97,12 @@ class ExpertCache {
   Line& fetch(int64_t layer, int64_t line, bool grads = false, bool accumulate = false);
   // The work on the fetched line is queued; with `wrote` its gradients changed.
   void done(bool wrote);
-  // Starts fetching the layer's first lines, as many as the frames hold besides one
-  // layer's, without waiting for them.
+  // Starts fetching the lines the layer's last pass fetched (all of them before its
+  // first), as many as the frames hold besides those the current pass fetched, without
+  // waiting for them.
   void prefetch(int64_t layer);
+  // The traffic since the last flush.
+  const ExpertCacheStats& stats() const { return stats_; }
   // Every changed gradient back in host memory (and zeros for the lines a step never
   // wrote), every line dropped (the update changes the weights). Returns the traffic
   // since the last flush.
@@ -123,6 +131,10 @@ class ExpertCache {
   std::vector<Param>* params_ = nullptr;
   std::vector<std::vector<int>> blocks_;
   std::vector<std::vector<bool>> written_;  // [layer][line]: its gradients written this step
+  // [layer][line]: fetched by the layer's last pass (empty: no pass yet); the pass is
+  // the run of fetches of pass_layer_.
+  std::vector<std::vector<bool>> passed_;
+  int64_t pass_layer_ = -1;
   int64_t experts_ = 0, line_ = 0, lines_ = 0;
   Device device_ = Device::cpu;
   bool counting_ = false;

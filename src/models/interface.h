@@ -175,6 +175,9 @@ struct ModelOptions {
   // layers' worth), through the expert cache (models/expert_cache.h).
   bool offload_weights = false;
   int64_t expert_slots = 0;
+  // The experts a cache line holds (0: a layer's when the slots hold one, else half the
+  // slots); generation takes 1.
+  int64_t expert_line = 0;
 };
 
 class Model {
@@ -258,6 +261,8 @@ class Model {
     return {};
   }
   virtual ExpertCacheStats flush_expert_cache() { return {}; }
+  // The traffic since the last flush, the cache left as it is (generation reads it).
+  virtual ExpertCacheStats expert_cache_stats() const { return {}; }
 };
 
 // One switch on config.json's model_type.
