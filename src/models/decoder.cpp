@@ -224,7 +224,7 @@ class Decoder final : public Model {
     return cache_.planned_traffic(micro_batches, sweep);
   }
   ExpertCacheStats flush_expert_cache() override { return cache_.flush(); }
-  ExpertCacheStats expert_cache_stats() const override { return cache_.stats(); }
+  ExpertCacheStats expert_cache_stats() override { return cache_.stats(); }
   bool balanced_routing() const override { return balanced_; }
   int64_t num_layers() const override { return c_.num_layers; }
   bool is_moe_layer(int64_t layer) const override { return c_.moe[layer]; }

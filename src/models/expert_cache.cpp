@@ -298,15 +298,25 @@ ExpertCacheStats ExpertCache::flush() {
 #ifdef MOETRAIN_WITH_CUDA
   // The norm and the update read the host gradients on the main stream.
   if (device_ == Device::cuda && !counting_) cuda::Event::record(copy_stream()).wait(cuda::stream());
-  // The step's waits, once the main stream has passed the last (the norm waits for it
-  // next anyway).
+#endif
+  count_waits();  // the norm waits for the main stream next anyway
+  const ExpertCacheStats s = stats_;
+  stats_ = {};
+  return s;
+}
+
+// The compute's waits so far into stats_ (waiting for the main stream to pass the last).
+void ExpertCache::count_waits() {
+#ifdef MOETRAIN_WITH_CUDA
   for (const auto& [before, after] : waits_) stats_.wait_s += cuda::Event::elapsed_ms(before, after) / 1e3;
   if (!waits_.empty()) cuda::count_host_wait();
   waits_.clear();
 #endif
-  const ExpertCacheStats s = stats_;
-  stats_ = {};
-  return s;
+}
+
+ExpertCacheStats ExpertCache::stats() {
+  count_waits();
+  return stats_;
 }
 
 int64_t ExpertCache::cached_layers() const {

@@ -101,8 +101,9 @@ class ExpertCache {
   // first), as many as the frames hold besides those the current pass fetched, without
   // waiting for them.
   void prefetch(int64_t layer);
-  // The traffic since the last flush.
-  const ExpertCacheStats& stats() const { return stats_; }
+  // The traffic since the last flush, the lines left as they are (on the GPU it waits
+  // for the main stream to pass the last fetch).
+  ExpertCacheStats stats();
   // Every changed gradient back in host memory (and zeros for the lines a step never
   // wrote), every line dropped (the update changes the weights). Returns the traffic
   // since the last flush.
@@ -127,6 +128,7 @@ class ExpertCache {
   Tensor host_rows(const Tensor& t, int64_t line) const;
   Line make_view(const Frame& f) const;
   int64_t cached_layers() const;
+  void count_waits();
 
   std::vector<Param>* params_ = nullptr;
   std::vector<std::vector<int>> blocks_;

@@ -262,7 +262,7 @@ class Model {
   }
   virtual ExpertCacheStats flush_expert_cache() { return {}; }
   // The traffic since the last flush, the cache left as it is (generation reads it).
-  virtual ExpertCacheStats expert_cache_stats() const { return {}; }
+  virtual ExpertCacheStats expert_cache_stats() { return {}; }
 };
 
 // One switch on config.json's model_type.
