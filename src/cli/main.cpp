@@ -95,13 +95,15 @@ const Command kCommands[] = {
     {"generate", "continue a prompt with a Hugging Face model folder or a checkpoint",
      "usage: moetrain generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens 32]\n"
      "                         [--temperature 0] [--top-p 1] [--seed 0] [--device cpu|cuda]\n"
-     "                         [--past-max-positions]\n"
+     "                         [--past-max-positions] [--offload-experts N]\n"
      "  DIR is a Hugging Face folder (export-hf's output), a checkpoint step folder or a run\n"
      "  folder (its newest checkpoint). Temperature 0 is greedy; above 0, tokens are drawn from\n"
      "  the top-p nucleus, the same ones for the same --seed. Stops at eos_token_id (of\n"
      "  generation_config.json, else config.json). Prints the prompt and its continuation\n"
      "  where DIR has a tokenizer.json, then the new ids as one JSON array on the last line.\n"
-     "  It stops at config.json's max_position_embeddings unless --past-max-positions.\n",
+     "  It stops at config.json's max_position_embeddings unless --past-max-positions.\n"
+     "  --offload-experts N keeps the routed experts in host memory and N of them on the\n"
+     "  device (an LRU cache), and prints the tokens/s and the cache's hit rate on stderr.\n",
      mt::cli::run_generate},
     {"plan", "print memory per rank and the mesh for a config, before launch",
      "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n"
