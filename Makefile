@@ -42,7 +42,7 @@ sanitize: setup
 	cmake --build $(SANITIZE_BUILD) -j $(JOBS)
 	cd $(SANITIZE_BUILD) && OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-passive} \
 	  OMPI_MCA_mca_base_component_disable_dlclose=1 PMIX_MCA_mca_base_component_disable_dlclose=1 \
-	  LSAN_OPTIONS=suppressions=$(CURDIR)/fuzz/lsan.supp:fast_unwind_on_malloc=0 ctest --output-on-failure
+	  LSAN_OPTIONS=suppressions=$(CURDIR)/fuzz/lsan.supp:fast_unwind_on_malloc=0 ctest -j $(JOBS) --output-on-failure
 	bash fuzz/run.sh $(SANITIZE_BUILD) $(FUZZ_SECONDS)
 
 demo: moetrain
