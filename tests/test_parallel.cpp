@@ -29,6 +29,7 @@
 #include "kernels/grouped_gemm.h"
 #include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
+#include "parallel/placement.h"
 #include "parallel/sharding.h"
 
 namespace mt {
@@ -56,6 +57,7 @@ class Mesh : public Parallel {};
 class ExpertParallel : public Parallel {};
 class ContextParallel : public Parallel {};
 class Sharding : public Parallel {};
+class ExpertPlacement : public Parallel {};
 
 // The message of the mt::Error that f throws, or "" when it throws none.
 std::string error_of(const std::function<void()>& f) {
@@ -1196,6 +1198,82 @@ TEST_F(Sharding, ReduceScatterAllGatherAndStateRoundTrip) {
   layout.gather(half_t, Tensor(), back_t, scratch_t);
   for (size_t i = 0; i < blocks.size(); ++i)
     expect_close(back[i].data(), full[i].data(), blocks[i].n, 0, "bf16 round trip of block " + std::to_string(i));
+}
+
+// One hot expert (5, load 10; the others 1) over 4 ranks of 2 experts and 1 replica slot
+// each, worked by hand: replication gives expert 5 a copy on every rank (10/2, 10/3,
+// 10/4 stay the highest per copy) and the fourth replica to expert 0 (ties: the lower);
+// packing puts 5's copies on ranks 0, 1 (tied with 3: the lower) and 3, and 0's on the
+// one rank with room, 2. Loads a rank then 4, 4.5, 4, 4.5 (mean 4.25) against 11 on
+// rank 2 without replicas.
+TEST_F(ExpertPlacement, AHotExpertGetsReplicasWorkedByHand) {
+  std::vector<double> load(8, 1.0);
+  load[5] = 10;
+  const parallel::Placement p = parallel::plan_placement(load, 4, 1);
+  const std::vector<std::vector<int32_t>> want = {{0, 1, 5}, {2, 3, 5}, {4, 5, 0}, {6, 7, 5}};
+  EXPECT_EQ(p.slots, want);
+  EXPECT_EQ(p.rank_loads(load), (std::vector<double>{4.0, 4.5, 4.0, 4.5}));
+  EXPECT_DOUBLE_EQ(parallel::max_over_mean(p, load), 4.5 / 4.25);
+  EXPECT_DOUBLE_EQ(parallel::max_over_mean(parallel::owners_only(8, 4, 1), load), 11 / 4.25);
+  // Routing: a rank holding the expert keeps its slots; the others split them by token
+  // over the holders in rank order (expert 0: ranks 0 and 2).
+  EXPECT_EQ(p.holders(0), (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(p.route(5, 1, 7), 1);
+  EXPECT_EQ(p.route(0, 2, 7), 2);
+  EXPECT_EQ(p.route(0, 1, 3), 2);
+  EXPECT_EQ(p.route(0, 3, 4), 0);
+  EXPECT_EQ(p.route(6, 0, 9), 3);
+  // Without replica slots, or without load, it is the owners' placement.
+  EXPECT_EQ(parallel::plan_placement(load, 4, 0), parallel::owners_only(8, 4, 0));
+  EXPECT_DOUBLE_EQ(parallel::max_over_mean(p, std::vector<double>(8, 0.0)), 1.0);
+}
+
+// Skewed random loads (a few experts 10 above the rest, which are below 1): the same placement on every
+// rank; each rank its own experts first, at most R replicas, no expert twice on a rank,
+// every replica on its owner's node; and max/mean no higher than without replicas.
+TEST_F(ExpertPlacement, DeterministicEqualOnEveryRankAndWithinItsNode) {
+  comm::Communicator& w = world_comm();
+  for (int64_t per_node : {0, 2}) {
+    const std::vector<float> u = uniform(64, 7, 0, 1);
+    std::vector<double> load(u.begin(), u.end());
+    for (int64_t e : {3, 17, 18, 40}) load[static_cast<size_t>(e)] += 10;
+    const parallel::Placement p = parallel::plan_placement(load, 8, 2, per_node);
+    std::vector<int32_t> flat;
+    for (const auto& s : p.slots) flat.insert(flat.end(), s.begin(), s.end());
+    std::vector<int32_t> all(flat.size() * static_cast<size_t>(w.size()));
+    w.all_gather(Tensor(flat.data(), {static_cast<int64_t>(flat.size())}, DType::i32),
+                 Tensor(all.data(), {static_cast<int64_t>(all.size())}, DType::i32));
+    for (int r = 0; r < w.size(); ++r)
+      EXPECT_TRUE(std::equal(flat.begin(), flat.end(), all.begin() + static_cast<ptrdiff_t>(r * flat.size())))
+          << "rank " << r << "'s placement differs";
+    EXPECT_EQ(p, parallel::plan_placement(load, 8, 2, per_node));
+    for (int64_t r = 0; r < 8; ++r) {
+      const std::vector<int32_t>& s = p.slots[static_cast<size_t>(r)];
+      ASSERT_EQ(s.size(), 10u);
+      for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(s[static_cast<size_t>(i)], r * 8 + i);
+      std::vector<int32_t> sorted = s;
+      std::sort(sorted.begin(), sorted.end());
+      EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end()) << "rank " << r;
+      for (int64_t i = 8; i < 10; ++i) {
+        if (per_node > 0 && s[static_cast<size_t>(i)] >= 0) {
+          EXPECT_EQ(p.owner(s[static_cast<size_t>(i)]) / per_node, r / per_node) << "rank " << r;
+        }
+      }
+    }
+    for (int64_t e : {3, 17, 18, 40}) EXPECT_GE(p.holders(e).size(), 2u) << "expert " << e;
+    EXPECT_LT(parallel::max_over_mean(p, load), parallel::max_over_mean(parallel::owners_only(64, 8, 2), load));
+  }
+  EXPECT_NE(error_of([] { parallel::plan_placement(std::vector<double>(6, 1.0), 4, 1); }).find("6 experts over 4 ranks"),
+            std::string::npos);
+}
+
+// The loads' moving average: the first step's counts, then decay * mean + (1 - decay) * counts.
+TEST_F(ExpertPlacement, LoadAverageWeighsTheSteps) {
+  parallel::LoadAverage a;
+  a.decay = 0.75;
+  a.add({{4, 0}, {1, 2}});
+  a.add({{0, 8}, {1, 6}});
+  EXPECT_EQ(a.mean, (std::vector<std::vector<double>>{{3.0, 2.0}, {1.0, 3.0}}));
 }
 
 }  // namespace

@@ -1,0 +1,124 @@
+#include "parallel/placement.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "core/check.h"
+
+namespace mt::parallel {
+
+std::vector<int64_t> Placement::holders(int64_t expert) const {
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < ranks; ++r) {
+    const std::vector<int32_t>& s = slots[static_cast<size_t>(r)];
+    if (std::find(s.begin(), s.end(), static_cast<int32_t>(expert)) != s.end()) out.push_back(r);
+  }
+  return out;
+}
+
+int64_t Placement::route(int64_t expert, int64_t sender, int64_t token) const {
+  const std::vector<int64_t> h = holders(expert);
+  if (std::find(h.begin(), h.end(), sender) != h.end()) return sender;
+  return h[static_cast<size_t>(token % static_cast<int64_t>(h.size()))];
+}
+
+std::vector<double> Placement::rank_loads(const std::vector<double>& load) const {
+  std::vector<int64_t> copies(static_cast<size_t>(experts), 0);
+  for (const std::vector<int32_t>& s : slots)
+    for (int32_t e : s)
+      if (e >= 0) ++copies[static_cast<size_t>(e)];
+  std::vector<double> out(static_cast<size_t>(ranks), 0.0);
+  for (int64_t r = 0; r < ranks; ++r)
+    for (int32_t e : slots[static_cast<size_t>(r)])
+      if (e >= 0) out[static_cast<size_t>(r)] += load[static_cast<size_t>(e)] / static_cast<double>(copies[static_cast<size_t>(e)]);
+  return out;
+}
+
+Placement owners_only(int64_t experts, int64_t ranks, int64_t replicas) {
+  MT_CHECK(ranks >= 1 && experts % ranks == 0 && replicas >= 0)
+      << "expert placement: " << experts << " experts over " << ranks << " ranks with " << replicas
+      << " replica slots a rank (expected ranks dividing the experts, replicas >= 0)";
+  Placement p;
+  p.experts = experts;
+  p.ranks = ranks;
+  p.replicas = replicas;
+  const int64_t own = experts / ranks;
+  p.slots.assign(static_cast<size_t>(ranks), std::vector<int32_t>(static_cast<size_t>(own + replicas), -1));
+  for (int64_t r = 0; r < ranks; ++r)
+    for (int64_t i = 0; i < own; ++i) p.slots[static_cast<size_t>(r)][static_cast<size_t>(i)] = static_cast<int32_t>(r * own + i);
+  return p;
+}
+
+Placement plan_placement(const std::vector<double>& load, int64_t ranks, int64_t replicas, int64_t ranks_per_node) {
+  const int64_t experts = static_cast<int64_t>(load.size());
+  Placement p = owners_only(experts, ranks, replicas);
+  const int64_t g = ranks_per_node > 0 ? ranks_per_node : ranks;
+  MT_CHECK(ranks % g == 0) << "expert placement: nodes of " << g << " ranks do not divide " << ranks << " ranks";
+  for (double l : load) MT_CHECK(l >= 0) << "expert placement: a load of " << l << " (expected >= 0)";
+  const int64_t own = experts / ranks;
+  for (int64_t first = 0; first < ranks; first += g) {
+    // This node's experts and their copies (one each: the owner's).
+    const int64_t e0 = first * own, e1 = (first + g) * own;
+    std::vector<int64_t> copies(static_cast<size_t>(experts), 1);
+    auto per_copy = [&](int64_t e) { return load[static_cast<size_t>(e)] / static_cast<double>(copies[static_cast<size_t>(e)]); };
+    // 1. Replication: each replica to the expert of highest load per copy.
+    std::vector<int64_t> extra;
+    for (int64_t n = 0; n < g * replicas; ++n) {
+      int64_t best = -1;
+      for (int64_t e = e0; e < e1; ++e)
+        if (copies[static_cast<size_t>(e)] < g && (best < 0 || per_copy(e) > per_copy(best))) best = e;
+      if (best < 0) break;  // every expert on every rank of the node
+      ++copies[static_cast<size_t>(best)];
+      extra.push_back(best);
+    }
+    // 2. Packing: heaviest per copy first, to the least loaded rank that can take it.
+    std::stable_sort(extra.begin(), extra.end(), [&](int64_t a, int64_t b) {
+      return per_copy(a) > per_copy(b) || (per_copy(a) == per_copy(b) && a < b);
+    });
+    std::vector<double> rank_load(static_cast<size_t>(g), 0.0);
+    std::vector<int64_t> used(static_cast<size_t>(g), 0);
+    for (int64_t r = 0; r < g; ++r)
+      for (int64_t i = 0; i < own; ++i) rank_load[static_cast<size_t>(r)] += per_copy((first + r) * own + i);
+    for (int64_t e : extra) {
+      int64_t to = -1;
+      for (int64_t r = 0; r < g; ++r) {
+        const std::vector<int32_t>& s = p.slots[static_cast<size_t>(first + r)];
+        const bool has = std::find(s.begin(), s.end(), static_cast<int32_t>(e)) != s.end();
+        if (used[static_cast<size_t>(r)] < replicas && !has &&
+            (to < 0 || rank_load[static_cast<size_t>(r)] < rank_load[static_cast<size_t>(to)]))
+          to = r;
+      }
+      if (to < 0) continue;  // the ranks with room hold it already: the slot stays empty
+      p.slots[static_cast<size_t>(first + to)][static_cast<size_t>(own + used[static_cast<size_t>(to)]++)] =
+          static_cast<int32_t>(e);
+      rank_load[static_cast<size_t>(to)] += per_copy(e);
+    }
+  }
+  return p;
+}
+
+double max_over_mean(const Placement& p, const std::vector<double>& load) {
+  const std::vector<double> r = p.rank_loads(load);
+  const double total = std::accumulate(r.begin(), r.end(), 0.0);
+  if (total <= 0) return 1.0;
+  return *std::max_element(r.begin(), r.end()) / (total / static_cast<double>(r.size()));
+}
+
+void LoadAverage::add(const std::vector<std::vector<int64_t>>& counts) {
+  const bool first = mean.empty();
+  if (first) {
+    mean.resize(counts.size());
+    for (size_t l = 0; l < counts.size(); ++l) mean[l].assign(counts[l].size(), 0.0);
+  }
+  MT_CHECK(mean.size() == counts.size()) << "expert loads: " << counts.size() << " layers, after " << mean.size();
+  for (size_t l = 0; l < counts.size(); ++l) {
+    MT_CHECK(mean[l].size() == counts[l].size())
+        << "expert loads: layer " << l << " has " << counts[l].size() << " experts, after " << mean[l].size();
+    for (size_t e = 0; e < counts[l].size(); ++e) {
+      const double c = static_cast<double>(counts[l][e]);
+      mean[l][e] = first ? c : decay * mean[l][e] + (1 - decay) * c;
+    }
+  }
+}
+
+}  // namespace mt::parallel

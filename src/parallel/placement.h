@@ -1,0 +1,68 @@
+// Expert placement under expert parallelism: which ep ranks hold which experts of a
+// layer, and the planner that chooses it from the experts' loads (hot experts get
+// replicas on other ranks, so that the busiest rank receives fewer rows).
+//
+// E experts over P ranks: rank r owns experts [r*E/P, (r+1)*E/P) (their master weights
+// and optimizer state stay there, sharded as without replicas) and holds R more slots,
+// each a replica of an expert another rank owns (-1: empty). A replica computes with
+// its expert's weights; its gradient is summed into the owner's.
+//
+// The planner is DeepSeek's EPLB with the owners fixed:
+//   1. replication: the P*R replicas go one at a time to the expert with the highest
+//      load per copy (load / copies; ties to the lower expert), at most one copy a rank;
+//   2. packing: the replicas, heaviest per copy first (ties: lower expert), each to the
+//      rank of least predicted load (ties: lower rank) that has a free slot and no copy
+//      of it yet; a rank's predicted load is the sum over its slots of load / copies.
+// With several nodes (ranks node-major, `ranks_per_node` each) it runs per node: an
+// expert's replicas stay on its owner's node, so their weights and gradients move over
+// the node's own links, and the node's slots go to the node's experts.
+//
+// Routing to replicas (the rule the dispatch applies): a slot of token t on rank q for
+// expert e goes to q itself when q holds a copy of e; else to copy (t mod copies) of e,
+// the copies in rank order. With senders spread evenly, each copy receives load / copies.
+//
+// Loads are a layer's slots an expert received a step (the metrics' expert_counts, summed
+// over the ranks), averaged over steps by an exponential moving average.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mt::parallel {
+
+struct Placement {
+  int64_t experts = 0, ranks = 1, replicas = 0;  // E, P, R
+  // [r][i]: rank r's slot i, i < E/P + R: its own experts in order, then its replicas
+  // (-1: a slot the planner left empty).
+  std::vector<std::vector<int32_t>> slots;
+
+  int64_t slots_per_rank() const { return experts / ranks + replicas; }
+  int64_t owner(int64_t expert) const { return expert / (experts / ranks); }
+  // The ranks that hold a copy of `expert`, in rank order (its owner among them).
+  std::vector<int64_t> holders(int64_t expert) const;
+  // The rank that slot (token, expert) of a token on `sender` goes to (the rule above).
+  int64_t route(int64_t expert, int64_t sender, int64_t token) const;
+  // Each rank's predicted load: the sum over its slots of load / copies.
+  std::vector<double> rank_loads(const std::vector<double>& load) const;
+  bool operator==(const Placement& o) const = default;
+};
+
+// Every rank its own experts and R empty slots: the placement without replicas.
+Placement owners_only(int64_t experts, int64_t ranks, int64_t replicas);
+
+// The planner above for one layer's loads [E] (>= 0). ranks_per_node divides ranks
+// (ranks: one node).
+Placement plan_placement(const std::vector<double>& load, int64_t ranks, int64_t replicas, int64_t ranks_per_node = 0);
+
+// The highest over the mean of rank_loads (1: even; 1 when there is no load).
+double max_over_mean(const Placement& p, const std::vector<double>& load);
+
+// The exponential moving average of each layer's expert loads: the first step's counts,
+// then decay * average + (1 - decay) * counts.
+struct LoadAverage {
+  double decay = 0.9;
+  std::vector<std::vector<double>> mean;  // [layer][expert]
+  void add(const std::vector<std::vector<int64_t>>& counts);
+};
+
+}  // namespace mt::parallel
