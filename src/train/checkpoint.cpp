@@ -62,6 +62,13 @@ void sync_dir(const fs::path& dir) {
 
 bool complete(const fs::path& dir) { return fs::exists(dir / "COMPLETE"); }
 
+// The marker first: from then on a reader that finds a file missing finds the checkpoint
+// incomplete too (one being rotated away), not damaged.
+void remove_checkpoint(const fs::path& dir, std::error_code& ec) {
+  fs::remove(dir / "COMPLETE", ec);
+  if (!ec) fs::remove_all(dir, ec);
+}
+
 int64_t step_of(const fs::path& dir) {
   std::string n = dir.filename().string();
   if (n.size() != 13 || n.rfind("step-", 0) != 0 || n.find_first_not_of("0123456789", 5) != std::string::npos) return -1;
@@ -227,7 +234,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   test_delay();
   sync_dir(tmp);
   std::error_code ec;
-  fs::remove_all(final_dir, ec);
+  remove_checkpoint(final_dir, ec);
   MT_CHECK(!ec) << "removing the earlier " << final_dir.string() << " to replace it: " << ec.message();
   fs::rename(tmp, final_dir, ec);
   MT_CHECK(!ec) << "renaming " << tmp.string() << " to " << final_dir.string() << ": " << ec.message();
@@ -240,7 +247,10 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   // as just written, is always kept: damaged ones cannot leave the run none that loads.
   int64_t kept = 0;
   for (const std::string& dir : complete_checkpoints(root.string()))
-    if (step_of(dir) <= st.step && ++kept > keep) fs::remove_all(dir);
+    if (step_of(dir) <= st.step && ++kept > keep) {
+      remove_checkpoint(dir, ec);
+      MT_CHECK(!ec) << "removing " << dir << " (checkpoint.keep = " << keep << "): " << ec.message();
+    }
   barrier();
   return final_dir.string();
 }
