@@ -1483,6 +1483,36 @@ TEST(Commands, TheHeadOverChunksMatchesWholeMicroBatches) {
           << "step " << i + 1 << " " << key;
 }
 
+// plan --routing: 20 recorded steps, each with one hot expert (5: 10 of 17 slots) in the
+// first MoE layer and an even second, at ep 4 (2 experts a rank). The first 10 steps run
+// on the owners' placement, then the one planned from their average: for R = 1 the
+// placement worked by hand in test_parallel (ExpertPlacement), whose busiest rank has
+// 4.5 of the mean 4.25 against 11 without replicas; the even layer keeps its owners
+// (a plan with replicas would not lower its max). So R = 0 gives (11/4.25 + 1) / 2 =
+// 1.794 and R = 1 ((11/4.25 + 4.5/4.25) / 2 + 1) / 2 = 1.412, both worst 11/4.25.
+TEST(Commands, PlanPlaysRecordedRoutingAgainstReplicas) {
+  const std::string dir = temp_dir("plan_routing");
+  std::string lines;
+  for (int s = 0; s < 20; ++s)
+    lines += "{\"step\": " + std::to_string(s + 1) +
+             ", \"expert_counts\": [[1, 1, 1, 1, 1, 10, 1, 1], [2, 2, 2, 2, 2, 2, 2, 2]]}\n";
+  io::write_file_atomic(dir + "/metrics.jsonl", {lines});
+  const std::string plan = std::string(MOETRAIN_BIN) + " plan --model.init=hf:" + fixture("qwen3_moe_a") +
+                           " --data.seq_len=16 --training.global_batch_size=4 --world=4 --parallelism.ep=4 --routing=";
+  auto [rc, out] = run(plan + dir + "/metrics.jsonl");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("(20 steps) at ep 4"), std::string::npos) << out;
+  EXPECT_NE(out.find("expert_replicas 0: 2 expert slots a rank, the busiest rank's rows 1.794 x the mean (worst 2.588)"),
+            std::string::npos) << out;
+  EXPECT_NE(out.find("expert_replicas 1: 3 expert slots a rank, the busiest rank's rows 1.412 x the mean (worst 2.588)"),
+            std::string::npos) << out;
+  io::write_file_atomic(dir + "/bad.jsonl", {"{\"step\": 1, \"expert_counts\": [[1, 2, 3]]}\n"});
+  std::tie(rc, out) = run(plan + dir + "/bad.jsonl");
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("bad.jsonl line 1: expected expert_counts as a list of MoE layers of 8 integer counts"),
+            std::string::npos) << out;
+}
+
 // plan takes seq_len and the global batch from data.tokens, as train does.
 TEST(Commands, PlanReadsTheTokenMatrixAsTrainDoes) {
   const std::string base = std::string(MOETRAIN_BIN) + " plan --model.init=hf:" + fixture("qwen3_moe_a");

@@ -107,7 +107,8 @@ const Command kCommands[] = {
      mt::cli::run_generate},
     {"plan", "print memory per rank and the mesh for a config, before launch",
      "usage: moetrain plan [--config FILE.toml] [--section.key=value ...] [--world N]\n"
-     "                     [--routing-skew S] [--schedule [--profile metrics.jsonl] [--output schedule.svg]]\n"
+     "                     [--routing-skew S] [--routing metrics.jsonl]\n"
+     "                     [--schedule [--profile metrics.jsonl] [--output schedule.svg]]\n"
      "  The mesh for N ranks and the bytes of weights, gradients, optimizer state and\n"
      "  activations each pp rank holds, from the allocation code training uses. The\n"
      "  expert rows (sized by routing) count in the total under balanced routing; a second\n"
@@ -116,6 +117,9 @@ const Command kCommands[] = {
      "  --schedule plays the step's schedule out on every pp rank, prints its bubble and\n"
      "  draws the timeline as SVG; --profile takes the stage times of a run trained with\n"
      "  --metrics.profile=true (its last step) and predicts the step time from them.\n"
+     "  --routing takes a run's recorded expert loads (its metrics.jsonl) and prints, for\n"
+     "  0, 1, 2 and 4 replica slots a rank, the busiest ep rank's rows over the mean, and\n"
+     "  with a profile the step time with the expert stages slowed by it.\n"
      "  The config and its keys are train's (moetrain train --help lists them).\n",
      mt::cli::run_plan},
 };

@@ -1,7 +1,8 @@
 // moetrain plan: the mesh and the memory a run will hold, from the same allocation
 // code that training uses (arenas in counting mode), before anything is launched; with
 // --schedule, each pp rank's timeline of the step played out by train/schedule.h's
-// simulate, drawn as SVG, with the bubble and (given a profile) the step time.
+// simulate, drawn as SVG, with the bubble and (given a profile) the step time; with
+// --routing, a run's recorded expert loads played against replica placements.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "io/file.h"
 #include "io/npy.h"
 #include "models/interface.h"
+#include "parallel/placement.h"
 #include "parallel/sharding.h"
 #include "parallel/zero3.h"
 #include "train/config.h"
@@ -72,6 +74,63 @@ StepCosts read_profile(const std::string& path) {
   const auto at = [&](const char* name) { return ms.contains(name) ? ms[name].get<double>() : 0.0; };
   c.optimizer_per_layer = (at("optimizer") + at("gradient norm")) / layers;
   return c;
+}
+
+// A run's recorded loads (each step line's expert_counts in a metrics.jsonl: [MoE layer]
+// [expert], summed over the ranks) played against placements with R = 0, 1, 2 and 4
+// replica slots a rank at ep `ranks` (parallel/placement.h), as a run would: each step's
+// placement planned from the moving average of the steps before it, again every 10 steps,
+// and applied when it lowers the predicted max by more than 2%. Per R: the busiest
+// rank's rows over the mean, the mean over steps and layers, and the worst.
+struct RoutingSkew {
+  int64_t replicas = 0;
+  double mean = 0, worst = 0;
+};
+std::vector<RoutingSkew> routing_skews(const std::string& path, int64_t experts, int64_t ranks, int64_t* steps) {
+  std::ifstream in(path);
+  MT_CHECK(in.good()) << "--routing " << path << ": cannot read it";
+  std::vector<std::vector<std::vector<int64_t>>> trace;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find("\"expert_counts\"") == std::string::npos) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    const bool ok = !j.is_discarded() && j["expert_counts"].is_array() &&
+                    std::all_of(j["expert_counts"].begin(), j["expert_counts"].end(), [&](const nlohmann::json& l) {
+                      return l.is_array() && static_cast<int64_t>(l.size()) == experts &&
+                             std::all_of(l.begin(), l.end(), [](const nlohmann::json& c) { return c.is_number_integer(); });
+                    });
+    MT_CHECK(ok) << "--routing " << path << " line " << n << ": expected expert_counts as a list of MoE layers of "
+                 << experts << " integer counts (the model's experts), got " << line.substr(0, 200);
+    trace.push_back(j["expert_counts"].get<std::vector<std::vector<int64_t>>>());
+    MT_CHECK(trace.back().size() == trace.front().size())
+        << "--routing " << path << " line " << n << ": " << trace.back().size() << " MoE layers, after "
+        << trace.front().size();
+  }
+  MT_CHECK(!trace.empty()) << "--routing " << path << ": no step line with expert_counts (a run's metrics.jsonl)";
+  MT_CHECK(experts % ranks == 0) << "--routing: " << experts << " experts do not split over ep " << ranks;
+  *steps = static_cast<int64_t>(trace.size());
+  std::vector<RoutingSkew> out;
+  for (int64_t r : {0, 1, 2, 4}) {
+    RoutingSkew k{r, 0, 0};
+    parallel::LoadAverage average;
+    std::vector<parallel::Placement> placed(trace.front().size(), parallel::owners_only(experts, ranks, r));
+    for (size_t s = 0; s < trace.size(); ++s) {
+      for (size_t l = 0; l < placed.size() && s % 10 == 0 && s > 0; ++l) {
+        const parallel::Placement next = parallel::plan_placement(average.mean[l], ranks, r);
+        if (parallel::max_over_mean(next, average.mean[l]) < 0.98 * parallel::max_over_mean(placed[l], average.mean[l]))
+          placed[l] = next;
+      }
+      for (size_t l = 0; l < placed.size(); ++l) {
+        const std::vector<double> load(trace[s][l].begin(), trace[s][l].end());
+        const double skew = parallel::max_over_mean(placed[l], load);
+        k.mean += skew / static_cast<double>(trace.size() * placed.size());
+        k.worst = std::max(k.worst, skew);
+      }
+      average.add(trace[s]);
+    }
+    out.push_back(k);
+  }
+  return out;
 }
 
 // F (forward, blue), B (input gradient, green), W (weight gradient, orange), each in a
@@ -149,7 +208,7 @@ std::string timeline_svg(const Timeline& t, const Pipeline& p, const std::string
 }  // namespace
 
 int run_plan(const Args& args) {
-  Options o("plan", args, {"config", "world", "schedule?", "profile", "output", "routing-skew"});
+  Options o("plan", args, {"config", "world", "schedule?", "profile", "output", "routing-skew", "routing"});
   Config cfg = load_config(o.get("config"), o.dotted());
   MT_CHECK(o.has("schedule") || (!o.has("profile") && !o.has("output")))
       << "--profile and --output describe the schedule's picture: add --schedule";
@@ -267,6 +326,18 @@ int run_plan(const Args& args) {
                                                                   : "the plan fits, at the skew too");
     }
   }
+  std::vector<RoutingSkew> skews;
+  if (o.has("routing")) {
+    int64_t steps = 0;
+    skews = routing_skews(o.get("routing"), whole->num_experts(), mesh.ep, &steps);
+    std::printf("routing of %s (%lld steps) at ep %d, the placement planned from the moving average of the steps "
+                "before (parallel/placement.h), again every 10 steps:\n",
+                o.get("routing").c_str(), static_cast<long long>(steps), mesh.ep);
+    for (const RoutingSkew& k : skews)
+      std::printf("  expert_replicas %lld: %lld expert slots a rank, the busiest rank's rows %.3f x the mean (worst %.3f)"
+                  "\n", static_cast<long long>(k.replicas),
+                  static_cast<long long>(whole->num_experts() / mesh.ep + k.replicas), k.mean, k.worst);
+  }
   if (!o.has("schedule")) return 0;
 
   // Without a profile every layer's F, B and W cost one unit (spread over its stages),
@@ -305,6 +376,16 @@ int run_plan(const Args& args) {
     const double tokens = static_cast<double>(global * seq);
     std::printf("  step (with the optimizer)  %.3f ms: %.0f tokens/s, %.0f tokens/s a GPU\n", step,
                 tokens / (step / 1e3), tokens / (step / 1e3) / world);
+    // The expert stages wait for the busiest rank: the profile's times (one GPU's,
+    // balanced as it ran) times its rows over the mean. The replicas' weight copies and
+    // gradient sums are not costed here.
+    for (const RoutingSkew& k : skews) {
+      const Timeline sk = simulate(schedules, pipeline, [&](int r, const Action& a) {
+        return cost(r, a) * (std::string(profile_name(a)).rfind("experts", 0) == 0 ? k.mean : 1.0);
+      });
+      std::printf("  with the routing, expert_replicas %lld: forward and backward %.3f ms, step %.3f ms\n",
+                  static_cast<long long>(k.replicas), sk.step, step - t.step + sk.step);
+    }
   }
   const std::string out = o.get("output", "schedule.svg");
   char title[256];
