@@ -1228,6 +1228,31 @@ TEST_F(ExpertPlacement, AHotExpertGetsReplicasWorkedByHand) {
   EXPECT_DOUBLE_EQ(parallel::max_over_mean(p, std::vector<double>(8, 0.0)), 1.0);
 }
 
+// The copies' shares, worked by hand: 3 ranks, one expert each, loads 1, 3, 6, and a
+// replica of expert 2 on rank 0. Each holder keeps its own senders' 6/3 = 2 rows; the
+// other 2 fill the lower holder first: rank 2 (0 + 2) up to rank 0's level (1 + 2), then
+// both evenly, so rank 0 gets 2.5 (share 5/12) and rank 2 3.5 (7/12), against 3 and 3
+// with even shares: rank loads 3.5, 3, 3.5. Rank 1's tokens then split 1/12 : 3/12 over
+// ranks 0 and 2 (their shares above 1/3), by the golden-ratio sequence of the token.
+TEST_F(ExpertPlacement, CopiesShareAHotExpertsRowsToEvenTheRanks) {
+  parallel::Placement p = parallel::owners_only(3, 3, 1);
+  p.slots[0][1] = 2;
+  const std::vector<double> load = {1, 3, 6};
+  parallel::balance_shares(p, load);
+  EXPECT_DOUBLE_EQ(p.share[0][1], 5.0 / 12);
+  EXPECT_DOUBLE_EQ(p.share[2][0], 7.0 / 12);
+  EXPECT_EQ(p.share[1], (std::vector<double>{1.0, 0.0}));
+  const std::vector<double> ranks = p.rank_loads(load);
+  for (int r = 0; r < 3; ++r) EXPECT_DOUBLE_EQ(ranks[static_cast<size_t>(r)], r == 1 ? 3.0 : 3.5) << "rank " << r;
+  EXPECT_EQ(p.route(2, 0, 1), 0);
+  EXPECT_EQ(p.route(2, 2, 2), 2);
+  EXPECT_EQ(p.route(2, 1, 1), 2);  // frac(0.618) x 4/12 = 0.206, past rank 0's 1/12
+  EXPECT_EQ(p.route(2, 1, 2), 0);  // frac(1.236) x 4/12 = 0.079
+  int to_rank0 = 0;
+  for (int64_t t = 0; t < 10000; ++t) to_rank0 += p.route(2, 1, t) == 0;
+  EXPECT_NEAR(to_rank0, 2500, 5);
+}
+
 // Skewed random loads (a few experts 10 above the rest, which are below 1): the same placement on every
 // rank; each rank its own experts first, at most R replicas, no expert twice on a rank,
 // every replica on its owner's node; and max/mean no higher than without replicas.

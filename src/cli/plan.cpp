@@ -79,7 +79,8 @@ StepCosts read_profile(const std::string& path) {
 // A run's recorded loads (each step line's expert_counts in a metrics.jsonl: [MoE layer]
 // [expert], summed over the ranks) played against placements with R = 0, 1, 2 and 4
 // replica slots a rank at ep `ranks` (parallel/placement.h), as a run would: each step's
-// placement planned from the moving average of the steps before it, again every 10 steps,
+// placement planned from the moving average of the steps before it, again every 10 steps
+// (the copies' shares of the rows refreshed from it every step),
 // and applied when it lowers the predicted max by more than 2%. Per R: the busiest
 // rank's rows over the mean, the mean over steps and layers, and the worst.
 struct RoutingSkew {
@@ -115,8 +116,9 @@ std::vector<RoutingSkew> routing_skews(const std::string& path, int64_t experts,
     parallel::LoadAverage average;
     std::vector<parallel::Placement> placed(trace.front().size(), parallel::owners_only(experts, ranks, r));
     for (size_t s = 0; s < trace.size(); ++s) {
-      for (size_t l = 0; l < placed.size() && s % 10 == 0 && s > 0; ++l) {
-        const parallel::Placement next = parallel::plan_placement(average.mean[l], ranks, r);
+      for (size_t l = 0; l < placed.size() && s > 0; ++l) {
+        parallel::balance_shares(placed[l], average.mean[l]);
+        const parallel::Placement next = s % 10 == 0 ? parallel::plan_placement(average.mean[l], ranks, r) : placed[l];
         if (parallel::max_over_mean(next, average.mean[l]) < 0.98 * parallel::max_over_mean(placed[l], average.mean[l]))
           placed[l] = next;
       }
@@ -331,7 +333,7 @@ int run_plan(const Args& args) {
     int64_t steps = 0;
     skews = routing_skews(o.get("routing"), whole->num_experts(), mesh.ep, &steps);
     std::printf("routing of %s (%lld steps) at ep %d, the placement planned from the moving average of the steps "
-                "before (parallel/placement.h), again every 10 steps:\n",
+                "before (parallel/placement.h), again every 10 steps, the copies' shares of the rows every step:\n",
                 o.get("routing").c_str(), static_cast<long long>(steps), mesh.ep);
     for (const RoutingSkew& k : skews)
       std::printf("  expert_replicas %lld: %lld expert slots a rank, the busiest rank's rows %.3f x the mean (worst %.3f)"

@@ -1,6 +1,7 @@
 #include "parallel/placement.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "core/check.h"
@@ -16,22 +17,83 @@ std::vector<int64_t> Placement::holders(int64_t expert) const {
   return out;
 }
 
+namespace {
+
+// The share of `expert`'s rows that rank r's copy receives (0: none there).
+double share_on(const Placement& p, int64_t r, int64_t expert) {
+  const std::vector<int32_t>& s = p.slots[static_cast<size_t>(r)];
+  const auto it = std::find(s.begin(), s.end(), static_cast<int32_t>(expert));
+  return it == s.end() ? 0.0 : p.share[static_cast<size_t>(r)][static_cast<size_t>(it - s.begin())];
+}
+
+}  // namespace
+
 int64_t Placement::route(int64_t expert, int64_t sender, int64_t token) const {
   const std::vector<int64_t> h = holders(expert);
   if (std::find(h.begin(), h.end(), sender) != h.end()) return sender;
-  return h[static_cast<size_t>(token % static_cast<int64_t>(h.size()))];
+  const double floor = 1.0 / static_cast<double>(ranks);
+  double total = 0;
+  for (int64_t r : h) total += std::max(share_on(*this, r, expert) - floor, 0.0);
+  const double golden = 0.6180339887498949, u = static_cast<double>(token) * golden;
+  const double at = (u - std::floor(u)) * total;
+  double sum = 0;
+  for (int64_t r : h) {
+    sum += std::max(share_on(*this, r, expert) - floor, 0.0);
+    if (at < sum) return r;
+  }
+  return h.back();
 }
 
 std::vector<double> Placement::rank_loads(const std::vector<double>& load) const {
-  std::vector<int64_t> copies(static_cast<size_t>(experts), 0);
-  for (const std::vector<int32_t>& s : slots)
-    for (int32_t e : s)
-      if (e >= 0) ++copies[static_cast<size_t>(e)];
   std::vector<double> out(static_cast<size_t>(ranks), 0.0);
   for (int64_t r = 0; r < ranks; ++r)
-    for (int32_t e : slots[static_cast<size_t>(r)])
-      if (e >= 0) out[static_cast<size_t>(r)] += load[static_cast<size_t>(e)] / static_cast<double>(copies[static_cast<size_t>(e)]);
+    for (size_t i = 0; i < slots[static_cast<size_t>(r)].size(); ++i) {
+      const int32_t e = slots[static_cast<size_t>(r)][i];
+      if (e >= 0) out[static_cast<size_t>(r)] += share[static_cast<size_t>(r)][i] * load[static_cast<size_t>(e)];
+    }
   return out;
+}
+
+void balance_shares(Placement& p, const std::vector<double>& load) {
+  MT_CHECK(static_cast<int64_t>(load.size()) == p.experts)
+      << "expert placement: " << load.size() << " loads for " << p.experts << " experts";
+  std::vector<std::vector<int64_t>> held(static_cast<size_t>(p.experts));
+  for (int64_t r = 0; r < p.ranks; ++r)
+    for (int32_t e : p.slots[static_cast<size_t>(r)])
+      if (e >= 0) held[static_cast<size_t>(e)].push_back(r);
+  auto set = [&](int64_t r, int64_t e, double v) {
+    const std::vector<int32_t>& s = p.slots[static_cast<size_t>(r)];
+    p.share[static_cast<size_t>(r)][static_cast<size_t>(std::find(s.begin(), s.end(), static_cast<int32_t>(e)) - s.begin())] = v;
+  };
+  for (int64_t e = 0; e < p.experts; ++e)
+    for (int64_t r : held[static_cast<size_t>(e)]) set(r, e, 1.0 / static_cast<double>(held[static_cast<size_t>(e)].size()));
+  std::vector<double> rank = p.rank_loads(load);
+  const double floor = 1.0 / static_cast<double>(p.ranks);
+  for (int sweep = 0; sweep < 4; ++sweep)
+    for (int64_t e = 0; e < p.experts; ++e) {
+      const std::vector<int64_t>& h = held[static_cast<size_t>(e)];
+      const double l = load[static_cast<size_t>(e)];
+      if (h.size() < 2 || l <= 0) continue;
+      // Take e's rows off its holders, give each its floor, then fill the lowest up to one
+      // level with the rest.
+      std::vector<double> level;
+      for (int64_t r : h) {
+        rank[static_cast<size_t>(r)] -= share_on(p, r, e) * l;
+        level.push_back(rank[static_cast<size_t>(r)] + floor * l);
+      }
+      std::vector<double> sorted = level;
+      std::sort(sorted.begin(), sorted.end());
+      double rest = l * (1 - floor * static_cast<double>(h.size())), fill = 0;
+      for (size_t k = 1; k <= sorted.size(); ++k) {
+        fill = (std::accumulate(sorted.begin(), sorted.begin() + static_cast<ptrdiff_t>(k), 0.0) + rest) / static_cast<double>(k);
+        if (k == sorted.size() || fill <= sorted[k]) break;
+      }
+      for (size_t i = 0; i < h.size(); ++i) {
+        const double rows = floor * l + std::max(fill - level[i], 0.0);
+        set(h[i], e, rows / l);
+        rank[static_cast<size_t>(h[i])] += rows;
+      }
+    }
 }
 
 Placement owners_only(int64_t experts, int64_t ranks, int64_t replicas) {
@@ -44,8 +106,12 @@ Placement owners_only(int64_t experts, int64_t ranks, int64_t replicas) {
   p.replicas = replicas;
   const int64_t own = experts / ranks;
   p.slots.assign(static_cast<size_t>(ranks), std::vector<int32_t>(static_cast<size_t>(own + replicas), -1));
+  p.share.assign(static_cast<size_t>(ranks), std::vector<double>(static_cast<size_t>(own + replicas), 0.0));
   for (int64_t r = 0; r < ranks; ++r)
-    for (int64_t i = 0; i < own; ++i) p.slots[static_cast<size_t>(r)][static_cast<size_t>(i)] = static_cast<int32_t>(r * own + i);
+    for (int64_t i = 0; i < own; ++i) {
+      p.slots[static_cast<size_t>(r)][static_cast<size_t>(i)] = static_cast<int32_t>(r * own + i);
+      p.share[static_cast<size_t>(r)][static_cast<size_t>(i)] = 1.0;
+    }
   return p;
 }
 
@@ -94,6 +160,7 @@ Placement plan_placement(const std::vector<double>& load, int64_t ranks, int64_t
       rank_load[static_cast<size_t>(to)] += per_copy(e);
     }
   }
+  balance_shares(p, load);
   return p;
 }
 

@@ -12,14 +12,23 @@
 //      load per copy (load / copies; ties to the lower expert), at most one copy a rank;
 //   2. packing: the replicas, heaviest per copy first (ties: lower expert), each to the
 //      rank of least predicted load (ties: lower rank) that has a free slot and no copy
-//      of it yet; a rank's predicted load is the sum over its slots of load / copies.
+//      of it yet; a rank's predicted load is the sum over its slots of load / copies;
+//   3. the copies' shares of each expert's rows (balance_shares, below).
 // With several nodes (ranks node-major, `ranks_per_node` each) it runs per node: an
 // expert's replicas stay on its owner's node, so their weights and gradients move over
 // the node's own links, and the node's slots go to the node's experts.
 //
+// Each copy of an expert has a share of its rows, the shares of its copies summing to 1.
+// With senders spread evenly, a holder receives at least its own senders' rows, 1/P of
+// the expert's; balance_shares gives the rest to the holders of least predicted load
+// (water-filling, in fixed sweeps over the experts in order). Shares only steer routing,
+// so they can be refreshed every step from the average without moving any weights.
+//
 // Routing to replicas (the rule the dispatch applies): a slot of token t on rank q for
-// expert e goes to q itself when q holds a copy of e; else to copy (t mod copies) of e,
-// the copies in rank order. With senders spread evenly, each copy receives load / copies.
+// expert e goes to q itself when q holds a copy of e. Else, with u = frac(t x 0.618...)
+// (the golden-ratio sequence, even over any run of tokens), to the first copy in rank
+// order whose running sum of (share - 1/P) reaches u x their total: each copy receives
+// its share of the expert's rows.
 //
 // Loads are a layer's slots an expert received a step (the metrics' expert_counts, summed
 // over the ranks), averaged over steps by an exponential moving average.
@@ -35,6 +44,9 @@ struct Placement {
   // [r][i]: rank r's slot i, i < E/P + R: its own experts in order, then its replicas
   // (-1: a slot the planner left empty).
   std::vector<std::vector<int32_t>> slots;
+  // [r][i]: the share of expert slots[r][i]'s rows that copy receives (1 with no
+  // replicas; 0 for an empty slot).
+  std::vector<std::vector<double>> share;
 
   int64_t slots_per_rank() const { return experts / ranks + replicas; }
   int64_t owner(int64_t expert) const { return expert / (experts / ranks); }
@@ -42,7 +54,7 @@ struct Placement {
   std::vector<int64_t> holders(int64_t expert) const;
   // The rank that slot (token, expert) of a token on `sender` goes to (the rule above).
   int64_t route(int64_t expert, int64_t sender, int64_t token) const;
-  // Each rank's predicted load: the sum over its slots of load / copies.
+  // Each rank's predicted load: the sum over its slots of share x load.
   std::vector<double> rank_loads(const std::vector<double>& load) const;
   bool operator==(const Placement& o) const = default;
 };
@@ -53,6 +65,10 @@ Placement owners_only(int64_t experts, int64_t ranks, int64_t replicas);
 // The planner above for one layer's loads [E] (>= 0). ranks_per_node divides ranks
 // (ranks: one node).
 Placement plan_placement(const std::vector<double>& load, int64_t ranks, int64_t replicas, int64_t ranks_per_node = 0);
+
+// Sets p's shares for one layer's loads [E] (the rule above); even shares where an
+// expert has no load.
+void balance_shares(Placement& p, const std::vector<double>& load);
 
 // The highest over the mean of rank_loads (1: even; 1 when there is no load).
 double max_over_mean(const Placement& p, const std::vector<double>& load);
