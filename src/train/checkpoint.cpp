@@ -319,12 +319,12 @@ void read_checkpoint(const std::string& path, const std::function<void(const std
     try {
       read(dir);
       return;
-    } catch (const std::exception& e) {
+    } catch (const std::exception&) {
       // Gone while read, and not the folder the user named: a run rotated it away.
       if (complete(dir) || fs::path(dir).lexically_normal() == fs::path(path).lexically_normal()) throw;
       MT_CHECK(attempt == 0) << dir << " was removed while being read, as was the one before it: a run saving into "
                              << path << " rotates its checkpoints (checkpoint.keep) faster than they can be read; "
-                             << "raise checkpoint.keep, or read a copy (" << e.what() << ")";
+                             << "raise checkpoint.keep, or read a copy";
       std::fprintf(stderr, "moetrain: note: %s was removed while being read (a run rotated it away); reading the "
                    "newest checkpoint again\n", dir.c_str());
     }
