@@ -64,6 +64,12 @@ void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const T
 // for each slot of each sent row, the row the receiver gave it (-1: dropped or not its).
 void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
                      const Tensor& buckets);
+// Expert replicas (parallel/placement.h, RouteTable): idx i32 [N,k] -> slots i32 [N,k],
+// the slot of the ranks' numbering each (t, j) goes to: mine[e] when >= 0, else the
+// first copy i in [first[e], first[e+1]) with u(t) < bound[i], u(t) = t x 2654435769 mod
+// 2^32 (the last bound is 2^32). mine [E], first [E+1], slot i32 and bound i64 [C].
+void ep_route_slots(const Tensor& idx, const Tensor& mine, const Tensor& first, const Tensor& slot,
+                    const Tensor& bound, const Tensor& slots);
 // Small i32 arrays (a plan's counts) one after another into host memory `out`, which has
 // room for all of them: on the CPU a copy.
 void read_counts(std::initializer_list<Tensor> arrays, int32_t* out);
@@ -92,6 +98,8 @@ void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const T
                        const Tensor& buckets);
 void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
                      const Tensor& buckets);
+void ep_route_slots(const Tensor& idx, const Tensor& mine, const Tensor& first, const Tensor& slot,
+                    const Tensor& bound, const Tensor& slots);
 // Through a pinned buffer; waits for the work queued before the copies (an event), never
 // for the whole device.
 void read_counts(std::initializer_list<Tensor> arrays, int32_t* out);
@@ -182,6 +190,14 @@ inline void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const T
   if (buckets.device == Device::cuda) return cuda::ep_kept_buckets(idx, token_rows, kept_rows, per, buckets);
 #endif
   return cpu::ep_kept_buckets(idx, token_rows, kept_rows, per, buckets);
+}
+
+inline void ep_route_slots(const Tensor& idx, const Tensor& mine, const Tensor& first, const Tensor& slot,
+                           const Tensor& bound, const Tensor& slots) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (slots.device == Device::cuda) return cuda::ep_route_slots(idx, mine, first, slot, bound, slots);
+#endif
+  return cpu::ep_route_slots(idx, mine, first, slot, bound, slots);
 }
 
 inline void read_counts(std::initializer_list<Tensor> arrays, int32_t* out) {

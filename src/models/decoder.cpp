@@ -15,6 +15,7 @@
 #include "kernels/gemm.h"
 #include "kernels/grouped_gemm.h"
 #include "models/expert_cache.h"
+#include "models/expert_replicas.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/swiglu.h"
 #include "parallel/buffer.h"
@@ -139,6 +140,9 @@ struct LayerActs {
   // prob_sum f32 [E] (probs summed over tokens) and counts i32 [E] (slots each expert
   // kept) side by side in `stats`, so the metrics read both in one copy.
   Tensor stats, prob_sum, counts;
+  // With expert replicas: the slots [N,k] the router's choices go to, and the rows each
+  // slot got [ep * S] (in `stats` too; router_stats turns them into counts).
+  Tensor slots, slot_counts;
   Tensor offsets, order, slot_row;                  // dispatch plan (without expert parallelism)
   int64_t dropped = 0;                              // slots over capacity
   Tensor xs, gu, hs, ys, mo;    // expert (or dense MLP) path
@@ -186,7 +190,8 @@ class Decoder final : public Model {
         capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute),
         offload_experts_(o.offload_experts), offload_layers_(o.offload_layers),
         offload_weights_(o.offload_experts && o.offload_weights), expert_slots_(o.expert_slots),
-        expert_line_(o.expert_line), ep_(o.ep),
+        expert_line_(o.expert_line), expert_replicas_(o.ep != nullptr && o.ep->size() > 1 ? o.expert_replicas : 0),
+        ep_(o.ep),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
         linear_(o.fp8, o.fp8_pow2), pool_(std::make_shared<RowPool>()) {
     MT_CHECK(routing_skew_ >= 1.0) << "a routing skew of " << routing_skew_
@@ -214,6 +219,13 @@ class Decoder final : public Model {
     MT_CHECK(!c.tie_word_embeddings || embedding_ == head_)
         << "tie_word_embeddings: the embedding and the head share a weight, so they must be on one pipeline rank "
         << "(parallelism.pipeline_schedule = dualpipev places both on rank 0)";
+    if (expert_replicas_ > 0) {
+      const char* with = o.external_layers ? "parallelism.zero3" : linear_.fp8() ? "training.fp8 = blockwise"
+                         : o.offload_experts ? "offload.experts" : capacity_factor_ > 0 ? "training.capacity_factor" : nullptr;
+      MT_CHECK(with == nullptr) << "parallelism.expert_replicas = " << expert_replicas_ << " with " << with
+                                << " is not built yet (replicas are built for dropless bf16 experts held whole on "
+                                   "the device, with ZeRO-1/2 sharding)";
+    }
     build_params();
     lives_ = row_lives();  // ep_ and the mode are settled: the table is the same every stage
   }
@@ -224,6 +236,7 @@ class Decoder final : public Model {
     return cache_.planned_traffic(micro_batches, sweep);
   }
   ExpertCacheStats flush_expert_cache() override { return cache_.flush(); }
+  ExpertReplicas* expert_replicas() override { return replicas_.on() ? &replicas_ : nullptr; }
   ExpertCacheStats expert_cache_stats() override { return cache_.stats(); }
   bool balanced_routing() const override { return balanced_; }
   int64_t num_layers() const override { return c_.num_layers; }
@@ -297,8 +310,11 @@ class Decoder final : public Model {
   const Tensor& Z(int i) { return grad_zeroed(params_[i]); }
   bool start(int i) { return start_grad(params_[i]); }
   // A bias Param's value or gradient (a grouped GEMM's), empty for none (index -1).
-  Tensor bias(int i) const { return i >= 0 ? params_[i].value : Tensor(); }
-  Tensor grad_of(int i) const { return i >= 0 ? params_[i].grad : Tensor(); }
+  Tensor bias(int i) { return i >= 0 ? X(i).value : Tensor(); }
+  Tensor grad_of(int i) { return i >= 0 ? X(i).grad : Tensor(); }
+  // An expert Param as the grouped products see it: with replicas all S blocks, the
+  // replicas' after its own (models/expert_replicas.h).
+  Param& X(int i) { return replicas_.on() && params_[i].expert ? replicas_.wide(i) : params_[i]; }
   AttentionIo io(DecoderStash& s, LayerActs& x) const {
     return {s.batch, s.seq, s.cos, s.sin, x.xn, x.hm, x.d_hm, x.d_xn, &attend_, &linear_, s.all_rows};
   }
@@ -389,6 +405,8 @@ class Decoder final : public Model {
   bool offload_weights_;    // their compute copies and gradients too, through cache_
   int64_t expert_slots_, expert_line_;
   ExpertCache cache_;
+  int64_t expert_replicas_;  // R replica slots a rank (0: none)
+  ExpertReplicas replicas_;
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
@@ -496,12 +514,20 @@ void Decoder::build_params() {
   Arena count_v = Arena::counting("parameters", device_), count_g = Arena::counting("gradients", device_),
         count_c = Arena::counting("compute weights", device_), count_q = Arena::counting("fp8 weights", device_),
         count_h = Arena::counting("parameters (host)", Device::cpu);
+  // parallelism.expert_replicas: an expert Param's storage is S blocks wide, the Param
+  // its first E/ep (models/expert_replicas.h).
+  if (expert_replicas_ > 0) replicas_ = ExpertReplicas(ep_, c_.num_experts, expert_replicas_, device_);
+  auto storage = [&](const Param& p) {
+    Shape s = p.value.shape;
+    if (replicas_.on() && p.expert) s.d[0] = replicas_.slots();
+    return s;
+  };
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     if (!held(p)) continue;
-    (p.offloaded ? count_h : count_v).alloc(DType::f32, p.value.shape);
-    (p.cached ? count_h : count_g).alloc(DType::f32, p.value.shape);
-    if (copies && p.matrix && !quantized[i]) (p.cached ? count_h : count_c).alloc(DType::bf16, p.value.shape);
+    (p.offloaded ? count_h : count_v).alloc(DType::f32, storage(p));
+    (p.cached ? count_h : count_g).alloc(DType::f32, storage(p));
+    if (copies && p.matrix && !quantized[i]) (p.cached ? count_h : count_c).alloc(DType::bf16, storage(p));
     if (quantized[i]) fp8_copy(count_q, p);
   }
   auto arena = [&](const char* name, size_t bytes) {
@@ -521,16 +547,25 @@ void Decoder::build_params() {
       p.compute = copies && p.matrix && !quantized[i] ? Tensor(nullptr, p.value.shape, DType::bf16, device_) : p.value;
       continue;
     }
-    p.value = (p.offloaded ? host_values_ : values_).alloc(DType::f32, p.value.shape);
-    p.grad = (p.cached ? host_values_ : grads_).alloc(DType::f32, p.value.shape);
-    p.compute = copies && p.matrix && !quantized[i] ? (p.cached ? host_values_ : compute_).alloc(DType::bf16, p.value.shape)
-                                                    : p.value;
+    const int64_t blocks = p.value.ndim() > 0 ? p.value.dim(0) : 0;
+    Param wide = p;
+    wide.value = (p.offloaded ? host_values_ : values_).alloc(DType::f32, storage(p));
+    wide.grad = (p.cached ? host_values_ : grads_).alloc(DType::f32, storage(p));
+    wide.compute = copies && p.matrix && !quantized[i]
+                       ? (p.cached ? host_values_ : compute_).alloc(DType::bf16, storage(p))
+                       : wide.value;
+    const bool widened = replicas_.on() && p.expert;
+    auto own = [&](const Tensor& t) { return widened ? t.rows(0, blocks) : t; };
+    p.value = own(wide.value);
+    p.grad = own(wide.grad);
+    p.compute = own(wide.compute);
     // In mapped host memory the device's kernels (the norm, AdamW) reach them in place.
     if (p.cached && copies) p.grad.device = p.compute.device = device_;
     if (quantized[i]) p.fp8 = fp8_copy(fp8_, p);
+    if (widened && !plan_only_) replicas_.add(p.layer, static_cast<int>(i), wide);
     if (plan_only_) continue;
-    mt::fill(p.value, 0.0f);
-    mt::fill(p.grad, 0.0f);
+    mt::fill(wide.value, 0.0f);
+    mt::fill(wide.grad, 0.0f);
   }
   if (!plan_only_) refresh_compute_weights(params_);
   rope_ = cpu::rope_freqs(c_.rope);
@@ -629,9 +664,14 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
     // What outlives a layer's activations (which full recomputation drops): its routing
     // statistics, read after the head's forward, and the balance gradient set then.
     const int64_t E = c_.num_experts;
-    x.stats = i32({2, E});
-    x.prob_sum = Tensor(x.stats.data, {E}, DType::f32, x.stats.device);
-    x.counts = x.stats.rows(1, 2).view({E});
+    const int64_t slot_counts = replicas_.on() ? ep_->size() * replicas_.slots() : 0;
+    x.stats = i32({2 * E + slot_counts});
+    auto part = [&](int64_t at, int64_t n, DType d) {  // (a plan's arenas have no storage)
+      return Tensor(x.stats.data != nullptr ? x.stats.i32() + at : nullptr, {n}, d, x.stats.device);
+    };
+    x.prob_sum = part(0, E, DType::f32);
+    x.counts = part(E, E, DType::i32);
+    if (slot_counts > 0) x.slot_counts = part(2 * E, slot_counts, DType::i32);
     x.dprobs = a.alloc(DType::f32, {1, E});  // the same row for every token
   }
   if (balanced_) s.balanced_idx = i32({N, k_});
@@ -692,6 +732,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
       if (ep_) x.back = act({N * K, D});
       x.logits = logits;
       x.idx = i32({N, K});
+      if (replicas_.on()) x.slots = i32({N, K});
       x.weight = f32({N, K});
       x.probs = f32({N, E});
       if (!ep_) {  // the exchange's plan has its own
@@ -831,7 +872,7 @@ Tensor& Decoder::row_view(LayerActs& x, Row r) {
 
 int64_t Decoder::planned_rows(int64_t tokens) const {
   const int64_t balanced = tokens * k_;
-  int64_t most = ep_ ? ep_->size() * tokens * std::min(k_, local_experts_) : balanced;
+  int64_t most = ep_ ? ep_->size() * tokens * std::min(k_, local_experts_ + expert_replicas_) : balanced;
   const int64_t cap = capacity(ep_ ? tokens * ep_->size() : tokens);
   if (cap > 0) most = std::min(most, cap * local_experts_);
   return std::min(most, static_cast<int64_t>(std::ceil(routing_skew_ * static_cast<double>(balanced))));
@@ -919,7 +960,8 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
       mt::fill(x.weight, 1.0f / static_cast<float>(k_));
     }
     // The expert plan waits for the router, not for what a schedule queues after it.
-    if (ep_) x.routed = parallel::mark_routed(x.idx);
+    if (replicas_.on()) replicas_.route(l, x.idx, x.slots);
+    if (ep_) x.routed = parallel::mark_routed(replicas_.on() ? x.slots : x.idx);
   }
 }
 
@@ -961,11 +1003,15 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
     case Stage::dispatch:
       if (moe && ep_) {
         // The experts see the ep ranks' micro-batches end to end: the capacity is theirs.
-        x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(N * ep_->size()), x.routed);
+        // With replicas the plan's experts are the ranks' slots (models/expert_replicas.h).
+        if (replicas_.on())
+          x.plan = parallel::ep_plan(*ep_, x.slots, ep_->size() * replicas_.slots(), 0, x.routed);
+        else
+          x.plan = parallel::ep_plan(*ep_, x.idx, c_.num_experts, capacity(N * ep_->size()), x.routed);
         x.dropped = x.plan.dropped;
         x.rows = x.plan.local_rows();
         take_rows(l, x, stage, Pass::forward, N);
-        mt::copy(x.counts, x.plan.expert_counts);
+        mt::copy(replicas_.on() ? x.slot_counts : x.counts, x.plan.expert_counts);
         x.exchange = parallel::ep_dispatch_forward_start(*ep_, x.plan, x.y);
       } else if (moe) {
         x.dropped = mt::dispatch_plan(x.idx, c_.num_experts, capacity(N), x.counts, x.offsets, x.order, x.slot_row);
@@ -980,9 +1026,9 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
         if (cache_.caches(l)) {
           cached_experts(l, x, Pass::forward);
         } else {
-          linear_.grouped_forward(r.xs, params_[w.gate_up], bias(w.gate_up_bias), r.offsets, r.gu);
+          linear_.grouped_forward(r.xs, X(w.gate_up), bias(w.gate_up_bias), r.offsets, r.gu);
           swiglu_out(r.gu, r.hs);
-          linear_.grouped_forward(r.hs, params_[w.down], bias(w.down_bias), r.offsets, r.ys);
+          linear_.grouped_forward(r.hs, X(w.down), bias(w.down_bias), r.offsets, r.ys);
         }
         if (w.shared_gate_up >= 0) {  // the shared experts see every token
           linear_.forward(x.y, {{params_[w.shared_gate_up], x.sgu}});
@@ -1149,9 +1195,9 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
         if (cache_.caches(l)) {
           cached_experts(l, x, Pass::backward_input);
         } else {
-          linear_.grouped_backward_input(r.d_ys, params_[w.down], r.offsets, r.d_hs);
+          linear_.grouped_backward_input(r.d_ys, X(w.down), r.offsets, r.d_hs);
           swiglu_in(r.gu, r.d_hs, r.d_gu);
-          linear_.grouped_backward_input(r.d_gu, params_[w.gate_up], r.offsets, r.d_xs);
+          linear_.grouped_backward_input(r.d_gu, X(w.gate_up), r.offsets, r.d_xs);
         }
         if (w.shared_gate_up >= 0) {
           linear_.backward_input(d_mo, params_[w.shared_down], x.d_shs);
@@ -1198,9 +1244,9 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
         if (cache_.caches(l)) {
           cached_experts(l, x, Pass::backward_weight);
         } else {
-          linear_.grouped_backward_weight(r.hs, r.d_ys, r.offsets, params_[w.down], grad_of(w.down_bias),
+          linear_.grouped_backward_weight(r.hs, r.d_ys, r.offsets, X(w.down), grad_of(w.down_bias),
                                           !start(w.down));
-          linear_.grouped_backward_weight(r.xs, r.d_gu, r.offsets, params_[w.gate_up], grad_of(w.gate_up_bias),
+          linear_.grouped_backward_weight(r.xs, r.d_gu, r.offsets, X(w.gate_up), grad_of(w.gate_up_bias),
                                           !start(w.gate_up));
         }
         if (w.shared_gate_up >= 0) {
@@ -1290,12 +1336,16 @@ std::vector<RouterStats> Decoder::router_stats(const Stash& base) const {
     r.dropped = x.dropped;
     // The probabilities summed where they were made (router_prob_sum) and the slots each
     // expert kept, counted by the dispatch plan: one copy of both to the host.
-    std::vector<int32_t> stats(static_cast<size_t>(2 * E));
-    mt::copy(Tensor(stats.data(), {2, E}, DType::i32), x.stats);
+    std::vector<int32_t> stats(static_cast<size_t>(x.stats.numel()));
+    mt::copy(Tensor(stats.data(), {x.stats.numel()}, DType::i32), x.stats);
     std::vector<float> sums(static_cast<size_t>(E));
     std::memcpy(sums.data(), stats.data(), sums.size() * sizeof(float));
     r.prob_sum.assign(sums.begin(), sums.end());
-    r.counts.assign(stats.begin() + E, stats.end());
+    r.counts.assign(stats.begin() + E, stats.begin() + 2 * E);
+    if (replicas_.on()) {  // the plan counted slots: each expert's are the sum of its copies'
+      r.slot_counts.assign(stats.begin() + 2 * E, stats.end());
+      r.counts = replicas_.expert_counts(l, std::vector<int32_t>(stats.begin() + 2 * E, stats.end()));
+    }
     out.push_back(std::move(r));
   }
   return out;

@@ -23,6 +23,8 @@ class Communicator;
 
 namespace mt {
 
+class ExpertReplicas;  // models/expert_replicas.h
+
 enum class Stage : uint8_t { attention, dispatch, experts, combine, aggregate };
 constexpr Stage kStages[] = {Stage::attention, Stage::dispatch, Stage::experts, Stage::combine, Stage::aggregate};
 
@@ -57,6 +59,9 @@ struct RouterStats {
   int64_t top_k = 0;
   std::vector<int64_t> counts;       // slots routed to each expert
   std::vector<double> prob_sum;      // sum over tokens of the router probability
+  // With expert replicas: the rows each slot of the ep ranks got (rank r's slot i at
+  // r x S + i; models/expert_replicas.h), of which `counts` are the sums by expert.
+  std::vector<int64_t> slot_counts;
   int64_t dropped = 0;               // slots over an expert's capacity (capacity_factor)
 };
 
@@ -178,6 +183,9 @@ struct ModelOptions {
   // The experts a cache line holds (0: a layer's when the slots hold one, else half the
   // slots); generation takes 1.
   int64_t expert_line = 0;
+  // parallelism.expert_replicas: R slots a rank more for copies of hot experts of other
+  // ranks (models/expert_replicas.h; needs ep, dropless).
+  int64_t expert_replicas = 0;
 };
 
 class Model {
@@ -263,6 +271,9 @@ class Model {
   virtual ExpertCacheStats flush_expert_cache() { return {}; }
   // The traffic since the last flush, the cache left as it is (generation reads it).
   virtual ExpertCacheStats expert_cache_stats() { return {}; }
+  // parallelism.expert_replicas: the replicas, their placement and their moves; null
+  // without them.
+  virtual ExpertReplicas* expert_replicas() { return nullptr; }
 };
 
 // One switch on config.json's model_type.

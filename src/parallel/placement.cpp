@@ -28,20 +28,50 @@ double share_on(const Placement& p, int64_t r, int64_t expert) {
 
 }  // namespace
 
-int64_t Placement::route(int64_t expert, int64_t sender, int64_t token) const {
-  const std::vector<int64_t> h = holders(expert);
-  if (std::find(h.begin(), h.end(), sender) != h.end()) return sender;
-  const double floor = 1.0 / static_cast<double>(ranks);
-  double total = 0;
-  for (int64_t r : h) total += std::max(share_on(*this, r, expert) - floor, 0.0);
-  const double golden = 0.6180339887498949, u = static_cast<double>(token) * golden;
-  const double at = (u - std::floor(u)) * total;
-  double sum = 0;
-  for (int64_t r : h) {
-    sum += std::max(share_on(*this, r, expert) - floor, 0.0);
-    if (at < sum) return r;
+RouteTable route_table(const Placement& p, int64_t sender) {
+  const int64_t S = p.slots_per_rank();
+  RouteTable t;
+  t.mine.assign(static_cast<size_t>(p.experts), -1);
+  t.first.assign(static_cast<size_t>(p.experts + 1), 0);
+  const std::vector<int32_t>& own = p.slots[static_cast<size_t>(sender)];
+  for (size_t i = 0; i < own.size(); ++i)
+    if (own[i] >= 0) t.mine[static_cast<size_t>(own[i])] = static_cast<int32_t>(sender * S + static_cast<int64_t>(i));
+  const double floor = 1.0 / static_cast<double>(p.ranks);
+  for (int64_t e = 0; e < p.experts; ++e) {
+    std::vector<std::pair<int32_t, double>> copies;  // (slot, share above the floor)
+    double total = 0;
+    for (int64_t r = 0; r < p.ranks; ++r) {
+      const std::vector<int32_t>& s = p.slots[static_cast<size_t>(r)];
+      const auto it = std::find(s.begin(), s.end(), static_cast<int32_t>(e));
+      if (it == s.end()) continue;
+      const double above = std::max(share_on(p, r, e) - floor, 0.0);
+      copies.emplace_back(static_cast<int32_t>(r * S + (it - s.begin())), above);
+      total += above;
+    }
+    double sum = 0;
+    for (size_t i = 0; i < copies.size(); ++i) {
+      sum += copies[i].second;
+      const bool last = i + 1 == copies.size();
+      t.slot.push_back(copies[i].first);
+      t.bound.push_back(last || total <= 0 ? (last ? int64_t{1} << 32 : 0)
+                                           : static_cast<int64_t>(std::ldexp(sum / total, 32)));
+    }
+    t.first[static_cast<size_t>(e + 1)] = static_cast<int32_t>(t.slot.size());
   }
-  return h.back();
+  return t;
+}
+
+int32_t route_slot(const RouteTable& t, int64_t expert, int64_t token) {
+  const size_t e = static_cast<size_t>(expert);
+  if (t.mine[e] >= 0) return t.mine[e];
+  const int64_t u = static_cast<uint32_t>(static_cast<uint64_t>(token) * 2654435769u);
+  for (int32_t i = t.first[e]; i < t.first[e + 1]; ++i)
+    if (u < t.bound[static_cast<size_t>(i)]) return t.slot[static_cast<size_t>(i)];
+  return t.slot[static_cast<size_t>(t.first[e + 1] - 1)];
+}
+
+int64_t Placement::route(int64_t expert, int64_t sender, int64_t token) const {
+  return route_slot(route_table(*this, sender), expert, token) / slots_per_rank();
 }
 
 std::vector<double> Placement::rank_loads(const std::vector<double>& load) const {

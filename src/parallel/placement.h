@@ -25,10 +25,11 @@
 // so they can be refreshed every step from the average without moving any weights.
 //
 // Routing to replicas (the rule the dispatch applies): a slot of token t on rank q for
-// expert e goes to q itself when q holds a copy of e. Else, with u = frac(t x 0.618...)
-// (the golden-ratio sequence, even over any run of tokens), to the first copy in rank
-// order whose running sum of (share - 1/P) reaches u x their total: each copy receives
-// its share of the expert's rows.
+// expert e goes to q itself when q holds a copy of e. Else, with u(t) = t x 2654435769
+// mod 2^32 (frac(t x 0.618...) in 32 bits: the golden-ratio sequence, even over any run
+// of tokens), to the first copy in rank order whose running sum of (share - 1/P),
+// scaled to 2^32 by their total, exceeds u(t): each copy receives its share of the
+// expert's rows. Integers only, so the host and the device route alike.
 //
 // Loads are a layer's slots an expert received a step (the metrics' expert_counts, summed
 // over the ranks), averaged over steps by an exponential moving average.
@@ -58,6 +59,19 @@ struct Placement {
   std::vector<double> rank_loads(const std::vector<double>& load) const;
   bool operator==(const Placement& o) const = default;
 };
+
+// The rule above for the senders of one rank, as the dispatch's kernel reads it
+// (kernels/dispatch.h, ep_route_slots). Slots are numbered over the ranks: rank r's slot
+// i is r x S + i (S = slots_per_rank()).
+struct RouteTable {
+  std::vector<int32_t> mine;   // [E] the sender's own slot of each expert (-1: none there)
+  std::vector<int32_t> first;  // [E+1] each expert's copies in `slot` and `bound`
+  std::vector<int32_t> slot;   // the copies' slots, in rank order
+  std::vector<int64_t> bound;  // their upper bounds on u(t); each expert's last is 2^32
+};
+RouteTable route_table(const Placement& p, int64_t sender);
+// The slot a table sends (token, expert) to: the kernel's rule, on the host.
+int32_t route_slot(const RouteTable& t, int64_t expert, int64_t token);
 
 // Every rank its own experts and R empty slots: the placement without replicas.
 Placement owners_only(int64_t experts, int64_t ranks, int64_t replicas);

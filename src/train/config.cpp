@@ -97,6 +97,12 @@ void visit(C& c, F&& f) {
   f({"parallelism", "zero3", 0, "shard the decoder layers' weights and gradients too (ZeRO-3)"}, c.parallelism.zero3);
   f({"parallelism", "pipeline_schedule", 0, "auto (dualpipev when pp > 1), dualpipev or 1f1b"},
     c.parallelism.pipeline_schedule);
+  f({"parallelism", "expert_replicas", 0,
+     "slots an ep rank holds for copies of other ranks' hot experts (0: none; needs ep > 1, dropless)"},
+    c.parallelism.expert_replicas);
+  f({"parallelism", "replan_interval", 0,
+     "steps between placements of the replicas, from the experts' loads averaged over steps"},
+    c.parallelism.replan_interval);
   f({"offload", "experts", 0,
      "none; optimizer: the routed experts' f32 master weights and AdamW moments in host memory; weights: their "
      "compute copies and gradients too, an LRU cache of gpu_expert_slots experts on the device"},
@@ -291,6 +297,12 @@ void validate(const Config& c) {
       << c.parallelism.cp << ", " << c.parallelism.ep;
   MT_CHECK(!c.parallelism.zero3 || c.parallelism.pp == 1)
       << "parallelism.zero3 with parallelism.pp > 1 is not supported (pipeline stages would gather other ranks' layers)";
+  MT_CHECK(c.parallelism.expert_replicas >= 0 && c.parallelism.replan_interval >= 1)
+      << "parallelism.expert_replicas should be >= 0 and replan_interval >= 1, got " << c.parallelism.expert_replicas
+      << " and " << c.parallelism.replan_interval;
+  MT_CHECK(c.parallelism.expert_replicas == 0 || c.parallelism.ep > 1)
+      << "parallelism.expert_replicas = " << c.parallelism.expert_replicas
+      << " needs expert parallelism: replicas are copies on other ep ranks (set parallelism.ep > 1)";
   MT_CHECK(c.data.tokens.empty() || c.data.corpus.empty())
       << "data.tokens and data.corpus are both set; choose one";
   MT_CHECK(c.metrics.log_interval >= 1) << "metrics.log_interval should be >= 1";

@@ -84,6 +84,11 @@ struct ParallelismConfig {
   // auto (dualpipev when pp > 1), dualpipev (2 * pp chunks in a V) or 1f1b
   // (train/schedule.h, make_pipeline).
   std::string pipeline_schedule = "auto";
+  // Hot-expert replicas (models/expert_replicas.h): R slots an ep rank more for copies
+  // of other ranks' experts, placed from the loads' moving average every
+  // replan_interval steps (parallel/placement.h).
+  int64_t expert_replicas = 0;
+  int64_t replan_interval = 10;
 };
 
 // Expert offload to host memory (train/offload.h).

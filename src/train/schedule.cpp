@@ -12,6 +12,7 @@
 
 #include "comm/communicator.h"
 #include "core/check.h"
+#include "models/expert_replicas.h"
 #include "parallel/zero3.h"
 #include "train/optimizer.h"
 #include "train/profile.h"
@@ -356,6 +357,8 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
           reduced.insert(a.layer);
         } else {
           MT_CHECK(ctx.optimizer != nullptr) << "schedule: " << describe(a) << " without a sharded optimizer";
+          // A layer's replica gradients join their owners' before the owners' are summed.
+          if (ExpertReplicas* r = ctx.model->expert_replicas()) r->sum_gradients(a.layer);
           ctx.optimizer->reduce_start(a.layer);
         }
         break;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <set>
 #include <span>
 
@@ -19,6 +20,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/runtime.h"
 #endif
+#include "models/expert_replicas.h"
 #include "models/hf_config.h"
 #include "parallel/context_parallel.h"
 #include "train/schedule.h"
@@ -87,6 +89,7 @@ ModelOptions model_options(const Config& cfg) {
   o.offload_layers = cfg.offload.layers;
   o.offload_weights = cfg.offload.experts == "weights";
   o.expert_slots = cfg.offload.gpu_expert_slots;
+  o.expert_replicas = cfg.parallelism.expert_replicas;
   return o;
 }
 
@@ -433,6 +436,49 @@ void Trainer::release_weights() {
   if (zero3_) zero3_->release_all();
 }
 
+// A new placement must lower the predicted max/mean rows a rank by more than this share.
+constexpr double kReplanGain = 0.02;
+
+// parallelism.expert_replicas (models/expert_replicas.h): every step the loads' average
+// takes the step's counts, which are the same on every rank (summed over them all), so
+// every rank plans the same placements for the whole model; every replan_interval steps
+// each MoE layer gets the planner's placement where it lowers the predicted max/mean
+// rows a rank by more than kReplanGain, else keeps its own with the copies' shares
+// refreshed from the average. Then the owners' new weights go to the replicas.
+void Trainer::place_replicas(StepResult& r) {
+  ExpertReplicas& rep = *model_.expert_replicas();
+  const int64_t E = model_.num_experts(), ranks = ep_->size(), R = cfg_.parallelism.expert_replicas;
+  if (placements_.empty()) placements_.assign(r.moe_layers.size(), parallel::owners_only(E, ranks, R));
+  loads_.add(r.expert_counts);
+  if (r.step % cfg_.parallelism.replan_interval == 0) {
+    bool moved = false;
+    for (size_t i = 0; i < r.moe_layers.size(); ++i) {
+      const std::vector<double>& load = loads_.mean[i];
+      parallel::Placement& now = placements_[i];
+      parallel::balance_shares(now, load);
+      parallel::Placement next = parallel::plan_placement(load, ranks, R);
+      if (parallel::max_over_mean(next, load) < (1 - kReplanGain) * parallel::max_over_mean(now, load)) {
+        moved |= next.slots != now.slots;
+        now = std::move(next);
+      }
+    }
+    placement_version_ += moved;
+    const std::vector<int64_t> held = rep.layers();
+    for (size_t i = 0; i < r.moe_layers.size(); ++i)
+      if (std::find(held.begin(), held.end(), r.moe_layers[i]) != held.end())
+        rep.set_placement(r.moe_layers[i], placements_[i]);
+  }
+  rep.refresh();
+  r.placement_version = placement_version_;
+  for (const parallel::Placement& p : placements_) {
+    std::vector<int64_t> copies(static_cast<size_t>(E), 0);
+    for (const std::vector<int32_t>& slots : p.slots)
+      for (int32_t e : slots)
+        if (e >= 0) ++copies[static_cast<size_t>(e)];
+    r.expert_copies.push_back(std::move(copies));
+  }
+}
+
 StepResult Trainer::step() {
   if (stashes_.empty()) make_stashes();
   model_.reset_row_memory();
@@ -464,6 +510,10 @@ StepResult Trainer::step() {
   std::vector<std::vector<double>> prob_sums(moe_layers, std::vector<double>(E, 0.0));
   int64_t routed_tokens = 0;
   std::vector<int64_t> dropped = {0};  // slots over an expert's capacity, all layers
+  // With expert replicas, per MoE layer the rows each slot of the ep ranks got.
+  ExpertReplicas* replicas = model_.expert_replicas();
+  std::vector<std::vector<int64_t>> slot_rows(
+      replicas ? moe_layers : 0, std::vector<int64_t>(replicas ? static_cast<size_t>(ep_->size() * replicas->slots()) : 0, 0));
 
   auto accumulate_stats = [&](const std::vector<RouterStats>& stats) {
     for (const RouterStats& st : stats) {
@@ -473,6 +523,7 @@ StepResult Trainer::step() {
         prob_sums[i][e] += st.prob_sum[e];
       }
       dropped[0] += st.dropped;
+      for (size_t i2 = 0; i2 < st.slot_counts.size(); ++i2) slot_rows[i][i2] += st.slot_counts[i2];
     }
     if (!stats.empty()) routed_tokens += stats[0].tokens;
   };
@@ -583,6 +634,10 @@ StepResult Trainer::step() {
   clear_gradient_marks(model_.params());  // the step's first write of each gradient replaces it
   run_schedule(actions_, ctx);
   for (const LossSum& l : ctx.losses) loss_sum += l.sum;
+  // The replicas' gradients into their owners' before the norm (the layers that the
+  // schedule's reductions summed already are skipped).
+  if (replicas)
+    for (int64_t l : replicas->layers()) replicas->sum_gradients(l);
   // offload.experts = weights: the gradients the cache holds go back to host memory,
   // where the norm and the update read them.
   r.expert_cache = model_.flush_expert_cache();
@@ -623,6 +678,7 @@ StepResult Trainer::step() {
     r.grad_norm = std::sqrt(sums[2]);
     if (!global_lb)
       for (auto& c : counts) sum_ranks_i64(c);
+    for (auto& c : slot_rows) sum_ranks_i64(c);
     sum_ranks_i64(dropped);
   } else {
     r.grad_norm = std::sqrt(optimizer_.grad_sum_squares());
@@ -642,6 +698,18 @@ StepResult Trainer::step() {
 
   r.expert_counts = counts;
   r.dropped_slots = dropped[0];
+  if (ep_) {
+    // The rows each ep rank received: its slots' (replicas) or its own experts'.
+    const int64_t ranks = ep_->size();
+    for (size_t i = 0; i < counts.size(); ++i) {
+      std::vector<double> rows(static_cast<size_t>(ranks), 0.0);
+      const std::vector<int64_t>& by = replicas ? slot_rows[i] : counts[i];
+      for (size_t j = 0; j < by.size(); ++j) rows[j * static_cast<size_t>(ranks) / by.size()] += static_cast<double>(by[j]);
+      const double total = std::accumulate(rows.begin(), rows.end(), 0.0);
+      r.ep_rows_max_over_mean.push_back(total > 0 ? *std::max_element(rows.begin(), rows.end()) * static_cast<double>(ranks) / total : 1.0);
+    }
+  }
+  if (replicas) place_replicas(r);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.tokens = count;
   r.tokens_per_s = static_cast<double>(count) / std::max(r.seconds, 1e-9);
@@ -757,6 +825,11 @@ std::string step_json(const StepResult& r) {
   j["expert_counts"] = r.expert_counts;
   j["moe_layers"] = r.moe_layers;
   j["dropped_slots"] = r.dropped_slots;
+  if (!r.ep_rows_max_over_mean.empty()) j["ep_rows_max_over_mean"] = r.ep_rows_max_over_mean;
+  if (!r.expert_copies.empty()) {
+    j["placement_version"] = r.placement_version;
+    j["expert_copies"] = r.expert_copies;
+  }
   if (!r.breakdown.empty()) {
     nlohmann::json ms = nlohmann::json::object(), counts = nlohmann::json::object();
     for (const ProfileEntry& e : r.breakdown) {

@@ -11,6 +11,7 @@
 #include "comm/mesh.h"
 #include "data/dataset.h"
 #include "models/interface.h"
+#include "parallel/placement.h"
 #include "parallel/zero3.h"
 #include "train/config.h"
 #include "train/optimizer.h"
@@ -103,6 +104,13 @@ struct StepResult {
   ExpertCacheStats expert_cache;  // offload.experts = weights: the step's cache traffic (in `offload` too)
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens per expert (kept)
   std::vector<int64_t> moe_layers;  // the decoder layer of each MoE layer (expert_counts' rows)
+  // With expert parallelism, per MoE layer: the most rows an ep rank received over the
+  // mean (summed over micro-batches and data-parallel groups). With expert replicas
+  // (models/expert_replicas.h) also the placements applied so far and each expert's
+  // copies over the ep ranks.
+  std::vector<double> ep_rows_max_over_mean;
+  int64_t placement_version = 0;
+  std::vector<std::vector<int64_t>> expert_copies;
   // offload.experts = weights, per MoE layer and expert: the share of the step's passes
   // over the expert that found it in a device frame (-1: no pass used it).
   std::vector<std::vector<double>> expert_residency;
@@ -186,6 +194,12 @@ class Trainer {
   std::vector<std::vector<ActivationBlock*>> block_of_;  // [chunk][micro-batch]
   AdamW optimizer_;
   std::unique_ptr<parallel::Zero3> zero3_;  // null: the layers' weights are full here
+  // parallelism.expert_replicas: the experts' loads averaged over steps, and the
+  // placements applied (place_replicas).
+  parallel::LoadAverage loads_;
+  std::vector<parallel::Placement> placements_;  // per MoE layer of the whole model
+  int64_t placement_version_ = 0;
+  void place_replicas(StepResult& r);
   StepProfile profile_;
 };
 

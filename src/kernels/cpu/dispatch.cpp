@@ -304,6 +304,32 @@ void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& 
     }
 }
 
+void ep_route_slots(const Tensor& idx, const Tensor& mine, const Tensor& first, const Tensor& slot,
+                    const Tensor& bound, const Tensor& slots) {
+  MT_CHECK(idx.ndim() == 2 && mine.ndim() == 1 && first.numel() == mine.numel() + 1 && slot.numel() == bound.numel())
+      << "ep_route_slots wants idx [N,k], mine [E], first [E+1], slot and bound [C], got " << idx.str() << ", "
+      << mine.str() << ", " << first.str() << ", " << slot.str() << ", " << bound.str();
+  const int64_t n = idx.dim(0), k = idx.dim(1), experts = mine.numel();
+  check_tensor(idx, "ep_route_slots idx", DType::i32, {n, k});
+  check_tensor(slots, "ep_route_slots slots", DType::i32, {n, k});
+  check_tensor(bound, "ep_route_slots bound", DType::i64, {slot.numel()});
+  const int32_t *ip = idx.i32(), *mp = mine.i32(), *fp = first.i32(), *sp = slot.i32();
+  const int64_t* bp = static_cast<const int64_t*>(bound.data);
+  int32_t* out = slots.i32();
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t u = static_cast<uint32_t>(static_cast<uint64_t>(t) * 2654435769u);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = ip[t * k + j];
+      MT_CHECK(e >= 0 && e < experts) << "ep_route_slots: idx of token " << t << " slot " << j << " is " << e
+                                      << ", outside [0, " << experts << ")";
+      int32_t to = mp[e];
+      for (int32_t i = fp[e]; to < 0 && i < fp[e + 1]; ++i)
+        if (u < bp[i] || i + 1 == fp[e + 1]) to = sp[i];
+      out[t * k + j] = to;
+    }
+  }
+}
+
 void read_counts(std::initializer_list<Tensor> arrays, int32_t* out) {
   for (const Tensor& a : arrays) {
     MT_CHECK(a.dtype == DType::i32 && a.device == Device::cpu && a.defined())

@@ -403,6 +403,20 @@ __global__ void ep_row_buckets_kernel(const int32_t* idx, int32_t* buckets, int 
   buckets[s] = first ? r : -1;
 }
 
+__global__ void ep_route_slots_kernel(const int32_t* idx, const int32_t* mine, const int32_t* first,
+                                      const int32_t* slot, const int64_t* bound, int32_t* out, int slots, int k,
+                                      int experts) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= slots) return;
+  const int e = idx[s];
+  if (e < 0 || e >= experts) __trap();
+  const long long u = static_cast<uint32_t>(static_cast<unsigned long long>(s / k) * 2654435769u);
+  int to = mine[e];
+  for (int i = first[e]; to < 0 && i < first[e + 1]; ++i)
+    if (u < bound[i] || i + 1 == first[e + 1]) to = slot[i];
+  out[s] = to;
+}
+
 __global__ void ep_send_buckets_kernel(const int32_t* idx, const int32_t* sent_slot, int32_t* buckets, int rows,
                                        int slots, int k, int per) {
   const int x = blockIdx.x * blockDim.x + threadIdx.x;
@@ -481,6 +495,22 @@ void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const T
   ep_row_buckets_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
       idx.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(per),
       static_cast<int>(num_experts));
+  CUDA_CHECK_LAUNCH();
+}
+
+void ep_route_slots(const Tensor& idx, const Tensor& mine, const Tensor& first, const Tensor& slot,
+                    const Tensor& bound, const Tensor& slots) {
+  MT_CHECK(idx.ndim() == 2 && mine.ndim() == 1 && first.numel() == mine.numel() + 1 && slot.numel() == bound.numel())
+      << "ep_route_slots wants idx [N,k], mine [E], first [E+1], slot and bound [C], got " << idx.str() << ", "
+      << mine.str() << ", " << first.str() << ", " << slot.str() << ", " << bound.str();
+  const int64_t n = idx.dim(0), k = idx.dim(1);
+  check_arg(idx, "ep_route_slots idx", {DType::i32}, {n, k});
+  check_arg(slots, "ep_route_slots slots", {DType::i32}, {n, k});
+  check_arg(bound, "ep_route_slots bound", {DType::i64}, {slot.numel()});
+  if (n * k == 0) return;
+  ep_route_slots_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
+      idx.i32(), mine.i32(), first.i32(), slot.i32(), static_cast<const int64_t*>(bound.data), slots.i32(),
+      static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(mine.numel()));
   CUDA_CHECK_LAUNCH();
 }
 
