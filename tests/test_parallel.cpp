@@ -27,6 +27,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/gemm.h"
 #include "kernels/grouped_gemm.h"
+#include "models/expert_replicas.h"
 #include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/placement.h"
@@ -1299,6 +1300,108 @@ TEST_F(ExpertPlacement, LoadAverageWeighsTheSteps) {
   a.add({{4, 0}, {1, 2}});
   a.add({{0, 8}, {1, 6}});
   EXPECT_EQ(a.mean, (std::vector<std::vector<double>>{{3.0, 2.0}, {1.0, 3.0}}));
+}
+
+// The dispatch's kernel routes as the rule says: on skewed loads over 4 ranks with 2
+// replica slots each, for every sender, random choices go to route_slot's slot, which
+// holds the chosen expert, on Placement::route's rank; a sender holding a copy keeps
+// the slot; and the counts by slot add up to the counts by expert.
+TEST_F(ExpertPlacement, TheDispatchKernelRoutesAsTheRuleSays) {
+  const int64_t E = 16, P = 4, R = 2, N = 40, k = 3;
+  const std::vector<float> u = uniform(E, 11, 0, 1);
+  std::vector<double> load(u.begin(), u.end());
+  load[5] += 6;
+  load[12] += 3;
+  const parallel::Placement p = parallel::plan_placement(load, P, R);
+  const int64_t S = p.slots_per_rank();
+  for (int64_t sender = 0; sender < P; ++sender) {
+    const parallel::RouteTable t = parallel::route_table(p, sender);
+    std::vector<int32_t> idx(static_cast<size_t>(N * k)), slots(idx.size(), -2);
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>((i * 7 + i / 5 + sender) % E);
+    std::vector<int32_t> mine = t.mine, first = t.first, slot = t.slot;
+    std::vector<int64_t> bound = t.bound;
+    const int64_t c = static_cast<int64_t>(slot.size());
+    mt::ep_route_slots(Tensor(idx.data(), {N, k}, DType::i32), Tensor(mine.data(), {E}, DType::i32),
+                       Tensor(first.data(), {E + 1}, DType::i32), Tensor(slot.data(), {c}, DType::i32),
+                       Tensor(bound.data(), {c}, DType::i64), Tensor(slots.data(), {N, k}, DType::i32));
+    std::vector<int32_t> slot_counts(static_cast<size_t>(P * S), 0);
+    std::vector<int64_t> counts(static_cast<size_t>(E), 0);
+    for (int64_t tok = 0; tok < N; ++tok)
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = idx[static_cast<size_t>(tok * k + j)], g = slots[static_cast<size_t>(tok * k + j)];
+        EXPECT_EQ(g, parallel::route_slot(t, e, tok)) << "sender " << sender << " token " << tok;
+        ASSERT_TRUE(g >= 0 && g < P * S) << g;
+        EXPECT_EQ(p.slots[static_cast<size_t>(g / S)][static_cast<size_t>(g % S)], e) << "slot " << g;
+        EXPECT_EQ(g / S, p.route(e, sender, tok));
+        const std::vector<int64_t> h = p.holders(e);
+        if (std::find(h.begin(), h.end(), sender) != h.end()) {
+          EXPECT_EQ(g / S, sender) << "expert " << e;
+        }
+        ++slot_counts[static_cast<size_t>(g)];
+        ++counts[static_cast<size_t>(e)];
+      }
+    if (P == world_comm().size()) {
+      ExpertReplicas rep(&world_comm(), E, R, Device::cpu);
+      std::vector<float> v(static_cast<size_t>(S));
+      Param w;
+      w.name = "w";
+      w.value = w.grad = w.compute = Tensor(v.data(), {S}, DType::f32);
+      rep.add(0, 0, w);
+      rep.set_placement(0, p);
+      EXPECT_EQ(rep.expert_counts(0, slot_counts), counts);
+    }
+  }
+  // Both hot experts have copies, and the shares send rows to them.
+  EXPECT_GE(p.holders(5).size(), 2u);
+  EXPECT_GE(p.holders(12).size(), 2u);
+}
+
+// ExpertReplicas' moves, exactly (small integers in f32), on every rank of the world: 2
+// experts a rank and 1 replica slot. Placement A puts on rank r a copy of the next
+// rank's first expert, B of the previous rank's second (rank 0's slot left empty). After
+// each refresh a replica holds its owner's weights; sum_gradients adds each replica's
+// gradient to its owner's (once: a second call before the next refresh adds nothing).
+TEST_F(ExpertPlacement, ReplicasTakeTheirOwnersWeightsAndGiveBackTheirGradients) {
+  comm::Communicator& world = world_comm();
+  const int64_t W = world.size(), me = world.rank(), E = 2 * W, S = 3, C = 4;
+  if (W < 2) GTEST_SKIP() << "replicas live on other ranks";
+  std::vector<float> value(static_cast<size_t>(S * C)), grad(value.size());
+  Param w;
+  w.name = "layers.0.experts.down";
+  w.expert = true;
+  w.value = w.compute = Tensor(value.data(), {S, C}, DType::f32);
+  w.grad = Tensor(grad.data(), {S, C}, DType::f32);
+  ExpertReplicas rep(&world, E, 1, Device::cpu);
+  rep.add(0, 0, w);
+  auto at = [&](std::vector<float>& t, int64_t b, int64_t c) -> float& { return t[static_cast<size_t>(b * C + c)]; };
+  for (int pass = 0; pass < 2; ++pass) {
+    parallel::Placement p = parallel::owners_only(E, W, 1);
+    for (int64_t r = 0; r < W; ++r)
+      p.slots[static_cast<size_t>(r)][2] = static_cast<int32_t>(pass == 0 ? (r + 1) % W * 2 : (r + W - 1) % W * 2 + 1);
+    if (pass == 1) p.slots[0][2] = -1;
+    parallel::balance_shares(p, std::vector<double>(static_cast<size_t>(E), 1.0));
+    EXPECT_TRUE(rep.set_placement(0, p));
+    EXPECT_FALSE(rep.set_placement(0, p));
+    for (int64_t b = 0; b < S; ++b)
+      for (int64_t c = 0; c < C; ++c) {
+        at(value, b, c) = b < 2 ? static_cast<float>(100 * (me * 2 + b) + c) : -1.0f;
+        at(grad, b, c) = static_cast<float>(1000 * me + 10 * b + c);
+      }
+    rep.refresh();
+    const int32_t e = p.slots[static_cast<size_t>(me)][2];
+    for (int64_t c = 0; c < C; ++c) EXPECT_EQ(at(value, 2, c), e < 0 ? -1.0f : static_cast<float>(100 * e + c));
+    rep.sum_gradients(0);
+    rep.sum_gradients(0);
+    for (int64_t b = 0; b < 2; ++b) {
+      const int64_t expert = me * 2 + b;
+      for (int64_t c = 0; c < C; ++c) {
+        float want = static_cast<float>(1000 * me + 10 * b + c);
+        for (int64_t q = 0; q < W; ++q)
+          if (p.slots[static_cast<size_t>(q)][2] == expert) want += static_cast<float>(1000 * q + 20 + c);
+        EXPECT_EQ(at(grad, b, c), want) << "pass " << pass << " expert " << expert;
+      }
+    }
+  }
 }
 
 }  // namespace

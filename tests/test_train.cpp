@@ -1996,6 +1996,153 @@ TEST(Commands, CorpusFedMeshMatchesOneRank) {
   EXPECT_NE(runs[0][0]["loss"], runs[0][2]["loss"]);
 }
 
+// parallelism.expert_replicas (models/expert_replicas.h) on ep 2, ep 4 and dp 2 x ep 2,
+// with R = 1 and 2 replica slots a rank, placed again every step: each family matches the
+// same mesh without replicas to 1e-5 (losses, gradient norms, balance terms; a
+// replicated expert's gradient is summed in parts, and an expert's rows split over
+// products of other sizes). Step 1 runs on the owners' placement: the same bits. With
+// R = 2 the placement made after step 1 gives the
+// hottest expert of each MoE layer a copy, and at ep 2 the rows the busiest rank
+// receives over the mean fall in the first MoE layer.
+TEST(Commands, ExpertReplicasMatchTheRunWithout) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  for (const std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+    const std::string dir = temp_dir("replicas_" + model);
+    write_four_sequences(model, dir);
+    for (auto [dp, ep] : {std::pair{1, 2}, {1, 4}, {2, 2}}) {
+      std::vector<std::vector<nlohmann::json>> runs;
+      for (int R : {0, 1, 2}) {
+        const std::string dump = dir + "/run" + std::to_string(dp) + std::to_string(ep) + std::to_string(R);
+        auto [rc, out] = run(kMpirun + std::to_string(dp * ep) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
+                             fixture(model) + " --data.tokens=" + dir + "/tokens.npy --training.steps=5" +
+                             " --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
+                             " --parallelism.ep=" + std::to_string(ep) + " --parallelism.expert_replicas=" +
+                             std::to_string(R) + " --parallelism.replan_interval=1 --job.dump_folder=" + dump);
+        ASSERT_EQ(rc, 0) << out;
+        runs.push_back(metrics_of(dump));
+        ASSERT_EQ(runs.back().size(), 5u) << out;
+      }
+      const std::vector<nlohmann::json>& none = runs[0];
+      EXPECT_FALSE(none[0].contains("expert_copies"));
+      for (int R : {1, 2}) {
+        const std::vector<nlohmann::json>& m = runs[static_cast<size_t>(R)];
+        const std::string where = model + " dp " + std::to_string(dp) + " ep " + std::to_string(ep) + " R " +
+                                  std::to_string(R);
+        for (size_t i = 0; i < 5; ++i) {
+          for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
+            const double want = none[i][key], got = m[i][key];
+            if (i == 0) {
+              EXPECT_EQ(got, want) << where << " step " << i + 1 << " " << key;
+            } else {
+              EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << where << " step " << i + 1 << " " << key;
+            }
+          }
+          if (i == 0) {
+            EXPECT_EQ(m[i]["expert_counts"], none[i]["expert_counts"]) << where;
+          }
+        }
+        EXPECT_EQ(m[4]["placement_version"].get<int64_t>(), 1) << where;
+        for (size_t l = 0; R == 2 && l < m[0]["expert_counts"].size(); ++l) {
+          const std::vector<int64_t> counts = m[0]["expert_counts"][l], copies = m[0]["expert_copies"][l];
+          const size_t hot = static_cast<size_t>(std::max_element(counts.begin(), counts.end()) - counts.begin());
+          EXPECT_GE(copies[hot], 2) << where << " MoE layer " << l << ": the hottest expert " << hot;
+          int64_t held = 0;
+          for (int64_t c : copies) {
+            EXPECT_GE(c, 1) << where;
+            held += c;
+          }
+          EXPECT_LE(held, static_cast<int64_t>(counts.size()) + ep * R) << where;
+        }
+        if (ep == 2 && R == 2) {
+          EXPECT_LT(m[1]["ep_rows_max_over_mean"][0].get<double>(), none[1]["ep_rows_max_over_mean"][0].get<double>())
+              << where;
+        }
+      }
+    }
+  }
+}
+
+// A corpus whose batches move between four bands of the vocabulary (a band every four
+// windows), so the experts' loads move and the replicas are placed again: 80 windows of
+// 17 tokens.
+void write_drifting_corpus(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  std::vector<uint16_t> tokens(80 * 17);
+  uint64_t x = 3;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    tokens[i] = static_cast<uint16_t>((x >> 33) % 24 + (i / 68) % 4 * 24);
+  }
+  std::vector<uint64_t> ends = {tokens.size()};
+  std::string bin = io::make_npy_header("<u2", {static_cast<int64_t>(tokens.size())});
+  bin.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
+  bin += io::make_npy_header("<u8", {1});
+  bin.append(reinterpret_cast<const char*>(ends.data()), 8);
+  io::write_file_atomic(dir + "/part.bin", {bin});
+}
+
+// Replicas placed again as the loads move (a later placement moves weights to other
+// slots), and checkpoints. At ep 2 with R = 2 the loads of this corpus move enough for a
+// second placement (deterministic: the same run always gives it), and a run resumed on
+// that mesh repeats the straight run bit for bit (the placement and the loads' average
+// are saved). A checkpoint of ep 4 with R = 2 resumed on one rank, and one rank's
+// resumed at ep 4 with R = 2, follow one rank's straight run to 1e-5.
+TEST(Commands, ExpertReplicasMoveAndResumeOnAnyMesh) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("replicas_resume");
+  write_drifting_corpus(dir + "/corpus");
+  auto train = [&](const std::string& dump, int steps, int ep, const std::string& extra = "") {
+    auto [rc, out] = run((ep > 1 ? kMpirun + std::to_string(ep) + " " : std::string()) + MOETRAIN_BIN +
+                         " train --model.init=hf:" + fixture("qwen3_moe_a") + " --data.corpus=" + dir + "/corpus" +
+                         " --data.seq_len=16 --training.global_batch_size=4 --training.micro_batch_size=1" +
+                         " --training.load_balance_coef=0.01 --parallelism.replan_interval=1 --training.steps=" +
+                         std::to_string(steps) +
+                         (ep > 1 ? " --parallelism.expert_replicas=2 --parallelism.ep=" + std::to_string(ep) : "") +
+                         " --job.dump_folder=" + dump + " " + extra + " 2>&1");
+    EXPECT_EQ(rc, 0) << out;
+    return out;
+  };
+  auto same = [](const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b, double tol,
+                 const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i)
+      for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
+        const double want = a[i][key], got = b[i][key];
+        if (tol == 0) {
+          EXPECT_EQ(got, want) << what << " step " << i + 1 << " " << key;
+        } else {
+          EXPECT_NEAR(got, want, tol * std::fabs(want)) << what << " step " << i + 1 << " " << key;
+        }
+      }
+  };
+  const std::string straight = dir + "/straight", resumed = dir + "/resumed", one = dir + "/one", four = dir + "/four";
+  train(straight, 6, 2);
+  const std::vector<nlohmann::json> s = metrics_of(straight);
+  ASSERT_EQ(s.size(), 6u);
+  EXPECT_GE(s[5]["placement_version"].get<int64_t>(), 2) << "the loads moved, but the replicas were not placed again";
+  train(resumed, 3, 2, "--checkpoint.interval=3");
+  const std::string out = train(resumed, 6, 2);
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+  same(s, metrics_of(resumed), 0, "ep 2 resumed");
+  EXPECT_EQ(metrics_of(resumed)[5]["placement_version"], s[5]["placement_version"]);
+  // The ep 4 checkpoint of step 3 on one rank, then one rank's checkpoint at ep 4.
+  train(one, 6, 1, "--checkpoint.interval=3");
+  train(four, 3, 4, "--checkpoint.interval=3");
+  const std::vector<nlohmann::json> o = metrics_of(one);
+  ASSERT_EQ(o.size(), 6u);
+  same(std::vector<nlohmann::json>(o.begin(), o.begin() + 3), metrics_of(four), 1e-5, "ep 4");
+  for (auto [from, to, ep] : {std::tuple{four, dir + "/to_one", 1}, {one, dir + "/to_four", 4}}) {
+    std::filesystem::create_directories(to + "/checkpoints");
+    std::filesystem::copy(from + "/checkpoints/step-00000003", to + "/checkpoints/step-00000003",
+                          std::filesystem::copy_options::recursive);
+    const std::string said = train(to, 6, ep);
+    if (ep > 1) {
+      EXPECT_NE(said.find("the replicas start empty"), std::string::npos) << said;
+    }
+    same(std::vector<nlohmann::json>(o.begin() + 3, o.end()), metrics_of(to), 1e-5, to);
+  }
+}
+
 // Ranks started with different configs (here training.steps) stop at once, the one that
 // differs naming the key and both values; it used to hang in a collective.
 TEST(Commands, RanksWithAnotherConfigThanRankZeroStop) {

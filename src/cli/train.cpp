@@ -451,6 +451,7 @@ int run_train(const Args& args) {
     trainer.optimizer().commit_moments();
     trainer.set_steps_done(saved.step);
     trainer.set_data_cursor(saved.data_cursor);
+    trainer.set_expert_placement(saved.expert_placement, writer);
   }
   // Parameters of the whole model: each pp rank counts its own (of one ep rank's experts).
   std::vector<int64_t> counts = {model->param_count(), model->active_param_count()};
@@ -506,6 +507,7 @@ int run_train(const Args& args) {
     state.step = trainer.steps_done();
     state.lr = lr;
     state.data_cursor = trainer.data_cursor();
+    state.expert_placement = trainer.expert_placement();
     // Weights are replicated over dp and cp: the pp x ep ranks of the first replica
     // write, each its own experts and (ep rank 0) its layers' dense weights. Sharded
     // moments are first gathered (and with ZeRO-3 the layers' weights), which every rank

@@ -220,6 +220,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   state["seed"] = st.seed;
   state["lr"] = st.lr;
   state["data_cursor"] = nlohmann::json::parse(st.data_cursor);
+  state["expert_placement"] = nlohmann::json::parse(st.expert_placement);
   state["config"] = st.config_toml;
   record("train_state.json", io::write_file_atomic((tmp / "train_state.json").string(), {state.dump(2)}));
   auto copy_in = [&](const fs::path& from, const std::string& name) {
@@ -384,6 +385,7 @@ TrainState read_train_state(const std::string& dir) {
   st.seed = j.value("seed", int64_t{0});
   st.lr = j.value("lr", 0.0);
   st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
+  st.expert_placement = j.contains("expert_placement") ? j["expert_placement"].dump() : "null";
   st.config_toml = j.value("config", std::string());
   // The folder's name says the step too (a step edited to 999 was trusted, and rotation
   // then deleted good checkpoints).

@@ -5,7 +5,7 @@
 //     optimizer.safetensors  AdamW moments: "<key>.exp_avg", "<key>.exp_avg_sq"
 //       (with expert or pipeline parallelism: model-part<r>/optimizer-part<r>.safetensors,
 //       one per writer, and a <stem>.safetensors.index.json naming each key's file)
-//     train_state.json       step, seed, learning rate, data cursor, the run's config
+//     train_state.json       step, seed, learning rate, data cursor, expert placement, the run's config
 //     config.json            the model's Hugging Face config
 //     tokenizer files        tokenizer.json (and tokenizer_config.json, ...) of the run's
 //                            tokenizer: the corpus's, else the model's (see save_checkpoint)
@@ -37,6 +37,8 @@ struct TrainState {
   int64_t seed = 0;
   double lr = 0;
   std::string data_cursor = "null";  // JSON, owned by the data source
+  // JSON: the expert replicas' placement and the loads' average (Trainer::expert_placement)
+  std::string expert_placement = "null";
   std::string config_toml;           // the run's config (TOML): a resume compares its own with it
 };
 

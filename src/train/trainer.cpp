@@ -424,6 +424,74 @@ void Trainer::set_data_cursor(const std::string& json) {
   corpus_->set_cursor({j["samples_seen"].get<uint64_t>()});
 }
 
+std::string Trainer::expert_placement() const {
+  if (model_.expert_replicas() == nullptr || placements_.empty()) return "null";
+  nlohmann::json j;
+  j["ranks"] = placements_[0].ranks;
+  j["replicas"] = placements_[0].replicas;
+  j["version"] = placement_version_;
+  j["decay"] = loads_.decay;
+  j["loads"] = loads_.mean;
+  nlohmann::json layers = nlohmann::json::array();
+  for (const parallel::Placement& p : placements_) layers.push_back({{"slots", p.slots}, {"share", p.share}});
+  j["placements"] = std::move(layers);
+  return j.dump();
+}
+
+void Trainer::set_expert_placement(const std::string& json, bool say) {
+  ExpertReplicas* rep = model_.expert_replicas();
+  if (rep == nullptr) return;  // a mesh without replicas: the checkpoint's experts are logical
+  const nlohmann::json j = nlohmann::json::parse(json, nullptr, false);
+  const int64_t ranks = ep_->size(), R = cfg_.parallelism.expert_replicas, E = model_.num_experts();
+  if (!j.is_object() || j.value("ranks", int64_t{0}) != ranks || j.value("replicas", int64_t{-1}) != R) {
+    if (say)
+      std::fprintf(stderr, "moetrain: note: the checkpoint has no expert placement for ep %lld with %lld replica slots "
+                   "a rank; the replicas start empty and are placed from this run's loads\n",
+                   static_cast<long long>(ranks), static_cast<long long>(R));
+    return;
+  }
+  try {
+    loads_.decay = j.at("decay").get<double>();
+    loads_.mean = j.at("loads").get<std::vector<std::vector<double>>>();
+    placement_version_ = j.at("version").get<int64_t>();
+    placements_.clear();
+    for (const nlohmann::json& l : j.at("placements")) {
+      parallel::Placement p = parallel::owners_only(E, ranks, R);
+      p.slots = l.at("slots").get<std::vector<std::vector<int32_t>>>();
+      p.share = l.at("share").get<std::vector<std::vector<double>>>();
+      placements_.push_back(std::move(p));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    MT_FAIL() << "the checkpoint's expert_placement is damaged (" << e.what() << ")";
+  }
+  for (size_t l = 0; l < placements_.size(); ++l)
+    for (int64_t r = 0; r < ranks; ++r) {
+      const parallel::Placement& p = placements_[l];
+      const bool fits = p.slots.size() == static_cast<size_t>(ranks) && p.share.size() == p.slots.size() &&
+                        p.slots[static_cast<size_t>(r)].size() == static_cast<size_t>(p.slots_per_rank()) &&
+                        p.share[static_cast<size_t>(r)].size() == p.slots[static_cast<size_t>(r)].size();
+      MT_CHECK(fits) << "the checkpoint's expert_placement of MoE layer " << l << " does not have " << ranks
+                     << " ranks of " << p.slots_per_rank() << " slots";
+      for (int64_t s = 0; s < p.slots_per_rank(); ++s) {
+        const int32_t e = p.slots[static_cast<size_t>(r)][static_cast<size_t>(s)];
+        const bool own = s < E / ranks;
+        MT_CHECK(own ? e == r * (E / ranks) + s : e >= -1 && e < E)
+            << "the checkpoint's expert_placement of MoE layer " << l << " puts expert " << e << " in rank " << r
+            << "'s slot " << s << " (expected " << (own ? "its own expert" : "an expert or -1") << ")";
+      }
+    }
+  size_t i = 0;
+  for (int64_t l = 0; l < model_.num_layers(); ++l) {
+    if (!model_.is_moe_layer(l)) continue;
+    MT_CHECK(i < placements_.size()) << "the checkpoint's expert_placement has " << placements_.size()
+                                     << " MoE layers; this model has more";
+    const std::vector<int64_t> held = rep->layers();
+    if (std::find(held.begin(), held.end(), l) != held.end()) rep->set_placement(l, placements_[i]);
+    ++i;
+  }
+  rep->refresh();
+}
+
 void Trainer::materialize_weights() {
   if (zero3_) zero3_->materialize();
 }

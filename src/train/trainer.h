@@ -157,6 +157,12 @@ class Trainer {
   // Where the corpus stands, as JSON for train_state.json ("null" for a token matrix).
   std::string data_cursor() const;
   void set_data_cursor(const std::string& json);
+  // parallelism.expert_replicas: the placement of every MoE layer, the loads' average and
+  // the placements applied, as JSON ("null" without replicas), for checkpoints. Setting
+  // it (after the weights are loaded) applies it where the mesh's ep and R are the
+  // saved ones; elsewhere the run starts from the owners' placement and says so.
+  std::string expert_placement() const;
+  void set_expert_placement(const std::string& json, bool say);
   // Mean loss and token count of a batch without touching the weights.
   static LossSum evaluate(Model& model, const TokenBatch& data, int64_t micro_batch);
   // The forward of one micro-batch whose ids and labels are in s, on one rank: the
