@@ -1039,7 +1039,13 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   plan_and_run("zero3", 2, two + " --parallelism.zero3=true", tokens4);
   // Expert parallelism: the plan builds rank 0's model, with half the experts and
   // buffers for the exchange.
-  plan_and_run("ep2", 2, two + " --parallelism.ep=2", tokens4);
+  const int64_t ep2_plain = plan_and_run("ep2", 2, two + " --parallelism.ep=2", tokens4);
+  // Two replica slots a rank: two more experts' weights and gradients a MoE layer (the
+  // fixture's two MoE layers of experts of 3 x 12 x 32 parameters, f32 value and
+  // gradient on the CPU), and the routing's slot counts (a few hundred bytes).
+  const int64_t replicas = plan_and_run("ep2r2", 2, two + " --parallelism.ep=2 --parallelism.expert_replicas=2", tokens4);
+  EXPECT_GE(replicas - ep2_plain, 2 * 2 * 3 * 12 * 32 * 8);
+  EXPECT_LT(replicas - ep2_plain, 2 * 2 * 3 * 12 * 32 * 8 + 4096);
   // Pipelines: pp rank 0's layers (two of three), its embedding and head, and the two
   // micro-batches 1F1B keeps in flight there; and the V's pairing on one rank.
   const std::string micro = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=4" +

@@ -78,16 +78,16 @@ StepCosts read_profile(const std::string& path) {
 
 // A run's recorded loads (each step line's expert_counts in a metrics.jsonl: [MoE layer]
 // [expert], summed over the ranks) played against placements with R = 0, 1, 2 and 4
-// replica slots a rank at ep `ranks` (parallel/placement.h), as a run would: each step's
-// placement planned from the moving average of the steps before it, again every 10 steps
-// (the copies' shares of the rows refreshed from it every step),
-// and applied when it lowers the predicted max by more than 2%. Per R: the busiest
-// rank's rows over the mean, the mean over steps and layers, and the worst.
+// replica slots a rank at ep `ranks` (parallel/placement.h), as a run would: each step
+// routed by the placement that parallel::replan made from the moving average of the
+// steps before it (a new one every `interval` steps). Per R: the busiest rank's rows
+// over the mean, the mean over steps and layers, and the worst.
 struct RoutingSkew {
   int64_t replicas = 0;
   double mean = 0, worst = 0;
 };
-std::vector<RoutingSkew> routing_skews(const std::string& path, int64_t experts, int64_t ranks, int64_t* steps) {
+std::vector<RoutingSkew> routing_skews(const std::string& path, int64_t experts, int64_t ranks, int64_t interval,
+                                       int64_t* steps) {
   std::ifstream in(path);
   MT_CHECK(in.good()) << "--routing " << path << ": cannot read it";
   std::vector<std::vector<std::vector<int64_t>>> trace;
@@ -116,12 +116,8 @@ std::vector<RoutingSkew> routing_skews(const std::string& path, int64_t experts,
     parallel::LoadAverage average;
     std::vector<parallel::Placement> placed(trace.front().size(), parallel::owners_only(experts, ranks, r));
     for (size_t s = 0; s < trace.size(); ++s) {
-      for (size_t l = 0; l < placed.size() && s > 0; ++l) {
-        parallel::balance_shares(placed[l], average.mean[l]);
-        const parallel::Placement next = s % 10 == 0 ? parallel::plan_placement(average.mean[l], ranks, r) : placed[l];
-        if (parallel::max_over_mean(next, average.mean[l]) < 0.98 * parallel::max_over_mean(placed[l], average.mean[l]))
-          placed[l] = next;
-      }
+      for (size_t l = 0; l < placed.size() && s > 0; ++l)
+        parallel::replan(placed[l], average.mean[l], static_cast<int64_t>(s) % interval == 0);
       for (size_t l = 0; l < placed.size(); ++l) {
         const std::vector<double> load(trace[s][l].begin(), trace[s][l].end());
         const double skew = parallel::max_over_mean(placed[l], load);
@@ -299,6 +295,9 @@ int run_plan(const Args& args) {
     if (cfg.offload.experts == "weights")
       std::printf("  expert cache              %10.3f %s (offload.gpu_expert_slots' experts: weights and gradients)\n",
                   in(m.expert_cache), unit);
+    if (m.expert_replicas > 0)
+      std::printf("  expert replicas           %10.3f %s (parallelism.expert_replicas' slots a MoE layer: weights and "
+                  "gradients)\n", in(m.expert_replicas), unit);
     std::printf("  total                     %10.3f %s (%zu bytes)\n", in(total), unit, total);
     std::printf("  at routing skew %-9g %10.3f %s (%zu bytes; expert rows %zu bytes: the hottest rank gets %g x its "
                 "share)\n",
@@ -328,17 +327,37 @@ int run_plan(const Args& args) {
                                                                   : "the plan fits, at the skew too");
     }
   }
+  // A replica slot's traffic a step: its bf16 weights in after the update, its f32
+  // gradients out to the owner (models/expert_replicas.h), per MoE layer the busiest pp
+  // rank holds. The ep links' rate is assumed: no multi-GPU machine measured it yet.
+  constexpr double kEpLinkBytesPerSecond = 350e9;  // NVLink 4, about 450 GB/s a way, at NCCL's ~75%
+  double expert_elements = 0;  // one expert's parameters, all MoE layers
+  for (const Param& p : whole->params())
+    if (p.expert) expert_elements += static_cast<double>(p.value.numel()) / static_cast<double>(whole->num_experts());
+  int64_t moe_layers = 0, most_moe = 0;
+  for (int64_t l = 0; l < L; ++l) moe_layers += whole->is_moe_layer(l);
+  for (int r = 0; r < mesh.pp; ++r) {
+    int64_t n = 0;
+    for (int64_t l : pipeline.layers_of(r)) n += whole->is_moe_layer(l);
+    most_moe = std::max(most_moe, n);
+  }
+  const double slot_bytes = moe_layers > 0 ? 6.0 * expert_elements / static_cast<double>(moe_layers) *
+                                                 static_cast<double>(most_moe)
+                                           : 0.0;  // a replica slot of every MoE layer a rank holds
   std::vector<RoutingSkew> skews;
   if (o.has("routing")) {
     int64_t steps = 0;
-    skews = routing_skews(o.get("routing"), whole->num_experts(), mesh.ep, &steps);
+    skews = routing_skews(o.get("routing"), whole->num_experts(), mesh.ep, cfg.parallelism.replan_interval, &steps);
     std::printf("routing of %s (%lld steps) at ep %d, the placement planned from the moving average of the steps "
-                "before (parallel/placement.h), again every 10 steps, the copies' shares of the rows every step:\n",
-                o.get("routing").c_str(), static_cast<long long>(steps), mesh.ep);
+                "before (parallel/placement.h), again every %lld steps (parallelism.replan_interval), the copies' "
+                "shares of the rows every step:\n",
+                o.get("routing").c_str(), static_cast<long long>(steps), mesh.ep,
+                static_cast<long long>(cfg.parallelism.replan_interval));
     for (const RoutingSkew& k : skews)
       std::printf("  expert_replicas %lld: %lld expert slots a rank, the busiest rank's rows %.3f x the mean (worst %.3f)"
-                  "\n", static_cast<long long>(k.replicas),
-                  static_cast<long long>(whole->num_experts() / mesh.ep + k.replicas), k.mean, k.worst);
+                  "; the replicas move %.1f MB a rank a step\n", static_cast<long long>(k.replicas),
+                  static_cast<long long>(whole->num_experts() / mesh.ep + k.replicas), k.mean, k.worst,
+                  static_cast<double>(k.replicas) * slot_bytes / 1e6);
   }
   if (!o.has("schedule")) return 0;
 
@@ -379,14 +398,16 @@ int run_plan(const Args& args) {
     std::printf("  step (with the optimizer)  %.3f ms: %.0f tokens/s, %.0f tokens/s a GPU\n", step,
                 tokens / (step / 1e3), tokens / (step / 1e3) / world);
     // The expert stages wait for the busiest rank: the profile's times (one GPU's,
-    // balanced as it ran) times its rows over the mean. The replicas' weight copies and
-    // gradient sums are not costed here.
+    // balanced as it ran) times its rows over the mean; the replicas' weight copies and
+    // gradient sums come on top, unhidden, at the assumed ep link rate.
     for (const RoutingSkew& k : skews) {
       const Timeline sk = simulate(schedules, pipeline, [&](int r, const Action& a) {
         return cost(r, a) * (std::string(profile_name(a)).rfind("experts", 0) == 0 ? k.mean : 1.0);
       });
-      std::printf("  with the routing, expert_replicas %lld: forward and backward %.3f ms, step %.3f ms\n",
-                  static_cast<long long>(k.replicas), sk.step, step - t.step + sk.step);
+      const double moves = 1e3 * static_cast<double>(k.replicas) * slot_bytes / kEpLinkBytesPerSecond;
+      std::printf("  with the routing, expert_replicas %lld: forward and backward %.3f ms, replica moves %.3f ms "
+                  "(at an assumed %.0f GB/s), step %.3f ms\n", static_cast<long long>(k.replicas), sk.step, moves,
+                  kEpLinkBytesPerSecond / 1e9, step - t.step + sk.step + moves);
     }
   }
   const std::string out = o.get("output", "schedule.svg");

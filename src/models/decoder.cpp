@@ -237,6 +237,7 @@ class Decoder final : public Model {
   }
   ExpertCacheStats flush_expert_cache() override { return cache_.flush(); }
   ExpertReplicas* expert_replicas() override { return replicas_.on() ? &replicas_ : nullptr; }
+  size_t expert_replica_bytes() const override { return replica_bytes_; }
   ExpertCacheStats expert_cache_stats() override { return cache_.stats(); }
   bool balanced_routing() const override { return balanced_; }
   int64_t num_layers() const override { return c_.num_layers; }
@@ -407,6 +408,7 @@ class Decoder final : public Model {
   ExpertCache cache_;
   int64_t expert_replicas_;  // R replica slots a rank (0: none)
   ExpertReplicas replicas_;
+  size_t replica_bytes_ = 0;  // what their slots add to the arenas
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
@@ -555,6 +557,10 @@ void Decoder::build_params() {
                        ? (p.cached ? host_values_ : compute_).alloc(DType::bf16, storage(p))
                        : wide.value;
     const bool widened = replicas_.on() && p.expert;
+    if (widened)  // the R slots' share of the value, the gradient and a bf16 copy
+      replica_bytes_ += (wide.value.nbytes() + wide.grad.nbytes() +
+                         (wide.compute.dtype != wide.value.dtype ? wide.compute.nbytes() : 0)) /
+                        static_cast<size_t>(replicas_.slots()) * static_cast<size_t>(expert_replicas_);
     auto own = [&](const Tensor& t) { return widened ? t.rows(0, blocks) : t; };
     p.value = own(wide.value);
     p.grad = own(wide.grad);

@@ -274,6 +274,8 @@ class Model {
   // parallelism.expert_replicas: the replicas, their placement and their moves; null
   // without them.
   virtual ExpertReplicas* expert_replicas() { return nullptr; }
+  // The bytes their slots add to the experts' weights and gradients (in a plan too).
+  virtual size_t expert_replica_bytes() const { return 0; }
 };
 
 // One switch on config.json's model_type.

@@ -201,6 +201,16 @@ double max_over_mean(const Placement& p, const std::vector<double>& load) {
   return *std::max_element(r.begin(), r.end()) / (total / static_cast<double>(r.size()));
 }
 
+bool replan(Placement& p, const std::vector<double>& load, bool plan, int64_t ranks_per_node) {
+  balance_shares(p, load);
+  if (!plan) return false;
+  Placement next = plan_placement(load, p.ranks, p.replicas, ranks_per_node);
+  if (max_over_mean(next, load) >= (1 - kReplanGain) * max_over_mean(p, load)) return false;
+  const bool moved = next.slots != p.slots;
+  p = std::move(next);
+  return moved;
+}
+
 void LoadAverage::add(const std::vector<std::vector<int64_t>>& counts) {
   const bool first = mean.empty();
   if (first) {

@@ -87,6 +87,13 @@ void balance_shares(Placement& p, const std::vector<double>& load);
 // The highest over the mean of rank_loads (1: even; 1 when there is no load).
 double max_over_mean(const Placement& p, const std::vector<double>& load);
 
+// A run's re-placement of one layer, every step from the loads' average: the copies'
+// shares refreshed (no weights move); where `plan` (every replan_interval steps) the
+// planner's placement instead, when it lowers max_over_mean by more than kReplanGain
+// (SmartMoE's rule: a move must pay). Returns whether the slots changed.
+constexpr double kReplanGain = 0.02;
+bool replan(Placement& p, const std::vector<double>& load, bool plan, int64_t ranks_per_node = 0);
+
 // The exponential moving average of each layer's expert loads: the first step's counts,
 // then decay * average + (1 - decay) * counts.
 struct LoadAverage {

@@ -185,6 +185,7 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   }
   // The expert cache (models/expert_cache.h): its frames, and its moves a step.
   m.expert_cache = model->expert_cache_bytes();
+  m.expert_replicas = model->expert_replica_bytes();
   const ExpertCacheStats cache = model->expert_cache_traffic(m.step.micro_batches, shape.sweep);
   m.cache_in = static_cast<size_t>(cache.bytes_in);
   m.cache_out = static_cast<size_t>(cache.bytes_out);
@@ -504,38 +505,24 @@ void Trainer::release_weights() {
   if (zero3_) zero3_->release_all();
 }
 
-// A new placement must lower the predicted max/mean rows a rank by more than this share.
-constexpr double kReplanGain = 0.02;
-
 // parallelism.expert_replicas (models/expert_replicas.h): every step the loads' average
 // takes the step's counts, which are the same on every rank (summed over them all), so
-// every rank plans the same placements for the whole model; every replan_interval steps
-// each MoE layer gets the planner's placement where it lowers the predicted max/mean
-// rows a rank by more than kReplanGain, else keeps its own with the copies' shares
-// refreshed from the average. Then the owners' new weights go to the replicas.
+// every rank plans the same placements for the whole model (parallel::replan: the
+// copies' shares every step, a new placement every replan_interval steps where it
+// pays). Then the owners' new weights go to the replicas.
 void Trainer::place_replicas(StepResult& r) {
   ExpertReplicas& rep = *model_.expert_replicas();
   const int64_t E = model_.num_experts(), ranks = ep_->size(), R = cfg_.parallelism.expert_replicas;
   if (placements_.empty()) placements_.assign(r.moe_layers.size(), parallel::owners_only(E, ranks, R));
   loads_.add(r.expert_counts);
-  if (r.step % cfg_.parallelism.replan_interval == 0) {
-    bool moved = false;
-    for (size_t i = 0; i < r.moe_layers.size(); ++i) {
-      const std::vector<double>& load = loads_.mean[i];
-      parallel::Placement& now = placements_[i];
-      parallel::balance_shares(now, load);
-      parallel::Placement next = parallel::plan_placement(load, ranks, R);
-      if (parallel::max_over_mean(next, load) < (1 - kReplanGain) * parallel::max_over_mean(now, load)) {
-        moved |= next.slots != now.slots;
-        now = std::move(next);
-      }
-    }
-    placement_version_ += moved;
-    const std::vector<int64_t> held = rep.layers();
-    for (size_t i = 0; i < r.moe_layers.size(); ++i)
-      if (std::find(held.begin(), held.end(), r.moe_layers[i]) != held.end())
-        rep.set_placement(r.moe_layers[i], placements_[i]);
-  }
+  bool moved = false;
+  for (size_t i = 0; i < r.moe_layers.size(); ++i)
+    moved |= parallel::replan(placements_[i], loads_.mean[i], r.step % cfg_.parallelism.replan_interval == 0);
+  placement_version_ += moved;
+  const std::vector<int64_t> held = rep.layers();
+  for (size_t i = 0; i < r.moe_layers.size(); ++i)
+    if (std::find(held.begin(), held.end(), r.moe_layers[i]) != held.end())
+      rep.set_placement(r.moe_layers[i], placements_[i]);
   rep.refresh();
   r.placement_version = placement_version_;
   for (const parallel::Placement& p : placements_) {
@@ -790,7 +777,7 @@ StepResult Trainer::step() {
   // gradients and the update's writes of the compute copies, in host memory.
   r.offload.bytes_in += r.expert_cache.bytes_in;
   r.offload.bytes_out += r.expert_cache.bytes_out;
-  bytes += model_.expert_cache_bytes();
+  bytes += model_.expert_cache_bytes() + model_.expert_replica_bytes();
   for (const Param& p : model_.params()) {
     if (zero3_ && in_layer(p)) continue;  // shards (optimizer) and the slot (zero3)
     const bool copy = p.compute.data != p.value.data;  // bf16 copies on the GPU

@@ -60,8 +60,9 @@ struct MemoryPlan {
   // fetches move in a step (at most: every pass misses, once the cache holds less than
   // every cached expert) and its write-backs.
   size_t expert_cache = 0, cache_in = 0, cache_out = 0;
+  size_t expert_replicas = 0;  // parallelism.expert_replicas: the replica slots' weights and gradients
   size_t total() const {
-    return weights + gradients + optimizer + compute + slot + activations + rows + expert_cache;
+    return weights + gradients + optimizer + compute + slot + activations + rows + expert_cache + expert_replicas;
   }
   size_t total_skewed() const { return total() - rows + rows_skewed; }
 };
