@@ -12,12 +12,14 @@ metrics.jsonl's time as the wall time, so steps 3 and 4 are the resumed run's (t
 first file's are dropped by the START record).
 plot: tools/plot_run.py on a short run (with the expert cache, offload.experts =
 weights) writes valid, non-trivial PNG and SVG files with titles, axis labels and ticks,
-and the cache's residency heatmaps beside the loads'.
+and the cache's residency heatmaps beside the loads'; on a run of two ranks at ep 2 with
+expert replicas (under mpirun, where there is one), the placement's heatmaps.
 Exits 77 (skipped) when the package it needs cannot be imported.
 """
 import glob
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -140,6 +142,36 @@ def test_plot(binary):
     check(all(0 <= v <= 1 for r in rows for layer in r["expert_cache_residency"] for v in layer if v is not None)
           and any(0 < v < 1 for layer in rows[-1]["expert_cache_residency"] for v in layer if v is not None),
           "residency outside [0, 1], or no expert found sometimes on the device and sometimes not")
+    if shutil.which("mpirun") is None:
+        print("plot: no mpirun, so no expert-placement plot checked")
+        return
+    dump = tempfile.mkdtemp(prefix="moetrain_plot_replicas_")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    four = os.path.join(dump, "tokens4.npy")
+    subprocess.run([sys.executable, "-c", "import numpy as np, sys; a = np.load(sys.argv[1]); "
+                    "np.save(sys.argv[2], np.concatenate([a, a[:1]]))", f"{FIXTURE}/tokens.npy", four], check=True)
+    p = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", binary, "train", f"--model.init=hf:{FIXTURE}",
+                        f"--data.tokens={four}", f"--job.dump_folder={dump}", "--training.steps=6",
+                        "--training.micro_batch_size=1", "--parallelism.ep=2", "--parallelism.expert_replicas=2",
+                        "--parallelism.replan_interval=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=env)
+    check(p.returncode == 0, f"train with replicas failed: {p.stdout[-2000:]}")
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    # 8 experts over 2 ranks with 2 replica slots each: every expert held once, at most 4 more.
+    check(all(min(l) >= 1 and 8 <= sum(l) <= 12 for r in rows for l in r["expert_copies"]),
+          f"copies {[r['expert_copies'] for r in rows]}")
+    check(any(max(l) >= 2 for l in rows[-1]["expert_copies"]), "no expert got a replica")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_run.py"), dump],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    check(p.returncode == 0, f"plot_run.py failed: {p.stdout}")
+    svg = ET.parse(os.path.join(dump, "plots", "expert_placement.svg")).getroot()
+    found = {"".join(t.itertext()).strip() for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+    for t in ["max / mean rows an ep rank received", "layer 0: copies of each expert", "layer 2: copies of each expert",
+              "copies over the ep ranks", "expert", "step"]:
+        check(t in found, f"expert_placement.svg: no text '{t}'")
+    images = sum(1 for _ in svg.iter("{http://www.w3.org/2000/svg}image"))
+    check(images == 3, f"expert_placement.svg: {images} images (one a layer, a colour bar)")
 
 
 if __name__ == "__main__":

@@ -2068,6 +2068,28 @@ TEST(Commands, ExpertReplicasMatchTheRunWithout) {
   }
 }
 
+// What replicas do not take yet is refused at start, naming the keys: no ep, and with
+// ep 2 each of ZeRO-3, FP8, offload and a capacity.
+TEST(Commands, ExpertReplicasRefuseWhatTheyDoNotTake) {
+  const std::string dir = temp_dir("replicas_refused");
+  write_four_sequences("qwen3_moe_a", dir);
+  const std::string train = std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                            " --data.tokens=" + dir + "/tokens.npy --training.steps=1 --training.micro_batch_size=1" +
+                            " --parallelism.expert_replicas=2 --job.dump_folder=" + dir + "/run";
+  auto [rc, out] = run(train + " 2>&1");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("parallelism.expert_replicas = 2 needs expert parallelism"), std::string::npos) << out;
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  for (auto [flags, named] : {std::pair{"--parallelism.zero3=true", "with parallelism.zero3 is not built yet"},
+                              {"--training.fp8=blockwise", "with training.fp8 = blockwise is not built yet"},
+                              {"--offload.experts=optimizer", "with offload.experts is not built yet"},
+                              {"--training.capacity_factor=1", "with training.capacity_factor is not built yet"}}) {
+    std::tie(rc, out) = run(kMpirun + "2 " + train + " --parallelism.ep=2 " + flags + " 2>&1");
+    EXPECT_NE(rc, 0) << flags << ": " << out;
+    EXPECT_NE(out.find(std::string("parallelism.expert_replicas = 2 ") + named), std::string::npos) << out;
+  }
+}
+
 // A corpus whose batches move between four bands of the vocabulary (a band every four
 // windows), so the experts' loads move and the replicas are placed again: 80 windows of
 // 17 tokens.

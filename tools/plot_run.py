@@ -12,6 +12,9 @@ writes, each as .png and .svg:
                averaged over bins of steps when the run has more than 1000
   expert_cache (offload.experts = weights) beside it, the same heatmaps of each
                expert's residency: the share of its passes that found it on the device
+  expert_placement (parallelism.expert_replicas) the rows the busiest ep rank got over
+               the mean, per layer, against step; then the same heatmaps of each
+               expert's copies over the ep ranks (1: its owner's alone)
 and prints one line per file written. The file is read line by line, so a long run
 of a large model needs memory for its bins, not for every step's counts.
 """
@@ -38,7 +41,8 @@ def read_run(path):
     if n == 0:
         raise SystemExit(f"{path}: no steps")
     per_bin = math.ceil(n / COLUMNS)
-    run = {"step": [], "max_over_mean": [], "bins": [], "bin_steps": [], "layers": [], "resident": []}
+    run = {"step": [], "max_over_mean": [], "bins": [], "bin_steps": [], "layers": [], "resident": [],
+           "copies": [], "rank_rows": []}
     run.update({k: [] for k in SCALARS})
     with open(path) as f:
         for i, line in enumerate(line for line in f if line.strip()):
@@ -64,6 +68,12 @@ def read_run(path):
                 seen = ~np.isnan(res)
                 run["resident"][-1][0] += np.where(seen, res, 0.0)
                 run["resident"][-1][1] += seen
+            if "expert_copies" in r:
+                copies = np.asarray(r["expert_copies"], dtype=np.float64)
+                if i % per_bin == 0:
+                    run["copies"].append(np.zeros_like(copies))
+                run["copies"][-1] += copies
+                run["rank_rows"].append(r["ep_rows_max_over_mean"])
     return run
 
 
@@ -148,6 +158,29 @@ def plot_expert_load(run, out, title):
     save(fig, out, "expert_cache")
 
 
+def plot_expert_placement(run, out, title):
+    layers = run["layers"]
+    if not layers or len(run["copies"]) != len(run["bins"]) or len(run["rank_rows"]) != len(run["step"]):
+        return
+    copies = np.stack([c / n for c, (_, n) in zip(run["copies"], run["bin_steps"])], axis=-1)
+    fig, axes = grid(len(layers) + 1)
+    ax = axes[0]
+    rows = np.asarray(run["rank_rows"])  # [step, layer]
+    for i, layer in enumerate(layers):
+        ax.plot(run["step"], rows[:, i], label=f"layer {layer}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_title("max / mean rows an ep rank received")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max over mean")
+    ax.grid(alpha=0.3)
+    if len(layers) <= 12:
+        ax.legend(fontsize=7)
+    image = heatmaps(run, axes[1:], copies, "copies of each expert", max(float(copies.max()), 1.0))
+    fig.suptitle(title + " (expert placement)")
+    fig.colorbar(image, ax=axes[1:len(layers) + 1], shrink=0.8, label="copies over the ep ranks")
+    save(fig, out, "expert_placement")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", help="a run folder (job.dump_folder) holding metrics.jsonl")
@@ -159,6 +192,7 @@ def main():
     title = f"{os.path.basename(os.path.abspath(a.run))}: steps {run['step'][0]}-{run['step'][-1]}"
     plot_metrics(run, out, title)
     plot_expert_load(run, out, title)
+    plot_expert_placement(run, out, title)
 
 
 if __name__ == "__main__":
