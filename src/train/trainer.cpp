@@ -691,8 +691,10 @@ StepResult Trainer::step() {
   for (const LossSum& l : ctx.losses) loss_sum += l.sum;
   // The replicas' gradients into their owners' before the norm (the layers that the
   // schedule's reductions summed already are skipped).
-  if (replicas)
+  if (replicas) {
+    profile_.mark("replica gradients");
     for (int64_t l : replicas->layers()) replicas->sum_gradients(l);
+  }
   // offload.experts = weights: the gradients the cache holds go back to host memory,
   // where the norm and the update read them.
   r.expert_cache = model_.flush_expert_cache();
@@ -749,9 +751,13 @@ StepResult Trainer::step() {
   r.lr = lr_at(cfg_, r.step - 1);
   profile_.mark("optimizer");
   if (r.non_finite.empty()) optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
+  r.expert_counts = counts;
+  if (replicas) {
+    profile_.mark("replica weights");
+    place_replicas(r);
+  }
   r.breakdown = profile_.finish();
 
-  r.expert_counts = counts;
   r.dropped_slots = dropped[0];
   if (ep_) {
     // The rows each ep rank received: its slots' (replicas) or its own experts'.
@@ -764,7 +770,7 @@ StepResult Trainer::step() {
       r.ep_rows_max_over_mean.push_back(total > 0 ? *std::max_element(rows.begin(), rows.end()) * static_cast<double>(ranks) / total : 1.0);
     }
   }
-  if (replicas) place_replicas(r);
+
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.tokens = count;
   r.tokens_per_s = static_cast<double>(count) / std::max(r.seconds, 1e-9);

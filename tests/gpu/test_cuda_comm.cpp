@@ -34,6 +34,7 @@
 #include "kernels/router.h"
 #include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
+#include "parallel/placement.h"
 
 namespace mt::gpu_test {
 namespace {
@@ -451,6 +452,35 @@ TEST(CudaParallel, DevicePlanIsTheCpuPlan) {
                                 std::tuple{"offsets", &got.offsets, &want.offsets}})
         EXPECT_EQ(download_ints(*g), host_ints(*w)) << name;
     }
+  }
+}
+
+// Expert replicas' routing (parallel/placement.h): on skewed loads over 4 ranks with 2
+// replica slots each, every sender's table routes skewed choices on the GPU to the slots
+// the CPU's kernel gives.
+TEST(CudaParallel, ReplicaRoutingIsTheCpuRouting) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t n = 300, k = 4, e = 16, ranks = 4;
+  std::vector<double> load(static_cast<size_t>(e), 1.0);
+  load[3] = 9;
+  load[10] = 5;
+  const parallel::Placement p = parallel::plan_placement(load, ranks, 2);
+  std::vector<int32_t> idx = routing(n, k, e, Routing::skewed, 122);
+  DeviceTensor idx_d = upload(idx, {n, k});
+  for (int64_t sender = 0; sender < ranks; ++sender) {
+    parallel::RouteTable t = parallel::route_table(p, sender);
+    const int64_t c = static_cast<int64_t>(t.slot.size());
+    std::vector<int32_t> want(static_cast<size_t>(n * k));
+    cpu::ep_route_slots(host(idx, {n, k}), host(t.mine, {e}), host(t.first, {e + 1}), host(t.slot, {c}),
+                        Tensor(t.bound.data(), {c}, DType::i64), host(want, {n, k}));
+    // The bounds travel as pairs of i32 words.
+    std::vector<int32_t> words(static_cast<size_t>(2 * c));
+    std::memcpy(words.data(), t.bound.data(), t.bound.size() * sizeof(int64_t));
+    DeviceTensor mine = upload(t.mine, {e}), first = upload(t.first, {e + 1}), slot = upload(t.slot, {c});
+    DeviceTensor bound = upload(words, {2 * c}), out = poisoned(DType::i32, {n, k});
+    mt::ep_route_slots(idx_d.t, mine.t, first.t, slot.t, Tensor(bound.t.data, {c}, DType::i64, Device::cuda), out.t);
+    EXPECT_EQ(download_ints(out.t), want) << "sender " << sender;
+    EXPECT_TRUE(std::all_of(want.begin(), want.end(), [&](int32_t g) { return g >= 0 && g < ranks * p.slots_per_rank(); }));
   }
 }
 
