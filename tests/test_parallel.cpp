@@ -1293,6 +1293,17 @@ TEST_F(ExpertPlacement, DeterministicEqualOnEveryRankAndWithinItsNode) {
             std::string::npos);
 }
 
+// The nodes of an ep group from its ranks' hosts: equal node-major groups, else flat.
+TEST_F(ExpertPlacement, NodesComeFromTheRanksHosts) {
+  EXPECT_EQ(parallel::ranks_per_node({7, 7, 9, 9}), 2);
+  EXPECT_EQ(parallel::ranks_per_node({7, 7, 7, 7, 5, 5, 5, 5}), 4);
+  EXPECT_EQ(parallel::ranks_per_node({7, 7, 7, 7}), 0);  // one node
+  EXPECT_EQ(parallel::ranks_per_node({7, 9, 7, 9}), 0);  // not node-major
+  EXPECT_EQ(parallel::ranks_per_node({7, 7, 7, 9}), 0);  // unequal nodes
+  EXPECT_EQ(parallel::ranks_per_node({7, 7, 9, 9, 7, 7}), 0);  // a host twice
+  EXPECT_EQ(parallel::ranks_per_node({3}), 0);
+}
+
 // The loads' moving average: the first step's counts, then decay * mean + (1 - decay) * counts.
 TEST_F(ExpertPlacement, LoadAverageWeighsTheSteps) {
   parallel::LoadAverage a;

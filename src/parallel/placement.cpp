@@ -201,6 +201,22 @@ double max_over_mean(const Placement& p, const std::vector<double>& load) {
   return *std::max_element(r.begin(), r.end()) / (total / static_cast<double>(r.size()));
 }
 
+int64_t ranks_per_node(const std::vector<int64_t>& host_of_rank) {
+  const int64_t n = static_cast<int64_t>(host_of_rank.size());
+  int64_t g = 1;
+  while (g < n && host_of_rank[static_cast<size_t>(g)] == host_of_rank[0]) ++g;
+  if (g == n || n % g != 0) return 0;
+  std::vector<int64_t> seen;
+  for (int64_t first = 0; first < n; first += g) {
+    const int64_t h = host_of_rank[static_cast<size_t>(first)];
+    if (std::find(seen.begin(), seen.end(), h) != seen.end()) return 0;
+    seen.push_back(h);
+    for (int64_t r = first; r < first + g; ++r)
+      if (host_of_rank[static_cast<size_t>(r)] != h) return 0;
+  }
+  return g;
+}
+
 bool replan(Placement& p, const std::vector<double>& load, bool plan, int64_t ranks_per_node) {
   balance_shares(p, load);
   if (!plan) return false;

@@ -87,6 +87,11 @@ void balance_shares(Placement& p, const std::vector<double>& load);
 // The highest over the mean of rank_loads (1: even; 1 when there is no load).
 double max_over_mean(const Placement& p, const std::vector<double>& load);
 
+// The ranks a node, from each ep rank's host (any key, such as a hash of its hostname):
+// g when the ranks come node-major in equal groups of g on distinct hosts, else 0 (one
+// node, or a layout the hierarchical planner cannot use: then it plans flat).
+int64_t ranks_per_node(const std::vector<int64_t>& host_of_rank);
+
 // A run's re-placement of one layer, every step from the loads' average: the copies'
 // shares refreshed (no weights move); where `plan` (every replan_interval steps) the
 // planner's placement instead, when it lowers max_over_mean by more than kReplanGain

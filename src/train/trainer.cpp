@@ -5,10 +5,13 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
 #include <span>
+
+#include <unistd.h>
 
 #include "core/check.h"
 #include "core/rng.h"
@@ -514,10 +517,19 @@ void Trainer::place_replicas(StepResult& r) {
   ExpertReplicas& rep = *model_.expert_replicas();
   const int64_t E = model_.num_experts(), ranks = ep_->size(), R = cfg_.parallelism.expert_replicas;
   if (placements_.empty()) placements_.assign(r.moe_layers.size(), parallel::owners_only(E, ranks, R));
+  if (ranks_per_node_ < 0) {
+    // The hierarchical plan's nodes: the ep ranks' hostnames (hashed), gathered once.
+    char host[256] = "?";
+    gethostname(host, sizeof host - 1);
+    std::vector<int64_t> mine = {static_cast<int64_t>(std::hash<std::string>{}(host) >> 1)}, all(static_cast<size_t>(ranks));
+    ep_->all_gather(Tensor(mine.data(), {1}, DType::i64), Tensor(all.data(), {ranks}, DType::i64));
+    ranks_per_node_ = parallel::ranks_per_node(all);
+  }
   loads_.add(r.expert_counts);
   bool moved = false;
   for (size_t i = 0; i < r.moe_layers.size(); ++i)
-    moved |= parallel::replan(placements_[i], loads_.mean[i], r.step % cfg_.parallelism.replan_interval == 0);
+    moved |= parallel::replan(placements_[i], loads_.mean[i], r.step % cfg_.parallelism.replan_interval == 0,
+                              ranks_per_node_);
   placement_version_ += moved;
   const std::vector<int64_t> held = rep.layers();
   for (size_t i = 0; i < r.moe_layers.size(); ++i)

@@ -205,6 +205,7 @@ class Trainer {
   // placements applied (place_replicas).
   parallel::LoadAverage loads_;
   std::vector<parallel::Placement> placements_;  // per MoE layer of the whole model
+  int64_t ranks_per_node_ = -1;                   // of the ep group, from its hostnames (-1: not read yet)
   int64_t placement_version_ = 0;
   void place_replicas(StepResult& r);
   StepProfile profile_;
