@@ -6,6 +6,10 @@ qwen3_moe, deepseek_v2 (bench/configs/deepseek_v2_lite_8l.json: DeepSeek-V2-Lite
 released, cut to 8 layers) or gpt_oss (bench/configs/gpt_oss_20b_4l.json: GPT-OSS-20B
 in bf16, cut to 4 layers; eager attention in transformers, whose sdpa takes no sinks).
 
+Each optimizer step accumulates --micro-batches M micro-batches of --batch x --seq tokens
+(default 8 of 2 x 4096: a real training batch, where the optimizer is a small share of
+the step), moetrain and the baseline alike.
+
 Measures, in one process tree on one GPU:
   - the bf16 GEMM peak (torch.matmul 8192^3), the denominator of MFU;
   - the baseline: transformers' model for the config (sdpa attention, grouped_mm
@@ -21,7 +25,7 @@ visible key: (S + 1) / 2 keys causal, at most the window on sliding layers), act
 attention + router + top-k and shared experts + dense MLPs + LM head.
 Prints one markdown row per system for bench/RESULTS.md.
 
-  python3 bench/moe_bench.py --moetrain build/moetrain --layers 8 [--skip-baseline]
+  python3 bench/moe_bench.py --moetrain build/moetrain --layers 8 [--skip-baseline] [--micro-batches 1]
   python3 bench/moe_bench.py --moetrain build/moetrain --config bench/configs/deepseek_v2_lite_8l.json
 """
 import argparse
@@ -90,7 +94,7 @@ def gemm_peak(fp8=False):
     return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e12
 
 
-def baseline(cfg, batch, seq, steps, warmup, compiled):
+def baseline(cfg, batch, seq, steps, warmup, compiled, micro_batches=1):
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
     conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
@@ -102,18 +106,26 @@ def baseline(cfg, batch, seq, steps, warmup, compiled):
         model.set_experts_implementation("grouped_mm")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    tokens = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), device="cuda")
+    tokens = torch.randint(0, cfg["vocab_size"], (micro_batches, batch, seq + 1), device="cuda")
 
-    def step():
+    def micro(t):
+        # The mean over the step's tokens: each micro-batch's loss weighs 1 / M.
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=tokens[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            logits = model(input_ids=t[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1))
+        (loss / micro_batches).backward()
         return loss
 
-    fn = torch.compile(step) if compiled else step
+    # Compiled: each micro-batch's forward and backward (one graph, reused M times); the
+    # fused AdamW runs as it is.
+    run_micro = torch.compile(micro) if compiled else micro
+
+    def fn():
+        for m in range(micro_batches):
+            run_micro(tokens[m])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         fn()
@@ -126,19 +138,20 @@ def baseline(cfg, batch, seq, steps, warmup, compiled):
     peak = torch.cuda.max_memory_allocated()
     del model, opt
     torch.cuda.empty_cache()
-    return batch * seq / dt, peak
+    return micro_batches * batch * seq / dt, peak
 
 
 def ours(binary, cfg_path, batch, seq, steps, warmup, balanced, vocab, ranks=1, ep=1, cp=1, extra=(), pp=1,
-         schedule="dualpipev"):
-    """`batch` sequences per data rank (dp x ep = ranks / (pp x cp) of them); tokens/s for the job.
-    With pp > 1 a pipeline stage a GPU, micro-batches of one sequence (DualPipeV needs 2 x pp
-    of them per data rank)."""
+         schedule="dualpipev", micro_batches=1):
+    """`micro_batches` micro-batches of `batch` sequences per data rank (dp x ep = ranks /
+    (pp x cp) of them) a step; tokens/s for the job. With pp > 1 a pipeline stage a GPU,
+    micro-batches of one sequence (DualPipeV needs 2 x pp of them per data rank)."""
     with tempfile.TemporaryDirectory() as tmp:
-        rows = batch * ranks // (cp * pp)
+        rows = micro_batches * batch * ranks // (cp * pp)
+        extra = (f"--training.global_batch_size={rows}", f"--training.micro_batch_size={1 if pp > 1 else batch}",
+                 *extra)
         if pp > 1:
-            extra = (f"--parallelism.pp={pp}", f"--parallelism.pipeline_schedule={schedule}",
-                     "--training.micro_batch_size=1", *extra)
+            extra = (f"--parallelism.pp={pp}", f"--parallelism.pipeline_schedule={schedule}", *extra)
         tokens = np.random.default_rng(0).integers(0, vocab, size=(rows, seq + 1), dtype=np.int64)
         np.save(os.path.join(tmp, "tokens.npy"), tokens)
         launch = []
@@ -188,7 +201,8 @@ def main():
     p.add_argument("--moetrain", required=True)
     p.add_argument("--layers", type=int, default=8, help="Qwen3-30B-A3B cut to this many layers")
     p.add_argument("--config", help="a config.json instead of Qwen3-30B-A3B (its num_hidden_layers counts)")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2, help="sequences a micro-batch")
+    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches accumulated an optimizer step")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
@@ -229,10 +243,10 @@ def main():
     if not args.skip_baseline:
         if not args.skip_eager:
             runs.append(("transformers eager",
-                         lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, False)))
+                         lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, False, args.micro_batches)))
         if not args.skip_compile:
             runs.append(("transformers torch.compile",
-                         lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, True)))
+                         lambda: baseline(cfg, args.batch, args.seq, args.steps, args.warmup, True, args.micro_batches)))
     pipeline = f"pp {args.pp} {args.schedule}, " if args.pp > 1 else ""
     mesh = f" on {args.ranks} GPUs ({pipeline}ep {args.ep}, cp {args.cp}), per GPU" if args.ranks > 1 else ""
     balances = () if args.skip_moetrain else (False,) if args.learned_only else (False, True)
@@ -244,7 +258,7 @@ def main():
             *ours(args.moetrain, cfg_path, args.batch, args.seq, args.steps, args.warmup, b, cfg["vocab_size"],
                   args.ranks, args.ep, args.cp,
                   (f"--optimizer.state_dtype={st}", f"--training.fp8={f8}", *args.extra.split()),
-                  args.pp, args.schedule))))
+                  args.pp, args.schedule, args.micro_batches))))
     for name, fn in runs:
         try:
             tps, mem = fn()
@@ -259,7 +273,8 @@ def main():
     date = time.strftime("%Y-%m-%d")
     commit = os.environ.get("MOETRAIN_COMMIT", "unknown")
     for name, tps, tflops, mfu, mem in results:
-        print(f"| {date} | {commit} | {gpu} | {name_of_model} seq {args.seq} batch {args.batch} bf16: {name} | "
+        print(f"| {date} | {commit} | {gpu} | {name_of_model} seq {args.seq}, {args.micro_batches} micro-batches of "
+              f"{args.batch} a step: {name} | "
               f"{tps:,.0f} tokens/s, {tflops:.1f} TFLOPS, MFU {100*mfu:.1f}% of {peak:.0f}, peak {mem/1e9:.1f} GB |")
 
 
