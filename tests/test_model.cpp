@@ -237,6 +237,17 @@ TEST(Fp8Linear, EachProductReadsTheRightCodes) {
   linear.forward(Tensor(x.data(), {n, k}, DType::f32), {{w, Tensor(y.data(), {n, o}, DType::f32), 1.0f}});
   check("forward", dequantized(x, n, k, false), dequantized(wv, o, k, true), n, o, k, 1.0f, y0, y);
 
+  // The same weight as one group of every row with a bias (GPT-OSS's layers): the
+  // forward plus the bias, in float64.
+  std::vector<float> bias = randn(o, 0.5f), yb(n * o, NAN), with_bias(n * o);
+  std::vector<int32_t> rows = {0, static_cast<int32_t>(n)};
+  linear.grouped_forward(Tensor(x.data(), {n, k}, DType::f32), w, Tensor(bias.data(), {o}, DType::f32),
+                         Tensor(rows.data(), {2}, DType::i32), Tensor(yb.data(), {n, o}, DType::f32));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < o; ++j) with_bias[i * o + j] = bias[j];
+  check("grouped forward with a bias", dequantized(x, n, k, false), dequantized(wv, o, k, true), n, o, k, 1.0f,
+        with_bias, yb);
+
   std::vector<float> dx(n * k, NAN);
   linear.backward_input(Tensor(dy.data(), {n, o}, DType::f32), w, Tensor(dx.data(), {n, k}, DType::f32));
   check("input gradient", dequantized(dy, n, o, false), dequantized(transpose(wv, o, k), k, o, true), n, k, o, 0.0f,
@@ -304,12 +315,13 @@ Pass forward_backward(const std::string& name, Fp8 fp8) {
 }
 
 // Measured on these fixtures (widths 12 to 40, so a dot product averages few rounding
-// errors): the loss within 0.25%, the gradients' relative errors a median of 0.14 to 0.26
-// and at most 0.42; the bounds leave room over those and stay far below what a product
-// reading the wrong codes gives (an error of 1 or more).
+// errors): the loss within 0.25% (GPT-OSS's, whose attention and experts have biases and
+// more of its products quantize, 0.63%), the gradients' relative errors a median of 0.14
+// to 0.30 and at most 0.53; the bounds leave room over those and stay far below what a
+// product reading the wrong codes gives (an error of 1 or more).
 TEST_P(Fp8Parity, LossAndGradientsWithinQuantizationError) {
   const Pass want = forward_backward(GetParam(), Fp8::none), got = forward_backward(GetParam(), Fp8::blockwise);
-  EXPECT_NEAR(got.loss, want.loss, 0.005 * want.loss);
+  EXPECT_NEAR(got.loss, want.loss, (GetParam() == "gpt_oss_a" ? 0.01 : 0.005) * want.loss);
   EXPECT_GT(std::fabs(got.loss - want.loss), 1e-6 * want.loss) << "the loss is fp32's: nothing was quantized";
   std::vector<std::pair<double, std::string>> err;
   for (size_t i = 0; i < want.grads.size(); ++i)
@@ -320,14 +332,13 @@ TEST_P(Fp8Parity, LossAndGradientsWithinQuantizationError) {
   EXPECT_GT(err.back().first, 1e-3) << "every gradient is fp32's: nothing was quantized";
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, Fp8Parity, ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, Fp8Parity,
+                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "gpt_oss_a"));
 
-// GPT-OSS's biases and ZeRO-3's slots are not in the FP8 path: refused, with the reason.
+// ZeRO-3's slots are not in the FP8 path: refused, with the reason.
 TEST(Fp8Parity, RefusesWhatItDoesNotCover) {
   ModelOptions o;
   o.fp8 = Fp8::blockwise;
-  EXPECT_NE(test::error_of([&] { make_model(fixture("gpt_oss_a/config.json"), o); }).find("GPT-OSS's linear layers have biases"),
-            std::string::npos);
   o.external_layers = true;
   EXPECT_NE(test::error_of([&] { make_model(fixture("qwen3_moe_a/config.json"), o); }).find("parallelism.zero3"),
             std::string::npos);

@@ -89,9 +89,10 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
 // expert e, y[seg] = x[seg] w[e]^T, x f8e4m3 [R, K] with 1x128 scales
 // [ceil(K/128), R] (quantize_rows of all R rows), w f8e4m3 [E, O, K] with block scales
 // [E, ceil(O/128), block_scale_cols(K)] (quantize_blocks of 3-D; for the input gradient
-// the transposed copy qt), offsets i32 [E+1], y [R, O] overwritten (CPU f32).
+// the transposed copy qt), offsets i32 [E+1], y [R, O] overwritten (CPU f32). With a
+// bias f32 [E, O] (GPT-OSS's layers), y[seg] += bias[e], in f32 before y is written.
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
-                      const Tensor& offsets, const Tensor& y);
+                      const Tensor& offsets, const Tensor& y, const Tensor& bias = {});
 
 }  // namespace mt::cpu
 
@@ -116,6 +117,10 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
 //   (a ragged last tile is read as zeros and stored masked); x, w, y 16-byte aligned.
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
                       const Tensor& offsets, const Tensor& y);
+// y bf16 [R, O] += bias f32 [E, O] over each expert's rows of offsets (clamped), added in
+// f32 and rounded once more: the bias of the grouped FP8 product, a pass of its own (the
+// blockwise kernel's epilogue takes none yet).
+void add_group_bias(const Tensor& y, const Tensor& bias, const Tensor& offsets);
 
 }  // namespace mt::cuda
 
@@ -146,11 +151,15 @@ inline void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, co
 }
 
 inline void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
-                             const Tensor& offsets, const Tensor& y) {
+                             const Tensor& offsets, const Tensor& y, const Tensor& bias = {}) {
 #ifdef MOETRAIN_WITH_CUDA
-  if (y.device == Device::cuda) return cuda::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y);
+  if (y.device == Device::cuda) {
+    cuda::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y);
+    if (bias.data != nullptr) cuda::add_group_bias(y, bias, offsets);
+    return;
+  }
 #endif
-  return cpu::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y);
+  return cpu::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y, bias);
 }
 
 

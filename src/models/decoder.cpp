@@ -205,8 +205,6 @@ class Decoder final : public Model {
       pool_->limit = std::strtoull(limit, nullptr, 10);
       pool_->limit_key = "MOETRAIN_ROW_POOL_BYTES";
     }
-    MT_CHECK(!linear_.fp8() || !c.gpt_oss_experts)
-        << "training.fp8 = blockwise: GPT-OSS's linear layers have biases, which the FP8 products do not take yet";
     MT_CHECK(!linear_.fp8() || !o.external_layers)
         << "training.fp8 = blockwise with parallelism.zero3 is not built yet (the weight slots gather bf16 copies, "
            "not FP8 ones)";

@@ -175,7 +175,7 @@ class GptOssAttention final : public Attention {
   // y = x @ W^T + b, and its W and b gradients: a grouped GEMM of one group.
   static Shape one_group(const Tensor& t) { return t.ndim() == 1 ? Shape{1, t.dim(0)} : Shape{1, t.dim(0), t.dim(1)}; }
   static void linear(std::vector<Param>& P, int w, int b, const AttentionIo& io, const Tensor& x, const Tensor& y) {
-    grouped_gemm(x, P[w].compute.view(one_group(P[w].compute)), P[b].value.view(one_group(P[b].value)), io.all_rows, y);
+    io.linear->grouped_forward(x, P[w], P[b].value, io.all_rows, y);
   }
   static void linear_weight(std::vector<Param>& P, int w, int b, const AttentionIo& io, const Tensor& x,
                             const Tensor& dy) {

@@ -61,10 +61,18 @@ void Linear::backward_weight(const Tensor& x, std::initializer_list<Grad> grads)
 
 void Linear::grouped_forward(const Tensor& x, const Param& w, const Tensor& bias, const Tensor& offsets,
                              const Tensor& y) const {
-  if (!fp8()) return grouped_gemm(x, w.compute, bias, offsets, y);
-  MT_CHECK(bias.data == nullptr) << w.name << ": training.fp8 = blockwise has no grouped product with a bias";
+  // A 2-D weight and its 1-D bias (a linear layer with a bias) are one group of every row.
+  auto group = [](const Tensor& t, int64_t dims) {
+    if (t.ndim() == dims || t.data == nullptr) return t;
+    Shape s = t.shape;
+    s.n += 1;
+    for (int i = s.n - 1; i > 0; --i) s.d[i] = s.d[i - 1];
+    s.d[0] = 1;
+    return t.view(s);
+  };
+  if (!fp8()) return grouped_gemm(x, group(w.compute, 3), group(bias, 2), offsets, y);
   const Rows xq = quantized_rows(x, pow2_);
-  grouped_gemm_fp8(xq.q.t, xq.scale.t, cache(w).q, w.fp8.scale, offsets, y);
+  grouped_gemm_fp8(xq.q.t, xq.scale.t, group(cache(w).q, 3), group(w.fp8.scale, 3), offsets, y, group(bias, 2));
 }
 
 void Linear::grouped_backward_input(const Tensor& dy, const Param& w, const Tensor& offsets,

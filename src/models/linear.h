@@ -52,7 +52,8 @@ class Linear {
   void backward_weight(const Tensor& x, std::initializer_list<Grad> grads) const;
 
   // The experts' grouped products (kernels/grouped_gemm.h): rows offsets[e] ..
-  // offsets[e+1] of x against w [E, O, K]. A bias (none with fp8) rides as there.
+  // offsets[e+1] of x against w [E, O, K] (or [O, K], one group) and a bias [E, O] (or
+  // [O]), as there; with fp8 the bias is added after the product (kernels/fp8_quant.h).
   void grouped_forward(const Tensor& x, const Param& w, const Tensor& bias, const Tensor& offsets,
                        const Tensor& y) const;
   void grouped_backward_input(const Tensor& dy, const Param& w, const Tensor& offsets, const Tensor& dx) const;

@@ -275,6 +275,16 @@ TEST(CudaFp8GroupedGemm, MatchesTheCpuOnTheSameCodes) {
     cuda::grouped_gemm_fp8(d_qdy.t, d_sdy.t, d_qwt.t, d_swt.t, d_off.t, d_dx.t);
     EXPECT_TRUE(within("y", download(d_y.t), want_y, 8e-3, max_abs(want_y)));
     EXPECT_TRUE(within("dx", download(d_dx.t), want_dx, 8e-3, max_abs(want_dx)));
+    // With a bias [E, O] (GPT-OSS's): the product, then each expert's row added, as the CPU's.
+    auto bias = random_floats(e * o, -1, 1, ++seed);
+    std::vector<float> want_yb(r * o);
+    cpu::grouped_gemm_fp8(Tensor(qx.data(), {r, k}, DType::f8e4m3), host(sx, sxs),
+                          Tensor(qw.data(), {e, o, k}, DType::f8e4m3), host(sw, sws), off, host(want_yb, {r, o}),
+                          host(bias, {e, o}));
+    auto d_bias = upload(bias, DType::f32, {e, o});
+    auto d_yb = poisoned(DType::bf16, {r, o});
+    mt::grouped_gemm_fp8(d_qx.t, d_sx.t, d_qw.t, d_sw.t, d_off.t, d_yb.t, d_bias.t);
+    EXPECT_TRUE(within("y with a bias", download(d_yb.t), want_yb, 8e-3, max_abs(want_yb)));
 
   }
 }

@@ -153,7 +153,7 @@ std::pair<int64_t, int64_t> segment(const Tensor& offsets, int64_t e, int64_t ro
 }  // namespace
 
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
-                      const Tensor& offsets, const Tensor& y) {
+                      const Tensor& offsets, const Tensor& y, const Tensor& bias) {
   MT_CHECK(x.ndim() == 2 && w.ndim() == 3 && x.dim(1) == w.dim(2) && offsets.ndim() == 1 &&
            offsets.dim(0) == w.dim(0) + 1)
       << "grouped_gemm_fp8 wants x [R, K], w [E, O, K], offsets [E+1], got " << x.str() << ", " << w.str() << ", "
@@ -164,12 +164,17 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
   std::vector<float> xf(static_cast<size_t>(r * k)), wf(static_cast<size_t>(o * k));
   dequantize_rows(x, x_scale, Tensor(xf.data(), {r, k}, DType::f32));
   check_tensor(w_scale, "grouped_gemm_fp8 w_scale", DType::f32, {e, fp8::tiles(o), fp8::block_scale_cols(k)});
+  if (bias.data != nullptr) check_tensor(bias, "grouped_gemm_fp8 bias", DType::f32, {e, o});
   for (int64_t g = 0; g < e; ++g) {
     const auto [r0, r1] = segment(offsets, g, r, "grouped_gemm_fp8");
     if (r1 == r0) continue;
     dequantize_blocks(w.rows(g, g + 1).view({o, k}), w_scale.rows(g, g + 1).view({fp8::tiles(o), fp8::block_scale_cols(k)}),
                       Tensor(wf.data(), {o, k}, DType::f32));
     sgemm(false, true, r1 - r0, o, k, 1.0f, xf.data() + r0 * k, k, wf.data(), k, 0.0f, y.f32() + r0 * o, o);
+    if (bias.data == nullptr) continue;
+    const float* b = bias.f32() + g * o;
+    for (int64_t i = r0; i < r1; ++i)
+      for (int64_t c = 0; c < o; ++c) y.f32()[i * o + c] += b[c];
   }
 }
 
