@@ -2068,6 +2068,46 @@ TEST(Commands, ExpertReplicasMatchTheRunWithout) {
   }
 }
 
+// Replicas under pipeline parallelism: pp 2 x ep 2 with 1F1B (qwen3_moe_a) and with
+// DualPipeV (the 8-layer pipeline fixture, random weights), R = 1 placed every step,
+// against the same mesh without replicas to 1e-5: a stage sums its own layers' replica
+// gradients at their reductions.
+TEST(Commands, ExpertReplicasUnderPipelines) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("replicas_pp");
+  write_four_sequences("qwen3_moe_a", dir);
+  std::vector<int64_t> tokens(8 * 17);
+  uint64_t x = 1;
+  for (int64_t& t : tokens) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t = static_cast<int64_t>((x >> 33) % 80);
+  }
+  io::write_npy(dir + "/pipe.npy", "<i8", {8, 17}, tokens.data());
+  const std::string qwen = " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
+                           " --parallelism.pipeline_schedule=1f1b";
+  const std::string pipe = " --model.config=" + fixture("pipeline/config.json") + " --data.tokens=" + dir +
+                           "/pipe.npy --parallelism.pipeline_schedule=dualpipev";
+  for (const std::string& model : {qwen, pipe}) {
+    std::vector<std::vector<nlohmann::json>> runs;
+    for (int R : {0, 1}) {
+      const std::string dump = dir + "/run" + std::to_string(runs.size()) + (model == qwen ? "q" : "p");
+      auto [rc, out] = run(kMpirun + "4 " + MOETRAIN_BIN + " train" + model + " --training.steps=4" +
+                           " --training.load_balance_coef=0.1 --training.micro_batch_size=1 --parallelism.pp=2" +
+                           " --parallelism.ep=2 --parallelism.expert_replicas=" + std::to_string(R) +
+                           " --parallelism.replan_interval=1 --job.dump_folder=" + dump);
+      ASSERT_EQ(rc, 0) << out;
+      runs.push_back(metrics_of(dump));
+      ASSERT_EQ(runs.back().size(), 4u) << out;
+    }
+    EXPECT_EQ(runs[1][3]["placement_version"].get<int64_t>(), 1) << model;
+    for (size_t i = 0; i < 4; ++i)
+      for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
+        const double want = runs[0][i][key], got = runs[1][i][key];
+        EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << model << " step " << i + 1 << " " << key;
+      }
+  }
+}
+
 // What replicas do not take yet is refused at start, naming the keys: no ep, and with
 // ep 2 each of ZeRO-3, FP8, offload and a capacity.
 TEST(Commands, ExpertReplicasRefuseWhatTheyDoNotTake) {
