@@ -100,6 +100,10 @@ std::vector<OpCase> table() {
   add(router_case({.rows = 5, .experts = 32, .top_k = 4, .gpt_oss = true, .dprobs = true}));
   add(router_case({.rows = 1, .experts = 5, .top_k = 5, .gpt_oss = true}));
   add(router_case({.rows = 3, .experts = 7, .top_k = 1, .gpt_oss = true}));
+  // router z-loss: one row, one expert, and logits large enough that logsumexp needs its max.
+  add(router_z_case(1, 1, 2.0));
+  add(router_z_case(6, 8, 2.0));
+  add(router_z_case(4, 128, 30.0));
 
   // dispatch and combine: one token, k = 1, k = E, first and last expert empty, and
   // capacity dropping (the dropped count is an output of the dispatch rows).

@@ -201,7 +201,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 55);
+  EXPECT_EQ(keys, 56);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -322,8 +322,15 @@ TEST(Training, RandomInitIsDeterministicAndFollowsStd) {
 }
 
 // The load-balance term's gradient reaches the router weights correctly: compare the
-// trainer's gradient of CE + coef * lb with central differences of that objective.
-double objective(Model& m, const TokenBatch& d, double coef) {
+// trainer's gradient of CE + coef * lb (+ z_coef * z, the router z-loss: the mean over
+// layers and tokens of logsumexp(logits)^2) with central differences of that objective.
+double z_term(const std::vector<RouterStats>& rs) {
+  double z = 0;
+  for (const RouterStats& r : rs) z += r.z_sum / static_cast<double>(r.tokens) / static_cast<double>(rs.size());
+  return z;
+}
+
+double objective(Model& m, const TokenBatch& d, double coef, double z_coef = 0) {
   std::unique_ptr<Stash> s = m.make_stash(d.rows, d.seq);
   std::copy(d.ids.begin(), d.ids.end(), s->ids.i32());
   std::copy(d.labels.begin(), d.labels.end(), s->labels.i32());
@@ -339,21 +346,24 @@ double objective(Model& m, const TokenBatch& d, double coef) {
   for (const RouterStats& r : rs)
     for (size_t e = 0; e < r.counts.size(); ++e)
       lb += r.counts.size() * (double(r.counts[e]) / r.tokens) * (r.prob_sum[e] / r.tokens) / rs.size();
-  return ls.sum / ls.count + coef * lb;
+  return ls.sum / ls.count + coef * lb + z_coef * z_term(rs);
 }
 
-std::vector<float> router_grad(double coef, std::unique_ptr<Model>& model, TokenBatch& data) {
+std::vector<float> router_grad(double coef, std::unique_ptr<Model>& model, TokenBatch& data, double z_coef = 0,
+                               StepResult* result = nullptr, const std::string& router = "model.layers.2.mlp.gate.weight") {
   model = make_model(fixture("qwen3_moe_a/config.json"));
   load_hf(*model, fixture("qwen3_moe_a"));
   data = read_token_batch(fixture("qwen3_moe_a/tokens.npy"), model->vocab_size());
   Config c;
   c.training.load_balance_coef = coef;
+  c.training.router_z_loss_coef = z_coef;
   c.training.clip_grad_norm = 0;
   c.optimizer.lr = 0;  // the step leaves the weights alone; we only want the gradient
   Trainer t(c, *model, data);
-  t.step();
+  const StepResult r = t.step();
+  if (result) *result = r;
   for (const HfTensor& h : model->hf_tensors())
-    if (h.name == "model.layers.2.mlp.gate.weight") return {h.grad.f32(), h.grad.f32() + h.grad.numel()};
+    if (h.name == router) return {h.grad.f32(), h.grad.f32() + h.grad.numel()};
   return {};
 }
 
@@ -389,6 +399,60 @@ TEST(Training, LoadBalanceGradientMatchesFiniteDifferences) {
   }
   EXPECT_GE(checked, 5);
   EXPECT_GT(lb_share, 1e-2) << "the load-balance term should move the router gradient";
+}
+
+// The router z-loss the same way (a large coefficient, so its share shows), for the
+// routers of both MoE layers (the first's backward runs after the second's forward has
+// used the memory the layers share for their logits), and the value the step reports is
+// the objective's z term.
+TEST(Training, RouterZLossGradientMatchesFiniteDifferences) {
+  for (const std::string router : {"model.layers.2.mlp.gate.weight", "model.layers.0.mlp.gate.weight"}) {
+    SCOPED_TRACE(router);
+    const double z_coef = 0.5;
+    std::unique_ptr<Model> model;
+    TokenBatch data;
+    std::vector<float> without = router_grad(0.0, model, data, 0.0, nullptr, router);
+    StepResult r;
+    std::vector<float> grad = router_grad(0.0, model, data, z_coef, &r, router);
+    ASSERT_EQ(grad.size(), 8u * 32u);
+    EXPECT_TRUE(r.z_loss_on);
+    float* w = nullptr;
+    for (const HfTensor& h : model->hf_tensors())
+      if (h.name == router) w = h.value.f32();
+    {
+      std::unique_ptr<Stash> s = model->make_stash(data.rows, data.seq);
+      std::copy(data.ids.begin(), data.ids.end(), s->ids.i32());
+      model->embed_forward(*s);
+      for (int64_t l = 0; l < model->num_layers(); ++l)
+        for (Stage st : kStages) {
+          model->stage_forward(l, st, *s);
+          model->finish_forward(l, st, *s);
+        }
+      const double z = z_term(model->router_stats(*s));
+      EXPECT_GT(z, 0.1);
+      EXPECT_NEAR(r.z_loss, z, 1e-6 * z);
+    }
+    auto fd = [&](int64_t i, float h) {
+      float keep = w[i];
+      w[i] = keep + h;
+      double up = objective(*model, data, 0.0, z_coef);
+      w[i] = keep - h;
+      double down = objective(*model, data, 0.0, z_coef);
+      w[i] = keep;
+      return (up - down) / (2 * h);
+    };
+    int checked = 0;
+    double z_share = 0;
+    for (int64_t i = 0; i < 256 && checked < 8; i += 13) {
+      double a = fd(i, 1e-2f), b = fd(i, 5e-3f);
+      if (std::fabs(a - b) > 1e-3 + 1e-2 * std::fabs(a)) continue;  // a top-k boundary crossed
+      EXPECT_NEAR(grad[i], b, 1e-3 + 1e-2 * std::fabs(b)) << "element " << i;
+      z_share = std::max(z_share, std::fabs(static_cast<double>(grad[i]) - without[i]));
+      ++checked;
+    }
+    EXPECT_GE(checked, 5);
+    EXPECT_GT(z_share, 1e-3) << "the z-loss should move the router gradient";
+  }
 }
 
 // With one micro-batch the two load-balance variants are the same objective; with
@@ -1787,8 +1851,8 @@ TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
 // (1,1,2), (1,2,2), (2,1,2), (2,2,2), and with parallelism.zero3 (2,1,1), (1,2,1),
 // (1,1,2), (2,2,2), and with training.layer_sweep (2,1,1) under ZeRO-3 and (1,1,2).
 // Each reports the single-rank run's losses,
-// gradient norms and routing counts (1e-5), for both load-balance variants, for each
-// model family. The batch: the fixture's three sequences and its first again, so that
+// gradient norms, balance terms, router z-losses (all with a z-loss coefficient) and
+// routing counts (1e-5), for both load-balance variants, for each model family. The batch: the fixture's three sequences and its first again, so that
 // it splits over 4 data ranks; its 16 positions split into 2 * cp = 4 chunks.
 class Meshes : public ::testing::TestWithParam<const char*> {};
 
@@ -1813,6 +1877,7 @@ TEST_P(Meshes, MatchOneRank) {
       auto [rc, out] = run(kMpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                            fixture(model) + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
+                           " --training.router_z_loss_coef=0.01" +
                            " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
                            " --parallelism.cp=" + std::to_string(m.cp) +
                            (m.zero3 ? " --parallelism.zero3=true" : "") + (m.sweep ? " --training.layer_sweep=0" : "") +
@@ -1826,7 +1891,7 @@ TEST_P(Meshes, MatchOneRank) {
     }
     for (size_t m = 1; m < runs.size(); ++m)
       for (size_t i = 0; i < 3; ++i) {
-        for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
+        for (const char* key : {"loss", "grad_norm", "lb_loss", "z_loss"}) {
           double want = runs[0][i][key], got = runs[m][i][key];
           EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << lb << " mesh " << m << " step " << i + 1 << " " << key;
         }
@@ -2106,6 +2171,34 @@ TEST(Commands, ExpertReplicasUnderPipelines) {
         EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << model << " step " << i + 1 << " " << key;
       }
   }
+}
+
+// The router z-loss on pipeline meshes: qwen3_moe_a at pp 2 (1F1B) and pp 2 x ep 2
+// against one rank, 3 steps, to 1e-5 (z_loss, loss, gradient norm): each stage sums its
+// own layers' terms, and the ranks' sums add up.
+TEST(Commands, RouterZLossOnPipelinesMatchesOneRank) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("z_pp");
+  write_four_sequences("qwen3_moe_a", dir);
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (auto [np, flags] : {std::pair{1, ""}, {2, " --parallelism.pp=2"}, {4, " --parallelism.pp=2 --parallelism.ep=2"}}) {
+    const std::string dump = dir + "/run" + std::to_string(runs.size());
+    auto [rc, out] = run((np > 1 ? kMpirun + std::to_string(np) + " " : std::string()) + MOETRAIN_BIN + " train" +
+                         " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
+                         " --training.steps=3 --training.micro_batch_size=1 --training.load_balance_coef=0.1" +
+                         " --training.router_z_loss_coef=0.01 --parallelism.pipeline_schedule=1f1b" + flags +
+                         " --job.dump_folder=" + dump);
+    ASSERT_EQ(rc, 0) << out;
+    runs.push_back(metrics_of(dump));
+    ASSERT_EQ(runs.back().size(), 3u);
+  }
+  EXPECT_GT(runs[0][0]["z_loss"].get<double>(), 0.0);
+  for (size_t m = 1; m < runs.size(); ++m)
+    for (size_t i = 0; i < 3; ++i)
+      for (const char* key : {"loss", "grad_norm", "z_loss"}) {
+        const double want = runs[0][i][key], got = runs[m][i][key];
+        EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << "mesh " << m << " step " << i + 1 << " " << key;
+      }
 }
 
 // What replicas do not take yet is refused at start, naming the keys: no ep, and with

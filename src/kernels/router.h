@@ -38,6 +38,15 @@ void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor
 // token order (the load-balance statistics), rounded once to f32.
 void router_prob_sum(const Tensor& probs, const Tensor& sums);
 
+// The router z-loss (ST-MoE): z[t] = lse[t]^2, lse[t] = logsumexp(logits[t]).
+// router_z_forward: lse f32 [N] and sum f32 [1] = sum over the N tokens of z[t], in double
+// in token order, rounded once to f32. router_z_backward: dlogits[t] += scale * 2 * lse[t]
+// * probs[t] (probs = softmax(logits), router_forward's), the gradient of scale * sum_t
+// z[t] (dlogits f32 [N,E], added to). It reads what the backward keeps (lse and probs),
+// not the logits, whose memory the decoder's layers share.
+void router_z_forward(const Tensor& logits, const Tensor& lse, const Tensor& sum);
+void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, const Tensor& dlogits);
+
 }  // namespace mt::cpu
 
 // The CUDA backend: the same f32 tensors, the same experts chosen from the same logits;
@@ -51,6 +60,9 @@ void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const T
 // In double, by chunks of 256 tokens then over the chunks (a fixed order, so repeatable;
 // it may differ from the CPU's token-order sum in the last bit of the f32 result).
 void router_prob_sum(const Tensor& probs, const Tensor& sums);
+// A warp a token; the sum in double by chunks of 256 tokens, then over the chunks.
+void router_z_forward(const Tensor& logits, const Tensor& lse, const Tensor& sum);
+void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, const Tensor& dlogits);
 
 }  // namespace mt::cuda
 
@@ -79,6 +91,20 @@ inline void router_prob_sum(const Tensor& probs, const Tensor& sums) {
   if (sums.device == Device::cuda) return cuda::router_prob_sum(probs, sums);
 #endif
   return cpu::router_prob_sum(probs, sums);
+}
+
+inline void router_z_forward(const Tensor& logits, const Tensor& lse, const Tensor& sum) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (sum.device == Device::cuda) return cuda::router_z_forward(logits, lse, sum);
+#endif
+  return cpu::router_z_forward(logits, lse, sum);
+}
+
+inline void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, const Tensor& dlogits) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dlogits.device == Device::cuda) return cuda::router_z_backward(lse, probs, scale, dlogits);
+#endif
+  return cpu::router_z_backward(lse, probs, scale, dlogits);
 }
 
 }  // namespace mt

@@ -137,9 +137,11 @@ struct LayerActs {
   Tensor xn, rstd1;             // input norm [N,D], [N]
   Tensor hm, y, rstd2;          // residual after attention, its norm
   Tensor logits, idx, weight, probs, dprobs;        // router (f32)
-  // prob_sum f32 [E] (probs summed over tokens) and counts i32 [E] (slots each expert
-  // kept) side by side in `stats`, so the metrics read both in one copy.
-  Tensor stats, prob_sum, counts;
+  Tensor lse;  // [N] logsumexp of the router's logits (the z-loss's backward reads it)
+  // prob_sum f32 [E] (probs summed over tokens), counts i32 [E] (slots each expert kept)
+  // and z_sum f32 [1] (the router z-loss's sum, when on) side by side in `stats`, so the
+  // metrics read them in one copy.
+  Tensor stats, prob_sum, counts, z_sum;
   // With expert replicas: the slots [N,k] the router's choices go to, and the rows each
   // slot got [ep * S] (in `stats` too; router_stats turns them into counts).
   Tensor slots, slot_counts;
@@ -290,6 +292,7 @@ class Decoder final : public Model {
   }
   std::vector<RouterStats> router_stats(const Stash& s) const override;
   void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override;
+  void set_router_z_loss(double scale) override { z_scale_ = scale; }
   RowMemory row_memory() const override { return {pool_->peak, pool_->skew}; }
   void reset_row_memory() override {
     pool_->peak = pool_->in_use;
@@ -407,6 +410,7 @@ class Decoder final : public Model {
   int64_t expert_replicas_;  // R replica slots a rank (0: none)
   ExpertReplicas replicas_;
   size_t replica_bytes_ = 0;  // what their slots add to the arenas
+  double z_scale_ = 0;        // the router z-loss's factor on its sum (0: off)
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
@@ -669,13 +673,14 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
     // statistics, read after the head's forward, and the balance gradient set then.
     const int64_t E = c_.num_experts;
     const int64_t slot_counts = replicas_.on() ? ep_->size() * replicas_.slots() : 0;
-    x.stats = i32({2 * E + slot_counts});
+    x.stats = i32({2 * E + 1 + slot_counts});
     auto part = [&](int64_t at, int64_t n, DType d) {  // (a plan's arenas have no storage)
       return Tensor(x.stats.data != nullptr ? x.stats.i32() + at : nullptr, {n}, d, x.stats.device);
     };
     x.prob_sum = part(0, E, DType::f32);
     x.counts = part(E, E, DType::i32);
-    if (slot_counts > 0) x.slot_counts = part(2 * E, slot_counts, DType::i32);
+    x.z_sum = part(2 * E, 1, DType::f32);
+    if (slot_counts > 0) x.slot_counts = part(2 * E + 1, slot_counts, DType::i32);
     x.dprobs = a.alloc(DType::f32, {1, E});  // the same row for every token
   }
   if (balanced_) s.balanced_idx = i32({N, k_});
@@ -739,6 +744,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
       if (replicas_.on()) x.slots = i32({N, K});
       x.weight = f32({N, K});
       x.probs = f32({N, E});
+      x.lse = f32({N});
       if (!ep_) {  // the exchange's plan has its own
         x.offsets = i32({E + 1});
         x.order = i32({N * K});
@@ -959,6 +965,7 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
       gemm(x.y, C(w.router), x.logits, false, true);
     mt::router_forward(c_.router, x.logits, x.idx, x.weight, x.probs);
     mt::router_prob_sum(x.probs, x.prob_sum);
+    if (z_scale_ != 0) mt::router_z_forward(x.logits, x.lse, x.z_sum);
     if (balanced_) {
       mt::copy(x.idx, s.balanced_idx);
       mt::fill(x.weight, 1.0f / static_cast<float>(k_));
@@ -1156,6 +1163,7 @@ void Decoder::attention_backward_input(int64_t l, DecoderStash& s) {
     // Forced routing does not come from the logits: only the balance term reaches them.
     if (balanced_) mt::fill(x.d_weight, 0.0f);
     mt::router_backward(c_.router, x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
+    if (z_scale_ != 0) mt::router_z_backward(x.lse, x.probs, static_cast<float>(z_scale_), x.d_logits);
     if (x.d_logits_c.data != x.d_logits.data) mt::cast(x.d_logits, x.d_logits_c);
     gemm(x.d_logits_c, C(w.router), x.d_y, false, false, 1.0f, 1.0f);
     // The shared experts' input gradient, after the dispatch's (which overwrites d_y).
@@ -1346,9 +1354,14 @@ std::vector<RouterStats> Decoder::router_stats(const Stash& base) const {
     std::memcpy(sums.data(), stats.data(), sums.size() * sizeof(float));
     r.prob_sum.assign(sums.begin(), sums.end());
     r.counts.assign(stats.begin() + E, stats.begin() + 2 * E);
+    if (z_scale_ != 0) {
+      float z = 0;
+      std::memcpy(&z, stats.data() + 2 * E, sizeof z);
+      r.z_sum = z;
+    }
     if (replicas_.on()) {  // the plan counted slots: each expert's are the sum of its copies'
-      r.slot_counts.assign(stats.begin() + 2 * E, stats.end());
-      r.counts = replicas_.expert_counts(l, std::vector<int32_t>(stats.begin() + 2 * E, stats.end()));
+      r.slot_counts.assign(stats.begin() + 2 * E + 1, stats.end());
+      r.counts = replicas_.expert_counts(l, std::vector<int32_t>(stats.begin() + 2 * E + 1, stats.end()));
     }
     out.push_back(std::move(r));
   }

@@ -59,6 +59,7 @@ struct RouterStats {
   int64_t top_k = 0;
   std::vector<int64_t> counts;       // slots routed to each expert
   std::vector<double> prob_sum;      // sum over tokens of the router probability
+  double z_sum = 0;                  // with the router z-loss: sum over tokens of logsumexp(logits)^2
   // With expert replicas: the rows each slot of the ep ranks got (rank r's slot i at
   // r x S + i; models/expert_replicas.h), of which `counts` are the sums by expert.
   std::vector<int64_t> slot_counts;
@@ -253,6 +254,10 @@ class Model {
   // The load-balance loss's gradient with respect to each router probability of a
   // layer: every token's p[e] gets dprob[e]. Applied by that layer's attention B.
   virtual void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) = 0;
+  // The router z-loss (training.router_z_loss_coef): from now on every MoE layer's
+  // forward sums logsumexp(logits)^2 over its tokens (RouterStats::z_sum) and its
+  // backward adds scale x that sum's gradient to the router's (0: off).
+  virtual void set_router_z_loss(double scale) { (void)scale; }
 
   // The expert rows' memory (RowMemory) since the last reset; a trainer resets it at
   // each step's start. A model without routed rows holds none.

@@ -63,6 +63,9 @@ void visit(C& c, F&& f) {
     c.training.load_balance_coef);
   f({"training", "load_balance_type", 0, "micro_batch or global_batch: the tokens the balance is measured over"},
     c.training.load_balance_type);
+  f({"training", "router_z_loss_coef", 0,
+     "weight of the router z-loss (mean over MoE layers and tokens of logsumexp(logits)^2) added to the loss"},
+    c.training.router_z_loss_coef);
   f({"training", "capacity_factor", 0, "an expert keeps ceil(f * tokens * top_k / experts) rows; 0: dropless"},
     c.training.capacity_factor);
   f({"training", "activation_checkpoint", 0,
@@ -244,6 +247,8 @@ void validate(const Config& c) {
   });
   MT_CHECK(c.training.device_memory_limit >= 0.0)
       << "training.device_memory_limit = " << c.training.device_memory_limit << ": expected GiB >= 0 (0: no limit)";
+  MT_CHECK(c.training.router_z_loss_coef >= 0.0)
+      << "training.router_z_loss_coef = " << c.training.router_z_loss_coef << ": expected >= 0 (0: off)";
   MT_CHECK(c.training.capacity_factor >= 0.0) << "training.capacity_factor = " << c.training.capacity_factor
                                               << ": expected 0 (dropless) or a positive factor";
   MT_CHECK(c.model.init == "random" || c.model.init.starts_with("hf:"))

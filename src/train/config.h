@@ -44,6 +44,9 @@ struct TrainingConfig {
   std::string fp8_scale = "pow2";
   double load_balance_coef = 0.0;
   std::string load_balance_type = "micro_batch";  // micro_batch or global_batch
+  // The router z-loss's weight (ST-MoE; Megatron's --moe-z-loss-coeff): the mean over MoE
+  // layers and tokens of logsumexp(router logits)^2, added to the loss (0: off).
+  double router_z_loss_coef = 0.0;
   double capacity_factor = 0.0;   // 0: dropless
   bool force_balanced_routing = false;  // benchmarks: route round-robin, not by the router
   // Recomputation in the backward (torchtitan's names): none, selective or full

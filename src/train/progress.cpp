@@ -40,8 +40,9 @@ std::string step_line(const StepResult& r, int64_t total_steps, double elapsed, 
   const std::string step =
       format("step %lld/%lld  ", static_cast<long long>(r.step), static_cast<long long>(total_steps));
   const std::string values =
-      format("loss %.4f  lb_loss %.4f  grad_norm %.4f  lr %.3e  tokens/s %.0f  memory %s  step_time %.3fs", r.loss,
-             r.lb_loss, r.grad_norm, r.lr, r.tokens_per_s, memory(r).c_str(), r.seconds);
+      format("loss %.4f  lb_loss %.4f  ", r.loss, r.lb_loss) + (r.z_loss_on ? format("z_loss %.4f  ", r.z_loss) : "") +
+      format("grad_norm %.4f  lr %.3e  tokens/s %.0f  memory %s  step_time %.3fs", r.grad_norm, r.lr, r.tokens_per_s,
+             memory(r).c_str(), r.seconds);
   const std::string e = clock_time(elapsed), left = clock_time(eta);
   return times_first ? step + "eta " + left + "  elapsed " + e + "  " + values
                      : step + values + "  elapsed " + e + "  eta " + left;

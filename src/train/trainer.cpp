@@ -582,6 +582,12 @@ StepResult Trainer::step() {
   std::vector<std::vector<int64_t>> slot_rows(
       replicas ? moe_layers : 0, std::vector<int64_t>(replicas ? static_cast<size_t>(ep_->size() * replicas->slots()) : 0, 0));
 
+  // The router z-loss: its sum over tokens and MoE layers, and its gradient's factor on
+  // that sum (the mean over the global batch's tokens and the MoE layers, times coef).
+  double z_total = 0;
+  r.z_loss_on = t.router_z_loss_coef > 0 && moe_layers > 0;
+  const double z_mean = r.z_loss_on ? 1.0 / (static_cast<double>(count) * static_cast<double>(moe_layers)) : 0.0;
+  model_.set_router_z_loss(t.router_z_loss_coef * z_mean);
   auto accumulate_stats = [&](const std::vector<RouterStats>& stats) {
     for (const RouterStats& st : stats) {
       const size_t i = static_cast<size_t>(moe_index[st.layer]);
@@ -590,6 +596,7 @@ StepResult Trainer::step() {
         prob_sums[i][e] += st.prob_sum[e];
       }
       dropped[0] += st.dropped;
+      z_total += st.z_sum;
       for (size_t i2 = 0; i2 < st.slot_counts.size(); ++i2) slot_rows[i][i2] += st.slot_counts[i2];
     }
     if (!stats.empty()) routed_tokens += stats[0].tokens;
@@ -739,9 +746,10 @@ StepResult Trainer::step() {
     // one rank of its group (a group of one's blocks on this rank alone), so the
     // squares of all shards add up to the global norm over the whole mesh (experts of
     // every ep rank and layers of every pp rank too).
-    std::vector<double> sums = {loss_sum, lb_total, optimizer_.grad_sum_squares()};
+    std::vector<double> sums = {loss_sum, lb_total, optimizer_.grad_sum_squares(), z_total};
     sum_ranks_f64(sums);
     loss_sum = sums[0];
+    z_total = sums[3];
     // The global-batch term is the same number on every rank already.
     if (!global_lb) lb_total = sums[1];
     r.grad_norm = std::sqrt(sums[2]);
@@ -754,6 +762,7 @@ StepResult Trainer::step() {
   }
   r.loss = loss_sum / static_cast<double>(count);
   r.lb_loss = lb_total;
+  r.z_loss = z_total * z_mean;
   // All three are the same numbers on every rank, so every rank skips the same steps.
   for (auto [name, v] : {std::pair{"loss", r.loss}, {"lb_loss", r.lb_loss}, {"grad_norm", r.grad_norm}})
     if (!std::isfinite(v) && r.non_finite.empty()) r.non_finite = name;
@@ -863,6 +872,7 @@ std::string step_json(const StepResult& r) {
   j["step"] = r.step;
   j["loss"] = r.loss;
   j["lb_loss"] = r.lb_loss;
+  if (r.z_loss_on) j["z_loss"] = r.z_loss;
   j["grad_norm"] = r.grad_norm;
   j["lr"] = r.lr;
   if (!r.non_finite.empty()) j["skipped"] = r.non_finite;  // NaN and inf print as null

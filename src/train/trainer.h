@@ -84,6 +84,10 @@ struct StepResult {
   int64_t step = 0;          // 1-based
   double loss = 0;           // mean cross-entropy over the global batch
   double lb_loss = 0;        // load-balance term, before its coefficient
+  // training.router_z_loss_coef > 0: the router z-loss, before its coefficient (the mean
+  // over MoE layers and tokens of logsumexp(logits)^2).
+  bool z_loss_on = false;
+  double z_loss = 0;
   double grad_norm = 0;      // global norm before clipping
   double lr = 0;
   double tokens_per_s = 0;

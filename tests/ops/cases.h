@@ -44,6 +44,9 @@ struct RouterRow {
   bool dprobs = false;
 };
 OpCase router_case(const RouterRow& r);
+// The router z-loss: sum over rows of logsumexp(logits)^2 [1] from logits [rows, experts]
+// (router_z_sum), its gradient added to dlogits (router_z_backward).
+OpCase router_z_case(int64_t rows, int64_t experts, double range);
 // dispatch.cpp: N tokens each routed to k distinct random experts of E (never the first
 // or the last with ends_empty), width D; capacity > 0 drops what does not fit.
 // dispatch: x -> xs (and the counts and the dropped count); combine: ys, weight -> y.

@@ -106,6 +106,45 @@ OpCase router_case(const RouterRow& r) {
   return c;
 }
 
+OpCase router_z_case(int64_t n, int64_t e, double range) {
+  OpCase c;
+  c.name = "router_z N=" + std::to_string(n) + " E=" + std::to_string(e) + " range=" + std::to_string(static_cast<int>(range));
+  c.inputs = {{"logits", {n, e}, -range, range}};
+  c.outputs = {{"z"}, {"lse", false}};
+  c.reference = [=](const Vecs& in) {
+    Vec z = {0.0}, lse;
+    for (int64_t t = 0; t < n; ++t) {
+      double m = in[0][t * e], s = 0;
+      for (int64_t x = 0; x < e; ++x) m = std::max(m, in[0][t * e + x]);
+      for (int64_t x = 0; x < e; ++x) s += std::exp(in[0][t * e + x] - m);
+      lse.push_back(m + std::log(s));
+      z[0] += lse.back() * lse.back();
+    }
+    return Vecs{z, lse};
+  };
+  c.forward = [=](const Vecs& in) {
+    auto logits = HostTensor::f32({n, e}, in[0]), lse = HostTensor::f32({n}), z = HostTensor::f32({1});
+    cpu::router_z_forward(logits.t, lse.t, z.t);
+    return Vecs{z.vec(), lse.vec()};
+  };
+  // The backward reads the forward's lse and the router's probs (softmax of the logits,
+  // router_forward's); its gradient is added: start from ones and take them off again.
+  c.backward = [=](const Vecs& in, const Vecs& dout) {
+    auto logits = HostTensor::f32({n, e}, in[0]), lse = HostTensor::f32({n}), z = HostTensor::f32({1});
+    cpu::router_z_forward(logits.t, lse.t, z.t);
+    cpu::RouterConfig cfg;
+    cfg.top_k = 1;
+    auto idx = HostTensor::i32({n, 1}), weight = HostTensor::f32({n, 1}), probs = HostTensor::f32({n, e});
+    cpu::router_forward(cfg, logits.t, idx.t, weight.t, probs.t);
+    auto d = HostTensor::f32({n, e}, Vec(n * e, 1.0));
+    cpu::router_z_backward(lse.t, probs.t, static_cast<float>(dout[0][0]), d.t);
+    Vec g = d.vec();
+    for (double& v : g) v -= 1.0;
+    return Vecs{g};
+  };
+  return c;
+}
+
 namespace {
 
 TEST(Router, RejectsBadConfig) {

@@ -173,4 +173,42 @@ void router_prob_sum(const Tensor& probs, const Tensor& sums) {
   }
 }
 
+namespace {
+
+// logsumexp of one row, in double.
+double row_lse(const float* l, int64_t e_n) {
+  double m = l[0], s = 0;
+  for (int64_t e = 1; e < e_n; ++e) m = std::max(m, double{l[e]});
+  for (int64_t e = 0; e < e_n; ++e) s += std::exp(l[e] - m);
+  return m + std::log(s);
+}
+
+}  // namespace
+
+void router_z_forward(const Tensor& logits, const Tensor& lse, const Tensor& sum) {
+  MT_CHECK(logits.dtype == DType::f32 && logits.ndim() == 2 && logits.dim(1) >= 1)
+      << "router_z_forward wants logits f32 [N,E], got " << logits.str();
+  const int64_t n = logits.dim(0), e_n = logits.dim(1);
+  check_tensor(lse, "router z lse", DType::f32, {n});
+  check_tensor(sum, "router z sum", DType::f32, {1});
+  double s = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const double v = row_lse(logits.f32() + t * e_n, e_n);
+    lse.f32()[t] = static_cast<float>(v);
+    s += v * v;
+  }
+  sum.f32()[0] = static_cast<float>(s);
+}
+
+void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, const Tensor& dlogits) {
+  MT_CHECK(probs.dtype == DType::f32 && probs.ndim() == 2) << "router_z_backward wants probs f32 [N,E], got "
+                                                            << probs.str();
+  const int64_t n = probs.dim(0), e_n = probs.dim(1);
+  check_tensor(lse, "router z lse", DType::f32, {n});
+  check_tensor(dlogits, "router z dlogits", DType::f32, {n, e_n});
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t e = 0; e < e_n; ++e)
+      dlogits.f32()[t * e_n + e] += 2.0f * scale * lse.f32()[t] * probs.f32()[t * e_n + e];
+}
+
 }  // namespace mt::cpu

@@ -280,4 +280,82 @@ void router_prob_sum(const Tensor& probs, const Tensor& sums) {
   CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+// logsumexp of row t of logits [N, E] across one warp, in double (every lane gets it).
+__device__ double warp_row_lse(const float* l, int e_n) {
+  const int lane = threadIdx.x & 31;
+  double m = -INFINITY;
+  for (int e = lane; e < e_n; e += 32) m = fmax(m, double{l[e]});
+  for (int o = 16; o > 0; o >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  double s = 0;
+  for (int e = lane; e < e_n; e += 32) s += exp(double{l[e]} - m);
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return m + log(s);
+}
+
+// A block of 8 warps takes kProbSumRows tokens, a warp a token at a time; lane 0 of each
+// warp writes its tokens' lse and adds their z in order, then thread 0 adds the warps'
+// sums in order.
+__global__ void router_z_partial_kernel(const float* logits, long long n, int e_n, float* lse_out, double* partial) {
+  __shared__ double warps[8];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long t0 = static_cast<long long>(blockIdx.x) * kProbSumRows;
+  double s = 0;
+  for (long long t = t0 + warp; t < t0 + kProbSumRows && t < n; t += 8) {
+    const double lse = warp_row_lse(logits + t * e_n, e_n);
+    if (lane == 0) lse_out[t] = static_cast<float>(lse);
+    s += lse * lse;
+  }
+  if (lane == 0) warps[warp] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0;
+    for (int w = 0; w < 8; ++w) total += warps[w];
+    partial[blockIdx.x] = total;
+  }
+}
+
+__global__ void router_z_total_kernel(const double* partial, int chunks, float* sum) {
+  double s = 0;
+  for (int c = 0; c < chunks; ++c) s += partial[c];
+  sum[0] = static_cast<float>(s);
+}
+
+__global__ void router_z_backward_kernel(const float* lse, const float* probs, long long total, int e_n, float scale,
+                                         float* dlogits) {
+  MT_GRID_STRIDE(i, total) dlogits[i] += 2.0f * scale * lse[i / e_n] * probs[i];
+}
+
+}  // namespace
+
+void router_z_forward(const Tensor& logits, const Tensor& lse, const Tensor& sum) {
+  MT_CHECK(logits.dtype == DType::f32 && logits.ndim() == 2 && logits.dim(1) >= 1)
+      << "router_z_forward wants logits f32 [N,E], got " << logits.str();
+  const int64_t n = logits.dim(0), e_n = logits.dim(1);
+  check_arg(logits, "router logits", {DType::f32}, {n, e_n});
+  check_arg(lse, "router z lse", {DType::f32}, {n});
+  check_arg(sum, "router z sum", {DType::f32}, {1});
+  const int chunks = static_cast<int>(std::max<int64_t>(1, (n + kProbSumRows - 1) / kProbSumRows));
+  auto* partial = static_cast<double*>(scratch(sizeof(double) * static_cast<size_t>(chunks)));
+  router_z_partial_kernel<<<static_cast<unsigned>(chunks), 256, 0, stream()>>>(logits.f32(), n, static_cast<int>(e_n),
+                                                                                lse.f32(), partial);
+  CUDA_CHECK_LAUNCH();
+  router_z_total_kernel<<<1, 1, 0, stream()>>>(partial, chunks, sum.f32());
+  CUDA_CHECK_LAUNCH();
+}
+
+void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, const Tensor& dlogits) {
+  MT_CHECK(probs.dtype == DType::f32 && probs.ndim() == 2) << "router_z_backward wants probs f32 [N,E], got "
+                                                            << probs.str();
+  const int64_t n = probs.dim(0), e_n = probs.dim(1);
+  check_arg(lse, "router z lse", {DType::f32}, {n});
+  check_arg(probs, "router probs", {DType::f32}, {n, e_n});
+  check_arg(dlogits, "router z dlogits", {DType::f32}, {n, e_n});
+  if (n * e_n == 0) return;
+  router_z_backward_kernel<<<blocks_for(n * e_n, 256), 256, 0, stream()>>>(lse.f32(), probs.f32(), n * e_n,
+                                                                           static_cast<int>(e_n), scale, dlogits.f32());
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace mt::cuda
