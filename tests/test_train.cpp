@@ -330,7 +330,8 @@ double z_term(const std::vector<RouterStats>& rs) {
   return z;
 }
 
-double objective(Model& m, const TokenBatch& d, double coef, double z_coef = 0) {
+// The forward of the whole batch: its loss sum and its router statistics.
+std::pair<LossSum, std::vector<RouterStats>> forward_of(Model& m, const TokenBatch& d) {
   std::unique_ptr<Stash> s = m.make_stash(d.rows, d.seq);
   std::copy(d.ids.begin(), d.ids.end(), s->ids.i32());
   std::copy(d.labels.begin(), d.labels.end(), s->labels.i32());
@@ -341,8 +342,12 @@ double objective(Model& m, const TokenBatch& d, double coef, double z_coef = 0) 
       m.finish_forward(l, st, *s);
     }
   LossSum ls = m.head_forward(*s);
+  return {ls, m.router_stats(*s)};
+}
+
+double objective(Model& m, const TokenBatch& d, double coef, double z_coef = 0) {
+  const auto [ls, rs] = forward_of(m, d);
   double lb = 0;
-  std::vector<RouterStats> rs = m.router_stats(*s);
   for (const RouterStats& r : rs)
     for (size_t e = 0; e < r.counts.size(); ++e)
       lb += r.counts.size() * (double(r.counts[e]) / r.tokens) * (r.prob_sum[e] / r.tokens) / rs.size();
@@ -367,6 +372,39 @@ std::vector<float> router_grad(double coef, std::unique_ptr<Model>& model, Token
   return {};
 }
 
+// The trainer's router gradient `grad` (`router`'s weights) against central differences
+// of objective(coef, z_coef), on elements away from a top-k boundary (a step that moves
+// a token across it makes the objective jump; two step sizes that disagree reveal it,
+// and that element is skipped). Returns how far the term moved the gradient from
+// `without` (the gradient with neither term).
+double check_router_gradient(Model& model, const TokenBatch& data, const std::string& router,
+                             const std::vector<float>& grad, const std::vector<float>& without, double coef,
+                             double z_coef) {
+  float* w = nullptr;
+  for (const HfTensor& h : model.hf_tensors())
+    if (h.name == router) w = h.value.f32();
+  auto fd = [&](int64_t i, float h) {
+    float keep = w[i];
+    w[i] = keep + h;
+    double up = objective(model, data, coef, z_coef);
+    w[i] = keep - h;
+    double down = objective(model, data, coef, z_coef);
+    w[i] = keep;
+    return (up - down) / (2 * h);
+  };
+  int checked = 0;
+  double share = 0;
+  for (int64_t i = 0; i < 256 && checked < 8; i += 13) {
+    double a = fd(i, 1e-2f), b = fd(i, 5e-3f);
+    if (std::fabs(a - b) > 1e-3 + 1e-2 * std::fabs(a)) continue;
+    EXPECT_NEAR(grad[i], b, 1e-3 + 1e-2 * std::fabs(b)) << "element " << i;
+    share = std::max(share, std::fabs(static_cast<double>(grad[i]) - without[i]));
+    ++checked;
+  }
+  EXPECT_GE(checked, 5);
+  return share;
+}
+
 TEST(Training, LoadBalanceGradientMatchesFiniteDifferences) {
   const double coef = 0.5;  // large, so the term's share of the router gradient is visible
   std::unique_ptr<Model> model;
@@ -374,31 +412,8 @@ TEST(Training, LoadBalanceGradientMatchesFiniteDifferences) {
   std::vector<float> without = router_grad(0.0, model, data);
   std::vector<float> grad = router_grad(coef, model, data);
   ASSERT_EQ(grad.size(), 8u * 32u);
-  float* w = nullptr;
-  for (const HfTensor& h : model->hf_tensors())
-    if (h.name == "model.layers.2.mlp.gate.weight") w = h.value.f32();
-  auto fd = [&](int64_t i, float h) {
-    float keep = w[i];
-    w[i] = keep + h;
-    double up = objective(*model, data, coef);
-    w[i] = keep - h;
-    double down = objective(*model, data, coef);
-    w[i] = keep;
-    return (up - down) / (2 * h);
-  };
-  int checked = 0;
-  double lb_share = 0;
-  for (int64_t i = 0; i < 256 && checked < 8; i += 13) {
-    // A step that moves a token across the top-k boundary makes the objective jump;
-    // two step sizes that disagree reveal it, and that element is skipped.
-    double a = fd(i, 1e-2f), b = fd(i, 5e-3f);
-    if (std::fabs(a - b) > 1e-3 + 1e-2 * std::fabs(a)) continue;
-    EXPECT_NEAR(grad[i], b, 1e-3 + 1e-2 * std::fabs(b)) << "element " << i;
-    lb_share = std::max(lb_share, std::fabs(static_cast<double>(grad[i]) - without[i]));
-    ++checked;
-  }
-  EXPECT_GE(checked, 5);
-  EXPECT_GT(lb_share, 1e-2) << "the load-balance term should move the router gradient";
+  EXPECT_GT(check_router_gradient(*model, data, "model.layers.2.mlp.gate.weight", grad, without, coef, 0.0), 1e-2)
+      << "the load-balance term should move the router gradient";
 }
 
 // The router z-loss the same way (a large coefficient, so its share shows), for the
@@ -416,42 +431,11 @@ TEST(Training, RouterZLossGradientMatchesFiniteDifferences) {
     std::vector<float> grad = router_grad(0.0, model, data, z_coef, &r, router);
     ASSERT_EQ(grad.size(), 8u * 32u);
     EXPECT_TRUE(r.z_loss_on);
-    float* w = nullptr;
-    for (const HfTensor& h : model->hf_tensors())
-      if (h.name == router) w = h.value.f32();
-    {
-      std::unique_ptr<Stash> s = model->make_stash(data.rows, data.seq);
-      std::copy(data.ids.begin(), data.ids.end(), s->ids.i32());
-      model->embed_forward(*s);
-      for (int64_t l = 0; l < model->num_layers(); ++l)
-        for (Stage st : kStages) {
-          model->stage_forward(l, st, *s);
-          model->finish_forward(l, st, *s);
-        }
-      const double z = z_term(model->router_stats(*s));
-      EXPECT_GT(z, 0.1);
-      EXPECT_NEAR(r.z_loss, z, 1e-6 * z);
-    }
-    auto fd = [&](int64_t i, float h) {
-      float keep = w[i];
-      w[i] = keep + h;
-      double up = objective(*model, data, 0.0, z_coef);
-      w[i] = keep - h;
-      double down = objective(*model, data, 0.0, z_coef);
-      w[i] = keep;
-      return (up - down) / (2 * h);
-    };
-    int checked = 0;
-    double z_share = 0;
-    for (int64_t i = 0; i < 256 && checked < 8; i += 13) {
-      double a = fd(i, 1e-2f), b = fd(i, 5e-3f);
-      if (std::fabs(a - b) > 1e-3 + 1e-2 * std::fabs(a)) continue;  // a top-k boundary crossed
-      EXPECT_NEAR(grad[i], b, 1e-3 + 1e-2 * std::fabs(b)) << "element " << i;
-      z_share = std::max(z_share, std::fabs(static_cast<double>(grad[i]) - without[i]));
-      ++checked;
-    }
-    EXPECT_GE(checked, 5);
-    EXPECT_GT(z_share, 1e-3) << "the z-loss should move the router gradient";
+    const double z = z_term(forward_of(*model, data).second);
+    EXPECT_GT(z, 0.1);
+    EXPECT_NEAR(r.z_loss, z, 1e-6 * z);
+    EXPECT_GT(check_router_gradient(*model, data, router, grad, without, 0.0, z_coef), 1e-3)
+        << "the z-loss should move the router gradient";
   }
 }
 

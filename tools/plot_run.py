@@ -125,6 +125,20 @@ def grid(panels):
     return fig, axes.flat
 
 
+def peaks(ax, run, values, title):
+    """One line a MoE layer of values [step, layer] (a max over a mean) against step."""
+    values = np.asarray(values)
+    for i, layer in enumerate(run["layers"]):
+        ax.plot(run["step"], values[:, i], label=f"layer {layer}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max over mean")
+    ax.grid(alpha=0.3)
+    if len(run["layers"]) <= 12:
+        ax.legend(fontsize=7)
+
+
 def plot_expert_load(run, out, title):
     layers = run["layers"]
     if not layers or len(run["max_over_mean"]) != len(run["step"]):
@@ -132,17 +146,7 @@ def plot_expert_load(run, out, title):
     # [layer, expert, bin]: each bin's mean load
     load = np.stack([b / n for b, (_, n) in zip(run["bins"], run["bin_steps"])], axis=-1)
     fig, axes = grid(len(layers) + 1)
-    ax = axes[0]
-    peaks = np.asarray(run["max_over_mean"])  # [step, layer]
-    for i, layer in enumerate(layers):
-        ax.plot(run["step"], peaks[:, i], label=f"layer {layer}")
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_title("max / mean expert load")
-    ax.set_xlabel("step")
-    ax.set_ylabel("max over mean")
-    ax.grid(alpha=0.3)
-    if len(layers) <= 12:
-        ax.legend(fontsize=7)
+    peaks(axes[0], run, run["max_over_mean"], "max / mean expert load")
     image = heatmaps(run, axes[1:], load, "tokens per expert / mean", max(float(load.max()), 1.0))
     fig.suptitle(title)
     fig.colorbar(image, ax=axes[1:len(layers) + 1], shrink=0.8, label="load (1 = balanced)")
@@ -164,17 +168,7 @@ def plot_expert_placement(run, out, title):
         return
     copies = np.stack([c / n for c, (_, n) in zip(run["copies"], run["bin_steps"])], axis=-1)
     fig, axes = grid(len(layers) + 1)
-    ax = axes[0]
-    rows = np.asarray(run["rank_rows"])  # [step, layer]
-    for i, layer in enumerate(layers):
-        ax.plot(run["step"], rows[:, i], label=f"layer {layer}")
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_title("max / mean rows an ep rank received")
-    ax.set_xlabel("step")
-    ax.set_ylabel("max over mean")
-    ax.grid(alpha=0.3)
-    if len(layers) <= 12:
-        ax.legend(fontsize=7)
+    peaks(axes[0], run, run["rank_rows"], "max / mean rows an ep rank received")
     image = heatmaps(run, axes[1:], copies, "copies of each expert", max(float(copies.max()), 1.0))
     fig.suptitle(title + " (expert placement)")
     fig.colorbar(image, ax=axes[1:len(layers) + 1], shrink=0.8, label="copies over the ep ranks")

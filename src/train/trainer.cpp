@@ -484,16 +484,20 @@ void Trainer::set_expert_placement(const std::string& json, bool say) {
             << "'s slot " << s << " (expected " << (own ? "its own expert" : "an expert or -1") << ")";
       }
     }
-  size_t i = 0;
-  for (int64_t l = 0; l < model_.num_layers(); ++l) {
-    if (!model_.is_moe_layer(l)) continue;
-    MT_CHECK(i < placements_.size()) << "the checkpoint's expert_placement has " << placements_.size()
-                                     << " MoE layers; this model has more";
-    const std::vector<int64_t> held = rep->layers();
-    if (std::find(held.begin(), held.end(), l) != held.end()) rep->set_placement(l, placements_[i]);
-    ++i;
-  }
-  rep->refresh();
+  std::vector<int64_t> moe;
+  for (int64_t l = 0; l < model_.num_layers(); ++l)
+    if (model_.is_moe_layer(l)) moe.push_back(l);
+  MT_CHECK(moe.size() == placements_.size()) << "the checkpoint's expert_placement has " << placements_.size()
+                                              << " MoE layers; this model has " << moe.size();
+  apply_placements(moe);
+}
+
+void Trainer::apply_placements(const std::vector<int64_t>& moe_layers) {
+  ExpertReplicas& rep = *model_.expert_replicas();
+  const std::vector<int64_t> held = rep.layers();
+  for (size_t i = 0; i < moe_layers.size(); ++i)
+    if (std::find(held.begin(), held.end(), moe_layers[i]) != held.end()) rep.set_placement(moe_layers[i], placements_[i]);
+  rep.refresh();
 }
 
 void Trainer::materialize_weights() {
@@ -514,7 +518,6 @@ void Trainer::release_weights() {
 // copies' shares every step, a new placement every replan_interval steps where it
 // pays). Then the owners' new weights go to the replicas.
 void Trainer::place_replicas(StepResult& r) {
-  ExpertReplicas& rep = *model_.expert_replicas();
   const int64_t E = model_.num_experts(), ranks = ep_->size(), R = cfg_.parallelism.expert_replicas;
   if (placements_.empty()) placements_.assign(r.moe_layers.size(), parallel::owners_only(E, ranks, R));
   if (ranks_per_node_ < 0) {
@@ -531,11 +534,7 @@ void Trainer::place_replicas(StepResult& r) {
     moved |= parallel::replan(placements_[i], loads_.mean[i], r.step % cfg_.parallelism.replan_interval == 0,
                               ranks_per_node_);
   placement_version_ += moved;
-  const std::vector<int64_t> held = rep.layers();
-  for (size_t i = 0; i < r.moe_layers.size(); ++i)
-    if (std::find(held.begin(), held.end(), r.moe_layers[i]) != held.end())
-      rep.set_placement(r.moe_layers[i], placements_[i]);
-  rep.refresh();
+  apply_placements(r.moe_layers);
   r.placement_version = placement_version_;
   for (const parallel::Placement& p : placements_) {
     std::vector<int64_t> copies(static_cast<size_t>(E), 0);

@@ -212,6 +212,9 @@ class Trainer {
   int64_t ranks_per_node_ = -1;                   // of the ep group, from its hostnames (-1: not read yet)
   int64_t placement_version_ = 0;
   void place_replicas(StepResult& r);
+  // The placements of the MoE layers this rank holds into the model, then the replicas'
+  // weights from their owners.
+  void apply_placements(const std::vector<int64_t>& moe_layers);
   StepProfile profile_;
 };
 
