@@ -44,10 +44,12 @@ std::vector<nlohmann::json> metrics_of(const std::string& dump) {
   return lines;
 }
 
-// mpirun as the multi-rank tests start it (root allowed, one OpenMP thread a rank); the
-// rank count goes after it.
+// mpirun as the multi-rank tests start it (root allowed, one OpenMP thread a rank, and
+// a session folder of its own: two jobs at once under ctest -j shared /tmp/ompi.HOST.UID,
+// and one finishing removed it under the other as it started); the rank count goes after it.
 const std::string kMpirun =
-    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np ";
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 "
+    "OMPI_MCA_orte_tmpdir_base=$(mktemp -d /tmp/moetrain-mpi.XXXXXX) mpirun --oversubscribe -np ";
 
 // A fixture's three sequences and its first again, so that they split over 4 data
 // ranks, written to dir/tokens.npy.
