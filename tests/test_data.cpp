@@ -11,6 +11,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 
 #include "core/check.h"
 #include "data/corpus.h"
@@ -527,6 +528,47 @@ TEST(Dataset, WindowsAndLabels) {
     }
   }
   EXPECT_EQ(ds.cursor().samples_seen, 2u);
+}
+
+// validation.split: each file is cut at the first document end at or after (1 - f) of
+// its tokens. Documents of 100 tokens in a file of 1000, f = 0.25: the cut is at 800
+// (750 is inside the 8th document); training reads [0, 800), the held-out set [800,
+// 1000). A file of one document has no end inside it: all of it trains.
+TEST(Dataset, SplitHoldsOutWholeDocumentsAtTheEndOfEachFile) {
+  TempDir t;
+  std::vector<int32_t> tokens(1000);
+  for (int64_t i = 0; i < 1000; ++i) tokens[static_cast<size_t>(i)] = token_at(0, i);
+  std::vector<uint64_t> ends;
+  for (uint64_t e = 100; e <= 1000; e += 100) ends.push_back(e);
+  write_token_file((t.path / "a.bin").string(), tokens, ends, 60000);
+  std::vector<int32_t> one(160);
+  for (int64_t i = 0; i < 160; ++i) one[static_cast<size_t>(i)] = token_at(1, i);
+  write_token_file((t.path / "b.bin").string(), one, std::vector<uint64_t>{160}, 60000);
+
+  Dataset train(t.path.string(), 15, 7, Split{0.25, false}), held(t.path.string(), 15, 7, Split{0.25, true});
+  EXPECT_EQ(train.num_tokens(), 800 + 160);
+  EXPECT_EQ(held.num_tokens(), 200);
+  EXPECT_EQ(train.num_samples(), 800 / 16 + 160 / 16);
+  EXPECT_EQ(held.num_samples(), 200 / 16);
+  std::vector<int32_t> s(16);
+  std::set<int32_t> seen;
+  for (int64_t i = 0; i < train.num_samples(); ++i) {
+    train.read_sample(i, 0, 16, s.data());
+    seen.insert(s.begin(), s.end());
+  }
+  for (int64_t i = 0; i < held.num_samples(); ++i) {
+    held.read_sample(i, 0, 16, s.data());
+    for (int32_t v : s) {
+      EXPECT_GE(v, token_at(0, 800)) << "held-out sample " << i << " holds a training token";
+      EXPECT_LT(v, token_at(0, 1000));
+      EXPECT_FALSE(seen.contains(v));
+    }
+  }
+  held.read_sample(0, 0, 16, s.data());
+  EXPECT_EQ(s[0], token_at(0, 800));
+  // Too little held out for one sample is named.
+  const std::string err = error_of([&] { Dataset d(t.path.string(), 300, 7, Split{0.25, true}); });
+  EXPECT_NE(err.find("held-out part of validation.split"), std::string::npos) << err;
 }
 
 TEST(Dataset, ShuffleIsAPermutationFixedBySeedAndEpoch) {

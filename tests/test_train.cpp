@@ -203,7 +203,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 56);
+  EXPECT_EQ(keys, 61);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -757,6 +757,56 @@ TEST(Schedule, BadPipelinesAreRefused) {
   shape.global_balance = true;
   EXPECT_NE(error_of([&] { one_f_one_b_schedule(shape, make_pipeline(8, 2, "1f1b"), 1); }).find("global_batch"),
             std::string::npos);
+}
+
+// forward_schedule (validation): on every pipeline, any number of micro-batches (fewer
+// than a training step needs too) played out without a deadlock; each micro-batch loads
+// once and passes the embedding, every layer's five stages in order and the head once,
+// across the ranks; on one rank with ZeRO-3 each layer is gathered around its stages.
+TEST(Schedule, ForwardsAloneReachEveryLayerInOrder) {
+  for (auto [ranks, name] : {std::pair{1, "1f1b"}, {1, "dualpipev"}, {2, "1f1b"}, {4, "1f1b"}, {2, "dualpipev"},
+                             {4, "dualpipev"}})
+    for (int m : {1, 3}) {
+      ScheduleShape shape;
+      shape.layers = 8;
+      shape.micro_batches = m;
+      const Pipeline p = make_pipeline(8, ranks, name);
+      std::vector<std::vector<Action>> per_rank;
+      for (int r = 0; r < ranks; ++r) per_rank.push_back(forward_schedule(shape, p, r));
+      const Timeline t = simulate(per_rank, p, [](int, const Action&) { return 1.0; });
+      std::vector<std::vector<std::string>> seen(static_cast<size_t>(m));
+      std::vector<int> loads(static_cast<size_t>(m), 0);
+      // Played in the timeline's order, each micro-batch's actions over all ranks.
+      std::vector<Timeline::Box> boxes;
+      for (const auto& rank : t.ranks) boxes.insert(boxes.end(), rank.begin(), rank.end());
+      std::stable_sort(boxes.begin(), boxes.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
+      for (const Timeline::Box& b : boxes) {
+        const Action& a = b.action;
+        EXPECT_NE(a.op, Op::backward_input) << describe(a);
+        if (a.op == Op::load) ++loads[static_cast<size_t>(a.micro_batch)];
+        if (a.op == Op::embed_forward || a.op == Op::forward || a.op == Op::head_forward)
+          seen[static_cast<size_t>(a.micro_batch)].push_back(describe(a));
+      }
+      for (int mb = 0; mb < m; ++mb) {
+        std::vector<std::string> want = {describe({Op::embed_forward, mb})};
+        for (int64_t l = 0; l < 8; ++l)
+          for (Stage st : kStages) want.push_back(describe({Op::forward, mb, l, st}));
+        want.push_back(describe({Op::head_forward, mb}));
+        EXPECT_EQ(seen[static_cast<size_t>(mb)], want) << name << " on " << ranks << " ranks, micro-batch " << mb;
+        EXPECT_EQ(loads[static_cast<size_t>(mb)], ranks);  // every rank reads the batch
+      }
+    }
+  ScheduleShape shape;
+  shape.layers = 2;
+  shape.micro_batches = 1;
+  shape.zero3 = true;
+  std::vector<std::string> got;
+  for (const Action& a : forward_schedule(shape, make_pipeline(2, 1, "1f1b"), 0))
+    if (a.op == Op::gather || a.op == Op::release || (a.op == Op::forward && a.stage == Stage::attention))
+      got.push_back(describe(a));
+  EXPECT_EQ(got, (std::vector<std::string>{describe({Op::gather, 0, 0}), describe({Op::forward, 0, 0}),
+                                           describe({Op::release, 0, 0}), describe({Op::gather, 0, 1}),
+                                           describe({Op::forward, 0, 1}), describe({Op::release, 0, 1})}));
 }
 
 // Activation blocks: a micro-batch holds one from its first action on the chunk's layers
@@ -2051,6 +2101,91 @@ TEST(Commands, CorpusFedMeshMatchesOneRank) {
     }
   // Three steps of different batches: the losses are not all the same number.
   EXPECT_NE(runs[0][0]["loss"], runs[0][2]["loss"]);
+}
+
+// [validation] (Trainer::validate): val_loss after a step is `moetrain eval`'s of that
+// step's checkpoint on the held-out matrix, on one rank and on dp 2, ZeRO-3, ep 2, cp 2,
+// pp 2 with 1F1B and (a deeper model) DualPipeV alike; validation.steps = 1 reads the
+// first global batch alone; the training losses are those of the run without validation.
+TEST(Commands, ValidationEqualsEvalOnEveryMesh) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("validation");
+  write_four_sequences("qwen3_moe_a", dir);
+  // Held out: the fixture's sequences reversed, 8 rows (two global batches of 4), and
+  // their first 4 alone.
+  io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
+  const std::vector<int64_t> fixture_tokens = io::npy_as_int64(a, "tokens");
+  const int64_t t = a.header.shape[1];
+  std::vector<int64_t> held;
+  for (int64_t r = 0; r < 8; ++r)
+    for (int64_t j = t - 1; j >= 0; --j) held.push_back(fixture_tokens[static_cast<size_t>((r % 3) * t + j) % fixture_tokens.size()]);
+  io::write_npy(dir + "/held.npy", "<i8", {8, t}, held.data());
+  io::write_npy(dir + "/held4.npy", "<i8", {4, t}, held.data());
+  // The same below the pipeline model's vocabulary of 80.
+  std::vector<int64_t> train_tokens = io::npy_as_int64(io::read_npy(dir + "/tokens.npy"), "tokens");
+  for (int64_t& v : train_tokens) v %= 80;
+  for (int64_t& v : held) v %= 80;
+  io::write_npy(dir + "/deep_tokens.npy", "<i8", {4, t}, train_tokens.data());
+  io::write_npy(dir + "/deep_held.npy", "<i8", {8, t}, held.data());
+  auto train = [&](const std::string& name, int np, const std::string& model, const std::string& flags) {
+    const std::string dump = dir + "/" + name;
+    const std::string tokens = model.find("pipeline") == std::string::npos ? "/tokens.npy" : "/deep_tokens.npy";
+    auto [rc, out] = run((np > 1 ? kMpirun + std::to_string(np) + " " : std::string()) + MOETRAIN_BIN + " train" +
+                         model + " --data.tokens=" + dir + tokens + " --training.steps=2" +
+                         " --training.micro_batch_size=1 --training.load_balance_coef=0.1 --checkpoint.interval=1" +
+                         " --job.dump_folder=" + dump + flags);
+    EXPECT_EQ(rc, 0) << name << ": " << out;
+    return std::pair{metrics_of(dump), out};
+  };
+  auto eval = [&](const std::string& checkpoint, const std::string& tokens) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " eval --model " + checkpoint + " --tokens " + tokens);
+    EXPECT_EQ(rc, 0) << out;
+    return nlohmann::json::parse(out.substr(out.find('{')))["loss"].get<double>();
+  };
+  const std::string qwen = " --model.init=hf:" + fixture("qwen3_moe_a");
+  const std::string val = " --validation.tokens=" + dir + "/held.npy --validation.interval=1";
+  const auto [plain, plain_out] = train("plain", 1, qwen, "");
+  const auto [one, one_out] = train("one", 1, qwen, val);
+  EXPECT_NE(one_out.find("validation: every 1 steps, 2 global batch(es) of 4 of the 8 sequences"), std::string::npos)
+      << one_out;
+  ASSERT_EQ(one.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(one[i]["loss"], plain[i]["loss"]);
+    EXPECT_EQ(one[i]["grad_norm"], plain[i]["grad_norm"]);
+    EXPECT_FALSE(plain[i].contains("val_loss"));
+    const double want = eval(dir + "/one/checkpoints/step-0000000" + std::to_string(i + 1), dir + "/held.npy");
+    EXPECT_NEAR(one[i]["val_loss"].get<double>(), want, 1e-5 * want) << "step " << i + 1;
+  }
+  EXPECT_NE(one[0]["val_loss"], one[1]["val_loss"]);
+  int mesh = 0;
+  for (auto [np, flags] : {std::pair{2, ""}, {2, " --parallelism.zero3=true"}, {2, " --parallelism.ep=2"},
+                           {2, " --parallelism.cp=2"}, {2, " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b"}}) {
+    const auto [got, out] = train("mesh" + std::to_string(mesh++), np, qwen, val + flags);
+    ASSERT_EQ(got.size(), 2u) << flags << out;
+    for (size_t i = 0; i < 2; ++i) {
+      const double want = one[i]["val_loss"];
+      EXPECT_NEAR(got[i]["val_loss"].get<double>(), want, 1e-5 * want) << flags << " step " << i + 1;
+    }
+  }
+  const auto [first, first_out] = train("first", 1, qwen, val + " --validation.steps=1");
+  EXPECT_NEAR(first[1]["val_loss"].get<double>(), eval(dir + "/first/checkpoints/step-00000002", dir + "/held4.npy"),
+              1e-5 * first[1]["val_loss"].get<double>());
+  // DualPipeV needs 4 chunks: the 4-layer pipeline model, at random init.
+  const std::string deep = " --model.config=" + fixture("pipeline/config.json");
+  const std::string deep_val = " --validation.tokens=" + dir + "/deep_held.npy --validation.interval=1";
+  const auto [deep_one, deep_one_out] = train("deep_one", 1, deep, deep_val);
+  const auto [deep_pp, deep_pp_out] = train("deep_pp", 2, deep, deep_val + " --parallelism.pp=2");
+  ASSERT_EQ(deep_pp.size(), 2u) << deep_pp_out;
+  for (size_t i = 0; i < 2; ++i) {
+    const double want = deep_one[i]["val_loss"];
+    EXPECT_NEAR(deep_pp[i]["val_loss"].get<double>(), want, 1e-5 * want) << "dualpipev step " << i + 1;
+  }
+  // A set of fewer sequences than a global batch, or fewer batches than steps asks, is named.
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train" + qwen + " --data.tokens=" + dir + "/tokens.npy" + val +
+                       " --validation.steps=3 --job.dump_folder=" + dir + "/refused 2>&1");
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("validation.tokens holds 8 sequences of 16 tokens, 2 global batch(es) of 4, fewer than "
+                     "validation.steps = 3"), std::string::npos) << out;
 }
 
 // parallelism.expert_replicas (models/expert_replicas.h) on ep 2, ep 4 and dp 2 x ep 2,

@@ -400,9 +400,18 @@ int run_train(const Args& args) {
   if (cfg.data.corpus.empty())
     made = std::make_unique<Trainer>(cfg, *model, read_token_batch(cfg.data.tokens, model->vocab_size()));
   else
-    made = std::make_unique<Trainer>(cfg, *model, std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
-                                                                                  cfg.training.seed));
+    made = std::make_unique<Trainer>(cfg, *model,
+                                     std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
+                                                                     cfg.training.seed,
+                                                                     data::Split{cfg.validation.split, false}));
   Trainer& trainer = *made;
+  const ValidationConfig& val = cfg.validation;
+  if (!val.tokens.empty())
+    trainer.set_validation(read_token_batch(val.tokens, model->vocab_size()));
+  else if (!val.corpus.empty() || val.split > 0)
+    trainer.set_validation(std::make_unique<data::Dataset>(val.split > 0 ? cfg.data.corpus : val.corpus,
+                                                           trainer.seq_len(), cfg.training.seed,
+                                                           data::Split{val.split, true}));
   // Positions past what the model was made for (as eval refuses them).
   const int64_t max_positions = max_position_embeddings(config_json);
   if (max_positions > 0 && trainer.seq_len() > max_positions) {
@@ -459,6 +468,17 @@ int run_train(const Args& args) {
   if (writer) {
     print_banner(cfg, mesh, config_json, model->num_layers(), counts, trainer);
     std::printf("  OpenMP threads a rank: %d\n", omp_get_max_threads());
+    if (val.interval > 0) {
+      const std::string set = !val.tokens.empty() ? val.tokens
+                              : val.split > 0     ? "the last " + std::to_string(val.split * 100).substr(0, 5) +
+                                                    "% of each data.corpus file's tokens, cut at a document end " +
+                                                    "(held out of training)"
+                                                  : val.corpus;
+      std::printf("  validation: every %lld steps, %lld global batch(es) of %lld of the %lld sequences of %s\n",
+                  static_cast<long long>(val.interval), static_cast<long long>(trainer.validation_batches()),
+                  static_cast<long long>(trainer.global_batch()),
+                  static_cast<long long>(trainer.validation_sequences()), set.c_str());
+    }
     const std::string seed = std::to_string(cfg.training.seed);
     const std::string init =
         cfg.model.init == "random" ? "random weights (seed " + seed + ")" : "weights from " + cfg.model.init.substr(3);
@@ -541,11 +561,20 @@ int run_train(const Args& args) {
   while (trainer.steps_done() < cfg.training.steps) {
     StepResult r = trainer.step();
     lr = r.lr;
+    Trainer::Validation v;
+    if (val.interval > 0 && r.step % val.interval == 0) {
+      v = trainer.validate();
+      r.val_on = true;
+      r.val_loss = v.loss;
+    }
     if (writer) {
       metrics << step_json(r) << "\n";
       metrics.flush();
       if (tb) tb->scalars(r.step, r.time, step_scalars(r));
       progress.step(r);
+      if (r.val_on)
+        progress.say("validation after step " + std::to_string(r.step) + ": val_loss " + std::to_string(v.loss) +
+                     " over " + std::to_string(v.tokens) + " tokens (" + std::to_string(v.seconds).substr(0, 5) + " s)");
     }
     if (!r.non_finite.empty()) {
       // Not applied (trainer.h). Within the allowance the run goes on; past it, it stops

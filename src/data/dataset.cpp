@@ -34,7 +34,8 @@ uint64_t feistel(uint64_t x, int half_bits, uint64_t seed, uint64_t epoch) {
 
 }  // namespace
 
-Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed) : seq_len_(seq_len), seed_(seed) {
+Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed, Split split)
+    : seq_len_(seq_len), seed_(seed) {
   MT_CHECK(seq_len >= 1) << "dataset " << folder << ": seq_len must be at least 1, got " << seq_len;
   MT_CHECK(fs::is_directory(folder)) << "dataset " << folder
                                      << " is not a folder (expected the output of moetrain tokenize)";
@@ -63,14 +64,36 @@ Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed) : se
     io::NpyHeader e = io::parse_npy_header(base + off, size - off, path + ", document ends array");
     MT_CHECK(e.shape.size() == 1 && e.descr == "<u8")
         << path << ": document ends array has dtype '" << e.descr << "' (expected 1-D uint64)";
-    uint64_t last = 0;
-    if (e.shape[0] > 0) std::memcpy(&last, base + off + e.header_bytes + (e.shape[0] - 1) * 8, 8);
+    const uint8_t* ends = base + off + e.header_bytes;
+    auto end_at = [&](int64_t i) {
+      uint64_t v = 0;
+      std::memcpy(&v, ends + i * 8, 8);
+      return v;
+    };
+    const int64_t docs = e.shape[0];
+    const uint64_t last = docs > 0 ? end_at(docs - 1) : 0;
     MT_CHECK(last == static_cast<uint64_t>(g.count))
         << path << ": the last document ends at " << last << " but the file holds " << g.count << " tokens";
+    if (split.held_out > 0) {
+      // The first document end at or after (1 - held_out) of the tokens (ends ascend).
+      const double at = (1.0 - split.held_out) * static_cast<double>(g.count);
+      int64_t lo = 0, hi = docs - 1;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (static_cast<double>(end_at(mid)) >= at) hi = mid;
+        else lo = mid + 1;
+      }
+      const int64_t cut = docs > 0 ? static_cast<int64_t>(end_at(lo)) : 0;
+      if (split.take_held_out) g.tokens += cut * static_cast<int64_t>(g.width);
+      g.count = split.take_held_out ? g.count - cut : cut;
+    }
     num_tokens_ += g.count;
     starts_.push_back(starts_.back() + g.count / (seq_len + 1));
   }
-  MT_CHECK(num_samples() > 0) << "dataset " << folder
+  const std::string part = split.held_out == 0     ? ""
+                           : split.take_held_out ? " (the held-out part of validation.split)"
+                                                 : " (the part validation.split leaves for training)";
+  MT_CHECK(num_samples() > 0) << "dataset " << folder << part
                               << ": no file holds a whole sample of seq_len + 1 = " << seq_len + 1 << " tokens ("
                               << num_tokens_ << " tokens in " << files_.size() << " files)";
 }

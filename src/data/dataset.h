@@ -47,12 +47,21 @@ struct DataCursor {
   uint64_t samples_seen = 0;
 };
 
+// A held-out split (validation.split): each file is cut at its first document end at or
+// after (1 - held_out) of its tokens; training reads the documents before the cut, the
+// held-out set those after it, so no document is in both. The cut depends on the file
+// alone, not on seq_len or the seed.
+struct Split {
+  double held_out = 0;     // 0: the whole files
+  bool take_held_out = false;
+};
+
 class Dataset {
  public:
   // Maps every .bin under `folder` (recursively). Errors: no .bin files, a file
   // left unfinished by tokenize (its .lock is there), a malformed file, or fewer
   // tokens than one sample.
-  Dataset(const std::string& folder, int64_t seq_len, uint64_t seed);
+  Dataset(const std::string& folder, int64_t seq_len, uint64_t seed, Split split = {});
 
   int64_t seq_len() const { return seq_len_; }
   int64_t num_samples() const { return starts_.back(); }
@@ -76,9 +85,9 @@ class Dataset {
  private:
   struct File {
     io::MappedFile map;
-    const uint8_t* tokens = nullptr;
+    const uint8_t* tokens = nullptr;  // the first token of the part read (Split)
     size_t width = 0;  // bytes per token: 1, 2 or 4
-    int64_t count = 0;
+    int64_t count = 0;  // tokens of that part
   };
   std::vector<File> files_;
   std::vector<int64_t> starts_;  // starts_[f]: first sample of file f; back() = total

@@ -44,6 +44,16 @@ void visit(C& c, F&& f) {
   f({"data", "allow_past_max_positions", 0,
      "train on sequences longer than config.json's max_position_embeddings (with a warning)"},
     c.data.allow_past_max_positions);
+  f({"validation", "tokens", kPath, "a held-out .npy [B, T] token matrix (T - 1 the training sequence length)"},
+    c.validation.tokens);
+  f({"validation", "corpus", kPath, "a held-out folder of tokenized .bin files"}, c.validation.corpus);
+  f({"validation", "split", kFixed,
+     "hold out this fraction of each data.corpus file's tokens (its last documents) as the validation set"},
+    c.validation.split);
+  f({"validation", "interval", 0, "steps between validations (the held-out mean loss, val_loss); 0: none"},
+    c.validation.interval);
+  f({"validation", "steps", 0, "global batches a validation reads, the same ones each time; -1: every whole one"},
+    c.validation.steps);
   f({"training", "steps", 0, "optimizer steps of the whole run (a resumed run continues to it)"}, c.training.steps);
   f({"training", "global_batch_size", kFixed, "sequences a step; 0: every row of data.tokens"},
     c.training.global_batch_size);
@@ -310,6 +320,20 @@ void validate(const Config& c) {
       << " needs expert parallelism: replicas are copies on other ep ranks (set parallelism.ep > 1)";
   MT_CHECK(c.data.tokens.empty() || c.data.corpus.empty())
       << "data.tokens and data.corpus are both set; choose one";
+  const ValidationConfig& v = c.validation;
+  const int sources = !v.tokens.empty() + !v.corpus.empty() + (v.split > 0);
+  MT_CHECK(v.split >= 0 && v.split < 1) << "validation.split should be in [0, 1) (0: none), got " << v.split;
+  MT_CHECK(v.split == 0 || !c.data.corpus.empty())
+      << "validation.split = " << v.split << " holds out part of data.corpus, but data.corpus is not set";
+  MT_CHECK(sources <= 1) << "validation.tokens, validation.corpus and validation.split name " << sources
+                         << " held-out sets; choose one";
+  MT_CHECK(v.interval >= 0) << "validation.interval should be >= 0 (0: none), got " << v.interval;
+  MT_CHECK(v.steps == -1 || v.steps >= 1) << "validation.steps should be >= 1, or -1 (every whole global batch), got "
+                                          << v.steps;
+  MT_CHECK((sources == 1) == (v.interval > 0))
+      << (sources == 1 ? "a validation set is given but validation.interval is 0: set the steps between validations"
+                       : "validation.interval = " + std::to_string(v.interval) +
+                             " but no validation set: set validation.tokens, validation.corpus or validation.split");
   MT_CHECK(c.metrics.log_interval >= 1) << "metrics.log_interval should be >= 1";
   MT_CHECK(c.checkpoint.interval >= 0 && c.checkpoint.keep >= 1)
       << "checkpoint.interval should be >= 0 and checkpoint.keep >= 1";
@@ -545,12 +569,13 @@ void check_inputs_exist(const Config& c) {
     MT_CHECK(fs::exists(in.path)) << in.key << " = " << toml_text(in.value) << ": " << in.path
                                   << " does not exist (a relative path is taken against the config file's folder, "
                                      "or on the command line against the working folder)";
-    MT_CHECK(in.key != "data.tokens" || !fs::is_directory(in.path))
-        << "data.tokens = " << toml_text(in.value) << " is a folder, where a .npy [B, T] token matrix was expected (a "
-        << "folder of tokenized .bin files is data.corpus)";
-    MT_CHECK(in.key != "data.corpus" || fs::is_directory(in.path))
-        << "data.corpus = " << toml_text(in.value) << " is not a folder (expected moetrain tokenize's output folder; "
-        << "a .npy token matrix is data.tokens)";
+    const std::string section = in.key.substr(0, in.key.find('.'));
+    MT_CHECK(!in.key.ends_with(".tokens") || !fs::is_directory(in.path))
+        << in.key << " = " << toml_text(in.value) << " is a folder, where a .npy [B, T] token matrix was expected (a "
+        << "folder of tokenized .bin files is " << section << ".corpus)";
+    MT_CHECK(!in.key.ends_with(".corpus") || fs::is_directory(in.path))
+        << in.key << " = " << toml_text(in.value) << " is not a folder (expected moetrain tokenize's output folder; "
+        << "a .npy token matrix is " << section << ".tokens)";
   }
 }
 

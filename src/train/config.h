@@ -30,6 +30,16 @@ struct DataConfig {
   bool allow_past_max_positions = false;  // seq_len over config.json's max_position_embeddings
 };
 
+// A held-out set's mean loss every `interval` steps (train/trainer.h, Trainer::validate):
+// a token matrix, a corpus folder, or the last `split` of data.corpus's documents.
+struct ValidationConfig {
+  std::string tokens;     // a .npy [B, T] matrix, T - 1 = the training sequence length
+  std::string corpus;     // a folder of tokenized .bin files
+  double split = 0;       // with data.corpus: the fraction of every file's tokens held out, at a document end
+  int64_t interval = 0;   // steps between validations; 0: none
+  int64_t steps = -1;     // global batches a validation; -1: every whole one the set holds
+};
+
 struct TrainingConfig {
   int64_t steps = 10;
   int64_t global_batch_size = 0;  // sequences per step; 0: all rows of the tokens matrix
@@ -124,6 +134,7 @@ struct Config {
   JobConfig job;
   ModelConfig model;
   DataConfig data;
+  ValidationConfig validation;
   TrainingConfig training;
   OptimizerConfig optimizer;
   SchedulerConfig lr_scheduler;
@@ -162,14 +173,14 @@ struct ConfigChange {
 std::vector<ConfigChange> config_changes(const std::string& saved_toml, const Config& c);
 
 // The input paths that are set: model.init's hf:DIR, model.config, data.tokens,
-// data.corpus, checkpoint.load; each with its key, its value and the path in it.
+// data.corpus, validation.tokens and corpus, checkpoint.load; each with its key, its value and the path in it.
 struct InputPath {
   std::string key, value, path;  // "model.init", "hf:/m", "/m"
 };
 std::vector<InputPath> input_paths(const Config& c);
 
 // Every input path that is set (model.init's hf:DIR, model.config, data.tokens,
-// data.corpus, checkpoint.load) exists; else an error naming the key and the path.
+// data.corpus, validation.tokens and corpus, checkpoint.load) exists; else an error naming the key and the path.
 void check_inputs_exist(const Config& c);
 
 // The model's Hugging Face config.json: model.config, else DIR/config.json of model.init

@@ -58,7 +58,10 @@ namespace {
 // sends and receives next; messages queued until a commit; deferred W in a FIFO.
 class Emitter {
  public:
-  Emitter(const ScheduleShape& s, const Pipeline& p, int rank) : s_(s), p_(p), rank_(rank) {
+  // `training`: the step's schedules, with their needs checked; false: forwards alone.
+  Emitter(const ScheduleShape& s, const Pipeline& p, int rank, bool training = true) : s_(s), p_(p), rank_(rank) {
+    for (int c : p.chunks_of(rank)) chunk_.push_back({p.bounds[c], p.bounds[c + 1]});
+    if (!training) return;
     MT_CHECK(!s.global_balance) << "training.load_balance_type = global_batch needs every micro-batch's forward "
                                 << "before the first backward, which a pipeline schedule does not do: use "
                                 << "micro_batch with parallelism.pp > 1";
@@ -67,7 +70,6 @@ class Emitter {
     MT_CHECK(s.micro_batches >= need) << (p.dualpipev ? "dualpipev" : "1f1b") << " with parallelism.pp = " << p.ranks
                                       << " needs at least " << need << " micro-batches per step, got "
                                       << s.micro_batches << " (global batch / (dp x ep x micro_batch_size))";
-    for (int c : p.chunks_of(rank)) chunk_.push_back({p.bounds[c], p.bounds[c + 1]});
   }
 
   // The chunk's input arrives from, and its output goes to, another rank (or not).
@@ -300,6 +302,35 @@ std::vector<Action> dualpipev_schedule(const ScheduleShape& s, const Pipeline& p
   // Step 8: nW. The rest of the deferred W.
   for (int i = 0; i <= rank; ++i) e.weight_chunk();
   return e.finish();
+}
+
+std::vector<Action> forward_schedule(const ScheduleShape& s, const Pipeline& p, int rank) {
+  MT_CHECK(!s.zero3 || p.chunks() == 1) << "forward_schedule: ZeRO-3 runs on one pp rank's sequential order";
+  Emitter e(s, p, rank, false);
+  for (int m = 0; m < s.micro_batches; ++m)
+    for (int ph = 0; ph < static_cast<int>(p.chunks_of(rank).size()); ++ph) {
+      e.forward_chunk(ph);
+      e.commit();
+    }
+  std::vector<Action> a = e.finish();
+  if (!s.zero3) return a;
+  // Each layer's weights gathered for its stages and released after them.
+  std::vector<Action> out;
+  int64_t open = -1;  // the layer whose weights are gathered
+  for (const Action& x : a) {
+    const bool stage = x.op == Op::forward || x.op == Op::finish_forward;
+    if (open >= 0 && (!stage || x.layer != open)) {
+      out.push_back({Op::release, x.micro_batch, open});
+      open = -1;
+    }
+    if (stage && open < 0) {
+      out.push_back({Op::gather, x.micro_batch, x.layer});
+      out.push_back({Op::finish_gather, x.micro_batch, x.layer});
+      open = x.layer;
+    }
+    out.push_back(x);
+  }
+  return out;
 }
 
 std::vector<Action> make_schedule(const ScheduleShape& s, const Pipeline& p, int rank) {

@@ -136,6 +136,11 @@ Pipeline make_pipeline(int64_t layers, int ranks, const std::string& schedule);
 // neither global_balance nor zero3 (errors say so).
 std::vector<Action> one_f_one_b_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
 std::vector<Action> dualpipev_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
+// Forwards alone (validation, train/trainer.h): each micro-batch through every chunk of
+// the V or the pipe in turn, its messages committed at once, so one stash and one block a
+// chunk serve them all; with zero3 (one chunk) each layer gathered around its stages.
+// It takes any number of micro-batches.
+std::vector<Action> forward_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
 // The one a run uses: sequential on one pp rank (unless dualpipev), else the pipeline's.
 std::vector<Action> make_schedule(const ScheduleShape& shape, const Pipeline& p, int rank);
 

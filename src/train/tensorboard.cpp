@@ -124,6 +124,7 @@ std::vector<std::pair<std::string, float>> step_scalars(const StepResult& r) {
                                                   {"expert_row_bytes", static_cast<float>(r.expert_row_bytes)},
                                                   {"routing_skew", static_cast<float>(r.routing_skew)}};
   if (r.z_loss_on) v.emplace_back("z_loss", static_cast<float>(r.z_loss));
+  if (r.val_on) v.emplace_back("val_loss", static_cast<float>(r.val_loss));
   if (r.device_memory_bytes > 0) v.emplace_back("device_memory_bytes", static_cast<float>(r.device_memory_bytes));
   for (size_t i = 0; i < r.expert_counts.size(); ++i) {
     const std::vector<int64_t>& c = r.expert_counts[i];

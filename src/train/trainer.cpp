@@ -379,20 +379,21 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
   micro_batches_ = rank_rows_ / micro_batch_;
 }
 
-void Trainer::load_micro_batch(Stash& s, int64_t index) {
+void Trainer::load_micro_batch(Stash& s, int64_t index, const TokenBatch& tokens, data::Dataset* corpus) {
   size_t n = static_cast<size_t>(s.batch * s.seq);
   const int32_t *ids, *labels;
-  if (corpus_) {
+  if (corpus) {
     host_ids_.resize(n);
     host_labels_.resize(n);
-    corpus_->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0,
+    corpus->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0,
                         cp_ ? cp_->size() : 1, s.batch, host_ids_, host_labels_);
     ids = host_ids_.data();
     labels = host_labels_.data();
   } else {
-    const int64_t row = data_rank_ * rank_rows_ + index * micro_batch_;
-    ids = data_.ids.data() + row * seq_;
-    labels = data_.labels.data() + row * seq_;
+    const int64_t row =
+        index / micro_batches_ * global_batch_ + data_rank_ * rank_rows_ + index % micro_batches_ * micro_batch_;
+    ids = tokens.ids.data() + row * seq_;
+    labels = tokens.labels.data() + row * seq_;
     if (cp_) {
       // This rank's zigzag columns of each sequence.
       std::vector<int64_t> pos = parallel::zigzag_positions(seq_, cp_->rank(), cp_->size());
@@ -545,6 +546,28 @@ void Trainer::place_replicas(StepResult& r) {
   }
 }
 
+namespace {
+
+// Sums host numbers over every rank (null: one rank). Gathered as raw 64-bit words and
+// added in rank order: exact doubles, and the same sum on every rank (there is no f64
+// reduction; an f32 one lost ~1e-7).
+void sum_over(comm::Communicator* world, std::vector<double>& v) {
+  if (!world || v.empty()) return;
+  const int64_t n = static_cast<int64_t>(v.size()), ranks = world->size();
+  std::vector<int64_t> mine(v.size()), all(static_cast<size_t>(n * ranks));
+  std::memcpy(mine.data(), v.data(), v.size() * sizeof(double));
+  world->all_gather(Tensor(mine.data(), {n}, DType::i64), Tensor(all.data(), {n * ranks}, DType::i64));
+  std::fill(v.begin(), v.end(), 0.0);
+  for (int64_t r = 0; r < ranks; ++r)
+    for (int64_t i = 0; i < n; ++i) {
+      double x = 0;
+      std::memcpy(&x, &all[static_cast<size_t>(r * n + i)], sizeof(double));
+      v[static_cast<size_t>(i)] += x;
+    }
+}
+
+}  // namespace
+
 StepResult Trainer::step() {
   if (stashes_.empty()) make_stashes();
   model_.reset_row_memory();
@@ -619,22 +642,7 @@ StepResult Trainer::step() {
   const int64_t mb_count = micro_batches_;
   const int64_t ranks = dp_ ? dp_->size() : 1;
   // Sums over every rank of host numbers (identity on one rank).
-  auto sum_ranks_f64 = [&](std::vector<double>& v) {
-    if (!world_ || v.empty()) return;
-    // Gathered as raw 64-bit words and added here in rank order: exact doubles, and the
-    // same sum on every rank (there is no f64 reduction; an f32 one lost ~1e-7).
-    const int64_t n = static_cast<int64_t>(v.size()), ranks = world_->size();
-    std::vector<int64_t> mine(v.size()), all(static_cast<size_t>(n * ranks));
-    std::memcpy(mine.data(), v.data(), v.size() * sizeof(double));
-    world_->all_gather(Tensor(mine.data(), {n}, DType::i64), Tensor(all.data(), {n * ranks}, DType::i64));
-    std::fill(v.begin(), v.end(), 0.0);
-    for (int64_t r = 0; r < ranks; ++r)
-      for (int64_t i = 0; i < n; ++i) {
-        double x = 0;
-        std::memcpy(&x, &all[static_cast<size_t>(r * n + i)], sizeof(double));
-        v[static_cast<size_t>(i)] += x;
-      }
-  };
+  auto sum_ranks_f64 = [&](std::vector<double>& v) { sum_over(world_, v); };
   auto sum_ranks_i64 = [&](std::vector<int64_t>& v) {
     if (world_ && !v.empty()) world_->all_reduce(Tensor(v.data(), {static_cast<int64_t>(v.size())}, DType::i64));
   };
@@ -645,7 +653,7 @@ StepResult Trainer::step() {
   auto on_action = [&](const Action& a) {
     Stash& s = stash_of(a.micro_batch);
     if (a.op == Op::load) {
-      load_micro_batch(s, a.micro_batch);
+      load_micro_batch(s, a.micro_batch, data_, corpus_.get());
     } else if (a.op == Op::statistics && global_lb) {
       all.push_back(model_.router_stats(s));
       accumulate_stats(all.back());
@@ -840,6 +848,73 @@ StepResult Trainer::step() {
   return r;
 }
 
+void Trainer::set_validation(TokenBatch tokens) {
+  MT_CHECK(tokens.seq == seq_) << "validation.tokens holds sequences of " << tokens.seq << " positions (its width minus "
+                               << "one) but training's are " << seq_ << ": the held-out set must have the same shape";
+  val_tokens_ = std::move(tokens);
+  validation_batches();
+}
+
+void Trainer::set_validation(std::unique_ptr<data::Dataset> corpus) {
+  MT_CHECK(corpus->seq_len() == seq_) << "the validation corpus's samples are " << corpus->seq_len()
+                                      << " tokens but training's sequences are " << seq_;
+  val_corpus_ = std::move(corpus);
+  validation_batches();
+}
+
+int64_t Trainer::validation_sequences() const {
+  return val_corpus_ ? val_corpus_->num_samples() : val_tokens_.rows;
+}
+
+int64_t Trainer::validation_batches() const {
+  const int64_t whole = validation_sequences() / global_batch_, want = cfg_.validation.steps;
+  const std::string set = val_corpus_ ? (cfg_.validation.corpus.empty() ? "the held-out split of data.corpus"
+                                                                        : "validation.corpus")
+                                      : "validation.tokens";
+  MT_CHECK(whole >= 1 && want <= whole)
+      << set << " holds " << validation_sequences() << " sequences of " << seq_ << " tokens, "
+      << (whole < 1 ? "fewer than one" : std::to_string(whole)) << " global batch(es) of " << global_batch_
+      << (whole < 1 ? "" : ", fewer than validation.steps = " + std::to_string(want))
+      << ": a validation reads whole global batches (training.global_batch_size)";
+  return want > 0 ? want : whole;
+}
+
+Trainer::Validation Trainer::validate() {
+  MT_CHECK(val_corpus_ || val_tokens_.rows > 0) << "Trainer::validate without a validation set";
+  if (stashes_.empty()) make_stashes();
+  const auto start = std::chrono::steady_clock::now();
+  ScheduleShape shape;
+  shape.layers = model_.num_layers();
+  shape.micro_batches = static_cast<int>(validation_batches() * micro_batches_);
+  shape.zero3 = zero3_ != nullptr;
+  // One micro-batch at a time: the step's first stash and blocks serve them all.
+  ScheduleContext ctx;
+  ctx.model = &model_;
+  ctx.stashes.assign(static_cast<size_t>(shape.micro_batches), stashes_[static_cast<size_t>(slot_[0])].get());
+  for (const std::vector<ActivationBlock*>& chunk : block_of_)
+    ctx.blocks.emplace_back(static_cast<size_t>(shape.micro_batches), chunk[0]);
+  ctx.zero3 = zero3_.get();
+  ctx.pipeline = &pipeline_;
+  ctx.pp = pp_;
+  ctx.pp_rank = pp_rank_;
+  if (val_corpus_) val_corpus_->set_cursor({});
+  ctx.trainer = [&](const Action& a) {
+    if (a.op == Op::load) load_micro_batch(*ctx.stashes[0], a.micro_batch, val_tokens_, val_corpus_.get());
+  };
+  run_schedule(forward_schedule(shape, pipeline_, pp_rank_), ctx);
+  std::vector<double> sums = {0, 0};
+  for (const LossSum& l : ctx.losses) {
+    sums[0] += l.sum;
+    sums[1] += static_cast<double>(l.count);
+  }
+  sum_over(world_, sums);
+  Validation v;
+  v.tokens = static_cast<int64_t>(sums[1]);
+  v.loss = sums[0] / std::max(sums[1], 1.0);
+  v.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return v;
+}
+
 LossSum Trainer::evaluate(Model& model, const TokenBatch& data, int64_t micro_batch) {
   LossSum total;
   int64_t mb = std::min(micro_batch, data.rows);
@@ -872,6 +947,7 @@ std::string step_json(const StepResult& r) {
   j["loss"] = r.loss;
   j["lb_loss"] = r.lb_loss;
   if (r.z_loss_on) j["z_loss"] = r.z_loss;
+  if (r.val_on) j["val_loss"] = r.val_loss;
   j["grad_norm"] = r.grad_norm;
   j["lr"] = r.lr;
   if (!r.non_finite.empty()) j["skipped"] = r.non_finite;  // NaN and inf print as null

@@ -88,6 +88,9 @@ struct StepResult {
   // over MoE layers and tokens of logsumexp(logits)^2).
   bool z_loss_on = false;
   double z_loss = 0;
+  // validation.interval: on the steps it divides, the held-out mean loss after the step.
+  bool val_on = false;
+  double val_loss = 0;
   double grad_norm = 0;      // global norm before clipping
   double lr = 0;
   double tokens_per_s = 0;
@@ -168,6 +171,25 @@ class Trainer {
   // saved ones; elsewhere the run starts from the owners' placement and says so.
   std::string expert_placement() const;
   void set_expert_placement(const std::string& json, bool say);
+  // Validation (train/config.h, [validation]): the held-out set, a token matrix or a
+  // corpus (a folder, or data.corpus's held-out Split), given before validate().
+  void set_validation(TokenBatch tokens);
+  void set_validation(std::unique_ptr<data::Dataset> corpus);
+  // How many global batches validate() reads: validation.steps, or with -1 every whole
+  // one the set holds (errors: fewer than one, or fewer than validation.steps).
+  int64_t validation_batches() const;
+  int64_t validation_sequences() const;  // the set's sequences (rows or samples)
+  // The held-out set's mean loss over its first validation_batches() global batches (the
+  // same ones each time), split over the data ranks and micro-batches as a step is, and
+  // run as forwards alone (forward_schedule) by every rank of the mesh; the weights and
+  // the training data's cursor are untouched. The loss is `moetrain eval`'s on the same
+  // sequences. Collective.
+  struct Validation {
+    double loss = 0;
+    int64_t tokens = 0;
+    double seconds = 0;
+  };
+  Validation validate();
   // Mean loss and token count of a batch without touching the weights.
   static LossSum evaluate(Model& model, const TokenBatch& data, int64_t micro_batch);
   // The forward of one micro-batch whose ids and labels are in s, on one rank: the
@@ -178,12 +200,16 @@ class Trainer {
   bool in_layer(const Param& p) const { return p.layer >= 0 && p.layer < model_.num_layers(); }
   void setup();
   void make_stashes();
-  void load_micro_batch(Stash& s, int64_t index);
+  // Micro-batch `index` of a step's (or a validation's: index / micro_batches_ is its
+  // global batch) from a token matrix or, when given, a corpus.
+  void load_micro_batch(Stash& s, int64_t index, const TokenBatch& tokens, data::Dataset* corpus);
 
   Config cfg_;
   Model& model_;
   TokenBatch data_;                       // data.tokens
   std::unique_ptr<data::Dataset> corpus_;  // data.corpus
+  TokenBatch val_tokens_;                  // validation.tokens
+  std::unique_ptr<data::Dataset> val_corpus_;  // validation.corpus or .split
   int64_t seq_ = 0, global_batch_ = 0;
   std::vector<int32_t> host_ids_, host_labels_;  // a corpus micro-batch on its way to the device
   comm::Communicator* dp_ = nullptr;              // the data ranks; null: one rank
