@@ -571,6 +571,57 @@ TEST(Dataset, SplitHoldsOutWholeDocumentsAtTheEndOfEachFile) {
   EXPECT_NE(err.find("held-out part of validation.split"), std::string::npos) << err;
 }
 
+// data.mixture: corpora a (token_at(0, .), 640 tokens) and b (token_at(1, .), 320), weights
+// 0.25 and 0.75. Over 400 global batches of 8 (a's 40 samples are seen 20 times, b's 20
+// 120 times) each corpus's share is its weight within one sample at every batch; every
+// sample is one of its corpus's windows; a 2-rank split reads the same global batches;
+// and a cursor saved halfway continues with the same sequences.
+TEST(Dataset, MixtureDrawsInProportionAndResumes) {
+  TempDir t;
+  for (int f = 0; f < 2; ++f) {
+    std::vector<int32_t> tokens(static_cast<size_t>(f == 0 ? 640 : 320));
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = token_at(f, static_cast<int64_t>(i));
+    fs::create_directories(t.path / (f == 0 ? "a" : "b"));
+    write_token_file((t.path / (f == 0 ? "a/x.bin" : "b/x.bin")).string(), tokens,
+                     std::vector<uint64_t>{tokens.size()}, 60000);
+  }
+  const std::vector<Source> sources = {{(t.path / "a").string(), 0.25}, {(t.path / "b").string(), 0.75}};
+  Dataset one(sources, 15, 3), two(sources, 15, 3);
+  std::vector<int32_t> ids(8 * 15), labels(ids.size()), half(4 * 15), half_labels(half.size());
+  std::vector<std::vector<int32_t>> batches;
+  int64_t from_a = 0, seen = 0;
+  for (int step = 0; step < 400; ++step) {
+    one.next_batch(0, 1, 0, 1, 8, ids, labels);
+    batches.push_back(ids);
+    for (int64_t b = 0; b < 8; ++b) {
+      const int32_t first = ids[static_cast<size_t>(b * 15)];
+      const bool a = first < 1000;
+      from_a += a;
+      ++seen;
+      EXPECT_EQ(first % 1000 % 16, 0) << "a sample starts a window";
+      EXPECT_LT(first % 1000, a ? 640 : 320);
+    }
+    EXPECT_LE(std::fabs(static_cast<double>(from_a) - 0.25 * static_cast<double>(seen)), 1.0) << "batch " << step;
+    // Two data ranks: rank d has rows [4d, 4d + 4) of the same global batch.
+    for (int d = 0; d < 2; ++d) {
+      const DataCursor before = two.cursor();
+      two.next_batch(d, 2, 0, 1, 4, half, half_labels);
+      EXPECT_TRUE(std::equal(half.begin(), half.end(), ids.begin() + d * 4 * 15)) << "batch " << step << " rank " << d;
+      if (d == 0) two.set_cursor(before);
+    }
+  }
+  EXPECT_EQ(one.shares(), (std::vector<double>{0.25, 0.75}));
+  Dataset resumed(sources, 15, 3), fresh(sources, 15, 3);
+  for (int step = 0; step < 200; ++step) fresh.next_batch(0, 1, 0, 1, 8, ids, labels);
+  resumed.set_cursor(fresh.cursor());
+  for (int step = 200; step < 400; ++step) {
+    resumed.next_batch(0, 1, 0, 1, 8, ids, labels);
+    EXPECT_EQ(ids, batches[static_cast<size_t>(step)]) << "batch " << step;
+  }
+  const std::string err = error_of([&] { one.set_cursor({5, {}}); });
+  EXPECT_NE(err.find("holds draws from 0 corpora"), std::string::npos) << err;
+}
+
 TEST(Dataset, ShuffleIsAPermutationFixedBySeedAndEpoch) {
   TempDir t;
   fs::path dir = make_corpus(t.path);

@@ -64,6 +64,17 @@ void write_four_sequences(const std::string& model, const std::string& dir) {
 
 
 
+// A token file as `moetrain tokenize` writes it (data/corpus.h): the uint16 tokens, then
+// the uint64 document ends.
+void write_bin(const std::string& path, const std::vector<uint16_t>& tokens, const std::vector<uint64_t>& ends) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::string bin = io::make_npy_header("<u2", {static_cast<int64_t>(tokens.size())});
+  bin.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
+  bin += io::make_npy_header("<u8", {static_cast<int64_t>(ends.size())});
+  bin.append(reinterpret_cast<const char*>(ends.data()), ends.size() * 8);
+  io::write_file_atomic(path, {bin});
+}
+
 // ---- config -------------------------------------------------------------------------
 
 TEST(Config, DefaultsFileAndOverrides) {
@@ -203,7 +214,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 61);
+  EXPECT_EQ(keys, 62);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -2074,12 +2085,7 @@ TEST(Commands, CorpusFedMeshMatchesOneRank) {
   // uint64 document ends (one document).
   std::vector<uint16_t> tokens(40 * 17);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
-  std::vector<uint64_t> ends = {tokens.size()};
-  std::string bin = io::make_npy_header("<u2", {static_cast<int64_t>(tokens.size())});
-  bin.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
-  bin += io::make_npy_header("<u8", {1});
-  bin.append(reinterpret_cast<const char*>(ends.data()), 8);
-  io::write_file_atomic(dir + "/corpus/part.bin", {bin});
+  write_bin(dir + "/corpus/part.bin", tokens, {tokens.size()});
   std::vector<nlohmann::json> runs[2];
   for (int m = 0; m < 2; ++m) {
     std::string dump = dir + "/run" + std::to_string(m);
@@ -2101,6 +2107,94 @@ TEST(Commands, CorpusFedMeshMatchesOneRank) {
     }
   // Three steps of different batches: the losses are not all the same number.
   EXPECT_NE(runs[0][0]["loss"], runs[0][2]["loss"]);
+}
+
+// data.mixture: corpora a and b, weighted 1:3, in a config file's array form (paths taken
+// against its folder). Over 8 steps of 4 sequences each corpus's share (data_shares) is
+// exactly its weight; a run stopped at step 4 and resumed gives steps 5-8 the same bits
+// as the uninterrupted run; dp 2 gives the same losses.
+TEST(Commands, MixtureDrawsInProportionAndResumesExactly) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("mixture");
+  for (int c = 0; c < 2; ++c) {
+    std::vector<uint16_t> tokens(20 * 17);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * (c ? 11 : 37) + i / 7 + c) % 96);
+    write_bin(dir + (c ? "/b/part.bin" : "/a/part.bin"), tokens, {tokens.size()});
+  }
+  io::write_file_atomic(dir + "/run.toml", {"[data]\nmixture = [{corpus = \"a\", weight = 1}, {corpus = \"b\", weight = 3}]\n"
+                                            "seq_len = 16\n"});
+  const std::string train = std::string(MOETRAIN_BIN) + " train --config " + dir + "/run.toml --model.init=hf:" +
+                            fixture("qwen3_moe_a") + " --training.global_batch_size=4 --training.micro_batch_size=1" +
+                            " --checkpoint.interval=4";
+  auto [rc, out] = run(train + " --training.steps=8 --job.dump_folder=" + dir + "/whole");
+  ASSERT_EQ(rc, 0) << out;
+  const std::string normal = std::filesystem::path(dir).lexically_normal().string();
+  EXPECT_NE(out.find("data: corpus " + normal + "/a (share 0.250), " + normal + "/b (share 0.750)"), std::string::npos)
+      << out;
+  const std::vector<nlohmann::json> whole = metrics_of(dir + "/whole");
+  ASSERT_EQ(whole.size(), 8u);
+  EXPECT_EQ(whole[7]["data_shares"], (std::vector<double>{0.25, 0.75}));
+  std::tie(rc, out) = run(train + " --training.steps=4 --job.dump_folder=" + dir + "/parts");
+  ASSERT_EQ(rc, 0) << out;
+  std::tie(rc, out) = run(train + " --training.steps=8 --job.dump_folder=" + dir + "/parts");
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<nlohmann::json> parts = metrics_of(dir + "/parts");
+  ASSERT_EQ(parts.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(parts[i]["loss"], whole[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(parts[i]["data_shares"], whole[i]["data_shares"]) << "step " << i + 1;
+  }
+  std::tie(rc, out) = run(kMpirun + "2 " + train + " --training.steps=8 --job.dump_folder=" + dir + "/dp2");
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<nlohmann::json> dp2 = metrics_of(dir + "/dp2");
+  ASSERT_EQ(dp2.size(), 8u);
+  for (size_t i = 0; i < 8; ++i)
+    EXPECT_NEAR(dp2[i]["loss"].get<double>(), whole[i]["loss"].get<double>(), 1e-5 * whole[i]["loss"].get<double>());
+  // Malformed mixtures are named.
+  std::tie(rc, out) = run(train + " --data.mixture=0.5 --job.dump_folder=" + dir + "/bad 2>&1");
+  EXPECT_NE(out.find("'0.5' should be WEIGHT:FOLDER with a weight > 0"), std::string::npos) << out;
+}
+
+// validation.split: a corpus of 10 documents of 68 tokens (40 windows of 17) with a
+// quarter held out is cut after the 8th document (the first end at or past 510 tokens):
+// 32 windows train, 8 are held out. val_loss is eval's on exactly those 8 windows, on one
+// rank and on dp 2 x ep 2 alike, as the training losses are.
+TEST(Commands, ValidationSplitHoldsOutTheLastDocuments) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("validation_split");
+  std::filesystem::create_directories(dir + "/corpus");
+  std::vector<uint16_t> tokens(40 * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
+  std::vector<uint64_t> ends;
+  for (uint64_t e = 68; e <= tokens.size(); e += 68) ends.push_back(e);
+  write_bin(dir + "/corpus/part.bin", tokens, ends);
+  const std::vector<int64_t> held(tokens.begin() + 544, tokens.end());
+  io::write_npy(dir + "/held.npy", "<i8", {8, 17}, held.data());
+  std::vector<nlohmann::json> runs[2];
+  for (int m = 0; m < 2; ++m) {
+    const std::string dump = dir + "/run" + std::to_string(m);
+    auto [rc, out] = run((m ? kMpirun + "4 " : std::string()) + MOETRAIN_BIN + " train --model.init=hf:" +
+                         fixture("qwen3_moe_a") + " --data.corpus=" + dir + "/corpus --data.seq_len=16" +
+                         " --training.global_batch_size=4 --training.micro_batch_size=1 --training.steps=2" +
+                         " --validation.split=0.25 --validation.interval=2" + (m ? " --parallelism.ep=2" : "") +
+                         " --job.dump_folder=" + dump);
+    ASSERT_EQ(rc, 0) << out;
+    if (m == 0) {
+      EXPECT_NE(out.find("2 global batch(es) of 4 of the 8 sequences of the last 25.00% of each corpus file's "
+                         "tokens, cut at a document end"), std::string::npos) << out;
+    }
+    runs[m] = metrics_of(dump);
+    ASSERT_EQ(runs[m].size(), 2u);
+    EXPECT_FALSE(runs[m][0].contains("val_loss"));
+  }
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " eval --model " + dir + "/run0/checkpoints/step-00000002 --tokens " +
+                       dir + "/held.npy");
+  ASSERT_EQ(rc, 0) << out;
+  const double want = nlohmann::json::parse(out.substr(out.find('{')))["loss"];
+  EXPECT_NEAR(runs[0][1]["val_loss"].get<double>(), want, 1e-5 * want);
+  EXPECT_NEAR(runs[1][1]["val_loss"].get<double>(), want, 1e-5 * want);
+  // Every rank trains on the same part (the cut itself: Dataset.SplitHoldsOut...).
+  EXPECT_NEAR(runs[1][1]["loss"].get<double>(), runs[0][1]["loss"].get<double>(), 1e-5 * runs[0][1]["loss"].get<double>());
 }
 
 // [validation] (Trainer::validate): val_loss after a step is `moetrain eval`'s of that

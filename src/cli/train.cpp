@@ -253,7 +253,9 @@ void agree_with_rank0(comm::Communicator& world, const Config& cfg) {
 // Where the tokenizer a checkpoint carries comes from: the corpus's (tokenize copies it
 // there), else the folder of an hf:DIR model or of model.config.
 std::string tokenizer_dir(const Config& c, const std::string& config_json) {
-  for (const std::string& d : {c.data.corpus, c.model.init.starts_with("hf:") ? c.model.init.substr(3) : ""})
+  const std::vector<MixturePart> corpora = data_corpora(c);
+  for (const std::string& d : {corpora.empty() ? std::string() : corpora[0].folder,
+                               c.model.init.starts_with("hf:") ? c.model.init.substr(3) : ""})
     if (!d.empty() && fs::exists(fs::path(d) / "tokenizer.json")) return d;
   return fs::path(config_json).parent_path().string();
 }
@@ -288,9 +290,14 @@ void print_banner(const Config& c, const comm::DeviceMesh& mesh, const std::stri
               m.size() == 1 ? "" : "s",
               c.training.device.c_str(), c.parallelism.zero3 && m.size() > 1 ? ", zero3" : "");
   const std::string micro = c.training.micro_batch_size ? std::to_string(c.training.micro_batch_size) : "whole share";
-  std::printf("  data: %s %s, seq_len %lld, global batch %lld sequences (%lld tokens a step), micro-batch %s\n",
-              c.data.corpus.empty() ? "tokens" : "corpus",
-              (c.data.corpus.empty() ? c.data.tokens : c.data.corpus).c_str(), static_cast<long long>(t.seq_len()),
+  std::string data = c.data.tokens.empty() ? "" : "tokens " + c.data.tokens;
+  double weights = 0;
+  for (const MixturePart& part : data_corpora(c)) weights += part.weight;
+  for (const MixturePart& part : data_corpora(c))
+    data += (data.empty() ? "corpus " : ", ") + part.folder +
+            (c.data.mixture.empty() ? "" : " (share " + std::to_string(part.weight / weights).substr(0, 5) + ")");
+  std::printf("  data: %s, seq_len %lld, global batch %lld sequences (%lld tokens a step), micro-batch %s\n",
+              data.c_str(), static_cast<long long>(t.seq_len()),
               static_cast<long long>(t.global_batch()), static_cast<long long>(t.seq_len() * t.global_batch()),
               micro.c_str());
   const std::string every = std::to_string(c.checkpoint.interval);
@@ -392,26 +399,29 @@ int run_train(const Args& args) {
   options.row_memory_limit = refuse_what_does_not_fit(cfg, world.size(), mesh.coord().pp, free, others, sharing);
   if (!on_host && plan.host > 0) refuse_short_host(plan.host, host_others, host_sharing, available_host_memory());
   std::unique_ptr<Model> model = make_model(config_json, options);
-  MT_CHECK(!cfg.data.tokens.empty() || !cfg.data.corpus.empty())
-      << "no data: set data.tokens (a .npy [B, T] token matrix) or data.corpus (a folder of tokenized .bin files)";
-  MT_CHECK(cfg.data.corpus.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus";
+  std::vector<data::Source> corpora;
+  for (const MixturePart& part : data_corpora(cfg)) corpora.push_back({part.folder, part.weight});
+  MT_CHECK(!cfg.data.tokens.empty() || !corpora.empty())
+      << "no data: set data.tokens (a .npy [B, T] token matrix), data.corpus (a folder of tokenized .bin files) or "
+      << "data.mixture (several, weighted)";
+  MT_CHECK(corpora.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus or data.mixture";
 
   std::unique_ptr<Trainer> made;
-  if (cfg.data.corpus.empty())
+  if (corpora.empty())
     made = std::make_unique<Trainer>(cfg, *model, read_token_batch(cfg.data.tokens, model->vocab_size()));
   else
-    made = std::make_unique<Trainer>(cfg, *model,
-                                     std::make_unique<data::Dataset>(cfg.data.corpus, cfg.data.seq_len,
-                                                                     cfg.training.seed,
-                                                                     data::Split{cfg.validation.split, false}));
+    made = std::make_unique<Trainer>(
+        cfg, *model,
+        std::make_unique<data::Dataset>(corpora, cfg.data.seq_len, cfg.training.seed, data::Split{cfg.validation.split, false}));
   Trainer& trainer = *made;
   const ValidationConfig& val = cfg.validation;
   if (!val.tokens.empty())
     trainer.set_validation(read_token_batch(val.tokens, model->vocab_size()));
-  else if (!val.corpus.empty() || val.split > 0)
-    trainer.set_validation(std::make_unique<data::Dataset>(val.split > 0 ? cfg.data.corpus : val.corpus,
-                                                           trainer.seq_len(), cfg.training.seed,
-                                                           data::Split{val.split, true}));
+  else if (!val.corpus.empty())
+    trainer.set_validation(std::make_unique<data::Dataset>(val.corpus, trainer.seq_len(), cfg.training.seed));
+  else if (val.split > 0)
+    trainer.set_validation(
+        std::make_unique<data::Dataset>(corpora, trainer.seq_len(), cfg.training.seed, data::Split{val.split, true}));
   // Positions past what the model was made for (as eval refuses them).
   const int64_t max_positions = max_position_embeddings(config_json);
   if (max_positions > 0 && trainer.seq_len() > max_positions) {
@@ -471,7 +481,7 @@ int run_train(const Args& args) {
     if (val.interval > 0) {
       const std::string set = !val.tokens.empty() ? val.tokens
                               : val.split > 0     ? "the last " + std::to_string(val.split * 100).substr(0, 5) +
-                                                    "% of each data.corpus file's tokens, cut at a document end " +
+                                                    "% of each corpus file's tokens, cut at a document end " +
                                                     "(held out of training)"
                                                   : val.corpus;
       std::printf("  validation: every %lld steps, %lld global batch(es) of %lld of the %lld sequences of %s\n",

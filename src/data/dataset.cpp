@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 
@@ -34,8 +35,30 @@ uint64_t feistel(uint64_t x, int half_bits, uint64_t seed, uint64_t epoch) {
 
 }  // namespace
 
-Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed, Split split)
+Dataset::Dataset(const std::vector<Source>& sources, int64_t seq_len, uint64_t seed, Split split)
     : seq_len_(seq_len), seed_(seed) {
+  MT_CHECK(!sources.empty()) << "a dataset needs at least one corpus folder";
+  double total = 0;
+  for (const Source& src : sources) {
+    MT_CHECK(src.weight > 0 && std::isfinite(src.weight))
+        << "corpus " << src.folder << ": its weight in the mixture should be > 0, got " << src.weight;
+    total += src.weight;
+  }
+  starts_.push_back(0);
+  for (const Source& src : sources) {
+    corpora_.push_back({src.weight / total, starts_.back(), 0});
+    add_corpus(src.folder, split);
+    corpora_.back().samples = starts_.back() - corpora_.back().first;
+  }
+  rewind();
+}
+
+void Dataset::rewind() { cursor_ = {0, std::vector<uint64_t>(corpora_.size() > 1 ? corpora_.size() : 0, 0)}; }
+
+void Dataset::add_corpus(const std::string& folder, Split split) {
+  const int64_t seq_len = seq_len_, first_sample = starts_.back();
+  const size_t first_file = files_.size();
+  int64_t corpus_tokens = 0;
   MT_CHECK(seq_len >= 1) << "dataset " << folder << ": seq_len must be at least 1, got " << seq_len;
   MT_CHECK(fs::is_directory(folder)) << "dataset " << folder
                                      << " is not a folder (expected the output of moetrain tokenize)";
@@ -45,7 +68,6 @@ Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed, Spli
   std::sort(bins.begin(), bins.end());
   MT_CHECK(!bins.empty()) << "dataset " << folder << " holds no .bin token files (run moetrain tokenize first)";
 
-  starts_.push_back(0);
   for (const fs::path& p : bins) {
     std::string path = p.string();
     MT_CHECK(!fs::exists(path + ".lock"))
@@ -88,26 +110,67 @@ Dataset::Dataset(const std::string& folder, int64_t seq_len, uint64_t seed, Spli
       g.count = split.take_held_out ? g.count - cut : cut;
     }
     num_tokens_ += g.count;
+    corpus_tokens += g.count;
     starts_.push_back(starts_.back() + g.count / (seq_len + 1));
   }
   const std::string part = split.held_out == 0     ? ""
                            : split.take_held_out ? " (the held-out part of validation.split)"
                                                  : " (the part validation.split leaves for training)";
-  MT_CHECK(num_samples() > 0) << "dataset " << folder << part
-                              << ": no file holds a whole sample of seq_len + 1 = " << seq_len + 1 << " tokens ("
-                              << num_tokens_ << " tokens in " << files_.size() << " files)";
+  MT_CHECK(starts_.back() > first_sample)
+      << "dataset " << folder << part << ": no file holds a whole sample of seq_len + 1 = " << seq_len + 1
+      << " tokens (" << corpus_tokens << " tokens in " << files_.size() - first_file << " files)";
 }
 
 int64_t Dataset::sample_at(uint64_t position) const {
-  uint64_t n = static_cast<uint64_t>(num_samples());
-  uint64_t epoch = position / n, x = position % n;
+  MT_CHECK(corpora_.size() == 1) << "Dataset::sample_at of a mixture";
+  return sample_of(0, position);
+}
+
+size_t Dataset::next_corpus(const std::vector<uint64_t>& drawn) const {
+  uint64_t n = 0;
+  for (uint64_t d : drawn) n += d;
+  size_t best = 0;
+  double behind = -1e300;
+  for (size_t k = 0; k < corpora_.size(); ++k) {
+    const double b = corpora_[k].weight * static_cast<double>(n + 1) - static_cast<double>(drawn[k]);
+    if (b > behind) {
+      behind = b;
+      best = k;
+    }
+  }
+  return best;
+}
+
+void Dataset::set_cursor(DataCursor c) {
+  uint64_t sum = 0;
+  for (uint64_t d : c.drawn) sum += d;
+  MT_CHECK(corpora_.size() == 1 ? c.drawn.empty() : c.drawn.size() == corpora_.size() && sum == c.samples_seen)
+      << "the data cursor holds draws from " << c.drawn.size() << " corpora (summing to " << sum << " of "
+      << c.samples_seen << " samples) but the data is " << corpora_.size() << " corpora";
+  cursor_ = std::move(c);
+}
+
+std::vector<double> Dataset::shares() const {
+  if (corpora_.size() == 1) return {1.0};
+  std::vector<double> out;
+  for (uint64_t d : cursor_.drawn)
+    out.push_back(cursor_.samples_seen > 0 ? static_cast<double>(d) / static_cast<double>(cursor_.samples_seen) : 0.0);
+  return out;
+}
+
+int64_t Dataset::sample_of(size_t k, uint64_t j) const {
+  const Corpus& c = corpora_[k];
+  // The first corpus's key is the seed itself (a lone corpus's order is unchanged).
+  const uint64_t key = seed_ ^ (static_cast<uint64_t>(k) * 0x9E3779B97F4A7C15ull);
+  uint64_t n = static_cast<uint64_t>(c.samples);
+  uint64_t epoch = j / n, x = j % n;
   // The smallest even-bit power of two >= n; walking the cycle (re-applying until
   // the value lands below n) keeps the bijection on [0, n).
   int half_bits = 1;
   while (half_bits < 32 && (uint64_t{1} << (2 * half_bits)) < n) ++half_bits;
-  do x = feistel(x, half_bits, seed_, epoch);
+  do x = feistel(x, half_bits, key, epoch);
   while (x >= n);
-  return static_cast<int64_t>(x);
+  return c.first + static_cast<int64_t>(x);
 }
 
 void Dataset::read_sample(int64_t index, int64_t begin, int64_t end, int32_t* out) const {
@@ -153,8 +216,19 @@ void Dataset::next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int
   // which is the chunk's last label.
   int64_t chunk = cp_size == 1 ? seq_len_ : seq_len_ / (2 * cp_size);
   std::vector<int32_t> buf(static_cast<size_t>(chunk + 1));
+  // A mixture's draws of the positions before this rank's (every rank counts them all).
+  const bool mixture = corpora_.size() > 1;
+  std::vector<uint64_t> drawn = cursor_.drawn;
+  std::vector<std::pair<size_t, uint64_t>> mine;  // (corpus, its draw) of this rank's rows
+  if (mixture)
+    for (int64_t i = 0; i < dp_size * micro_batch; ++i) {
+      const size_t k = next_corpus(drawn);
+      if (i / micro_batch == dp_rank) mine.push_back({k, drawn[k]});
+      ++drawn[k];
+    }
   for (int64_t b = 0; b < micro_batch; ++b) {
-    int64_t sample = sample_at(cursor_.samples_seen + static_cast<uint64_t>(dp_rank * micro_batch + b));
+    const int64_t sample = mixture ? sample_of(mine[static_cast<size_t>(b)].first, mine[static_cast<size_t>(b)].second)
+                                   : sample_of(0, cursor_.samples_seen + static_cast<uint64_t>(dp_rank * micro_batch + b));
     for (int64_t c = 0; c < cols; c += chunk) {
       read_sample(sample, pos[static_cast<size_t>(c)], pos[static_cast<size_t>(c)] + chunk + 1, buf.data());
       std::copy(buf.begin(), buf.end() - 1, ids.begin() + b * cols + c);
@@ -162,6 +236,7 @@ void Dataset::next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int
     }
   }
   cursor_.samples_seen += static_cast<uint64_t>(dp_size * micro_batch);
+  if (mixture) cursor_.drawn = drawn;
 }
 
 }  // namespace mt::data

@@ -18,6 +18,13 @@
 // B = dp * micro * n_micro samples is then the same for any split into dp ranks and
 // micro-batches.
 //
+// Mixtures (data.mixture): several corpora, each with a weight. Position p of the
+// global order draws from the corpus furthest behind its share, the k with the largest
+// w_k (p + 1) - drawn_k (the first on a tie): after any n positions every corpus has
+// drawn within one sample of w_k n, and which corpus a position draws from depends on
+// the weights alone. Within corpus k the samples follow its own permutation, by (seed,
+// k, epoch), its epochs counted by its own draws. The cursor keeps each corpus's draws.
+//
 // Context parallelism: each sequence is cut into 2 * cp_size chunks; cp rank r reads
 // only chunks r and 2 * cp_size - 1 - r (the zigzag that balances causal attention),
 // as rows [chunk r | chunk 2cp-1-r], inputs and labels alike. positions() gives the
@@ -45,6 +52,13 @@ namespace mt::data {
 // so resuming on a changed corpus folder continues in a different order.
 struct DataCursor {
   uint64_t samples_seen = 0;
+  std::vector<uint64_t> drawn;  // a mixture's: samples drawn from each corpus (summing to samples_seen)
+};
+
+// A corpus of a mixture: a folder of .bin files and its weight (any positive scale).
+struct Source {
+  std::string folder;
+  double weight = 1;
 };
 
 // A held-out split (validation.split): each file is cut at its first document end at or
@@ -61,7 +75,10 @@ class Dataset {
   // Maps every .bin under `folder` (recursively). Errors: no .bin files, a file
   // left unfinished by tokenize (its .lock is there), a malformed file, or fewer
   // tokens than one sample.
-  Dataset(const std::string& folder, int64_t seq_len, uint64_t seed, Split split = {});
+  Dataset(const std::string& folder, int64_t seq_len, uint64_t seed, Split split = {})
+      : Dataset(std::vector<Source>{{folder, 1.0}}, seq_len, seed, split) {}
+  // A mixture; the split applies to every corpus. Errors as above, naming the folder.
+  Dataset(const std::vector<Source>& sources, int64_t seq_len, uint64_t seed, Split split = {});
 
   int64_t seq_len() const { return seq_len_; }
   int64_t num_samples() const { return starts_.back(); }
@@ -72,15 +89,23 @@ class Dataset {
   void next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int64_t micro_batch, std::span<int32_t> ids,
                   std::span<int32_t> labels);
 
-  // The sample at `position` of the global order (epoch position / num_samples()).
+  // The sample at `position` of the global order (epoch position / num_samples()); one
+  // corpus only (a mixture's order depends on the draws before).
   int64_t sample_at(uint64_t position) const;
+  // The corpus a mixture's next position draws from, given the draws so far (the rule above).
+  size_t next_corpus(const std::vector<uint64_t>& drawn) const;
+  size_t corpora() const { return corpora_.size(); }
+  // Each corpus's share of the samples drawn so far (a mixture's; one corpus: {1}).
+  std::vector<double> shares() const;
   // Tokens [begin, end) of sample `index` (0 <= begin <= end <= seq_len + 1).
   void read_sample(int64_t index, int64_t begin, int64_t end, int32_t* out) const;
   // The sequence positions of cp rank cp_rank's columns, [seq_len / cp_size].
   std::vector<int64_t> positions(int cp_rank, int cp_size) const;
 
   DataCursor cursor() const { return cursor_; }
-  void set_cursor(DataCursor c) { cursor_ = c; }
+  // A mixture's cursor names each corpus's draws (error: another count of corpora).
+  void set_cursor(DataCursor c);
+  void rewind();  // back to the order's start
 
  private:
   struct File {
@@ -89,6 +114,14 @@ class Dataset {
     size_t width = 0;  // bytes per token: 1, 2 or 4
     int64_t count = 0;  // tokens of that part
   };
+  void add_corpus(const std::string& folder, Split split);
+  // Corpus k's permuted j-th sample (its epochs of j / its samples).
+  int64_t sample_of(size_t k, uint64_t j) const;
+  struct Corpus {
+    double weight = 1;  // normalized: the weights sum to 1
+    int64_t first = 0, samples = 0;  // its samples are [first, first + samples) of all
+  };
+  std::vector<Corpus> corpora_;
   std::vector<File> files_;
   std::vector<int64_t> starts_;  // starts_[f]: first sample of file f; back() = total
   int64_t seq_len_;

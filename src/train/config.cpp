@@ -20,7 +20,8 @@ namespace fs = std::filesystem;
 
 // kPath: a path (relative ones in a config file are taken against its folder);
 // kFixed: fixed on resume, as an exact resume needs it (checkpoint.allow_config_change).
-enum : int { kPath = 1, kFixed = 2 };
+// kList: a mixture's "WEIGHT:PATH,WEIGHT:PATH", each PATH a path.
+enum : int { kPath = 1, kFixed = 2, kList = 4 };
 
 struct Key {
   const char* section;
@@ -40,6 +41,9 @@ void visit(C& c, F&& f) {
   f({"model", "init_std", 0, "random init: N(0, init_std); output projections / sqrt(2 * layers)"}, c.model.init_std);
   f({"data", "tokens", kPath | kFixed, "a .npy [B, T] token matrix: the whole global batch every step"}, c.data.tokens);
   f({"data", "corpus", kPath | kFixed, "a folder of tokenized .bin files (moetrain tokenize)"}, c.data.corpus);
+  f({"data", "mixture", kPath | kFixed | kList,
+     "several corpora drawn in proportion: \"0.3:folder_a,0.7:folder_b\" (or [{corpus, weight}, ...] in a file)"},
+    c.data.mixture);
   f({"data", "seq_len", kFixed, "tokens a sequence; 0: T - 1 of data.tokens (set it with data.corpus)"}, c.data.seq_len);
   f({"data", "allow_past_max_positions", 0,
      "train on sequences longer than config.json's max_position_embeddings (with a warning)"},
@@ -180,12 +184,28 @@ std::string on_path(const std::string& v, F&& f) {
   return v.substr(0, skip) + f(fs::path(v.substr(skip))).string();
 }
 
+std::string weight_text(double w) {
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, w).ptr);
+}
+
+// The same over each path of a key's value (a kList key's several).
+template <typename F>
+std::string on_paths(const Key& k, const std::string& v, F&& f) {
+  if (!(k.flags & kList)) return on_path(v, f);
+  std::string out;
+  for (const MixturePart& part : mixture_parts(v, k.dotted()))
+    out += (out.empty() ? "" : ",") + weight_text(part.weight) + ":" + f(fs::path(part.folder)).string();
+  return out;
+}
+
 // A key's value as config_to_toml writes it and a resume compares it: TOML, with paths
 // absolute (against the working folder), so that the text reads back the same anywhere.
 template <typename T>
 std::string key_text(const Key& k, const T& v) {
   if constexpr (std::is_same_v<T, std::string>)
-    if (k.flags & kPath) return toml_text(on_path(v, [](const fs::path& p) { return fs::absolute(p).lexically_normal(); }));
+    if (k.flags & kPath)
+      return toml_text(on_paths(k, v, [](const fs::path& p) { return fs::absolute(p).lexically_normal(); }));
   return toml_text(v);
 }
 
@@ -318,13 +338,15 @@ void validate(const Config& c) {
   MT_CHECK(c.parallelism.expert_replicas == 0 || c.parallelism.ep > 1)
       << "parallelism.expert_replicas = " << c.parallelism.expert_replicas
       << " needs expert parallelism: replicas are copies on other ep ranks (set parallelism.ep > 1)";
-  MT_CHECK(c.data.tokens.empty() || c.data.corpus.empty())
-      << "data.tokens and data.corpus are both set; choose one";
+  MT_CHECK(!c.data.tokens.empty() + !c.data.corpus.empty() + !c.data.mixture.empty() <= 1)
+      << "more than one of data.tokens, data.corpus and data.mixture is set; choose one";
+  mixture_parts(c.data.mixture, "data.mixture");
   const ValidationConfig& v = c.validation;
   const int sources = !v.tokens.empty() + !v.corpus.empty() + (v.split > 0);
   MT_CHECK(v.split >= 0 && v.split < 1) << "validation.split should be in [0, 1) (0: none), got " << v.split;
-  MT_CHECK(v.split == 0 || !c.data.corpus.empty())
-      << "validation.split = " << v.split << " holds out part of data.corpus, but data.corpus is not set";
+  MT_CHECK(v.split == 0 || !c.data.corpus.empty() || !c.data.mixture.empty())
+      << "validation.split = " << v.split << " holds out part of data.corpus (or each of data.mixture's corpora), "
+      << "but neither is set";
   MT_CHECK(sources <= 1) << "validation.tokens, validation.corpus and validation.split name " << sources
                          << " held-out sets; choose one";
   MT_CHECK(v.interval >= 0) << "validation.interval should be >= 0 (0: none), got " << v.interval;
@@ -423,7 +445,44 @@ toml::table parse_toml(std::string_view text, const std::string& where) {
   return {};
 }
 
+// [{corpus = "a", weight = 0.3}, ...] as data.mixture's text, "0.3:a,...".
+std::string mixture_from_toml(const toml::array& parts, const std::string& where) {
+  std::string out;
+  for (const toml::node& n : parts) {
+    const toml::table* t = n.as_table();
+    MT_CHECK(t && t->size() == 2 && (*t)["corpus"].is_string() && (*t)["weight"].is_number())
+        << where << ": each entry should be {corpus = \"FOLDER\", weight = W}";
+    const std::string folder = *(*t)["corpus"].value<std::string>();
+    MT_CHECK(folder.find(',') == std::string::npos) << where << ": the folder " << folder << " has a comma, which "
+                                                    << "the mixture's text form cannot hold; rename it";
+    out += (out.empty() ? "" : ",") + weight_text(*(*t)["weight"].value<double>()) + ":" + folder;
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<MixturePart> mixture_parts(const std::string& text, const std::string& where) {
+  std::vector<MixturePart> out;
+  if (text.empty()) return out;
+  for (size_t at = 0; at <= text.size();) {
+    const size_t end = std::min(text.find(',', at), text.size());
+    const std::string part = text.substr(at, end - at), w = part.substr(0, part.find(':'));
+    double weight = 0;
+    const auto [ptr, ec] = std::from_chars(w.data(), w.data() + w.size(), weight);
+    MT_CHECK(part.find(':') != std::string::npos && ec == std::errc() && ptr == w.data() + w.size() && weight > 0 &&
+             std::isfinite(weight) && part.size() > w.size() + 1)
+        << where << ": '" << part << "' should be WEIGHT:FOLDER with a weight > 0 (\"0.3:corpora/a,0.7:corpora/b\")";
+    out.push_back({part.substr(w.size() + 1), weight});
+    at = end + 1;
+  }
+  return out;
+}
+
+std::vector<MixturePart> data_corpora(const Config& c) {
+  if (!c.data.corpus.empty()) return {{c.data.corpus, 1.0}};
+  return mixture_parts(c.data.mixture, "data.mixture");
+}
 
 Config load_config(const std::string& toml_path, const std::vector<std::pair<std::string, std::string>>& overrides) {
   Config c;
@@ -441,10 +500,14 @@ Config load_config(const std::string& toml_path, const std::vector<std::pair<std
         bool found = false;
         visit(c, [&](const Key& known, auto& field) {
           if (sec != known.section || k != known.name) return;
-          set_from_toml(value, field, toml_path + ": [" + sec + "] " + k);
+          const std::string where = toml_path + ": [" + sec + "] " + k;
+          if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
+            if ((known.flags & kList) && value.is_array()) field = mixture_from_toml(*value.as_array(), where);
+          if (!(known.flags & kList) || !value.is_array()) set_from_toml(value, field, where);
           if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
             if (known.flags & kPath)
-              field = on_path(field, [&](const fs::path& p) { return p.is_absolute() ? p : (folder / p).lexically_normal(); });
+              field = on_paths(known, field,
+                               [&](const fs::path& p) { return p.is_absolute() ? p : (folder / p).lexically_normal(); });
           found = true;
         });
         if (found) continue;
@@ -464,7 +527,7 @@ Config load_config(const std::string& toml_path, const std::vector<std::pair<std
       // folder (the rest as written).
       if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
         if (k.flags & kPath)
-          field = on_path(field, [](const fs::path& p) {
+          field = on_paths(k, field, [](const fs::path& p) {
             return std::find(p.begin(), p.end(), fs::path("..")) != p.end() ? p.lexically_normal() : p;
           });
       found = true;
@@ -556,7 +619,7 @@ std::vector<InputPath> input_paths(const Config& c) {
   visit(c, [&](const Key& k, const auto& field) {
     if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
       if ((k.flags & kPath) && k.dotted() != "job.dump_folder")
-        on_path(field, [&](const fs::path& p) {
+        on_paths(k, field, [&](const fs::path& p) {
           out.push_back({k.dotted(), field, p.string()});
           return p;
         });
@@ -573,7 +636,7 @@ void check_inputs_exist(const Config& c) {
     MT_CHECK(!in.key.ends_with(".tokens") || !fs::is_directory(in.path))
         << in.key << " = " << toml_text(in.value) << " is a folder, where a .npy [B, T] token matrix was expected (a "
         << "folder of tokenized .bin files is " << section << ".corpus)";
-    MT_CHECK(!in.key.ends_with(".corpus") || fs::is_directory(in.path))
+    MT_CHECK(!(in.key.ends_with(".corpus") || in.key == "data.mixture") || fs::is_directory(in.path))
         << in.key << " = " << toml_text(in.value) << " is not a folder (expected moetrain tokenize's output folder; "
         << "a .npy token matrix is " << section << ".tokens)";
   }

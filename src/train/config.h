@@ -26,6 +26,7 @@ struct ModelConfig {
 struct DataConfig {
   std::string tokens;  // a .npy [B, T] matrix used as the global batch every step
   std::string corpus;  // a folder of tokenized .bin files
+  std::string mixture;  // "W:FOLDER,W:FOLDER": several corpora drawn in proportion (data/dataset.h)
   int64_t seq_len = 0;  // 0: T - 1 of the tokens matrix (required with a corpus)
   bool allow_past_max_positions = false;  // seq_len over config.json's max_position_embeddings
 };
@@ -186,6 +187,15 @@ void check_inputs_exist(const Config& c);
 // The model's Hugging Face config.json: model.config, else DIR/config.json of model.init
 // = hf:DIR; an error saying what to set when neither is there.
 std::string model_config_path(const Config& c);
+
+// data.mixture's parts (`where` names the key in errors), or data.corpus as one of
+// weight 1: the corpora a run reads (none with data.tokens).
+struct MixturePart {
+  std::string folder;
+  double weight = 1;
+};
+std::vector<MixturePart> mixture_parts(const std::string& text, const std::string& where);
+std::vector<MixturePart> data_corpora(const Config& c);
 
 // The learning rate at 0-based `step`: linear warmup to lr over warmup_steps, then
 // the decay shape down to lr * min_lr_ratio at the last step.

@@ -417,16 +417,20 @@ std::string Trainer::data_cursor() const {
   if (!corpus_) return "null";
   nlohmann::json j;
   j["samples_seen"] = corpus_->cursor().samples_seen;
+  if (corpus_->corpora() > 1) j["drawn"] = corpus_->cursor().drawn;
   return j.dump();
 }
 
 void Trainer::set_data_cursor(const std::string& json) {
   if (!corpus_) return;
   nlohmann::json j = nlohmann::json::parse(json, nullptr, false);
-  MT_CHECK(j.is_object() && j.contains("samples_seen") && j["samples_seen"].is_number_unsigned())
-      << "the checkpoint's data cursor " << json << " is not {\"samples_seen\": N}; was it written by a run on "
-      << "data.tokens?";
-  corpus_->set_cursor({j["samples_seen"].get<uint64_t>()});
+  const bool drawn = j.is_object() && j.contains("drawn") && j["drawn"].is_array();
+  MT_CHECK(j.is_object() && j.contains("samples_seen") && j["samples_seen"].is_number_unsigned() &&
+           (drawn || !j.contains("drawn")))
+      << "the checkpoint's data cursor " << json << " is not {\"samples_seen\": N} (with a mixture, \"drawn\": "
+      << "[each corpus's]); was it written by a run on data.tokens?";
+  corpus_->set_cursor({j["samples_seen"].get<uint64_t>(), drawn ? j["drawn"].get<std::vector<uint64_t>>()
+                                                                : std::vector<uint64_t>{}});
 }
 
 std::string Trainer::expert_placement() const {
@@ -780,6 +784,7 @@ StepResult Trainer::step() {
   profile_.mark("optimizer");
   if (r.non_finite.empty()) optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
   r.expert_counts = counts;
+  if (corpus_ && corpus_->corpora() > 1) r.data_shares = corpus_->shares();
   if (replicas) {
     profile_.mark("replica weights");
     place_replicas(r);
@@ -897,7 +902,7 @@ Trainer::Validation Trainer::validate() {
   ctx.pipeline = &pipeline_;
   ctx.pp = pp_;
   ctx.pp_rank = pp_rank_;
-  if (val_corpus_) val_corpus_->set_cursor({});
+  if (val_corpus_) val_corpus_->rewind();
   ctx.trainer = [&](const Action& a) {
     if (a.op == Op::load) load_micro_batch(*ctx.stashes[0], a.micro_batch, val_tokens_, val_corpus_.get());
   };
@@ -948,6 +953,7 @@ std::string step_json(const StepResult& r) {
   j["lb_loss"] = r.lb_loss;
   if (r.z_loss_on) j["z_loss"] = r.z_loss;
   if (r.val_on) j["val_loss"] = r.val_loss;
+  if (!r.data_shares.empty()) j["data_shares"] = r.data_shares;
   j["grad_norm"] = r.grad_norm;
   j["lr"] = r.lr;
   if (!r.non_finite.empty()) j["skipped"] = r.non_finite;  // NaN and inf print as null

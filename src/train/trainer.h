@@ -91,6 +91,8 @@ struct StepResult {
   // validation.interval: on the steps it divides, the held-out mean loss after the step.
   bool val_on = false;
   double val_loss = 0;
+  // data.mixture: each corpus's share of the samples drawn so far (resumes included).
+  std::vector<double> data_shares;
   double grad_norm = 0;      // global norm before clipping
   double lr = 0;
   double tokens_per_s = 0;
