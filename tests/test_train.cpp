@@ -358,21 +358,41 @@ std::pair<LossSum, std::vector<RouterStats>> forward_of(Model& m, const TokenBat
   return {ls, m.router_stats(*s)};
 }
 
-double objective(Model& m, const TokenBatch& d, double coef, double z_coef = 0) {
+// DeepSeek-V2's sequence-level term (its MoEGate with seq_aux), in float64 from each
+// sequence's choices and probability sums: per layer, the mean over sequences of
+// sum_e (count_e / (T k / E)) (prob_sum_e / T); summed over the layers, as DeepSeek adds it.
+double sequence_term(const std::vector<RouterStats>& rs) {
+  double lb = 0;
+  for (const RouterStats& r : rs) {
+    const double E = static_cast<double>(r.counts.size()), T = static_cast<double>(r.seq_tokens);
+    for (int64_t b = 0; b < r.seq_rows; ++b)
+      for (size_t e = 0; e < r.counts.size(); ++e) {
+        const size_t i = static_cast<size_t>(b) * r.counts.size() + e;
+        lb += double(r.seq_counts[i]) / (T * r.top_k / E) * (r.seq_prob_sum[i] / T) / static_cast<double>(r.seq_rows);
+      }
+  }
+  return lb;
+}
+
+double objective(Model& m, const TokenBatch& d, double coef, double z_coef = 0, bool sequence = false) {
   const auto [ls, rs] = forward_of(m, d);
   double lb = 0;
   for (const RouterStats& r : rs)
     for (size_t e = 0; e < r.counts.size(); ++e)
       lb += r.counts.size() * (double(r.counts[e]) / r.tokens) * (r.prob_sum[e] / r.tokens) / rs.size();
-  return ls.sum / ls.count + coef * lb + z_coef * z_term(rs);
+  return ls.sum / ls.count + coef * (sequence ? sequence_term(rs) : lb) + z_coef * z_term(rs);
 }
 
 std::vector<float> router_grad(double coef, std::unique_ptr<Model>& model, TokenBatch& data, double z_coef = 0,
-                               StepResult* result = nullptr, const std::string& router = "model.layers.2.mlp.gate.weight") {
-  model = make_model(fixture("qwen3_moe_a/config.json"));
+                               StepResult* result = nullptr, const std::string& router = "model.layers.2.mlp.gate.weight",
+                               const std::string& type = "micro_batch") {
+  ModelOptions o;
+  o.sequence_balance = type == "sequence";
+  model = make_model(fixture("qwen3_moe_a/config.json"), o);
   load_hf(*model, fixture("qwen3_moe_a"));
   data = read_token_batch(fixture("qwen3_moe_a/tokens.npy"), model->vocab_size());
   Config c;
+  c.training.load_balance_type = type;
   c.training.load_balance_coef = coef;
   c.training.router_z_loss_coef = z_coef;
   c.training.clip_grad_norm = 0;
@@ -392,16 +412,16 @@ std::vector<float> router_grad(double coef, std::unique_ptr<Model>& model, Token
 // `without` (the gradient with neither term).
 double check_router_gradient(Model& model, const TokenBatch& data, const std::string& router,
                              const std::vector<float>& grad, const std::vector<float>& without, double coef,
-                             double z_coef) {
+                             double z_coef, bool sequence = false) {
   float* w = nullptr;
   for (const HfTensor& h : model.hf_tensors())
     if (h.name == router) w = h.value.f32();
   auto fd = [&](int64_t i, float h) {
     float keep = w[i];
     w[i] = keep + h;
-    double up = objective(model, data, coef, z_coef);
+    double up = objective(model, data, coef, z_coef, sequence);
     w[i] = keep - h;
-    double down = objective(model, data, coef, z_coef);
+    double down = objective(model, data, coef, z_coef, sequence);
     w[i] = keep;
     return (up - down) / (2 * h);
   };
@@ -427,6 +447,32 @@ TEST(Training, LoadBalanceGradientMatchesFiniteDifferences) {
   ASSERT_EQ(grad.size(), 8u * 32u);
   EXPECT_GT(check_router_gradient(*model, data, "model.layers.2.mlp.gate.weight", grad, without, coef, 0.0), 1e-2)
       << "the load-balance term should move the router gradient";
+}
+
+// DeepSeek's sequence-level balance term (training.load_balance_type = sequence) the
+// same way, on the routers of both MoE layers: the step's lb_loss is the float64 term of
+// each sequence's statistics, and its gradient matches central differences of CE + coef
+// x that term.
+TEST(Training, SequenceBalanceGradientMatchesFiniteDifferences) {
+  for (const std::string router : {"model.layers.2.mlp.gate.weight", "model.layers.0.mlp.gate.weight"}) {
+    SCOPED_TRACE(router);
+    const double coef = 0.5;
+    std::unique_ptr<Model> model;
+    TokenBatch data;
+    std::vector<float> without = router_grad(0.0, model, data, 0.0, nullptr, router, "sequence");
+    StepResult r;
+    std::vector<float> grad = router_grad(coef, model, data, 0.0, &r, router, "sequence");
+    ASSERT_EQ(grad.size(), 8u * 32u);
+    const std::vector<RouterStats> rs = forward_of(*model, data).second;
+    ASSERT_EQ(rs.size(), 2u);
+    EXPECT_EQ(rs[0].seq_rows, 3);
+    EXPECT_EQ(rs[0].seq_tokens, 16);
+    const double want = sequence_term(rs);
+    EXPECT_GT(want, 1.5);  // 1 a layer when balanced
+    EXPECT_NEAR(r.lb_loss, want, 1e-6 * want);
+    EXPECT_GT(check_router_gradient(*model, data, router, grad, without, coef, 0.0, true), 1e-2)
+        << "the sequence term should move the router gradient";
+  }
 }
 
 // The router z-loss the same way (a large coefficient, so its share shows), for the
@@ -2414,6 +2460,67 @@ TEST(Commands, RouterZLossOnPipelinesMatchesOneRank) {
         const double want = runs[0][i][key], got = runs[m][i][key];
         EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << "mesh " << m << " step " << i + 1 << " " << key;
       }
+}
+
+// training.load_balance_type = sequence on dp 2, ep 2, cp 2 (a sequence's statistics
+// summed over its chunks), pp 2 and pp 2 x ep 2: the losses, balance terms and gradient
+// norms of one rank.
+TEST(Commands, SequenceBalanceMatchesOneRankOnEveryMesh) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("seq_aux");
+  write_four_sequences("qwen3_moe_a", dir);
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (auto [np, flags] : {std::pair{1, ""}, {2, ""}, {2, " --parallelism.ep=2"}, {2, " --parallelism.cp=2"},
+                           {2, " --parallelism.pp=2"}, {4, " --parallelism.pp=2 --parallelism.ep=2"}}) {
+    const std::string dump = dir + "/run" + std::to_string(runs.size());
+    auto [rc, out] = run((np > 1 ? kMpirun + std::to_string(np) + " " : std::string()) + MOETRAIN_BIN + " train" +
+                         " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
+                         " --training.steps=3 --training.micro_batch_size=1 --training.load_balance_coef=0.1" +
+                         " --training.load_balance_type=sequence --parallelism.pipeline_schedule=1f1b" + flags +
+                         " --job.dump_folder=" + dump);
+    ASSERT_EQ(rc, 0) << flags << out;
+    runs.push_back(metrics_of(dump));
+    ASSERT_EQ(runs.back().size(), 3u);
+  }
+  EXPECT_GT(runs[0][0]["lb_loss"].get<double>(), 1.5);
+  for (size_t m = 1; m < runs.size(); ++m)
+    for (size_t i = 0; i < 3; ++i)
+      for (const char* key : {"loss", "grad_norm", "lb_loss"}) {
+        const double want = runs[0][i][key], got = runs[m][i][key];
+        EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << "mesh " << m << " step " << i + 1 << " " << key;
+      }
+}
+
+// A DeepSeek-V2 config.json with seq_aux and aux_loss_alpha: a run that leaves the
+// balance keys alone takes DeepSeek's sequence-level loss with that weight, says so, and
+// trains as the same keys given by hand do; a run that sets one keeps its own.
+TEST(Commands, DeepSeekConfigAsksForTheSequenceLevelLoss) {
+  const std::string dir = temp_dir("seq_aux_config");
+  std::ifstream in(fixture("deepseek_v2_a/config.json"));
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["seq_aux"] = true;
+  j["aux_loss_alpha"] = 0.25;
+  io::write_file_atomic(dir + "/config.json", {j.dump(2)});
+  auto train = [&](const std::string& name, const std::string& config, const std::string& flags) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --model.config=" + config + " --data.tokens=" +
+                         fixture("deepseek_v2_a/tokens.npy") + " --training.steps=2 --job.dump_folder=" + dir + "/" +
+                         name + flags);
+    EXPECT_EQ(rc, 0) << out;
+    return std::pair{metrics_of(dir + "/" + name), out};
+  };
+  const auto [asked, asked_out] = train("asked", dir + "/config.json", "");
+  EXPECT_NE(asked_out.find("balance: DeepSeek's sequence-level loss, weight 0.250000"), std::string::npos) << asked_out;
+  const auto [by_hand, by_hand_out] =
+      train("by_hand", fixture("deepseek_v2_a/config.json"),
+            " --training.load_balance_type=sequence --training.load_balance_coef=0.25");
+  const auto [own, own_out] = train("own", dir + "/config.json", " --training.load_balance_coef=0.01");
+  EXPECT_EQ(own_out.find("balance: DeepSeek's"), std::string::npos) << own_out;
+  ASSERT_EQ(asked.size(), 2u);
+  ASSERT_EQ(by_hand.size(), 2u);
+  ASSERT_EQ(own.size(), 2u);
+  for (size_t i = 0; i < 2; ++i)
+    for (const char* key : {"loss", "lb_loss", "grad_norm"}) EXPECT_EQ(asked[i][key], by_hand[i][key]) << key;
+  EXPECT_NE(own[1]["loss"], asked[1]["loss"]);
 }
 
 // What replicas do not take yet is refused at start, naming the keys: no ep, and with

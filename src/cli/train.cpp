@@ -325,6 +325,21 @@ int run_train(const Args& args) {
     return 0;
   }
   check_inputs_exist(cfg);
+  // DeepSeek-V2's config.json asks for its sequence-level balance loss (seq_aux, with
+  // aux_loss_alpha): taken while the config leaves both balance keys at their defaults.
+  std::string adopted;
+  const Config defaults;
+  if (cfg.training.load_balance_type == defaults.training.load_balance_type &&
+      cfg.training.load_balance_coef == defaults.training.load_balance_coef) {
+    const SequenceBalance b = sequence_balance(model_config_path(cfg));
+    if (b.seq_aux && b.alpha > 0) {
+      cfg.training.load_balance_type = "sequence";
+      cfg.training.load_balance_coef = b.alpha;
+      adopted = "  balance: DeepSeek's sequence-level loss, weight " + std::to_string(b.alpha) + ", as " +
+                model_config_path(cfg) + " asks (seq_aux, aux_loss_alpha); training.load_balance_type or " +
+                "load_balance_coef set otherwise overrides it\n";
+    }
+  }
   if (cfg.training.device == "cuda") require_gpu("training.device = cuda");
   // Every rank runs this same function; rank 0 alone writes the run folder.
   comm::World& world = comm::world();
@@ -477,7 +492,7 @@ int run_train(const Args& args) {
   if (mesh.shape().pp > 1) mesh.pp().all_reduce(Tensor(counts.data(), {2}, DType::i64));
   if (writer) {
     print_banner(cfg, mesh, config_json, model->num_layers(), counts, trainer);
-    std::printf("  OpenMP threads a rank: %d\n", omp_get_max_threads());
+    std::printf("  OpenMP threads a rank: %d\n%s", omp_get_max_threads(), adopted.c_str());
     if (val.interval > 0) {
       const std::string set = !val.tokens.empty() ? val.tokens
                               : val.split > 0     ? "the last " + std::to_string(val.split * 100).substr(0, 5) +

@@ -29,14 +29,20 @@ void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor&
                     const Tensor& probs);
 
 // dlogits f32 [N,E] (overwritten) from dweight f32 [N,k] and, when not empty,
-// dprobs f32 [N,E] (the load-balance loss's gradient with respect to probs), or [1,E]:
-// one row that every token gets (the balance term's gradient is the same for all).
+// dprobs f32 [G,E] (the load-balance loss's gradient with respect to probs): the N
+// tokens are G groups of N / G in a row, each group's tokens getting its row. G = 1: one
+// row for every token (the micro-batch balance term's gradient is the same for all);
+// G = the sequences: the sequence-level term's; G = N: a row a token.
 void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
                      const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits);
 
 // sums f32 [E] = sum over the N tokens of probs f32 [N,E], accumulated in double in
 // token order (the load-balance statistics), rounded once to f32.
 void router_prob_sum(const Tensor& probs, const Tensor& sums);
+
+// counts i32 [G,E] = the slots of idx i32 [N,k] that chose each expert, in each of G
+// groups of N / G tokens in a row (the sequence-level balance term's counts).
+void router_counts(const Tensor& idx, const Tensor& counts);
 
 // The router z-loss (ST-MoE): z[t] = lse[t]^2, lse[t] = logsumexp(logits[t]).
 // router_z_forward: lse f32 [N] and sum f32 [1] = sum over the N tokens of z[t], in double
@@ -60,6 +66,8 @@ void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const T
 // In double, by chunks of 256 tokens then over the chunks (a fixed order, so repeatable;
 // it may differ from the CPU's token-order sum in the last bit of the f32 result).
 void router_prob_sum(const Tensor& probs, const Tensor& sums);
+// A block a group, counting in shared memory.
+void router_counts(const Tensor& idx, const Tensor& counts);
 // A warp a token; the sum in double by chunks of 256 tokens, then over the chunks.
 void router_z_forward(const Tensor& logits, const Tensor& lse, const Tensor& sum);
 void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, const Tensor& dlogits);
@@ -91,6 +99,13 @@ inline void router_prob_sum(const Tensor& probs, const Tensor& sums) {
   if (sums.device == Device::cuda) return cuda::router_prob_sum(probs, sums);
 #endif
   return cpu::router_prob_sum(probs, sums);
+}
+
+inline void router_counts(const Tensor& idx, const Tensor& counts) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (counts.device == Device::cuda) return cuda::router_counts(idx, counts);
+#endif
+  return cpu::router_counts(idx, counts);
 }
 
 inline void router_z_forward(const Tensor& logits, const Tensor& lse, const Tensor& sum) {

@@ -140,8 +140,9 @@ struct LayerActs {
   Tensor lse;  // [N] logsumexp of the router's logits (the z-loss's backward reads it)
   // prob_sum f32 [E] (probs summed over tokens), counts i32 [E] (slots each expert kept)
   // and z_sum f32 [1] (the router z-loss's sum, when on) side by side in `stats`, so the
-  // metrics read them in one copy.
-  Tensor stats, prob_sum, counts, z_sum;
+  // metrics read them in one copy; with sequence_balance also per stash row, seq_prob_sum
+  // f32 [B,E] and seq_counts i32 [B,E] (the router's choices).
+  Tensor stats, prob_sum, counts, z_sum, seq_prob_sum, seq_counts;
   // With expert replicas: the slots [N,k] the router's choices go to, and the rows each
   // slot got [ep * S] (in `stats` too; router_stats turns them into counts).
   Tensor slots, slot_counts;
@@ -188,7 +189,7 @@ class Decoder final : public Model {
  public:
   Decoder(const DecoderSpec& c, std::unique_ptr<Attention> attention, const ModelOptions& o)
       : c_(c), k_(c.router.top_k), attention_(std::move(attention)), device_(o.device),
-        balanced_(o.force_balanced_routing), plan_only_(o.plan_only), external_layers_(o.external_layers),
+        balanced_(o.force_balanced_routing), sequence_balance_(o.sequence_balance), plan_only_(o.plan_only), external_layers_(o.external_layers),
         capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute),
         offload_experts_(o.offload_experts), offload_layers_(o.offload_layers),
         offload_weights_(o.offload_experts && o.offload_weights), expert_slots_(o.expert_slots),
@@ -397,6 +398,7 @@ class Decoder final : public Model {
   Attend attend_;
   Device device_;
   bool balanced_;
+  bool sequence_balance_;  // router statistics per sequence too
   bool plan_only_;
   bool external_layers_;  // ZeRO-3: the decoder layers' Params have no storage here
   double capacity_factor_;  // 0: dropless
@@ -673,15 +675,20 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
     // statistics, read after the head's forward, and the balance gradient set then.
     const int64_t E = c_.num_experts;
     const int64_t slot_counts = replicas_.on() ? ep_->size() * replicas_.slots() : 0;
-    x.stats = i32({2 * E + 1 + slot_counts});
-    auto part = [&](int64_t at, int64_t n, DType d) {  // (a plan's arenas have no storage)
-      return Tensor(x.stats.data != nullptr ? x.stats.i32() + at : nullptr, {n}, d, x.stats.device);
+    const int64_t rows = sequence_balance_ ? B : 0, seq_at = 2 * E + 1 + slot_counts;
+    x.stats = i32({seq_at + 2 * rows * E});
+    auto part = [&](int64_t at, Shape shape, DType d) {  // (a plan's arenas have no storage)
+      return Tensor(x.stats.data != nullptr ? x.stats.i32() + at : nullptr, shape, d, x.stats.device);
     };
-    x.prob_sum = part(0, E, DType::f32);
-    x.counts = part(E, E, DType::i32);
-    x.z_sum = part(2 * E, 1, DType::f32);
-    if (slot_counts > 0) x.slot_counts = part(2 * E + 1, slot_counts, DType::i32);
-    x.dprobs = a.alloc(DType::f32, {1, E});  // the same row for every token
+    x.prob_sum = part(0, {E}, DType::f32);
+    x.counts = part(E, {E}, DType::i32);
+    x.z_sum = part(2 * E, {1}, DType::f32);
+    if (slot_counts > 0) x.slot_counts = part(2 * E + 1, {slot_counts}, DType::i32);
+    if (rows > 0) {
+      x.seq_prob_sum = part(seq_at, {rows, E}, DType::f32);
+      x.seq_counts = part(seq_at + rows * E, {rows, E}, DType::i32);
+    }
+    x.dprobs = a.alloc(DType::f32, {std::max<int64_t>(rows, 1), E});  // a row for every token, or each sequence's
   }
   if (balanced_) s.balanced_idx = i32({N, k_});
 }
@@ -969,6 +976,14 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
     if (balanced_) {
       mt::copy(x.idx, s.balanced_idx);
       mt::fill(x.weight, 1.0f / static_cast<float>(k_));
+    }
+    if (sequence_balance_) {
+      // Each sequence's (row's) sums and choices, for the sequence-level balance term.
+      const int64_t rows = x.seq_counts.dim(0), T = x.probs.dim(0) / rows, E = c_.num_experts;
+      for (int64_t b = 0; b < rows; ++b)
+        mt::router_prob_sum(Tensor(x.probs.f32() + b * T * E, {T, E}, DType::f32, x.probs.device),
+                            Tensor(x.seq_prob_sum.f32() + b * E, {E}, DType::f32, x.probs.device));
+      mt::router_counts(x.idx, x.seq_counts);
     }
     // The expert plan waits for the router, not for what a schedule queues after it.
     if (replicas_.on()) replicas_.route(l, x.idx, x.slots);
@@ -1359,9 +1374,19 @@ std::vector<RouterStats> Decoder::router_stats(const Stash& base) const {
       std::memcpy(&z, stats.data() + 2 * E, sizeof z);
       r.z_sum = z;
     }
+    const int64_t slot_end = 2 * E + 1 + (replicas_.on() ? x.slot_counts.numel() : 0);
     if (replicas_.on()) {  // the plan counted slots: each expert's are the sum of its copies'
-      r.slot_counts.assign(stats.begin() + 2 * E + 1, stats.end());
-      r.counts = replicas_.expert_counts(l, std::vector<int32_t>(stats.begin() + 2 * E + 1, stats.end()));
+      r.slot_counts.assign(stats.begin() + 2 * E + 1, stats.begin() + slot_end);
+      r.counts = replicas_.expert_counts(l, std::vector<int32_t>(stats.begin() + 2 * E + 1, stats.begin() + slot_end));
+    }
+    if (sequence_balance_) {
+      r.seq_rows = x.seq_counts.dim(0);
+      r.seq_tokens = N / r.seq_rows;
+      const int64_t n = r.seq_rows * E;
+      std::vector<float> f(static_cast<size_t>(n));
+      std::memcpy(f.data(), stats.data() + slot_end, f.size() * sizeof(float));
+      r.seq_prob_sum.assign(f.begin(), f.end());
+      r.seq_counts.assign(stats.begin() + slot_end + n, stats.begin() + slot_end + 2 * n);
     }
     out.push_back(std::move(r));
   }
@@ -1370,11 +1395,13 @@ std::vector<RouterStats> Decoder::router_stats(const Stash& base) const {
 
 void Decoder::set_router_prob_grad(Stash& base, int64_t layer, const std::vector<float>& dprob) {
   auto& s = static_cast<DecoderStash&>(base);
-  MT_CHECK(held_[layer] && c_.moe[layer] && static_cast<int64_t>(dprob.size()) == c_.num_experts)
-      << "load-balance gradient for layer " << layer << " with " << dprob.size() << " experts";
+  const Tensor& dprobs = s.layers[layer].dprobs;
+  MT_CHECK(held_[layer] && c_.moe[layer] && static_cast<int64_t>(dprob.size()) == dprobs.numel())
+      << "load-balance gradient for layer " << layer << " with " << dprob.size() << " values, not "
+      << dprobs.numel() << " (" << dprobs.str() << ")";
   // Uploaded now, between the forward and the backward, where the trainer has waited
   // for the device anyway (router statistics), rather than as a stall inside the backward.
-  mt::copy(s.layers[layer].dprobs, Tensor(const_cast<float*>(dprob.data()), {1, c_.num_experts}, DType::f32));
+  mt::copy(dprobs, Tensor(const_cast<float*>(dprob.data()), dprobs.shape, DType::f32));
 }
 
 }  // namespace

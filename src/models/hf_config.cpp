@@ -119,4 +119,12 @@ int64_t max_position_embeddings(const std::string& config_json) {
   return HfConfig(j, config_json).integer({"max_position_embeddings"}, 0);
 }
 
+SequenceBalance sequence_balance(const std::string& config_json) {
+  const std::vector<uint8_t> b = io::read_file(config_json);
+  const nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
+  MT_CHECK(j.is_object()) << config_json << ": not a JSON object";
+  const HfConfig hf(j, config_json);
+  return {hf.flag({"seq_aux"}, false), hf.number({"aux_loss_alpha"}, 0.0)};
+}
+
 }  // namespace mt

@@ -51,4 +51,12 @@ cpu::RopeConfig read_rope(const HfConfig& hf, int64_t rotary_dim);
 // it gives none): train, eval and generate hold sequences to it.
 int64_t max_position_embeddings(const std::string& config_json);
 
+// DeepSeek-V2's config.json asking for its sequence-level balance loss: seq_aux and the
+// weight aux_loss_alpha (false and 0 where absent).
+struct SequenceBalance {
+  bool seq_aux = false;
+  double alpha = 0;
+};
+SequenceBalance sequence_balance(const std::string& config_json);
+
 }  // namespace mt

@@ -64,6 +64,12 @@ struct RouterStats {
   // r x S + i; models/expert_replicas.h), of which `counts` are the sums by expert.
   std::vector<int64_t> slot_counts;
   int64_t dropped = 0;               // slots over an expert's capacity (capacity_factor)
+  // ModelOptions::sequence_balance: per stash row (a sequence, or with context
+  // parallelism this rank's chunks of it) of seq_tokens tokens, [rows, E] row-major: the
+  // router's choices of each expert and the probabilities summed.
+  int64_t seq_rows = 0, seq_tokens = 0;
+  std::vector<int64_t> seq_counts;
+  std::vector<double> seq_prob_sum;
 };
 
 // Activation memory for the layers [first, last) of one micro-batch (with the head's
@@ -127,6 +133,9 @@ struct ModelOptions {
   // does not depend on what the router learned (the router still trains on the
   // load-balance term).
   bool force_balanced_routing = false;
+  // training.load_balance_type = sequence: the router statistics also per sequence (a
+  // stash row; RouterStats::seq_*), and the balance gradient a row per sequence.
+  bool sequence_balance = false;
   // `moetrain plan`: arenas only count bytes; no memory is allocated or written. The
   // stages then only take and give back their expert rows, counted, as a run would,
   // with each MoE layer bringing `routing_skew` times its balanced share of rows here
@@ -252,7 +261,8 @@ class Model {
   virtual Tensor logits(Stash& s) = 0;
   virtual std::vector<RouterStats> router_stats(const Stash& s) const = 0;
   // The load-balance loss's gradient with respect to each router probability of a
-  // layer: every token's p[e] gets dprob[e]. Applied by that layer's attention B.
+  // layer: every token's p[e] gets dprob[e], or with sequence_balance ([rows, E]) the
+  // tokens of row b get dprob[b * E + e]. Applied by that layer's attention B.
   virtual void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) = 0;
   // The router z-loss (training.router_z_loss_coef): from now on every MoE layer's
   // forward sums logsumexp(logits)^2 over its tokens (RouterStats::z_sum) and its

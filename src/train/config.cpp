@@ -75,7 +75,9 @@ void visit(C& c, F&& f) {
     c.training.fp8_scale);
   f({"training", "load_balance_coef", 0, "weight of the load-balance loss added to the cross-entropy"},
     c.training.load_balance_coef);
-  f({"training", "load_balance_type", 0, "micro_batch or global_batch: the tokens the balance is measured over"},
+  f({"training", "load_balance_type", 0,
+     "micro_batch or global_batch (the tokens the balance is measured over), or sequence (DeepSeek's seq_aux: each "
+     "sequence's term, averaged over them and summed over the MoE layers)"},
     c.training.load_balance_type);
   f({"training", "router_z_loss_coef", 0,
      "weight of the router z-loss (mean over MoE layers and tokens of logsumexp(logits)^2) added to the loss"},
@@ -287,7 +289,7 @@ void validate(const Config& c) {
   check_one_of(c.training.fp8, {"none", "blockwise"}, "training.fp8");
   check_one_of(c.training.fp8_scale, {"pow2", "fp32"}, "training.fp8_scale");
   check_one_of(c.training.activation_checkpoint, {"none", "selective", "full"}, "training.activation_checkpoint");
-  check_one_of(c.training.load_balance_type, {"micro_batch", "global_batch"}, "training.load_balance_type");
+  check_one_of(c.training.load_balance_type, {"micro_batch", "global_batch", "sequence"}, "training.load_balance_type");
   check_one_of(c.parallelism.pipeline_schedule, {"auto", "dualpipev", "1f1b"}, "parallelism.pipeline_schedule");
   check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");
   check_one_of(c.optimizer.decay, {"matrices", "all"}, "optimizer.decay");

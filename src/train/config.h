@@ -54,7 +54,7 @@ struct TrainingConfig {
   std::string fp8 = "none";
   std::string fp8_scale = "pow2";
   double load_balance_coef = 0.0;
-  std::string load_balance_type = "micro_batch";  // micro_batch or global_batch
+  std::string load_balance_type = "micro_batch";  // micro_batch, global_batch or sequence
   // The router z-loss's weight (ST-MoE; Megatron's --moe-z-loss-coeff): the mean over MoE
   // layers and tokens of logsumexp(router logits)^2, added to the loss (0: off).
   double router_z_loss_coef = 0.0;

@@ -82,6 +82,7 @@ ModelOptions model_options(const Config& cfg) {
   ModelOptions o;
   o.device = t.device == "cuda" ? Device::cuda : Device::cpu;
   o.force_balanced_routing = t.force_balanced_routing;
+  o.sequence_balance = t.load_balance_type == "sequence";
   o.capacity_factor = t.capacity_factor;
   o.fp8 = t.fp8 == "blockwise" ? Fp8::blockwise : Fp8::none;
   o.fp8_pow2 = t.fp8_scale == "pow2";
@@ -570,6 +571,31 @@ void sum_over(comm::Communicator* world, std::vector<double>& v) {
     }
 }
 
+// DeepSeek-V2's sequence-level balance term of one MoE layer's rows (its seq_aux): for
+// each sequence b of T tokens, sum_e (count_be E / (T k)) (prob_sum_be / T), where
+// count_be is the tokens of b that chose e; the mean over the step's `sequences` is
+// added, over the MoE layers, as DeepSeek adds it. Its gradient with respect to p[e] of
+// each token of b, coef count_be E / (T k) / T / sequences, goes to the model. With
+// context parallelism each of the `cps` ranks holds the whole sequence's term and adds
+// 1/cps of it.
+double sequence_balance(const RouterStats& st, int64_t cps, int64_t sequences, double coef, Model* model,
+                        Stash* s) {
+  const int64_t E = static_cast<int64_t>(st.counts.size()), rows = st.seq_rows;
+  const double T = static_cast<double>(st.seq_tokens * cps), k = static_cast<double>(st.top_k);
+  const double n = static_cast<double>(sequences);
+  std::vector<float> dprob(static_cast<size_t>(rows * E));
+  double lb = 0;
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t e = 0; e < E; ++e) {
+      const size_t i = static_cast<size_t>(b * E + e);
+      const double f = static_cast<double>(st.seq_counts[i]) * static_cast<double>(E) / (T * k);
+      lb += f * st.seq_prob_sum[i] / T / n;
+      dprob[i] = static_cast<float>(coef * f / T / n);
+    }
+  if (model) model->set_router_prob_grad(*s, st.layer, dprob);
+  return lb / static_cast<double>(cps);
+}
+
 }  // namespace
 
 StepResult Trainer::step() {
@@ -661,6 +687,21 @@ StepResult Trainer::step() {
     } else if (a.op == Op::statistics && global_lb) {
       all.push_back(model_.router_stats(s));
       accumulate_stats(all.back());
+    } else if (a.op == Op::statistics && t.load_balance_type == "sequence") {
+      std::vector<RouterStats> stats = model_.router_stats(s);
+      accumulate_stats(stats);
+      for (RouterStats st : stats) {
+        MT_CHECK(st.seq_rows > 0) << "training.load_balance_type = sequence, but the model was built without "
+                                  << "ModelOptions::sequence_balance (model_options sets it from the config)";
+        const int64_t cps = cp_ ? cp_->size() : 1;
+        if (cp_) {  // a row's sequence spans the cp ranks: every one's chunks
+          cp_->all_reduce(Tensor(st.seq_counts.data(), {static_cast<int64_t>(st.seq_counts.size())}, DType::i64));
+          std::vector<float> p(st.seq_prob_sum.begin(), st.seq_prob_sum.end());
+          cp_->all_reduce(Tensor(p.data(), {static_cast<int64_t>(p.size())}, DType::f32));
+          st.seq_prob_sum.assign(p.begin(), p.end());
+        }
+        lb_total += sequence_balance(st, cps, global_batch_, coef, &model_, &s);
+      }
     } else if (a.op == Op::statistics) {
       std::vector<RouterStats> stats = model_.router_stats(s);
       accumulate_stats(stats);

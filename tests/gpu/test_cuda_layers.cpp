@@ -342,5 +342,32 @@ TEST(CudaRouter, ProbSumsAndOneRowDprobsMatchCpu) {
   EXPECT_TRUE(near("dlogits", download(dl.t), dl_ref, Tol(1e-5, 1e-6)));
 }
 
+// The sequence-level term's counts (a block a group) and the backward fed a dprobs row a
+// group of tokens, against the CPU (which test_ops checks by hand and with full rows).
+TEST(CudaRouter, GroupCountsAndGroupDprobsMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t n = 1024, e = 130, k = 6, g = 4;
+  std::vector<float> logits = random_floats(n * e, -3, 3, 21), dweight = random_floats(n * k, -1, 1, 22),
+                     rows = random_floats(g * e, -1, 1, 23);
+  cpu::RouterConfig cfg;
+  cfg.top_k = k;
+  std::vector<int32_t> idx_ref(n * k), counts_ref(g * e);
+  std::vector<float> w_ref(n * k), p_ref(n * e), dl_ref(n * e);
+  cpu::router_forward(cfg, host(logits, {n, e}), host(idx_ref, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}));
+  cpu::router_counts(host(idx_ref, {n, k}), host(counts_ref, {g, e}));
+  cpu::router_backward(cfg, host(logits, {n, e}), host(idx_ref, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}),
+                       host(dweight, {n, k}), host(rows, {g, e}), host(dl_ref, {n, e}));
+  DeviceTensor ld = upload(logits, DType::f32, {n, e}), dwd = upload(dweight, DType::f32, {n, k}),
+               rowsd = upload(rows, DType::f32, {g, e});
+  DeviceTensor idx = poisoned(DType::i32, {n, k}), w = poisoned(DType::f32, {n, k}), p = poisoned(DType::f32, {n, e}),
+               counts = poisoned(DType::i32, {g, e}), dl = poisoned(DType::f32, {n, e});
+  mt::router_forward(cfg, ld.t, idx.t, w.t, p.t);
+  mt::router_counts(idx.t, counts.t);
+  mt::router_backward(cfg, ld.t, idx.t, w.t, p.t, dwd.t, rowsd.t, dl.t);
+  ASSERT_EQ(download_ints(idx.t), idx_ref);
+  EXPECT_EQ(download_ints(counts.t), counts_ref);
+  EXPECT_TRUE(near("dlogits", download(dl.t), dl_ref, Tol(1e-5, 1e-6)));
+}
+
 }  // namespace
 }  // namespace mt::gpu_test

@@ -6,6 +6,7 @@
 
 #include "kernels/router.h"
 #include "ops/cases.h"
+#include "test_util.h"
 
 namespace mt::test {
 
@@ -192,6 +193,36 @@ TEST(Router, ProbSumAndOneRowDprobs) {
   cpu::router_backward(cfg, logits.t, idx.t, weight.t, probs.t, dweight.t, one.t, d1.t);
   cpu::router_backward(cfg, logits.t, idx.t, weight.t, probs.t, dweight.t, full.t, d2.t);
   EXPECT_EQ(d1.vec(), d2.vec());
+}
+
+// The sequence-level balance term's pieces: router_counts of G = 4 groups of 9 tokens
+// against counting the choices by hand, and a dprobs of G rows gives the same dlogits, bit
+// for bit, as the full [N,E] matrix of each group's row repeated over its tokens.
+TEST(Router, GroupCountsAndGroupDprobs) {
+  const int64_t n = 36, e = 7, k = 2, g = 4;
+  cpu::RouterConfig cfg;
+  cfg.top_k = k;
+  Vec lv(n * e);
+  for (int64_t i = 0; i < n * e; ++i) lv[i] = std::sin(0.41 * static_cast<double>(i)) * 2;
+  auto logits = HostTensor::f32({n, e}, lv), idx = HostTensor::i32({n, k});
+  auto weight = HostTensor::f32({n, k}), probs = HostTensor::f32({n, e}), counts = HostTensor::i32({g, e});
+  cpu::router_forward(cfg, logits.t, idx.t, weight.t, probs.t);
+  cpu::router_counts(idx.t, counts.t);
+  std::vector<int64_t> want(g * e, 0);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < k; ++j) ++want[t / (n / g) * e + idx.t.i32()[t * k + j]];
+  EXPECT_EQ(std::vector<int64_t>(counts.t.i32(), counts.t.i32() + g * e), want);
+  Vec rows(g * e), full(n * e), dw(n * k);
+  for (int64_t i = 0; i < g * e; ++i) rows[i] = 0.05 * static_cast<double>(i % 11) - 0.2;
+  for (int64_t i = 0; i < n * e; ++i) full[i] = rows[i / e / (n / g) * e + i % e];
+  for (int64_t i = 0; i < n * k; ++i) dw[i] = std::cos(static_cast<double>(i));
+  auto dweight = HostTensor::f32({n, k}, dw), grouped = HostTensor::f32({g, e}, rows), each = HostTensor::f32({n, e}, full);
+  auto d1 = HostTensor::f32({n, e}), d2 = HostTensor::f32({n, e});
+  cpu::router_backward(cfg, logits.t, idx.t, weight.t, probs.t, dweight.t, grouped.t, d1.t);
+  cpu::router_backward(cfg, logits.t, idx.t, weight.t, probs.t, dweight.t, each.t, d2.t);
+  EXPECT_EQ(d1.vec(), d2.vec());
+  auto bad = HostTensor::i32({5, e});
+  EXPECT_NE(error_of([&] { cpu::router_counts(idx.t, bad.t); }).find("G dividing N"), std::string::npos);
 }
 
 }  // namespace

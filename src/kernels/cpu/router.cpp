@@ -113,9 +113,11 @@ void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor
   Dims d = check_router(cfg, logits, idx, weight, probs);
   check_tensor(dweight, "router dweight", DType::f32, {d.n, d.k});
   check_tensor(dlogits, "router dlogits", DType::f32, {d.n, d.e});
-  const bool one_row = dprobs.data != nullptr && dprobs.ndim() == 2 && dprobs.dim(0) == 1;
-  if (dprobs.data != nullptr) check_tensor(dprobs, "router dprobs", DType::f32, {one_row ? 1 : d.n, d.e});
-  const int64_t dprobs_stride = one_row ? 0 : d.e;
+  const int64_t groups = dprobs.data != nullptr && dprobs.ndim() == 2 ? dprobs.dim(0) : 1;
+  MT_CHECK(groups >= 1 && d.n % groups == 0) << "router dprobs " << dprobs.str() << ": its rows should divide the "
+                                             << d.n << " tokens";
+  if (dprobs.data != nullptr) check_tensor(dprobs, "router dprobs", DType::f32, {groups, d.e});
+  const int64_t group = std::max<int64_t>(1, d.n / groups);  // tokens a dprobs row
   const int32_t* ip = idx.i32();
   for (int64_t s = 0; s < d.n * d.k; ++s)
     MT_CHECK(ip[s] >= 0 && ip[s] < d.e) << "router idx of token " << s / d.k << " slot " << s % d.k << " is " << ip[s]
@@ -133,7 +135,7 @@ void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor
     const float* dw = dwp + t * d.k;
     // dl first holds the gradient with respect to probs, then goes through the softmax.
     float* dl = out + t * d.e;
-    for (int64_t e = 0; e < d.e; ++e) dl[e] = dpp != nullptr ? dpp[t * dprobs_stride + e] : 0.0f;
+    for (int64_t e = 0; e < d.e; ++e) dl[e] = dpp != nullptr ? dpp[t / group * d.e + e] : 0.0f;
     if (!topk_softmax) {
       if (cfg.normalize) {
         // w_j = scale * p_j / S with S the sum of the k chosen probabilities.
@@ -170,6 +172,20 @@ void router_prob_sum(const Tensor& probs, const Tensor& sums) {
     double s = 0;
     for (int64_t t = 0; t < n; ++t) s += p[t * e_n + e];
     out[e] = static_cast<float>(s);
+  }
+}
+
+void router_counts(const Tensor& idx, const Tensor& counts) {
+  MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2 && counts.dtype == DType::i32 && counts.ndim() == 2 &&
+           counts.dim(0) >= 1 && idx.dim(0) % counts.dim(0) == 0)
+      << "router_counts wants idx i32 [N,k] and counts i32 [G,E] with G dividing N, got " << idx.str() << " and "
+      << counts.str();
+  const int64_t slots = idx.numel() / counts.dim(0), e_n = counts.dim(1);
+  std::fill(counts.i32(), counts.i32() + counts.numel(), 0);
+  for (int64_t s = 0; s < idx.numel(); ++s) {
+    const int32_t e = idx.i32()[s];
+    MT_CHECK(e >= 0 && e < e_n) << "router idx of slot " << s << " is " << e << ", outside [0, " << e_n << ")";
+    ++counts.i32()[s / slots * e_n + e];
   }
 }
 

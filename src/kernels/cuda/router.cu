@@ -131,7 +131,7 @@ struct Backward {
   const float* probs;
   const float* dweight;
   const float* dprobs;  // null: no load-balance gradient
-  long long dprobs_stride;  // e, or 0 when one row serves every token
+  long long group;      // tokens a dprobs row
   float* dlogits;
   Dims d;
   bool topk_softmax, normalize;
@@ -152,7 +152,7 @@ __global__ void router_backward_kernel(Backward b) {
   for (int j = lane; j < k; j += 32)
     if (it[j] < 0 || it[j] >= e_n) __trap();
 
-  const float* dp = b.dprobs != nullptr ? b.dprobs + static_cast<long long>(t) * b.dprobs_stride : nullptr;
+  const float* dp = b.dprobs != nullptr ? b.dprobs + static_cast<long long>(t) / b.group * e_n : nullptr;
   for (int e = lane; e < e_n; e += 32) dl[e] = dp != nullptr ? dp[e] : 0.0f;
   __syncwarp();
   if (!b.topk_softmax) {
@@ -230,11 +230,13 @@ void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const T
   const Dims d = check_router(cfg, logits, idx, weight, probs);
   check_arg(dweight, "router dweight", {DType::f32}, {d.n, d.k});
   check_arg(dlogits, "router dlogits", {DType::f32}, {d.n, d.e});
-  const bool one_row = dprobs.data != nullptr && dprobs.ndim() == 2 && dprobs.dim(0) == 1;
-  if (dprobs.data != nullptr) check_arg(dprobs, "router dprobs", {DType::f32}, {one_row ? 1 : d.n, d.e});
+  const int64_t groups = dprobs.data != nullptr && dprobs.ndim() == 2 ? dprobs.dim(0) : 1;
+  MT_CHECK(groups >= 1 && d.n % groups == 0) << "router dprobs " << dprobs.str() << ": its rows should divide the "
+                                             << d.n << " tokens";
+  if (dprobs.data != nullptr) check_arg(dprobs, "router dprobs", {DType::f32}, {groups, d.e});
   if (d.n == 0) return;
   Backward b{idx.i32(),     weight.f32(), probs.f32(), dweight.f32(), dprobs.data != nullptr ? dprobs.f32() : nullptr,
-             one_row ? 0 : d.e, dlogits.f32(), d, cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
+             d.n / groups,  dlogits.f32(), d, cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
              cfg.scale};
   router_backward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(b);
   CUDA_CHECK_LAUNCH();
@@ -277,6 +279,38 @@ void router_prob_sum(const Tensor& probs, const Tensor& sums) {
       probs.f32(), n, static_cast<int>(e_n), partial);
   CUDA_CHECK_LAUNCH();
   router_prob_total_kernel<<<cols, 128, 0, stream()>>>(partial, chunks, static_cast<int>(e_n), sums.f32());
+  CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+// Block g counts group g's slots per expert in shared memory (an out-of-range expert traps).
+__global__ void router_counts_kernel(const int32_t* idx, long long slots, int e_n, int32_t* counts) {
+  extern __shared__ int c[];
+  for (int e = threadIdx.x; e < e_n; e += blockDim.x) c[e] = 0;
+  __syncthreads();
+  const int32_t* it = idx + static_cast<long long>(blockIdx.x) * slots;
+  for (long long s = threadIdx.x; s < slots; s += blockDim.x) {
+    const int e = it[s];
+    if (e < 0 || e >= e_n) __trap();
+    atomicAdd(&c[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < e_n; e += blockDim.x) counts[static_cast<long long>(blockIdx.x) * e_n + e] = c[e];
+}
+
+}  // namespace
+
+void router_counts(const Tensor& idx, const Tensor& counts) {
+  MT_CHECK(idx.ndim() == 2 && counts.ndim() == 2 && counts.dim(0) >= 1 && idx.dim(0) % counts.dim(0) == 0)
+      << "router_counts wants idx i32 [N,k] and counts i32 [G,E] with G dividing N, got " << idx.str() << " and "
+      << counts.str();
+  check_arg(idx, "router idx", {DType::i32}, {idx.dim(0), idx.dim(1)});
+  check_arg(counts, "router counts", {DType::i32}, {counts.dim(0), counts.dim(1)});
+  const int64_t groups = counts.dim(0), e_n = counts.dim(1);
+  if (e_n == 0) return;
+  router_counts_kernel<<<static_cast<unsigned>(groups), 256, static_cast<size_t>(e_n) * sizeof(int), stream()>>>(
+      idx.i32(), idx.numel() / groups, static_cast<int>(e_n), counts.i32());
   CUDA_CHECK_LAUNCH();
 }
 
