@@ -572,6 +572,7 @@ class FusedExperts final : public Model {
   Tensor logits(Stash&) override { return {}; }
   std::vector<RouterStats> router_stats(const Stash&) const override { return {}; }
   void set_router_prob_grad(Stash&, int64_t, const std::vector<float>&) override {}
+  void set_expert_bias(int64_t, const std::vector<float>&) override {}
 
  private:
   int64_t layers_, experts_;

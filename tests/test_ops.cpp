@@ -100,6 +100,10 @@ std::vector<OpCase> table() {
   add(router_case({.rows = 5, .experts = 32, .top_k = 4, .gpt_oss = true, .dprobs = true}));
   add(router_case({.rows = 1, .experts = 5, .top_k = 5, .gpt_oss = true}));
   add(router_case({.rows = 3, .experts = 7, .top_k = 1, .gpt_oss = true}));
+  // ... and with an expert bias (DeepSeek-V3's loss-free balancing) on each scoring and groups.
+  add(router_case({.rows = 9, .experts = 8, .top_k = 2, .normalize = true, .dprobs = true, .bias = true}));
+  add(router_case({.rows = 7, .experts = 16, .top_k = 3, .n_group = 4, .topk_group = 2, .bias = true}));
+  add(router_case({.rows = 6, .experts = 8, .top_k = 2, .gpt_oss = true, .bias = true}));
   // router z-loss: one row, one expert, and logits large enough that logsumexp needs its max.
   add(router_z_case(1, 1, 2.0));
   add(router_z_case(6, 8, 2.0));

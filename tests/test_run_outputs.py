@@ -104,7 +104,7 @@ def test_plot(binary):
         sys.exit(77)
     dump = tempfile.mkdtemp(prefix="moetrain_plot_")
     rows = train(binary, dump, "--training.steps=12", "--lr_scheduler.warmup_steps=3", "--offload.experts=weights",
-                 "--offload.gpu_expert_slots=3")
+                 "--offload.gpu_expert_slots=3", "--training.expert_bias_update_rate=0.01")
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_run.py"), dump],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     check(p.returncode == 0, f"plot_run.py failed: {p.stdout}")
@@ -142,6 +142,12 @@ def test_plot(binary):
     check(all(0 <= v <= 1 for r in rows for layer in r["expert_cache_residency"] for v in layer if v is not None)
           and any(0 < v < 1 for layer in rows[-1]["expert_cache_residency"] for v in layer if v is not None),
           "residency outside [0, 1], or no expert found sometimes on the device and sometimes not")
+    svg = ET.parse(os.path.join(dump, "plots", "expert_bias.svg")).getroot()
+    found = {"".join(t.itertext()).strip() for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+    for t in ["max / mean expert load", "layer 0: routing bias of each expert", "layer 2: routing bias of each expert",
+              "bias added to the score (top-k choice)"]:
+        check(t in found, f"expert_bias.svg: no text '{t}'")
+    check(any(v != 0 for layer in rows[-1]["expert_bias"] for v in layer), "no expert bias moved")
     if shutil.which("mpirun") is None:
         print("plot: no mpirun, so no expert-placement plot checked")
         return

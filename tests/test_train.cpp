@@ -214,7 +214,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 62);
+  EXPECT_EQ(keys, 63);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -2521,6 +2521,64 @@ TEST(Commands, DeepSeekConfigAsksForTheSequenceLevelLoss) {
   for (size_t i = 0; i < 2; ++i)
     for (const char* key : {"loss", "lb_loss", "grad_norm"}) EXPECT_EQ(asked[i][key], by_hand[i][key]) << key;
   EXPECT_NE(own[1]["loss"], asked[1]["loss"]);
+}
+
+// training.expert_bias_update_rate (DeepSeek-V3's loss-free balancing): after each of 3
+// steps every expert's bias moves by the rate against its load, as computed here by hand
+// from the step's counts (in float, as the trainer adds); ep 2 gives the same biases; the
+// biases change later steps' routing; a resume from step 2 continues with them; and
+// `moetrain eval` of the checkpoint routes with them (its loss is the run's val_loss).
+TEST(Commands, ExpertBiasMovesByTheRateAgainstTheLoad) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("expert_bias");
+  write_four_sequences("qwen3_moe_a", dir);
+  const float rate = 0.05f;
+  auto train = [&](const std::string& name, int np, const std::string& flags) {
+    auto [rc, out] = run((np > 1 ? kMpirun + std::to_string(np) + " " : std::string()) + MOETRAIN_BIN + " train" +
+                         " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
+                         " --training.micro_batch_size=1 --validation.tokens=" + dir + "/tokens.npy" +
+                         " --validation.interval=3 --job.dump_folder=" + dir + "/" + name + flags);
+    EXPECT_EQ(rc, 0) << name << ": " << out;
+    return metrics_of(dir + "/" + name);
+  };
+  const std::string on = " --training.expert_bias_update_rate=0.05";
+  const std::vector<nlohmann::json> one = train("one", 1, on + " --training.steps=3");
+  const std::vector<nlohmann::json> ep2 = train("ep2", 2, on + " --training.steps=3 --parallelism.ep=2");
+  const std::vector<nlohmann::json> off = train("off", 1, " --training.steps=3");
+  ASSERT_EQ(one.size(), 3u);
+  ASSERT_EQ(ep2.size(), 3u);
+  ASSERT_EQ(off.size(), 3u);
+  EXPECT_FALSE(off[2].contains("expert_bias"));
+  std::vector<std::vector<float>> bias(2, std::vector<float>(8, 0.0f));
+  for (size_t s = 0; s < 3; ++s) {
+    const auto counts = one[s]["expert_counts"].get<std::vector<std::vector<int64_t>>>();
+    for (size_t l = 0; l < 2; ++l) {
+      double mean = 0;
+      for (int64_t c : counts[l]) mean += static_cast<double>(c) / 8.0;
+      for (size_t e = 0; e < 8; ++e)
+        bias[l][e] += mean > static_cast<double>(counts[l][e]) ? rate : mean < static_cast<double>(counts[l][e]) ? -rate : 0.0f;
+    }
+    EXPECT_EQ(one[s]["expert_bias"].get<std::vector<std::vector<float>>>(), bias) << "step " << s + 1;
+    EXPECT_EQ(ep2[s]["expert_bias"], one[s]["expert_bias"]) << "step " << s + 1;
+    EXPECT_EQ(ep2[s]["expert_counts"], one[s]["expert_counts"]) << "step " << s + 1;
+  }
+  EXPECT_EQ(one[0]["expert_counts"], off[0]["expert_counts"]);  // no bias yet at step 1
+  EXPECT_NE(one[2]["expert_counts"], off[2]["expert_counts"]) << "the biases should move some choices";
+  train("resumed", 1, on + " --training.steps=2");
+  const std::vector<nlohmann::json> resumed = train("resumed", 1, on + " --training.steps=3");
+  ASSERT_EQ(resumed.size(), 3u);
+  EXPECT_EQ(resumed[2]["expert_bias"], one[2]["expert_bias"]);
+  EXPECT_EQ(resumed[2]["loss"], one[2]["loss"]);
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " eval --model " + dir + "/one/checkpoints/step-00000003 --tokens " +
+                       dir + "/tokens.npy");
+  ASSERT_EQ(rc, 0) << out;
+  const double eval_loss = nlohmann::json::parse(out.substr(out.find('{')))["loss"];
+  EXPECT_NEAR(one[2]["val_loss"].get<double>(), eval_loss, 1e-6 * eval_loss);
+  // A Hugging Face export has no place for them, and says so.
+  std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " export-hf --checkpoint " + dir + "/one --output " + dir +
+                          "/hf 2>&1");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("routers carry expert biases"), std::string::npos) << out;
 }
 
 // What replicas do not take yet is refused at start, naming the keys: no ep, and with

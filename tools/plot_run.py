@@ -15,6 +15,8 @@ writes, each as .png and .svg:
   expert_placement (parallelism.expert_replicas) the rows the busiest ep rank got over
                the mean, per layer, against step; then the same heatmaps of each
                expert's copies over the ep ranks (1: its owner's alone)
+  expert_bias  (training.expert_bias_update_rate) the max / mean expert load again, then
+               the same heatmaps of each expert's routing bias
 and prints one line per file written. The file is read line by line, so a long run
 of a large model needs memory for its bins, not for every step's counts.
 """
@@ -42,7 +44,7 @@ def read_run(path):
         raise SystemExit(f"{path}: no steps")
     per_bin = math.ceil(n / COLUMNS)
     run = {"step": [], "max_over_mean": [], "bins": [], "bin_steps": [], "layers": [], "resident": [],
-           "copies": [], "rank_rows": []}
+           "copies": [], "rank_rows": [], "bias": []}
     run.update({k: [] for k in SCALARS})
     with open(path) as f:
         for i, line in enumerate(line for line in f if line.strip()):
@@ -68,6 +70,11 @@ def read_run(path):
                 seen = ~np.isnan(res)
                 run["resident"][-1][0] += np.where(seen, res, 0.0)
                 run["resident"][-1][1] += seen
+            if "expert_bias" in r:
+                bias = np.asarray(r["expert_bias"], dtype=np.float64)
+                if i % per_bin == 0:
+                    run["bias"].append(np.zeros_like(bias))
+                run["bias"][-1] += bias
             if "expert_copies" in r:
                 copies = np.asarray(r["expert_copies"], dtype=np.float64)
                 if i % per_bin == 0:
@@ -102,13 +109,13 @@ def plot_metrics(run, out, title):
     save(fig, out, "metrics")
 
 
-def heatmaps(run, axes, maps, label, vmax):
+def heatmaps(run, axes, maps, label, vmax, vmin=0.0, cmap="viridis"):
     """One panel a MoE layer: maps[layer] is [expert, bin], against the bins' steps."""
     first, last = run["step"][0], run["step"][-1]
     image = None
     for i, layer in enumerate(run["layers"]):
         ax = axes[i]
-        image = ax.imshow(maps[i], aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=vmax,
+        image = ax.imshow(maps[i], aspect="auto", origin="lower", cmap=cmap, vmin=vmin, vmax=vmax,
                           interpolation="nearest", extent=(first - 0.5, last + 0.5, -0.5, maps.shape[1] - 0.5))
         ax.set_title(f"layer {layer}: {label}")
         ax.set_xlabel("step")
@@ -175,6 +182,20 @@ def plot_expert_placement(run, out, title):
     save(fig, out, "expert_placement")
 
 
+def plot_expert_bias(run, out, title):
+    layers = run["layers"]
+    if not layers or len(run["bias"]) != len(run["bins"]) or len(run["max_over_mean"]) != len(run["step"]):
+        return
+    bias = np.stack([b / n for b, (_, n) in zip(run["bias"], run["bin_steps"])], axis=-1)
+    reach = max(float(np.abs(bias).max()), 1e-12)
+    fig, axes = grid(len(layers) + 1)
+    peaks(axes[0], run, run["max_over_mean"], "max / mean expert load")
+    image = heatmaps(run, axes[1:], bias, "routing bias of each expert", reach, -reach, "coolwarm")
+    fig.suptitle(title + " (expert bias)")
+    fig.colorbar(image, ax=axes[1:len(layers) + 1], shrink=0.8, label="bias added to the score (top-k choice)")
+    save(fig, out, "expert_bias")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", help="a run folder (job.dump_folder) holding metrics.jsonl")
@@ -187,6 +208,7 @@ def main():
     plot_metrics(run, out, title)
     plot_expert_load(run, out, title)
     plot_expert_placement(run, out, title)
+    plot_expert_bias(run, out, title)
 
 
 if __name__ == "__main__":

@@ -281,11 +281,18 @@ int run_export_hf(const Args& args) {
   // there may rotate it away meanwhile: read_checkpoint reads the newest again.
   fs::path ckpt;
   Written w;
+  bool biased = false;
   read_checkpoint(named, [&](const std::string& dir) {
     ckpt = dir;
     fs::remove_all(out);
     w = write_export(ckpt, out, dtype == "bf16", max_shard);
+    biased = saved_expert_bias(dir) != "null";
   });
+  if (biased)
+    std::fprintf(stderr, "moetrain export-hf: warning: %s's routers carry expert biases (training."
+                         "expert_bias_update_rate), which these Hugging Face architectures have no place for: the "
+                         "export routes without them (moetrain eval and generate of the checkpoint route with them)\n",
+                 ckpt.string().c_str());
   // Swap: until the second rename dest is whole (the old one), after it the new one.
   if (fs::exists(dest)) fs::rename(dest, old);
   fs::rename(out, dest, ec);

@@ -486,6 +486,7 @@ int run_train(const Args& args) {
     trainer.set_steps_done(saved.step);
     trainer.set_data_cursor(saved.data_cursor);
     trainer.set_expert_placement(saved.expert_placement, writer);
+    trainer.set_expert_bias(saved.expert_bias);
   }
   // Parameters of the whole model: each pp rank counts its own (of one ep rank's experts).
   std::vector<int64_t> counts = {model->param_count(), model->active_param_count()};
@@ -553,6 +554,7 @@ int run_train(const Args& args) {
     state.lr = lr;
     state.data_cursor = trainer.data_cursor();
     state.expert_placement = trainer.expert_placement();
+    state.expert_bias = trainer.expert_bias();
     // Weights are replicated over dp and cp: the pp x ep ranks of the first replica
     // write, each its own experts and (ep rank 0) its layers' dense weights. Sharded
     // moments are first gathered (and with ZeRO-3 the layers' weights), which every rank

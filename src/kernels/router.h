@@ -24,9 +24,12 @@ struct RouterConfig {
 
 // logits f32 [N,E] -> idx i32 [N,k] (best first; ties to the lower expert id),
 // weight f32 [N,k], probs f32 [N,E] = softmax over all E experts (kept for the
-// backward and for the load-balance loss).
+// backward and for the load-balance loss). With a bias f32 [E] (DeepSeek-V3's
+// auxiliary-loss-free balancing) experts and groups are chosen by score + bias, the
+// score being the probability (softmax_topk) or the logit (topk_softmax); the weights
+// stay those of the unbiased scores.
 void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
-                    const Tensor& probs);
+                    const Tensor& probs, const Tensor& bias = {});
 
 // dlogits f32 [N,E] (overwritten) from dweight f32 [N,k] and, when not empty,
 // dprobs f32 [G,E] (the load-balance loss's gradient with respect to probs): the N
@@ -60,7 +63,7 @@ void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, cons
 namespace mt::cuda {
 
 void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
-                    const Tensor& probs);
+                    const Tensor& probs, const Tensor& bias = {});
 void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
                      const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits);
 // In double, by chunks of 256 tokens then over the chunks (a fixed order, so repeatable;
@@ -77,11 +80,11 @@ void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, cons
 namespace mt {
 
 inline void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx,
-                           const Tensor& weight, const Tensor& probs) {
+                           const Tensor& weight, const Tensor& probs, const Tensor& bias = {}) {
 #ifdef MOETRAIN_WITH_CUDA
-  if (probs.device == Device::cuda) return cuda::router_forward(cfg, logits, idx, weight, probs);
+  if (probs.device == Device::cuda) return cuda::router_forward(cfg, logits, idx, weight, probs, bias);
 #endif
-  return cpu::router_forward(cfg, logits, idx, weight, probs);
+  return cpu::router_forward(cfg, logits, idx, weight, probs, bias);
 }
 
 inline void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx,

@@ -294,6 +294,7 @@ class Decoder final : public Model {
   std::vector<RouterStats> router_stats(const Stash& s) const override;
   void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override;
   void set_router_z_loss(double scale) override { z_scale_ = scale; }
+  void set_expert_bias(int64_t layer, const std::vector<float>& bias) override;
   RowMemory row_memory() const override { return {pool_->peak, pool_->skew}; }
   void reset_row_memory() override {
     pool_->peak = pool_->in_use;
@@ -413,6 +414,9 @@ class Decoder final : public Model {
   ExpertReplicas replicas_;
   size_t replica_bytes_ = 0;  // what their slots add to the arenas
   double z_scale_ = 0;        // the router z-loss's factor on its sum (0: off)
+  // The routers' expert biases [E] per layer (empty until set_expert_bias), in bias_arena_.
+  Arena bias_arena_;
+  std::vector<Tensor> expert_bias_;
   comm::Communicator* ep_;  // null: every expert lives here
   int64_t local_experts_ = 0, first_expert_ = 0;
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
@@ -970,7 +974,8 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
                    s.all_rows, x.logits);
     else
       gemm(x.y, C(w.router), x.logits, false, true);
-    mt::router_forward(c_.router, x.logits, x.idx, x.weight, x.probs);
+    mt::router_forward(c_.router, x.logits, x.idx, x.weight, x.probs,
+                       expert_bias_.empty() ? Tensor{} : expert_bias_[static_cast<size_t>(l)]);
     mt::router_prob_sum(x.probs, x.prob_sum);
     if (z_scale_ != 0) mt::router_z_forward(x.logits, x.lse, x.z_sum);
     if (balanced_) {
@@ -1391,6 +1396,27 @@ std::vector<RouterStats> Decoder::router_stats(const Stash& base) const {
     out.push_back(std::move(r));
   }
   return out;
+}
+
+void Decoder::set_expert_bias(int64_t layer, const std::vector<float>& bias) {
+  const int64_t E = c_.num_experts;
+  MT_CHECK(layer >= 0 && layer < c_.num_layers && held_[layer] && c_.moe[layer] &&
+           static_cast<int64_t>(bias.size()) == E)
+      << "an expert bias of " << bias.size() << " values for layer " << layer << ", which is not a MoE layer held "
+      << "here with " << E << " experts";
+  if (expert_bias_.empty()) {
+    // Every held MoE layer's, zero, at the first call.
+    int64_t layers = 0;
+    for (int64_t l = 0; l < c_.num_layers; ++l) layers += held_[l] && c_.moe[l];
+    bias_arena_ = Arena("expert bias", device_, static_cast<size_t>(layers) * (E * sizeof(float) + Arena::kAlign));
+    expert_bias_.resize(static_cast<size_t>(c_.num_layers));
+    for (int64_t l = 0; l < c_.num_layers; ++l)
+      if (held_[l] && c_.moe[l]) {
+        expert_bias_[static_cast<size_t>(l)] = bias_arena_.alloc(DType::f32, {E});
+        mt::fill(expert_bias_[static_cast<size_t>(l)], 0.0f);
+      }
+  }
+  mt::copy(expert_bias_[static_cast<size_t>(layer)], Tensor(const_cast<float*>(bias.data()), {E}, DType::f32));
 }
 
 void Decoder::set_router_prob_grad(Stash& base, int64_t layer, const std::vector<float>& dprob) {

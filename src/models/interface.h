@@ -268,6 +268,10 @@ class Model {
   // forward sums logsumexp(logits)^2 over its tokens (RouterStats::z_sum) and its
   // backward adds scale x that sum's gradient to the router's (0: off).
   virtual void set_router_z_loss(double scale) { (void)scale; }
+  // DeepSeek-V3's auxiliary-loss-free balancing (training.expert_bias_update_rate): the
+  // per-expert bias [E] a held MoE layer's router adds to its scores for the top-k choice
+  // only (kernels/router.h); zero until set.
+  virtual void set_expert_bias(int64_t layer, const std::vector<float>& bias) = 0;
 
   // The expert rows' memory (RowMemory) since the last reset; a trainer resets it at
   // each step's start. A model without routed rows holds none.

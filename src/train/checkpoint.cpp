@@ -221,6 +221,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   state["lr"] = st.lr;
   state["data_cursor"] = nlohmann::json::parse(st.data_cursor);
   state["expert_placement"] = nlohmann::json::parse(st.expert_placement);
+  state["expert_bias"] = nlohmann::json::parse(st.expert_bias);
   state["config"] = st.config_toml;
   record("train_state.json", io::write_file_atomic((tmp / "train_state.json").string(), {state.dump(2)}));
   auto copy_in = [&](const fs::path& from, const std::string& name) {
@@ -350,9 +351,40 @@ std::unique_ptr<Model> load_model_folder(const std::string& path, const ModelOpt
   read_checkpoint(path, [&](const std::string& dir) {
     model = make_model(dir + "/config.json", options);
     load_checkpoint(dir, *model, nullptr);
+    apply_expert_bias(*model, parse_expert_bias(*model, saved_expert_bias(dir)), [](int64_t) { return true; });
     if (read != nullptr) *read = dir;
   });
   return model;
+}
+
+std::string saved_expert_bias(const std::string& dir) {
+  return fs::exists(fs::path(dir) / "train_state.json") ? read_train_state(dir).expert_bias : "null";
+}
+
+std::vector<std::vector<float>> parse_expert_bias(const Model& model, const std::string& json) {
+  const nlohmann::json j = nlohmann::json::parse(json, nullptr, false);
+  if (j.is_null()) return {};
+  size_t moe = 0;
+  for (int64_t l = 0; l < model.num_layers(); ++l) moe += model.is_moe_layer(l);
+  const size_t E = static_cast<size_t>(model.num_experts());
+  bool fits = j.is_array() && j.size() == moe;
+  for (size_t i = 0; fits && i < j.size(); ++i) {
+    fits = j[i].is_array() && j[i].size() == E;
+    for (size_t e = 0; fits && e < E; ++e) fits = j[i][e].is_number();
+  }
+  MT_CHECK(fits) << "the checkpoint's expert_bias is not " << moe << " MoE layers of " << E
+                 << " numbers: was it saved with another model?";
+  return j.get<std::vector<std::vector<float>>>();
+}
+
+void apply_expert_bias(Model& model, const std::vector<std::vector<float>>& bias,
+                       const std::function<bool(int64_t)>& held) {
+  size_t i = 0;
+  for (int64_t l = 0; l < model.num_layers() && !bias.empty(); ++l) {
+    if (!model.is_moe_layer(l)) continue;
+    if (held(l)) model.set_expert_bias(l, bias[i]);
+    ++i;
+  }
 }
 
 TrainState read_train_state(const std::string& dir) {
@@ -386,6 +418,7 @@ TrainState read_train_state(const std::string& dir) {
   st.lr = j.value("lr", 0.0);
   st.data_cursor = j.contains("data_cursor") ? j["data_cursor"].dump() : "null";
   st.expert_placement = j.contains("expert_placement") ? j["expert_placement"].dump() : "null";
+  st.expert_bias = j.contains("expert_bias") ? j["expert_bias"].dump() : "null";
   st.config_toml = j.value("config", std::string());
   // The folder's name says the step too (a step edited to 999 was trusted, and rotation
   // then deleted good checkpoints).

@@ -39,6 +39,8 @@ struct TrainState {
   std::string data_cursor = "null";  // JSON, owned by the data source
   // JSON: the expert replicas' placement and the loads' average (Trainer::expert_placement)
   std::string expert_placement = "null";
+  // JSON: the routers' expert biases (training.expert_bias_update_rate; Trainer::expert_bias)
+  std::string expert_bias = "null";
   std::string config_toml;           // the run's config (TOML): a resume compares its own with it
 };
 
@@ -84,8 +86,18 @@ void read_checkpoint(const std::string& path, const std::function<void(const std
 // its checkpoints/) rather than a Hugging Face model folder (config.json, no train_state).
 bool is_checkpoint_folder(const std::string& path);
 
+// A checkpoint's expert biases (TrainState::expert_bias, JSON) for `model`: one row of
+// num_experts() a MoE layer of the whole model, or none for "null"; an error names what
+// does not fit. apply_expert_bias gives each MoE layer `held` says the model has its row.
+std::vector<std::vector<float>> parse_expert_bias(const Model& model, const std::string& json);
+// The expert biases checkpoint `dir` saved ("null": none, or no train_state.json).
+std::string saved_expert_bias(const std::string& dir);
+void apply_expert_bias(Model& model, const std::vector<std::vector<float>>& bias,
+                       const std::function<bool(int64_t)>& held);
+
 // The model of a Hugging Face folder, or of a checkpoint found, verified and read through
-// read_checkpoint, built with `options`; `read` gets the folder read.
+// read_checkpoint, built with `options` (a checkpoint's expert biases applied); `read`
+// gets the folder read.
 std::unique_ptr<Model> load_model_folder(const std::string& path, const ModelOptions& options,
                                          std::string* read = nullptr);
 

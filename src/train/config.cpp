@@ -82,6 +82,10 @@ void visit(C& c, F&& f) {
   f({"training", "router_z_loss_coef", 0,
      "weight of the router z-loss (mean over MoE layers and tokens of logsumexp(logits)^2) added to the loss"},
     c.training.router_z_loss_coef);
+  f({"training", "expert_bias_update_rate", 0,
+     "DeepSeek-V3's loss-free balancing: each step an expert's routing bias (for the top-k choice only) moves by "
+     "this x sign(mean load - its load); 0: off"},
+    c.training.expert_bias_update_rate);
   f({"training", "capacity_factor", 0, "an expert keeps ceil(f * tokens * top_k / experts) rows; 0: dropless"},
     c.training.capacity_factor);
   f({"training", "activation_checkpoint", 0,
@@ -279,6 +283,8 @@ void validate(const Config& c) {
   });
   MT_CHECK(c.training.device_memory_limit >= 0.0)
       << "training.device_memory_limit = " << c.training.device_memory_limit << ": expected GiB >= 0 (0: no limit)";
+  MT_CHECK(c.training.expert_bias_update_rate >= 0.0)
+      << "training.expert_bias_update_rate = " << c.training.expert_bias_update_rate << ": expected >= 0 (0: off)";
   MT_CHECK(c.training.router_z_loss_coef >= 0.0)
       << "training.router_z_loss_coef = " << c.training.router_z_loss_coef << ": expected >= 0 (0: off)";
   MT_CHECK(c.training.capacity_factor >= 0.0) << "training.capacity_factor = " << c.training.capacity_factor

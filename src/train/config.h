@@ -58,6 +58,9 @@ struct TrainingConfig {
   // The router z-loss's weight (ST-MoE; Megatron's --moe-z-loss-coeff): the mean over MoE
   // layers and tokens of logsumexp(router logits)^2, added to the loss (0: off).
   double router_z_loss_coef = 0.0;
+  // DeepSeek-V3's auxiliary-loss-free balancing: after each step every expert's router
+  // bias moves by rate x sign(mean load - its load), from the step's counts (0: off).
+  double expert_bias_update_rate = 0.0;
   double capacity_factor = 0.0;   // 0: dropless
   bool force_balanced_routing = false;  // benchmarks: route round-robin, not by the router
   // Recomputation in the backward (torchtitan's names): none, selective or full

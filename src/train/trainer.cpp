@@ -26,6 +26,7 @@
 #include "models/expert_replicas.h"
 #include "models/hf_config.h"
 #include "parallel/context_parallel.h"
+#include "train/checkpoint.h"
 #include "train/schedule.h"
 
 namespace mt {
@@ -826,6 +827,8 @@ StepResult Trainer::step() {
   if (r.non_finite.empty()) optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
   r.expert_counts = counts;
   if (corpus_ && corpus_->corpora() > 1) r.data_shares = corpus_->shares();
+  if (t.expert_bias_update_rate > 0 && r.non_finite.empty()) update_expert_bias(counts);
+  r.expert_bias = expert_bias_;
   if (replicas) {
     profile_.mark("replica weights");
     place_replicas(r);
@@ -961,6 +964,29 @@ Trainer::Validation Trainer::validate() {
   return v;
 }
 
+void Trainer::update_expert_bias(const std::vector<std::vector<int64_t>>& counts) {
+  const float rate = static_cast<float>(cfg_.training.expert_bias_update_rate);
+  if (expert_bias_.empty()) expert_bias_.assign(counts.size(), std::vector<float>(static_cast<size_t>(model_.num_experts()), 0.0f));
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const double mean = static_cast<double>(std::accumulate(counts[i].begin(), counts[i].end(), int64_t{0})) /
+                        static_cast<double>(counts[i].size());
+    for (size_t e = 0; e < counts[i].size(); ++e) {
+      const double behind = mean - static_cast<double>(counts[i][e]);
+      expert_bias_[i][e] += behind > 0 ? rate : behind < 0 ? -rate : 0.0f;
+    }
+  }
+  apply_expert_bias(model_, expert_bias_, [&](int64_t l) { return pipeline_.owner(l) == pp_rank_; });
+}
+
+std::string Trainer::expert_bias() const {
+  return expert_bias_.empty() ? "null" : nlohmann::json(expert_bias_).dump();
+}
+
+void Trainer::set_expert_bias(const std::string& json) {
+  expert_bias_ = parse_expert_bias(model_, json);
+  apply_expert_bias(model_, expert_bias_, [&](int64_t l) { return pipeline_.owner(l) == pp_rank_; });
+}
+
 LossSum Trainer::evaluate(Model& model, const TokenBatch& data, int64_t micro_batch) {
   LossSum total;
   int64_t mb = std::min(micro_batch, data.rows);
@@ -995,6 +1021,7 @@ std::string step_json(const StepResult& r) {
   if (r.z_loss_on) j["z_loss"] = r.z_loss;
   if (r.val_on) j["val_loss"] = r.val_loss;
   if (!r.data_shares.empty()) j["data_shares"] = r.data_shares;
+  if (!r.expert_bias.empty()) j["expert_bias"] = r.expert_bias;
   j["grad_norm"] = r.grad_norm;
   j["lr"] = r.lr;
   if (!r.non_finite.empty()) j["skipped"] = r.non_finite;  // NaN and inf print as null

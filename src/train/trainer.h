@@ -93,6 +93,8 @@ struct StepResult {
   double val_loss = 0;
   // data.mixture: each corpus's share of the samples drawn so far (resumes included).
   std::vector<double> data_shares;
+  // training.expert_bias_update_rate: each MoE layer's router biases after this step's update.
+  std::vector<std::vector<float>> expert_bias;
   double grad_norm = 0;      // global norm before clipping
   double lr = 0;
   double tokens_per_s = 0;
@@ -192,6 +194,10 @@ class Trainer {
     double seconds = 0;
   };
   Validation validate();
+  // training.expert_bias_update_rate: every MoE layer's router bias, as JSON ("null"
+  // before the first update), for checkpoints; setting it gives the held layers theirs.
+  std::string expert_bias() const;
+  void set_expert_bias(const std::string& json);
   // Mean loss and token count of a batch without touching the weights.
   static LossSum evaluate(Model& model, const TokenBatch& data, int64_t micro_batch);
   // The forward of one micro-batch whose ids and labels are in s, on one rank: the
@@ -240,6 +246,10 @@ class Trainer {
   int64_t ranks_per_node_ = -1;                   // of the ep group, from its hostnames (-1: not read yet)
   int64_t placement_version_ = 0;
   void place_replicas(StepResult& r);
+  // Per MoE layer of the whole model (empty: never updated), and its update from the
+  // step's counts, summed over every rank.
+  std::vector<std::vector<float>> expert_bias_;
+  void update_expert_bias(const std::vector<std::vector<int64_t>>& counts);
   // The placements of the MoE layers this rank holds into the model, then the replicas'
   // weights from their owners.
   void apply_placements(const std::vector<int64_t>& moe_layers);

@@ -369,5 +369,39 @@ TEST(CudaRouter, GroupCountsAndGroupDprobsMatchCpu) {
   EXPECT_TRUE(near("dlogits", download(dl.t), dl_ref, Tol(1e-5, 1e-6)));
 }
 
+// An expert bias (DeepSeek-V3's loss-free balancing) ranks the choice on the device as
+// on the CPU: softmax scoring with groups, and GPT-OSS's; the same experts, and weights
+// of the unbiased scores.
+TEST(CudaRouter, BiasedChoiceMatchesCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  const int64_t n = 300, e = 64, k = 6;
+  std::vector<float> logits = random_floats(n * e, -3, 3, 31), bias = random_floats(e, -0.05f, 0.05f, 32);
+  for (bool gpt_oss : {false, true}) {
+    SCOPED_TRACE(gpt_oss ? "topk_softmax" : "softmax_topk with groups");
+    cpu::RouterConfig cfg;
+    cfg.top_k = k;
+    if (gpt_oss) {
+      cfg.scoring = cpu::RouterScoring::topk_softmax;
+    } else {
+      cfg.normalize = true;
+      cfg.n_group = 8;
+      cfg.topk_group = 3;
+    }
+    std::vector<int32_t> idx_ref(n * k), idx_plain(n * k);
+    std::vector<float> w_ref(n * k), p_ref(n * e);
+    cpu::router_forward(cfg, host(logits, {n, e}), host(idx_ref, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}),
+                        host(bias, {e}));
+    cpu::router_forward(cfg, host(logits, {n, e}), host(idx_plain, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}));
+    EXPECT_NE(idx_ref, idx_plain) << "the bias should move some choices";
+    cpu::router_forward(cfg, host(logits, {n, e}), host(idx_ref, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}),
+                        host(bias, {e}));
+    DeviceTensor ld = upload(logits, DType::f32, {n, e}), bd = upload(bias, DType::f32, {e});
+    DeviceTensor idx = poisoned(DType::i32, {n, k}), w = poisoned(DType::f32, {n, k}), p = poisoned(DType::f32, {n, e});
+    mt::router_forward(cfg, ld.t, idx.t, w.t, p.t, bd.t);
+    EXPECT_EQ(download_ints(idx.t), idx_ref);
+    EXPECT_TRUE(near("weights", download(w.t), w_ref, Tol(1e-5, 1e-6)));
+  }
+}
+
 }  // namespace
 }  // namespace mt::gpu_test

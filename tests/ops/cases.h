@@ -42,8 +42,11 @@ struct RouterRow {
   float scale = 1.0f;
   int64_t n_group = 1, topk_group = 1;
   bool dprobs = false;
+  bool bias = false;  // an expert bias (router_bias_of) ranks the choice: the weights stay unbiased
 };
 OpCase router_case(const RouterRow& r);
+// The bias of router_case's rows with `bias`: 0.3 sin(1.7 e), large enough to move choices.
+std::vector<float> router_bias_of(int64_t experts);
 // The router z-loss: sum over rows of logsumexp(logits)^2 [1] from logits [rows, experts]
 // (router_z_sum), its gradient added to dlogits (router_z_backward).
 OpCase router_z_case(int64_t rows, int64_t experts, double range);

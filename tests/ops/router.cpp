@@ -39,18 +39,25 @@ std::vector<int64_t> best_k(const Vec& score, std::vector<bool> allowed, int64_t
 
 }  // namespace
 
+std::vector<float> router_bias_of(int64_t experts) {
+  std::vector<float> b(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) b[static_cast<size_t>(e)] = static_cast<float>(0.3 * std::sin(1.7 * static_cast<double>(e)));
+  return b;
+}
+
 OpCase router_case(const RouterRow& r) {
   int64_t n = r.rows, e = r.experts, k = r.top_k;
   std::ostringstream name;
   name << "router N=" << n << " E=" << e << " k=" << k << (r.gpt_oss ? " topk_softmax" : " softmax_topk")
        << " norm=" << r.normalize << " scale=" << r.scale << " groups=" << r.n_group << "/" << r.topk_group
-       << " dprobs=" << r.dprobs;
+       << " dprobs=" << r.dprobs << (r.bias ? " bias" : "");
   OpCase c;
   c.name = name.str();
   // A modest logit range: the top-k choice never sits within a finite-difference step
   // of a tie, so the reference is smooth where it is probed.
   c.inputs = {{"logits", {n, e}, -2.0, 2.0}};
   c.outputs = {{"idx", false}, {"weight"}, {"probs", r.dprobs}};
+  const std::vector<float> bias_f = r.bias ? router_bias_of(e) : std::vector<float>{};
   c.reference = [=](const Vecs& in) {
     Vec idx, weight, probs;
     int64_t group = e / r.n_group;
@@ -62,19 +69,23 @@ OpCase router_case(const RouterRow& r) {
       for (double& v : p) v /= sum;
       probs.insert(probs.end(), p.begin(), p.end());
 
+      // The choice ranks the score (the probability, or GPT-OSS's logit) plus the bias.
+      Vec key = r.gpt_oss ? l : p;
+      for (int64_t x = 0; x < e && r.bias; ++x) key[x] += bias_f[x];
       std::vector<bool> allowed(e, true);
       if (r.n_group > 1) {
-        Vec group_score(r.n_group, 0.0);
-        for (int64_t x = 0; x < e; ++x) group_score[x / group] = std::max(group_score[x / group], p[x]);
+        Vec group_score(r.n_group, -1e300);
+        for (int64_t x = 0; x < e; ++x) group_score[x / group] = std::max(group_score[x / group], key[x]);
         std::vector<int64_t> groups = best_k(group_score, std::vector<bool>(r.n_group, true), r.topk_group);
         for (int64_t x = 0; x < e; ++x) allowed[x] = std::find(groups.begin(), groups.end(), x / group) != groups.end();
       }
-      std::vector<int64_t> top = best_k(r.gpt_oss ? l : p, allowed, k);
+      std::vector<int64_t> top = best_k(key, allowed, k);
       Vec w;
       if (r.gpt_oss) {
-        double s = 0;
-        for (int64_t x : top) s += std::exp(l[x] - l[top[0]]);
-        for (int64_t x : top) w.push_back(std::exp(l[x] - l[top[0]]) / s);
+        double s = 0, mx = l[top[0]];
+        for (int64_t x : top) mx = std::max(mx, l[x]);
+        for (int64_t x : top) s += std::exp(l[x] - mx);
+        for (int64_t x : top) w.push_back(std::exp(l[x] - mx) / s);
       } else {
         double s = 0;
         for (int64_t x : top) s += p[x];
@@ -88,7 +99,8 @@ OpCase router_case(const RouterRow& r) {
   c.forward = [=](const Vecs& in) {
     auto logits = HostTensor::f32({n, e}, in[0]), idx = HostTensor::i32({n, k});
     auto weight = HostTensor::f32({n, k}), probs = HostTensor::f32({n, e});
-    cpu::router_forward(config_of(r), logits.t, idx.t, weight.t, probs.t);
+    auto bias = r.bias ? HostTensor::f32({e}, Vec(bias_f.begin(), bias_f.end())) : HostTensor{};
+    cpu::router_forward(config_of(r), logits.t, idx.t, weight.t, probs.t, bias.t);
     return Vecs{idx.vec(), weight.vec(), probs.vec()};
   };
   // Without dprobs the kernel gets an empty tensor, the path a model without a
@@ -97,7 +109,8 @@ OpCase router_case(const RouterRow& r) {
     cpu::RouterConfig cfg = config_of(r);
     auto logits = HostTensor::f32({n, e}, in[0]), idx = HostTensor::i32({n, k});
     auto weight = HostTensor::f32({n, k}), probs = HostTensor::f32({n, e});
-    cpu::router_forward(cfg, logits.t, idx.t, weight.t, probs.t);
+    auto bias = r.bias ? HostTensor::f32({e}, Vec(bias_f.begin(), bias_f.end())) : HostTensor{};
+    cpu::router_forward(cfg, logits.t, idx.t, weight.t, probs.t, bias.t);
     auto dweight = HostTensor::f32({n, k}, dout[1]);
     auto dprobs = r.dprobs ? HostTensor::f32({n, e}, dout[2]) : HostTensor{};
     auto dlogits = HostTensor::f32({n, e}, in[0]);

@@ -56,8 +56,11 @@ struct Better {
 }  // namespace
 
 void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
-                    const Tensor& probs) {
+                    const Tensor& probs, const Tensor& bias) {
   Dims d = check_router(cfg, logits, idx, weight, probs);
+  if (bias.data != nullptr) check_tensor(bias, "router bias", DType::f32, {d.e});
+  const float* bp = bias.data != nullptr ? bias.f32() : nullptr;
+  const bool topk_softmax = cfg.scoring == RouterScoring::topk_softmax;
   const float* lp = logits.f32();
   int32_t* ip = idx.i32();
   float* wp = weight.f32();
@@ -66,7 +69,7 @@ void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor&
 #pragma omp parallel
   {
     std::vector<int32_t> cand, groups(static_cast<size_t>(cfg.n_group));
-    std::vector<float> group_max(static_cast<size_t>(cfg.n_group));
+    std::vector<float> group_max(static_cast<size_t>(cfg.n_group)), biased(bp ? static_cast<size_t>(d.e) : 0);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < d.n; ++t) {
       const float* l = lp + t * d.e;
@@ -74,11 +77,15 @@ void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor&
       float m = *std::max_element(l, l + d.e), sum = 0.0f;
       for (int64_t e = 0; e < d.e; ++e) sum += p[e] = std::exp(l[e] - m);
       for (int64_t e = 0; e < d.e; ++e) p[e] /= sum;
+      // What the choice ranks: the logits, or with a bias the biased scores.
+      if (bp)
+        for (int64_t e = 0; e < d.e; ++e) biased[e] = (topk_softmax ? l[e] : p[e]) + bp[e];
+      const float* key = bp ? biased.data() : l;
 
       cand.clear();
       if (cfg.n_group > 1) {
         for (int64_t g = 0; g < cfg.n_group; ++g)
-          group_max[g] = *std::max_element(l + g * group_size, l + (g + 1) * group_size);
+          group_max[g] = *std::max_element(key + g * group_size, key + (g + 1) * group_size);
         std::iota(groups.begin(), groups.end(), 0);
         std::partial_sort(groups.begin(), groups.begin() + cfg.topk_group, groups.end(), Better{group_max.data()});
         for (int64_t j = 0; j < cfg.topk_group; ++j)
@@ -88,15 +95,16 @@ void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor&
         cand.resize(static_cast<size_t>(d.e));
         std::iota(cand.begin(), cand.end(), 0);
       }
-      std::partial_sort(cand.begin(), cand.begin() + d.k, cand.end(), Better{l});
+      std::partial_sort(cand.begin(), cand.begin() + d.k, cand.end(), Better{key});
 
       int32_t* it = ip + t * d.k;
       float* w = wp + t * d.k;
       std::copy(cand.begin(), cand.begin() + d.k, it);
-      if (cfg.scoring == RouterScoring::topk_softmax) {
-        // it[0] holds the largest logit: the usual shift for a stable softmax.
-        float s = 0.0f;
-        for (int64_t j = 0; j < d.k; ++j) s += w[j] = std::exp(l[it[j]] - l[it[0]]);
+      if (topk_softmax) {
+        // The shift by the largest chosen logit (the first, unless biased) keeps it stable.
+        float top = l[it[0]], s = 0.0f;
+        for (int64_t j = 1; j < d.k; ++j) top = std::max(top, l[it[j]]);
+        for (int64_t j = 0; j < d.k; ++j) s += w[j] = std::exp(l[it[j]] - top);
         for (int64_t j = 0; j < d.k; ++j) w[j] /= s;
       } else {
         float s = 0.0f;

@@ -1,5 +1,6 @@
 // Router on the GPU: one warp per token, f32 throughout, same contract as the CPU backend.
-// Experts (and DeepSeek groups) are ranked by logit, ties to the lower id, as on the CPU;
+// Experts (and DeepSeek groups) are ranked by logit (or, with a bias, by biased score),
+// ties to the lower id, as on the CPU;
 // the j-th pick is the best candidate strictly worse than the (j-1)-th in that order, so
 // no "taken" flags or per-token storage. router_backward checks idx on the device (a bad
 // entry traps the kernel) rather than on the host, which would need a synchronisation.
@@ -48,6 +49,7 @@ __device__ __forceinline__ float warp_max(float s) {
 
 struct Forward {
   const float* logits;
+  const float* bias;  // null: choose by logit
   int32_t* idx;
   float* weight;
   float* probs;
@@ -73,8 +75,11 @@ __global__ void router_forward_kernel(Forward f) {
   for (int e = lane; e < e_n; e += 32) sum += expf(l[e] - mx);
   sum = warp_sum(sum);
   for (int e = lane; e < e_n; e += 32) p[e] = expf(l[e] - mx) / sum;
+  __syncwarp();  // the groups below read other lanes' probabilities
+  // What the choice ranks: the logit, or with a bias the biased score.
+  auto key = [&](int e) { return f.bias == nullptr ? l[e] : (f.topk_softmax ? l[e] : p[e]) + f.bias[e]; };
 
-  // DeepSeek: groups ranked by their best logit; lane x holds groups x and x + 32.
+  // DeepSeek: groups ranked by their best key; lane x holds groups x and x + 32.
   uint64_t allowed = ~0ull;
   const int group_size = e_n / f.n_group;
   if (f.n_group > 1) {
@@ -82,7 +87,7 @@ __global__ void router_forward_kernel(Forward f) {
     for (int x = 0; x < 2; ++x) {
       const int grp = lane + 32 * x;
       if (grp < f.n_group)
-        for (int e = grp * group_size; e < (grp + 1) * group_size; ++e) gmax[x] = fmaxf(gmax[x], l[e]);
+        for (int e = grp * group_size; e < (grp + 1) * group_size; ++e) gmax[x] = fmaxf(gmax[x], key(e));
     }
     allowed = 0;
     Pick prev{INFINITY, -1};
@@ -101,7 +106,7 @@ __global__ void router_forward_kernel(Forward f) {
   for (int j = 0; j < k; ++j) {
     Pick best{0.0f, -1};
     for (int e = lane; e < e_n; e += 32) {
-      const Pick c{l[e], e};
+      const Pick c{key(e), e};
       if ((allowed >> (e / group_size) & 1) && (prev.id < 0 || before(prev, c)) && before(c, best)) best = c;
     }
     prev = warp_best(best);
@@ -110,8 +115,9 @@ __global__ void router_forward_kernel(Forward f) {
   __syncwarp();  // the picks, written by lane 0, are read back by every lane
 
   if (f.topk_softmax) {
-    // it[0] holds the largest chosen logit: the usual shift for a stable softmax.
-    const float top = l[it[0]];
+    // The shift by the largest chosen logit (the first, unless biased) keeps it stable.
+    float top = l[it[0]];
+    for (int j = 1; j < k; ++j) top = fmaxf(top, l[it[j]]);
     float s = 0.0f;
     for (int j = lane; j < k; j += 32) s += expf(l[it[j]] - top);
     s = warp_sum(s);
@@ -215,10 +221,12 @@ Dims check_router(const cpu::RouterConfig& cfg, const Tensor& logits, const Tens
 }  // namespace
 
 void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
-                    const Tensor& probs) {
+                    const Tensor& probs, const Tensor& bias) {
   const Dims d = check_router(cfg, logits, idx, weight, probs);
+  if (bias.data != nullptr) check_arg(bias, "router bias", {DType::f32}, {d.e});
   if (d.n == 0) return;
-  Forward f{logits.f32(), idx.i32(), weight.f32(), probs.f32(), d, static_cast<int>(cfg.n_group),
+  Forward f{logits.f32(), bias.data != nullptr ? bias.f32() : nullptr, idx.i32(), weight.f32(), probs.f32(), d,
+            static_cast<int>(cfg.n_group),
             static_cast<int>(cfg.topk_group), cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
             cfg.scale};
   router_forward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(f);
