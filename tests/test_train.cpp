@@ -2525,7 +2525,8 @@ TEST(Commands, DeepSeekConfigAsksForTheSequenceLevelLoss) {
 
 // training.expert_bias_update_rate (DeepSeek-V3's loss-free balancing): after each of 3
 // steps every expert's bias moves by the rate against its load, as computed here by hand
-// from the step's counts (in float, as the trainer adds); ep 2 gives the same biases; the
+// from the step's counts (in float, as the trainer adds); ep 2, dp 2, cp 2 and pp 2 give
+// the same counts and biases; the
 // biases change later steps' routing; a resume from step 2 continues with them; and
 // `moetrain eval` of the checkpoint routes with them (its loss is the run's val_loss).
 TEST(Commands, ExpertBiasMovesByTheRateAgainstTheLoad) {
@@ -2543,10 +2544,13 @@ TEST(Commands, ExpertBiasMovesByTheRateAgainstTheLoad) {
   };
   const std::string on = " --training.expert_bias_update_rate=0.05";
   const std::vector<nlohmann::json> one = train("one", 1, on + " --training.steps=3");
-  const std::vector<nlohmann::json> ep2 = train("ep2", 2, on + " --training.steps=3 --parallelism.ep=2");
+  std::vector<std::vector<nlohmann::json>> meshes;
+  for (const char* mesh : {" --parallelism.ep=2", "", " --parallelism.cp=2",
+                           " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b"})
+    meshes.push_back(train("mesh" + std::to_string(meshes.size()), 2, on + " --training.steps=3" + mesh));
   const std::vector<nlohmann::json> off = train("off", 1, " --training.steps=3");
   ASSERT_EQ(one.size(), 3u);
-  ASSERT_EQ(ep2.size(), 3u);
+  for (const auto& m : meshes) ASSERT_EQ(m.size(), 3u);
   ASSERT_EQ(off.size(), 3u);
   EXPECT_FALSE(off[2].contains("expert_bias"));
   std::vector<std::vector<float>> bias(2, std::vector<float>(8, 0.0f));
@@ -2559,8 +2563,10 @@ TEST(Commands, ExpertBiasMovesByTheRateAgainstTheLoad) {
         bias[l][e] += mean > static_cast<double>(counts[l][e]) ? rate : mean < static_cast<double>(counts[l][e]) ? -rate : 0.0f;
     }
     EXPECT_EQ(one[s]["expert_bias"].get<std::vector<std::vector<float>>>(), bias) << "step " << s + 1;
-    EXPECT_EQ(ep2[s]["expert_bias"], one[s]["expert_bias"]) << "step " << s + 1;
-    EXPECT_EQ(ep2[s]["expert_counts"], one[s]["expert_counts"]) << "step " << s + 1;
+    for (size_t m = 0; m < meshes.size(); ++m) {
+      EXPECT_EQ(meshes[m][s]["expert_bias"], one[s]["expert_bias"]) << "mesh " << m << " step " << s + 1;
+      EXPECT_EQ(meshes[m][s]["expert_counts"], one[s]["expert_counts"]) << "mesh " << m << " step " << s + 1;
+    }
   }
   EXPECT_EQ(one[0]["expert_counts"], off[0]["expert_counts"]);  // no bias yet at step 1
   EXPECT_NE(one[2]["expert_counts"], off[2]["expert_counts"]) << "the biases should move some choices";
