@@ -30,9 +30,11 @@ namespace fs = std::filesystem;
 using test::error_of;
 const auto run = test::run_command;
 
-// mpirun with two CPU ranks (CI runs as root, which Open MPI refuses unless told).
+// mpirun with two CPU ranks (CI runs as root, which Open MPI refuses unless told), in a
+// session folder of its own (test_train.cpp's kMpirun says why).
 const std::string kMpirun2 =
-    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 mpirun --oversubscribe -np 2 ";
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 "
+    "OMPI_MCA_orte_tmpdir_base=$(mktemp -d /tmp/moetrain-mpi.XXXXXX) mpirun --oversubscribe -np 2 ";
 
 std::string fixture(const std::string& name) { return std::string(MOETRAIN_FIXTURES) + "/" + name; }
 

@@ -152,7 +152,8 @@ def test_plot(binary):
         print("plot: no mpirun, so no expert-placement plot checked")
         return
     dump = tempfile.mkdtemp(prefix="moetrain_plot_replicas_")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+               OMPI_MCA_orte_tmpdir_base=tempfile.mkdtemp(prefix="moetrain-mpi."))  # a session folder of its own
     four = os.path.join(dump, "tokens4.npy")
     subprocess.run([sys.executable, "-c", "import numpy as np, sys; a = np.load(sys.argv[1]); "
                     "np.save(sys.argv[2], np.concatenate([a, a[:1]]))", f"{FIXTURE}/tokens.npy", four], check=True)

@@ -9,7 +9,8 @@ args=(train --model.init="hf:$fx" --data.tokens="$fx/tokens.npy" --training.step
 echo "localhost slots=2" > "$work/hosts"
 root_flag=()
 [ "$(id -u)" = 0 ] && root_flag=(--allow-run-as-root)
-mpirun "${root_flag[@]}" -np 2 --hostfile "$work/hosts" --bind-to none -x OMP_NUM_THREADS \
+# A session folder of its own: another mpirun job ending removes a shared one.
+OMPI_MCA_orte_tmpdir_base="$work" mpirun "${root_flag[@]}" -np 2 --hostfile "$work/hosts" --bind-to none -x OMP_NUM_THREADS \
   "$bin" "${args[@]}" --parallelism.ep=2 --job.dump_folder="$work/two" > "$work/mpirun.log" 2>&1 ||
   { tail -n 20 "$work/mpirun.log"; fail "mpirun failed"; }
 python3 - "$work/one/metrics.jsonl" "$work/two/metrics.jsonl" <<'PY' || fail "2 ranks' losses differ from one rank's"
