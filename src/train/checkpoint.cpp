@@ -15,6 +15,7 @@
 #include "core/check.h"
 #include "io/file.h"
 #include "comm/communicator.h"
+#include "comm/mesh.h"
 #include "io/safetensors.h"
 #include "kernels/elementwise.h"
 #include "train/trainer.h"
@@ -494,6 +495,90 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt, com
     }
   }
   return read_train_state(dir);
+}
+
+namespace {
+
+// Where the tokenizer a checkpoint carries comes from: the corpus's (tokenize copies it
+// there), else the folder of an hf:DIR model or of model.config.
+std::string tokenizer_dir(const Config& c, const std::string& config_json) {
+  const std::vector<MixturePart> corpora = data_corpora(c);
+  for (const std::string& d : {corpora.empty() ? std::string() : corpora[0].folder,
+                               c.model.init.starts_with("hf:") ? c.model.init.substr(3) : ""})
+    if (!d.empty() && fs::exists(fs::path(d) / "tokenizer.json")) return d;
+  return fs::path(config_json).parent_path().string();
+}
+
+}  // namespace
+
+void compare_with_checkpoint(const Config& cfg, const std::string& dir, const std::string& saved, bool print) {
+  const std::vector<ConfigChange> changes = config_changes(saved, cfg);
+  std::string fixed;
+  for (const ConfigChange& c : changes)
+    if (c.breaks_resume) fixed += (fixed.empty() ? "" : ", ") + c.key + " (" + c.before + " -> " + c.after + ")";
+  MT_CHECK(fixed.empty() || cfg.checkpoint.allow_config_change)
+      << fixed << " changed since " << dir << " was saved, and an exact resume needs them unchanged: set them back, "
+      << "start a new run (another job.dump_folder), or resume anyway with --checkpoint.allow_config_change=true";
+  if (!print || changes.empty()) return;
+  std::printf("config changed since %s:\n", dir.c_str());
+  for (const ConfigChange& c : changes) std::printf("  %s: %s -> %s\n", c.key.c_str(), c.before.c_str(), c.after.c_str());
+}
+
+std::vector<std::string> checkpoints_to_try(const Config& cfg) {
+  if (!cfg.checkpoint.load.empty()) return {cfg.checkpoint.load};
+  return complete_checkpoints(cfg.job.dump_folder + "/checkpoints");
+}
+
+std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vector<std::string>& tries, Model& model,
+                                              Trainer& trainer, comm::Communicator& world, bool print) {
+  // Sharded moments are read laid out like the weights, then cut into this rank's shards.
+  trainer.optimizer().materialize_moments();
+  trainer.materialize_weights();
+  // A damaged checkpoint (load_checkpoint checks every file first, alike on every rank)
+  // is named and skipped for the one before it, whose load writes every key again; one
+  // that checkpoint.load names must load.
+  std::string resume;
+  TrainState saved;
+  for (const std::string& dir : tries) {
+    try {
+      saved = read_train_state(dir);
+      if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, dir, saved.config_toml, false);
+      load_checkpoint(dir, model, &trainer.optimizer(), &world);
+      resume = dir;
+      break;
+    } catch (const DamagedCheckpoint& e) {
+      if (!cfg.checkpoint.load.empty()) throw;
+      if (print) std::fprintf(stderr, "moetrain train: warning: skipping %s: %s\n", dir.c_str(), e.why.c_str());
+    }
+  }
+  MT_CHECK(!resume.empty()) << "no checkpoint in " << cfg.job.dump_folder << "/checkpoints verifies (each is named "
+                            << "above): restore the damaged files from a copy, or start afresh in another "
+                            << "job.dump_folder";
+  if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, resume, saved.config_toml, print);
+  trainer.commit_weights();
+  trainer.optimizer().commit_moments();
+  trainer.set_steps_done(saved.step);
+  trainer.set_data_cursor(saved.data_cursor);
+  trainer.set_expert_placement(saved.expert_placement, print);
+  trainer.set_expert_bias(saved.expert_bias);
+  return {resume, saved};
+}
+
+std::string save_run(const Config& cfg, Model& model, Trainer& trainer, comm::DeviceMesh& mesh, const TrainState& state,
+                     const std::string& config_json) {
+  // Weights are replicated over dp and cp: the pp x ep ranks of the first replica write,
+  // each its own experts and (ep rank 0) its layers' dense weights. Sharded moments are
+  // first gathered (and with ZeRO-3 the layers' weights), which every rank takes part in.
+  trainer.optimizer().materialize_moments();
+  trainer.materialize_weights();
+  std::string dir;
+  if (mesh.coord().dp == 0 && mesh.coord().cp == 0)
+    dir = save_checkpoint(cfg.job.dump_folder + "/checkpoints", model, trainer.optimizer(), state, config_json,
+                          tokenizer_dir(cfg, config_json), cfg.checkpoint.keep, &mesh.pp_ep(), mesh.coord().ep == 0);
+  trainer.release_weights();
+  trainer.optimizer().release_moments();
+  mesh.world().barrier();
+  return mesh.world().rank() == 0 ? dir : "";
 }
 
 }  // namespace mt

@@ -23,14 +23,21 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "core/check.h"
 #include "models/interface.h"
+#include "train/config.h"
 #include "train/optimizer.h"
 
 namespace mt {
+
+namespace comm {
+class DeviceMesh;
+}
+class Trainer;
 
 struct TrainState {
   int64_t step = 0;
@@ -85,6 +92,27 @@ void read_checkpoint(const std::string& path, const std::function<void(const std
 // Whether eval and generate take `path` as a checkpoint (a step folder, a run folder,
 // its checkpoints/) rather than a Hugging Face model folder (config.json, no train_state).
 bool is_checkpoint_folder(const std::string& path);
+
+// A run's checkpoints, as train/run.cpp takes and makes them.
+// checkpoints_to_try: checkpoint.load, else the complete checkpoints of job.dump_folder,
+// newest first. resume_run loads the first that verifies: each damaged one is named on
+// stderr (by rank 0, `print`) and skipped for the one before it (one that checkpoint.load
+// names must load); the config is compared (compare_with_checkpoint); weights and moments
+// are read whole and cut into the trainer's shards, and the step, data cursor, expert
+// placement and biases set. Returns the folder and its state. save_run saves the
+// trainer's step `state.step`: weights are replicated over dp and cp, so the pp x ep
+// ranks of the first replica write (save_checkpoint), each its own experts and (ep rank
+// 0) its layers' dense weights, after the sharded moments (and ZeRO-3's layers) are
+// gathered, which every rank takes part in. Returns the folder on rank 0, else "".
+std::vector<std::string> checkpoints_to_try(const Config& cfg);
+std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vector<std::string>& tries, Model& model,
+                                              Trainer& trainer, comm::Communicator& world, bool print);
+std::string save_run(const Config& cfg, Model& model, Trainer& trainer, comm::DeviceMesh& mesh, const TrainState& state,
+                     const std::string& config_json);
+// A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
+// exact resume needs unchanged is refused unless checkpoint.allow_config_change; `print`
+// prints every changed key.
+void compare_with_checkpoint(const Config& cfg, const std::string& dir, const std::string& saved, bool print);
 
 // A checkpoint's expert biases (TrainState::expert_bias, JSON) for `model`: one row of
 // num_experts() a MoE layer of the whole model, or none for "null"; an error names what

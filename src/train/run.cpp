@@ -166,22 +166,6 @@ void refuse_short_host(size_t host, size_t others, int sharing, size_t free) {
             << "offload.experts=none where the device holds them. moetrain plan with the same flags prints each figure";
 }
 
-// A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
-// exact resume needs unchanged is refused unless checkpoint.allow_config_change; rank
-// 0 (`print`) prints every changed key.
-void compare_with_checkpoint(const Config& cfg, const std::string& dir, const std::string& saved, bool print) {
-  const std::vector<ConfigChange> changes = config_changes(saved, cfg);
-  std::string fixed;
-  for (const ConfigChange& c : changes)
-    if (c.breaks_resume) fixed += (fixed.empty() ? "" : ", ") + c.key + " (" + c.before + " -> " + c.after + ")";
-  MT_CHECK(fixed.empty() || cfg.checkpoint.allow_config_change)
-      << fixed << " changed since " << dir << " was saved, and an exact resume needs them unchanged: set them back, "
-      << "start a new run (another job.dump_folder), or resume anyway with --checkpoint.allow_config_change=true";
-  if (!print || changes.empty()) return;
-  std::printf("config changed since %s:\n", dir.c_str());
-  for (const ConfigChange& c : changes) std::printf("  %s: %s -> %s\n", c.key.c_str(), c.before.c_str(), c.after.c_str());
-}
-
 // The data this rank would read, one line a file: each input key's files (a folder's
 // regular files, walked in name order) with io::file_fingerprint's size and checksum.
 std::map<std::string, std::string> data_identity(const Config& cfg) {
@@ -241,16 +225,6 @@ void agree_with_rank0(comm::Communicator& world, const Config& cfg) {
                             << "; every rank must run the same command with the same config, on the same files";
   MT_CHECK(bad[0] == 0) << bad[0] << " rank(s) run another config or read other data than rank 0 (each names its keys "
                         << "and files); every rank must run the same command with the same config, on the same files";
-}
-
-// Where the tokenizer a checkpoint carries comes from: the corpus's (tokenize copies it
-// there), else the folder of an hf:DIR model or of model.config.
-std::string tokenizer_dir(const Config& c, const std::string& config_json) {
-  const std::vector<MixturePart> corpora = data_corpora(c);
-  for (const std::string& d : {corpora.empty() ? std::string() : corpora[0].folder,
-                               c.model.init.starts_with("hf:") ? c.model.init.substr(3) : ""})
-    if (!d.empty() && fs::exists(fs::path(d) / "tokenizer.json")) return d;
-  return fs::path(config_json).parent_path().string();
 }
 
 // metrics.jsonl up to and including `step`: a resumed run continues the file from
@@ -336,10 +310,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
   RunFolder run_folder;
   claim_run_folder(run_folder, world.comm(), folder);
-  // checkpoint.load names the checkpoint to resume from; else the run's complete ones are
-  // tried newest first (below).
-  const std::vector<std::string> tries =
-      cfg.checkpoint.load.empty() ? complete_checkpoints(checkpoints) : std::vector<std::string>{cfg.checkpoint.load};
+  const std::vector<std::string> tries = checkpoints_to_try(cfg);
   comm::DeviceMesh mesh(world.comm(), static_cast<int>(cfg.parallelism.pp), static_cast<int>(cfg.parallelism.cp),
                         static_cast<int>(cfg.parallelism.ep));
   const std::string config_json = model_config_path(cfg);
@@ -448,33 +419,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
       load_hf(*model, cfg.model.init.substr(3));
     trainer.commit_weights();
   } else {
-    // Sharded moments are read laid out like the weights, then cut into this rank's shards.
-    trainer.optimizer().materialize_moments();
-    trainer.materialize_weights();
-    // A damaged checkpoint (load_checkpoint checks every file first, alike on every rank)
-    // is named and skipped for the one before it, whose load writes every key again; one
-    // that checkpoint.load names must load.
-    for (const std::string& dir : tries) {
-      try {
-        saved = read_train_state(dir);
-        if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, dir, saved.config_toml, false);
-        load_checkpoint(dir, *model, &trainer.optimizer(), &world.comm());
-        resume = dir;
-        break;
-      } catch (const DamagedCheckpoint& e) {
-        if (!cfg.checkpoint.load.empty()) throw;
-        if (writer) std::fprintf(stderr, "moetrain train: warning: skipping %s: %s\n", dir.c_str(), e.why.c_str());
-      }
-    }
-    MT_CHECK(!resume.empty()) << "no checkpoint in " << checkpoints << " verifies (each is named above): restore the "
-                              << "damaged files from a copy, or start afresh in another job.dump_folder";
-    if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, resume, saved.config_toml, writer);
-    trainer.commit_weights();
-    trainer.optimizer().commit_moments();
-    trainer.set_steps_done(saved.step);
-    trainer.set_data_cursor(saved.data_cursor);
-    trainer.set_expert_placement(saved.expert_placement, writer);
-    trainer.set_expert_bias(saved.expert_bias);
+    std::tie(resume, saved) = resume_run(cfg, tries, *model, trainer, world.comm(), writer);
   }
   // Parameters of the whole model: each pp rank counts its own (of one ep rank's experts).
   std::vector<int64_t> counts = {model->param_count(), model->active_param_count()};
@@ -543,24 +488,11 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
     state.data_cursor = trainer.data_cursor();
     state.expert_placement = trainer.expert_placement();
     state.expert_bias = trainer.expert_bias();
-    // Weights are replicated over dp and cp: the pp x ep ranks of the first replica
-    // write, each its own experts and (ep rank 0) its layers' dense weights. Sharded
-    // moments are first gathered (and with ZeRO-3 the layers' weights), which every rank
-    // takes part in.
-    trainer.optimizer().materialize_moments();
-    trainer.materialize_weights();
-    if (mesh.coord().dp == 0 && mesh.coord().cp == 0) {
-      std::string dir =
-          save_checkpoint(checkpoints, *model, trainer.optimizer(), state, config_json, tokenizer_dir(cfg, config_json),
-                          cfg.checkpoint.keep, &mesh.pp_ep(), mesh.coord().ep == 0);
-      if (writer) {
-        progress.say("saved " + dir);
-        last_checkpoint = dir;
-      }
+    const std::string dir = save_run(cfg, *model, trainer, mesh, state, config_json);
+    if (writer) {
+      progress.say("saved " + dir);
+      last_checkpoint = dir;
     }
-    trainer.release_weights();
-    trainer.optimizer().release_moments();
-    mesh.world().barrier();
   };
   const int64_t every = cfg.checkpoint.interval, done = trainer.steps_done(), steps = cfg.training.steps;
   if (writer && !cfg.checkpoint.save_final && (every == 0 || steps / every <= done / every)) {
