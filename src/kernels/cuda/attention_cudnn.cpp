@@ -18,7 +18,6 @@
 #include <exception>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -63,12 +62,7 @@ struct State {
   int64_t calls = 0;
 };
 
-// Per process, like the cuBLASLt handle; every use holds state_mutex().
-std::mutex& state_mutex() {
-  static std::mutex m;
-  return m;
-}
-
+// Per process, like the cuBLASLt handle.
 State& state() {
   static State s = [] {
     State init;
@@ -225,24 +219,14 @@ bool run(const GraphKey& key, std::unordered_map<int64_t, void*>& pack) {
 
 }  // namespace
 
-void set_attention_cudnn(bool enabled) {
-  std::lock_guard<std::mutex> lock(state_mutex());
-  state().enabled = enabled;
-}
+void set_attention_cudnn(bool enabled) { state().enabled = enabled; }
 
-bool attention_cudnn_enabled() {
-  std::lock_guard<std::mutex> lock(state_mutex());
-  return state().enabled;
-}
+bool attention_cudnn_enabled() { return state().enabled; }
 
-int64_t attention_cudnn_calls() {
-  std::lock_guard<std::mutex> lock(state_mutex());
-  return state().calls;
-}
+int64_t attention_cudnn_calls() { return state().calls; }
 
 bool cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                              const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
-  std::lock_guard<std::mutex> lock(state_mutex());
   GraphKey key{};
   if (!applies(q, k, v, sinks, a, key)) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kO, out.data},
@@ -253,7 +237,6 @@ bool cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 bool cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                               const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv) {
-  std::lock_guard<std::mutex> lock(state_mutex());
   GraphKey key{};
   if (!applies(q, k, v, sinks, a, key)) return false;
   key.backward = true;

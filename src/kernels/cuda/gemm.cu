@@ -3,7 +3,6 @@
 // a row-major X [r,c] is the column-major X^T [c,r] with the same leading dimension, so
 // C = op(A) op(B) is computed as the column-major C^T = op(B)^T op(A)^T (no copies).
 #include <map>
-#include <mutex>
 #include <tuple>
 
 #include "kernels/cuda/runtime.h"
@@ -47,9 +46,7 @@ struct Plan {
 // An e4m3 key's scale pointers: cuBLASLt's heuristic refuses block scaling without them
 // (they are set again for every call).
 const Plan& plan_for(const PlanKey& key, const void* scale_a = nullptr, const void* scale_b = nullptr) {
-  static std::mutex m;
   static auto* plans = new std::map<PlanKey, Plan>();
-  std::lock_guard<std::mutex> lock(m);
   auto found = plans->find(key);
   if (found != plans->end()) return found->second;
 
@@ -161,9 +158,7 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
   PlanKey key{false, true, m, n, k, k, k, n, c.dtype == DType::f32, alignment(a.data), alignment(b.data),
               alignment(c.data), b_blocks ? 2 : 1};
   const Plan& p = plan_for(key, b_scale.data, a_scale.data);
-  // The scale pointers belong to this call; the plan is shared, so set and launch as one.
-  static std::mutex launch;
-  std::lock_guard<std::mutex> lock(launch);
+  // The scale pointers belong to this call: set on the shared plan just before its launch.
   const void *sa = b_scale.data, *sb = a_scale.data;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));

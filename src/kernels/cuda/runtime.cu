@@ -4,7 +4,6 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 #include <sstream>
 #include <unordered_map>
 #include <utility>
@@ -32,35 +31,26 @@ void fail_cublas(cublasStatus_t s, const char* call, const char* file, int line)
 // fails.
 namespace {
 
-thread_local cudaStream_t t_current = nullptr;  // null: the main stream
+cudaStream_t t_current = nullptr;  // null: the main stream
 
 // Events for ordering only, reused: creating one per cross-stream wait would cost a
-// driver call each time on the step's path.
-std::mutex& events_mutex() {
-  static std::mutex m;
-  return m;
-}
-// Two pools: marks without timing (the cheap ones) and timed marks.
+// driver call each time on the step's path. Two pools: marks without timing (the cheap ones) and timed marks.
 std::vector<cudaEvent_t>& free_events(bool timed) {
   static auto* v = new std::vector<cudaEvent_t>[2];
   return v[timed ? 1 : 0];
 }
 
 cudaError_t take_event(cudaEvent_t& e, bool timed = false) {
-  {
-    std::lock_guard<std::mutex> lock(events_mutex());
-    if (!free_events(timed).empty()) {
-      e = free_events(timed).back();
-      free_events(timed).pop_back();
-      return cudaSuccess;
-    }
+  if (!free_events(timed).empty()) {
+    e = free_events(timed).back();
+    free_events(timed).pop_back();
+    return cudaSuccess;
   }
   return cudaEventCreateWithFlags(&e, timed ? cudaEventDefault : cudaEventDisableTiming);
 }
 
 void give_event(cudaEvent_t e, bool timed = false) noexcept {
   if (e == nullptr) return;
-  std::lock_guard<std::mutex> lock(events_mutex());
   free_events(timed).push_back(e);
 }
 
@@ -85,10 +75,6 @@ cudaStream_t release_stream() {
 }
 
 // Which stream each stream_alloc block was allocated on, for its free.
-std::mutex& allocs_mutex() {
-  static std::mutex m;
-  return m;
-}
 std::unordered_map<void*, cudaStream_t>& allocs() {
   static auto* m = new std::unordered_map<void*, cudaStream_t>();
   return *m;
@@ -191,12 +177,10 @@ cublasLtHandle_t blaslt() {
 void* blaslt_workspace() { return stream_buffer(StreamBuffer::blaslt, kBlasltWorkspaceBytes); }
 
 void* stream_buffer(StreamBuffer kind, size_t bytes) {
-  static std::mutex m;
   static auto* table = new std::vector<StreamBuffers>();
   release_stream();
   const cudaStream_t s = stream();
   const size_t k = static_cast<size_t>(kind);
-  std::lock_guard<std::mutex> lock(m);
   auto it = std::find_if(table->begin(), table->end(), [&](const StreamBuffers& b) { return b.stream == s; });
   if (it == table->end()) it = table->insert(table->end(), StreamBuffers{s});
   if (bytes > it->capacity[k]) {
@@ -216,7 +200,6 @@ void* stream_alloc(size_t bytes) {
   const cudaStream_t s = stream();
   void* p = nullptr;
   CUDA_CHECK(cudaMallocAsync(&p, bytes, s));
-  std::lock_guard<std::mutex> lock(allocs_mutex());
   allocs()[p] = s;
   return p;
 }
@@ -225,13 +208,9 @@ void stream_free(void* p) {
   if (p == nullptr) return;
   const cudaStream_t now = stream();
   cudaStream_t born = now;
-  {
-    std::lock_guard<std::mutex> lock(allocs_mutex());
-    auto it = allocs().find(p);
-    if (it != allocs().end()) {
-      born = it->second;
-      allocs().erase(it);
-    }
+  if (auto it = allocs().find(p); it != allocs().end()) {
+    born = it->second;
+    allocs().erase(it);
   }
   if (born == now) {
     cudaFreeAsync(p, now);

@@ -6,12 +6,12 @@
 //   kernel<<<grid, block, 0, stream()>>>(...);
 //   CUDA_CHECK_LAUNCH();                // a bad launch is reported at the launch site
 //
-// Streams. Every kernel, copy and library call goes to stream(): the calling thread's
-// current stream, which is the backend's main stream (main_stream()) unless a
-// StreamScope names another. Work on one stream is ordered without events; between
-// streams, join() or an Event orders it.
+// Streams. Every kernel, copy and library call goes to stream(): the current stream,
+// which is the backend's main stream (main_stream()) unless a StreamScope names another.
+// Work on one stream is ordered without events; between streams, join() or an Event
+// orders it.
 //
-//   cuda::StreamScope scope(second);     // this thread's ops now queue on `second`
+//   cuda::StreamScope scope(second);     // ops now queue on `second`
 //   cuda::join(second, cuda::main_stream());  // ... after what the main stream has queued
 //
 // What is per stream: scratch(), the cuBLASLt workspace, the grouped GEMM's workspace
@@ -19,9 +19,8 @@
 // streams running at once never share one; synchronize() and copy() wait for the
 // current stream only; stream_alloc hands out memory ordered on the current stream.
 // What is per process: the main stream, the cuBLASLt handle, cuDNN's handle (set to the
-// current stream at each call), the plan caches and the event pool. The shared tables
-// are behind locks, so threads may each drive a stream of their own; one stream is
-// driven by one thread at a time. Streams given to StreamScope must live as long as the
+// current stream at each call), the plan caches and the event pool, unlocked: one host
+// thread drives the backend. Streams given to StreamScope must live as long as the
 // process or be synchronised before they are destroyed: their buffers are kept under the
 // stream's handle, which CUDA may hand out again.
 //
@@ -47,10 +46,10 @@ namespace mt::cuda {
 // with the legacy default stream (a library's or a test's stray cudaMemcpy would
 // otherwise stall it); the arena's allocations synchronise before they are handed out.
 cudaStream_t main_stream();
-// The calling thread's current stream: main_stream() outside any StreamScope.
+// The current stream: main_stream() outside any StreamScope.
 cudaStream_t stream();
 
-// Makes `s` the calling thread's current stream until the scope ends, then restores the
+// Makes `s` the current stream until the scope ends, then restores the
 // one before (scopes nest).
 class StreamScope {
  public:
