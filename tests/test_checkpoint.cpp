@@ -26,6 +26,12 @@
 namespace mt {
 namespace {
 
+// The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
+std::string latest_checkpoint(const std::string& checkpoints_dir) {
+  const std::vector<std::string> all = complete_checkpoints(checkpoints_dir);
+  return all.empty() ? "" : all.front();
+}
+
 namespace fs = std::filesystem;
 using test::error_of;
 const auto run = test::run_command;

@@ -26,7 +26,6 @@ std::string closest(const std::string& word, const std::vector<std::string>& can
 }
 
 void set_check_rank(int rank) { g_check_rank = rank; }
-int check_rank() { return g_check_rank; }
 
 CheckFailure::CheckFailure(const char* statement, const char* file, int line) {
   const char* base = std::strstr(file, "src/");

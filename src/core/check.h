@@ -28,7 +28,6 @@ std::string closest(const std::string& word, const std::vector<std::string>& can
 
 // The rank printed in check messages; set once when the communicator starts.
 void set_check_rank(int rank);
-int check_rank();
 
 class CheckFailure {
  public:

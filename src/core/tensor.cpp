@@ -65,8 +65,4 @@ void check_tensor(const Tensor& t, const char* name, DType dtype, Shape shape) {
   MT_CHECK(t.data != nullptr || shape.numel() == 0) << name << " " << t.str() << " has no storage";
 }
 
-void check_same_device(const Tensor& a, const Tensor& b) {
-  MT_CHECK(a.device == b.device) << a.str() << " and " << b.str() << " are on different devices";
-}
-
 }  // namespace mt

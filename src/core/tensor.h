@@ -73,6 +73,5 @@ struct Tensor {
 
 // Argument checks shared by every kernel: dtype, device and exact shape.
 void check_tensor(const Tensor& t, const char* name, DType dtype, Shape shape);
-void check_same_device(const Tensor& a, const Tensor& b);
 
 }  // namespace mt

@@ -140,20 +140,4 @@ void ExpertReplicas::refresh() {
   }
 }
 
-size_t ExpertReplicas::refresh_bytes() const {
-  size_t bytes = 0;
-  for (const auto& [index, l] : layers_)
-    for (int i : l.params) {
-      const Tensor& t = wide_.at(i).compute;
-      size_t sent = 0;
-      for (int64_t r = 0; r < ranks_; ++r)
-        for (int64_t s = own_; s < slots(); ++s) {
-          const int32_t e = l.placement.slots[static_cast<size_t>(r)][static_cast<size_t>(s)];
-          sent += e >= 0 && l.placement.owner(e) == rank_;
-        }
-      bytes += sent * t.nbytes() / static_cast<size_t>(slots());
-    }
-  return bytes;
-}
-
 }  // namespace mt

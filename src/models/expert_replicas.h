@@ -59,8 +59,6 @@ class ExpertReplicas {
   void sum_gradients(int64_t layer);
   // Collective over ep: every layer's replicas get their owners' compute weights.
   void refresh();
-  // Bytes one refresh moves from this rank, and one gradient sum.
-  size_t refresh_bytes() const;
 
  private:
   struct Layer {

@@ -270,11 +270,6 @@ std::vector<std::string> complete_checkpoints(const std::string& checkpoints_dir
   return out;
 }
 
-std::string latest_checkpoint(const std::string& checkpoints_dir) {
-  const std::vector<std::string> all = complete_checkpoints(checkpoints_dir);
-  return all.empty() ? "" : all.front();
-}
-
 std::string find_checkpoint(const std::string& path) {
   MT_CHECK(fs::is_directory(path)) << path << " is not a folder (expected a checkpoint step-NNNNNNNN folder, or a run "
                                    << "folder holding checkpoints/)";

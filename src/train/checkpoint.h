@@ -74,9 +74,6 @@ struct DamagedCheckpoint : Error {
 // The complete checkpoint folders under `checkpoints_dir`, newest first.
 std::vector<std::string> complete_checkpoints(const std::string& checkpoints_dir);
 
-// The newest complete checkpoint folder under `checkpoints_dir`, or "" if none.
-std::string latest_checkpoint(const std::string& checkpoints_dir);
-
 // What a user names as "a checkpoint", whose model files verify (verify_checkpoint): a
 // step folder (complete; else a DamagedCheckpoint), a checkpoints folder or a run folder
 // (job.dump_folder: its checkpoints/), whose newest complete step that verifies is taken,
