@@ -2245,7 +2245,8 @@ TEST(Commands, ValidationSplitHoldsOutTheLastDocuments) {
 
 // [validation] (Trainer::validate): val_loss after a step is `moetrain eval`'s of that
 // step's checkpoint on the held-out matrix, on one rank and on dp 2, ZeRO-3, ep 2, cp 2,
-// pp 2 with 1F1B and (a deeper model) DualPipeV alike; validation.steps = 1 reads the
+// pp 2 with 1F1B and (a deeper model) DualPipeV alike, and with the expert cache, full
+// recomputation in a sweep, and expert replicas; validation.steps = 1 reads the
 // first global batch alone; the training losses are those of the run without validation.
 TEST(Commands, ValidationEqualsEvalOnEveryMesh) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
@@ -2299,7 +2300,10 @@ TEST(Commands, ValidationEqualsEvalOnEveryMesh) {
   EXPECT_NE(one[0]["val_loss"], one[1]["val_loss"]);
   int mesh = 0;
   for (auto [np, flags] : {std::pair{2, ""}, {2, " --parallelism.zero3=true"}, {2, " --parallelism.ep=2"},
-                           {2, " --parallelism.cp=2"}, {2, " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b"}}) {
+                           {2, " --parallelism.cp=2"}, {2, " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b"},
+                           {1, " --offload.experts=weights --offload.gpu_expert_slots=3"},
+                           {1, " --training.activation_checkpoint=full --training.layer_sweep=0"},
+                           {2, " --parallelism.ep=2 --parallelism.expert_replicas=1 --parallelism.replan_interval=1"}}) {
     const auto [got, out] = train("mesh" + std::to_string(mesh++), np, qwen, val + flags);
     ASSERT_EQ(got.size(), 2u) << flags << out;
     for (size_t i = 0; i < 2; ++i) {
