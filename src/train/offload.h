@@ -8,7 +8,7 @@
 // StreamedUpdate; the sharding leaves them out of its shard vectors (parallel/sharding.h,
 // ShardUnit::offloaded); the plan counts them as host memory (train/trainer.cpp,
 // plan_memory) and train refuses a run whose host memory would not hold them
-// (cli/train.cpp).
+// (train/run.cpp).
 //
 // Each step, after the global gradient norm, the blocks pass through the device in
 // chunks of whole experts: a chunk's weights and moments are copied in on one stream,
