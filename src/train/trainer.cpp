@@ -579,8 +579,7 @@ void sum_over(comm::Communicator* world, std::vector<double>& v) {
 // each token of b, coef count_be E / (T k) / T / sequences, goes to the model. With
 // context parallelism each of the `cps` ranks holds the whole sequence's term and adds
 // 1/cps of it.
-double sequence_balance(const RouterStats& st, int64_t cps, int64_t sequences, double coef, Model* model,
-                        Stash* s) {
+double sequence_balance(const RouterStats& st, int64_t cps, int64_t sequences, double coef, Model& model, Stash& s) {
   const int64_t E = static_cast<int64_t>(st.counts.size()), rows = st.seq_rows;
   const double T = static_cast<double>(st.seq_tokens * cps), k = static_cast<double>(st.top_k);
   const double n = static_cast<double>(sequences);
@@ -593,7 +592,7 @@ double sequence_balance(const RouterStats& st, int64_t cps, int64_t sequences, d
       lb += f * st.seq_prob_sum[i] / T / n;
       dprob[i] = static_cast<float>(coef * f / T / n);
     }
-  if (model) model->set_router_prob_grad(*s, st.layer, dprob);
+  model.set_router_prob_grad(s, st.layer, dprob);
   return lb / static_cast<double>(cps);
 }
 
@@ -701,7 +700,7 @@ StepResult Trainer::step() {
           cp_->all_reduce(Tensor(p.data(), {static_cast<int64_t>(p.size())}, DType::f32));
           st.seq_prob_sum.assign(p.begin(), p.end());
         }
-        lb_total += sequence_balance(st, cps, global_batch_, coef, &model_, &s);
+        lb_total += sequence_balance(st, cps, global_batch_, coef, model_, s);
       }
     } else if (a.op == Op::statistics) {
       std::vector<RouterStats> stats = model_.router_stats(s);
