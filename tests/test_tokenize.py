@@ -116,12 +116,17 @@ def children_of(pid):
     return kids
 
 
-def alive(pid):
+def state(pid):
+    """The process's state letter (R, S, T, Z, ...), or None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
+        return None
+
+
+def alive(pid):
+    return state(pid) not in (None, "Z")
 
 
 def test_kill_and_resume(binary, tmp):
@@ -133,24 +138,41 @@ def test_kill_and_resume(binary, tmp):
     r = tokenize(binary, [src], ref, "--workers", "2")
     check(r.returncode == 0, f"reference run exit {r.returncode}: {r.stderr}")
 
-    # A kill can land between two files (the worker has let one lock go and not yet taken
-    # the next): then nothing is in flight, and the kill is tried again in a fresh folder.
+    # The run is frozen (SIGSTOP, parent and workers) before its files are looked at, so
+    # that what is seen is what the kill leaves: once one file is complete and the next
+    # has its .lock, the frozen parent is killed; otherwise the run goes on (SIGCONT).
+    # A run that finishes first is tried again in a fresh folder.
     for attempt in range(10):
         out = os.path.join(tmp, f"killed{attempt}")
         p = subprocess.Popen([binary, "tokenize", "--tokenizer", TOKENIZER, "--input", src, "--output", out,
                               "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Kill once the first file is complete and the next one is under way (its .lock
-        # is there): each file takes tens of milliseconds, the polling a few.
         deadline = time.time() + 60
-        while p.poll() is None and time.time() < deadline:
-            bins = glob.glob(os.path.join(out, "*.bin"))
-            if any(not os.path.exists(b + ".lock") for b in bins) and glob.glob(os.path.join(out, "*.lock")):
+        workers = set()
+        while time.time() < deadline:
+            p.send_signal(signal.SIGSTOP)  # the parent first: a stopped parent starts no worker
+            workers |= children_of(p.pid)
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+            # kill() returns before the signal lands; wait until each one has stopped.
+            while any(state(w) not in ("T", "Z", None) for w in [p.pid, *workers]):
+                time.sleep(0.0005)
+            if p.poll() is not None:
                 break
+            complete = [b for b in glob.glob(os.path.join(out, "*.bin")) if not os.path.exists(b + ".lock")]
+            if complete and len(glob.glob(os.path.join(out, "*.lock"))) == 1:
+                break
+            for pid in [p.pid, *workers]:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
             time.sleep(0.002)
-        workers = children_of(p.pid)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        # The workers die with their parent (PR_SET_PDEATHSIG); wait until they have.
+        # The workers die with their parent (PR_SET_PDEATHSIG), stopped or not; wait until they have.
         while any(alive(w) for w in workers):
             time.sleep(0.01)
         complete = [b for b in glob.glob(os.path.join(out, "*.bin")) if not os.path.exists(b + ".lock")]
