@@ -1,4 +1,6 @@
-// RMSNorm over the last dimension, as Llama/Qwen/DeepSeek/GPT-OSS define it.
+// RMSNorm over the last dimension, as Llama/Qwen/DeepSeek/GPT-OSS define it; and
+// rmsnorm_rope, Qwen3's per-head q/k norm and the rotation after it (kernels/rope.h's
+// halves) as one op, so that on the GPU the normed heads never make a trip to memory.
 #pragma once
 
 #include "core/tensor.h"
@@ -13,6 +15,14 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
                       const Tensor& dw);
 
+// y = rope(rmsnorm(x)) per head: x, y [B,T,H,Dh] (y may not be x), w [Dh], rstd
+// [B*T*H], cos/sin [T, rotary_dim/2] as rope_forward takes them (pairs i, i + half).
+void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,
+                          const Tensor& y, const Tensor& rstd);
+// dy is the gradient of the rotated y: dx (overwritten) and dw (accumulated).
+void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& cos,
+                           const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw);
+
 }  // namespace mt::cpu
 
 namespace mt::cuda {
@@ -22,6 +32,15 @@ namespace mt::cuda {
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd);
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
                       const Tensor& dw);
+// One pass each way for bf16 heads whose whole width rotates (Dh a multiple of 16, at
+// most 256): the forward reads x once and writes y; the backward reads x and dy once,
+// writes dx and sums dw's partials as rmsnorm_backward does. The normed (forward) and
+// unrotated (backward) heads are rounded to bf16 in registers, where the two separate
+// ops would store them, so the result is theirs. Other shapes run the two ops.
+void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,
+                          const Tensor& y, const Tensor& rstd);
+void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& cos,
+                           const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw);
 
 }  // namespace mt::cuda
 
@@ -40,6 +59,22 @@ inline void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rst
   if (dy.device == Device::cuda) return cuda::rmsnorm_backward(x, w, rstd, dy, dx, dw);
 #endif
   return cpu::rmsnorm_backward(x, w, rstd, dy, dx, dw);
+}
+
+inline void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,
+                                 const Tensor& y, const Tensor& rstd) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (y.device == Device::cuda) return cuda::rmsnorm_rope_forward(x, w, eps, cos, sin, y, rstd);
+#endif
+  return cpu::rmsnorm_rope_forward(x, w, eps, cos, sin, y, rstd);
+}
+
+inline void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& cos,
+                                  const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (dy.device == Device::cuda) return cuda::rmsnorm_rope_backward(x, w, rstd, cos, sin, dy, dx, dw);
+#endif
+  return cpu::rmsnorm_rope_backward(x, w, rstd, cos, sin, dy, dx, dw);
 }
 
 }  // namespace mt

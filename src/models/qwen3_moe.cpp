@@ -71,9 +71,9 @@ namespace {
 struct Qwen3Acts : AttentionActs {
   Tensor q, k, v;         // projections [N,Hq*Dh], [N,Hkv*Dh]
   Tensor rstd_q, rstd_k;  // q/k norm per head [N*Hq], [N*Hkv]
-  Tensor qr, kr;          // normed, then rotated (in place)
+  Tensor qr, kr;          // normed and rotated
   Tensor att, lse;        // attention output [N,Hq*Dh], [B,Hq,S]
-  Tensor d_att, d_qr, d_kr, d_qn, d_kn, d_v, d_q, d_k;
+  Tensor d_att, d_qr, d_kr, d_v, d_q, d_k;
 };
 
 class Qwen3Attention final : public Attention {
@@ -111,8 +111,7 @@ class Qwen3Attention final : public Attention {
     auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
     auto act = [&](Shape sh) { return a.alloc(act_dtype, sh); };
     // What only the layer's B reads: one set for all.
-    const Tensor d_att = act({N, Q}), d_qr = act({N, Q}), d_kr = act({N, KV}), d_qn = act({N, Q}),
-                 d_kn = act({N, KV});
+    const Tensor d_att = act({N, Q}), d_qr = act({N, Q}), d_kr = act({N, KV});
     for (AttentionActs* base : layers) {
       auto& x = static_cast<Qwen3Acts&>(*base);
       x.q = act({N, Q});
@@ -128,8 +127,6 @@ class Qwen3Attention final : public Attention {
       x.d_qr = d_qr;
       x.d_kr = d_kr;
       x.d_v = act({N, KV});
-      x.d_qn = d_qn;
-      x.d_kn = d_kn;
       x.d_q = act({N, Q});
       x.d_k = act({N, KV});
     }
@@ -138,14 +135,14 @@ class Qwen3Attention final : public Attention {
   void forward(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<Qwen3Acts&>(base);
-    const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
+    const int64_t B = io.batch, S = io.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
     const float eps = static_cast<float>(c_.rms_norm_eps);
     io.linear->forward(io.xn, {{P[w.q], x.q}, {P[w.k], x.k}, {P[w.v], x.v}});
-    // The normed q and k are rotated in place: the backward needs only q, k and rstd.
-    rmsnorm_forward(x.q.view({N * Hq, Dh}), P[w.q_norm].value, eps, x.qr.view({N * Hq, Dh}), x.rstd_q);
-    rmsnorm_forward(x.k.view({N * Hkv, Dh}), P[w.k_norm].value, eps, x.kr.view({N * Hkv, Dh}), x.rstd_k);
-    rope_forward(x.qr.view({B, S, Hq, Dh}), io.cos, io.sin, false, x.qr.view({B, S, Hq, Dh}));
-    rope_forward(x.kr.view({B, S, Hkv, Dh}), io.cos, io.sin, false, x.kr.view({B, S, Hkv, Dh}));
+    // Normed and rotated in one pass: the backward needs only q, k and rstd.
+    rmsnorm_rope_forward(x.q.view({B, S, Hq, Dh}), P[w.q_norm].value, eps, io.cos, io.sin, x.qr.view({B, S, Hq, Dh}),
+                         x.rstd_q);
+    rmsnorm_rope_forward(x.k.view({B, S, Hkv, Dh}), P[w.k_norm].value, eps, io.cos, io.sin,
+                         x.kr.view({B, S, Hkv, Dh}), x.rstd_k);
     io.attend->forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
                        args(), x.att.view({B, S, Hq, Dh}), x.lse);
     io.linear->forward(x.att, {{P[w.o], io.hm, 1.0f}});
@@ -154,18 +151,16 @@ class Qwen3Attention final : public Attention {
   void backward_input(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<Qwen3Acts&>(base);
-    const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
+    const int64_t B = io.batch, S = io.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
     io.linear->backward_input(io.d_hm, P[w.o], x.d_att);
     io.attend->backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
                         args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
                         x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
                         Tensor());
-    rope_backward(x.d_qr.view({B, S, Hq, Dh}), io.cos, io.sin, false, x.d_qn.view({B, S, Hq, Dh}));
-    rope_backward(x.d_kr.view({B, S, Hkv, Dh}), io.cos, io.sin, false, x.d_kn.view({B, S, Hkv, Dh}));
-    rmsnorm_backward(x.q.view({N * Hq, Dh}), P[w.q_norm].value, x.rstd_q, x.d_qn.view({N * Hq, Dh}),
-                     x.d_q.view({N * Hq, Dh}), grad_zeroed(P[w.q_norm]));
-    rmsnorm_backward(x.k.view({N * Hkv, Dh}), P[w.k_norm].value, x.rstd_k, x.d_kn.view({N * Hkv, Dh}),
-                     x.d_k.view({N * Hkv, Dh}), grad_zeroed(P[w.k_norm]));
+    rmsnorm_rope_backward(x.q.view({B, S, Hq, Dh}), P[w.q_norm].value, x.rstd_q, io.cos, io.sin,
+                          x.d_qr.view({B, S, Hq, Dh}), x.d_q.view({B, S, Hq, Dh}), grad_zeroed(P[w.q_norm]));
+    rmsnorm_rope_backward(x.k.view({B, S, Hkv, Dh}), P[w.k_norm].value, x.rstd_k, io.cos, io.sin,
+                          x.d_kr.view({B, S, Hkv, Dh}), x.d_k.view({B, S, Hkv, Dh}), grad_zeroed(P[w.k_norm]));
     io.linear->backward_input(x.d_q, P[w.q], io.d_xn);
     io.linear->backward_input(x.d_k, P[w.k], io.d_xn, 1.0f);
     io.linear->backward_input(x.d_v, P[w.v], io.d_xn, 1.0f);

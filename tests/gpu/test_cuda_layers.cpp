@@ -244,6 +244,53 @@ TEST(CudaRope, TablesForwardAndBackwardMatchCpu) {
   }
 }
 
+// rmsnorm_rope against the two ops it fuses, run on the GPU one after the other (each
+// checked against the CPU above): the fused kernels round where the ops store, and sum
+// in their order, so y, rstd, dx and dw are equal bit for bit. Qwen3's heads (Dh 128,
+// rows over several dw chunks that are not whole row groups), a head of 64, and a
+// partial rotation (the two ops' path).
+TEST(CudaRmsnormRope, FusedEqualsTheTwoOps) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 3500;
+  struct Case {
+    int64_t batch, t, heads, dim, rotary;
+  };
+  for (const Case& c : {Case{2, 300, 4, 128, 128}, Case{1, 7, 32, 128, 128}, Case{2, 33, 3, 64, 64},
+                        Case{1, 5, 2, 16, 8}}) {
+    std::ostringstream what;
+    what << "B=" << c.batch << " T=" << c.t << " H=" << c.heads << " Dh=" << c.dim << " rot=" << c.rotary;
+    SCOPED_TRACE(what.str());
+    const Shape s{c.batch, c.t, c.heads, c.dim};
+    const int64_t n = c.batch * c.t * c.heads, half = c.rotary / 2;
+    std::vector<int32_t> pos(c.t);
+    for (int64_t i = 0; i < c.t; ++i) pos[i] = static_cast<int32_t>((i * 7) % (c.t + 3));
+    const cpu::RopeFreqs f = cpu::rope_freqs(rope_config(c.rotary, false));
+    auto d_pos = upload(pos, {c.t});
+    auto d_cos = poisoned(DType::f32, {c.t, half}), d_sin = poisoned(DType::f32, {c.t, half});
+    cuda::rope_tables(f, d_pos.t, d_cos.t, d_sin.t);
+    auto x = upload(random_floats(s.numel(), -2, 2, ++seed), DType::bf16, s);
+    auto dy = upload(random_floats(s.numel(), -1, 1, ++seed), DType::bf16, s);
+    auto w = upload(random_floats(c.dim, 0.5f, 1.5f, ++seed), DType::f32, {c.dim});
+    const std::vector<float> dw0 = random_floats(c.dim, -1, 1, ++seed);
+
+    auto y1 = poisoned(DType::bf16, s), r1 = poisoned(DType::f32, {n}), y2 = poisoned(DType::bf16, s),
+         r2 = poisoned(DType::f32, {n});
+    cuda::rmsnorm_forward(x.t.view({n, c.dim}), w.t, 1e-6f, y1.t.view({n, c.dim}), r1.t);
+    cuda::rope_forward(y1.t, d_cos.t, d_sin.t, false, y1.t);
+    cuda::rmsnorm_rope_forward(x.t, w.t, 1e-6f, d_cos.t, d_sin.t, y2.t, r2.t);
+    EXPECT_TRUE(near("y", download(y2.t), download(y1.t), Tol{}));
+    EXPECT_TRUE(near("rstd", download(r2.t), download(r1.t), Tol{}));
+
+    auto dn = poisoned(DType::bf16, s), dx1 = poisoned(DType::bf16, s), dx2 = poisoned(DType::bf16, s);
+    auto dw1 = upload(dw0, DType::f32, {c.dim}), dw2 = upload(dw0, DType::f32, {c.dim});
+    cuda::rope_backward(dy.t, d_cos.t, d_sin.t, false, dn.t);
+    cuda::rmsnorm_backward(x.t.view({n, c.dim}), w.t, r1.t, dn.t.view({n, c.dim}), dx1.t.view({n, c.dim}), dw1.t);
+    cuda::rmsnorm_rope_backward(x.t, w.t, r1.t, d_cos.t, d_sin.t, dy.t, dx2.t, dw2.t);
+    EXPECT_TRUE(near("dx", download(dx2.t), download(dx1.t), Tol{}));
+    EXPECT_TRUE(near("dw", download(dw2.t), download(dw1.t), Tol{}));
+  }
+}
+
 struct GatedCase {
   int64_t rows, inter;
   bool clamped;

@@ -13,6 +13,10 @@ OpCase gemm_case(int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, fl
 OpCase embedding_case(int64_t vocab, int64_t dim, int64_t tokens);
 // rmsnorm.cpp
 OpCase rmsnorm_case(int64_t rows, int64_t dim, float eps);
+// rmsnorm.cpp: x [B,T,H,Dh] normed per head, then rotated (halves; the first rotary_dim
+// dims, theta 1e6 as Qwen3's) at the given positions.
+OpCase rmsnorm_rope_case(int64_t batch, int64_t heads, int64_t dim, int64_t rotary_dim,
+                         const std::vector<int32_t>& positions);
 // cross_entropy.cpp: `ignored` of the N labels are the ignore index.
 OpCase cross_entropy_case(int64_t rows, int64_t vocab, int64_t ignored);
 // adamw.cpp: one update at 1-based step t (no backward: outputs are not differentiable).

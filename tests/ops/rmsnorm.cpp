@@ -2,6 +2,7 @@
 #include <sstream>
 
 #include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
 #include "ops/cases.h"
 
 namespace mt::test {
@@ -38,6 +39,70 @@ OpCase rmsnorm_case(int64_t rows, int64_t dim, float eps) {
     cpu::rmsnorm_backward(x.t, w.t, r.t, dy.t, dx.t, dw.t);
     return Vecs{dx.vec(), dw.vec()};
   };
+  return c;
+}
+
+OpCase rmsnorm_rope_case(int64_t batch, int64_t heads, int64_t dim, int64_t rotary_dim,
+                         const std::vector<int32_t>& positions) {
+  const int64_t t = static_cast<int64_t>(positions.size()), rows = batch * t * heads, half = rotary_dim / 2;
+  const Shape shape{batch, t, heads, dim};
+  const float eps = 1e-6f;
+  const double theta = 1e6;
+  std::ostringstream name;
+  name << "rmsnorm_rope B=" << batch << " T=" << t << " H=" << heads << " Dh=" << dim << " R=" << rotary_dim;
+  OpCase c;
+  c.name = name.str();
+  c.inputs = {{"x", shape, -2.0, 2.0}, {"w", {dim}, 0.5, 1.5}};
+  c.outputs = {{"y"}, {"rstd", false}};
+  c.reference = [=](const Vecs& in) {
+    Vec y(rows * dim), r(rows);
+    for (int64_t i = 0; i < rows; ++i) {
+      const double* x = in[0].data() + i * dim;
+      double ss = 0;
+      for (int64_t j = 0; j < dim; ++j) ss += x[j] * x[j];
+      r[i] = 1.0 / std::sqrt(ss / dim + static_cast<double>(eps));
+      Vec n(dim);
+      for (int64_t j = 0; j < dim; ++j) n[j] = x[j] * r[i] * in[1][j];
+      double* out = y.data() + i * dim;
+      for (int64_t j = 0; j < dim; ++j) out[j] = n[j];
+      const double pos = positions[(i / heads) % t];
+      for (int64_t j = 0; j < half; ++j) {
+        const double angle = pos * std::pow(theta, -2.0 * static_cast<double>(j) / rotary_dim);
+        out[j] = n[j] * std::cos(angle) - n[j + half] * std::sin(angle);
+        out[j + half] = n[j] * std::sin(angle) + n[j + half] * std::cos(angle);
+      }
+    }
+    return Vecs{y, r};
+  };
+  struct Tables {
+    HostTensor pos, cos, sin;
+  };
+  auto tables = [=] {
+    cpu::RopeConfig cfg;
+    cfg.theta = theta;
+    cfg.rotary_dim = rotary_dim;
+    Tables tb{HostTensor::i32({t}, positions), HostTensor::zeros({t, half}), HostTensor::zeros({t, half})};
+    cpu::rope_tables(cpu::rope_freqs(cfg), tb.pos.t, tb.cos.t, tb.sin.t);
+    return tb;
+  };
+  c.forward = [=](const Vecs& in) {
+    const Tables tb = tables();
+    auto x = HostTensor::f32(shape, in[0]), w = HostTensor::f32({dim}, in[1]);
+    auto y = HostTensor::zeros(shape), r = HostTensor::zeros({rows});
+    cpu::rmsnorm_rope_forward(x.t, w.t, eps, tb.cos.t, tb.sin.t, y.t, r.t);
+    return Vecs{y.vec(), r.vec()};
+  };
+  c.backward = [=](const Vecs& in, const Vecs& dout) {
+    const Tables tb = tables();
+    auto x = HostTensor::f32(shape, in[0]), w = HostTensor::f32({dim}, in[1]);
+    auto y = HostTensor::zeros(shape), r = HostTensor::zeros({rows});
+    cpu::rmsnorm_rope_forward(x.t, w.t, eps, tb.cos.t, tb.sin.t, y.t, r.t);
+    auto dy = HostTensor::f32(shape, dout[0]), dx = HostTensor::zeros(shape), dw = HostTensor::zeros({dim});
+    cpu::rmsnorm_rope_backward(x.t, w.t, r.t, tb.cos.t, tb.sin.t, dy.t, dx.t, dw.t);
+    return Vecs{dx.vec(), dw.vec()};
+  };
+  // fp32 angles, as in rope's rows.
+  c.fwd_tol = 5e-5;
   return c;
 }
 

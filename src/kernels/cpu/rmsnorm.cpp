@@ -1,6 +1,9 @@
 #include "kernels/rmsnorm.h"
 
 #include <cmath>
+#include <vector>
+
+#include "kernels/rope.h"
 
 namespace mt::cpu {
 
@@ -63,6 +66,29 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
       out[j] += s;
     }
   }
+}
+
+// The two ops in turn: on the CPU the normed heads cost no more in memory than in registers.
+void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,
+                          const Tensor& y, const Tensor& rstd) {
+  MT_CHECK(x.ndim() == 4 && y.ndim() == 4) << "rmsnorm_rope x and y should be [B,T,H,Dh], got " << x.str() << " and "
+                                           << y.str();
+  MT_CHECK(x.data != y.data) << "rmsnorm_rope needs y apart from x (the backward reads x)";
+  const int64_t rows = x.dim(0) * x.dim(1) * x.dim(2), d = x.dim(3);
+  cpu::rmsnorm_forward(x.view({rows, d}), w, eps, y.view({rows, d}), rstd);
+  cpu::rope_forward(y, cos, sin, false, y);
+}
+
+void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& cos,
+                           const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw) {
+  MT_CHECK(x.ndim() == 4 && dy.ndim() == 4) << "rmsnorm_rope x and dy should be [B,T,H,Dh], got " << x.str()
+                                            << " and " << dy.str();
+  const int64_t rows = x.dim(0) * x.dim(1) * x.dim(2), d = x.dim(3);
+  check_tensor(dy, "rmsnorm_rope dy", DType::f32, x.shape);
+  std::vector<float> normed(static_cast<size_t>(rows * d));  // the gradient of the normed heads
+  const Tensor dn(normed.data(), x.shape, DType::f32);
+  cpu::rope_backward(dy, cos, sin, false, dn);
+  cpu::rmsnorm_backward(x.view({rows, d}), w, rstd, dn.view({rows, d}), dx.data ? dx.view({rows, d}) : Tensor(), dw);
 }
 
 }  // namespace mt::cpu
