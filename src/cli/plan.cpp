@@ -2,14 +2,13 @@
 // code that training uses (arenas in counting mode), before anything is launched; with
 // --schedule, each pp rank's timeline of the step played out by train/schedule.h's
 // simulate, drawn as SVG, with the bubble and (given a profile) the step time; with
-// --routing, a run's recorded expert loads played against replica placements.
+// --routing, a run's recorded expert loads played against replica placements. What
+// it reads back from a run (a profiled step, the routing) is train/profile.h's.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "cli/commands.h"
@@ -17,13 +16,12 @@
 #include "core/arena.h"
 #include "core/check.h"
 #include "io/file.h"
-#include "io/npy.h"
 #include "models/interface.h"
-#include "parallel/placement.h"
 #include "parallel/sharding.h"
 #include "parallel/zero3.h"
 #include "train/config.h"
 #include "train/optimizer.h"
+#include "train/profile.h"
 #include "train/progress.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
@@ -31,105 +29,6 @@
 namespace mt::cli {
 
 namespace {
-
-// A profile of one step (the last line of a metrics.jsonl written with metrics.profile):
-// the milliseconds of one action under each profile name, and of the optimizer and the
-// gradient norm per decoder layer.
-struct StepCosts {
-  std::map<std::string, double> per_action;
-  double optimizer_per_layer = 0;
-};
-
-StepCosts read_profile(const std::string& path) {
-  std::ifstream in(path);
-  MT_CHECK(in.good()) << "--profile " << path << ": cannot read it";
-  std::string line, last;
-  while (std::getline(in, line))
-    if (line.find("\"breakdown_counts\"") != std::string::npos) last = line;
-  MT_CHECK(!last.empty()) << "--profile " << path << ": no step line with breakdown_ms and breakdown_counts "
-                          << "(train with --metrics.profile=true)";
-  const nlohmann::json j = nlohmann::json::parse(last, nullptr, false);
-  const auto object = [&](const char* key) -> const nlohmann::json& {
-    MT_CHECK(j.is_object() && j.contains(key) && j[key].is_object())
-        << "--profile " << path << ": its last step line should hold an object \"" << key << "\" (as train "
-        << "--metrics.profile=true writes it); the line is " << last.substr(0, 200);
-    return j[key];
-  };
-  const nlohmann::json &ms = object("breakdown_ms"), &counts = object("breakdown_counts");
-  const auto count = [&](const std::string& name) {
-    const auto n = counts.find(name);
-    MT_CHECK(n != counts.end() && n->is_number_integer() && n->get<int64_t>() > 0)
-        << "--profile " << path << ": breakdown_counts.\"" << name << "\" should be a count > 0, got "
-        << (n == counts.end() ? "none" : n->dump());
-    return static_cast<double>(n->get<int64_t>());
-  };
-  StepCosts c;
-  for (const auto& [name, t] : ms.items()) {
-    MT_CHECK(t.is_number()) << "--profile " << path << ": breakdown_ms.\"" << name << "\" should be a time in ms, got "
-                            << t.dump();
-    c.per_action[name] = t.get<double>() / count(name);
-  }
-  // A layer's stage marks twice per micro-batch (start and finish), the head once.
-  const double layers = count("attention+router F") / (2.0 * count("head F"));
-  const auto at = [&](const char* name) { return ms.contains(name) ? ms[name].get<double>() : 0.0; };
-  c.optimizer_per_layer = (at("optimizer") + at("gradient norm")) / layers;
-  return c;
-}
-
-// A run's recorded loads (each step line's expert_counts in a metrics.jsonl: [MoE layer]
-// [expert], summed over the ranks) played against placements with R = 0, 1, 2 and 4
-// replica slots a rank at ep `ranks` (parallel/placement.h), as a run would: each step
-// routed by the placement that parallel::replan made from the moving average of the
-// steps before it (a new one every `interval` steps). Per R: the busiest rank's rows
-// over the mean, the mean over steps and layers, and the worst.
-struct RoutingSkew {
-  int64_t replicas = 0;
-  double mean = 0, worst = 0;
-};
-std::vector<RoutingSkew> routing_skews(const std::string& path, int64_t experts, int64_t ranks, int64_t interval,
-                                       int64_t* steps) {
-  std::ifstream in(path);
-  MT_CHECK(in.good()) << "--routing " << path << ": cannot read it";
-  std::vector<std::vector<std::vector<int64_t>>> trace;
-  std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
-    if (line.find("\"expert_counts\"") == std::string::npos) continue;
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    const bool ok = !j.is_discarded() && j["expert_counts"].is_array() &&
-                    std::all_of(j["expert_counts"].begin(), j["expert_counts"].end(), [&](const nlohmann::json& l) {
-                      return l.is_array() && static_cast<int64_t>(l.size()) == experts &&
-                             std::all_of(l.begin(), l.end(), [](const nlohmann::json& c) { return c.is_number_integer(); });
-                    });
-    MT_CHECK(ok) << "--routing " << path << " line " << n << ": expected expert_counts as a list of MoE layers of "
-                 << experts << " integer counts (the model's experts), got " << line.substr(0, 200);
-    trace.push_back(j["expert_counts"].get<std::vector<std::vector<int64_t>>>());
-    MT_CHECK(trace.back().size() == trace.front().size())
-        << "--routing " << path << " line " << n << ": " << trace.back().size() << " MoE layers, after "
-        << trace.front().size();
-  }
-  MT_CHECK(!trace.empty()) << "--routing " << path << ": no step line with expert_counts (a run's metrics.jsonl)";
-  MT_CHECK(experts % ranks == 0) << "--routing: " << experts << " experts do not split over ep " << ranks;
-  *steps = static_cast<int64_t>(trace.size());
-  std::vector<RoutingSkew> out;
-  for (int64_t r : {0, 1, 2, 4}) {
-    RoutingSkew k{r, 0, 0};
-    parallel::LoadAverage average;
-    std::vector<parallel::Placement> placed(trace.front().size(), parallel::owners_only(experts, ranks, r));
-    for (size_t s = 0; s < trace.size(); ++s) {
-      for (size_t l = 0; l < placed.size() && s > 0; ++l)
-        parallel::replan(placed[l], average.mean[l], static_cast<int64_t>(s) % interval == 0);
-      for (size_t l = 0; l < placed.size(); ++l) {
-        const std::vector<double> load(trace[s][l].begin(), trace[s][l].end());
-        const double skew = parallel::max_over_mean(placed[l], load);
-        k.mean += skew / static_cast<double>(trace.size() * placed.size());
-        k.worst = std::max(k.worst, skew);
-      }
-      average.add(trace[s]);
-    }
-    out.push_back(k);
-  }
-  return out;
-}
 
 // F (forward, blue), B (input gradient, green), W (weight gradient, orange), each in a
 // dark shade for a rank's first chunk and a light one for its second; grey for the rest.
