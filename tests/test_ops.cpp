@@ -34,6 +34,7 @@ std::vector<OpCase> table() {
   // rmsnorm: one row, dims not multiples of 8.
   add(rmsnorm_case(1, 5, 1e-6f));
   add(rmsnorm_case(9, 131, 1e-5f));
+  add(rmsnorm_case(4, 6, 1e-6f, true));
   // rmsnorm_rope: several heads and batches, a partial rotation, odd positions.
   add(rmsnorm_rope_case(2, 3, 8, 8, {0, 1, 2}));
   add(rmsnorm_rope_case(1, 2, 12, 8, {7, 3, 11, 0}));

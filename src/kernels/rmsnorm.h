@@ -11,9 +11,11 @@ namespace mt::cpu {
 // x f32 [N,D], w f32 [D], y f32 [N,D], rstd f32 [N] (kept for the backward).
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd);
 
-// dx (overwritten) and dw (accumulated); either may be empty to skip it.
+// dx (overwritten) and dw (accumulated); either may be empty to skip it. With a
+// residual [N,D] (a decoder layer's gradient from the skip path), dx = the norm's input
+// gradient, in dx's dtype, + residual: the add that would follow, in the same pass.
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
-                      const Tensor& dw);
+                      const Tensor& dw, const Tensor& residual = Tensor());
 
 // y = rope(rmsnorm(x)) per head: x, y [B,T,H,Dh] (y may not be x), w [Dh], rstd
 // [B*T*H], cos/sin [T, rotary_dim/2] as rope_forward takes them (pairs i, i + half).
@@ -27,11 +29,11 @@ void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd,
 
 namespace mt::cuda {
 
-// x, y, dy, dx f32 or bf16; w, rstd, dw f32 (statistics and weights stay f32). dw
-// accumulates, summed in a fixed order (repeatable bit for bit).
+// x, y, dy, dx, residual f32 or bf16 (residual as dx); w, rstd, dw f32 (statistics and
+// weights stay f32). dw accumulates, summed in a fixed order (repeatable bit for bit).
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd);
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
-                      const Tensor& dw);
+                      const Tensor& dw, const Tensor& residual = Tensor());
 // One pass each way for bf16 heads whose whole width rotates (Dh a multiple of 16, at
 // most 256): the forward reads x once and writes y; the backward reads x and dy once,
 // writes dx and sums dw's partials as rmsnorm_backward does. The normed (forward) and
@@ -54,11 +56,11 @@ inline void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const T
 }
 
 inline void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
-                             const Tensor& dw) {
+                             const Tensor& dw, const Tensor& residual = Tensor()) {
 #ifdef MOETRAIN_WITH_CUDA
-  if (dy.device == Device::cuda) return cuda::rmsnorm_backward(x, w, rstd, dy, dx, dw);
+  if (dy.device == Device::cuda) return cuda::rmsnorm_backward(x, w, rstd, dy, dx, dw, residual);
 #endif
-  return cpu::rmsnorm_backward(x, w, rstd, dy, dx, dw);
+  return cpu::rmsnorm_backward(x, w, rstd, dy, dx, dw, residual);
 }
 
 inline void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,

@@ -1192,11 +1192,9 @@ void Decoder::attention_backward_input(int64_t l, DecoderStash& s) {
   // d_hm = dh[l+1] (the residual) + the post-attention norm's input gradient.
   // The norms' weight gradients are taken here, with their input gradients, not in W:
   // their dy buffers are shared by every layer (allocate), and the pass is one.
-  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm));
-  mt::add(x.d_hm, s.dh[l + 1], x.d_hm);
+  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm), s.dh[l + 1]);
   attention_->backward_input(l, params_, *x.attn, io(s, x));
-  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Z(w.in_norm));
-  mt::add(s.dh[l], x.d_hm, s.dh[l]);
+  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Z(w.in_norm), x.d_hm);
 }
 
 void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {

@@ -11,8 +11,9 @@ namespace mt::test {
 OpCase gemm_case(int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, float beta);
 // embedding.cpp: vocabulary V, width D, N tokens (ids repeat).
 OpCase embedding_case(int64_t vocab, int64_t dim, int64_t tokens);
-// rmsnorm.cpp
-OpCase rmsnorm_case(int64_t rows, int64_t dim, float eps);
+// rmsnorm.cpp; with_residual: x also passes on unchanged (a skip output), whose gradient
+// the backward adds to dx through its residual argument.
+OpCase rmsnorm_case(int64_t rows, int64_t dim, float eps, bool with_residual = false);
 // rmsnorm.cpp: x [B,T,H,Dh] normed per head, then rotated (halves; the first rotary_dim
 // dims, theta 1e6 as Qwen3's) at the given positions.
 OpCase rmsnorm_rope_case(int64_t batch, int64_t heads, int64_t dim, int64_t rotary_dim,

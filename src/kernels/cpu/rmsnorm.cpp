@@ -30,7 +30,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& 
 }
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
-                      const Tensor& dw) {
+                      const Tensor& dw, const Tensor& residual) {
   MT_CHECK(x.ndim() == 2) << "rmsnorm input should be [N,D], got " << x.str();
   int64_t n = x.dim(0), d = x.dim(1);
   check_tensor(w, "rmsnorm weight", DType::f32, {d});
@@ -42,7 +42,9 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
   const float* g = dy.f32();
   if (dx.data != nullptr) {
     check_tensor(dx, "rmsnorm dx", DType::f32, {n, d});
+    if (residual.data != nullptr) check_tensor(residual, "rmsnorm residual", DType::f32, {n, d});
     float* out = dx.f32();
+    const float* res = residual.data != nullptr ? residual.f32() : nullptr;
     // With xhat = x * r: dx = r * (w*dy - xhat * mean(w*dy * xhat)).
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
@@ -52,6 +54,7 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
       for (int64_t j = 0; j < d; ++j) {
         float xhat = xp[i * d + j] * r;
         out[i * d + j] = r * (wp[j] * g[i * d + j] - xhat * dot);
+        if (res != nullptr) out[i * d + j] += res[i * d + j];
       }
     }
   }

@@ -34,7 +34,10 @@ __global__ void rmsnorm_forward_kernel(In x, const float* w, float eps, int64_t 
 }
 
 // dx = r * (w*dy - xhat * mean(w*dy*xhat)), xhat = x * r.
-__global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy, int64_t n, int64_t d, Out dx) {
+// With a residual: dx's value rounded to its dtype (where the separate add would read
+// it), plus the residual.
+__global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy, int64_t n, int64_t d, Out dx,
+                                  In residual) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -43,7 +46,11 @@ __global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy
   float dot = 0.0f;
   for (int64_t c = lane; c < d; c += 32) dot += w[c] * dy[base + c] * x[base + c] * r;
   dot = warp_sum(dot) / static_cast<float>(d);
-  for (int64_t c = lane; c < d; c += 32) dx.set(base + c, r * (w[c] * dy[base + c] - x[base + c] * r * dot));
+  for (int64_t c = lane; c < d; c += 32) {
+    float v = r * (w[c] * dy[base + c] - x[base + c] * r * dot);
+    if (residual.p != nullptr) v = (dx.bf16 ? __bfloat162float(__float2bfloat16_rn(v)) : v) + residual[base + c];
+    dx.set(base + c, v);
+  }
 }
 
 // bf16 rows whose width is a multiple of 8 (every model's hidden size and head_dim): a
@@ -70,7 +77,8 @@ __global__ void rmsnorm_forward_x8_kernel(const __nv_bfloat16* x, const float* w
 }
 
 __global__ void rmsnorm_dx_x8_kernel(const __nv_bfloat16* x, const float* w, const float* rstd,
-                                     const __nv_bfloat16* dy, int64_t n, int64_t d, __nv_bfloat16* dx) {
+                                     const __nv_bfloat16* dy, int64_t n, int64_t d, __nv_bfloat16* dx,
+                                     const __nv_bfloat16* residual) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -87,6 +95,10 @@ __global__ void rmsnorm_dx_x8_kernel(const __nv_bfloat16* x, const float* w, con
     load8(x + base + c, xv);
     load8(dy + base + c, gv);
     for (int i = 0; i < 8; ++i) xv[i] = r * (w[c + i] * gv[i] - xv[i] * r * dot);
+    if (residual != nullptr) {
+      load8(residual + base + c, gv);
+      for (int i = 0; i < 8; ++i) xv[i] = __bfloat162float(__float2bfloat16_rn(xv[i])) + gv[i];
+    }
     store8(dx + base + c, xv);
   }
 }
@@ -284,7 +296,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& 
 }
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
-                      const Tensor& dw) {
+                      const Tensor& dw, const Tensor& residual) {
   MT_CHECK(x.ndim() == 2) << "rmsnorm input should be [N,D], got " << x.str();
   const int64_t n = x.dim(0), d = x.dim(1);
   check_arg(x, "rmsnorm x", {DType::bf16, DType::f32}, {n, d});
@@ -293,13 +305,15 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
   check_arg(dy, "rmsnorm dy", {DType::bf16, DType::f32}, {n, d});
   if (dx.data != nullptr) {
     check_arg(dx, "rmsnorm dx", {DType::bf16, DType::f32}, {n, d});
+    const bool res = residual.data != nullptr;
+    if (res) check_arg(residual, "rmsnorm residual", {dx.dtype}, {n, d});
     if (n > 0) {
-      if (x8(d, {&x, &dy, &dx}))
+      if (x8(d, {&x, &dy, &dx}) && (!res || aligned16(residual.data)))
         rmsnorm_dx_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(
-            bf16_data(x), w.f32(), rstd.f32(), bf16_data(dy), n, d, bf16_data(dx));
+            bf16_data(x), w.f32(), rstd.f32(), bf16_data(dy), n, d, bf16_data(dx), res ? bf16_data(residual) : nullptr);
       else
-        rmsnorm_dx_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), rstd.f32(),
-                                                                                    as_in(dy), n, d, as_out(dx));
+        rmsnorm_dx_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(
+            as_in(x), w.f32(), rstd.f32(), as_in(dy), n, d, as_out(dx), In{residual.data, res && residual.dtype == DType::bf16});
       CUDA_CHECK_LAUNCH();
     }
   }
