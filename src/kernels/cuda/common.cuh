@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/tensor.h"
 
@@ -41,6 +42,15 @@ inline In as_in(const Tensor& t) { return In{t.data, t.dtype == DType::bf16}; }
 inline Out as_out(const Tensor& t) { return Out{t.data, t.dtype == DType::bf16}; }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether a kernel's 8-wide bf16 path applies: bf16 everywhere, rows of 8k elements,
+// 16-byte starts.
+inline bool x8(int64_t d, std::initializer_list<const Tensor*> ts) {
+  if (d % 8 != 0) return false;
+  for (const Tensor* t : ts)
+    if (t->dtype != DType::bf16 || !aligned16(t->data)) return false;
+  return true;
+}
 
 inline unsigned blocks_for(int64_t work, int threads) {
   int64_t b = (work + threads - 1) / threads;

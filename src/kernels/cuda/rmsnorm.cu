@@ -103,14 +103,6 @@ __global__ void rmsnorm_dx_x8_kernel(const __nv_bfloat16* x, const float* w, con
   }
 }
 
-// Whether the x8 kernels apply: bf16 everywhere, rows of 8k elements, 16-byte starts.
-bool x8(int64_t d, std::initializer_list<const Tensor*> ts) {
-  if (d % 8 != 0) return false;
-  for (const Tensor* t : ts)
-    if (t->dtype != DType::bf16 || !aligned16(t->data)) return false;
-  return true;
-}
-
 // dw[c] = sum over rows of dy * x * r: each block sums its chunk of rows per column in
 // row order into partial[chunk][c]; then the chunks are added in order. No atomics, so
 // the gradient repeats bit for bit.
