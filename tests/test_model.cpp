@@ -111,7 +111,7 @@ TEST_P(HfParity, LossLogitsAndEveryGradient) {
       model->stage_forward(l, st, *s);
       model->finish_forward(l, st, *s);
     }
-  LossSum loss = model->head_forward(*s);
+  LossSum loss = model->head_forward(*s, 0.0f);
   double want_loss = expected(exp, "loss")[0];
   EXPECT_NEAR(loss.sum / loss.count, want_loss, 1e-5 * want_loss);
 
@@ -290,7 +290,7 @@ Pass forward_backward(const std::string& name, Fp8 fp8) {
   model->embed_forward(*s);
   for (int64_t l = 0; l < model->num_layers(); ++l)
     for (Stage st : kStages) model->stage_forward(l, st, *s);
-  const LossSum loss = model->head_forward(*s);
+  const LossSum loss = model->head_forward(*s, 0.0f);
   for (const RouterStats& r : model->router_stats(*s)) {  // a balance gradient that varies by expert
     std::vector<float> dprob(r.counts.size());
     for (size_t e = 0; e < dprob.size(); ++e) dprob[e] = 0.01f * static_cast<float>(e % 3);
@@ -565,7 +565,7 @@ class FusedExperts final : public Model {
   void stage_backward_weight(int64_t, Stage, Stash&) override {}
   void finish_forward(int64_t, Stage, Stash&) override {}
   void finish_backward_input(int64_t, Stage, Stash&) override {}
-  LossSum head_forward(Stash&) override { return {}; }
+  LossSum head_forward(Stash&, float) override { return {}; }
   void head_backward_input(Stash&, float) override {}
   void head_backward_weight(Stash&) override {}
   void embed_backward(Stash&) override {}

@@ -354,7 +354,7 @@ std::pair<LossSum, std::vector<RouterStats>> forward_of(Model& m, const TokenBat
       m.stage_forward(l, st, *s);
       m.finish_forward(l, st, *s);
     }
-  LossSum ls = m.head_forward(*s);
+  LossSum ls = m.head_forward(*s, 0.0f);
   return {ls, m.router_stats(*s)};
 }
 

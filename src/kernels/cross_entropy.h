@@ -15,9 +15,11 @@ struct CrossEntropySum {
 
 // logits f32 [N,V], labels i32 [N] (ignore_index rows skipped, others in [0,V)),
 // lse f32 [N] (log-sum-exp per row, kept for the backward). The mean loss is
-// loss_sum / count; with micro-batches the caller divides by the global count.
+// loss_sum / count; with micro-batches the caller divides by the global count. Given
+// dlogits (which may be the logits), the backward's gradient with `scale` is written
+// there too, as cross_entropy_backward would (on the GPU in the same pass over the rows).
 CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
-                                      const Tensor& lse);
+                                      const Tensor& lse, float scale = 0.0f, const Tensor& dlogits = Tensor());
 
 // dlogits = scale * (softmax(logits) - onehot(label)), zero on ignored rows. scale is
 // dloss / count for a mean. dlogits may be the logits tensor itself.
@@ -33,7 +35,7 @@ namespace mt::cuda {
 // returns; a label outside [0, V) (not the ignore index) makes the sum NaN, not an error.
 // dlogits f32 or bf16 (the logits' dtype when it is the logits buffer, as in the model).
 cpu::CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
-                                           const Tensor& lse);
+                                           const Tensor& lse, float scale = 0.0f, const Tensor& dlogits = Tensor());
 void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& lse, int32_t ignore_index,
                             float scale, const Tensor& dlogits);
 
@@ -42,11 +44,12 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Te
 namespace mt {
 
 inline cpu::CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
-                                                  const Tensor& lse) {
+                                                  const Tensor& lse, float scale = 0.0f,
+                                                  const Tensor& dlogits = Tensor()) {
 #ifdef MOETRAIN_WITH_CUDA
-  if (lse.device == Device::cuda) return cuda::cross_entropy_forward(logits, labels, ignore_index, lse);
+  if (lse.device == Device::cuda) return cuda::cross_entropy_forward(logits, labels, ignore_index, lse, scale, dlogits);
 #endif
-  return cpu::cross_entropy_forward(logits, labels, ignore_index, lse);
+  return cpu::cross_entropy_forward(logits, labels, ignore_index, lse, scale, dlogits);
 }
 
 inline void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& lse, int32_t ignore_index,

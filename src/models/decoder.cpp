@@ -182,6 +182,7 @@ struct DecoderStash : Stash {
   Tensor balanced_idx;               // force_balanced_routing: the fixed expert choice
   std::vector<LayerActs> layers;
   Tensor hf, rstd_f, logits, lse, d_hf;  // head
+  float logits_grad_scale = 0;  // > 0: head_forward left d(loss)/d(logits) in place, at this scale
   LossSum loss;
 };
 
@@ -281,7 +282,7 @@ class Decoder final : public Model {
   // A layer has at most one exchange in flight: finishing a stage finishes it.
   void finish_forward(int64_t l, Stage, Stash& s) override { finish_exchange(layer_acts(s, l)); }
   void finish_backward_input(int64_t l, Stage, Stash& s) override { finish_exchange(layer_acts(s, l)); }
-  LossSum head_forward(Stash& s) override;
+  LossSum head_forward(Stash& s, float grad_scale) override;
   void head_backward_input(Stash& s, float scale) override;
   void head_backward_weight(Stash& s) override;
   void embed_backward(Stash& s) override;
@@ -1304,17 +1305,21 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   if (moe) give_rows(x, stage, Pass::backward_weight);
 }
 
-LossSum Decoder::head_forward(Stash& base) {
+LossSum Decoder::head_forward(Stash& base, float grad_scale) {
   auto& s = static_cast<DecoderStash&>(base);
   const int64_t N = s.batch * s.seq;
   rmsnorm_forward(s.h[c_.num_layers], W(final_norm_), static_cast<float>(c_.rms_norm_eps), s.hf, s.rstd_f);
   s.loss = {};
+  // One chunk: its logits become their gradient in the cross-entropy's pass (the
+  // backward starts from them); chunks are made again by the backward.
+  s.logits_grad_scale = N <= head_rows(N) ? grad_scale : 0.0f;
   for (int64_t r0 = 0, c = head_rows(N); r0 < N; r0 += c) {
     const int64_t r1 = std::min(N, r0 + c);
     const Tensor logits = s.logits.rows(0, r1 - r0);
     gemm(s.hf.rows(r0, r1), C(lm_head_ >= 0 ? lm_head_ : embed_), logits, false, true);
     cpu::CrossEntropySum ce =
-        cross_entropy_forward(logits, s.labels.view({N}).rows(r0, r1), kIgnoreIndex, s.lse.rows(r0, r1));
+        cross_entropy_forward(logits, s.labels.view({N}).rows(r0, r1), kIgnoreIndex, s.lse.rows(r0, r1), grad_scale,
+                              s.logits_grad_scale > 0 ? logits : Tensor());
     s.loss.sum += ce.loss_sum;
     s.loss.count += ce.count;
   }
@@ -1333,7 +1338,10 @@ void Decoder::head_backward_input(Stash& base, float scale) {
     if (chunked) gemm(hf, C(out), logits, false, true);  // one chunk's are still there
     // In place: the chunk's logits become d(loss)/d(logits), which the weight's gradient
     // reads (here, or in W when there is one chunk).
-    cross_entropy_backward(logits, s.labels.view({N}).rows(r0, r1), s.lse.rows(r0, r1), kIgnoreIndex, scale, logits);
+    MT_CHECK(s.logits_grad_scale == 0 || s.logits_grad_scale == scale)
+        << "head backward at scale " << scale << ", but its forward made the gradient at " << s.logits_grad_scale;
+    if (s.logits_grad_scale == 0)
+      cross_entropy_backward(logits, s.labels.view({N}).rows(r0, r1), s.lse.rows(r0, r1), kIgnoreIndex, scale, logits);
     gemm(logits, C(out), s.d_hf.rows(r0, r1), false, false);
     if (chunked) gemm(logits, hf, G(out), true, false, 1.0f, beta(out));
   }

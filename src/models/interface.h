@@ -249,15 +249,19 @@ class Model {
   // nothing in flight they do nothing.
   virtual void finish_forward(int64_t layer, Stage stage, Stash& s) = 0;
   virtual void finish_backward_input(int64_t layer, Stage stage, Stash& s) = 0;
-  // Final norm, output projection, cross-entropy against s.labels.
-  virtual LossSum head_forward(Stash& s) = 0;
+  // Final norm, output projection, cross-entropy against s.labels. grad_scale > 0 says
+  // a head_backward_input with that scale follows: the cross-entropy's pass may then
+  // leave d(loss)/d(logits) in place of the logits, so the backward need not read them
+  // again. 0 (evaluation) keeps the logits.
+  virtual LossSum head_forward(Stash& s, float grad_scale) = 0;
   // d(loss)/d(logits) = scale * (softmax - onehot), then the input gradient (B, the
   // final norm's weight gradient with it) and the output projection's gradient (W).
   virtual void head_backward_input(Stash& s, float scale) = 0;
   virtual void head_backward_weight(Stash& s) = 0;
   virtual void embed_backward(Stash& s) = 0;
 
-  // The logits of the last head_forward, [batch * seq, vocab] (parity tests, generate).
+  // The logits of the last head_forward, [batch * seq, vocab] (parity tests, generate),
+  // when it was given no grad_scale.
   virtual Tensor logits(Stash& s) = 0;
   virtual std::vector<RouterStats> router_stats(const Stash& s) const = 0;
   // The load-balance loss's gradient with respect to each router probability of a

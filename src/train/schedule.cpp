@@ -313,6 +313,9 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
   std::set<int64_t> reduced;  // ZeRO-3 layers reduced once this step: later micro-batches add
   std::vector<comm::P2P> pending;  // pipeline messages until the next commit
   std::map<const Stash*, std::array<ActivationBlock*, 2>> lent;  // this step's
+  // A head backward to come lets the head's forward leave the logits' gradient in place.
+  const bool backward = std::any_of(actions.begin(), actions.end(),
+                                    [](const Action& a) { return a.op == Op::head_backward_input; });
   for (const Action& a : actions) {
     MT_CHECK(a.micro_batch >= 0 && static_cast<size_t>(a.micro_batch) < ctx.stashes.size())
         << "schedule: " << describe(a) << " but the step has " << ctx.stashes.size() << " micro-batches";
@@ -340,7 +343,9 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
       case Op::embed_forward: model.embed_forward(s); break;
       case Op::forward: model.stage_forward(a.layer, a.stage, s); break;
       case Op::finish_forward: model.finish_forward(a.layer, a.stage, s); break;
-      case Op::head_forward: ctx.losses[static_cast<size_t>(a.micro_batch)] = model.head_forward(s); break;
+      case Op::head_forward:
+        ctx.losses[static_cast<size_t>(a.micro_batch)] = model.head_forward(s, backward ? ctx.loss_scale : 0.0f);
+        break;
       case Op::head_backward_input: model.head_backward_input(s, ctx.loss_scale); break;
       case Op::head_backward_weight: model.head_backward_weight(s); break;
       case Op::backward_input: model.stage_backward_input(a.layer, a.stage, s); break;

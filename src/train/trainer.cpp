@@ -1009,7 +1009,7 @@ LossSum Trainer::forward(Model& model, Stash& s) {
       model.stage_forward(l, st, s);
       model.finish_forward(l, st, s);
     }
-  return model.head_forward(s);
+  return model.head_forward(s, 0.0f);
 }
 
 std::string step_json(const StepResult& r) {

@@ -64,6 +64,41 @@ TEST(CudaCrossEntropy, ForwardAndInPlaceBackwardMatchCpu) {
   }
 }
 
+// The forward given the gradient's buffer writes what the backward would, from the lse
+// it just made: the same bits, in place and into a separate buffer, on rows read in
+// 16-byte chunks and not, with ignored labels; lse and the loss as the plain forward's.
+TEST(CudaCrossEntropy, ForwardWithTheGradientEqualsForwardThenBackward) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 5100;
+  const CeCase cases[] = {{12, 37, 3, DType::bf16}, {40, 1001, 7, DType::f32}, {9, 4096, 2, DType::bf16},
+                          {3, 151936, 1, DType::bf16}};
+  for (const CeCase& c : cases) {
+    for (bool in_place : {true, false}) {
+      std::ostringstream what;
+      what << "N=" << c.rows << " V=" << c.vocab << " logits=" << dtype_name(c.logits) << " in place " << in_place;
+      SCOPED_TRACE(what.str());
+      const int64_t n = c.rows, v = c.vocab;
+      auto logits = random_floats(n * v, -6, 6, ++seed);
+      auto labels = random_ints(n, 0, static_cast<int32_t>(v - 1), ++seed);
+      for (int64_t i = 0; i < c.ignored; ++i) labels[(i * 5) % n] = kIgnore;
+      const float scale = 0.37f;
+      auto d_labels = upload(labels, {n});
+      auto want = upload(logits, c.logits, {n, v}), got = upload(logits, c.logits, {n, v});
+      auto want_lse = poisoned(DType::f32, {n}), got_lse = poisoned(DType::f32, {n});
+      auto separate = poisoned(c.logits, {n, v});
+      const cpu::CrossEntropySum a = cuda::cross_entropy_forward(want.t, d_labels.t, kIgnore, want_lse.t);
+      cuda::cross_entropy_backward(want.t, d_labels.t, want_lse.t, kIgnore, scale, want.t);
+      const cpu::CrossEntropySum b =
+          cuda::cross_entropy_forward(got.t, d_labels.t, kIgnore, got_lse.t, scale, in_place ? got.t : separate.t);
+      EXPECT_EQ(a.loss_sum, b.loss_sum);
+      EXPECT_EQ(a.count, b.count);
+      EXPECT_EQ(download(want_lse.t), download(got_lse.t));
+      EXPECT_EQ(download(want.t), download(in_place ? got.t : separate.t));
+      if (!in_place) EXPECT_EQ(download(got.t), download(upload(logits, c.logits, {n, v}).t));  // logits kept
+    }
+  }
+}
+
 // A separate f32 gradient buffer for bf16 logits, and a label outside the vocabulary,
 // which the GPU reports through a NaN loss.
 TEST(CudaCrossEntropy, SeparateOutputAndBadLabel) {

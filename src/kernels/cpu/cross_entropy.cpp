@@ -23,7 +23,7 @@ void check_args(const Tensor& logits, const Tensor& labels, const Tensor& lse, i
 }  // namespace
 
 CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
-                                      const Tensor& lse) {
+                                      const Tensor& lse, float scale, const Tensor& dlogits) {
   check_args(logits, labels, lse, ignore_index);
   int64_t n = logits.dim(0), v = logits.dim(1);
   const float* x = logits.f32();
@@ -47,6 +47,7 @@ CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels
     sum += static_cast<double>(l[i]) - x[i * v + y[i]];
     ++count;
   }
+  if (dlogits.data != nullptr) cpu::cross_entropy_backward(logits, labels, lse, ignore_index, scale, dlogits);
   return {sum, count};
 }
 

@@ -1,6 +1,7 @@
 // Fused softmax cross-entropy on the GPU over f32 or bf16 logits: a block per row, one
 // online max/sum read, lse f32, the loss summed in double on the device; the backward
-// overwrites the logits (or writes a separate buffer).
+// overwrites the logits (or writes a separate buffer), within the forward's pass over
+// each row when the forward is given the gradient's buffer.
 #include <cmath>
 
 #include "kernels/cross_entropy.h"
@@ -80,10 +81,40 @@ __device__ MaxSum block_max_sum(MaxSum v) {
   return total;
 }
 
+// dlogits = scale * (exp(x - lse) - onehot(label)) over one row, zero on an ignored row.
+// Each element is read and written by the same thread, so out may be the logits row.
+// `reverse` walks the row from its end: right after the forward's pass over it, whose
+// last chunks are the likeliest to be in L2 still.
+__device__ void grad_row(In in, Out out, int64_t v, bool vec, int32_t y, bool skip, float l, float scale,
+                         bool reverse) {
+  auto grad = [&](int64_t j, float x) {
+    if (skip) return 0.0f;
+    const float g = scale * expf(x - l);
+    return j == y ? g - scale : g;
+  };
+  if (vec) {
+    const int w = in.bf16 ? 8 : 4;
+    const int64_t chunks = v / w;
+    float buf[8];
+    for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
+      const int64_t q = reverse ? chunks - 1 - i : i;
+      load_chunk(in.p, in.bf16, q, buf);
+      for (int k = 0; k < w; ++k) buf[k] = grad(q * w + k, buf[k]);
+      store_chunk(out.p, out.bf16, q, buf);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < v; i += blockDim.x) {
+      const int64_t j = reverse ? v - 1 - i : i;
+      out.set(j, grad(j, in[j]));
+    }
+  }
+}
+
 // lse[row], and the row's loss in double (0 when ignored, NaN for a label outside the
-// vocabulary: the sum shows it, where the CPU backend would name the row).
+// vocabulary: the sum shows it, where the CPU backend would name the row); with
+// dlogits.p, the row's gradient as ce_backward_kernel writes it, from the same lse.
 __global__ void ce_forward_kernel(In logits, const int32_t* labels, int32_t ignore, int64_t v, bool vec, float* lse,
-                                  double* row_loss) {
+                                  double* row_loss, float scale, Out dlogits) {
   const int64_t row = blockIdx.x;
   const void* base = static_cast<const char*>(logits.p) + row * v * (logits.bf16 ? 2 : 4);
   MaxSum st;
@@ -99,16 +130,21 @@ __global__ void ce_forward_kernel(In logits, const int32_t* labels, int32_t igno
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) st.add(r[j]);
   }
   st = block_max_sum(st);
-  if (threadIdx.x != 0) return;
   const float l = st.m + logf(st.s);
-  lse[row] = l;
   const int32_t y = labels[row];
-  if (y == ignore)
-    row_loss[row] = 0.0;
-  else if (y < 0 || y >= v)
-    row_loss[row] = NAN;
-  else
-    row_loss[row] = static_cast<double>(l) - In{base, logits.bf16}[y];
+  if (threadIdx.x == 0) {
+    lse[row] = l;
+    if (y == ignore)
+      row_loss[row] = 0.0;
+    else if (y < 0 || y >= v)
+      row_loss[row] = NAN;
+    else
+      row_loss[row] = static_cast<double>(l) - In{base, logits.bf16}[y];
+  }
+  if (dlogits.p == nullptr) return;
+  __syncthreads();  // the label's logit is read before the pass below may overwrite it
+  void* out_row = static_cast<char*>(dlogits.p) + row * v * (dlogits.bf16 ? 2 : 4);
+  grad_row(In{base, logits.bf16}, Out{out_row, dlogits.bf16}, v, vec, y, y == ignore, l, scale, true);
 }
 
 // One block adds the rows' losses in a fixed order and counts the labelled rows.
@@ -134,28 +170,9 @@ __global__ void ce_backward_kernel(In logits, const int32_t* labels, const float
                                    int64_t v, bool vec, Out dlogits) {
   const int64_t row = blockIdx.x;
   const int32_t y = labels[row];
-  const bool skip = y == ignore;
-  const float l = lse[row];
   const void* in_row = static_cast<const char*>(logits.p) + row * v * (logits.bf16 ? 2 : 4);
   void* out_row = static_cast<char*>(dlogits.p) + row * v * (dlogits.bf16 ? 2 : 4);
-  auto grad = [&](int64_t j, float x) {
-    if (skip) return 0.0f;
-    const float g = scale * expf(x - l);
-    return j == y ? g - scale : g;
-  };
-  if (vec) {
-    const int w = logits.bf16 ? 8 : 4;
-    float buf[8];
-    for (int64_t q = threadIdx.x; q < v / w; q += blockDim.x) {
-      load_chunk(in_row, logits.bf16, q, buf);
-      for (int k = 0; k < w; ++k) buf[k] = grad(q * w + k, buf[k]);
-      store_chunk(out_row, dlogits.bf16, q, buf);
-    }
-  } else {
-    In r{in_row, logits.bf16};
-    Out o{out_row, dlogits.bf16};
-    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) o.set(j, grad(j, r[j]));
-  }
+  grad_row(In{in_row, logits.bf16}, Out{out_row, dlogits.bf16}, v, vec, y, y == ignore, lse[row], scale, false);
 }
 
 void check_args(const Tensor& logits, const Tensor& labels, const Tensor& lse) {
@@ -169,17 +186,19 @@ void check_args(const Tensor& logits, const Tensor& labels, const Tensor& lse) {
 }  // namespace
 
 cpu::CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
-                                      const Tensor& lse) {
+                                           const Tensor& lse, float scale, const Tensor& dlogits) {
   check_args(logits, labels, lse);
   const int64_t n = logits.dim(0), v = logits.dim(1);
+  const bool grad = dlogits.data != nullptr;
+  if (grad) check_arg(dlogits, "dlogits", {logits.dtype}, {n, v});
   if (n == 0) return {};
   MT_CHECK(v > 0) << "cross-entropy over an empty vocabulary: logits " << logits.str();
   const bool bf16 = logits.dtype == DType::bf16;
-  const bool vec = v % (bf16 ? 8 : 4) == 0 && aligned16(logits.data);
+  const bool vec = v % (bf16 ? 8 : 4) == 0 && aligned16(logits.data) && (!grad || aligned16(dlogits.data));
   double* row_loss = static_cast<double*>(scratch(sizeof(double) * (n + 2)));
   double* result = row_loss + n;
-  ce_forward_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(as_in(logits), labels.i32(), ignore_index,
-                                                                         v, vec, lse.f32(), row_loss);
+  ce_forward_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream()>>>(
+      as_in(logits), labels.i32(), ignore_index, v, vec, lse.f32(), row_loss, scale, Out{dlogits.data, bf16});
   CUDA_CHECK_LAUNCH();
   ce_sum_kernel<<<1, 1024, 0, stream()>>>(row_loss, labels.i32(), ignore_index, n, result);
   CUDA_CHECK_LAUNCH();
