@@ -94,7 +94,9 @@ TEST(CudaCrossEntropy, ForwardWithTheGradientEqualsForwardThenBackward) {
       EXPECT_EQ(a.count, b.count);
       EXPECT_EQ(download(want_lse.t), download(got_lse.t));
       EXPECT_EQ(download(want.t), download(in_place ? got.t : separate.t));
-      if (!in_place) EXPECT_EQ(download(got.t), download(upload(logits, c.logits, {n, v}).t));  // logits kept
+      if (!in_place) {  // the logits are kept
+        EXPECT_EQ(download(got.t), download(upload(logits, c.logits, {n, v}).t));
+      }
     }
   }
 }

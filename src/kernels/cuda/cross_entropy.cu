@@ -99,7 +99,9 @@ __device__ void grad_row(In in, Out out, int64_t v, bool vec, int32_t y, bool sk
     for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
       const int64_t q = reverse ? chunks - 1 - i : i;
       load_chunk(in.p, in.bf16, q, buf);
-      for (int k = 0; k < w; ++k) buf[k] = grad(q * w + k, buf[k]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k)  // all 8 unrolled, so buf stays in registers
+        if (k < w) buf[k] = grad(q * w + k, buf[k]);
       store_chunk(out.p, out.bf16, q, buf);
     }
   } else {
@@ -123,7 +125,9 @@ __global__ void ce_forward_kernel(In logits, const int32_t* labels, int32_t igno
     float buf[8];
     for (int64_t q = threadIdx.x; q < v / w; q += blockDim.x) {
       load_chunk(base, logits.bf16, q, buf);
-      for (int k = 0; k < w; ++k) st.add(buf[k]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (k < w) st.add(buf[k]);
     }
   } else {
     In r{base, logits.bf16};
