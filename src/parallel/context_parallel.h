@@ -19,10 +19,10 @@
 // rank adds its share to a partial sum received during its own compute, so the dK/dV
 // transfers overlap the compute as the K/V ones do.
 //
-// On the GPU the blocks run the CUDA attention kernels (bf16 q, k, v, out and
-// gradients), the K/V and dK/dV passes are NCCL batches on the communication stream,
-// and the merge and the partial sums are kernels (kernels/ring_merge.h) over fp32
-// buffers, so the outputs are rounded to bf16 once, at the end.
+// The merge and the partial sums are kernels/ring_merge.h's over fp32 buffers, so the
+// outputs are rounded to their dtype once, at the end. On the GPU the blocks run the CUDA
+// attention kernels (bf16 q, k, v, out and gradients) and the K/V and dK/dV passes are
+// NCCL batches on the communication stream.
 #pragma once
 
 #include <vector>
