@@ -157,6 +157,51 @@ __device__ __forceinline__ void store_row(bf16* row, const float (&c)[N][4], int
     }
 }
 
+// c += a b^T over K: a this warp's K/16 A fragments (kept in registers), b a tile stored
+// [n][k] of N rows (K or V rows for Q K^T and dout V^T).
+template <int S, int K, int N>
+__device__ __forceinline__ void mma_abt(float (&c)[N / 8][4], const uint32_t (&a)[K / 16][4], const bf16* b) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t f[4];
+      load_b_nk<S>(f, b, np * 16, kk * 16);
+      mma_pair(c, 2 * np, a[kk], f);
+    }
+}
+
+// c += p b over K: p the K/8 accumulator tiles of a product (probabilities or dS), as
+// bf16 A fragments, b a tile stored [k][n] of N columns (V for P V, K for dS K).
+template <int S, int K, int N>
+__device__ __forceinline__ void mma_pb(float (&c)[N / 8][4], const float (&p)[K / 8][4], const bf16* b) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    uint32_t a[4];
+    c_to_a(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t f[4];
+      load_b_kn<S>(f, b, kk * 16, np * 16);
+      mma_pair(c, 2 * np, a, f);
+    }
+  }
+}
+
+// Scores of this thread's rows (row0 and row0 + 8, of the block's rows [i0, i_last]; quad
+// is its lane % 4) for the N keys from j0 that the rows cannot see set to `masked`. Only
+// tiles on the diagonal or the window's edge need the per-element test.
+template <int N>
+__device__ __forceinline__ void mask_scores(float (&s)[N / 8][4], const Params& p, int i0, int i_last, int row0,
+                                            int quad, int j0, float masked) {
+  if (all_visible(p, i0, i_last, j0, j0 + N - 1)) return;
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (!visible(p, row0 + e / 2 * 8, j0 + nt * 8 + 2 * quad + e % 2)) s[nt][e] = masked;
+}
+
 // Columns D..DP-1 of a tile are zero so padded heads add nothing to the products; the
 // loads below never write them, so this runs once per buffer.
 template <int ROWS, int DP>
@@ -237,26 +282,12 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
     cp_async_commit();
 
     float s[BN / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < DQ / 16; ++kk)
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t kb[4];
-        load_b_nk<S>(kb, ks, np * 16, kk * 16);
-        mma_pair(s, 2 * np, qa[kk], kb);
-      }
+    mma_abt<S, DQ, BN>(s, qa, ks);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale_log2;
-    // Only tiles on the diagonal or the window's edge need the per-element mask.
-    if (!all_visible(p, i0, i_last, j0, j0 + BN - 1)) {
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!visible(p, row0 + e / 2 * 8, j0 + nt * 8 + 2 * quad + e % 2)) s[nt][e] = -INFINITY;
-    }
+    mask_scores<BN>(s, p, i0, i_last, row0, quad, j0, -INFINITY);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = m[r];
@@ -288,17 +319,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
     __syncthreads();  // V has landed; every warp is done with K
     if (n < n_last) load_tile<BN, DQ>(ks, kh, k_stride, j0 + BN, p.tk, p.d, p.vec);
     cp_async_commit();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t pa[4];
-      c_to_a(pa, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int dp = 0; dp < DV / 16; ++dp) {
-        uint32_t vb[4];
-        load_b_kn<SV>(vb, vs, kk * 16, dp * 16);
-        mma_pair(acc, 2 * dp, pa, vb);
-      }
-    }
+    mma_pb<SV, BN, DV>(acc, s, vs);
     cp_async_wait_all();
     __syncthreads();  // the next K has landed; every warp is done with V
   }
@@ -558,50 +579,20 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
     const bf16* vt = vs + buf * BN * SV;
 
     float s[BN / 8][4] = {}, dpv[BN / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < DQ / 16; ++kk)
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t kb[4];
-        load_b_nk<S>(kb, kt, np * 16, kk * 16);
-        mma_pair(s, 2 * np, qa[kk], kb);
-      }
-#pragma unroll
-    for (int kk = 0; kk < DV / 16; ++kk)
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t vb[4];
-        load_b_nk<SV>(vb, vt, np * 16, kk * 16);
-        mma_pair(dpv, 2 * np, ga[kk], vb);
-      }
+    mma_abt<S, DQ, BN>(s, qa, kt);
+    mma_abt<SV, DV, BN>(dpv, ga, vt);
     // P = exp(S - lse), masked entries then exactly 0 (see the dK/dV kernel).
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = exp2_ftz(s[nt][e] * p.scale_log2 - lse2[e / 2]);
-    if (!all_visible(p, i0, i_last, j0, j0 + BN - 1)) {
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!visible(p, row0 + e / 2 * 8, j0 + nt * 8 + 2 * quad + e % 2)) s[nt][e] = 0.0f;
-    }
+    mask_scores<BN>(s, p, i0, i_last, row0, quad, j0, 0.0f);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpv[nt][e] = s[nt][e] * (dpv[nt][e] - dlt[e / 2]);
     // dQ += dS K, contracting over the BN keys.
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t da[4];
-      c_to_a(da, dpv[2 * kk], dpv[2 * kk + 1]);
-#pragma unroll
-      for (int dp = 0; dp < DQ / 16; ++dp) {
-        uint32_t kb[4];
-        load_b_kn<S>(kb, kt, kk * 16, dp * 16);
-        mma_pair(dq, 2 * dp, da, kb);
-      }
-    }
+    mma_pb<S, BN, DQ>(dq, dpv, kt);
   }
 
 #pragma unroll
