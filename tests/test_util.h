@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "core/check.h"
+#include "kernels/gemm.h"
 
 namespace mt::test {
 
@@ -42,6 +43,28 @@ inline std::pair<int, std::string> run_command(const std::string& cmd) {
   while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
   int status = pclose(p);
   return {WEXITSTATUS(status), out};
+}
+
+// Gradients of c = op(a) @ op(b) given dc, as the models write them: gemm calls on the
+// tensors' device. Either of da, db may be an empty Tensor (not computed); with
+// accumulate the results are added to da/db instead of overwriting them.
+inline void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b,
+                          const Tensor& da, const Tensor& db, bool accumulate) {
+  const float beta = accumulate ? 1.0f : 0.0f;
+  // With C = A B: dA = dC B^T and dB = A^T dC. Transposed operands swap the roles:
+  // for A^T the stored gradient is (dC B^T)^T = B dC^T, and likewise for B.
+  if (da.data != nullptr) {
+    if (!trans_a)
+      mt::gemm(dc, b, da, false, !trans_b, 1.0f, beta);
+    else
+      mt::gemm(b, dc, da, trans_b, true, 1.0f, beta);
+  }
+  if (db.data != nullptr) {
+    if (!trans_b)
+      mt::gemm(a, dc, db, !trans_a, false, 1.0f, beta);
+    else
+      mt::gemm(dc, a, db, true, trans_a, 1.0f, beta);
+  }
 }
 
 }  // namespace mt::test

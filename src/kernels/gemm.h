@@ -1,4 +1,5 @@
-// Dense matrix products. CPU: OpenBLAS sgemm.
+// Dense matrix products. CPU: OpenBLAS sgemm. A product's backward is two more of them
+// (dA = dC B^T, dB = A^T dC): the models write their B/W halves as gemm calls.
 #pragma once
 
 #include "core/tensor.h"
@@ -10,12 +11,6 @@ namespace mt::cpu {
 void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha = 1.0f,
           float beta = 0.0f);
 
-// Gradients of c = op(a) @ op(b) given dc. Either of da, db may be an empty Tensor
-// (not computed), which is how the B/W split asks for one half. With accumulate the
-// results are added to da/db instead of overwriting them.
-void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b, const Tensor& da,
-                   const Tensor& db, bool accumulate);
-
 // The raw row-major product the CPU kernels share: c = alpha op(a) op(b) + beta c
 // with leading dimensions lda/ldb/ldc (stored row widths). k = 0 scales c by beta.
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -26,17 +21,12 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 namespace mt::cuda {
 
 // cuBLASLt. a and b bf16, c bf16 or f32 (accumulation is f32 either way); beta = 0
-// never reads c. gemm_backward: dc bf16, da and db bf16 or f32 each (f32 with
-// accumulate for weight gradients).
+// never reads c.
 void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha = 1.0f,
           float beta = 0.0f);
-void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b, const Tensor& da,
-                   const Tensor& db, bool accumulate);
 
 }  // namespace mt::cuda
 
-// Only gemm has a dispatcher: the models write their B/W halves as gemm calls, and only
-// the tests call gemm_backward, on one backend at a time.
 namespace mt {
 
 inline void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha = 1.0f,

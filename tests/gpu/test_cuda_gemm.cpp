@@ -18,6 +18,7 @@
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/gemm.h"
 #include "kernels/grouped_gemm.h"
+#include "test_util.h"
 
 namespace mt::gpu_test {
 namespace {
@@ -101,19 +102,19 @@ TEST(CudaGemm, BackwardMatchesCpu) {
       auto da0 = random_floats(sa.numel(), -1, 1, ++seed), db0 = random_floats(sb.numel(), -1, 1, ++seed);
 
       auto want_da = da0, want_db = db0;
-      cpu::gemm_backward(host(a, sa), host(b, sb), host(dc, {g.m, g.n}), g.ta, g.tb, host(want_da, sa),
+      test::gemm_backward(host(a, sa), host(b, sb), host(dc, {g.m, g.n}), g.ta, g.tb, host(want_da, sa),
                          host(want_db, sb), accumulate);
       auto aa = abs_of(a), ab = abs_of(b), adc = abs_of(dc);
       auto bound_da = accumulate ? abs_of(da0) : std::vector<float>(da0.size(), 0.0f);
       auto bound_db = accumulate ? abs_of(db0) : std::vector<float>(db0.size(), 0.0f);
-      cpu::gemm_backward(host(aa, sa), host(ab, sb), host(adc, {g.m, g.n}), g.ta, g.tb, host(bound_da, sa),
+      test::gemm_backward(host(aa, sa), host(ab, sb), host(adc, {g.m, g.n}), g.ta, g.tb, host(bound_da, sa),
                          host(bound_db, sb), true);
 
       auto d_a = upload(a, DType::bf16, sa), d_b = upload(b, DType::bf16, sb);
       auto d_dc = upload(dc, DType::bf16, {g.m, g.n});
       auto d_da = accumulate ? upload(da0, gd, sa) : poisoned(gd, sa);
       auto d_db = accumulate ? upload(db0, gd, sb) : poisoned(gd, sb);
-      cuda::gemm_backward(d_a.t, d_b.t, d_dc.t, g.ta, g.tb, d_da.t, d_db.t, accumulate);
+      test::gemm_backward(d_a.t, d_b.t, d_dc.t, g.ta, g.tb, d_da.t, d_db.t, accumulate);
       // dA reduces over N, dB over M.
       EXPECT_TRUE(near("da", download(d_da.t), want_da, product_tol(g.n, bound_da, gd)));
       EXPECT_TRUE(near("db", download(d_db.t), want_db, product_tol(g.m, bound_db, gd)));

@@ -4,6 +4,7 @@
 
 #include "kernels/gemm.h"
 #include "ops/cases.h"
+#include "test_util.h"
 
 namespace mt::test {
 
@@ -42,7 +43,7 @@ OpCase gemm_case(int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, fl
   c.backward = [=](const Vecs& in, const Vecs& dout) {
     auto a = HostTensor::f32(sa, in[0]), b = HostTensor::f32(sb, in[1]), dc = HostTensor::f32({m, n}, dout[0]);
     auto da = HostTensor::f32(sa, in[0]), db = HostTensor::f32(sb, in[1]);
-    cpu::gemm_backward(a.t, b.t, dc.t, trans_a, trans_b, da.t, db.t, false);
+    gemm_backward(a.t, b.t, dc.t, trans_a, trans_b, da.t, db.t, false);
     Vec dc0 = dout[0];
     for (double& x : dc0) x *= beta;
     return Vecs{da.vec(), db.vec(), dc0};

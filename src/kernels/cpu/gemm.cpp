@@ -57,26 +57,4 @@ void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool 
   sgemm(trans_a, trans_b, d.m, d.n, d.k, alpha, a.f32(), a.dim(1), b.f32(), b.dim(1), beta, c.f32(), d.n);
 }
 
-void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b, const Tensor& da,
-                   const Tensor& db, bool accumulate) {
-  Dims d = check_gemm(a, b, dc, trans_a, trans_b);
-  float beta = accumulate ? 1.0f : 0.0f;
-  // With C = A B: dA = dC B^T and dB = A^T dC. Transposed operands swap the roles:
-  // for A^T the stored gradient is (dC B^T)^T = B dC^T, and likewise for B.
-  if (da.data != nullptr) {
-    check_tensor(da, "da", DType::f32, a.shape);
-    if (!trans_a)
-      sgemm(false, !trans_b, d.m, d.k, d.n, 1.0f, dc.f32(), d.n, b.f32(), b.dim(1), beta, da.f32(), d.k);
-    else
-      sgemm(trans_b, true, d.k, d.m, d.n, 1.0f, b.f32(), b.dim(1), dc.f32(), d.n, beta, da.f32(), d.m);
-  }
-  if (db.data != nullptr) {
-    check_tensor(db, "db", DType::f32, b.shape);
-    if (!trans_b)
-      sgemm(!trans_a, false, d.k, d.n, d.m, 1.0f, a.f32(), a.dim(1), dc.f32(), d.n, beta, db.f32(), d.n);
-    else
-      sgemm(true, trans_a, d.n, d.k, d.m, 1.0f, dc.f32(), d.n, a.f32(), a.dim(1), beta, db.f32(), d.k);
-  }
-}
-
 }  // namespace mt::cpu

@@ -126,17 +126,17 @@ struct Dims {
   int64_t m, n, k;
 };
 
-Dims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb, const char* c_name) {
+Dims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb) {
   MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2)
-      << "gemm wants 2-D tensors, got a " << a.str() << ", b " << b.str() << ", " << c_name << " " << c.str();
+      << "gemm wants 2-D tensors, got a " << a.str() << ", b " << b.str() << ", gemm c " << c.str();
   Dims d{ta ? a.dim(1) : a.dim(0), tb ? b.dim(0) : b.dim(1), ta ? a.dim(0) : a.dim(1)};
   int64_t kb = tb ? b.dim(1) : b.dim(0);
   MT_CHECK(kb == d.k && c.dim(0) == d.m && c.dim(1) == d.n)
       << "gemm shapes disagree: op(a) " << d.m << "x" << d.k << " (a " << a.str() << (ta ? "^T" : "") << "), op(b) "
-      << kb << "x" << d.n << " (b " << b.str() << (tb ? "^T" : "") << "), " << c_name << " " << c.str();
+      << kb << "x" << d.n << " (b " << b.str() << (tb ? "^T" : "") << "), gemm c " << c.str();
   check_arg(a, "gemm a", {DType::bf16}, a.shape);
   check_arg(b, "gemm b", {DType::bf16}, b.shape);
-  check_arg(c, c_name, {DType::bf16, DType::f32}, c.shape);
+  check_arg(c, "gemm c", {DType::bf16, DType::f32}, c.shape);
   return d;
 }
 
@@ -167,32 +167,8 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
 }
 
 void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
-  Dims d = check_gemm(a, b, c, trans_a, trans_b, "gemm c");
+  Dims d = check_gemm(a, b, c, trans_a, trans_b);
   matmul(trans_a, trans_b, d.m, d.n, d.k, alpha, a.data, a.dim(1), b.data, b.dim(1), beta, c, d.n);
-}
-
-void gemm_backward(const Tensor& a, const Tensor& b, const Tensor& dc, bool trans_a, bool trans_b, const Tensor& da,
-                   const Tensor& db, bool accumulate) {
-  Dims d = check_gemm(a, b, dc, trans_a, trans_b, "gemm dc");
-  MT_CHECK(dc.dtype == DType::bf16) << "cuda gemm_backward takes a bf16 dc (an operand of the products), got "
-                                    << dc.str();
-  float beta = accumulate ? 1.0f : 0.0f;
-  // The same products as the CPU backend: dA = dC B^T and dB = A^T dC, with transposed
-  // operands swapping roles (for A^T the stored gradient is B dC^T).
-  if (da.data != nullptr) {
-    check_arg(da, "gemm da", {DType::bf16, DType::f32}, a.shape);
-    if (!trans_a)
-      matmul(false, !trans_b, d.m, d.k, d.n, 1.0f, dc.data, d.n, b.data, b.dim(1), beta, da, d.k);
-    else
-      matmul(trans_b, true, d.k, d.m, d.n, 1.0f, b.data, b.dim(1), dc.data, d.n, beta, da, d.m);
-  }
-  if (db.data != nullptr) {
-    check_arg(db, "gemm db", {DType::bf16, DType::f32}, b.shape);
-    if (!trans_b)
-      matmul(!trans_a, false, d.k, d.n, d.m, 1.0f, a.data, a.dim(1), dc.data, d.n, beta, db, d.n);
-    else
-      matmul(true, trans_a, d.n, d.k, d.m, 1.0f, dc.data, d.n, a.data, a.dim(1), beta, db, d.k);
-  }
 }
 
 }  // namespace mt::cuda
