@@ -32,6 +32,7 @@
 #include "parallel/expert_parallel.h"
 #include "parallel/placement.h"
 #include "parallel/sharding.h"
+#include "ep_exchange.h"
 
 namespace mt {
 namespace {
@@ -777,14 +778,14 @@ void run_ep_case(const EpCase& c, int64_t capacity, comm::Communicator& ep, uint
   std::vector<float> xs(R * D), ys(R * Do), back(B * Do), y(N * Do), dys(R * Do), dweight(N * k), dxs(R * D);
   std::vector<float> dx(N * D), dw(per * Do * D);
   const Tensor off = plan.offsets;
-  parallel::ep_dispatch_forward(ep, plan, x_r, f32(xs, {R, D}));
+  test::ep_dispatch_forward(ep, plan, x_r, f32(xs, {R, D}));
   cpu::grouped_gemm(f32(xs, {R, D}), w_r, Tensor(), off, f32(ys, {R, Do}));
-  parallel::ep_combine_forward(ep, plan, f32(ys, {R, Do}), weight_r, f32(back, {B, Do}), f32(y, {N, Do}));
-  parallel::ep_combine_backward(ep, plan, f32(back, {B, Do}), weight_r, dy_r, f32(dys, {R, Do}),
+  test::ep_combine_forward(ep, plan, f32(ys, {R, Do}), weight_r, f32(back, {B, Do}), f32(y, {N, Do}));
+  test::ep_combine_backward(ep, plan, f32(back, {B, Do}), weight_r, dy_r, f32(dys, {R, Do}),
                                 f32(dweight, {N, k}));
   cpu::grouped_gemm_backward_input(f32(dys, {R, Do}), w_r, off, f32(dxs, {R, D}));
   cpu::grouped_gemm_backward_weight(f32(xs, {R, D}), f32(dys, {R, Do}), off, f32(dw, {per, Do, D}), Tensor(), false);
-  parallel::ep_dispatch_backward(ep, plan, f32(dxs, {R, D}), f32(dx, {N, D}));
+  test::ep_dispatch_backward(ep, plan, f32(dxs, {R, D}), f32(dx, {N, D}));
 
   const double tol = 1e-6;
   expect_close(y.data(), y_g.data() + first_token * Do, N * Do, tol, "y");
@@ -879,12 +880,12 @@ TEST_F(ExpertParallel, HalvesSeparatedByOtherWorkMatchOneCall) {
   for (Batch& m : batches) {
     const int64_t d = m.c.d, n = m.n, r = m.r, bk = m.b, k = m.c.top_k;
     std::vector<float> xs(r * d), back(bk * d), y(n * d), dys(r * d), dw(n * k), dx(n * d);
-    parallel::ep_dispatch_forward(ep, m.plan, f32(m.x, {n, d}), f32(xs, {r, d}));
-    parallel::ep_combine_forward(ep, m.plan, f32(m.ys, {r, d}), f32(m.weight, {n, k}), f32(back, {bk, d}),
+    test::ep_dispatch_forward(ep, m.plan, f32(m.x, {n, d}), f32(xs, {r, d}));
+    test::ep_combine_forward(ep, m.plan, f32(m.ys, {r, d}), f32(m.weight, {n, k}), f32(back, {bk, d}),
                                  f32(y, {n, d}));
-    parallel::ep_combine_backward(ep, m.plan, f32(back, {bk, d}), f32(m.weight, {n, k}), f32(m.dy, {n, d}),
+    test::ep_combine_backward(ep, m.plan, f32(back, {bk, d}), f32(m.weight, {n, k}), f32(m.dy, {n, d}),
                                   f32(dys, {r, d}), f32(dw, {n, k}));
-    parallel::ep_dispatch_backward(ep, m.plan, f32(m.dxs, {r, d}), f32(dx, {n, d}));
+    test::ep_dispatch_backward(ep, m.plan, f32(m.dxs, {r, d}), f32(dx, {n, d}));
     for (const auto* v : {&xs, &back, &y, &dys, &dw, &dx}) m.want.insert(m.want.end(), v->begin(), v->end());
   }
   struct Out {

@@ -248,11 +248,6 @@ void ep_dispatch_forward_finish(EpExchange& ex, const EpPlan& plan, const Tensor
   ex = EpExchange();
 }
 
-void ep_dispatch_forward(comm::Communicator& ep, const EpPlan& plan, const Tensor& x, const Tensor& xs) {
-  EpExchange ex = ep_dispatch_forward_start(ep, plan, x);
-  ep_dispatch_forward_finish(ex, plan, xs);
-}
-
 EpExchange ep_dispatch_backward_start(comm::Communicator& ep, const EpPlan& plan, const Tensor& dxs) {
   const char* op = "ep_dispatch_backward";
   const int64_t d = width_of(dxs, op, "dxs");
@@ -273,11 +268,6 @@ void ep_dispatch_backward_finish(EpExchange& ex, const EpPlan& plan, const Tenso
   check_tensor(dx, "ep dispatch dx", row_dtype(plan), {plan.tokens, ex.received.dim(1)});
   mt::dispatch_backward(ex.received, plan.token_rows, dx);
   ex = EpExchange();
-}
-
-void ep_dispatch_backward(comm::Communicator& ep, const EpPlan& plan, const Tensor& dxs, const Tensor& dx) {
-  EpExchange ex = ep_dispatch_backward_start(ep, plan, dxs);
-  ep_dispatch_backward_finish(ex, plan, dx);
 }
 
 EpExchange ep_combine_forward_start(comm::Communicator& ep, const EpPlan& plan, const Tensor& ys,
@@ -303,12 +293,6 @@ void ep_combine_forward_finish(EpExchange& ex, const EpPlan& plan, const Tensor&
   ex = EpExchange();
 }
 
-void ep_combine_forward(comm::Communicator& ep, const EpPlan& plan, const Tensor& ys, const Tensor& weight,
-                        const Tensor& back, const Tensor& y) {
-  EpExchange ex = ep_combine_forward_start(ep, plan, ys, back);
-  ep_combine_forward_finish(ex, plan, weight, y);
-}
-
 EpExchange ep_combine_backward_start(comm::Communicator& ep, const EpPlan& plan, const Tensor& back,
                                      const Tensor& weight, const Tensor& dy, const Tensor& dweight) {
   const char* op = "ep_combine_backward";
@@ -329,12 +313,6 @@ void ep_combine_backward_finish(EpExchange& ex, const EpPlan& plan, const Tensor
   check_tensor(dys, "ep combine dys", row_dtype(plan), {plan.local_rows(), ex.received.dim(1)});
   mt::dispatch_forward(ex.received, plan.return_pos, 1, dys);
   ex = EpExchange();
-}
-
-void ep_combine_backward(comm::Communicator& ep, const EpPlan& plan, const Tensor& back, const Tensor& weight,
-                         const Tensor& dy, const Tensor& dys, const Tensor& dweight) {
-  EpExchange ex = ep_combine_backward_start(ep, plan, back, weight, dy, dweight);
-  ep_combine_backward_finish(ex, plan, dys);
 }
 
 RoutedMark mark_routed([[maybe_unused]] const Tensor& idx) {

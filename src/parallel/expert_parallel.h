@@ -33,7 +33,7 @@
 //
 // Each exchange comes in two halves: *_start packs the rows and starts the
 // all-to-all-v, returning the EpExchange that holds the transfer; *_finish waits for it
-// and unpacks. The one-call functions are start then finish.
+// and unpacks.
 //
 // Where the rest of the exchange lives: kernels/dispatch.h (the counting sorts and index
 // steps the plan runs, and the one-rank dispatch and combine); parallel/buffer.h (the
@@ -145,13 +145,11 @@ struct EpExchange {
 // plan.offsets[e] .. offsets[e+1].
 EpExchange ep_dispatch_forward_start(comm::Communicator& ep, const EpPlan& plan, const Tensor& x);
 void ep_dispatch_forward_finish(EpExchange& exchange, const EpPlan& plan, const Tensor& xs);
-void ep_dispatch_forward(comm::Communicator& ep, const EpPlan& plan, const Tensor& x, const Tensor& xs);
 
 // dxs [R,D] -> dx [N,D] (overwritten). On the GPU a row's local copies are added in
 // fp32 and rounded to bf16 before they travel, then the ranks' rows added in fp32.
 EpExchange ep_dispatch_backward_start(comm::Communicator& ep, const EpPlan& plan, const Tensor& dxs);
 void ep_dispatch_backward_finish(EpExchange& exchange, const EpPlan& plan, const Tensor& dx);
-void ep_dispatch_backward(comm::Communicator& ep, const EpPlan& plan, const Tensor& dxs, const Tensor& dx);
 
 // ys [R,Do], weight f32 [N,k] -> back [returned_rows, Do] (the outputs of this rank's
 // kept slots, which the backward needs: keep it; it belongs to the transfer until the
@@ -159,14 +157,10 @@ void ep_dispatch_backward(comm::Communicator& ep, const EpPlan& plan, const Tens
 EpExchange ep_combine_forward_start(comm::Communicator& ep, const EpPlan& plan, const Tensor& ys,
                                     const Tensor& back);
 void ep_combine_forward_finish(EpExchange& exchange, const EpPlan& plan, const Tensor& weight, const Tensor& y);
-void ep_combine_forward(comm::Communicator& ep, const EpPlan& plan, const Tensor& ys, const Tensor& weight,
-                        const Tensor& back, const Tensor& y);
 
 // dy [N,Do] -> dweight f32 [N,k] (written by the start) and dys [R,Do] (by the finish).
 EpExchange ep_combine_backward_start(comm::Communicator& ep, const EpPlan& plan, const Tensor& back,
                                      const Tensor& weight, const Tensor& dy, const Tensor& dweight);
 void ep_combine_backward_finish(EpExchange& exchange, const EpPlan& plan, const Tensor& dys);
-void ep_combine_backward(comm::Communicator& ep, const EpPlan& plan, const Tensor& back, const Tensor& weight,
-                         const Tensor& dy, const Tensor& dys, const Tensor& dweight);
 
 }  // namespace mt::parallel

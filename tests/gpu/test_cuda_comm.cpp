@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "comm/communicator.h"
+#include "ep_exchange.h"
 #include "gpu/gpu_test.h"
 #include "kernels/attention.h"
 #include "kernels/cross_entropy.h"
@@ -373,10 +374,10 @@ TEST(CudaParallel, OneRankExpertParallelIsTheSingleGpuDispatch) {
   DeviceTensor xs = poisoned(DType::bf16, {r, d}), y = poisoned(DType::bf16, {n, d});
   DeviceTensor back = poisoned(DType::bf16, {r, d}), dys = poisoned(DType::bf16, {r, d});
   DeviceTensor dw = poisoned(DType::f32, {n, k}), dx = poisoned(DType::bf16, {n, d});
-  parallel::ep_dispatch_forward(ep, plan, x.t, xs.t);
-  parallel::ep_combine_forward(ep, plan, ys.t, weight.t, back.t, y.t);
-  parallel::ep_combine_backward(ep, plan, back.t, weight.t, dy.t, dys.t, dw.t);
-  parallel::ep_dispatch_backward(ep, plan, dxs.t, dx.t);
+  test::ep_dispatch_forward(ep, plan, x.t, xs.t);
+  test::ep_combine_forward(ep, plan, ys.t, weight.t, back.t, y.t);
+  test::ep_combine_backward(ep, plan, back.t, weight.t, dy.t, dys.t, dw.t);
+  test::ep_dispatch_backward(ep, plan, dxs.t, dx.t);
   EXPECT_TRUE(near("xs", download(xs.t), download(xs_1.t), Tol()));
   EXPECT_TRUE(near("y", download(y.t), download(y_1.t), Tol()));
   EXPECT_TRUE(near("dys", download(dys.t), download(dys_1.t), Tol()));
@@ -583,10 +584,10 @@ TEST(CudaParallel, ExchangeHalvesAreTheOneCallPath) {
     DeviceTensor xs_1 = poisoned(DType::bf16, {r, d}), back_1 = poisoned(DType::bf16, {b, d});
     DeviceTensor y_1 = poisoned(DType::bf16, {n, d}), dys_1 = poisoned(DType::bf16, {r, d});
     DeviceTensor dw_1 = poisoned(DType::f32, {n, k}), dx_1 = poisoned(DType::bf16, {n, d});
-    parallel::ep_dispatch_forward(ep, plan, x.t, xs_1.t);
-    parallel::ep_combine_forward(ep, plan, ys.t, weight.t, back_1.t, y_1.t);
-    parallel::ep_combine_backward(ep, plan, back_1.t, weight.t, dy.t, dys_1.t, dw_1.t);
-    parallel::ep_dispatch_backward(ep, plan, dxs.t, dx_1.t);
+    test::ep_dispatch_forward(ep, plan, x.t, xs_1.t);
+    test::ep_combine_forward(ep, plan, ys.t, weight.t, back_1.t, y_1.t);
+    test::ep_combine_backward(ep, plan, back_1.t, weight.t, dy.t, dys_1.t, dw_1.t);
+    test::ep_dispatch_backward(ep, plan, dxs.t, dx_1.t);
 
     DeviceTensor xs = poisoned(DType::bf16, {r, d}), back = poisoned(DType::bf16, {b, d});
     DeviceTensor y = poisoned(DType::bf16, {n, d}), dys = poisoned(DType::bf16, {r, d});
