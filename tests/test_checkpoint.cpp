@@ -550,7 +550,7 @@ TEST(CheckpointCommands, SignalsThroughWrappersAreOneRequest) {
   std::vector<int64_t> four = io::npy_as_int64(three, "tokens");
   const int64_t t = three.header.shape[1];
   four.insert(four.end(), four.begin(), four.begin() + t);
-  io::write_npy(dump + "_four.npy", "<i8", {4, t}, four.data());
+  test::write_npy(dump + "_four.npy", "<i8", {4, t}, four.data());
   const std::string ep = " --parallelism.ep=2 --data.tokens=" + dump + "_four.npy";
   for (const std::string form : {"ranks", "group"}) {
     const std::string d = temp_dir("mpirun_" + form);
@@ -736,7 +736,7 @@ TEST(CheckpointCommands, BadPathsAndLongSequencesAreRefused) {
   // qwen3_moe_a is made for 64 positions.
   std::vector<int64_t> tokens(2 * 81);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>(i % 50);
-  io::write_npy(dump + "/long.npy", "<i8", {2, 81}, tokens.data());
+  test::write_npy(dump + "/long.npy", "<i8", {2, 81}, tokens.data());
   const std::string long_run = std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
                                " --data.tokens=" + dump + "/long.npy --training.steps=1 --job.dump_folder=" + dump;
   std::tie(rc, out) = run(long_run + "/long");

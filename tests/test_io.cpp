@@ -19,10 +19,12 @@
 #include "io/file.h"
 #include "io/npy.h"
 #include "io/safetensors.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace mt::io;
+using mt::test::write_npy;
 
 namespace {
 

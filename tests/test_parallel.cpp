@@ -481,6 +481,11 @@ TEST_F(Comm, StartedCollectivesCheckTheirArgumentsBeforeStarting) {
 
 // ---- mesh ---------------------------------------------------------------------------
 
+// The world rank of a mesh coordinate: the layout formula, pp outermost and ep innermost.
+int mesh_rank(const comm::MeshShape& s, const comm::MeshCoord& c) {
+  return ((c.pp * s.dp + c.dp) * s.cp + c.cp) * s.ep + c.ep;
+}
+
 // The world ranks of the group of `axes` (bits pp=8, dp=4, cp=2, ep=1) that `rank` is
 // in, in the group's rank order, enumerated from the layout formula.
 std::vector<int64_t> group_members(const comm::MeshShape& s, int rank, int axes) {
@@ -494,7 +499,7 @@ std::vector<int64_t> group_members(const comm::MeshShape& s, int rank, int axes)
           if ((!(axes & 8) && c.pp != me.pp) || (!(axes & 4) && c.dp != me.dp) || (!(axes & 2) && c.cp != me.cp) ||
               (!(axes & 1) && c.ep != me.ep))
             continue;
-          m.push_back(comm::mesh_rank(s, c));
+          m.push_back(mesh_rank(s, c));
         }
   return m;
 }
@@ -543,7 +548,7 @@ TEST_F(Mesh, AWorldThatDoesNotDivideIsAnErrorNamingTheNumbers) {
   EXPECT_NE(e.find("at least one rank, got 0"), std::string::npos) << e;
   comm::MeshShape s = comm::mesh_shape(24, 2, 3, 2);
   EXPECT_EQ(s.dp, 2);
-  EXPECT_EQ(comm::mesh_rank(s, comm::mesh_coord(s, 17)), 17);
+  EXPECT_EQ(mesh_rank(s, comm::mesh_coord(s, 17)), 17);
   // A mesh larger than the world fails on every rank alike, before any split.
   const int n = world_comm().size();
   e = error_of([&] { comm::DeviceMesh m(world_comm(), 1, 1, 2 * n); });

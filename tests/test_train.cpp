@@ -58,7 +58,7 @@ void write_four_sequences(const std::string& model, const std::string& dir) {
   std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
   const int64_t t = a.header.shape[1];
   tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + t);
-  io::write_npy(dir + "/tokens.npy", "<i8", {4, t}, tokens.data());
+  test::write_npy(dir + "/tokens.npy", "<i8", {4, t}, tokens.data());
 }
 
 
@@ -1115,7 +1115,7 @@ TEST(Commands, CapacityWithExpertParallelismMatchesOneRank) {
   io::NpyArray a = io::read_npy(fixture("qwen3_moe_a/tokens.npy"));
   std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
   tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + a.header.shape[1]);
-  io::write_npy(dir + "/tokens.npy", "<i8", {4, a.header.shape[1]}, tokens.data());
+  test::write_npy(dir + "/tokens.npy", "<i8", {4, a.header.shape[1]}, tokens.data());
   auto train = [&](const std::string& launch, const std::string& name, const std::string& extra) {
     std::string dump = dir + "/" + name;
     auto [rc, out] = run(launch + MOETRAIN_BIN + " train --model.init=hf:" + fixture("qwen3_moe_a") +
@@ -1183,7 +1183,7 @@ TEST(Commands, PlanPredictsTheMemoryATrainRunHolds) {
   io::NpyArray a = io::read_npy(tokens3);
   std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
   tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + a.header.shape[1]);
-  io::write_npy(dump + "/tokens4.npy", "<i8", {4, a.header.shape[1]}, tokens.data());
+  test::write_npy(dump + "/tokens4.npy", "<i8", {4, a.header.shape[1]}, tokens.data());
   const std::string tokens4 = dump + "/tokens4.npy";
   const std::string two = " --model.init=hf:" + fixture("qwen3_moe_a") + " --training.global_batch_size=4" +
                           " --training.micro_batch_size=1 --training.load_balance_type=global_batch";
@@ -1238,7 +1238,7 @@ struct RunMesh {
 static void write_tokens32(const std::string& dir) {
   std::vector<int64_t> tokens(32 * 17);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 29 + i / 5 + i / 17) % 80);
-  io::write_npy(dir + "/tokens32.npy", "<i8", {32, 17}, tokens.data());
+  test::write_npy(dir + "/tokens32.npy", "<i8", {32, 17}, tokens.data());
 }
 
 static void expect_same_run(const std::string& a, const std::string& b) {
@@ -1600,7 +1600,7 @@ TEST(Commands, RanksSharingAHostAreRefusedTogether) {
   const std::string dir = temp_dir("sharing");
   std::vector<int64_t> tokens(4 * 33);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 37 + i / 11) % 96);
-  io::write_npy(dir + "/tokens.npy", "<i8", {4, 33}, tokens.data());
+  test::write_npy(dir + "/tokens.npy", "<i8", {4, 33}, tokens.data());
   const std::string flags = " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir +
                             "/tokens.npy --training.steps=1 --parallelism.ep=2";
   auto [rc, plan] = run(std::string(MOETRAIN_BIN) + " plan" + flags + " --world=2");
@@ -1628,7 +1628,7 @@ TEST(Commands, TheHeadOverChunksMatchesWholeMicroBatches) {
   const std::string dir = temp_dir("head_chunks");
   std::vector<int64_t> tokens(32 * 65);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 37 + i / 11) % 96);
-  io::write_npy(dir + "/tokens.npy", "<i8", {32, 65}, tokens.data());
+  test::write_npy(dir + "/tokens.npy", "<i8", {32, 65}, tokens.data());
   auto train = [&](const std::string& name, int micro) {
     auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
                          " --data.tokens=" + dir + "/tokens.npy --training.steps=3 --training.micro_batch_size=" +
@@ -1713,7 +1713,7 @@ void write_hot_gpt_oss(const std::string& dir) {
   io::write_safetensors(dir + "/hot/model.safetensors", out);
   std::vector<int64_t> tokens(4 * 65);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 37 + i / 7) % 96);
-  io::write_npy(dir + "/tokens.npy", "<i8", {4, 65}, tokens.data());
+  test::write_npy(dir + "/tokens.npy", "<i8", {4, 65}, tokens.data());
 }
 
 // The expert rows follow each micro-batch's routing. With every token sent to rank 0's
@@ -1918,7 +1918,7 @@ TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
   const int64_t M = 4;
   std::vector<int64_t> tokens(M * 17);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 31 + i / 3) % 80);
-  io::write_npy(dir + "/tokens.npy", "<i8", {M, 17}, tokens.data());
+  test::write_npy(dir + "/tokens.npy", "<i8", {M, 17}, tokens.data());
   std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " train --model.config=" + fixture("pipeline/config.json") +
                           " --data.tokens=" + dir + "/tokens.npy --training.steps=1" +
                           " --training.micro_batch_size=1 --metrics.profile=true --job.dump_folder=" + dir + "/run");
@@ -2046,7 +2046,7 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
   std::string dir = temp_dir("pipeline");
   std::vector<int64_t> tokens(32 * 17);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>((i * 29 + i / 5 + i / 17) % 80);
-  io::write_npy(dir + "/tokens.npy", "<i8", {32, 17}, tokens.data());
+  test::write_npy(dir + "/tokens.npy", "<i8", {32, 17}, tokens.data());
   std::string config = fixture("pipeline/config.json");
   auto train = [&](const std::string& name, int np, const std::string& flags, int steps) {
     const std::string dump = dir + "/" + name;
@@ -2215,7 +2215,7 @@ TEST(Commands, ValidationSplitHoldsOutTheLastDocuments) {
   for (uint64_t e = 68; e <= tokens.size(); e += 68) ends.push_back(e);
   write_bin(dir + "/corpus/part.bin", tokens, ends);
   const std::vector<int64_t> held(tokens.begin() + 544, tokens.end());
-  io::write_npy(dir + "/held.npy", "<i8", {8, 17}, held.data());
+  test::write_npy(dir + "/held.npy", "<i8", {8, 17}, held.data());
   std::vector<nlohmann::json> runs[2];
   for (int m = 0; m < 2; ++m) {
     const std::string dump = dir + "/run" + std::to_string(m);
@@ -2260,14 +2260,14 @@ TEST(Commands, ValidationEqualsEvalOnEveryMesh) {
   std::vector<int64_t> held;
   for (int64_t r = 0; r < 8; ++r)
     for (int64_t j = t - 1; j >= 0; --j) held.push_back(fixture_tokens[static_cast<size_t>((r % 3) * t + j) % fixture_tokens.size()]);
-  io::write_npy(dir + "/held.npy", "<i8", {8, t}, held.data());
-  io::write_npy(dir + "/held4.npy", "<i8", {4, t}, held.data());
+  test::write_npy(dir + "/held.npy", "<i8", {8, t}, held.data());
+  test::write_npy(dir + "/held4.npy", "<i8", {4, t}, held.data());
   // The same below the pipeline model's vocabulary of 80.
   std::vector<int64_t> train_tokens = io::npy_as_int64(io::read_npy(dir + "/tokens.npy"), "tokens");
   for (int64_t& v : train_tokens) v %= 80;
   for (int64_t& v : held) v %= 80;
-  io::write_npy(dir + "/deep_tokens.npy", "<i8", {4, t}, train_tokens.data());
-  io::write_npy(dir + "/deep_held.npy", "<i8", {8, t}, held.data());
+  test::write_npy(dir + "/deep_tokens.npy", "<i8", {4, t}, train_tokens.data());
+  test::write_npy(dir + "/deep_held.npy", "<i8", {8, t}, held.data());
   auto train = [&](const std::string& name, int np, const std::string& model, const std::string& flags) {
     const std::string dump = dir + "/" + name;
     const std::string tokens = model.find("pipeline") == std::string::npos ? "/tokens.npy" : "/deep_tokens.npy";
@@ -2412,7 +2412,7 @@ TEST(Commands, ExpertReplicasUnderPipelines) {
     x = x * 6364136223846793005ull + 1442695040888963407ull;
     t = static_cast<int64_t>((x >> 33) % 80);
   }
-  io::write_npy(dir + "/pipe.npy", "<i8", {8, 17}, tokens.data());
+  test::write_npy(dir + "/pipe.npy", "<i8", {8, 17}, tokens.data());
   const std::string qwen = " --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
                            " --parallelism.pipeline_schedule=1f1b";
   const std::string pipe = " --model.config=" + fixture("pipeline/config.json") + " --data.tokens=" + dir +
@@ -2754,7 +2754,7 @@ TEST(Commands, BadConfigFailsNamingTheKey) {
   // Past the model's max_position_embeddings (64 in the fixture): refused.
   const std::string d = temp_dir("eval_long");
   std::vector<int32_t> zeros(100, 0);
-  io::write_npy(d + "/long.npy", "<i4", {1, 100}, zeros.data());
+  test::write_npy(d + "/long.npy", "<i4", {1, 100}, zeros.data());
   auto [rc3, out3] = run(std::string(MOETRAIN_BIN) + " eval --model " + fixture("qwen3_moe_a") + " --tokens " + d +
                          "/long.npy");
   EXPECT_EQ(rc3, 1);

@@ -7,11 +7,15 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
 #include "core/check.h"
+#include "io/file.h"
+#include "io/npy.h"
 #include "kernels/gemm.h"
 
 namespace mt::test {
@@ -43,6 +47,16 @@ inline std::pair<int, std::string> run_command(const std::string& cmd) {
   while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
   int status = pclose(p);
   return {WEXITSTATUS(status), out};
+}
+
+// A .npy of numpy dtype `descr` ("<i8", "<f4", ...) and `shape` holding `data`, written
+// as every writer writes (io::write_file_atomic).
+inline void write_npy(const std::string& path, const std::string& descr, const std::vector<int64_t>& shape,
+                      const void* data) {
+  size_t bytes = std::stoul(descr.substr(2));
+  for (int64_t d : shape) bytes *= static_cast<size_t>(d);
+  io::write_file_atomic(path,
+                        {io::make_npy_header(descr, shape), std::string_view(static_cast<const char*>(data), bytes)});
 }
 
 // Gradients of c = op(a) @ op(b) given dc, as the models write them: gemm calls on the

@@ -52,8 +52,6 @@ MeshCoord mesh_coord(const MeshShape& s, int rank) {
                    .ep = rank % s.ep};
 }
 
-int mesh_rank(const MeshShape& s, const MeshCoord& c) { return ((c.pp * s.dp + c.dp) * s.cp + c.cp) * s.ep + c.ep; }
-
 DeviceMesh::DeviceMesh(Communicator& world, int pp, int cp, int ep)
     : shape_(mesh_shape(world.size(), pp, cp, ep)),
       coord_(mesh_coord(shape_, world.rank())),

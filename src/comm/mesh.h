@@ -30,7 +30,6 @@ struct MeshCoord {
   int pp = 0, dp = 0, cp = 0, ep = 0;
 };
 MeshCoord mesh_coord(const MeshShape& s, int rank);
-int mesh_rank(const MeshShape& s, const MeshCoord& c);
 
 class DeviceMesh {
  public:

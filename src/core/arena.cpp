@@ -40,14 +40,6 @@ size_t available_host_memory() {
   return static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
 }
 
-bool cuda_built() {
-#ifdef MOETRAIN_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
-
 void require_gpu(const std::string& what) {
 #ifdef MOETRAIN_WITH_CUDA
   int count = 0;

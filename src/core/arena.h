@@ -18,7 +18,6 @@ namespace mt {
 // when CUDA support is not compiled in). Freeing a cuda block waits for the device.
 void* device_alloc(Device device, size_t bytes);
 void device_free(Device device, void* p);
-bool cuda_built();
 // Host memory the kernel could hand out now (free pages, not counting caches it may drop);
 // the environment's MOETRAIN_HOST_MEMORY_BYTES where set (the hook of the test of ranks
 // that share a host).

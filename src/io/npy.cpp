@@ -129,12 +129,4 @@ std::vector<int64_t> npy_as_int64(const NpyArray& a, const std::string& where) {
   return out;
 }
 
-void write_npy(const std::string& path, const std::string& descr, const std::vector<int64_t>& shape,
-               const void* data) {
-  std::string header = make_npy_header(descr, shape);
-  size_t bytes = descr_bytes(descr, path);
-  for (int64_t d : shape) bytes *= static_cast<size_t>(d);
-  write_file_atomic(path, {header, std::string_view(static_cast<const char*>(data), bytes)});
-}
-
 }  // namespace mt::io

@@ -36,8 +36,4 @@ NpyArray read_npy(const std::string& path);
 // Any integer array as int64 (i1..i8, u1..u8), for token matrices.
 std::vector<int64_t> npy_as_int64(const NpyArray& a, const std::string& where);
 
-// Written to path.tmp, fsynced and renamed, so a reader never sees half a file.
-void write_npy(const std::string& path, const std::string& descr, const std::vector<int64_t>& shape,
-               const void* data);
-
 }  // namespace mt::io

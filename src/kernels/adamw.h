@@ -85,8 +85,6 @@ namespace mt::cuda {
 
 // The same update on the GPU, bit for bit: the per-element arithmetic is the CPU's,
 // in the same order, with no fused multiply-adds.
-void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                const cpu::AdamWStep& s, uint64_t key = 0);
 void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& s);
 
 }  // namespace mt::cuda

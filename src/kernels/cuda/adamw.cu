@@ -368,9 +368,4 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
   }
 }
 
-void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const cpu::AdamWStep& s,
-                uint64_t key) {
-  cuda::adamw_step_multi({AdamWBlock{param, grad, m, v, true, Tensor(), key}}, s);
-}
-
 }  // namespace mt::cuda
