@@ -130,10 +130,6 @@ EpPlan build_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts
   EpPlan p;
   p.tokens = n;
   p.top_k = k;
-  p.num_experts = num_experts;
-  p.ep_size = size;
-  p.first_expert = ep.rank() * per;
-  p.local_experts = per;
   p.device = idx.device;
 
   // The sender: its rows numbered by (rank, token), a counting sort of each token's

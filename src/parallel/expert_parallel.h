@@ -58,9 +58,8 @@ namespace mt::parallel {
 // pairs other ranks sent here; "slots" are (token, j) pairs, j < k. Copies share the
 // index arrays, which go with the last copy.
 struct EpPlan {
-  int64_t tokens = 0, top_k = 0, num_experts = 0, ep_size = 1;
-  int64_t first_expert = 0, local_experts = 0;  // this rank owns [first, first + local)
-  Device device = Device::cpu;                  // idx's, where the arrays below live
+  int64_t tokens = 0, top_k = 0;
+  Device device = Device::cpu;  // idx's, where the arrays below live
 
   // Counts per rank, on the host: the sizes of the all-to-alls.
   std::vector<int64_t> sent_rows_to;    // [ep] rows sent to each rank
@@ -79,7 +78,7 @@ struct EpPlan {
   Tensor local_slot_row;  // [U*k] the xs row of received slot (u, j); -1 when not local or dropped
   Tensor return_row;      // [R] the xs row of each output sent back, by (source rank, expert, row, j)
   Tensor return_pos;      // [R] inverse of return_row
-  Tensor offsets;         // [local_experts + 1] xs rows of each local expert: the grouped GEMM's segments
+  Tensor offsets;         // [E/ep + 1] xs rows of each local expert: the grouped GEMM's segments
   std::vector<std::shared_ptr<void>> storage;
 
   int64_t sent_rows() const;      // S

@@ -329,7 +329,9 @@ void read_checkpoint(const std::string& path, const std::function<void(const std
   }
 }
 
-bool is_checkpoint_folder(const std::string& path) {
+// Whether eval and generate take `path` as a checkpoint (a step folder, a run folder,
+// its checkpoints/) rather than a Hugging Face model folder (config.json, no train_state).
+static bool is_checkpoint_folder(const std::string& path) {
   const fs::path dir(path);
   return complete(dir) || fs::exists(dir / "train_state.json") || !fs::exists(dir / "config.json");
 }
@@ -504,8 +506,9 @@ std::string tokenizer_dir(const Config& c, const std::string& config_json) {
   return fs::path(config_json).parent_path().string();
 }
 
-}  // namespace
-
+// A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
+// exact resume needs unchanged is refused unless checkpoint.allow_config_change; `print`
+// prints every changed key.
 void compare_with_checkpoint(const Config& cfg, const std::string& dir, const std::string& saved, bool print) {
   const std::vector<ConfigChange> changes = config_changes(saved, cfg);
   std::string fixed;
@@ -518,6 +521,8 @@ void compare_with_checkpoint(const Config& cfg, const std::string& dir, const st
   std::printf("config changed since %s:\n", dir.c_str());
   for (const ConfigChange& c : changes) std::printf("  %s: %s -> %s\n", c.key.c_str(), c.before.c_str(), c.after.c_str());
 }
+
+}  // namespace
 
 std::vector<std::string> checkpoints_to_try(const Config& cfg) {
   if (!cfg.checkpoint.load.empty()) return {cfg.checkpoint.load};

@@ -86,10 +86,6 @@ std::string find_checkpoint(const std::string& path);
 // once; a second such loss is an error that says so. Other failures pass through.
 void read_checkpoint(const std::string& path, const std::function<void(const std::string& dir)>& read);
 
-// Whether eval and generate take `path` as a checkpoint (a step folder, a run folder,
-// its checkpoints/) rather than a Hugging Face model folder (config.json, no train_state).
-bool is_checkpoint_folder(const std::string& path);
-
 // A run's checkpoints, as train/run.cpp takes and makes them.
 // checkpoints_to_try: checkpoint.load, else the complete checkpoints of job.dump_folder,
 // newest first. resume_run loads the first that verifies: each damaged one is named on
@@ -106,10 +102,6 @@ std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vect
                                               Trainer& trainer, comm::Communicator& world, bool print);
 std::string save_run(const Config& cfg, Model& model, Trainer& trainer, comm::DeviceMesh& mesh, const TrainState& state,
                      const std::string& config_json);
-// A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
-// exact resume needs unchanged is refused unless checkpoint.allow_config_change; `print`
-// prints every changed key.
-void compare_with_checkpoint(const Config& cfg, const std::string& dir, const std::string& saved, bool print);
 
 // A checkpoint's expert biases (TrainState::expert_bias, JSON) for `model`: one row of
 // num_experts() a MoE layer of the whole model, or none for "null"; an error names what

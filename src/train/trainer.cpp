@@ -338,10 +338,7 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
     // Created here, where every rank is, rather than at a stage's first message.
     if (model_.device() == Device::cuda) pp_->init_gpu();
   }
-  if (ep != nullptr && ep->size() > 1) {
-    ep_ = ep;
-    expert_dp_ = expert_all;
-  }
+  if (ep != nullptr && ep->size() > 1) ep_ = ep;
   if (cp != nullptr && cp->size() > 1) {
     cp_ = cp;
     MT_CHECK(seq_ % (2 * cp->size()) == 0) << "sequences of " << seq_ << " positions do not split into 2 * cp = "

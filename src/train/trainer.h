@@ -221,7 +221,6 @@ class Trainer {
   int64_t seq_ = 0, global_batch_ = 0;
   std::vector<int32_t> host_ids_, host_labels_;  // a corpus micro-batch on its way to the device
   comm::Communicator* dp_ = nullptr;              // the data ranks; null: one rank
-  comm::Communicator* expert_dp_ = nullptr;       // ranks holding the same experts
   comm::Communicator* ep_ = nullptr;              // null: no expert parallelism
   comm::Communicator* cp_ = nullptr;              // null: whole sequences on this rank
   int64_t data_rank_ = 0, data_ranks_ = 1;
