@@ -93,52 +93,42 @@ struct Config {
 // docs/architecture.md (src/kernels, grouped_gemm_fp8).
 using Tile128 = cute::Shape<cute::_128, cute::_128, cute::_128>;
 using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
-using ForwardGemm = Config<Tile128, Cluster2x1>::Gemm;
-
-template <class Gemm>
-struct Types {
-  using Kernel = typename Gemm::GemmKernel;
-  using Mainloop = typename Kernel::CollectiveMainloop;
-  using D = typename Kernel::ElementD;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using LayoutSFA = typename Mainloop::InternalLayoutSFA;
-  using LayoutSFB = typename Mainloop::InternalLayoutSFB;
-};
+using Gemm = Config<Tile128, Cluster2x1>::Gemm;
+using Kernel = Gemm::GemmKernel;
+using StrideA = Kernel::InternalStrideA;
+using StrideB = Kernel::InternalStrideB;
+using StrideD = Kernel::InternalStrideD;
+using LayoutSFA = Kernel::CollectiveMainloop::InternalLayoutSFA;
+using LayoutSFB = Kernel::CollectiveMainloop::InternalLayoutSFB;
 
 // The per-expert arrays of one launch, carved from the workspace.
-template <class Gemm>
 struct Groups {
-  using T = Types<Gemm>;
   GroupShape* shape;
   const f8** a;
   const f8** b;
-  typename T::D** d;
-  typename T::StrideA* stride_a;
-  typename T::StrideB* stride_b;
-  typename T::StrideD* stride_d;
+  Kernel::ElementD** d;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideD* stride_d;
   const float** sfa;
   const float** sfb;
-  typename T::LayoutSFA* layout_sfa;
-  typename T::LayoutSFB* layout_sfb;
+  LayoutSFA* layout_sfa;
+  LayoutSFB* layout_sfb;
 };
 
-template <class Gemm>
-Groups<Gemm> carve_groups(Carve& c, int experts) {
-  using T = Types<Gemm>;
-  Groups<Gemm> g{};
+Groups carve_groups(Carve& c, int experts) {
+  Groups g{};
   g.shape = c.take<GroupShape>(experts);
   g.a = c.take<const f8*>(experts);
   g.b = c.take<const f8*>(experts);
-  g.d = c.take<typename T::D*>(experts);
-  g.stride_a = c.take<typename T::StrideA>(experts);
-  g.stride_b = c.take<typename T::StrideB>(experts);
-  g.stride_d = c.take<typename T::StrideD>(experts);
+  g.d = c.take<Kernel::ElementD*>(experts);
+  g.stride_a = c.take<StrideA>(experts);
+  g.stride_b = c.take<StrideB>(experts);
+  g.stride_d = c.take<StrideD>(experts);
   g.sfa = c.take<const float*>(experts);
   g.sfb = c.take<const float*>(experts);
-  g.layout_sfa = c.take<typename T::LayoutSFA>(experts);
-  g.layout_sfb = c.take<typename T::LayoutSFB>(experts);
+  g.layout_sfa = c.take<LayoutSFA>(experts);
+  g.layout_sfb = c.take<LayoutSFB>(experts);
   return g;
 }
 
@@ -169,13 +159,12 @@ struct ForwardPlan {
   const float* w_scale;  // [E, tiles(o), ld]
   int64_t ld;
   cutlass::bfloat16_t* y;
-  Types<ForwardGemm>::StrideA stride_a;
-  Types<ForwardGemm>::StrideB stride_b;
-  Types<ForwardGemm>::StrideD stride_d;
+  StrideA stride_a;
+  StrideB stride_b;
+  StrideD stride_d;
 };
 
-__global__ void plan_forward_kernel(ForwardPlan p, Groups<ForwardGemm> out) {
-  using T = Types<ForwardGemm>;
+__global__ void plan_forward_kernel(ForwardPlan p, Groups out) {
   using namespace cute;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= p.experts) return;
@@ -192,28 +181,27 @@ __global__ void plan_forward_kernel(ForwardPlan p, Groups<ForwardGemm> out) {
   out.stride_d[e] = p.stride_d;
   // x's scales: the segment's columns of [k/128, rows]. w[e]'s: rows of ld block scales.
   out.sfa[e] = p.x_scale + begin;
-  out.layout_sfa[e] = row_scales<T::LayoutSFA>(n, k_tiles, static_cast<int>(p.rows));
+  out.layout_sfa[e] = row_scales<LayoutSFA>(n, k_tiles, static_cast<int>(p.rows));
   out.sfb[e] = p.w_scale + e * o_tiles * p.ld;
   out.layout_sfb[e] = make_layout(make_shape(make_shape(Int<kTile>{}, o_tiles), make_shape(Int<kTile>{}, k_tiles), 1),
                                   make_stride(make_stride(_0{}, static_cast<int>(p.ld)), make_stride(_0{}, _1{}), 0));
 }
 
-// Plans and runs one product: `plan` writes the groups, then CUTLASS reads them.
-template <class Gemm, class Plan, class PlanKernel>
-void launch(const Plan& p, PlanKernel plan) {
-  typename Gemm::Arguments args{};
+// Plans and runs the product: the plan kernel writes the groups, then CUTLASS reads them.
+void launch(const ForwardPlan& p) {
+  Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.hw_info = hardware<Gemm>();
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
   Carve measure{nullptr, cutlass_bytes};
-  carve_groups<Gemm>(measure, p.experts);
+  carve_groups(measure, p.experts);
   // CUTLASS's workspace (a TMA descriptor per SM and operand), then the per-expert arrays,
   // in the stream's grouped GEMM buffer (grouped_gemm_sm90.cu's too: launches on one
   // stream queue in order, so each one's arrays are written after the last has read its own).
   char* ws = static_cast<char*>(stream_buffer(StreamBuffer::grouped_gemm, measure.used));
   Carve carve{ws, cutlass_bytes};
-  const Groups<Gemm> g = carve_groups<Gemm>(carve, p.experts);
-  plan<<<blocks_for(p.experts, 128), 128, 0, stream()>>>(p, g);
+  const Groups g = carve_groups(carve, p.experts);
+  plan_forward_kernel<<<blocks_for(p.experts, 128), 128, 0, stream()>>>(p, g);
   CUDA_CHECK_LAUNCH();
 
   args.problem_shape = {p.experts, g.shape, nullptr};
@@ -259,11 +247,10 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
       << "grouped_gemm_fp8 on the GPU takes K and O positive multiples of 16 and 16-byte aligned x, w, y; got x "
       << x.str() << ", w " << w.str() << ", y " << y.str();
   if (rows == 0 || experts == 0) return;
-  using T = Types<ForwardGemm>;
   ForwardPlan p{offsets.i32(), static_cast<int>(experts), rows, k, o, static_cast<const f8*>(x.data), x_scale.f32(),
                 static_cast<const f8*>(w.data), w_scale.f32(), ld, static_cast<cutlass::bfloat16_t*>(y.data),
-                leading<T::StrideA>(k), leading<T::StrideB>(k), leading<T::StrideD>(o)};
-  launch<ForwardGemm>(p, plan_forward_kernel);
+                leading<StrideA>(k), leading<StrideB>(k), leading<StrideD>(o)};
+  launch(p);
 }
 
 }  // namespace mt::cuda
