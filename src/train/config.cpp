@@ -230,22 +230,15 @@ std::string closest_key(const std::string& dotted) {
 }
 
 // One TOML value into a field; `where` is "FILE: [section] key" for messages.
+// (An integer is a number too: toml++ reads it as a double.)
 template <typename T>
 void set_from_toml(const toml::node& n, T& field, const std::string& where) {
-  if constexpr (std::is_same_v<T, std::string>) {
-    auto v = n.value<std::string>();
-    MT_CHECK(v && n.is_string()) << where << " should be " << type_name<T>();
-    field = *v;
-  } else if constexpr (std::is_same_v<T, bool>) {
-    MT_CHECK(n.is_boolean()) << where << " should be " << type_name<T>();
-    field = *n.value<bool>();
-  } else if constexpr (std::is_same_v<T, int64_t>) {
-    MT_CHECK(n.is_integer()) << where << " should be " << type_name<T>();
-    field = *n.value<int64_t>();
-  } else {
-    MT_CHECK(n.is_number()) << where << " should be " << type_name<T>();
-    field = *n.value<double>();
-  }
+  const bool is_t = std::is_same_v<T, std::string> ? n.is_string()
+                    : std::is_same_v<T, bool>      ? n.is_boolean()
+                    : std::is_same_v<T, int64_t>   ? n.is_integer()
+                                                   : n.is_number();
+  MT_CHECK(is_t) << where << " should be " << type_name<T>();
+  field = *n.value<T>();
 }
 
 // A command-line value: strings are taken as written, the rest parsed strictly.
