@@ -23,10 +23,6 @@ void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Ten
 // blocks' gradients.
 void accumulate(const Tensor& x, const Tensor& acc);
 
-// out f32 [1,H,C] = block (b, slot)'s rows of lse f32 [B,H,2C], as the backward's
-// blocks take their lse.
-void lse_block(const Tensor& lse, int64_t b, int slot, const Tensor& out);
-
 }  // namespace mt::cpu
 
 // The CUDA backend: the merge in f32 with o bf16 or f32, and accumulate's x f32 or bf16
@@ -36,7 +32,6 @@ namespace mt::cuda {
 
 void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Tensor& acc, const Tensor& lse);
 void accumulate(const Tensor& x, const Tensor& acc);
-void lse_block(const Tensor& lse, int64_t b, int slot, const Tensor& out);
 
 }  // namespace mt::cuda
 
@@ -54,13 +49,6 @@ inline void accumulate(const Tensor& x, const Tensor& acc) {
   if (acc.device == Device::cuda) return cuda::accumulate(x, acc);
 #endif
   return cpu::accumulate(x, acc);
-}
-
-inline void lse_block(const Tensor& lse, int64_t b, int slot, const Tensor& out) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (out.device == Device::cuda) return cuda::lse_block(lse, b, slot, out);
-#endif
-  return cpu::lse_block(lse, b, slot, out);
 }
 
 }  // namespace mt

@@ -144,10 +144,13 @@ void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tens
   auto buffer = [&](DType dtype, Shape shape) { return make_buffer(q.device, dtype, shape); };
   const Buffer dq_acc = buffer(DType::f32, q.shape);
   mt::fill(dq_acc.t, 0.0f);
-  // The final lse of each (batch row, slot) as the contiguous [1,Hq,C] a block takes.
+  // The final lse of each (batch row, slot) as the contiguous [1,Hq,C] a block takes:
+  // columns [slot C, slot C + C) of lse's [B Hq, 2C] rows.
   const Buffer lse_blocks = buffer(DType::f32, {n.b * 2, n.hq, n.c});
   for (int64_t b = 0; b < n.b; ++b)
-    for (int qs = 0; qs < 2; ++qs) mt::lse_block(lse, b, qs, lse_blocks.t.rows(b * 2 + qs, b * 2 + qs + 1));
+    for (int qs = 0; qs < 2; ++qs)
+      mt::copy_columns(lse_blocks.t.rows(b * 2 + qs, b * 2 + qs + 1), 0,
+                       lse.view({n.b * n.hq, 2 * n.c}).rows(b * n.hq, (b + 1) * n.hq), qs * n.c, n.c, false);
   // attention_backward overwrites its gradients: each block's go to scratch first, then
   // into the fp32 sums.
   const Buffer dq_blk = buffer(act, {1, n.c, n.hq, n.d}), dk_blk = buffer(act, {1, n.c, n.hkv, n.d}),

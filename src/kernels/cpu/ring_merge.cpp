@@ -44,14 +44,4 @@ void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Ten
 
 void accumulate(const Tensor& x, const Tensor& acc) { cpu::add(acc, x, acc); }
 
-void lse_block(const Tensor& lse, int64_t b, int slot, const Tensor& out) {
-  MT_CHECK(lse.ndim() == 3 && lse.dim(2) % 2 == 0 && b >= 0 && b < lse.dim(0) && (slot == 0 || slot == 1))
-      << "lse_block: block (batch row " << b << ", slot " << slot << ") of " << lse.str()
-      << " is not one of a [B,H,2C] tensor's";
-  const int64_t h = lse.dim(1), c = lse.dim(2) / 2;
-  check_tensor(lse, "lse_block lse", DType::f32, lse.shape);
-  check_tensor(out, "lse_block out", DType::f32, {1, h, c});
-  for (int64_t hh = 0; hh < h; ++hh) std::copy_n(lse.f32() + (b * h + hh) * 2 * c + slot * c, c, out.f32() + hh * c);
-}
-
 }  // namespace mt::cpu

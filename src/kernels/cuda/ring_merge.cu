@@ -53,13 +53,6 @@ __global__ void accumulate_kernel(In x, float* acc, int64_t n) {
   MT_GRID_STRIDE(i, n) acc[i] += x[i];
 }
 
-__global__ void lse_block_kernel(const float* lse, float* out, int64_t b, int slot, int c, int h) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // hh * C + i
-  if (j >= static_cast<int64_t>(h) * c) return;
-  const int64_t hh = j / c, i = j % c;
-  out[j] = lse[(b * h + hh) * 2 * c + slot * c + i];
-}
-
 // Grid-stride launches stop at a grid the GPU can hold at once.
 unsigned grid_for(int64_t n) {
   const int64_t blocks = (n + kThreads - 1) / kThreads, cap = static_cast<int64_t>(sm_count()) * 8;
@@ -94,20 +87,6 @@ void accumulate(const Tensor& x, const Tensor& acc) {
   const int64_t n = acc.numel();
   if (n == 0) return;
   accumulate_kernel<<<grid_for(n), kThreads, 0, stream()>>>(as_in(x), acc.f32(), n);
-  CUDA_CHECK_LAUNCH();
-}
-
-void lse_block(const Tensor& lse, int64_t b, int slot, const Tensor& out) {
-  MT_CHECK(lse.ndim() == 3 && lse.dim(2) % 2 == 0 && b >= 0 && b < lse.dim(0) && (slot == 0 || slot == 1))
-      << "lse_block: block (batch row " << b << ", slot " << slot << ") of " << lse.str()
-      << " is not one of a [B,H,2C] tensor's";
-  const int64_t h = lse.dim(1), c = lse.dim(2) / 2;
-  check_arg(lse, "lse_block lse", {DType::f32}, lse.shape);
-  check_arg(out, "lse_block out", {DType::f32}, {1, h, c});
-  const int64_t n = h * c;
-  if (n == 0) return;
-  lse_block_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream()>>>(
-      lse.f32(), out.f32(), b, slot, static_cast<int>(c), static_cast<int>(h));
   CUDA_CHECK_LAUNCH();
 }
 
