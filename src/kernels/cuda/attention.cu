@@ -157,18 +157,33 @@ __device__ __forceinline__ void store_row(bf16* row, const float (&c)[N][4], int
     }
 }
 
+// One k-step (k0..k0+15) of c += a b over N columns: a this warp's A fragment, b a tile
+// stored [n][k] (K rows for Q K^T; mma_nk) or [k][n] (V rows for P V; mma_kn).
+template <int S, int N>
+__device__ __forceinline__ void mma_nk(float (&c)[N / 8][4], const uint32_t (&a)[4], const bf16* b, int k0) {
+#pragma unroll
+  for (int np = 0; np < N / 16; ++np) {
+    uint32_t f[4];
+    load_b_nk<S>(f, b, np * 16, k0);
+    mma_pair(c, 2 * np, a, f);
+  }
+}
+template <int S, int N>
+__device__ __forceinline__ void mma_kn(float (&c)[N / 8][4], const uint32_t (&a)[4], const bf16* b, int k0) {
+#pragma unroll
+  for (int np = 0; np < N / 16; ++np) {
+    uint32_t f[4];
+    load_b_kn<S>(f, b, k0, np * 16);
+    mma_pair(c, 2 * np, a, f);
+  }
+}
+
 // c += a b^T over K: a this warp's K/16 A fragments (kept in registers), b a tile stored
 // [n][k] of N rows (K or V rows for Q K^T and dout V^T).
 template <int S, int K, int N>
 __device__ __forceinline__ void mma_abt(float (&c)[N / 8][4], const uint32_t (&a)[K / 16][4], const bf16* b) {
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk)
-#pragma unroll
-    for (int np = 0; np < N / 16; ++np) {
-      uint32_t f[4];
-      load_b_nk<S>(f, b, np * 16, kk * 16);
-      mma_pair(c, 2 * np, a[kk], f);
-    }
+  for (int kk = 0; kk < K / 16; ++kk) mma_nk<S, N>(c, a[kk], b, kk * 16);
 }
 
 // c += p b over K: p the K/8 accumulator tiles of a product (probabilities or dS), as
@@ -179,12 +194,7 @@ __device__ __forceinline__ void mma_pb(float (&c)[N / 8][4], const float (&p)[K 
   for (int kk = 0; kk < K / 16; ++kk) {
     uint32_t a[4];
     c_to_a(a, p[2 * kk], p[2 * kk + 1]);
-#pragma unroll
-    for (int np = 0; np < N / 16; ++np) {
-      uint32_t f[4];
-      load_b_kn<S>(f, b, kk * 16, np * 16);
-      mma_pair(c, 2 * np, a, f);
-    }
+    mma_kn<S, N>(c, a, b, kk * 16);
   }
 }
 
@@ -445,23 +455,13 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
     for (int kk = 0; kk < DQ / 16; ++kk) {
       uint32_t ka[4];
       load_a<S>(ka, ks, warp * 16, kk * 16);
-#pragma unroll
-      for (int np = 0; np < BM / 16; ++np) {
-        uint32_t qb[4];
-        load_b_nk<S>(qb, qt, np * 16, kk * 16);
-        mma_pair(s, 2 * np, ka, qb);
-      }
+      mma_nk<S, BM>(s, ka, qt, kk * 16);
     }
 #pragma unroll
     for (int kk = 0; kk < DV / 16; ++kk) {
       uint32_t va[4];
       load_a<SV>(va, vs, warp * 16, kk * 16);
-#pragma unroll
-      for (int np = 0; np < BM / 16; ++np) {
-        uint32_t gb[4];
-        load_b_nk<SV>(gb, gt, np * 16, kk * 16);
-        mma_pair(dpt, 2 * np, va, gb);
-      }
+      mma_nk<SV, BM>(dpt, va, gt, kk * 16);
     }
     // P^T = exp(S^T - lse) and dS^T = P^T (dP^T - D). Masked entries are then set to
     // exactly 0 (the exp may be inf there: a row that sees nothing has lse -inf).
@@ -488,18 +488,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
       uint32_t pa[4], da[4];
       c_to_a(pa, s[2 * kk], s[2 * kk + 1]);
       c_to_a(da, dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-      for (int dp = 0; dp < DV / 16; ++dp) {
-        uint32_t gb[4];
-        load_b_kn<SV>(gb, gt, kk * 16, dp * 16);
-        mma_pair(dv, 2 * dp, pa, gb);
-      }
-#pragma unroll
-      for (int dp = 0; dp < DQ / 16; ++dp) {
-        uint32_t qb[4];
-        load_b_kn<S>(qb, qt, kk * 16, dp * 16);
-        mma_pair(dk, 2 * dp, da, qb);
-      }
+      mma_kn<SV, DV>(dv, pa, gt, kk * 16);
+      mma_kn<S, DQ>(dk, da, qt, kk * 16);
     }
   }
 
