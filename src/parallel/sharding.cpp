@@ -11,16 +11,11 @@
 
 namespace mt::parallel {
 
-namespace {
-
-// Elements [offset, offset + count) of a contiguous tensor, flat.
 Tensor flat(const Tensor& t, int64_t offset, int64_t count) {
   MT_CHECK(offset >= 0 && offset + count <= t.numel())
       << "sharding: elements [" << offset << ", " << offset + count << ") of " << t.str();
   return Tensor(static_cast<char*>(t.data) + offset * dtype_size(t.dtype), {count}, t.dtype, t.device);
 }
-
-}  // namespace
 
 Tensor ShardLayout::piece_of(const Tensor& v, const ShardPiece& p) { return flat(v, p.at, p.count); }
 

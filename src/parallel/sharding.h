@@ -36,6 +36,10 @@
 
 namespace mt::parallel {
 
+// Elements [offset, offset + count) of a contiguous tensor, flat: the pieces of blocks,
+// shards and slots that sharding and ZeRO-3 move.
+Tensor flat(const Tensor& t, int64_t offset, int64_t count);
+
 // Elements [offset, offset + count) of block `param` sit at `at` in this rank's shard.
 struct ShardPiece {
   int param = 0;

@@ -9,14 +9,6 @@ namespace mt::parallel {
 
 namespace {
 
-// Elements [offset, offset + count) of a contiguous tensor, flat.
-Tensor flat(const Tensor& t, int64_t offset, int64_t count) {
-  MT_CHECK(offset >= 0 && offset + count <= t.numel())
-      << "zero3: elements [" << offset << ", " << offset + count << ") of " << t.str();
-  return Tensor(static_cast<char*>(t.data) + offset * static_cast<int64_t>(dtype_size(t.dtype)), {count}, t.dtype,
-                t.device);
-}
-
 // bf16 copies start 256-byte aligned in the slot, as the model's own arenas place them.
 int64_t aligned(int64_t bf16_elements) { return (bf16_elements + 127) / 128 * 128; }
 
