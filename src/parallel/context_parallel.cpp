@@ -38,8 +38,10 @@ void check_devices(const Tensor& q, std::initializer_list<const Tensor*> ts, con
                                                           << q.str() << ")";
 }
 
+// q, k, v, sinks, out and lse, as both directions take them.
 Dims check_inputs(const comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
-                  const Tensor& sinks, const cpu::AttentionArgs& a, const char* op) {
+                  const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse,
+                  const char* op) {
   MT_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && q.dim(1) % 2 == 0)
       << op << " wants this rank's two zigzag chunks, q [B,2C,Hq,Dqk], k [B,2C,Hkv,Dqk] and v [B,2C,Hkv,Dv], got q "
       << q.str() << ", k " << k.str() << ", v " << v.str() << " (cp " << cp.size() << ")";
@@ -48,9 +50,11 @@ Dims check_inputs(const comm::Communicator& cp, const Tensor& q, const Tensor& k
   check_tensor(q, "ring attention q", act, {n.b, 2 * n.c, n.hq, n.d});
   check_tensor(k, "ring attention k", act, {n.b, 2 * n.c, n.hkv, n.d});
   check_tensor(v, "ring attention v", act, {n.b, 2 * n.c, n.hkv, n.d_v});
+  check_tensor(out, "ring attention out", act, {n.b, 2 * n.c, n.hq, n.d_v});
+  check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
   MT_CHECK(a.q_offset == 0 && a.k_offset == 0) << op << ": the ring sets the position offsets per block, got q_offset "
                                                << a.q_offset << ", k_offset " << a.k_offset;
-  check_devices(q, {&k, &v, &sinks}, op);
+  check_devices(q, {&k, &v, &sinks, &out, &lse}, op);
   return n;
 }
 
@@ -81,12 +85,8 @@ cpu::AttentionArgs block_args(const cpu::AttentionArgs& a, int64_t qc, int64_t k
 
 void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& sinks, const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
-  const char* op = "ring_attention_forward";
-  const Dims n = check_inputs(cp, q, k, v, sinks, a, op);
+  const Dims n = check_inputs(cp, q, k, v, sinks, a, out, lse, "ring_attention_forward");
   const DType act = activation_dtype(q);
-  check_tensor(out, "ring attention out", act, {n.b, 2 * n.c, n.hq, n.d_v});
-  check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
-  check_devices(q, {&out, &lse}, op);
   const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
   auto buffer = [&](DType dtype, Shape shape) { return make_buffer(q.device, dtype, shape); };
   // The running output (and in the backward every partial gradient sum) is fp32, so out,
@@ -131,15 +131,13 @@ void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tens
                              const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                              const Tensor& dsinks) {
   const char* op = "ring_attention_backward";
-  const Dims n = check_inputs(cp, q, k, v, sinks, a, op);
+  const Dims n = check_inputs(cp, q, k, v, sinks, a, out, lse, op);
   const DType act = activation_dtype(q);
-  check_tensor(out, "ring attention out", act, {n.b, 2 * n.c, n.hq, n.d_v});
-  check_tensor(lse, "ring attention lse", DType::f32, {n.b, n.hq, 2 * n.c});
   check_tensor(dout, "ring attention dout", act, out.shape);
   check_tensor(dq, "ring attention dq", act, q.shape);
   check_tensor(dk, "ring attention dk", act, k.shape);
   check_tensor(dv, "ring attention dv", act, v.shape);
-  check_devices(q, {&out, &lse, &dout, &dq, &dk, &dv, &dsinks}, op);
+  check_devices(q, {&dout, &dq, &dk, &dv, &dsinks}, op);
   const int r = cp.rank(), size = cp.size(), next = (r + 1) % size, prev = (r + size - 1) % size;
   auto buffer = [&](DType dtype, Shape shape) { return make_buffer(q.device, dtype, shape); };
   const Buffer dq_acc = buffer(DType::f32, q.shape);
