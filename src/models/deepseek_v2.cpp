@@ -64,9 +64,14 @@ namespace {
 
 constexpr float kLoraEps = 1e-6f;  // the q_a and kv_a norms' eps in transformers
 
+// What only a layer's B reads: one set of scratch serves every layer of a block.
+struct MlaScratch {
+  Tensor d_att, d_qf, d_k, d_v, d_pe, d_pe_rot, d_qan, d_cn, d_c, d_krot, d_kpe;
+};
+
 // One layer's multi-head latent attention. N tokens, H heads, Dn + Dr = Dq (q and k per
 // head), Dv (v per head), r the kv latent, Rq the q latent.
-struct MlaActs : AttentionActs {
+struct MlaActs : AttentionActs, MlaScratch {
   Tensor qa, qa_rstd, qan;  // q_lora: [N,Rq], [N], normed
   Tensor q;                 // [N, H*Dq] as projected
   Tensor q_pe, q_rot;       // its rope parts [N*H, Dr], rotated
@@ -75,9 +80,7 @@ struct MlaActs : AttentionActs {
   Tensor k_pe, k_rot;       // [N, Dr], rotated
   Tensor kv, k, v;          // [N, H*(Dn+Dv)], [N, H*Dq], [N, H*Dv]
   Tensor att, lse;          // [N, H*Dv], [B,H,S]
-  // Per layer (read by W): d_q, d_qa, d_kv, d_kva; the rest is shared scratch.
-  Tensor d_q, d_qa, d_kv, d_kva;
-  Tensor d_att, d_qf, d_k, d_v, d_pe, d_pe_rot, d_qan, d_cn, d_c, d_krot, d_kpe;
+  Tensor d_q, d_qa, d_kv, d_kva;  // per layer (read by W); the rest is MlaScratch
 };
 
 class MlaAttention final : public Attention {
@@ -126,7 +129,7 @@ class MlaAttention final : public Attention {
     const int64_t N = B * S;
     auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
     auto act = [&](Shape sh) { return a.alloc(dt, sh); };
-    MlaActs shared;
+    MlaScratch shared;
     shared.d_att = act({N, H * Dv});
     shared.d_qf = act({N, H * Dq});
     shared.d_k = act({N, H * Dq});
@@ -164,17 +167,7 @@ class MlaAttention final : public Attention {
       x.d_q = act({N, H * Dq});
       x.d_kv = act({N, H * (Dn + Dv)});
       x.d_kva = act({N, r + Dr});
-      x.d_att = shared.d_att;
-      x.d_qf = shared.d_qf;
-      x.d_k = shared.d_k;
-      x.d_v = shared.d_v;
-      x.d_pe = shared.d_pe;
-      x.d_pe_rot = shared.d_pe_rot;
-      x.d_qan = shared.d_qan;
-      x.d_cn = shared.d_cn;
-      x.d_c = shared.d_c;
-      x.d_krot = shared.d_krot;
-      x.d_kpe = shared.d_kpe;
+      static_cast<MlaScratch&>(x) = shared;
     }
   }
 
