@@ -7,7 +7,6 @@
 #include "cli/commands.h"
 #include "core/arena.h"
 #include "core/check.h"
-#include "io/file.h"
 #include "models/hf_config.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"

@@ -9,7 +9,6 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
-#include <span>
 
 #include <unistd.h>
 

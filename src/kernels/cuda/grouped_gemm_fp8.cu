@@ -26,13 +26,10 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
-#include <algorithm>
 #include <climits>
-#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cutlass_groups.cuh"
-#include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/cuda/runtime.h"
 #include "kernels/fp8_quant.h"
 

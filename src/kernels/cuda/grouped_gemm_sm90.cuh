@@ -9,7 +9,7 @@
 // Neither computes dbias: grouped_gemm_backward_weight adds it with its own kernels.
 // zero_empty_experts: dw f32 [E, ...] (f32 elements a multiple of 4 an expert, 16-byte
 // aligned) = 0 for each expert whose segment of offsets, clamped to [0, rows], is empty,
-// the weight gradients CUTLASS gives no tiles (also grouped_gemm_fp8.cu's).
+// the weight gradients CUTLASS gives no tiles.
 #pragma once
 
 #include "core/tensor.h"
