@@ -131,9 +131,10 @@ class GptOssAttention final : public Attention {
     const Index& w = w_[l];
     auto& x = static_cast<GptOssActs&>(base);
     const int64_t B = io.batch, S = io.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
-    linear(P, w.q, w.q_bias, io, io.xn, x.q);
-    linear(P, w.k, w.k_bias, io, io.xn, x.k);
-    linear(P, w.v, w.v_bias, io, io.xn, x.v);
+    // q, k and v = xn @ W^T + b: grouped GEMMs of one group, which take a bias.
+    io.linear->grouped_forward(io.xn, P[w.q], P[w.q_bias].value, io.all_rows, x.q);
+    io.linear->grouped_forward(io.xn, P[w.k], P[w.k_bias].value, io.all_rows, x.k);
+    io.linear->grouped_forward(io.xn, P[w.v], P[w.v_bias].value, io.all_rows, x.v);
     rope_forward(x.q.view({B, S, Hq, Dh}), io.cos, io.sin, false, x.qr.view({B, S, Hq, Dh}));
     rope_forward(x.k.view({B, S, Hkv, Dh}), io.cos, io.sin, false, x.kr.view({B, S, Hkv, Dh}));
     io.attend->forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}),
@@ -172,11 +173,8 @@ class GptOssAttention final : public Attention {
   struct Index {
     int q = -1, k = -1, v = -1, o = -1, q_bias = -1, k_bias = -1, v_bias = -1, o_bias = -1, sinks = -1;
   };
-  // y = x @ W^T + b, and its W and b gradients: a grouped GEMM of one group.
+  // The W and b gradients of y = x @ W^T + b: a grouped GEMM of one group.
   static Shape one_group(const Tensor& t) { return t.ndim() == 1 ? Shape{1, t.dim(0)} : Shape{1, t.dim(0), t.dim(1)}; }
-  static void linear(std::vector<Param>& P, int w, int b, const AttentionIo& io, const Tensor& x, const Tensor& y) {
-    io.linear->grouped_forward(x, P[w], P[b].value, io.all_rows, y);
-  }
   static void linear_weight(std::vector<Param>& P, int w, int b, const AttentionIo& io, const Tensor& x,
                             const Tensor& dy) {
     const bool accumulate = grad_beta(P[w]) != 0.0f;  // the bias is written with its weight
