@@ -116,6 +116,19 @@ __global__ void rmsnorm_dw_partial_kernel(In x, const float* rstd, In dy, int64_
   partial[blockIdx.y * d + c] = s;
 }
 
+// A block's column sums of its row groups' 8-wide accumulators (group g's columns c..c+7
+// in acc), added in group order into the block's partial row: the dw partials.
+__device__ void group_sums_to_partial(const float (&acc)[8], float* sums, int g, int groups, int64_t c, int64_t d,
+                                      float* partial) {
+  for (int i = 0; i < 8; ++i) sums[g * d + c + i] = acc[i];
+  __syncthreads();
+  for (int64_t col = threadIdx.x; col < d; col += kThreads) {
+    float s = 0.0f;
+    for (int k = 0; k < groups; ++k) s += sums[k * d + col];
+    partial[blockIdx.x * d + col] = s;
+  }
+}
+
 // The same partial sums with 16-byte loads, for bf16 rows of d = 8 .. 2048 with d / 8
 // dividing the block: d / 8 threads cover a row, the block's 256 / (d / 8) row groups walk
 // the chunk's rows in an interleaved fixed order, their sums added in group order through
@@ -133,13 +146,7 @@ __global__ void rmsnorm_dw_partial_x8_kernel(const __nv_bfloat16* x, const float
     const float rs = rstd[r];
     for (int i = 0; i < 8; ++i) acc[i] += gv[i] * xv[i] * rs;
   }
-  for (int i = 0; i < 8; ++i) sums[g * d + c + i] = acc[i];
-  __syncthreads();
-  for (int64_t col = threadIdx.x; col < d; col += kThreads) {
-    float t = 0.0f;
-    for (int k = 0; k < groups; ++k) t += sums[k * d + col];
-    partial[blockIdx.x * d + col] = t;
-  }
+  group_sums_to_partial(acc, sums, g, groups, c, d, partial);
 }
 
 // dw[c] += the chunks' partials: 32 columns a block, 8 warps each adding every 8th
@@ -242,13 +249,7 @@ __global__ void rmsnorm_rope_backward_kernel(const __nv_bfloat16* x, const float
     for (int i = 0; i < 8; ++i) xv[i] = r * (w[c + i] * gv[i] - xv[i] * r * dot);
     store8(dx + row * d + c, xv);
   }
-  for (int i = 0; i < 8; ++i) sums[g * d + c + i] = acc[i];
-  __syncthreads();
-  for (int64_t col = threadIdx.x; col < d; col += kThreads) {
-    float s = 0.0f;
-    for (int k = 0; k < groups; ++k) s += sums[k * d + col];
-    partial[blockIdx.x * d + col] = s;
-  }
+  group_sums_to_partial(acc, sums, g, groups, c, d, partial);
 }
 
 // The chunking of dw's partial sums for bf16 rows of width d (rmsnorm_backward's, wide).
