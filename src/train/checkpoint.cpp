@@ -532,8 +532,7 @@ std::vector<std::string> checkpoints_to_try(const Config& cfg) {
 std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vector<std::string>& tries, Model& model,
                                               Trainer& trainer, comm::Communicator& world, bool print) {
   // Sharded moments are read laid out like the weights, then cut into this rank's shards.
-  trainer.optimizer().materialize_moments();
-  trainer.materialize_weights();
+  trainer.materialize_state();
   // A damaged checkpoint (load_checkpoint checks every file first, alike on every rank)
   // is named and skipped for the one before it, whose load writes every key again; one
   // that checkpoint.load names must load.
@@ -555,8 +554,7 @@ std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vect
                             << "above): restore the damaged files from a copy, or start afresh in another "
                             << "job.dump_folder";
   if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, resume, saved.config_toml, print);
-  trainer.commit_weights();
-  trainer.optimizer().commit_moments();
+  trainer.commit_state();
   trainer.set_steps_done(saved.step);
   trainer.set_data_cursor(saved.data_cursor);
   trainer.set_expert_placement(saved.expert_placement, print);
@@ -569,14 +567,12 @@ std::string save_run(const Config& cfg, Model& model, Trainer& trainer, comm::De
   // Weights are replicated over dp and cp: the pp x ep ranks of the first replica write,
   // each its own experts and (ep rank 0) its layers' dense weights. Sharded moments are
   // first gathered (and with ZeRO-3 the layers' weights), which every rank takes part in.
-  trainer.optimizer().materialize_moments();
-  trainer.materialize_weights();
+  trainer.materialize_state();
   std::string dir;
   if (mesh.coord().dp == 0 && mesh.coord().cp == 0)
     dir = save_checkpoint(cfg.job.dump_folder + "/checkpoints", model, trainer.optimizer(), state, config_json,
                           tokenizer_dir(cfg, config_json), cfg.checkpoint.keep, &mesh.pp_ep(), mesh.coord().ep == 0);
-  trainer.release_weights();
-  trainer.optimizer().release_moments();
+  trainer.release_state();
   mesh.world().barrier();
   return mesh.world().rank() == 0 ? dir : "";
 }

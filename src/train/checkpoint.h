@@ -17,6 +17,12 @@
 // marked complete, so a crash at any point leaves the previous checkpoint usable.
 // Loading first checks every file it reads against the manifest, then goes key by key,
 // so any layout of the parameters can read any checkpoint.
+//
+// What lives elsewhere: the tensors' Hugging Face names and which rank holds each are the
+// model's (Model::hf_tensors, held_by_another_rank); the sharded state reaches this file
+// whole through one door, Trainer::materialize_state / commit_state / release_state, and
+// each tensor's moments through AdamW::exp_avg / exp_avg_sq; safetensors files are
+// io/safetensors.h's.
 #pragma once
 
 #include <cstdint>

@@ -515,6 +515,21 @@ void Trainer::release_weights() {
   if (zero3_) zero3_->release_all();
 }
 
+void Trainer::materialize_state() {
+  optimizer_.materialize_moments();
+  materialize_weights();
+}
+
+void Trainer::commit_state() {
+  commit_weights();
+  optimizer_.commit_moments();
+}
+
+void Trainer::release_state() {
+  release_weights();
+  optimizer_.release_moments();
+}
+
 // parallelism.expert_replicas (models/expert_replicas.h): every step the loads' average
 // takes the step's counts, which are the same on every rank (summed over them all), so
 // every rank plans the same placements for the whole model (parallel::replan: the

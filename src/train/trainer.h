@@ -166,6 +166,12 @@ class Trainer {
   void materialize_weights();
   void commit_weights();
   void release_weights();
+  // The checkpoint's one door into the training state (train/checkpoint.cpp): the
+  // weights as above and the AdamW moments laid out like them (the sharded ones gathered
+  // into host memory), both collective; commit after a load, release after a save.
+  void materialize_state();
+  void commit_state();
+  void release_state();
   // Where the corpus stands, as JSON for train_state.json ("null" for a token matrix).
   std::string data_cursor() const;
   void set_data_cursor(const std::string& json);
