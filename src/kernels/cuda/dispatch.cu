@@ -143,22 +143,18 @@ struct Gather {
   int rows, tokens, d, k;  // rows = R, the expert-ordered rows
 };
 
-// xs[r] = x[order[r] / k]: one block per row, two pieces a thread loaded before either
-// is stored (a hidden row of 2048 is two 16-byte pieces a thread).
+// xs[r] = x[order[r] / k]: one block per row.
 template <int W>
 __global__ void dispatch_forward_kernel(Gather g) {
   const int r = blockIdx.x;
   const int s = g.index[r];
   if (s < 0 || s >= g.tokens * g.k) __trap();
-  const bf16* __restrict__ src = g.src + static_cast<long long>(s / g.k) * g.d;
-  bf16* __restrict__ dst = g.dst + static_cast<long long>(r) * g.d;
-  constexpr int kStep = kThreads * W;
-  for (int c = threadIdx.x * W; c < g.d; c += 2 * kStep) {
-    float f[W], f2[W];
+  const bf16* src = g.src + static_cast<long long>(s / g.k) * g.d;
+  bf16* dst = g.dst + static_cast<long long>(r) * g.d;
+  for (int c = threadIdx.x * W; c < g.d; c += kThreads * W) {
+    float f[W];
     load<W>(src + c, f);
-    if (c + kStep < g.d) load<W>(src + c + kStep, f2);
     store<W>(dst + c, f);
-    if (c + kStep < g.d) store<W>(dst + c + kStep, f2);
   }
 }
 
