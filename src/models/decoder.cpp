@@ -1318,8 +1318,8 @@ LossSum Decoder::head_forward(Stash& base, float grad_scale) {
     const Tensor logits = s.logits.rows(0, r1 - r0);
     gemm(s.hf.rows(r0, r1), C(lm_head_ >= 0 ? lm_head_ : embed_), logits, false, true);
     cpu::CrossEntropySum ce =
-        cross_entropy_forward(logits, s.labels.view({N}).rows(r0, r1), kIgnoreIndex, s.lse.rows(r0, r1), grad_scale,
-                              s.logits_grad_scale > 0 ? logits : Tensor());
+        cross_entropy_forward(logits, s.labels.view({N}).rows(r0, r1), kIgnoreIndex, s.lse.rows(r0, r1),
+                              s.logits_grad_scale, s.logits_grad_scale > 0 ? logits : Tensor());
     s.loss.sum += ce.loss_sum;
     s.loss.count += ce.count;
   }
@@ -1332,14 +1332,14 @@ void Decoder::head_backward_input(Stash& base, float scale) {
   const int out = lm_head_ >= 0 ? lm_head_ : embed_;
   const int64_t c = head_rows(N);
   const bool chunked = N > c;
+  MT_CHECK(s.logits_grad_scale == 0 || s.logits_grad_scale == scale)
+      << "head backward at scale " << scale << ", but its forward made the gradient at " << s.logits_grad_scale;
   for (int64_t r0 = 0; r0 < N; r0 += c) {
     const int64_t r1 = std::min(N, r0 + c);
     const Tensor logits = s.logits.rows(0, r1 - r0), hf = s.hf.rows(r0, r1);
     if (chunked) gemm(hf, C(out), logits, false, true);  // one chunk's are still there
     // In place: the chunk's logits become d(loss)/d(logits), which the weight's gradient
     // reads (here, or in W when there is one chunk).
-    MT_CHECK(s.logits_grad_scale == 0 || s.logits_grad_scale == scale)
-        << "head backward at scale " << scale << ", but its forward made the gradient at " << s.logits_grad_scale;
     if (s.logits_grad_scale == 0)
       cross_entropy_backward(logits, s.labels.view({N}).rows(r0, r1), s.lse.rows(r0, r1), kIgnoreIndex, scale, logits);
     gemm(logits, C(out), s.d_hf.rows(r0, r1), false, false);
