@@ -1,12 +1,13 @@
-// Attention at Qwen3-30B-A3B's shape (B=2, T=4096, Hq=32, Hkv=4, D=128, causal, bf16) on
-// both GPU routes: cuDNN's fused SDPA and our mma.sync kernel (kernels/cuda/attention_cudnn.h).
+// Attention at Qwen3-30B-A3B's shape (B=2, T=4096, Hq=32, Hkv=4, D=128, causal, bf16), or
+// GPT-OSS's (Hq=64, Hkv=8, D=64: plain causal, then with sinks, then sinks and a 128-key
+// window), on both GPU routes: cuDNN's fused SDPA and our mma.sync kernel (kernels/cuda/attention_cudnn.h).
 // Times the forward and the forward+backward, each the median of 20 runs after 3 warm-ups,
 // with CUDA events on the backend's stream, and prints TFLOPS from the causal FLOPs:
-// forward 2 products of 2*B*Hq*T*T*D, halved by the mask; backward 2.5 times that.
+// forward 2 products of 2*B*Hq*D a visible (query, key) pair; backward 2.5 times that.
 // Then prints how far apart the two routes' results are (max |difference| of out, lse,
 // dq, dk, dv); the GPU op tests compare each route with the CPU.
 //
-//   attention_bench [T]      (T defaults to 4096)
+//   attention_bench [T] [qwen3|gpt-oss]      (T defaults to 4096)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,6 +43,64 @@ double median_ms(const std::function<void()>& f) {
   return bench::median_ms(20, [&](int) { f(); });
 }
 
+// One attention shape to time: heads, head dim, window (0: plain causal) and sinks.
+struct Shape_ {
+  const char* name;
+  int64_t hq, hkv, d, window;
+  bool sinks;
+};
+
+// (query, key) pairs a causal mask leaves visible in T rows, within a window if one is set.
+double visible_pairs(int64_t t, int64_t window) {
+  const int64_t w = window > 0 ? std::min(window, t) : t;
+  return static_cast<double>(w) * (w + 1) / 2 + static_cast<double>(t - w) * w;
+}
+
+// Times one shape on both routes and prints how far apart their results are.
+void run_shape(int64_t b, int64_t t, const Shape_& c) {
+  const Shape qs{b, t, c.hq, c.d}, ks{b, t, c.hkv, c.d}, ls{b, c.hq, t};
+  Buffer q(DType::bf16, qs), k(DType::bf16, ks), v(DType::bf16, ks), dout(DType::bf16, qs);
+  Buffer sinks(DType::f32, {c.hq}), dsinks(DType::f32, {c.hq});
+  fill_random(q.t, -2.0f, 2.0f, 1);
+  fill_random(k.t, -1.0f, 1.0f, 2);
+  fill_random(v.t, -1.0f, 1.0f, 3);
+  fill_random(dout.t, -1.0f, 1.0f, 4);
+  fill_random(sinks.t, -1.0f, 2.0f, 5);
+  fill_random(dsinks.t, 0.0f, 0.0f, 6);
+  const Tensor sinks_t = c.sinks ? sinks.t : Tensor(), dsinks_t = c.sinks ? dsinks.t : Tensor();
+  cpu::AttentionArgs a;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+  a.window = c.window;
+
+  const double fwd_flops = 2.0 * 2.0 * b * c.hq * visible_pairs(t, c.window) * c.d;
+  const double train_flops = 3.5 * fwd_flops;  // forward + backward (2.5x forward)
+  std::printf("attention %s: B=%ld T=%ld Hq=%ld Hkv=%ld D=%ld causal%s%s bf16\n", c.name, static_cast<long>(b),
+              static_cast<long>(t), static_cast<long>(c.hq), static_cast<long>(c.hkv), static_cast<long>(c.d),
+              c.window > 0 ? (" window " + std::to_string(c.window)).c_str() : "", c.sinks ? " sinks" : "");
+  std::vector<std::vector<float>> results[2];
+  for (const bool use_cudnn : {true, false}) {
+    cuda::set_attention_cudnn(use_cudnn);
+    Buffer out(DType::bf16, qs), lse(DType::f32, ls), dq(DType::bf16, qs), dk(DType::bf16, ks), dv(DType::bf16, ks);
+    auto fwd = [&] { mt::attention_forward(q.t, k.t, v.t, sinks_t, a, out.t, lse.t); };
+    auto train = [&] {
+      fwd();
+      mt::attention_backward(q.t, k.t, v.t, sinks_t, a, out.t, lse.t, dout.t, dq.t, dk.t, dv.t, dsinks_t);
+    };
+    const int64_t calls = cuda::attention_cudnn_calls();
+    const double fwd_ms = median_ms(fwd);
+    const double train_ms = median_ms(train);
+    const bool ran_cudnn = cuda::attention_cudnn_calls() > calls;
+    std::printf("  %-7s forward %8.3f ms %7.1f TFLOPS | forward+backward %8.3f ms %7.1f TFLOPS%s\n",
+                use_cudnn ? "cuDNN" : "kernel", fwd_ms, fwd_flops / fwd_ms / 1e9, train_ms, train_flops / train_ms / 1e9,
+                use_cudnn && !ran_cudnn ? "  (cuDNN declined: these are the kernel's)" : "");
+    results[use_cudnn ? 0 : 1] = {download(out.t), download(lse.t), download(dq.t), download(dk.t), download(dv.t)};
+  }
+  const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+  std::printf("  max |cuDNN - kernel|:");
+  for (size_t i = 0; i < 5; ++i) std::printf(" %s %.2e", names[i], max_diff(results[0][i], results[1][i]));
+  std::printf("\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -50,50 +109,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "attention_bench: no CUDA device\n");
     return 1;
   }
-  const int64_t b = 2, t = argc > 1 ? std::atoll(argv[1]) : 4096, hq = 32, hkv = 4, d = 128;
-  if (t <= 0) {
-    std::fprintf(stderr, "attention_bench: T must be a positive integer, got '%s'\n", argv[1]);
+  const int64_t b = 2, t = argc > 1 ? std::atoll(argv[1]) : 4096;
+  const std::string model = argc > 2 ? argv[2] : "qwen3";
+  if (t <= 0 || (model != "qwen3" && model != "gpt-oss")) {
+    std::fprintf(stderr, "attention_bench: usage: attention_bench [T > 0] [qwen3|gpt-oss], got '%s' '%s'\n",
+                 argc > 1 ? argv[1] : "", model.c_str());
     return 1;
   }
+  // GPT-OSS's layers alternate a 128-key window with full causal attention, both with sinks;
+  // its plain causal row is the ceiling the issue measures them against.
+  const std::vector<Shape_> shapes =
+      model == "qwen3" ? std::vector<Shape_>{{"Qwen3-30B-A3B", 32, 4, 128, 0, false}}
+                       : std::vector<Shape_>{{"GPT-OSS plain", 64, 8, 64, 0, false},
+                                             {"GPT-OSS full layer", 64, 8, 64, 0, true},
+                                             {"GPT-OSS window layer", 64, 8, 64, 128, true}};
   try {
-    const Shape qs{b, t, hq, d}, ks{b, t, hkv, d}, ls{b, hq, t};
-    Buffer q(DType::bf16, qs), k(DType::bf16, ks), v(DType::bf16, ks), dout(DType::bf16, qs);
-    fill_random(q.t, -2.0f, 2.0f, 1);
-    fill_random(k.t, -1.0f, 1.0f, 2);
-    fill_random(v.t, -1.0f, 1.0f, 3);
-    fill_random(dout.t, -1.0f, 1.0f, 4);
-    cpu::AttentionArgs a;
-    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-
-    const double fwd_flops = 2.0 * 2.0 * b * hq * t * t * d / 2;
-    const double train_flops = 3.5 * fwd_flops;  // forward + backward (2.5x forward)
-    std::printf("attention B=%ld T=%ld Hq=%ld Hkv=%ld D=%ld causal bf16\n", static_cast<long>(b),
-                static_cast<long>(t), static_cast<long>(hq), static_cast<long>(hkv), static_cast<long>(d));
-    std::vector<std::vector<float>> results[2];
-    for (const bool use_cudnn : {true, false}) {
-      cuda::set_attention_cudnn(use_cudnn);
-      Buffer out(DType::bf16, qs), lse(DType::f32, ls), dq(DType::bf16, qs), dk(DType::bf16, ks),
-          dv(DType::bf16, ks);
-      auto fwd = [&] { mt::attention_forward(q.t, k.t, v.t, Tensor(), a, out.t, lse.t); };
-      auto train = [&] {
-        fwd();
-        mt::attention_backward(q.t, k.t, v.t, Tensor(), a, out.t, lse.t, dout.t, dq.t, dk.t, dv.t, Tensor());
-      };
-      const int64_t calls = cuda::attention_cudnn_calls();
-      const double fwd_ms = median_ms(fwd);
-      const double train_ms = median_ms(train);
-      const bool ran_cudnn = cuda::attention_cudnn_calls() > calls;
-      std::printf("  %-7s forward %8.3f ms %7.1f TFLOPS | forward+backward %8.3f ms %7.1f TFLOPS%s\n",
-                  use_cudnn ? "cuDNN" : "kernel", fwd_ms, fwd_flops / fwd_ms / 1e9, train_ms,
-                  train_flops / train_ms / 1e9,
-                  use_cudnn && !ran_cudnn ? "  (cuDNN declined: these are the kernel's)" : "");
-      results[use_cudnn ? 0 : 1] = {download(out.t), download(lse.t), download(dq.t), download(dk.t),
-                                    download(dv.t)};
-    }
-    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    std::printf("  max |cuDNN - kernel|:");
-    for (size_t i = 0; i < 5; ++i) std::printf(" %s %.2e", names[i], max_diff(results[0][i], results[1][i]));
-    std::printf("\n");
+    for (const Shape_& c : shapes) run_shape(b, t, c);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "attention_bench: %s\n", e.what());
     return 1;

@@ -35,10 +35,10 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 // The CUDA backend: q, k, v, out, dout, dq, dk, dv bf16 (f32 accumulation inside), lse,
 // sinks and dsinks f32; Dqk up to 192 and Dv up to 128. What runs where:
-//   cuDNN's fused SDPA (cuda/attention_cudnn.h) with no sinks, no window, a plain causal mask
-//     or none, (Dqk, Dv) = (64, 64), (128, 128) or (192, 128) and 16-byte aligned pointers;
-//     not deterministic (its dQ adds with atomics);
-//   our flash kernel (cuda/attention.cu) for everything else, sinks, windows and offsets
+//   cuDNN's fused SDPA (cuda/attention_cudnn.h) with a plain causal mask (optionally
+//     windowed) or none, sinks or not, (Dqk, Dv) = (64, 64), (128, 128) or (192, 128) and
+//     16-byte aligned pointers; not deterministic (its dQ adds with atomics);
+//   our flash kernel (cuda/attention.cu) for everything else, shifted diagonals and offsets
 //     with any Dqk/Dv, heads padded to (64, 64), (128, 128) or (192, 128) in shared memory;
 //     deterministic: no atomics.
 namespace mt::cuda {

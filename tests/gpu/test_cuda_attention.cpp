@@ -26,8 +26,8 @@
 //                    an f32 dot in another order, within 1e-5 of the sum of |terms|.
 //
 // Attention has two routes on the GPU (kernels/cuda/attention_cudnn.h): cuDNN's fused
-// SDPA for the cases it computes exactly (no sinks, no window, head dims 64/64, 128/128 or
-// 192/128, plain causal or every key visible), our kernel for the rest. A case marked .cudnn runs both,
+// SDPA for the cases it computes exactly (head dims 64/64, 128/128 or 192/128, plain causal
+// with or without a window, or every key visible; sinks or not), our kernel for the rest. A case marked .cudnn runs both,
 // cuDNN and then our kernel forced, each against the CPU with the same tolerances (cuDNN
 // too feeds P and dS to the tensor cores in bf16); the others must not reach cuDNN. The
 // cuDNN route also prints whether two backwards gave the same bits (its dQ sums with
@@ -196,7 +196,9 @@ TEST_P(CudaAttention, MatchesCpu) {
     std::string repeat;
     if (on_cudnn) {
       auto dq2 = poisoned(DType::bf16, qs), dk2 = poisoned(DType::bf16, ks), dv2 = poisoned(DType::bf16, vs);
-      mt::attention_backward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t, gd.t, dq2.t, dk2.t, dv2.t, Tensor());
+      auto ds2 = upload(std::vector<float>(static_cast<size_t>(c.hq), 1.0f), DType::f32, {c.hq});
+      mt::attention_backward(qd.t, kd.t, vd.t, sinks_d, a, out.t, lse.t, gd.t, dq2.t, dk2.t, dv2.t,
+                             c.sinks ? ds2.t : Tensor());
       cuda::synchronize();
       repeat = std::string(" | again: dq ") + (same_bits(dq.t, dq2.t) ? "same" : "differs") + ", dk " +
                (same_bits(dk.t, dk2.t) ? "same" : "differs") + ", dv " + (same_bits(dv.t, dv2.t) ? "same" : "differs");
@@ -211,11 +213,14 @@ TEST_P(CudaAttention, MatchesCpu) {
 // several tiles with head dims 8, 64, 96, 128 (the 16-byte load path and both paddings).
 // Then cuDNN's cases: causal GQA at D = 128 (Qwen3's 32/4 heads), causal with equal
 // non-zero offsets, every key visible (a ring attention block, and Tq != Tk at D = 64);
-// and cases it must leave to our kernel: a window, sinks, a causal diagonal shifted by one.
+// causal with a window, with sinks, with both (GPT-OSS's 64-dim heads), a ring block whose
+// keys all lie inside the window; and cases it must leave to our kernel: a causal diagonal
+// shifted by one, a ring block that the window cuts.
 // Then MLA's value head dim differing from the query/key one: odd dims (element path), 24/16
 // with sinks and a window (the 64/64 padding), Dv > Dqk (128/128), DeepSeek-V2's 192/128 on
 // cuDNN (causal MHA, and a ring block with every key visible), and on our kernel (192/128
-// padding) with a window and sinks, and 192/64 with offsets.
+// padding) with a window and sinks, and 192/64 with offsets. The 192/128 case with a window
+// and sinks runs on cuDNN.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaAttention,
     ::testing::Values(AttnCase{.tq = 1, .tk = 1, .hq = 2, .hkv = 2, .d = 5, .sinks = true},
@@ -231,19 +236,24 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{.tq = 7, .tk = 5, .hq = 6, .hkv = 2, .d = 16, .window = 3, .sinks = true, .k_offset = 4},
                       AttnCase{.tq = 33, .tk = 33, .hq = 2, .hkv = 1, .d = 8},
                       AttnCase{.b = 2, .tq = 130, .tk = 130, .hq = 4, .hkv = 2, .d = 64, .cudnn = true},
-                      AttnCase{.tq = 200, .tk = 200, .hq = 4, .hkv = 1, .d = 128, .window = 70, .sinks = true},
+                      AttnCase{.tq = 200, .tk = 200, .hq = 4, .hkv = 1, .d = 128, .window = 70, .sinks = true, .cudnn = true},
                       AttnCase{.tq = 100, .tk = 300, .hq = 2, .hkv = 1, .d = 128, .q_offset = 200},
                       AttnCase{.tq = 150, .tk = 100, .hq = 2, .hkv = 2, .d = 128, .k_offset = 120},
                       AttnCase{.tq = 77, .tk = 77, .hq = 6, .hkv = 2, .d = 96},
-                      AttnCase{.b = 2, .tq = 257, .tk = 257, .hq = 8, .hkv = 1, .d = 64, .sinks = true},
+                      AttnCase{.b = 2, .tq = 257, .tk = 257, .hq = 8, .hkv = 1, .d = 64, .sinks = true, .cudnn = true},
                       AttnCase{.b = 2, .tq = 512, .tk = 512, .hq = 32, .hkv = 4, .d = 128, .cudnn = true},
                       AttnCase{.tq = 192, .tk = 192, .hq = 8, .hkv = 8, .d = 128, .q_offset = 256, .k_offset = 256,
                                .cudnn = true},
                       AttnCase{.b = 2, .tq = 256, .tk = 256, .hq = 16, .hkv = 4, .d = 128, .q_offset = 512,
                                .k_offset = 256, .cudnn = true},
                       AttnCase{.tq = 100, .tk = 300, .hq = 4, .hkv = 1, .d = 64, .q_offset = 300, .cudnn = true},
-                      AttnCase{.tq = 256, .tk = 256, .hq = 8, .hkv = 2, .d = 128, .window = 64},
-                      AttnCase{.tq = 128, .tk = 128, .hq = 8, .hkv = 2, .d = 128, .sinks = true},
+                      AttnCase{.tq = 256, .tk = 256, .hq = 8, .hkv = 2, .d = 128, .window = 64, .cudnn = true},
+                      AttnCase{.tq = 128, .tk = 128, .hq = 8, .hkv = 2, .d = 128, .sinks = true, .cudnn = true},
+                      AttnCase{.b = 2, .tq = 512, .tk = 512, .hq = 16, .hkv = 2, .d = 64, .window = 128,
+                               .sinks = true, .cudnn = true},
+                      AttnCase{.tq = 100, .tk = 300, .hq = 4, .hkv = 1, .d = 64, .window = 400, .sinks = true,
+                               .q_offset = 300, .cudnn = true},
+                      AttnCase{.tq = 100, .tk = 300, .hq = 4, .hkv = 1, .d = 64, .window = 200, .q_offset = 300},
                       AttnCase{.tq = 256, .tk = 256, .hq = 8, .hkv = 2, .d = 128, .q_offset = 257, .k_offset = 256},
                       AttnCase{.tq = 13, .tk = 13, .hq = 6, .hkv = 2, .d = 12, .dv = 5, .window = 3, .sinks = true},
                       AttnCase{.b = 2, .tq = 77, .tk = 77, .hq = 6, .hkv = 2, .d = 24, .dv = 16, .window = 20,
@@ -253,7 +263,7 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{.tq = 128, .tk = 192, .hq = 4, .hkv = 4, .d = 192, .dv = 128, .q_offset = 192,
                                .cudnn = true},
                       AttnCase{.tq = 200, .tk = 200, .hq = 4, .hkv = 2, .d = 192, .dv = 128, .window = 70,
-                               .sinks = true},
+                               .sinks = true, .cudnn = true},
                       AttnCase{.tq = 100, .tk = 300, .hq = 2, .hkv = 1, .d = 192, .dv = 64, .q_offset = 200}),
     [](const ::testing::TestParamInfo<AttnCase>& i) { return "case" + std::to_string(i.index); });
 

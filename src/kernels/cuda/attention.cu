@@ -645,6 +645,13 @@ void launch(Kernel kernel, dim3 grid, int smem, const Params& p) {
 
 unsigned tiles(int n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 
+// The sinks' gradient from delta, after either route's dq, dk, dv.
+void add_dsinks(const Params& p) {
+  if (p.sinks == nullptr || p.hq == 0) return;
+  dsinks_kernel<<<static_cast<unsigned>(p.hq), kThreads, 0, stream()>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
@@ -676,20 +683,25 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
     check_arg(dsinks, "attention dsinks", {DType::f32}, {p.hq});
     p.dsinks = dsinks.f32();
   }
-  if (cudnn_attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv)) return;
   p.out = bf16_data(out);
   p.dout = bf16_data(dout);
   p.lse = lse.f32();
-  p.dq = bf16_data(dq);
-  p.dk = bf16_data(dk);
-  p.dv = bf16_data(dv);
   p.vec = p.vec && aligned16(dout.data);
+  // cuDNN computes dq, dk and dv where it applies; delta and dsinks are always ours, so the
+  // sinks' gradient sums in a fixed order on either route. (cuDNN's workspace is scratch()
+  // too, so delta's is asked for after it.)
+  const bool on_cudnn = cudnn_attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv);
+  if (on_cudnn && p.sinks == nullptr) return;
   const long long rows = static_cast<long long>(p.b) * p.tq * p.hq;
   p.delta = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(rows)));
   if (rows > 0) {
     delta_kernel<<<blocks_for(rows, kWarps), kThreads, 0, stream()>>>(p);
     CUDA_CHECK_LAUNCH();
   }
+  if (on_cudnn) return add_dsinks(p);
+  p.dq = bf16_data(dq);
+  p.dk = bf16_data(dk);
+  p.dv = bf16_data(dv);
   const dim3 kv_grid(tiles(p.tk, 64), p.hkv, p.b), q_grid(tiles(p.tq, 64), p.hq, p.b);
   if (p.d <= 64 && p.d_v <= 64) {
     launch(dkdv_kernel<64, 64>, kv_grid, backward_smem<64, 64>, p);
@@ -701,10 +713,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
     launch(dkdv_kernel<192, 128>, kv_grid, backward_smem<192, 128>, p);
     launch(dq_kernel<192, 128>, q_grid, backward_smem<192, 128>, p);
   }
-  if (p.sinks != nullptr && p.hq > 0) {
-    dsinks_kernel<<<static_cast<unsigned>(p.hq), kThreads, 0, stream()>>>(p);
-    CUDA_CHECK_LAUNCH();
-  }
+  add_dsinks(p);
 }
 
 }  // namespace mt::cuda

@@ -30,11 +30,13 @@ namespace {
 namespace fe = cudnn_frontend;
 
 // The graphs' tensor ids, for the variant packs.
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSinks };
 
 struct GraphKey {
   int64_t b, tq, tk, hq, hkv, d, d_v;  // d: q and k's head dim, d_v: v and out's
-  bool causal;  // else no mask
+  bool causal;     // else no mask
+  int64_t window;  // with causal: key j visible to query i when i - j < window; 0: no window
+  bool sinks;      // a per-head sink logit, f32 [Hq], in the softmax's denominator
   bool backward;
   uint32_t scale;  // the bits of the f32 scale, baked into the graph
   auto operator<=>(const GraphKey&) const = default;
@@ -44,7 +46,8 @@ std::string describe(const GraphKey& k) {
   return std::string(k.backward ? "backward" : "forward") + " B=" + std::to_string(k.b) + " Tq=" +
          std::to_string(k.tq) + " Tk=" + std::to_string(k.tk) + " Hq=" + std::to_string(k.hq) +
          " Hkv=" + std::to_string(k.hkv) + " Dqk=" + std::to_string(k.d) + " Dv=" + std::to_string(k.d_v) +
-         (k.causal ? " causal" : " no mask");
+         (k.causal ? " causal" : " no mask") + (k.window > 0 ? " window=" + std::to_string(k.window) : "") +
+         (k.sinks ? " sinks" : "");
 }
 
 // A built graph, or none when cuDNN declined this key (then our kernel runs it).
@@ -120,6 +123,25 @@ void set_stats(fe::graph::Tensor_attributes& t, const GraphKey& k) {
       .set_stride({k.hq * k.tq, k.tq, 1, 1});
 }
 
+// Our sinks f32 [Hq] as cuDNN's sink token [1,Hq,1,1].
+std::shared_ptr<fe::graph::Tensor_attributes> sinks_tensor(fe::graph::Graph& g, const GraphKey& k) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name("sinks")
+                      .set_uid(kSinks)
+                      .set_data_type(fe::DataType_t::FLOAT)
+                      .set_dim({1, k.hq, 1, 1})
+                      .set_stride({k.hq, 1, 1, 1}));
+}
+
+// The mask of a key on either direction's options: causal from the top-left corner, and a
+// window as the band's left bound (cuDNN keeps key j for query i when j + window > i).
+template <typename Options>
+void set_mask(Options& opts, const GraphKey& k) {
+  if (!k.causal) return;
+  opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+  if (k.window > 0) opts.set_diagonal_band_left_bound(static_cast<int>(k.window));
+}
+
 // Builds a key's forward (O, Stats) or backward (dQ, dK, dV) graph; returns cuDNN's complaint if it cannot.
 std::string build(const GraphKey& k, Plan& plan) {
   auto g = std::make_shared<fe::graph::Graph>();
@@ -132,7 +154,8 @@ std::string build(const GraphKey& k, Plan& plan) {
   auto v = bshd(*g, "V", kV, k.b, k.tk, k.hkv, k.d_v);
   if (!k.backward) {
     auto opts = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true).set_attn_scale(scale);
-    if (k.causal) opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+    set_mask(opts, k);
+    if (k.sinks) opts.set_sink_token(sinks_tensor(*g, k));
     auto [o, stats] = g->sdpa(q, kk, v, opts);
     set_bshd(o, kO, k.b, k.tq, k.hq, k.d_v);
     stats->set_output(true);
@@ -144,7 +167,8 @@ std::string build(const GraphKey& k, Plan& plan) {
     set_stats(stats_in.set_name("Stats"), k);
     auto stats = g->tensor(stats_in);
     auto opts = fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(scale);
-    if (k.causal) opts.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+    set_mask(opts, k);
+    if (k.sinks) opts.set_sink_token(sinks_tensor(*g, k));  // dsinks: attention.cu's own pass, deterministic
     auto [dq, dk, dv] = g->sdpa_backward(q, kk, v, o, dout, stats, opts);
     set_bshd(dq, kDQ, k.b, k.tq, k.hq, k.d);
     set_bshd(dk, kDK, k.b, k.tk, k.hkv, k.d);
@@ -181,13 +205,17 @@ bool applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& si
              GraphKey& key) {
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
   const int64_t d_v = v.dim(3);
-  if (!state().enabled || (sinks.data != nullptr && sinks.numel() > 0) || a.window != 0) return false;
+  if (!state().enabled) return false;
   const bool dims = (d == d_v && (d == 64 || d == 128)) || (d == 192 && d_v == 128);
   if (!dims || b == 0 || tq == 0 || tk == 0) return false;
   const bool all_visible = a.k_offset + tk - 1 <= a.q_offset;
   const bool causal = a.q_offset == a.k_offset && tq == tk;
   if (!all_visible && !causal) return false;
-  key = GraphKey{b, tq, tk, hq, hkv, d, d_v, !all_visible, false, std::bit_cast<uint32_t>(a.scale)};
+  // A window matters only where some query is farther than it from some key it could see.
+  const bool windowed = a.window > 0 && (a.q_offset + tq - 1) - a.k_offset >= a.window;
+  if (windowed && !causal) return false;
+  key = GraphKey{b,       tq, tk, hq, hkv, d, d_v, !all_visible, windowed ? a.window : 0, sinks.defined() && sinks.numel() > 0, false,
+                 std::bit_cast<uint32_t>(a.scale)};
   return true;
 }
 
@@ -231,6 +259,7 @@ bool cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (!applies(q, k, v, sinks, a, key)) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kO, out.data},
                                           {kStats, lse.data}};
+  if (key.sinks) pack[kSinks] = sinks.data;
   return run(key, pack);
 }
 
@@ -243,6 +272,7 @@ bool cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   std::unordered_map<int64_t, void*> pack{{kQ, q.data},       {kK, k.data},      {kV, v.data},
                                           {kO, out.data},     {kStats, lse.data}, {kDO, dout.data},
                                           {kDQ, dq.data},     {kDK, dk.data},     {kDV, dv.data}};
+  if (key.sinks) pack[kSinks] = sinks.data;
   return run(key, pack);
 }
 

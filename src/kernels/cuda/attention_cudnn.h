@@ -1,13 +1,16 @@
 // cuDNN's fused scaled-dot-product attention (cuDNN frontend graphs) where it computes
 // exactly what our kernel does; cuda::attention_forward/backward (attention.cu) try it
-// first. It applies with no sinks, no window, head dims (q/k, v) of (64, 64), (128, 128) or
-// MLA's (192, 128) (cuDNN 9 has d_qk = 192, d_v = 128 on Hopper), every pointer 16-byte
-// aligned, and a mask cuDNN has:
-//   causal   q_offset == k_offset and Tq == Tk: query i sees keys 0..i (top-left diagonal);
+// first. It applies with head dims (q/k, v) of (64, 64), (128, 128) or MLA's (192, 128)
+// (cuDNN 9 has d_qk = 192, d_v = 128 on Hopper), every pointer 16-byte aligned, and a mask
+// cuDNN has:
+//   causal   q_offset == k_offset and Tq == Tk: query i sees keys 0..i (top-left diagonal),
+//            with a window only keys i-window+1..i (the band's left bound);
 //   none     every key is visible to every query (k_offset + Tk - 1 <= q_offset), as in
-//            the off-diagonal blocks of ring attention.
-// Its softmax statistics (Stats, f32 [B,Hq,Tq,1], natural log) are our lse [B,Hq,Tq] in
-// the same layout, so either route's backward reads either route's lse.
+//            the off-diagonal blocks of ring attention, and no window cuts the block.
+// GPT-OSS's sinks are cuDNN's sink token (cuDNN 9.13 or later): a logit per head in the
+// softmax's denominator. cuDNN returns dq, dk and dv; the sinks' gradient is attention.cu's.
+// Its softmax statistics (Stats, f32 [B,Hq,Tq,1], natural log, the sink included) are our
+// lse [B,Hq,Tq] in the same layout, so either route's backward reads either route's lse.
 // A graph is built per (shape, mask, scale, direction) on first use and cached (cuDNN
 // compiles it with NVRTC then: libnvrtc must load); one cuDNN cannot build or execute is
 // reported once on stderr and runs our kernel from then on. Graphs run on the current
