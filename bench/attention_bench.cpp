@@ -66,7 +66,7 @@ void run_shape(int64_t b, int64_t t, const Shape_& c) {
   fill_random(v.t, -1.0f, 1.0f, 3);
   fill_random(dout.t, -1.0f, 1.0f, 4);
   fill_random(sinks.t, -1.0f, 2.0f, 5);
-  fill_random(dsinks.t, 0.0f, 0.0f, 6);
+  fill_random(dsinks.t, -1.0f, 1.0f, 6);  // an accumulator: any start will do
   const Tensor sinks_t = c.sinks ? sinks.t : Tensor(), dsinks_t = c.sinks ? dsinks.t : Tensor();
   cpu::AttentionArgs a;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
