@@ -3,7 +3,9 @@
 // O=1536) and down (K=768, O=2048). Each product (forward y bf16, B dx bf16, W dw f32
 // accumulated, as the model runs them) on balanced and on skewed routing, through the
 // public functions (which take CUTLASS's Hopper grouped GEMM at these shapes) and through
-// the WMMA kernel they replaced.
+// the WMMA kernel they replaced. Then the FP8 forward and B (training.fp8 = blockwise:
+// x or dy in 1x128 tiles, the weight in 128x128 blocks, grouped_gemm_fp8), timed alone
+// and with the activation's quantization pass the model runs before it.
 //
 // Timing: CUDA events on the backend's stream, median of --reps runs after 3 warm-up runs;
 // the operands rotate over enough copies that a run never finds the previous run's data
@@ -31,6 +33,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/cuda/runtime.h"
+#include "kernels/fp8_quant.h"
 #include "kernels/grouped_gemm.h"
 #include "bench_util.h"
 
@@ -86,6 +89,16 @@ struct Operands {
     bench::fill_random(dy.t, -1.0f, 1.0f, seed + 2);
     bench::fill_random(dw.t, -1.0f, 1.0f, seed + 3);
   }
+  // The FP8 operands (kernels/fp8_quant.h): x and dy row-quantized, w and its transpose
+  // block-quantized.
+  struct Fp8 {
+    Fp8(int64_t k, int64_t o)
+        : xq(DType::f8e4m3, {kRows, k}), xs(DType::f32, {fp8::tiles(k), kRows}), dyq(DType::f8e4m3, {kRows, o}),
+          dys(DType::f32, {fp8::tiles(o), kRows}), wq(DType::f8e4m3, {kExperts, o, k}),
+          ws(DType::f32, {kExperts, fp8::tiles(o), fp8::block_scale_cols(k)}), wqt(DType::f8e4m3, {kExperts, k, o}),
+          wst(DType::f32, {kExperts, fp8::tiles(k), fp8::block_scale_cols(o)}) {}
+    Buffer xq, xs, dyq, dys, wq, ws, wqt, wst;
+  };
   size_t bytes() const {
     return x.t.nbytes() + w.t.nbytes() + dy.t.nbytes() + y.t.nbytes() + dx.t.nbytes() + dw.t.nbytes();
   }
@@ -127,6 +140,14 @@ void bench_shape(const char* name, int64_t k, int64_t o, int reps, size_t l2_byt
     std::printf("  routes differ by at most: y %.2e, dx %.2e, dw %.2e (relative to the largest value)\n",
                 relative_difference(s.y.t, y2.t), relative_difference(s.dx.t, dx2.t),
                 relative_difference(s.dw.t, dw2.t));
+    Operands::Fp8 q(k, o);
+    cuda::quantize_blocks(s.w.t, q.wq.t, q.ws.t, false, q.wqt.t, q.wst.t);
+    cuda::quantize_rows(s.x.t, q.xq.t, q.xs.t, false);
+    cuda::quantize_rows(s.dy.t, q.dyq.t, q.dys.t, false);
+    cuda::grouped_gemm_fp8(q.xq.t, q.xs.t, q.wq.t, q.ws.t, off.t, y2.t);
+    cuda::grouped_gemm_fp8(q.dyq.t, q.dys.t, q.wqt.t, q.wst.t, off.t, dx2.t);
+    std::printf("  FP8 against bf16 differs by at most: y %.2e, dx %.2e\n", relative_difference(y2.t, s.y.t),
+                relative_difference(dx2.t, s.dx.t));
 
     auto at = [&](int run) -> Operands& { return *sets[static_cast<size_t>(run) % sets.size()]; };
     const double f_new = median_ms(reps, [&](int r) {
@@ -153,13 +174,25 @@ void bench_shape(const char* name, int64_t k, int64_t o, int reps, size_t l2_byt
       Operands& p = at(r);
       cuda::grouped_gemm_backward_weight_wmma(p.x.t, p.dy.t, off.t, p.dw.t, true);
     });
+    // FP8 on one operand set (the weights' codes are the optimizer's, not the step's): the
+    // activations' copies still rotate through the bf16 sets for their quantization.
+    const double f_fp8 = median_ms(reps, [&](int) { cuda::grouped_gemm_fp8(q.xq.t, q.xs.t, q.wq.t, q.ws.t, off.t, y2.t); });
+    const double f_quant = median_ms(reps, [&](int r) { cuda::quantize_rows(at(r).x.t, q.xq.t, q.xs.t, false); });
+    const double b_fp8 =
+        median_ms(reps, [&](int) { cuda::grouped_gemm_fp8(q.dyq.t, q.dys.t, q.wqt.t, q.wst.t, off.t, dx2.t); });
+    const double b_quant = median_ms(reps, [&](int r) { cuda::quantize_rows(at(r).dy.t, q.dyq.t, q.dys.t, false); });
     const struct {
       const char* what;
-      double now, before;
-    } rows[] = {{"forward", f_new, f_old}, {"B (dx)", b_new, b_old}, {"W (dw += )", w_new, w_old}};
-    for (const auto& r : rows)
+      double now, before, fp8, quant;
+    } rows[] = {{"forward", f_new, f_old, f_fp8, f_quant}, {"B (dx)", b_new, b_old, b_fp8, b_quant},
+                {"W (dw += )", w_new, w_old, 0, 0}};
+    for (const auto& r : rows) {
       std::printf("  %-10s CUTLASS %7.3f ms %6.0f TFLOPS | WMMA %7.3f ms %6.0f TFLOPS | %.2fx\n", r.what, r.now,
                   tflops(k, o, r.now), r.before, tflops(k, o, r.before), r.before / r.now);
+      if (r.fp8 > 0)
+        std::printf("  %-10s FP8 %7.3f ms %6.0f TFLOPS (%.2fx bf16) | with its quantize_rows %7.3f ms: %.2fx bf16\n",
+                    "", r.fp8, tflops(k, o, r.fp8), r.now / r.fp8, r.fp8 + r.quant, r.now / (r.fp8 + r.quant));
+    }
   }
 }
 
