@@ -214,8 +214,10 @@ bool applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& si
   // A window matters only where some query is farther than it from some key it could see.
   const bool windowed = a.window > 0 && (a.q_offset + tq - 1) - a.k_offset >= a.window;
   if (windowed && !causal) return false;
-  key = GraphKey{b,       tq, tk, hq, hkv, d, d_v, !all_visible, windowed ? a.window : 0, sinks.defined() && sinks.numel() > 0, false,
-                 std::bit_cast<uint32_t>(a.scale)};
+  const bool has_sinks = sinks.defined() && sinks.numel() > 0;
+  key = GraphKey{.b = b, .tq = tq, .tk = tk, .hq = hq, .hkv = hkv, .d = d, .d_v = d_v, .causal = !all_visible,
+                 .window = windowed ? a.window : 0, .sinks = has_sinks, .backward = false,
+                 .scale = std::bit_cast<uint32_t>(a.scale)};
   return true;
 }
 
