@@ -12,6 +12,9 @@ tests/test_train.cpp's Commands.MeshesMatchOneRank builds (the fixture's three
 sequences and its first again: 4 rows of 16 positions), so the meshes are those where
 dp * ep divides 4 rows, 2 * cp divides 16 positions and ep divides the 8 experts.
 
+--mesh-extra: flags for the meshes only, against a one-GPU run without them (expert
+replicas, which need ep > 1, must train exactly as without them).
+
 --pipeline: the meshes (pp, dp, cp, ep) of Commands.PipelineMeshesMatchOneRank instead,
 pp = 2 .. --gpus with each schedule of --schedules: the model of
 tests/fixtures/pipeline/config.json (4 experts), made 2 * pp layers deep where DualPipeV
@@ -118,6 +121,8 @@ def run_train(args, env, mesh, schedule, lb, tokens, dump):
            "--parallelism.cp=%d" % cp,
            "--parallelism.ep=%d" % ep,
            "--job.dump_folder=" + dump] + args.extra.split()
+    if mesh != (1, 1, 1, 1):
+        cmd += args.mesh_extra.split()
     if schedule:
         cmd.append("--parallelism.pipeline_schedule=" + schedule)
     if np_ranks > 1:
@@ -190,6 +195,10 @@ def main():
     ap.add_argument("--extra", default="",
                     help="flags appended to every moetrain command, the one-GPU run's too, separated by spaces "
                          "(e.g. --extra=--parallelism.zero3=true)")
+    ap.add_argument("--mesh-extra", default="",
+                    help="flags appended to the meshes' commands only, not the one-GPU run's (e.g. "
+                         "--mesh-extra=--parallelism.expert_replicas=2 with --meshes of ep > 1: replicas "
+                         "must leave the mathematics unchanged)")
     args = ap.parse_args()
     args.moetrain = os.path.abspath(args.moetrain)
     args.repo = os.path.abspath(args.repo)
@@ -216,9 +225,9 @@ def main():
     args.model_config = write_pipeline_config(args.repo, work, 2 * need if dualpipev else 0) if args.pipeline else None
     # Each run: a mesh and, where pp > 1, a schedule.
     runs = [(m, s if m[0] > 1 else "") for m in meshes for s in (args.schedules.split(",") if m[0] > 1 else [""])]
-    print("moetrain %s, %d steps, meshes (pp,dp,cp,ep): %s, rtol %g, count slack %d, runs in %s"
-          % (args.moetrain, args.steps, " ".join("(%d,%d,%d,%d)" % m for m in meshes), args.rtol, args.count_slack,
-             work))
+    print("moetrain %s, %d steps, meshes (pp,dp,cp,ep): %s%s, rtol %g, count slack %d, runs in %s"
+          % (args.moetrain, args.steps, " ".join("(%d,%d,%d,%d)" % m for m in meshes),
+             " with " + args.mesh_extra if args.mesh_extra else "", args.rtol, args.count_slack, work))
     # One line per (variant, mesh, step): the one-GPU value and the relative difference
     # of each metric, and the largest L1 difference of a layer's routing counts.
     header = "%-13s %-20s %4s  %-20s %-20s %-20s %-9s %s" % (
