@@ -1,5 +1,7 @@
 // Qwen3-MoE, DeepSeek-V2 and GPT-OSS on the GPU against the CPU backend on the Hugging Face
 // fixtures: the same five AdamW steps (loss, gradient norm, final weights), and the forward loss.
+// Then GPT-OSS with heads of 64 from random weights, so its sinks and windows take cuDNN's
+// attention (the fixtures' heads of 16 run on our kernel), checked the same way.
 //
 // Tolerances. The GPU computes in bf16 (8 significant bits, 2^-8 relative rounding
 // error at worst) with f32 accumulation and f32 master weights; the CPU in f32. One
@@ -15,8 +17,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 
 #include "gpu/gpu_test.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/elementwise.h"
 #include "train/trainer.h"
 
@@ -35,13 +41,12 @@ std::vector<float> weights_on_host(Model& m) {
   return out;
 }
 
-class CudaModel : public ::testing::TestWithParam<std::string> {};
-
-TEST_P(CudaModel, FiveStepsMatchTheCpuBackend) {
-  MT_SKIP_WITHOUT_GPU();
-  const std::string name = GetParam();
+// Five AdamW steps of the model of config.json on the CPU and on the GPU, each model set up
+// by `init`; the steps and the final weights must agree within the header's tolerances.
+void five_steps_match(const std::string& name, const std::string& config, const std::string& tokens,
+                      const std::function<void(Model&)>& init) {
   Config c;
-  c.data.tokens = fixture(name + "/tokens.npy");
+  c.data.tokens = tokens;
   c.training.steps = 5;
   c.optimizer.lr = 1e-3;
   c.optimizer.weight_decay = 0;
@@ -53,8 +58,8 @@ TEST_P(CudaModel, FiveStepsMatchTheCpuBackend) {
     o.device = gpu ? Device::cuda : Device::cpu;
     Config cc = c;
     cc.training.device = gpu ? "cuda" : "cpu";
-    std::unique_ptr<Model> m = make_model(fixture(name + "/config.json"), o);
-    load_hf(*m, fixture(name));
+    std::unique_ptr<Model> m = make_model(config, o);
+    init(*m);
     Trainer t(cc, *m, read_token_batch(c.data.tokens, m->vocab_size()));
     for (int i = 0; i < 5; ++i) runs[gpu].push_back(t.step());
     weights[gpu] = weights_on_host(*m);
@@ -72,6 +77,15 @@ TEST_P(CudaModel, FiveStepsMatchTheCpuBackend) {
     den += weights[0][i] * static_cast<double>(weights[0][i]);
   }
   EXPECT_LT(std::sqrt(num / den), 1e-2);
+}
+
+class CudaModel : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaModel, FiveStepsMatchTheCpuBackend) {
+  MT_SKIP_WITHOUT_GPU();
+  const std::string name = GetParam();
+  five_steps_match(name, fixture(name + "/config.json"), fixture(name + "/tokens.npy"),
+                   [&](Model& m) { load_hf(m, fixture(name)); });
 }
 
 TEST_P(CudaModel, EvalLossMatchesTheCpuBackend) {
@@ -92,6 +106,27 @@ TEST_P(CudaModel, EvalLossMatchesTheCpuBackend) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModel,
                          ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b",
                                            "gpt_oss_a"));
+
+// gpt_oss_a's config with heads of 64 (its tokens: 3 rows of 16 positions, so the 5-key
+// window cuts the sliding layer's rows), random weights: both layers' attention runs on
+// cuDNN with sinks, the sliding one with its window too.
+TEST(CudaModelCudnn, GptOssWithSinksAndWindowOnCudnnMatchesTheCpuBackend) {
+  MT_SKIP_WITHOUT_GPU();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "moetrain_gpt_oss_d64";
+  std::filesystem::create_directories(dir);
+  std::ifstream in(fixture("gpt_oss_a/config.json"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string from = "\"head_dim\": 16", to = "\"head_dim\": 64";
+  const size_t at = text.find(from);
+  ASSERT_NE(at, std::string::npos) << "gpt_oss_a's config.json no longer has " << from;
+  text.replace(at, from.size(), to);
+  std::ofstream(dir / "config.json") << text;
+  const int64_t calls = cuda::attention_cudnn_calls();
+  five_steps_match("gpt_oss d64", (dir / "config.json").string(), fixture("gpt_oss_a/tokens.npy"),
+                   [](Model& m) { init_random(m, 0.15, 7); });
+  EXPECT_GT(cuda::attention_cudnn_calls(), calls) << "GPT-OSS's attention did not reach cuDNN";
+  std::filesystem::remove_all(dir);
+}
 
 }  // namespace
 }  // namespace mt
