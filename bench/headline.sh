@@ -4,7 +4,7 @@
 # fp8 with fp32 moments, learned routing. 8 layers need an H200 (Qwen3 holds ~116 GB);
 # on an 80 GB card pass 4 and the 4-layer cuts run instead.
 #
-#   bench/headline.sh BIN [LAYERS] [qwen3|deepseek|gpt-oss ...]
+#   bench/headline.sh BIN [LAYERS] [qwen3|deepseek|gpt-oss ...] [-- moe_bench.py flags]
 #
 # The rows it prints are bench/RESULTS.md's; set MOETRAIN_COMMIT to name the commit.
 # GPT-OSS runs without transformers (its eager attention does not fit at 4 layers).
@@ -12,7 +12,11 @@ set -uo pipefail
 bin="$1"
 layers="${2:-8}"
 shift 2 || shift $#
-models=("$@")
+models=() extra=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = -- ]; then shift; extra=("$@"); break; fi
+  models+=("$1"); shift
+done
 [ ${#models[@]} -eq 0 ] && models=(qwen3 deepseek)
 for m in "${models[@]}"; do
   case "$m" in
@@ -26,5 +30,5 @@ for m in "${models[@]}"; do
     exit 2
   fi
   echo "== $m, $layers layers"
-  python3 bench/moe_bench.py --moetrain "$bin" "${model[@]}" "${baseline[@]}" --learned-only --fp8 none,blockwise
+  python3 bench/moe_bench.py --moetrain "$bin" "${model[@]}" "${baseline[@]}" --learned-only --fp8 none,blockwise "${extra[@]}"
 done
