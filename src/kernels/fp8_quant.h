@@ -114,13 +114,10 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
 // there (no host sync), clamped rather than checked. TMA moves 16-byte rows, which sets
 // what is taken; anything else is refused (MT_CHECK, naming the shapes):
 // - grouped_gemm_fp8: y bf16; K and O positive multiples of 16, not necessarily of 128
-//   (a ragged last tile is read as zeros and stored masked); x, w, y 16-byte aligned.
+//   (a ragged last tile is read as zeros and stored masked); x, w, y 16-byte aligned. The
+//   bias is added in the epilogue, to the f32 accumulators before y's one rounding.
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
-                      const Tensor& offsets, const Tensor& y);
-// y bf16 [R, O] += bias f32 [E, O] over each expert's rows of offsets (clamped), added in
-// f32 and rounded once more: the bias of the grouped FP8 product, a pass of its own (the
-// blockwise kernel's epilogue takes none yet).
-void add_group_bias(const Tensor& y, const Tensor& bias, const Tensor& offsets);
+                      const Tensor& offsets, const Tensor& y, const Tensor& bias = {});
 
 }  // namespace mt::cuda
 
@@ -153,11 +150,7 @@ inline void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, co
 inline void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
                              const Tensor& offsets, const Tensor& y, const Tensor& bias = {}) {
 #ifdef MOETRAIN_WITH_CUDA
-  if (y.device == Device::cuda) {
-    cuda::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y);
-    if (bias.data != nullptr) cuda::add_group_bias(y, bias, offsets);
-    return;
-  }
+  if (y.device == Device::cuda) return cuda::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y, bias);
 #endif
   return cpu::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y, bias);
 }

@@ -275,7 +275,7 @@ TEST(CudaFp8GroupedGemm, MatchesTheCpuOnTheSameCodes) {
     cuda::grouped_gemm_fp8(d_qdy.t, d_sdy.t, d_qwt.t, d_swt.t, d_off.t, d_dx.t);
     EXPECT_TRUE(within("y", download(d_y.t), want_y, 8e-3, max_abs(want_y)));
     EXPECT_TRUE(within("dx", download(d_dx.t), want_dx, 8e-3, max_abs(want_dx)));
-    // With a bias [E, O] (GPT-OSS's): the product, then each expert's row added, as the CPU's.
+    // With a bias [E, O] (GPT-OSS's), added in the epilogue before y's one rounding.
     auto bias = random_floats(e * o, -1, 1, ++seed);
     std::vector<float> want_yb(r * o);
     cpu::grouped_gemm_fp8(Tensor(qx.data(), {r, k}, DType::f8e4m3), host(sx, sxs),

@@ -1,9 +1,10 @@
 // What the CUTLASS grouped GEMMs (grouped_gemm_sm90.cu, grouped_gemm_fp8.cu) share: the
 // packed strides they fill per group, the carving of their per-group arrays out of the
-// grouped GEMM's stream buffer, and the persistent grid's size.
+// grouped GEMM's stream buffer, the persistent grid's size, and the bias epilogue.
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/kernel_hardware_info.h>
 
 #include <cstddef>
@@ -49,5 +50,14 @@ cutlass::KernelHardwareInfo hardware() {
   }();
   return info;
 }
+
+// D = acc + bias[e][n] in f32, rounded once to ElementD: a row broadcast of the expert's
+// bias (Sm90RowBroadcast over an array of per-group pointers). Its arguments are
+// {{}, {bias pointers, 0, {}}, {}}: (acc, bias row, plus).
+template <class Tile, class ElementD>
+using BiasAdd = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90AccFetch,
+    cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float>>;
 
 }  // namespace mt::cuda

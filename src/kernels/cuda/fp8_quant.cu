@@ -245,36 +245,4 @@ void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool
   CUDA_CHECK_LAUNCH();
 }
 
-namespace {
-
-// One block a row: its expert by binary search over the offsets, then the row's columns.
-__global__ void add_group_bias_kernel(__nv_bfloat16* y, const float* bias, const int32_t* offsets, int64_t rows,
-                                      int64_t cols, int experts) {
-  const int64_t r = blockIdx.x;
-  int lo = 0, hi = experts;  // the expert e with offsets[e] <= r < offsets[e+1] (clamped)
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (min(max(int64_t{offsets[mid]}, int64_t{0}), rows) <= r) lo = mid; else hi = mid;
-  }
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    __nv_bfloat16& v = y[r * cols + c];
-    v = __float2bfloat16(__bfloat162float(v) + bias[lo * cols + c]);
-  }
-}
-
-}  // namespace
-
-void add_group_bias(const Tensor& y, const Tensor& bias, const Tensor& offsets) {
-  MT_CHECK(y.ndim() == 2 && bias.ndim() == 2 && bias.dim(1) == y.dim(1) && offsets.numel() == bias.dim(0) + 1)
-      << "add_group_bias wants y [R, O], bias [E, O], offsets [E+1], got " << y.str() << ", " << bias.str() << ", "
-      << offsets.str();
-  check_arg(y, "add_group_bias y", {DType::bf16}, y.shape);
-  check_arg(bias, "add_group_bias bias", {DType::f32}, bias.shape);
-  check_arg(offsets, "add_group_bias offsets", {DType::i32}, offsets.shape);
-  if (y.dim(0) == 0) return;
-  add_group_bias_kernel<<<static_cast<unsigned>(y.dim(0)), 256, 0, stream()>>>(
-      static_cast<__nv_bfloat16*>(y.data), bias.f32(), offsets.i32(), y.dim(0), y.dim(1), static_cast<int>(bias.dim(0)));
-  CUDA_CHECK_LAUNCH();
-}
-
 }  // namespace mt::cuda

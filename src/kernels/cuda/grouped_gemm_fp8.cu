@@ -6,9 +6,11 @@
 // in the stream's grouped GEMM buffer, and CUTLASS reads them there (host_problem_shapes =
 // nullptr). No host sync.
 //
-//   grouped_gemm_fp8         y[seg] = x[seg] w[e]^T: A = x rows (K-major) with one scale a
-//                            row per 128 of K, B = w[e] (K-major) with one a 128x128
-//                            block; y bf16. An empty expert gets M = 0 (no tiles). (A
+//   grouped_gemm_fp8         y[seg] = x[seg] w[e]^T (+ bias[e]): A = x rows (K-major) with
+//                            one scale a row per 128 of K, B = w[e] (K-major) with one a
+//                            128x128 block; y bf16, the bias (GPT-OSS's) added to the f32
+//                            accumulators in the epilogue before the one rounding, as the
+//                            bf16 kernel does. An empty expert gets M = 0 (no tiles). (A
 //                            weight-gradient variant measured no faster than bf16's and
 //                            went: models/linear.h.)
 //
@@ -27,6 +29,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <climits>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cutlass_groups.cuh"
@@ -61,8 +64,8 @@ struct GivenScaleLayouts : Base {
 };
 
 // A scale per row of A and per 128 of K; B's per 128x128 block (the block arrays' rows
-// run along K: K-major). y bf16, no source (C void).
-template <class Tile, class Cluster>
+// run along K: K-major). y bf16, no source (C void), with or without a bias row.
+template <class Tile, class Cluster, bool kBias>
 struct Config {
   using Scales = cutlass::detail::Sm90BlockwiseScaleConfig<1, kTile, kTile, cute::GMMA::Major::MN, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(Scales::deduce_layoutSFA());
@@ -75,7 +78,8 @@ struct Config {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor*, kAlignD, ElementD,
       RowMajor*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+      std::conditional_t<kBias, BiasAdd<Tile, ElementD>,
+                         cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, f8, cute::tuple<RowMajor*, LayoutSFA*>, kAlignAB, f8,
       cute::tuple<ColumnMajor*, LayoutSFB*>, kAlignAB, float, Tile, Cluster,
@@ -90,8 +94,9 @@ struct Config {
 // docs/architecture.md (src/kernels, grouped_gemm_fp8).
 using Tile128 = cute::Shape<cute::_128, cute::_128, cute::_128>;
 using Cluster2x1 = cute::Shape<cute::_2, cute::_1, cute::_1>;
-using Gemm = Config<Tile128, Cluster2x1>::Gemm;
-using Kernel = Gemm::GemmKernel;
+using Gemm = Config<Tile128, Cluster2x1, false>::Gemm;
+using BiasGemm = Config<Tile128, Cluster2x1, true>::Gemm;
+using Kernel = Gemm::GemmKernel;  // BiasGemm's has the same operand types
 using StrideA = Kernel::InternalStrideA;
 using StrideB = Kernel::InternalStrideB;
 using StrideD = Kernel::InternalStrideD;
@@ -111,6 +116,7 @@ struct Groups {
   const float** sfb;
   LayoutSFA* layout_sfa;
   LayoutSFB* layout_sfb;
+  const float** bias;
 };
 
 Groups carve_groups(Carve& c, int experts) {
@@ -126,6 +132,7 @@ Groups carve_groups(Carve& c, int experts) {
   g.sfb = c.take<const float*>(experts);
   g.layout_sfa = c.take<LayoutSFA>(experts);
   g.layout_sfb = c.take<LayoutSFB>(experts);
+  g.bias = c.take<const float*>(experts);
   return g;
 }
 
@@ -155,6 +162,7 @@ struct ForwardPlan {
   const f8* w;
   const float* w_scale;  // [E, tiles(o), ld]
   int64_t ld;
+  const float* bias;  // [E, o], or nullptr
   cutlass::bfloat16_t* y;
   StrideA stride_a;
   StrideB stride_b;
@@ -173,6 +181,7 @@ __global__ void plan_forward_kernel(ForwardPlan p, Groups out) {
   out.a[e] = p.x + begin * p.k;
   out.b[e] = p.w + e * p.o * p.k;
   out.d[e] = p.y + begin * p.o;
+  out.bias[e] = p.bias == nullptr ? nullptr : p.bias + e * p.o;
   out.stride_a[e] = p.stride_a;
   out.stride_b[e] = p.stride_b;
   out.stride_d[e] = p.stride_d;
@@ -185,8 +194,9 @@ __global__ void plan_forward_kernel(ForwardPlan p, Groups out) {
 }
 
 // Plans and runs the product: the plan kernel writes the groups, then CUTLASS reads them.
+template <class Gemm>
 void launch(const ForwardPlan& p) {
-  Gemm::Arguments args{};
+  typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.hw_info = hardware<Gemm>();
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
@@ -206,8 +216,12 @@ void launch(const ForwardPlan& p) {
   args.epilogue.ptr_C = nullptr;
   args.epilogue.ptr_D = g.d;
   args.epilogue.dD = g.stride_d;
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
+  if constexpr (std::is_same_v<Gemm, BiasGemm>) {
+    args.epilogue.thread = {{}, {g.bias, 0.0f, {}}, {}};  // BiasAdd's (cutlass_groups.cuh)
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+  }
   Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);
   if (status == cutlass::Status::kSuccess) status = gemm.initialize(args, ws, stream());
@@ -226,7 +240,7 @@ bool aligned(std::initializer_list<const Tensor*> tensors) {
 }  // namespace
 
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
-                      const Tensor& offsets, const Tensor& y) {
+                      const Tensor& offsets, const Tensor& y, const Tensor& bias) {
   MT_CHECK(x.ndim() == 2 && w.ndim() == 3 && y.ndim() == 2 && x.dim(1) == w.dim(2))
       << "grouped_gemm_fp8 wants x [R, K], w [E, O, K] and y [R, O], got x " << x.str() << ", w " << w.str()
       << ", y " << y.str();
@@ -237,6 +251,7 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
   check_arg(w_scale, "grouped_gemm_fp8 w_scale", {DType::f32}, {experts, fp8::tiles(o), ld});
   check_arg(offsets, "grouped_gemm_fp8 offsets", {DType::i32}, {experts + 1});
   check_arg(y, "grouped_gemm_fp8 y", {DType::bf16}, {rows, o});
+  if (bias.data != nullptr) check_arg(bias, "grouped_gemm_fp8 bias", {DType::f32}, {experts, o});
   // TMA moves 16-byte rows (x's and w's K a multiple of 16 codes, y's O of 8 bf16); O a
   // multiple of 16 too, what the tests reach (a ragged last N tile included).
   MT_CHECK(k > 0 && k % 16 == 0 && o > 0 && o % 16 == 0 && rows <= INT_MAX && k <= INT_MAX && o <= INT_MAX &&
@@ -245,9 +260,12 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
       << x.str() << ", w " << w.str() << ", y " << y.str();
   if (rows == 0 || experts == 0) return;
   ForwardPlan p{offsets.i32(), static_cast<int>(experts), rows, k, o, static_cast<const f8*>(x.data), x_scale.f32(),
-                static_cast<const f8*>(w.data), w_scale.f32(), ld, static_cast<cutlass::bfloat16_t*>(y.data),
-                leading<StrideA>(k), leading<StrideB>(k), leading<StrideD>(o)};
-  launch(p);
+                static_cast<const f8*>(w.data), w_scale.f32(), ld, bias.data == nullptr ? nullptr : bias.f32(),
+                static_cast<cutlass::bfloat16_t*>(y.data), leading<StrideA>(k), leading<StrideB>(k), leading<StrideD>(o)};
+  if (bias.data != nullptr)
+    launch<BiasGemm>(p);
+  else
+    launch<Gemm>(p);
 }
 
 }  // namespace mt::cuda

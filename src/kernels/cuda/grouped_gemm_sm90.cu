@@ -44,14 +44,6 @@ using GroupShape = ProblemShape::UnderlyingProblemShape;
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
 
-// D = acc + bias[e][n] in f32, rounded once to ElementD: a row broadcast of the expert's
-// bias (Sm90RowBroadcast over an array of per-group pointers).
-template <class Tile, class ElementD>
-using BiasAdd = cutlass::epilogue::fusion::Sm90EVT<
-    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
-    cutlass::epilogue::fusion::Sm90AccFetch,
-    cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float>>;
-
 template <class LayoutA, class LayoutB, class ElementC, class ElementD, class Tile, class Cluster, bool kPingpong,
           bool kBias = false>
 struct Config {
@@ -223,7 +215,7 @@ void launch(Plan<Gemm> p, const Tensor& offsets, int64_t experts, int64_t rows, 
   args.epilogue.ptr_D = g.d;
   args.epilogue.dD = g.stride_d;
   if constexpr (T::kBias) {
-    args.epilogue.thread = {{}, {g.bias, 0.0f, {}}, {}};  // (acc, bias row, plus)
+    args.epilogue.thread = {{}, {g.bias, 0.0f, {}}, {}};  // BiasAdd's (cutlass_groups.cuh)
   } else {
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = T::kHasC ? beta : 0.0f;
