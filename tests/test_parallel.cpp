@@ -155,6 +155,37 @@ TEST_F(Launch, WorldMatchesTheLauncher) {
   EXPECT_EQ(world_comm().rank(), w.rank());
 }
 
+TEST_F(Launch, RanksThatShareAGpuAreFoundByBusId) {
+  using comm::RankGpu;
+  auto decide = [](std::vector<RankGpu> gpus) { return comm::share_gpus(gpus); };
+  // One GPU a rank: NCCL, nothing to say.
+  comm::GpuSharing g = decide({{"a", 0, "0000:19:00.0"}, {"a", 1, "0000:3b:00.0"}});
+  EXPECT_FALSE(g.staged);
+  EXPECT_EQ(g.ranks_on_gpu, (std::vector<int>{1, 1}));
+  EXPECT_EQ(g.text, "");
+  // Four ranks on one GPU.
+  g = decide({{"a", 0, "0000:19:00.0"}, {"a", 0, "0000:19:00.0"}, {"a", 0, "0000:19:00.0"}, {"a", 0, "0000:19:00.0"}});
+  EXPECT_TRUE(g.staged);
+  EXPECT_EQ(g.ranks_on_gpu, (std::vector<int>{4, 4, 4, 4}));
+  EXPECT_EQ(g.text, "ranks 0-3 share GPU 0: GPU messages go through host memory and MPI (for testing a mesh; not fast)");
+  // Mixed: ranks 0 and 2 share GPU 0, rank 1 is alone on GPU 1; every rank stages.
+  g = decide({{"a", 0, "0000:19:00.0"}, {"a", 1, "0000:3b:00.0"}, {"a", 0, "0000:19:00.0"}});
+  EXPECT_TRUE(g.staged);
+  EXPECT_EQ(g.ranks_on_gpu, (std::vector<int>{2, 1, 2}));
+  EXPECT_EQ(g.text, "ranks 0, 2 share GPU 0 (rank 1 alone on a GPU, staged the same way): GPU messages go through "
+                    "host memory and MPI (for testing a mesh; not fast)");
+  // The same bus id on two hosts is two GPUs; hosts are named once there are several.
+  g = decide({{"a", 0, "0000:19:00.0"}, {"b", 0, "0000:19:00.0"}});
+  EXPECT_FALSE(g.staged);
+  g = decide({{"a", 0, "0000:19:00.0"}, {"a", 0, "0000:19:00.0"}, {"b", 0, "0000:19:00.0"}, {"b", 0, "0000:19:00.0"}});
+  EXPECT_EQ(g.ranks_on_gpu, (std::vector<int>{2, 2, 2, 2}));
+  EXPECT_EQ(g.text.substr(0, 50), "ranks 0-1 share GPU 0 of a, ranks 2-3 share GPU 0 ");
+  // Ranks without a GPU (an empty bus id) share nothing.
+  g = decide({{"a", -1, ""}, {"a", -1, ""}});
+  EXPECT_FALSE(g.staged);
+  EXPECT_EQ(g.ranks_on_gpu, (std::vector<int>{0, 0}));
+}
+
 // ---- communicator -------------------------------------------------------------------
 
 TEST_F(Comm, AllReduceSumsEachDtype) {
@@ -433,6 +464,67 @@ TEST_F(Comm, StartedCollectivesEqualTheBlockingOnesWhileOtherWorkRuns) {
     EXPECT_EQ(aside.reduce, aside.want_reduce) << "all_reduce on the other communicator";
     EXPECT_EQ(aside.gather_out, aside.want_gather) << "all_gather started on the other communicator";
   }
+}
+
+TEST_F(Comm, HostStagingGivesTheDirectPathsResults) {
+  // What ranks that share a GPU do with GPU tensors (comm/communicator.h), here with host
+  // tensors (Staging::every_tensor): copied into a staging block at the start, moved by
+  // MPI there, copied back at the wait. Split communicators stage as their parent does.
+  comm::Communicator& c = world_comm();
+  comm::Communicator staged = c.split(0, c.rank(), "staged");
+  staged.set_staging(comm::Staging::every_tensor);
+  comm::Communicator parity = staged.split(c.rank() % 2, c.rank(), "staged_parity");
+  EXPECT_EQ(parity.staging(), comm::Staging::every_tensor);
+  EXPECT_EQ(c.staging(), comm::Staging::none);
+  for (DType t : {DType::f32, DType::bf16, DType::i32, DType::i64}) {
+    SCOPED_TRACE(std::string(dtype_name(t)));
+    Collectives blocking(t, staged);
+    blocking.run_blocking(staged);
+    EXPECT_EQ(blocking.outputs(), blocking.wanted());
+
+    // Started together with one on another staged communicator, waited in another order
+    // on odd ranks. Outputs stay as they were until the waits copy the results back.
+    Collectives started(t, staged), aside(t, parity);
+    started.poison_outputs();
+    aside.poison_outputs();
+    const std::vector<uint8_t> poisoned = started.gather_out, reduce_before = started.reduce;
+    std::vector<comm::Request> requests;
+    requests.push_back(staged.start_all_reduce(bytes_tensor(started.reduce, t), comm::Traffic::gradient));
+    requests.push_back(parity.start_all_gather(bytes_tensor(aside.gather_in, t), bytes_tensor(aside.gather_out, t),
+                                               comm::Traffic::gather));
+    requests.push_back(staged.start_reduce_scatter(bytes_tensor(started.scatter_in, t),
+                                                   bytes_tensor(started.scatter_out, t), comm::Traffic::gradient));
+    requests.push_back(staged.start_all_gather(bytes_tensor(started.gather_in, t),
+                                               bytes_tensor(started.gather_out, t), comm::Traffic::gather));
+    requests.push_back(staged.start_all_to_all_v(bytes_tensor(started.a2a_in, t), started.send_counts,
+                                                 bytes_tensor(started.a2a_out, t), started.recv_counts,
+                                                 comm::Traffic::expert));
+    EXPECT_EQ(started.gather_out, poisoned) << "written before its wait";
+    EXPECT_EQ(started.reduce, reduce_before) << "summed in place before its wait";
+    if (c.rank() % 2 == 1) std::reverse(requests.begin(), requests.end());
+    for (comm::Request& r : requests) r.wait();
+    EXPECT_EQ(started.outputs(), started.wanted());
+    EXPECT_EQ(aside.gather_out, aside.want_gather);
+  }
+
+  // A batch's messages keep their order through the staging: two each way round a ring,
+  // sends and receives interleaved, one of them empty.
+  const int n = c.size(), r = c.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+  std::vector<float> a = {static_cast<float>(r), 0.5f, 2.0f}, b = {static_cast<float>(-r)}, none;
+  std::vector<float> ra(3, -1.0f), rb(1, -1.0f), rnone;
+  staged
+      .start({comm::send_to(f32(a, {3}), next), comm::recv_from(f32(ra, {3}), prev),
+              comm::send_to(f32(none, {0}), next), comm::send_to(f32(b, {1}), next),
+              comm::recv_from(f32(rnone, {0}), prev), comm::recv_from(f32(rb, {1}), prev)})
+      .wait();
+  EXPECT_EQ(ra, (std::vector<float>{static_cast<float>(prev), 0.5f, 2.0f}));
+  EXPECT_EQ(rb[0], static_cast<float>(-prev));
+
+  const int root = n - 1;
+  std::vector<int64_t> x = {r == root ? 42 : 0, r};
+  staged.broadcast(Tensor(x.data(), {2}, DType::i64), root);
+  EXPECT_EQ(x, (std::vector<int64_t>{42, root}));
+  EXPECT_EQ(comm::broadcast_text(staged, r == 0 ? "from rank 0" : "", 0), "from rank 0");
 }
 
 TEST_F(Comm, StartedCollectivesCheckTheirArgumentsBeforeStarting) {

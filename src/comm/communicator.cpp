@@ -2,12 +2,16 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include <unistd.h>
 
 #include "core/check.h"
 
@@ -16,6 +20,7 @@
 
 #include <array>
 
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/runtime.h"
 #endif
 
@@ -28,6 +33,145 @@ struct Communicator::Impl {
 #endif
 };
 
+// ---- host staging (ranks that share a GPU; see the header) ----------------------------
+
+namespace {
+
+// Staging blocks are kept for reuse, pinned ones for GPU tensors (a pinned allocation
+// costs milliseconds) and plain ones for host tensors (tests); the smallest free block
+// that fits is taken, else a new one of the next power of two. One host thread makes
+// every call (the header), so no lock.
+struct StageBlock {
+  char* data = nullptr;
+  size_t bytes = 0;
+  bool pinned = false;
+};
+std::vector<StageBlock>& free_blocks() {
+  static std::vector<StageBlock> blocks;  // never freed: reused until the process ends
+  return blocks;
+}
+
+StageBlock take_block(size_t bytes, bool pinned) {
+  std::vector<StageBlock>& blocks = free_blocks();
+  auto best = blocks.end();
+  for (auto it = blocks.begin(); it != blocks.end(); ++it)
+    if (it->pinned == pinned && it->bytes >= bytes && (best == blocks.end() || it->bytes < best->bytes)) best = it;
+  if (best != blocks.end()) {
+    StageBlock b = *best;
+    blocks.erase(best);
+    return b;
+  }
+  StageBlock b;
+  b.bytes = std::max<size_t>(std::bit_ceil(std::max<size_t>(bytes, 1)), size_t{1} << 16);
+  b.pinned = pinned;
+#ifdef MOETRAIN_WITH_CUDA
+  if (pinned) {
+    CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.data), b.bytes));
+    return b;
+  }
+#endif
+  MT_CHECK(!pinned) << "a pinned staging block needs CUDA";
+  b.data = static_cast<char*>(std::malloc(b.bytes));
+  MT_CHECK(b.data != nullptr) << "host staging: cannot allocate " << b.bytes << " bytes";
+  return b;
+}
+
+// Tensor bytes between the device (or host, for every_tensor) and the block.
+void stage_copy(void* dst, const void* src, size_t bytes, bool device) {
+  if (bytes == 0) return;
+#ifdef MOETRAIN_WITH_CUDA
+  if (device) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda::stream()));
+    return;
+  }
+#endif
+  MT_CHECK(!device) << "host staging of a GPU tensor needs CUDA";
+  std::memcpy(dst, src, bytes);
+}
+
+void stage_sync([[maybe_unused]] bool device) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (device) cuda::synchronize();
+#endif
+}
+
+}  // namespace
+
+// The host copies of one operation's tensors, in one block: each distinct tensor once
+// (an in-place operation reads and writes the same view), 256-byte aligned.
+struct Stage {
+  StageBlock block;
+  bool device = false;
+  std::vector<Tensor> originals, views;
+  std::vector<bool> written;
+
+  // Stages `reads` (copied in now) and `writes` (copied back by finish()); the host
+  // waits for the current stream first, which may still be filling them.
+  Stage(std::initializer_list<Tensor> reads, std::initializer_list<Tensor> writes) {
+    std::vector<Tensor> r(reads), w(writes);
+    init(r, w);
+  }
+  Stage(const std::vector<Tensor>& reads, const std::vector<Tensor>& writes) { init(reads, writes); }
+  Stage(const Stage&) = delete;
+  Stage& operator=(const Stage&) = delete;
+  ~Stage() {
+    if (block.data != nullptr) free_blocks().push_back(block);
+  }
+
+  // The host view of `t` (which must be one of the staged tensors).
+  const Tensor& view(const Tensor& t) const {
+    size_t i = 0;
+    while (i < originals.size() && !same(originals[i], t)) ++i;
+    MT_CHECK(i < originals.size()) << "host staging: " << t.str() << " was not staged";
+    return views[i];
+  }
+
+  // Copies the written views back to their tensors, and waits for the copies.
+  void finish() {
+    for (size_t i = 0; i < originals.size(); ++i)
+      if (written[i]) stage_copy(originals[i].data, views[i].data, static_cast<size_t>(views[i].nbytes()), device);
+    stage_sync(device);
+  }
+
+ private:
+  static bool same(const Tensor& a, const Tensor& b) {
+    return a.data == b.data && a.dtype == b.dtype && a.numel() == b.numel() && a.device == b.device;
+  }
+  void add(const Tensor& t, bool write) {
+    for (size_t i = 0; i < originals.size(); ++i)
+      if (same(originals[i], t)) {
+        written[i] = written[i] || write;
+        return;
+      }
+    originals.push_back(t);
+    written.push_back(write);
+  }
+  void init(const std::vector<Tensor>& reads, const std::vector<Tensor>& writes) {
+    for (const Tensor& t : reads) add(t, false);
+    const size_t read_count = originals.size();
+    for (const Tensor& t : writes) add(t, true);
+    size_t bytes = 0;
+    std::vector<size_t> offset;
+    for (const Tensor& t : originals) {
+      device = device || t.device == Device::cuda;
+      offset.push_back(bytes);
+      bytes += (static_cast<size_t>(t.nbytes()) + 255) / 256 * 256;
+    }
+    block = take_block(bytes, device);
+    for (size_t i = 0; i < originals.size(); ++i) {
+      Tensor v = originals[i];
+      v.data = block.data + offset[i];
+      v.device = Device::cpu;
+      views.push_back(v);
+    }
+    stage_sync(device);
+    // Reads were added first, so a tensor both read and written is among them.
+    for (size_t i = 0; i < read_count; ++i)
+      stage_copy(views[i].data, originals[i].data, static_cast<size_t>(views[i].nbytes()), device);
+    stage_sync(device);
+  }
+};
+
 struct Request::Impl {
   std::string where;  // the operation, for errors
   std::vector<MPI_Request> mpi;
@@ -37,6 +181,8 @@ struct Request::Impl {
 #ifdef MOETRAIN_WITH_CUDA
   cuda::Event done;  // on the traffic's stream, after the operation
 #endif
+  // Host staging: the block the MPI call runs on, and what it wrote, copied back at wait.
+  std::unique_ptr<Stage> stage;
 };
 
 namespace {
@@ -225,6 +371,61 @@ Launch detect_launch(const std::function<const char*(const char*)>& env) {
   return Launch{};
 }
 
+// ---- ranks that share a GPU ----------------------------------------------------------
+
+namespace {
+
+// "rank 4", "ranks 0-3", "ranks 0-1, 4, 6-7".
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += (out.empty() ? "" : ", ") + std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+    i = j + 1;
+  }
+  return (ranks.size() == 1 ? "rank " : "ranks ") + out;
+}
+
+}  // namespace
+
+GpuSharing share_gpus(std::span<const RankGpu> gpus) {
+  GpuSharing out;
+  out.ranks_on_gpu.assign(gpus.size(), 0);
+  // Each GPU's ranks, in the order of its first rank.
+  std::vector<std::vector<int>> groups;
+  std::vector<const RankGpu*> first;
+  bool hosts = false;
+  for (size_t r = 0; r < gpus.size(); ++r) {
+    hosts = hosts || gpus[r].host != gpus[0].host;
+    if (gpus[r].bus_id.empty()) continue;
+    size_t g = 0;
+    while (g < groups.size() && !(first[g]->host == gpus[r].host && first[g]->bus_id == gpus[r].bus_id)) ++g;
+    if (g == groups.size()) {
+      groups.emplace_back();
+      first.push_back(&gpus[r]);
+    }
+    groups[g].push_back(static_cast<int>(r));
+  }
+  std::string shared;
+  std::vector<int> alone;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (int r : groups[g]) out.ranks_on_gpu[static_cast<size_t>(r)] = static_cast<int>(groups[g].size());
+    if (groups[g].size() == 1) {
+      alone.push_back(groups[g][0]);
+      continue;
+    }
+    out.staged = true;
+    shared += (shared.empty() ? "" : ", ") + rank_list(groups[g]) + " share GPU " + std::to_string(first[g]->ordinal) +
+              (hosts ? " of " + first[g]->host : "");
+  }
+  if (!out.staged) return out;
+  std::sort(alone.begin(), alone.end());
+  out.text = shared + (alone.empty() ? "" : " (" + rank_list(alone) + " alone on a GPU, staged the same way)") +
+             ": GPU messages go through host memory and MPI (for testing a mesh; not fast)";
+  return out;
+}
+
 // ---- Request ----------------------------------------------------------------------
 
 Request::Request() = default;
@@ -257,6 +458,7 @@ void Request::wait() {
   std::unique_ptr<Impl> im = std::move(impl_);
   if (!im->mpi.empty())
     check_mpi(MPI_Waitall(static_cast<int>(im->mpi.size()), im->mpi.data(), MPI_STATUSES_IGNORE), im->where);
+  if (im->stage) im->stage->finish();
 #ifdef MOETRAIN_WITH_CUDA
   if (im->done.marks()) im->done.wait(cuda::stream());
 #endif
@@ -292,10 +494,35 @@ std::string Communicator::where(const char* op) const {
          std::to_string(size_) + ")";
 }
 
+bool Communicator::stages(const Tensor& t) const {
+  return staging_ == Staging::every_tensor || (staging_ == Staging::gpu_tensors && t.device == Device::cuda);
+}
+
+Request Communicator::through_host(std::unique_ptr<Stage> stage, const std::function<Request()>& start) {
+  const Staging was = staging_;
+  staging_ = Staging::none;
+  Request r;
+  try {
+    r = start();
+  } catch (...) {
+    staging_ = was;
+    throw;
+  }
+  staging_ = was;
+  if (!r.impl_) r.impl_ = std::make_unique<Request::Impl>();
+  r.impl_->stage = std::move(stage);
+  return r;
+}
+
 Request Communicator::start_all_reduce(const Tensor& x, [[maybe_unused]] Traffic traffic) {
   const std::string w = where("all_reduce") + " of " + x.str();
   check_storage(x, "tensor", w);
   check_summable(x, w);
+  if (stages(x)) {
+    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{x}, std::initializer_list<Tensor>{x});
+    const Tensor hx = st->view(x);
+    return through_host(std::move(st), [&] { return start_all_reduce(hx, traffic); });
+  }
   Request r(w);
   if (on_gpu(x, w)) {
 #ifdef MOETRAIN_WITH_CUDA
@@ -321,6 +548,11 @@ Request Communicator::start_reduce_scatter(const Tensor& in, const Tensor& out, 
   check_summable(in, w);
   MT_CHECK(in.numel() == size_ * out.numel()) << w << ": the input should hold " << size_ << " blocks of the output's "
                                               << out.numel() << " elements";
+  if (stages(in)) {
+    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{in}, std::initializer_list<Tensor>{out});
+    const Tensor hin = st->view(in), hout = st->view(out);
+    return through_host(std::move(st), [&] { return start_reduce_scatter(hin, hout, traffic); });
+  }
   Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
@@ -349,6 +581,11 @@ Request Communicator::start_all_gather(const Tensor& in, const Tensor& out, [[ma
   check_pair(in, out, w);
   MT_CHECK(out.numel() == size_ * in.numel()) << w << ": the output should hold " << size_ << " blocks of the input's "
                                               << in.numel() << " elements";
+  if (stages(in)) {
+    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{in}, std::initializer_list<Tensor>{out});
+    const Tensor hin = st->view(in), hout = st->view(out);
+    return through_host(std::move(st), [&] { return start_all_gather(hin, hout, traffic); });
+  }
   Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
@@ -391,6 +628,11 @@ Request Communicator::start_all_to_all_v(const Tensor& in, std::span<const int64
       << ", but the tensors hold " << in.numel() << " and " << out.numel() << " elements";
   MT_CHECK(size_ > 1 || send_counts[0] == recv_counts[0])
       << w << ": one rank sends " << send_counts[0] << " elements to itself but expects " << recv_counts[0];
+  if (stages(in)) {
+    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{in}, std::initializer_list<Tensor>{out});
+    const Tensor hin = st->view(in), hout = st->view(out);
+    return through_host(std::move(st), [&] { return start_all_to_all_v(hin, send_counts, hout, recv_counts, traffic); });
+  }
   Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
@@ -433,6 +675,15 @@ void Communicator::broadcast(const Tensor& x, int root) {
   const std::string w = where("broadcast") + " of " + x.str() + " from rank " + std::to_string(root);
   check_storage(x, "tensor", w);
   MT_CHECK(root >= 0 && root < size_) << w << ": the root is not a rank of the communicator";
+  if (stages(x)) {
+    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{x}, std::initializer_list<Tensor>{x});
+    const Tensor hx = st->view(x);
+    through_host(std::move(st), [&] {
+      broadcast(hx, root);
+      return Request();
+    }).wait();
+    return;
+  }
   if (on_gpu(x, w)) {
 #ifdef MOETRAIN_WITH_CUDA
     ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
@@ -471,6 +722,14 @@ Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic t
     MT_CHECK(op.tensor.device == ops[0].tensor.device) << w << ": a batch is all on the CPU or all on the GPU";
   }
   if (ops.empty()) return Request();
+  if (stages(ops[0].tensor)) {
+    std::vector<Tensor> sends, recvs;
+    for (const P2P& op : ops) (op.send ? sends : recvs).push_back(op.tensor);
+    auto st = std::make_unique<Stage>(sends, recvs);
+    std::vector<P2P> host(ops.begin(), ops.end());
+    for (P2P& op : host) op.tensor = st->view(op.tensor);
+    return through_host(std::move(st), [&] { return start(host, traffic); });
+  }
   Request r(w);
   if (on_gpu(ops[0].tensor, w)) {
 #ifdef MOETRAIN_WITH_CUDA
@@ -518,7 +777,11 @@ Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic t
 }
 
 Communicator Communicator::split(int color, int key, std::string name) {
-  if (size_ == 1) return Communicator(std::move(name));
+  if (size_ == 1) {
+    Communicator alone(std::move(name));
+    alone.staging_ = staging_;
+    return alone;
+  }
   const std::string w = where("split") + " into '" + name + "'";
   auto im = std::make_unique<Impl>();
   check_mpi(MPI_Comm_split(impl_->mpi, color, key, &im->mpi), w);
@@ -526,13 +789,15 @@ Communicator Communicator::split(int color, int key, std::string name) {
   int rank = 0, size = 1;
   MPI_Comm_rank(im->mpi, &rank);
   MPI_Comm_size(im->mpi, &size);
-  return Communicator(std::move(name), rank, size, std::move(im));
+  Communicator out(std::move(name), rank, size, std::move(im));
+  out.staging_ = staging_;
+  return out;
 }
 
 void Communicator::init_gpu() {
   const std::string w = where("init_gpu");
 #ifdef MOETRAIN_WITH_CUDA
-  nccl_comm(*impl_, rank_, size_, w);
+  if (staging_ == Staging::none) nccl_comm(*impl_, rank_, size_, w);
 #else
   MT_FAIL() << w << ": moetrain was built without CUDA, so there is no NCCL";
 #endif
@@ -575,16 +840,40 @@ World::World() {
     MPI_Comm_rank(node, &launch_.local_rank);
     MPI_Comm_free(&node);
   }
+  // Which GPU this rank drives, chosen before anything makes CUDA state on the default
+  // device (GPUs local_rank % count); every rank learns every other's, to see which share.
+  RankGpu mine;
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  mine.host = name;
 #ifdef MOETRAIN_WITH_CUDA
-  // One GPU per rank, chosen before anything makes CUDA state on the default device.
   cuda::select_device(launch_.local_rank);
+  mine.ordinal = cuda::current_device();
+  char bus[64] = {};
+  if (mine.ordinal >= 0) CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus - 1, mine.ordinal));
+  mine.bus_id = bus;
 #endif
+  constexpr int kField = 256;
+  std::vector<char> packed(3 * kField, '\0'), all(packed.size() * static_cast<size_t>(size));
+  std::snprintf(packed.data(), kField, "%s", mine.host.c_str());
+  std::snprintf(packed.data() + kField, kField, "%d", mine.ordinal);
+  std::snprintf(packed.data() + 2 * kField, kField, "%s", mine.bus_id.c_str());
+  check_mpi(MPI_Allgather(packed.data(), 3 * kField, MPI_CHAR, all.data(), 3 * kField, MPI_CHAR, MPI_COMM_WORLD),
+            setup + " (which GPU each rank drives)");
+  std::vector<RankGpu> gpus(static_cast<size_t>(size));
+  for (size_t r = 0; r < gpus.size(); ++r) {
+    const char* f = all.data() + r * 3 * kField;
+    gpus[r] = {std::string(f, strnlen(f, kField)), std::atoi(f + kField),
+               std::string(f + 2 * kField, strnlen(f + 2 * kField, kField))};
+  }
+  sharing_ = share_gpus(gpus);
   check_mpi(MPI_Op_create(bf16_sum, 1, &g_bf16_sum), setup);
   // A private copy of MPI_COMM_WORLD, so our messages never match another library's.
   auto im = std::make_unique<Communicator::Impl>();
   check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &im->mpi), setup);
   check_mpi(MPI_Comm_set_errhandler(im->mpi, MPI_ERRORS_RETURN), setup);
   comm_.reset(new Communicator("world", rank, size, std::move(im)));
+  if (sharing_.staged) comm_->set_staging(Staging::gpu_tensors);
 }
 
 World::~World() {

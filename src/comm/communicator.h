@@ -25,6 +25,18 @@
 // created at its first GPU operation, which all its ranks must reach. A GPU broadcast
 // runs on the current stream. One host thread makes all of a process's calls, GPU ones
 // included (MPI is initialised FUNNELED, and nothing here takes a lock).
+//
+// Ranks that share a GPU. NCCL refuses two ranks of one communicator on one device, so
+// when ranks of the world share a GPU (share_gpus, decided once by World from every
+// rank's PCI bus id) every communicator stages its GPU tensors through host memory and
+// moves them with the same MPI calls as CPU tensors, as Gloo does for CUDA tensors. A
+// start waits (on the host) for the current stream, copies the tensors it reads into a
+// pinned staging block and starts the non-blocking MPI call on the block; wait() ends
+// the MPI call, copies what it wrote back to the device on the current stream and waits
+// for that copy, so the block can be reused. Both halves block the host; the contract
+// (any order of waits, every Traffic kind, the same order of starts on every rank) is
+// the CPU path's. For testing a mesh on one GPU, not for speed. Staging::every_tensor
+// stages host tensors too, so the same code runs in tests on machines without a GPU.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +45,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -50,6 +63,30 @@ struct Launch {
 Launch detect_launch(const std::function<const char*(const char*)>& env);
 
 class Communicator;
+struct Stage;  // host staging's copies of one operation's tensors (communicator.cpp)
+
+// Which GPU a rank drives: its host, the device's ordinal there and its PCI bus id
+// (empty bus id: no GPU).
+struct RankGpu {
+  std::string host;
+  int ordinal = -1;
+  std::string bus_id;
+};
+// What World decides from every rank's RankGpu: whether any two ranks drive one GPU
+// (then every communicator stages GPU tensors through host memory, ranks alone on a GPU
+// too, so one communicator never mixes the paths), how many ranks drive each rank's GPU
+// (0 without one), and the banner's line ("ranks 0-3 share GPU 0: ..."), empty when none
+// share.
+struct GpuSharing {
+  bool staged = false;
+  std::vector<int> ranks_on_gpu;
+  std::string text;
+};
+GpuSharing share_gpus(std::span<const RankGpu> gpus);
+
+// How a communicator moves GPU tensors: none (NCCL), gpu_tensors (through host memory:
+// ranks share a GPU), every_tensor (host tensors staged too: the staged path's tests).
+enum class Staging : uint8_t { none, gpu_tensors, every_tensor };
 
 // The kinds of traffic that may be in flight at once. On the GPU each kind has a
 // communication stream of its own, so one kind's transfers never queue behind
@@ -138,8 +175,13 @@ class Communicator {
     return start(std::span<const P2P>(ops.begin(), ops.size()), traffic);
   }
 
-  // A communicator per color of this one's ranks, ordered by key (collective).
+  // A communicator per color of this one's ranks, ordered by key (collective); it
+  // stages as this one does.
   Communicator split(int color, int key, std::string name);
+  // How GPU tensors travel (see the header): set by World for the world communicator
+  // before anything is split from it, or by a test.
+  void set_staging(Staging s) { staging_ = s; }
+  Staging staging() const { return staging_; }
   // Creates the NCCL communicator now (collective); GPU operations otherwise do it
   // at first use. An error in a build without CUDA.
   void init_gpu();
@@ -151,10 +193,16 @@ class Communicator {
   friend class World;
   // "all_reduce on comm 'ep' (rank 1 of 4)": what every error of an operation starts with.
   std::string where(const char* op) const;
+  // Whether `t` travels through host staging on this communicator; through_host runs
+  // `start` (the operation on the stage's host views) with staging off and hands the
+  // Request the stage, which its wait() finishes.
+  bool stages(const Tensor& t) const;
+  Request through_host(std::unique_ptr<Stage> stage, const std::function<Request()>& start);
 
   std::string name_;
   int rank_ = 0, size_ = 1;
   bool shape_only_ = false;
+  Staging staging_ = Staging::none;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -173,6 +221,8 @@ class World {
   int size() const { return launch_.size; }
   int local_rank() const { return launch_.local_rank; }
   Communicator& comm() { return *comm_; }
+  // Whether ranks share GPUs, and so stage GPU messages through host memory.
+  const GpuSharing& gpu_sharing() const { return sharing_; }
   // Ends every rank of the job with `code` (MPI_Abort), so one rank's error does not
   // leave the others waiting in a collective; without MPI, exits.
   [[noreturn]] void abort(int code);
@@ -186,6 +236,7 @@ class World {
   friend World& world();
   Launch launch_;
   bool finalize_ = false;  // MPI was initialised here, so it is finalised here
+  GpuSharing sharing_;
   std::unique_ptr<Communicator> comm_;
 };
 

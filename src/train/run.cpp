@@ -307,6 +307,16 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   comm::World& world = comm::world();
   const bool writer = world.rank() == 0;
   agree_with_rank0(world.comm(), cfg);
+  // Ranks that share a GPU (comm::share_gpus) each take an equal share of its memory
+  // unless the user set a limit, so the refusal below and the expert rows' pool plan
+  // with their own share.
+  const comm::GpuSharing& gpu_sharing = world.gpu_sharing();
+  [[maybe_unused]] const int on_my_gpu = gpu_sharing.ranks_on_gpu.empty() ? 1 : gpu_sharing.ranks_on_gpu[static_cast<size_t>(world.rank())];
+#ifdef MOETRAIN_WITH_CUDA
+  if (cfg.training.device == "cuda" && on_my_gpu > 1 && cfg.training.device_memory_limit == 0)
+    cfg.training.device_memory_limit =
+        static_cast<double>(cuda::total_memory()) / on_my_gpu / static_cast<double>(size_t{1} << 30);
+#endif
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
   RunFolder run_folder;
   claim_run_folder(run_folder, world.comm(), folder);
@@ -427,6 +437,9 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   if (writer) {
     print_banner(cfg, mesh, config_json, model->num_layers(), counts, trainer);
     std::printf("  OpenMP threads a rank: %d\n%s", omp_get_max_threads(), adopted.c_str());
+    if (gpu_sharing.staged && cfg.training.device == "cuda")
+      std::printf("  gpus: %s; each rank on a shared GPU may take %.2f GiB (training.device_memory_limit)\n",
+                  gpu_sharing.text.c_str(), cfg.training.device_memory_limit);
     if (val.interval > 0) {
       const std::string set = !val.tokens.empty() ? val.tokens
                               : val.split > 0     ? "the last " + std::to_string(val.split * 100).substr(0, 5) +

@@ -2,6 +2,8 @@
 // device memory this process holds (device.h).
 #include "kernels/cuda/device.h"
 
+#include <utility>
+
 namespace mt::cuda {
 
 namespace {
@@ -9,12 +11,18 @@ namespace {
 // Touches the device once so a broken driver/runtime pairing is found at start-up.
 __global__ void probe_kernel(int* out) { *out = 1; }
 
-size_t in_use() {
+// cudaMemGetInfo's free and total bytes; zeros without a GPU.
+std::pair<size_t, size_t> memory_info() {
   size_t free = 0, total = 0;
   if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
     cudaGetLastError();
-    return 0;
+    return {0, 0};
   }
+  return {free, total};
+}
+
+size_t in_use() {
+  const auto [free, total] = memory_info();
   return total - free;
 }
 
@@ -63,14 +71,8 @@ void note_memory_baseline() {
   g_noted = true;
 }
 
-size_t free_memory() {
-  size_t free = 0, total = 0;
-  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return free;
-}
+size_t free_memory() { return memory_info().first; }
+size_t total_memory() { return memory_info().second; }
 
 int current_device() {
   int d = -1;

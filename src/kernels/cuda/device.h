@@ -24,6 +24,8 @@ void note_memory_baseline();
 size_t memory_held();
 // Device memory no one holds now (cudaMemGetInfo's free); 0 without a GPU.
 size_t free_memory();
+// The memory of the GPU this process drives (cudaMemGetInfo's total); 0 without a GPU.
+size_t total_memory();
 // The GPU this process drives (cudaGetDevice); -1 without one.
 int current_device();
 
