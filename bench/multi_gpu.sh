@@ -7,10 +7,9 @@
 #
 # FLAGS go to bench/moe_bench.py for full and scaling, to moetrain itself for replicas and
 # offload, and are not taken by correctness.
-# correctness  tests/gpu/meshes.py against one GPU: dp/cp/ep meshes, pipeline meshes with
-#              both schedules, zero3, ep meshes (up to 4) with two replica slots
-#              (replanned every step), and each activation_checkpoint mode on one pp
-#              and one ep mesh.
+# correctness  bench/gpu_suite.sh's mesh checks with meshes of up to GPUS ranks (its header
+#              lists them: dp/cp/ep, zero3, both pipeline schedules, replicas, each
+#              recompute mode, the offload tiers, the balance terms and FP8).
 # full         the whole Qwen3-30B-A3B (48 layers), seq 4096, 8 micro-batches of 2 a data
 #              rank, on ep GPUS, then pp x ep meshes down to pp GPUS (DualPipeV and 1F1B),
 #              each after `moetrain plan`'s memory for its mesh.
@@ -22,21 +21,10 @@ set -uo pipefail
 bin="$1" gpus="$2" run="$3"
 shift 3
 bench() { python3 bench/moe_bench.py --moetrain "$bin" --skip-baseline --learned-only "$@"; }
-meshes() { python3 tests/gpu/meshes.py "$bin" . --gpus "$gpus" "$@"; }
-# The ep meshes meshes.py's fixture allows: its batch is 4 rows, so ep <= 4.
-ep_meshes() { local m="" e=2; while [ "$e" -le "$gpus" ] && [ "$e" -le 4 ]; do m="$m 1,1,$e"; e=$((e * 2)); done; echo "$m"; }
 full_config=bench/configs/qwen3_30b_a3b.json
 case "$run" in
   correctness)
-    meshes
-    meshes --pipeline
-    meshes --extra=--parallelism.zero3=true
-    meshes --meshes "$(ep_meshes)" --steps 4 \
-      --mesh-extra="--parallelism.expert_replicas=2 --parallelism.replan_interval=1"
-    for ac in selective full; do
-      meshes --pipeline --meshes "2,1,1,1" --extra=--training.activation_checkpoint=$ac
-      meshes --meshes "1,1,2" --extra=--training.activation_checkpoint=$ac
-    done
+    bash bench/gpu_suite.sh "$bin" --ranks "$gpus" --only '^(meshes|zero3|pipeline|replicas|recompute|offload|balance|fp8)'
     ;;
   full)
     pp=1

@@ -377,14 +377,16 @@ namespace {
 
 // "rank 4", "ranks 0-3", "ranks 0-1, 4, 6-7".
 std::string rank_list(const std::vector<int>& ranks) {
-  std::string out;
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (size_t i = 0; i < ranks.size();) {
     size_t j = i;
     while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    out += (out.empty() ? "" : ", ") + std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+    if (i > 0) out.append(", ");
+    out.append(std::to_string(ranks[i]));
+    if (j > i) out.append("-").append(std::to_string(ranks[j]));
     i = j + 1;
   }
-  return (ranks.size() == 1 ? "rank " : "ranks ") + out;
+  return out;
 }
 
 }  // namespace
@@ -416,13 +418,15 @@ GpuSharing share_gpus(std::span<const RankGpu> gpus) {
       continue;
     }
     out.staged = true;
-    shared += (shared.empty() ? "" : ", ") + rank_list(groups[g]) + " share GPU " + std::to_string(first[g]->ordinal) +
-              (hosts ? " of " + first[g]->host : "");
+    if (!shared.empty()) shared.append(", ");
+    shared.append(rank_list(groups[g])).append(" share GPU ").append(std::to_string(first[g]->ordinal));
+    if (hosts) shared.append(" of ").append(first[g]->host);
   }
   if (!out.staged) return out;
   std::sort(alone.begin(), alone.end());
-  out.text = shared + (alone.empty() ? "" : " (" + rank_list(alone) + " alone on a GPU, staged the same way)") +
-             ": GPU messages go through host memory and MPI (for testing a mesh; not fast)";
+  out.text = shared;
+  if (!alone.empty()) out.text.append(" (").append(rank_list(alone)).append(" alone on a GPU, staged the same way)");
+  out.text.append(": GPU messages go through host memory and MPI (for testing a mesh; not fast)");
   return out;
 }
 

@@ -1,16 +1,27 @@
 #!/usr/bin/env python3
 """The GPU mesh check: `moetrain train` on the CUDA backend, one GPU against meshes.
 
-    python3 tests/gpu/meshes.py BUILD/moetrain . [--gpus 2|4|8] [--pipeline] [--extra="--section.key=value ..."]
+    python3 tests/gpu/meshes.py BUILD/moetrain . [--gpus 1|2|4|8] [--ranks N] [--pipeline]
+        [--extra="--section.key=value ..."] [--fixture NAME] [--ref-device cpu] [--dry-run]
 
-Trains the qwen3_moe_a fixture for a few steps on one GPU, then under
-`mpirun -np N` (one rank per GPU) on every mesh (dp, cp, ep) of N = 2 .. --gpus ranks
-that the fixture allows, and compares each step's loss, lb_loss and grad_norm with the
-one-GPU run (relative tolerance --rtol) and its expert_counts (at most --count-slack
-slots moved per layer), for both load-balance variants. The batch is the one
-tests/test_train.cpp's Commands.MeshesMatchOneRank builds (the fixture's three
-sequences and its first again: 4 rows of 16 positions), so the meshes are those where
-dp * ep divides 4 rows, 2 * cp divides 16 positions and ep divides the 8 experts.
+Trains the qwen3_moe_a fixture (--fixture: another of tests/fixtures) for a few steps on
+one GPU, then under `mpirun -np N` on every mesh (dp, cp, ep) of N = 2 .. --ranks ranks
+(default: --gpus) that the fixture allows, and compares each step's loss, lb_loss,
+grad_norm (and z_loss and val_loss where the run has them) with the one-GPU run
+(relative tolerance --rtol) and its expert_counts (at most --count-slack slots moved per
+layer), for both load-balance variants. The batch is the one tests/test_train.cpp's
+Commands.MeshesMatchOneRank builds (the fixture's three sequences and its first again:
+4 rows of 16 positions), so the meshes are those where dp * ep divides 4 rows, 2 * cp
+divides 16 positions and ep divides the fixture's experts.
+
+Ranks take GPUs local_rank % count, so more ranks than GPUs share them: their GPU
+messages then go through host memory (comm/communicator.h), and every rank has its own
+process and CUDA context. --ranks 4 on one GPU runs every four-rank mesh there.
+
+--ref-device cpu: the reference run on the CPU backend instead of one GPU, so
+`--meshes 1,1,1,1 --ref-device cpu` checks one GPU against the CPU for the flags of --extra.
+@TOKENS@ in --extra and --mesh-extra stands for the batch's token file (validation.tokens).
+--dry-run prints the runs it would make and exits (no GPU needed).
 
 --mesh-extra: flags for the meshes only, against a one-GPU run without them (expert
 replicas, which need ep > 1, must train exactly as without them).
@@ -55,20 +66,29 @@ import tempfile
 
 import numpy as np
 
-FIXTURE = "tests/fixtures/qwen3_moe_a"
 PIPELINE_CONFIG = "tests/fixtures/pipeline/config.json"
-# Rows and positions of each batch below, and the expert count of each model.
-ROWS, POSITIONS, EXPERTS = 4, 16, 8
+# Rows and positions of each batch below, and the pipeline model's expert count.
+ROWS, POSITIONS = 4, 16
 PIPELINE_ROWS, PIPELINE_EXPERTS = 32, 4
 
 
-def meshes_for(gpus, pipeline):
-    """(pp, dp, cp, ep) of 2 .. gpus ranks (powers of two) that the batch allows; pp > 1
+def fixture_experts(repo, fixture):
+    """The routed experts of a fixture's config.json, by whichever name its family uses."""
+    with open(os.path.join(repo, "tests/fixtures", fixture, "config.json")) as f:
+        c = json.load(f)
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if key in c:
+            return c[key]
+    raise SystemExit("tests/fixtures/%s/config.json names no expert count" % fixture)
+
+
+def meshes_for(ranks, pipeline, experts):
+    """(pp, dp, cp, ep) of 2 .. ranks ranks (powers of two) that the batch allows; pp > 1
     with --pipeline, pp = 1 otherwise."""
-    rows, experts = (PIPELINE_ROWS, PIPELINE_EXPERTS) if pipeline else (ROWS, EXPERTS)
+    rows, experts = (PIPELINE_ROWS, PIPELINE_EXPERTS) if pipeline else (ROWS, experts)
     out = []
     n = 2
-    while n <= gpus:
+    while n <= ranks:
         for pp, dp, cp, ep in itertools.product([1, 2, 4, 8], repeat=4):
             if pp * dp * cp * ep != n or (pp > 1) != pipeline:
                 continue
@@ -79,14 +99,14 @@ def meshes_for(gpus, pipeline):
     return out
 
 
-def write_tokens(repo, folder, pipeline):
+def write_tokens(repo, folder, pipeline, fixture):
     """MeshesMatchOneRank's batch (the fixture's 3 x 17 token matrix and its first row
     again), or PipelineMeshesMatchOneRank's 32 x 17 one."""
     if pipeline:
         i = np.arange(PIPELINE_ROWS * (POSITIONS + 1))
         b = ((i * 29 + i // 5 + i // 17) % 80).astype("<i8").reshape(PIPELINE_ROWS, POSITIONS + 1)
     else:
-        a = np.load(os.path.join(repo, FIXTURE, "tokens.npy")).astype("<i8")
+        a = np.load(os.path.join(repo, "tests/fixtures", fixture, "tokens.npy")).astype("<i8")
         b = np.concatenate([a, a[:1]], axis=0)
         assert b.shape[0] == ROWS and b.shape[1] == POSITIONS + 1, b.shape
     path = os.path.join(folder, "tokens.npy")
@@ -105,14 +125,15 @@ def write_pipeline_config(repo, folder, layers):
     return path
 
 
-def run_train(args, env, mesh, schedule, lb, tokens, dump):
+def train_command(args, mesh, schedule, lb, tokens, dump, ref):
+    """The command of one run: the reference (ref, on --ref-device) or a mesh (on --device)."""
     pp, dp, cp, ep = mesh
     np_ranks = pp * dp * cp * ep
     model = (["--model.config=" + args.model_config] if args.pipeline
-             else ["--model.init=hf:" + os.path.join(args.repo, FIXTURE)])
+             else ["--model.init=hf:" + os.path.join(args.repo, "tests/fixtures", args.fixture)])
     cmd = [args.moetrain, "train"] + model + [
            "--data.tokens=" + tokens,
-           "--training.device=" + args.device,
+           "--training.device=" + (args.ref_device if ref else args.device),
            "--training.steps=%d" % args.steps,
            "--training.load_balance_coef=0.1",
            "--training.micro_batch_size=1",
@@ -120,14 +141,19 @@ def run_train(args, env, mesh, schedule, lb, tokens, dump):
            "--parallelism.pp=%d" % pp,
            "--parallelism.cp=%d" % cp,
            "--parallelism.ep=%d" % ep,
-           "--job.dump_folder=" + dump] + args.extra.split()
-    if mesh != (1, 1, 1, 1):
-        cmd += args.mesh_extra.split()
+           "--job.dump_folder=" + dump] + args.extra.replace("@TOKENS@", tokens).split()
+    if not ref:
+        cmd += args.mesh_extra.replace("@TOKENS@", tokens).split()
     if schedule:
         cmd.append("--parallelism.pipeline_schedule=" + schedule)
     if np_ranks > 1:
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(np_ranks),
                "-x", "NCCL_NVLS_ENABLE", "-x", "OMP_NUM_THREADS"] + cmd
+    return cmd
+
+
+def run_train(args, env, mesh, schedule, lb, tokens, dump, ref):
+    cmd = train_command(args, mesh, schedule, lb, tokens, dump, ref)
     try:
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=args.timeout)
@@ -177,7 +203,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("moetrain", help="path of the moetrain binary (built with -DMOETRAIN_CUDA=ON)")
     ap.add_argument("repo", help="the repository root (for tests/fixtures)")
-    ap.add_argument("--gpus", type=int, default=2, choices=[2, 4, 8], help="the largest mesh (default 2)")
+    ap.add_argument("--gpus", type=int, default=2, choices=[1, 2, 4, 8],
+                    help="GPUs to use (default 2); the ranks of a mesh take them local_rank %% count")
+    ap.add_argument("--ranks", type=int, default=0, choices=[0, 2, 4, 8],
+                    help="the largest mesh (default: --gpus); more ranks than GPUs share them")
+    ap.add_argument("--fixture", default="qwen3_moe_a", help="the model of tests/fixtures (not with --pipeline)")
+    ap.add_argument("--ref-device", default="", choices=["", "cuda", "cpu"],
+                    help="the reference run's device (default: --device)")
+    ap.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=2e-2, help="relative tolerance of loss, lb_loss, grad_norm")
     ap.add_argument("--count-slack", type=int, default=8,
@@ -203,31 +236,45 @@ def main():
     args.moetrain = os.path.abspath(args.moetrain)
     args.repo = os.path.abspath(args.repo)
 
+    args.ranks = args.ranks or max(args.gpus, 2)
+    args.ref_device = args.ref_device or args.device
+    experts = fixture_experts(args.repo, args.fixture)
     meshes = ([tuple(int(x) for x in m.split(",")) for m in args.meshes.split()] if args.meshes
-              else meshes_for(args.gpus, args.pipeline))
+              else meshes_for(args.ranks, args.pipeline, experts))
     meshes = [m if len(m) == 4 else (1,) + m for m in meshes]
-    # Ranks take GPUs local_rank % count: fewer GPUs than ranks would put two on one GPU,
-    # which NCCL refuses.
-    have = visible_gpus() if args.device == "cuda" else None
     need = max(pp * dp * cp * ep for pp, dp, cp, ep in meshes)
-    if have is not None and have < need:
-        print("meshes of up to %d ranks need %d GPUs, but %d are visible" % (need, need, have))
+    have = visible_gpus() if args.device == "cuda" and not args.dry_run else None
+    if have == 0:
+        print("--device cuda, but no GPU is visible")
         return 2
     env = dict(os.environ)
+    # Only the GPUs asked for: the ranks of a mesh share them (local_rank % count).
+    if args.device == "cuda" and have is not None and have > args.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(args.gpus))
     env["NCCL_NVLS_ENABLE"] = "0"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
 
     work = tempfile.mkdtemp(prefix="moetrain_meshes_")
-    tokens = write_tokens(args.repo, work, args.pipeline)
+    tokens = write_tokens(args.repo, work, args.pipeline, args.fixture)
     dualpipev = args.pipeline and "dualpipev" in args.schedules.split(",")
     args.model_config = write_pipeline_config(args.repo, work, 2 * need if dualpipev else 0) if args.pipeline else None
     # Each run: a mesh and, where pp > 1, a schedule.
     runs = [(m, s if m[0] > 1 else "") for m in meshes for s in (args.schedules.split(",") if m[0] > 1 else [""])]
-    print("moetrain %s, %d steps, meshes (pp,dp,cp,ep): %s%s, rtol %g, count slack %d, runs in %s"
-          % (args.moetrain, args.steps, " ".join("(%d,%d,%d,%d)" % m for m in meshes),
-             " with " + args.mesh_extra if args.mesh_extra else "", args.rtol, args.count_slack, work))
+    print("moetrain %s, %s, %d steps, meshes (pp,dp,cp,ep): %s%s%s on %s (%d GPU(s), up to %d ranks), reference on "
+          "%s, rtol %g, count slack %d, runs in %s"
+          % (args.moetrain, "pipeline model" if args.pipeline else args.fixture, args.steps,
+             " ".join("(%d,%d,%d,%d)" % m for m in meshes), " with " + args.extra if args.extra else "",
+             " (meshes also " + args.mesh_extra + ")" if args.mesh_extra else "", args.device, args.gpus, need,
+             args.ref_device, args.rtol, args.count_slack, work))
+    if args.dry_run:
+        for lb in args.lb.split(","):
+            print(" ".join(train_command(args, (1, 1, 1, 1), "", lb, tokens, os.path.join(work, "ref_" + lb), True)))
+            for mesh, schedule in runs:
+                print(" ".join(train_command(args, mesh, schedule, lb, tokens, os.path.join(work, "run"), False)))
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
     # One line per (variant, mesh, step): the one-GPU value and the relative difference
     # of each metric, and the largest L1 difference of a layer's routing counts.
     header = "%-13s %-20s %4s  %-20s %-20s %-20s %-9s %s" % (
@@ -235,7 +282,7 @@ def main():
     failed_runs, mismatches = 0, 0
     worst = {"loss": 0.0, "lb_loss": 0.0, "grad_norm": 0.0, "expert_counts": 0}
     for lb in args.lb.split(","):
-        ref = run_train(args, env, (1, 1, 1, 1), "", lb, tokens, os.path.join(work, "ref_" + lb))
+        ref = run_train(args, env, (1, 1, 1, 1), "", lb, tokens, os.path.join(work, "ref_" + lb), True)
         if ref is None:
             failed_runs += 1
             continue
@@ -243,7 +290,7 @@ def main():
         for mesh, schedule in runs:
             name = "(%d,%d,%d,%d)%s" % (mesh + (" " + schedule if schedule else "",))
             got = run_train(args, env, mesh, schedule, lb, tokens,
-                            os.path.join(work, "run_%d%d%d%d%s_%s" % (mesh + (schedule, lb))))
+                            os.path.join(work, "run_%d%d%d%d%s_%s" % (mesh + (schedule, lb))), False)
             if got is None:
                 failed_runs += 1
                 print("%-13s %-20s  run failed (its output is above)" % (lb, name))
@@ -255,17 +302,27 @@ def main():
                     worst[key] = max(worst[key], d)
                     bad = bad or not d <= args.rtol  # NaN is a mismatch
                     cells.append("%.6g (%.1e)" % (w[key], d))
+                # The z-loss and the validation loss, where the reference has them.
+                others = []
+                for key in ("z_loss", "val_loss"):
+                    if key in w:
+                        d = rel(g.get(key, float("nan")), w[key])
+                        worst[key] = max(worst.get(key, 0.0), d)
+                        bad = bad or not d <= args.rtol
+                        others.append("%s %.6g (%.1e)" % (key, w[key], d))
                 moved = count_moves(g.get("expert_counts", []), w.get("expert_counts", []))
                 worst["expert_counts"] = max(worst["expert_counts"], moved)
                 bad = bad or moved > args.count_slack
                 mismatches += bad
-                print("%-13s %-20s %4d  %-20s %-20s %-20s L1 %-6s %s"
-                      % (lb, name, i + 1, cells[0], cells[1], cells[2], moved, "MISMATCH" if bad else "ok"))
+                print("%-13s %-20s %4d  %-20s %-20s %-20s L1 %-6s %s%s"
+                      % (lb, name, i + 1, cells[0], cells[1], cells[2], moved, "MISMATCH" if bad else "ok",
+                         "  " + ", ".join(others) if others else ""))
                 if moved > args.count_slack:
                     print("    expert_counts one GPU %s\n                  mesh    %s"
                           % (w.get("expert_counts"), g.get("expert_counts")))
-    print("\nlargest differences: loss %.2e, lb_loss %.2e, grad_norm %.2e (relative), expert counts L1 %s"
-          % (worst["loss"], worst["lb_loss"], worst["grad_norm"], worst["expert_counts"]))
+    print("\nlargest differences: loss %.2e, lb_loss %.2e, grad_norm %.2e (relative), expert counts L1 %s%s"
+          % (worst["loss"], worst["lb_loss"], worst["grad_norm"], worst["expert_counts"],
+             "".join(", %s %.2e" % (k, worst[k]) for k in ("z_loss", "val_loss") if k in worst)))
     if not args.keep and failed_runs == 0 and mismatches == 0:
         shutil.rmtree(work, ignore_errors=True)
     if failed_runs:
