@@ -105,7 +105,8 @@ struct Busy {
 // Each started operation's input is written at the end of a long queue on the compute
 // stream and more compute is queued between its start and its wait: the transfer must
 // wait for the first and may overlap the second, and the wait must order the compute
-// stream after it. The results equal the blocking calls' bit for bit.
+// stream after it. The results equal the blocking NCCL calls' bit for bit, through NCCL
+// and through host staging.
 TEST(CudaComm, StartedOperationsFollowTheComputeStreamAndEqualTheBlockingOnes) {
   MT_SKIP_WITHOUT_GPU();
   comm::Communicator& c = comm::world().comm();
@@ -144,12 +145,22 @@ TEST(CudaComm, StartedOperationsFollowTheComputeStreamAndEqualTheBlockingOnes) {
        },
        [&](const Tensor& in, const Tensor& out) { c.start({comm::send_to(in, 0), comm::recv_from(out, 0)}).wait(); }},
   };
+  // Both transports: NCCL, and the host staging of ranks that share a GPU (its start
+  // must still see the compute queued before it, and its wait order the stream after).
+  struct Restore {
+    comm::Communicator& c;
+    ~Restore() { c.set_staging(comm::Staging::none); }
+  } restore{c};
+  for (auto [staging, how] : {std::pair{comm::Staging::none, "NCCL"}, std::pair{comm::Staging::gpu_tensors, "staged"}})
   for (DType t : {DType::f32, DType::bf16}) {
+    c.set_staging(staging);
     for (const Case& op : cases) {
-      SCOPED_TRACE(std::string(op.name) + ", " + std::string(dtype_name(t)));
+      SCOPED_TRACE(std::string(op.name) + ", " + std::string(dtype_name(t)) + ", " + how);
       DeviceTensor in_b = poisoned(t, {n}), out_b = poisoned(t, {n});
       mt::cast(src.t, in_b.t);
+      c.set_staging(comm::Staging::none);
       op.blocking(in_b.t, out_b.t);
+      c.set_staging(staging);
       const std::vector<float> want = download((op.in_place ? in_b : out_b).t);
 
       DeviceTensor in = poisoned(t, {n}), out = poisoned(t, {n});
