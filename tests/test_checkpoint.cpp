@@ -1,6 +1,7 @@
 // Checkpoints: exact resume (in the library and across a SIGTERM or a crash in the
 // middle of a save), malformed input, and the Hugging Face export.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -830,6 +831,40 @@ TEST(CheckpointCommands, CrashInTheMiddleOfASaveResumesFromThePreviousOne) {
   EXPECT_FALSE(fs::exists(dump + "/checkpoints/step-00000004.tmp"));
 }
 
+// A step saved again (a branch from an earlier step of the same folder) replaces the old
+// folder only once the new one is complete: killed in between, the old one, moved aside
+// to step-N.old, is what a resume takes, and the next save of a later step gives it its
+// name back in place of the incomplete one the kill left.
+TEST(CheckpointCommands, ReplacingAStepKeepsACompleteCopyThroughAKill) {
+  const std::string dump = temp_dir("replace"), ckpt = dump + "/checkpoints/step-0000000";
+  auto [rc, out] = run(train_cmd(dump, 4, "--checkpoint.interval=2"));
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<std::string> straight = metric_lines(dump);
+  // The branch from step 2 saves step 4 again, slowly; killed once the old step 4 is aside.
+  pid_t pid = spawn("env MOETRAIN_CHECKPOINT_DELAY_MS=300 " +
+                        train_cmd(dump, 4, "--checkpoint.interval=2 --checkpoint.load=" + ckpt + "2"),
+                    dump + "/log");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(ckpt + "4.old/COMPLETE"); }, 60));
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  EXPECT_FALSE(fs::exists(ckpt + "4/COMPLETE"));
+  EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), ckpt + "4.old");
+  std::tie(rc, out) = run(train_cmd(dump, 4, "--checkpoint.interval=2"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("resumed from " + ckpt + "4.old (step 4)"), std::string::npos) << out;
+  std::tie(rc, out) = run(train_cmd(dump, 6, "--checkpoint.interval=2"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("resumed from " + ckpt + "4.old (step 4)"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(ckpt + "6/COMPLETE"));
+  EXPECT_FALSE(fs::exists(ckpt + "4.old"));
+  EXPECT_TRUE(fs::exists(ckpt + "4/COMPLETE")) << "the old step 4 takes its name back";
+  EXPECT_FALSE(fs::exists(ckpt + "4.tmp"));
+  EXPECT_TRUE(fs::exists(ckpt + "2/COMPLETE"));
+  const std::vector<std::string> lines = metric_lines(dump);
+  ASSERT_EQ(lines.size(), 6u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(lines[i], straight[i]) << "step " << i + 1;
+}
+
 // Auto-resume skips a damaged checkpoint (here the newest, truncated) for the one before
 // it, naming it, and loads that one exactly: saved again, its files are byte for byte
 // what they were (with checkpoint.keep = 1 too: the checkpoint just saved is kept).
@@ -1187,6 +1222,32 @@ TEST(CheckpointCommands, RunsSaveTheirEndAndExportTakesTheNewest) {
   EXPECT_EQ(out6.find("warning"), std::string::npos) << out6;
   EXPECT_EQ(latest_checkpoint(periodic + "/checkpoints"), periodic + "/checkpoints/step-00000004");
   EXPECT_TRUE(fs::exists(periodic + "/checkpoints/step-00000002/COMPLETE"));
+}
+
+// A rerun with no steps left (training.steps at or below the checkpoint's step) saves
+// nothing: its newest checkpoint stays the very folder it was (a re-save deleted it and
+// renamed a copy over it, and a kill in between left only step-N.tmp).
+TEST(CheckpointCommands, ARerunWithNoStepsLeftLeavesItsCheckpointAlone) {
+  std::string dump = temp_dir("no_steps_left");
+  auto [rc, out] = run(train_cmd(dump, 2));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string step = dump + "/checkpoints/step-00000002";
+  struct stat before {}, after {};
+  ASSERT_EQ(stat((step + "/COMPLETE").c_str(), &before), 0);
+  const std::string metrics = file_text(dump + "/metrics.jsonl");
+  for (int64_t steps : {2, 1}) {
+    auto [rc2, out2] = run(train_cmd(dump, steps));
+    ASSERT_EQ(rc2, 0) << out2;
+    EXPECT_NE(out2.find("summary: no steps run (the run was at step 2 of " + std::to_string(steps) + ")"),
+              std::string::npos)
+        << out2;
+    EXPECT_EQ(out2.find("saved "), std::string::npos) << out2;
+    EXPECT_NE(out2.find("checkpoint: " + step), std::string::npos) << out2;
+    ASSERT_EQ(stat((step + "/COMPLETE").c_str(), &after), 0);
+    EXPECT_EQ(after.st_ino, before.st_ino) << "step-00000002 was written again";
+    EXPECT_FALSE(fs::exists(step + ".tmp"));
+    EXPECT_EQ(file_text(dump + "/metrics.jsonl"), metrics);
+  }
 }
 
 nlohmann::json json_file(const std::string& path) { return nlohmann::json::parse(file_text(path)); }

@@ -76,6 +76,13 @@ int64_t step_of(const fs::path& dir) {
   return std::stoll(n.substr(5));
 }
 
+// A step folder being replaced is first moved aside to step-N.old, and removed only once
+// its replacement is complete: the step of such a folder (-1 for any other name).
+int64_t step_set_aside(const fs::path& dir) {
+  const std::string n = dir.filename().string();
+  return n.size() == 17 && n.ends_with(".old") ? step_of(dir.parent_path() / n.substr(0, 13)) : -1;
+}
+
 std::string hex(uint64_t v) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
@@ -236,24 +243,68 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
     if (!tokenizer_dir.empty() && fs::exists(source / f)) copy_in(source / f, f);
   test_delay();
   sync_dir(tmp);
+  // An earlier folder of this step (another branch) is moved aside, not removed, until
+  // the new one is complete: at every moment one complete copy of the step exists
+  // (complete_checkpoints takes step-N.old while step-N is not complete).
   std::error_code ec;
-  remove_checkpoint(final_dir, ec);
-  MT_CHECK(!ec) << "removing the earlier " << final_dir.string() << " to replace it: " << ec.message();
+  const fs::path aside = root / (step_name(st.step) + ".old");
+  remove_checkpoint(aside, ec);
+  MT_CHECK(!ec) << "removing " << aside.string() << ", left by an interrupted save: " << ec.message();
+  if (fs::exists(final_dir)) {
+    if (complete(final_dir)) {
+      fs::rename(final_dir, aside, ec);
+      MT_CHECK(!ec) << "moving the earlier " << final_dir.string() << " aside to replace it: " << ec.message();
+    } else {
+      remove_checkpoint(final_dir, ec);
+      MT_CHECK(!ec) << "removing the incomplete " << final_dir.string() << " to replace it: " << ec.message();
+    }
+    sync_dir(root);
+  }
   fs::rename(tmp, final_dir, ec);
   MT_CHECK(!ec) << "renaming " << tmp.string() << " to " << final_dir.string() << ": " << ec.message();
   sync_dir(root);
+  test_delay();
   io::write_file_atomic((final_dir / "COMPLETE").string(),
                         {nlohmann::json{{"step", st.step}, {"files", files}}.dump(2) + "\n"});
+  remove_checkpoint(aside, ec);
+  MT_CHECK(!ec) << "removing " << aside.string() << " (replaced by " << final_dir.string() << "): " << ec.message();
 
   // Keep the newest `keep` complete checkpoints up to this one; drop older ones. Later
   // steps (another branch of the run) are never deleted for this one. This one, whole
   // as just written, is always kept: damaged ones cannot leave the run none that loads.
   int64_t kept = 0;
   for (const std::string& dir : complete_checkpoints(root.string()))
-    if (step_of(dir) <= st.step && ++kept > keep) {
+    if (std::max(step_of(dir), step_set_aside(dir)) <= st.step && ++kept > keep) {
       remove_checkpoint(dir, ec);
       MT_CHECK(!ec) << "removing " << dir << " (checkpoint.keep = " << keep << "): " << ec.message();
     }
+  // What interrupted saves left of earlier steps goes too, now that this step is complete
+  // (one run writes the folder at a time): a folder without COMPLETE, a .tmp, an .old
+  // whose step is complete; an .old whose step is not takes its name back.
+  std::vector<fs::path> entries;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) entries.push_back(it->path());
+  auto warn = [](const fs::path& p, const std::error_code& e) {
+    if (e) std::fprintf(stderr, "moetrain train: warning: cannot tidy %s, left by an interrupted save: %s\n",
+                        p.string().c_str(), e.message().c_str());
+  };
+  for (const fs::path& p : entries) {
+    const std::string n = p.filename().string();
+    const int64_t s = n.ends_with(".tmp") ? step_of(root / n.substr(0, n.size() - 4)) : step_of(p);
+    if (s < 0 || s >= st.step || complete(p)) continue;
+    std::error_code e;
+    remove_checkpoint(p, e);
+    warn(p, e);
+  }
+  for (const fs::path& p : entries) {
+    const int64_t s = step_set_aside(p);
+    if (s < 0 || s >= st.step || !fs::exists(p)) continue;
+    std::error_code e;
+    if (complete(root / step_name(s)) || !complete(p))
+      remove_checkpoint(p, e);
+    else
+      fs::rename(p, root / step_name(s), e);
+    warn(p, e);
+  }
   barrier();
   return final_dir.string();
 }
@@ -263,7 +314,12 @@ std::vector<std::string> complete_checkpoints(const std::string& checkpoints_dir
   // A run may save and rotate while this lists: a folder gone meanwhile is not listed.
   std::error_code ec;
   for (fs::directory_iterator it(checkpoints_dir, ec), end; !ec && it != end; it.increment(ec))
-    if (step_of(it->path()) >= 0 && complete(it->path())) found.emplace_back(step_of(it->path()), it->path().string());
+    if (step_of(it->path()) >= 0 && complete(it->path())) {
+      found.emplace_back(step_of(it->path()), it->path().string());
+    } else if (const int64_t s = step_set_aside(it->path());
+               s >= 0 && complete(it->path()) && !complete(it->path().parent_path() / step_name(s))) {
+      found.emplace_back(s, it->path().string());
+    }
   std::sort(found.rbegin(), found.rend());
   std::vector<std::string> out;
   for (const auto& [step, dir] : found) out.push_back(dir);

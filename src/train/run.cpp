@@ -492,7 +492,15 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
                     started);
   std::string last_checkpoint;
 
+  // A step this run folder already holds complete, as resumed, is never saved again: a
+  // rerun with no steps left would otherwise replace its newest checkpoint with itself.
   int64_t saved_step = -1;
+  std::error_code same_ec;
+  if (!resume.empty() && fs::exists(checkpoints) &&
+      fs::equivalent(fs::path(resume).parent_path(), checkpoints, same_ec) && saved.step == trainer.steps_done()) {
+    saved_step = saved.step;
+    last_checkpoint = resume;
+  }
   auto save = [&](double lr) {
     if (saved_step == trainer.steps_done()) return;
     saved_step = trainer.steps_done();
