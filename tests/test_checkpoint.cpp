@@ -831,38 +831,32 @@ TEST(CheckpointCommands, CrashInTheMiddleOfASaveResumesFromThePreviousOne) {
   EXPECT_FALSE(fs::exists(dump + "/checkpoints/step-00000004.tmp"));
 }
 
-// A step saved again (a branch from an earlier step of the same folder) replaces the old
-// folder only once the new one is complete: killed in between, the old one, moved aside
-// to step-N.old, is what a resume takes, and the next save of a later step gives it its
-// name back in place of the incomplete one the kill left.
-TEST(CheckpointCommands, ReplacingAStepKeepsACompleteCopyThroughAKill) {
+// A step saved again (here step 4, damaged, skipped by the resume, which trains from
+// step 2 and saves step 4 anew) replaces the old folder only once the new one is
+// complete: killed in between, the old one sits aside as step-N.old, which a resume
+// still considers while step-N is incomplete (and skips, naming it, when damaged); the
+// next save clears what the kill left.
+TEST(CheckpointCommands, ReplacingAStepKeepsTheOldCopyUntilTheNewIsComplete) {
   const std::string dump = temp_dir("replace"), ckpt = dump + "/checkpoints/step-0000000";
   auto [rc, out] = run(train_cmd(dump, 4, "--checkpoint.interval=2"));
   ASSERT_EQ(rc, 0) << out;
   const std::vector<std::string> straight = metric_lines(dump);
-  // The branch from step 2 saves step 4 again, slowly; killed once the old step 4 is aside.
-  pid_t pid = spawn("env MOETRAIN_CHECKPOINT_DELAY_MS=300 " +
-                        train_cmd(dump, 4, "--checkpoint.interval=2 --checkpoint.load=" + ckpt + "2"),
+  fs::resize_file(ckpt + "4/model.safetensors", fs::file_size(ckpt + "4/model.safetensors") - 100);
+  pid_t pid = spawn("env MOETRAIN_CHECKPOINT_DELAY_MS=300 " + train_cmd(dump, 4, "--checkpoint.interval=2"),
                     dump + "/log");
-  ASSERT_TRUE(wait_for([&] { return fs::exists(ckpt + "4.old/COMPLETE"); }, 60));
+  ASSERT_TRUE(wait_for([&] { return fs::exists(ckpt + "4.old/COMPLETE"); }, 60)) << file_text(dump + "/log");
   kill(pid, SIGKILL);
   waitpid(pid, nullptr, 0);
   EXPECT_FALSE(fs::exists(ckpt + "4/COMPLETE"));
   EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), ckpt + "4.old");
   std::tie(rc, out) = run(train_cmd(dump, 4, "--checkpoint.interval=2"));
   ASSERT_EQ(rc, 0) << out;
-  EXPECT_NE(out.find("resumed from " + ckpt + "4.old (step 4)"), std::string::npos) << out;
-  std::tie(rc, out) = run(train_cmd(dump, 6, "--checkpoint.interval=2"));
-  ASSERT_EQ(rc, 0) << out;
-  EXPECT_NE(out.find("resumed from " + ckpt + "4.old (step 4)"), std::string::npos) << out;
-  EXPECT_TRUE(fs::exists(ckpt + "6/COMPLETE"));
+  EXPECT_NE(out.find("warning: skipping " + ckpt + "4.old: model.safetensors holds"), std::string::npos) << out;
+  EXPECT_NE(out.find("resumed from " + ckpt + "2 (step 2)"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(ckpt + "4/COMPLETE"));
   EXPECT_FALSE(fs::exists(ckpt + "4.old"));
-  EXPECT_TRUE(fs::exists(ckpt + "4/COMPLETE")) << "the old step 4 takes its name back";
   EXPECT_FALSE(fs::exists(ckpt + "4.tmp"));
-  EXPECT_TRUE(fs::exists(ckpt + "2/COMPLETE"));
-  const std::vector<std::string> lines = metric_lines(dump);
-  ASSERT_EQ(lines.size(), 6u);
-  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(lines[i], straight[i]) << "step " << i + 1;
+  EXPECT_EQ(metric_lines(dump), straight);
 }
 
 // Auto-resume skips a damaged checkpoint (here the newest, truncated) for the one before
@@ -1248,6 +1242,67 @@ TEST(CheckpointCommands, ARerunWithNoStepsLeftLeavesItsCheckpointAlone) {
     EXPECT_FALSE(fs::exists(step + ".tmp"));
     EXPECT_EQ(file_text(dump + "/metrics.jsonl"), metrics);
   }
+}
+
+// checkpoint.load applies to a run folder's first start: a requeued fine-tuning command
+// (the same load, the folder now holding its own checkpoints) continues from those.
+TEST(CheckpointCommands, ARequeuedLoadContinuesTheRunsOwnCheckpoints) {
+  const std::string base = temp_dir("requeue_base"), tuned = temp_dir("requeue_tuned"), straight = temp_dir("requeue_straight");
+  auto [rc, out] = run(train_cmd(base, 2));
+  ASSERT_EQ(rc, 0) << out;
+  // A constant lr after warmup: cosine's horizon is training.steps, which the two commands differ in.
+  const std::string load = " --lr_scheduler.decay=constant --checkpoint.load=" + base + "/checkpoints/step-00000002";
+  std::tie(rc, out) = run(train_cmd(tuned, 4, load));  // as if preempted after step 4
+  ASSERT_EQ(rc, 0) << out;
+  std::tie(rc, out) = run(train_cmd(tuned, 6, load));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("resumed from " + tuned + "/checkpoints/step-00000004 (step 4)"), std::string::npos) << out;
+  EXPECT_NE(out.find("note: checkpoint.load = " + base + "/checkpoints/step-00000002 applies to a run's first start"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("summary: 2 steps (5 to 6 of 6)"), std::string::npos) << out;
+  std::tie(rc, out) = run(train_cmd(straight, 6, load));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_EQ(metric_lines(tuned), metric_lines(straight));
+}
+
+// A branch from an earlier step of the same folder moves the later checkpoints and
+// metrics lines to branches/from-step-N/; a plain resume then continues the branch, and
+// the branch's own command, run again, continues it too rather than branching anew.
+TEST(CheckpointCommands, BranchingSetsTheAbandonedStepsAside) {
+  const std::string dump = temp_dir("branching"), ckpt = dump + "/checkpoints/step-0000000";
+  auto [rc, out] = run(train_cmd(dump, 6, "--checkpoint.interval=2"));
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<std::string> first = metric_lines(dump);
+  const std::string branch = " --checkpoint.interval=2 --optimizer.lr=1e-3 --checkpoint.allow_config_change=true"
+                             " --checkpoint.load=" + ckpt + "2";
+  std::tie(rc, out) = run(train_cmd(dump, 4, branch));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string aside = dump + "/branches/from-step-00000002";
+  EXPECT_NE(out.find("note: branching from step 2: the 2 later checkpoint(s) of this folder and its metrics lines "
+                     "after step 2 moved to " + aside),
+            std::string::npos)
+      << out;
+  for (const char* s : {"4", "6"}) EXPECT_TRUE(fs::exists(aside + "/checkpoints/step-0000000" + std::string(s) + "/COMPLETE"));
+  EXPECT_FALSE(fs::exists(ckpt + "6"));
+  const std::vector<std::string> moved = metric_lines(aside);
+  ASSERT_EQ(moved.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(moved[i], first[i + 2]);
+  const std::vector<std::string> lines = metric_lines(dump);
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[1], first[1]);
+  EXPECT_NE(lines[2], first[2]) << "step 3 of the branch trains at another lr";
+  // A plain resume continues the branch, not the abandoned line.
+  std::tie(rc, out) = run(train_cmd(dump, 5, "--checkpoint.interval=2 --optimizer.lr=1e-3"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("resumed from " + ckpt + "4 (step 4)"), std::string::npos) << out;
+  // The branch's command again continues it, from its newest.
+  std::tie(rc, out) = run(train_cmd(dump, 6, branch));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("resumed from " + ckpt + "5 (step 5)"), std::string::npos) << out;
+  EXPECT_NE(out.find("note: checkpoint.load = " + ckpt + "2 was this run's branch point"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(dump + "/branches/from-step-00000002-2"));
+  EXPECT_EQ(metric_lines(dump).size(), 6u);
 }
 
 nlohmann::json json_file(const std::string& path) { return nlohmann::json::parse(file_text(path)); }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "core/check.h"
@@ -231,6 +232,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   state["expert_placement"] = nlohmann::json::parse(st.expert_placement);
   state["expert_bias"] = nlohmann::json::parse(st.expert_bias);
   state["config"] = st.config_toml;
+  if (!st.origin.empty()) state["origin"] = st.origin;
   record("train_state.json", io::write_file_atomic((tmp / "train_state.json").string(), {state.dump(2)}));
   auto copy_in = [&](const fs::path& from, const std::string& name) {
     std::vector<uint8_t> b = io::read_file(from.string());
@@ -462,7 +464,8 @@ TrainState read_train_state(const std::string& dir) {
   };
   for (const Expect& x : {Expect{"seed", &nlohmann::json::is_number_integer, "an integer"},
                           Expect{"lr", &nlohmann::json::is_number, "a number"},
-                          Expect{"config", &nlohmann::json::is_string, "a string"}})
+                          Expect{"config", &nlohmann::json::is_string, "a string"},
+                          Expect{"origin", &nlohmann::json::is_string, "a string"}})
     MT_CHECK(!j.contains(x.key) || (j[x.key].*x.is)())
         << dir << "/train_state.json: key \"" << x.key << "\" is " << j[x.key].dump() << " (expected " << x.what
         << "); the file was edited or is damaged";
@@ -474,6 +477,7 @@ TrainState read_train_state(const std::string& dir) {
   st.expert_placement = j.contains("expert_placement") ? j["expert_placement"].dump() : "null";
   st.expert_bias = j.contains("expert_bias") ? j["expert_bias"].dump() : "null";
   st.config_toml = j.value("config", std::string());
+  st.origin = j.value("origin", std::string());
   // The folder's name says the step too (a step edited to 999 was trusted, and rotation
   // then deleted good checkpoints).
   fs::path folder = fs::path(dir).lexically_normal();
@@ -580,9 +584,82 @@ void compare_with_checkpoint(const Config& cfg, const std::string& dir, const st
 
 }  // namespace
 
-std::vector<std::string> checkpoints_to_try(const Config& cfg) {
-  if (!cfg.checkpoint.load.empty()) return {cfg.checkpoint.load};
-  return complete_checkpoints(cfg.job.dump_folder + "/checkpoints");
+ResumeChoice choose_resume(const Config& cfg) {
+  ResumeChoice c;
+  const fs::path folder(cfg.job.dump_folder), own_dir = folder / "checkpoints";
+  const std::vector<std::string> own = complete_checkpoints(own_dir.string());
+  const std::string& load = cfg.checkpoint.load;
+  if (load.empty()) {
+    c.tries = own;
+    return c;
+  }
+  c.origin = fs::absolute(load).lexically_normal().string();
+  if (c.origin.ends_with("/")) c.origin.pop_back();
+  c.tries = {load};
+  if (own.empty()) return c;
+  std::error_code ec;
+  const bool inside = fs::equivalent(fs::path(c.origin).parent_path(), own_dir, ec);
+  if (!inside) {
+    c.tries = own;
+    c.note = "checkpoint.load = " + load + " applies to a run's first start: " + folder.string() +
+             " holds checkpoints of its own since, so this run resumes from its newest (another job.dump_folder " +
+             "starts from " + load + " again)";
+    return c;
+  }
+  // A checkpoint of this folder: the requeue of a branch from it, or a new branch.
+  std::string newest_origin;
+  try {
+    newest_origin = read_train_state(own.front()).origin;
+  } catch (const Error&) {
+    // Damaged: resume_run names it; the branch is judged by the others.
+  }
+  if (newest_origin == c.origin && !fs::equivalent(own.front(), c.origin, ec)) {
+    c.tries = own;
+    c.note = "checkpoint.load = " + load + " was this run's branch point, and the branch has gone on since: resuming "
+             "from its newest checkpoint (checkpoint.load applies to the branch's first start)";
+    return c;
+  }
+  const int64_t from = read_train_state(load).step;
+  for (const std::string& dir : own)
+    if (std::max(step_of(dir), step_set_aside(dir)) > from) c.set_aside.push_back(dir);
+  if (c.set_aside.empty()) return c;
+  c.branch_step = from;
+  const std::string base = (folder / "branches" / ("from-" + step_name(from))).string();
+  c.branch_dir = base;
+  for (int k = 2; fs::exists(c.branch_dir); ++k) c.branch_dir = base + "-" + std::to_string(k);
+  c.note = "branching from step " + std::to_string(from) + ": the " + std::to_string(c.set_aside.size()) +
+           " later checkpoint(s) of this folder and its metrics lines after step " + std::to_string(from) +
+           " moved to " + c.branch_dir;
+  return c;
+}
+
+void set_branch_aside(const Config& cfg, const ResumeChoice& c) {
+  if (c.set_aside.empty()) return;
+  const fs::path branch(c.branch_dir), checkpoints = branch / "checkpoints";
+  std::error_code ec;
+  fs::create_directories(checkpoints, ec);
+  MT_CHECK(!ec) << "cannot create " << checkpoints.string() << " for the branch's set-aside checkpoints: "
+                << ec.message();
+  // The metrics lines after the branch point go with them: the run's own file keeps
+  // what precedes the branch (run.cpp truncates it on resume).
+  const std::string metrics = cfg.job.dump_folder + "/metrics.jsonl";
+  if (fs::exists(metrics)) {
+    std::vector<uint8_t> b = io::read_file(metrics);
+    std::istringstream in(std::string(b.begin(), b.end()));
+    std::string line, later;
+    while (std::getline(in, line)) {
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.value("step", int64_t{0}) > c.branch_step) later += line + "\n";
+    }
+    io::write_file_atomic((branch / "metrics.jsonl").string(), {later});
+  }
+  for (const std::string& dir : c.set_aside) {
+    fs::rename(dir, checkpoints / fs::path(dir).filename(), ec);
+    MT_CHECK(!ec) << "moving " << dir << " to " << checkpoints.string() << " (a branch's set-aside checkpoints): "
+                  << ec.message();
+  }
+  sync_dir(checkpoints);
+  sync_dir(fs::path(cfg.job.dump_folder) / "checkpoints");
 }
 
 std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vector<std::string>& tries, Model& model,

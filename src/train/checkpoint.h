@@ -55,6 +55,9 @@ struct TrainState {
   // JSON: the routers' expert biases (training.expert_bias_update_rate; Trainer::expert_bias)
   std::string expert_bias = "null";
   std::string config_toml;           // the run's config (TOML): a resume compares its own with it
+  // The checkpoint.load this run's line of checkpoints started from (its absolute path),
+  // carried by every later save; "" for a run that started afresh.
+  std::string origin;
 };
 
 // Saves step `st.step` under `checkpoints_dir` and keeps the newest `keep` complete
@@ -93,8 +96,26 @@ std::string find_checkpoint(const std::string& path);
 void read_checkpoint(const std::string& path, const std::function<void(const std::string& dir)>& read);
 
 // A run's checkpoints, as train/run.cpp takes and makes them.
-// checkpoints_to_try: checkpoint.load, else the complete checkpoints of job.dump_folder,
-// newest first. resume_run loads the first that verifies: each damaged one is named on
+// choose_resume: where a run starts. checkpoint.load applies to a run folder's first
+// start: once the folder holds checkpoints of its own, the same command resumes from its
+// newest (so a requeue after exit 75 continues). The exception is a branch: a
+// checkpoint.load inside the run folder whose later checkpoints are not its own line
+// (their origin differs) starts from it, and those later checkpoints and metrics lines
+// move to branches/from-step-N/ (set_branch_aside, rank 0, before anything is read);
+// the branch's own checkpoints then carry it as their origin, so its requeue continues
+// it. `tries` lists the checkpoints to try, newest first (none: a fresh start), `note`
+// what the choice was, where it was not the plain one.
+struct ResumeChoice {
+  std::vector<std::string> tries;
+  std::string note;
+  std::string origin;                 // the origin the run's saves carry, when it starts from tries[0]
+  std::vector<std::string> set_aside;  // a branch's later checkpoints, moved to branch_dir
+  std::string branch_dir;
+  int64_t branch_step = -1;
+};
+ResumeChoice choose_resume(const Config& cfg);
+void set_branch_aside(const Config& cfg, const ResumeChoice& choice);
+// resume_run loads the first of `tries` that verifies: each damaged one is named on
 // stderr (by rank 0, `print`) and skipped for the one before it (one that checkpoint.load
 // names must load); the config is compared (compare_with_checkpoint); weights and moments
 // are read whole and cut into the trainer's shards, and the step, data cursor, expert
@@ -103,7 +124,6 @@ void read_checkpoint(const std::string& path, const std::function<void(const std
 // ranks of the first replica write (save_checkpoint), each its own experts and (ep rank
 // 0) its layers' dense weights, after the sharded moments (and ZeRO-3's layers) are
 // gathered, which every rank takes part in. Returns the folder on rank 0, else "".
-std::vector<std::string> checkpoints_to_try(const Config& cfg);
 std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vector<std::string>& tries, Model& model,
                                               Trainer& trainer, comm::Communicator& world, bool print);
 std::string save_run(const Config& cfg, Model& model, Trainer& trainer, comm::DeviceMesh& mesh, const TrainState& state,

@@ -320,7 +320,11 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   const std::string folder = cfg.job.dump_folder, checkpoints = folder + "/checkpoints";
   RunFolder run_folder;
   claim_run_folder(run_folder, world.comm(), folder);
-  const std::vector<std::string> tries = checkpoints_to_try(cfg);
+  // Where the run starts; a branch's later checkpoints move aside before any rank reads.
+  const ResumeChoice start = choose_resume(cfg);
+  if (writer) set_branch_aside(cfg, start);
+  world.comm().barrier();
+  const std::vector<std::string>& tries = start.tries;
   comm::DeviceMesh mesh(world.comm(), static_cast<int>(cfg.parallelism.pp), static_cast<int>(cfg.parallelism.cp),
                         static_cast<int>(cfg.parallelism.ep));
   const std::string config_json = model_config_path(cfg);
@@ -458,11 +462,15 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
       std::printf("  start: fresh, %s\n", init.c_str());
     else
       std::printf("  start: resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(saved.step));
+    if (!start.note.empty()) std::printf("  note: %s\n", start.note.c_str());
     std::fflush(stdout);
   }
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
+  // The line of checkpoints this run continues: checkpoint.load's when it started from it.
+  state.origin = resume.empty() ? "" : !cfg.checkpoint.load.empty() && resume == cfg.checkpoint.load ? start.origin
+                                                                                                       : saved.origin;
   // The run folder is kept once everything above has accepted the run: a refused run
   // leaves none behind (RunFolder). A resumed run appends to what truncate_metrics kept.
   std::ofstream metrics;
