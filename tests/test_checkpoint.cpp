@@ -1305,6 +1305,79 @@ TEST(CheckpointCommands, BranchingSetsTheAbandonedStepsAside) {
   EXPECT_EQ(metric_lines(dump).size(), 6u);
 }
 
+// metrics.jsonl and the TensorBoard events on a full disk (/dev/full: every write fails
+// with ENOSPC). Each lost step is a warning naming the file; with metrics.max_lost_lines
+// = 0 (the default) the run goes on to its next checkpoint, saves it and exits 1; with a
+// larger allowance it ends as usual and counts what was lost.
+TEST(CheckpointCommands, MetricsThatCannotBeWrittenAreNamedCountedAndStopTheRun) {
+  const std::string dump = temp_dir("metrics_full");
+  fs::create_directories(dump);
+  fs::create_symlink("/dev/full", dump + "/metrics.jsonl");
+  auto [rc, out] = run(train_cmd(dump, 6, "--checkpoint.interval=4 --checkpoint.save_final=false"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("warning: " + dump + "/metrics.jsonl: step 1 could not be written (No space left on device); "
+                     "it is lost, the next step tries again (1 lost, metrics.max_lost_lines = 0)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("step 4 could not be written"), std::string::npos) << out;
+  EXPECT_EQ(out.find("step 5 could not be written"), std::string::npos) << "the run should stop at step 4: " << out;
+  EXPECT_NE(out.find("error: stopped after step 4, saved as " + dump + "/checkpoints/step-00000004, since more than "
+                     "metrics.max_lost_lines = 0 could not be written"),
+            std::string::npos)
+      << out;
+  EXPECT_TRUE(fs::exists(dump + "/checkpoints/step-00000004/COMPLETE"));
+
+  const std::string allowed = temp_dir("metrics_full_allowed");
+  fs::create_directories(allowed);
+  fs::create_symlink("/dev/full", allowed + "/metrics.jsonl");
+  std::tie(rc, out) = run(train_cmd(allowed, 3, "--metrics.max_lost_lines=100"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("step 3 could not be written"), std::string::npos) << out;
+  EXPECT_NE(out.find("warning: 3 metrics line(s) or event(s) could not be written"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(allowed + "/checkpoints/step-00000003/COMPLETE"));
+}
+
+// A disk full for a moment (a small tmpfs, filled, then freed while the run goes on):
+// the lines of those steps are lost and counted, every later one is written, and the
+// file holds whole lines only.
+TEST(CheckpointCommands, MetricsResumeOnceTheDiskHasRoomAgain) {
+  const std::string dump = temp_dir("metrics_moment"), disk = temp_dir("metrics_moment_disk");
+  fs::create_directories(disk);
+  if (std::system(("mount -t tmpfs -o size=64k tmpfs " + disk + " 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (not root): the /dev/full test above covers the failure";
+  struct Unmount {
+    std::string at;
+    ~Unmount() { [[maybe_unused]] const int rc = std::system(("umount " + at).c_str()); }
+  } unmount{disk};
+  // The disk is full but for one page (4 KiB): the first few lines fit.
+  [[maybe_unused]] const int filled = std::system(("head -c 1000000 /dev/zero > " + disk + "/filler 2>/dev/null").c_str());
+  fs::resize_file(disk + "/filler", fs::file_size(disk + "/filler") - 4096);
+  fs::create_directories(dump);
+  fs::create_symlink(disk + "/metrics.jsonl", dump + "/metrics.jsonl");
+  pid_t pid = spawn(train_cmd(dump, 60, "--metrics.max_lost_lines=1000 --lr_scheduler.decay=constant"), dump + "/log");
+  ASSERT_TRUE(wait_for(
+      [&] { return fs::exists(dump + "/log") && file_text(dump + "/log").find("could not be written") != std::string::npos; },
+      60))
+      << file_text(dump + "/log");
+  fs::remove(disk + "/filler");
+  EXPECT_EQ(wait_exit(pid), 0) << file_text(dump + "/log");
+  const std::string log = file_text(dump + "/log");
+  std::vector<int64_t> steps;
+  std::istringstream in(file_text(disk + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << "a torn line: " << line;
+    steps.push_back(j["step"].get<int64_t>());
+  }
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.back(), 60) << "the lines after the disk had room again";
+  const int64_t lost = 60 - static_cast<int64_t>(steps.size());
+  EXPECT_GE(lost, 1);
+  EXPECT_NE(log.find("warning: " + std::to_string(lost) + " metrics line(s) or event(s) could not be written"),
+            std::string::npos)
+      << log;
+}
+
 nlohmann::json json_file(const std::string& path) { return nlohmann::json::parse(file_text(path)); }
 
 // tokenize keeps its tokenizer beside the corpus; a run on the corpus carries it into its

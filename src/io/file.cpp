@@ -136,6 +136,54 @@ FileLock::~FileLock() {
   ::close(fd_);
 }
 
+AppendFile::AppendFile(const std::string& path, bool truncate) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (truncate ? O_TRUNC : 0), 0644);
+  MT_CHECK(fd_ >= 0) << "cannot open " << path << " for writing: " << std::strerror(errno);
+  const off_t end = ::lseek(fd_, 0, SEEK_END);
+  MT_CHECK(end >= 0) << "cannot seek in " << path << ": " << std::strerror(errno);
+  size_ = end;
+}
+
+AppendFile& AppendFile::operator=(AppendFile&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(o.path_);
+    fd_ = std::exchange(o.fd_, -1);
+    size_ = o.size_;
+    torn_ = o.torn_;
+  }
+  return *this;
+}
+
+AppendFile::~AppendFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string AppendFile::append(std::string_view record) {
+  if (fd_ < 0) return "not open";
+  // At the end of the whole records: a record cut off before is written over.
+  const char* p = record.data();
+  size_t left = record.size();
+  int64_t at = size_;
+  while (left > 0) {
+    const ssize_t n = ::pwrite(fd_, p, left, at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "no bytes written";
+      // The part written is cut off again; where that fails too, the next record that
+      // is written whole cuts it (it starts where this one did).
+      torn_ = ::ftruncate(fd_, size_) != 0;
+      return why;
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+    at += n;
+  }
+  size_ = at;
+  if (torn_) torn_ = ::ftruncate(fd_, size_) != 0;
+  return "";
+}
+
 FileSum write_file_atomic(const std::string& path, const std::vector<std::string_view>& pieces) {
   std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);

@@ -62,6 +62,32 @@ class FileLock {
   int fd_ = -1;
 };
 
+// A file grown by whole records (a metrics line, a TensorBoard event), each write
+// checked: append() writes a record in full or, on any failure (a full disk, a quota),
+// cuts the file back to its earlier records and returns why (errno's text), so the file
+// never holds a torn record and the next append tries again. Movable; closed when
+// destroyed.
+class AppendFile {
+ public:
+  AppendFile() = default;
+  // Opens `path` (created; emptied when `truncate`); an error naming it when it cannot.
+  AppendFile(const std::string& path, bool truncate);
+  AppendFile(AppendFile&& o) noexcept
+      : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)), size_(o.size_), torn_(o.torn_) {}
+  AppendFile& operator=(AppendFile&& o) noexcept;
+  ~AppendFile();
+  // "" once the record is the file's; otherwise why not.
+  std::string append(std::string_view record);
+  const std::string& path() const { return path_; }
+  bool is_open() const { return fd_ >= 0; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t size_ = 0;    // the bytes of whole records
+  bool torn_ = false;  // a failed record's bytes may follow them
+};
+
 // Writes the pieces to path.tmp, fsyncs it, renames it over path and fsyncs the
 // folder: after a crash either the old file or the complete new one is there. Returns
 // the FileSum of the bytes written, hashed on the way (no second read).

@@ -150,6 +150,10 @@ void visit(C& c, F&& f) {
   f({"metrics", "profile", 0, "time each stage (a breakdown in metrics.jsonl; moetrain plan --profile)"},
     c.metrics.profile);
   f({"metrics", "tensorboard", 0, "also write TensorBoard event files to job.dump_folder/tb"}, c.metrics.tensorboard);
+  f({"metrics", "max_lost_lines", 0,
+     "metrics.jsonl lines and TensorBoard events that may fail to be written (a full disk); past it the run "
+     "saves at its next checkpoint and exits 1"},
+    c.metrics.max_lost_lines);
 }
 
 // A parallel degree no machine reaches, so that products of degrees fit an int.
@@ -358,6 +362,8 @@ void validate(const Config& c) {
                        : "validation.interval = " + std::to_string(v.interval) +
                              " but no validation set: set validation.tokens, validation.corpus or validation.split");
   MT_CHECK(c.metrics.log_interval >= 1) << "metrics.log_interval should be >= 1";
+  MT_CHECK(c.metrics.max_lost_lines >= 0)
+      << "metrics.max_lost_lines = " << c.metrics.max_lost_lines << ": expected >= 0 (0: none may be lost)";
   MT_CHECK(c.checkpoint.interval >= 0 && c.checkpoint.keep >= 1)
       << "checkpoint.interval should be >= 0 and checkpoint.keep >= 1";
 }

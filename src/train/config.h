@@ -132,6 +132,7 @@ struct MetricsConfig {
   int64_t log_interval = 1;
   bool profile = false;  // time each stage (a "breakdown" in metrics.jsonl)
   bool tensorboard = false;  // also write TensorBoard event files to DUMP_FOLDER/tb (train/tensorboard.h)
+  int64_t max_lost_lines = 0;  // metrics lines or events that could not be written before the run stops
 };
 
 struct Config {

@@ -473,7 +473,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
                                                                                                        : saved.origin;
   // The run folder is kept once everything above has accepted the run: a refused run
   // leaves none behind (RunFolder). A resumed run appends to what truncate_metrics kept.
-  std::ofstream metrics;
+  io::AppendFile metrics;
   run_folder.keep = true;
   if (writer) {
     // config.toml is the config a run started with; a resume from step N keeps its own
@@ -485,8 +485,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
     if (torn > 0)
       std::printf("note: %s/metrics.jsonl had %lld line(s) that are not JSON (a torn write of the interrupted run); "
                   "dropped\n", folder.c_str(), static_cast<long long>(torn));
-    metrics.open(folder + "/metrics.jsonl", resume.empty() ? std::ios::trunc : std::ios::app);
-    MT_CHECK(metrics.good()) << "cannot write " << folder << "/metrics.jsonl";
+    metrics = io::AppendFile(folder + "/metrics.jsonl", resume.empty());
   }
   mesh.world().barrier();
   std::unique_ptr<TensorBoardWriter> tb;
@@ -494,8 +493,22 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
     tb = std::make_unique<TensorBoardWriter>(folder + "/tb");
     // Earlier files of the folder may hold the steps about to run again (or a previous
     // run's): TensorBoard drops them from here on.
-    tb->restart(trainer.steps_done() + 1, static_cast<double>(std::time(nullptr)));
+    const std::string why = tb->restart(trainer.steps_done() + 1, static_cast<double>(std::time(nullptr)));
+    MT_CHECK(why.empty()) << "metrics.tensorboard: cannot write " << tb->path() << ": " << why;
   }
+  // Metrics that could not be written (a full disk): each a warning naming the file and
+  // the step, the next step tries again; past metrics.max_lost_lines the run saves at its
+  // next checkpoint and exits 1, so no weights are lost and no run ends silently short.
+  int64_t lost = 0;
+  auto note_lost = [&](const std::string& why, const std::string& path, int64_t step) {
+    if (why.empty()) return;
+    ++lost;
+    std::fprintf(stderr,
+                 "moetrain train: warning: %s: step %lld could not be written (%s); it is lost, the next step tries "
+                 "again (%lld lost, metrics.max_lost_lines = %lld)\n",
+                 path.c_str(), static_cast<long long>(step), why.c_str(), static_cast<long long>(lost),
+                 static_cast<long long>(cfg.metrics.max_lost_lines));
+  };
   Progress progress(trainer.steps_done(), cfg.training.steps, cfg.metrics.log_interval, isatty(STDOUT_FILENO) == 1,
                     started);
   std::string last_checkpoint;
@@ -534,6 +547,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   }
   double lr = 0;
   int64_t skipped = 0;  // steps not applied (non-finite), this run
+  bool metrics_lost = false;  // past metrics.max_lost_lines, on every rank
   while (trainer.steps_done() < cfg.training.steps) {
     StepResult r = trainer.step();
     lr = r.lr;
@@ -544,9 +558,8 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
       r.val_loss = v.loss;
     }
     if (writer) {
-      metrics << step_json(r) << "\n";
-      metrics.flush();
-      if (tb) tb->scalars(r.step, r.time, step_scalars(r));
+      note_lost(metrics.append(step_json(r) + "\n"), metrics.path(), r.step);
+      if (tb) note_lost(tb->scalars(r.step, r.time, step_scalars(r)), tb->path(), r.step);
       progress.step(r);
       if (r.val_on)
         progress.say("validation after step " + std::to_string(r.step) + ": val_loss " + std::to_string(v.loss) +
@@ -566,11 +579,14 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
       if (writer) progress.say("warning: " + what + " (" + std::to_string(skipped) + " of training.max_skipped_steps = " +
                                std::to_string(cfg.training.max_skipped_steps) + ")");
     }
-    // A signal reaches one rank or all; every rank stops at the same step.
-    std::vector<int64_t> signalled = {g_first_signal.load() != 0 ? 1 : 0};
-    mesh.world().all_reduce(Tensor(signalled.data(), {1}, DType::i64));
+    // A signal reaches one rank or all, lost metrics rank 0 alone; every rank stops at
+    // the same step.
+    std::vector<int64_t> signalled = {g_first_signal.load() != 0 ? 1 : 0, lost > cfg.metrics.max_lost_lines ? 1 : 0};
+    mesh.world().all_reduce(Tensor(signalled.data(), {2}, DType::i64));
     bool stop = signalled[0] > 0;
+    metrics_lost = signalled[1] > 0;
     if ((cfg.checkpoint.interval > 0 && r.step % cfg.checkpoint.interval == 0) || stop) save(lr);
+    if (metrics_lost && saved_step == r.step && !stop) break;
     if (stop) {
       if (writer) {
         progress.say("stopped by a signal after step " + std::to_string(r.step) + " (exit status " +
@@ -582,9 +598,21 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
     }
   }
   // The end of a run is kept unless told not to (step 0 too: an export of the initial weights).
-  if (cfg.checkpoint.save_final) save(lr);
-  if (writer) progress.finish(last_checkpoint, "checkpoint.save_final = false and no step a multiple of checkpoint.interval");
-  return 0;
+  if (cfg.checkpoint.save_final || metrics_lost) save(lr);
+  if (writer) {
+    progress.finish(last_checkpoint, "checkpoint.save_final = false and no step a multiple of checkpoint.interval");
+    if (lost > 0)
+      std::fprintf(stderr, "moetrain train: %s: %lld metrics line(s) or event(s) could not be written (warnings above)\n",
+                   metrics_lost ? "error" : "warning", static_cast<long long>(lost));
+    if (metrics_lost)
+      std::fprintf(stderr, "moetrain train: error: stopped after step %lld, saved as %s, since more than "
+                   "metrics.max_lost_lines = %lld could not be written: free space where %s is, then resume by running "
+                   "the same command again (or raise metrics.max_lost_lines)\n",
+                   static_cast<long long>(trainer.steps_done()), last_checkpoint.c_str(),
+                   static_cast<long long>(cfg.metrics.max_lost_lines), folder.c_str());
+  }
+  mesh.world().barrier();
+  return metrics_lost ? 1 : 0;
 }
 
 }  // namespace mt

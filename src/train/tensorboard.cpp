@@ -73,25 +73,24 @@ TensorBoardWriter::TensorBoardWriter(const std::string& folder) {
   path_ = folder + "/events.out.tfevents." + std::to_string(static_cast<int64_t>(now)) + "." + host;
   const std::string base = path_;
   for (int i = 1; std::filesystem::exists(path_); ++i) path_ = base + "." + std::to_string(i);
-  out_.open(path_, std::ios::binary);
-  MT_CHECK(out_.good()) << "metrics.tensorboard: cannot write " << path_;
+  out_ = io::AppendFile(path_, true);
   std::string first = event(0, now);
   bytes(first, 3, "brain.Event:2");
-  record(first);
+  const std::string why = record(first);
+  MT_CHECK(why.empty()) << "metrics.tensorboard: cannot write " << path_ << ": " << why;
 }
 
-void TensorBoardWriter::record(const std::string& data) {
+std::string TensorBoardWriter::record(const std::string& data) {
   const uint64_t n = data.size();
   const uint32_t crc_n = tfrecord_masked_crc(&n, 8), crc_data = tfrecord_masked_crc(data.data(), data.size());
-  out_.write(reinterpret_cast<const char*>(&n), 8);
-  out_.write(reinterpret_cast<const char*>(&crc_n), 4);
-  out_ << data;
-  out_.write(reinterpret_cast<const char*>(&crc_data), 4);
-  out_.flush();
-  MT_CHECK(out_.good()) << "metrics.tensorboard: cannot write " << path_;
+  std::string frame(reinterpret_cast<const char*>(&n), 8);
+  frame.append(reinterpret_cast<const char*>(&crc_n), 4);
+  frame += data;
+  frame.append(reinterpret_cast<const char*>(&crc_data), 4);
+  return out_.append(frame);
 }
 
-void TensorBoardWriter::scalars(int64_t step, double wall_time,
+std::string TensorBoardWriter::scalars(int64_t step, double wall_time,
                                 const std::vector<std::pair<std::string, float>>& values) {
   std::string summary;
   for (const auto& [tag, v] : values) {
@@ -102,15 +101,15 @@ void TensorBoardWriter::scalars(int64_t step, double wall_time,
   }
   std::string e = event(step, wall_time);
   bytes(e, 5, summary);
-  record(e);
+  return record(e);
 }
 
-void TensorBoardWriter::restart(int64_t step, double wall_time) {
+std::string TensorBoardWriter::restart(int64_t step, double wall_time) {
   std::string e = event(step, wall_time), start;
   key(start, 1, 0);
   varint(start, 1);  // SessionLog.START
   bytes(e, 7, start);
-  record(e);
+  return record(e);
 }
 
 std::vector<std::pair<std::string, float>> step_scalars(const StepResult& r) {

@@ -10,11 +10,11 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "io/file.h"
 #include "train/trainer.h"
 
 namespace mt {
@@ -25,15 +25,16 @@ class TensorBoardWriter {
   // .1, .2, ... when that name is taken, so that files sort in the order written).
   explicit TensorBoardWriter(const std::string& folder);
   const std::string& path() const { return path_; }
-  // Scalars of one step, flushed at once so a live TensorBoard sees them.
-  void scalars(int64_t step, double wall_time, const std::vector<std::pair<std::string, float>>& values);
+  // Scalars of one step, written at once so a live TensorBoard sees them. Each returns ""
+  // or why the event could not be written (io::AppendFile: the file keeps whole events).
+  std::string scalars(int64_t step, double wall_time, const std::vector<std::pair<std::string, float>>& values);
   // A restart from a checkpoint: the steps from `step` on are written again.
-  void restart(int64_t step, double wall_time);
+  std::string restart(int64_t step, double wall_time);
 
  private:
-  void record(const std::string& event);
+  std::string record(const std::string& event);
   std::string path_;
-  std::ofstream out_;
+  io::AppendFile out_;
 };
 
 // What a step contributes: loss, lb_loss, grad_norm, lr, tokens_per_s, memory_bytes
