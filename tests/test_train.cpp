@@ -4,15 +4,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <map>
 #include <sstream>
 #include <set>
+#include <thread>
 #include <tuple>
 
 #include "io/file.h"
@@ -214,7 +217,7 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 63);
+  EXPECT_EQ(keys, 64);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
   EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
             std::string::npos)
@@ -2153,6 +2156,86 @@ TEST(Commands, CorpusFedMeshMatchesOneRank) {
     }
   // Three steps of different batches: the losses are not all the same number.
   EXPECT_NE(runs[0][0]["loss"], runs[0][2]["loss"]);
+}
+
+// What a run reads is fixed on resume by content, not only by path: a .bin added to the
+// corpus folder, or the model's config.json edited in place, refuses the resume, naming
+// the file and its size and checksum before and after; allow_config_change goes on.
+TEST(Commands, InputsChangedSinceTheCheckpointRefuseTheResume) {
+  const std::string dir = temp_dir("inputs_fixed");
+  std::filesystem::create_directories(dir + "/corpus");
+  std::filesystem::copy(fixture("qwen3_moe_a"), dir + "/model");
+  std::vector<uint16_t> tokens(40 * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
+  write_bin(dir + "/corpus/part.bin", tokens, {tokens.size()});
+  auto train = [&](int steps, const std::string& extra) {
+    return run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + dir + "/model --data.corpus=" + dir +
+               "/corpus --data.seq_len=16 --training.global_batch_size=2 --training.steps=" + std::to_string(steps) +
+               " --job.dump_folder=" + dir + "/run " + extra);
+  };
+  auto [rc, out] = train(2, "");
+  ASSERT_EQ(rc, 0) << out;
+  write_bin(dir + "/corpus/more.bin", tokens, {tokens.size()});
+  std::tie(rc, out) = train(3, "");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("data.corpus: more.bin (no such file -> 1624 bytes, checksum "), std::string::npos) << out;
+  EXPECT_NE(out.find("changed since " + dir + "/run/checkpoints/step-00000002 was saved"), std::string::npos) << out;
+  std::filesystem::remove(dir + "/corpus/more.bin");
+  // top-k 2 -> 3 in the model's own config.json.
+  std::vector<uint8_t> bytes = io::read_file(dir + "/model/config.json");
+  std::string config(bytes.begin(), bytes.end());
+  const std::string k2 = "\"num_experts_per_tok\": 2";
+  const size_t at = config.find(k2);
+  ASSERT_NE(at, std::string::npos) << config;
+  config.replace(at, k2.size(), "\"num_experts_per_tok\": 3");
+  std::ofstream(dir + "/model/config.json") << config;
+  std::tie(rc, out) = train(3, "");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("model.init: config.json ("), std::string::npos) << out;
+  std::tie(rc, out) = train(3, "--checkpoint.allow_config_change=true");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("  model.init: config.json: "), std::string::npos) << out;
+}
+
+// A corpus file cut short while a run reads it (a data script rewriting a .bin in place)
+// stops the run with an error naming the file and what it holds now; it was SIGBUS (exit
+// 135, nothing on stderr) while the tokens were read through a map.
+TEST(Commands, ACorpusFileCutShortUnderARunIsNamed) {
+  const std::string dir = temp_dir("corpus_cut");
+  std::filesystem::create_directories(dir + "/corpus");
+  std::vector<uint16_t> tokens(400 * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
+  write_bin(dir + "/corpus/part.bin", tokens, {tokens.size()});
+  const std::string log = dir + "/log";
+  FILE* p = popen((std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                   " --data.corpus=" + dir + "/corpus --data.seq_len=16 --training.global_batch_size=2" +
+                   " --training.steps=100000 --checkpoint.save_final=false --job.dump_folder=" + dir + "/run > " +
+                   log + " 2>&1; echo $?")
+                      .c_str(),
+                  "r");
+  ASSERT_NE(p, nullptr);
+  // Once a few steps ran, the file is cut to its first 300 bytes (the header and a few tokens).
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < until) {
+    std::ifstream m(dir + "/run/metrics.jsonl");
+    std::string line;
+    int lines = 0;
+    while (std::getline(m, line)) ++lines;
+    if (lines >= 3) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::filesystem::resize_file(dir + "/corpus/part.bin", 300);
+  char status[16] = {};
+  ASSERT_NE(std::fgets(status, sizeof status, p), nullptr);
+  pclose(p);
+  std::ifstream in(log);
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(std::string(status), "1\n") << out;
+  EXPECT_NE(out.find(dir + "/corpus/part.bin: cannot read 34 bytes at offset "), std::string::npos) << out;
+  EXPECT_NE(out.find("the file ends first: it holds 300 bytes now); it was cut short or rewritten while the run read "
+                     "it"),
+            std::string::npos)
+      << out;
 }
 
 // data.mixture: corpora a and b, weighted 1:3, in a config file's array form (paths taken

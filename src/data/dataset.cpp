@@ -72,14 +72,16 @@ void Dataset::add_corpus(const std::string& folder, Split split) {
     std::string path = p.string();
     MT_CHECK(!fs::exists(path + ".lock"))
         << path << " is unfinished (" << path << ".lock is there); rerun moetrain tokenize to complete it";
-    File& g = files_.emplace_back(File{io::MappedFile(path, "token file")});
-    const uint8_t* base = g.map.bytes().data();
-    size_t size = g.map.bytes().size();
+    // The headers and document ends are read through a map once; the tokens as the run goes.
+    const io::MappedFile map(path, "token file");
+    File& g = files_.emplace_back(File{io::PositionalFile(path, "token file")});
+    const uint8_t* base = map.bytes().data();
+    size_t size = map.bytes().size();
     io::NpyHeader h = io::parse_npy_header(base, size, path + ", tokens array");
     MT_CHECK(h.shape.size() == 1 && (h.descr == "|u1" || h.descr == "<u2" || h.descr == "<u4"))
         << path << ": tokens array has dtype '" << h.descr << "' and " << h.shape.size()
         << " dimensions (expected a 1-D uint8, uint16 or uint32 array)";
-    g.tokens = base + h.header_bytes;
+    g.tokens = static_cast<int64_t>(h.header_bytes);
     g.width = h.item_bytes;
     g.count = h.shape[0];
     size_t off = h.header_bytes + h.data_bytes();
@@ -180,10 +182,12 @@ void Dataset::read_sample(int64_t index, int64_t begin, int64_t end, int32_t* ou
   size_t f = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), index) - starts_.begin() - 1);
   const File& file = files_[f];
   int64_t first = (index - starts_[f]) * (seq_len_ + 1) + begin;
-  const uint8_t* p = file.tokens + first * static_cast<int64_t>(file.width);
-  for (int64_t i = 0; i < end - begin; ++i) {
+  const int64_t n = end - begin, w = static_cast<int64_t>(file.width);
+  std::vector<uint8_t> bytes(static_cast<size_t>(n * w));
+  file.file.read(file.tokens + first * w, bytes.size(), bytes.data());
+  for (int64_t i = 0; i < n; ++i) {
     uint32_t v = 0;
-    std::memcpy(&v, p + i * static_cast<int64_t>(file.width), file.width);
+    std::memcpy(&v, bytes.data() + i * w, file.width);
     out[i] = static_cast<int32_t>(v);
   }
 }

@@ -1,5 +1,7 @@
 // Training samples from a folder of token files (the .bin files `moetrain tokenize`
-// writes, see corpus.h), memory-mapped and read in place.
+// writes, see corpus.h): their headers and document ends mapped once at start, their
+// tokens read with pread as the run goes (io::PositionalFile), so a file cut short under
+// a run stops it with an error naming the file rather than SIGBUS.
 //
 // Samples: each file is cut into non-overlapping windows of seq_len + 1 tokens
 // (documents are packed, so a window may span several; a file's tail shorter than a
@@ -109,8 +111,8 @@ class Dataset {
 
  private:
   struct File {
-    io::MappedFile map;
-    const uint8_t* tokens = nullptr;  // the first token of the part read (Split)
+    io::PositionalFile file;  // read with pread: a file cut short under the run is an error, not SIGBUS
+    int64_t tokens = 0;  // the byte offset of the first token of the part read (Split)
     size_t width = 0;  // bytes per token: 1, 2 or 4
     int64_t count = 0;  // tokens of that part
   };

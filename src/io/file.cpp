@@ -78,6 +78,39 @@ MappedFile::MappedFile(const std::string& path, std::string_view what) {
 
 void MappedFile::Unmap::operator()(const uint8_t* p) const { ::munmap(const_cast<uint8_t*>(p), size); }
 
+PositionalFile::PositionalFile(const std::string& path, std::string_view what) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MT_CHECK(fd_ >= 0) << "cannot open " << what << " " << path << ": " << std::strerror(errno);
+  try {
+    check_regular(fd_, path);
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+PositionalFile::~PositionalFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void PositionalFile::read(int64_t offset, size_t n, void* dst) const {
+  char* p = static_cast<char*>(dst);
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd_, p + done, n - done, offset + static_cast<int64_t>(done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      struct stat st {};
+      const std::string now = ::fstat(fd_, &st) == 0 ? std::to_string(st.st_size) + " bytes" : "unknown size";
+      MT_FAIL() << path_ << ": cannot read " << n << " bytes at offset " << offset << " ("
+                << (got < 0 ? std::string(std::strerror(errno)) : "the file ends first: it holds " + now + " now")
+                << "); it was cut short or rewritten while the run read it. A file a run reads must stay as it was: "
+                << "write a changed corpus to a new folder";
+    }
+    done += static_cast<size_t>(got);
+  }
+}
+
 FileSum file_sum(const std::string& path) {
   MappedFile f(path, "file");
   return {f.bytes().size(), XXH3_64bits(f.bytes().data(), f.bytes().size())};

@@ -30,6 +30,25 @@ class MappedFile {
   std::unique_ptr<const uint8_t, Unmap> map_;
 };
 
+// A regular file read at offsets (pread) while a run goes on: a file cut short or
+// replaced under the reader reads short, which read() reports as an error naming the
+// file, the offset and its size now, where a map of it would end the process with
+// SIGBUS and no word. Movable; closed when destroyed.
+class PositionalFile {
+ public:
+  PositionalFile(const std::string& path, std::string_view what);
+  PositionalFile(PositionalFile&& o) noexcept : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)) {}
+  PositionalFile& operator=(PositionalFile&&) = delete;
+  ~PositionalFile();
+  // Bytes [offset, offset + n) into dst.
+  void read(int64_t offset, size_t n, void* dst) const;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
 // A file's size and XXH3-64 checksum: what a checkpoint records of each of its files.
 struct FileSum {
   uint64_t bytes = 0, xxh3 = 0;

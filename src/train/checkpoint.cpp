@@ -233,6 +233,7 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   state["expert_bias"] = nlohmann::json::parse(st.expert_bias);
   state["config"] = st.config_toml;
   if (!st.origin.empty()) state["origin"] = st.origin;
+  state["inputs"] = nlohmann::json::parse(st.inputs);
   record("train_state.json", io::write_file_atomic((tmp / "train_state.json").string(), {state.dump(2)}));
   auto copy_in = [&](const fs::path& from, const std::string& name) {
     std::vector<uint8_t> b = io::read_file(from.string());
@@ -478,6 +479,7 @@ TrainState read_train_state(const std::string& dir) {
   st.expert_bias = j.contains("expert_bias") ? j["expert_bias"].dump() : "null";
   st.config_toml = j.value("config", std::string());
   st.origin = j.value("origin", std::string());
+  st.inputs = j.contains("inputs") ? j["inputs"].dump() : "null";
   // The folder's name says the step too (a step edited to 999 was trusted, and rotation
   // then deleted good checkpoints).
   fs::path folder = fs::path(dir).lexically_normal();
@@ -569,14 +571,31 @@ std::string tokenizer_dir(const Config& c, const std::string& config_json) {
 // A resume from checkpoint `dir`, saved with `saved` (TOML): a change of a key that an
 // exact resume needs unchanged is refused unless checkpoint.allow_config_change; `print`
 // prints every changed key.
-void compare_with_checkpoint(const Config& cfg, const std::string& dir, const std::string& saved, bool print) {
-  const std::vector<ConfigChange> changes = config_changes(saved, cfg);
+void compare_with_checkpoint(const Config& cfg, const std::string& dir, const TrainState& saved, bool print) {
+  std::vector<ConfigChange> changes = config_changes(saved.config_toml, cfg);
+  // The files it reads, by content: a model config.json edited in place, a corpus file
+  // added, rewritten or removed changes the run as a changed key would.
+  const nlohmann::json was = nlohmann::json::parse(saved.inputs, nullptr, false);
+  if (was.is_object()) {
+    const std::map<std::string, std::string> now = input_identity(cfg, true);
+    // The validation set changes what val_loss means, not the training: named, not refused.
+    auto breaks = [](const std::string& file) { return !file.starts_with("validation."); };
+    for (const auto& [file, what] : was.items()) {
+      const auto it = now.find(file);
+      const std::string before = what.is_string() ? what.get<std::string>() : what.dump();
+      if (it == now.end()) changes.push_back({file, before, "no such file", breaks(file)});
+      else if (it->second != before) changes.push_back({file, before, it->second, breaks(file)});
+    }
+    for (const auto& [file, what] : now)
+      if (!was.contains(file)) changes.push_back({file, "no such file", what, breaks(file)});
+  }
   std::string fixed;
   for (const ConfigChange& c : changes)
     if (c.breaks_resume) fixed += (fixed.empty() ? "" : ", ") + c.key + " (" + c.before + " -> " + c.after + ")";
   MT_CHECK(fixed.empty() || cfg.checkpoint.allow_config_change)
-      << fixed << " changed since " << dir << " was saved, and an exact resume needs them unchanged: set them back, "
-      << "start a new run (another job.dump_folder), or resume anyway with --checkpoint.allow_config_change=true";
+      << fixed << " changed since " << dir << " was saved, and an exact resume needs them unchanged: set them back "
+      << "(restore the files), start a new run (another job.dump_folder), or resume anyway with "
+      << "--checkpoint.allow_config_change=true";
   if (!print || changes.empty()) return;
   std::printf("config changed since %s:\n", dir.c_str());
   for (const ConfigChange& c : changes) std::printf("  %s: %s -> %s\n", c.key.c_str(), c.before.c_str(), c.after.c_str());
@@ -674,7 +693,7 @@ std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vect
   for (const std::string& dir : tries) {
     try {
       saved = read_train_state(dir);
-      if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, dir, saved.config_toml, false);
+      if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, dir, saved, false);
       load_checkpoint(dir, model, &trainer.optimizer(), &world);
       resume = dir;
       break;
@@ -686,7 +705,7 @@ std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vect
   MT_CHECK(!resume.empty()) << "no checkpoint in " << cfg.job.dump_folder << "/checkpoints verifies (each is named "
                             << "above): restore the damaged files from a copy, or start afresh in another "
                             << "job.dump_folder";
-  if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, resume, saved.config_toml, print);
+  if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, resume, saved, print);
   trainer.commit_state();
   trainer.set_steps_done(saved.step);
   trainer.set_data_cursor(saved.data_cursor);

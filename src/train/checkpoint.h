@@ -58,6 +58,8 @@ struct TrainState {
   // The checkpoint.load this run's line of checkpoints started from (its absolute path),
   // carried by every later save; "" for a run that started afresh.
   std::string origin;
+  // JSON: the files the run reads again on resume (input_identity), compared at resume.
+  std::string inputs = "null";
 };
 
 // Saves step `st.step` under `checkpoints_dir` and keeps the newest `keep` complete

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <sstream>
 #include <utility>
@@ -462,7 +463,8 @@ std::string mixture_from_toml(const toml::array& parts, const std::string& where
     const std::string folder = *(*t)["corpus"].value<std::string>();
     MT_CHECK(folder.find(',') == std::string::npos) << where << ": the folder " << folder << " has a comma, which "
                                                     << "the mixture's text form cannot hold; rename it";
-    out += (out.empty() ? "" : ",") + weight_text(*(*t)["weight"].value<double>()) + ":" + folder;
+    if (!out.empty()) out.append(",");
+    out.append(weight_text(*(*t)["weight"].value<double>())).append(":").append(folder);
   }
   return out;
 }
@@ -631,6 +633,36 @@ std::vector<InputPath> input_paths(const Config& c) {
           return p;
         });
   });
+  return out;
+}
+
+std::map<std::string, std::string> input_identity(const Config& c, bool resume) {
+  std::map<std::string, std::string> out;
+  auto add = [&](const std::string& key, const fs::path& file, const fs::path& under) {
+    const io::FileSum f = io::file_fingerprint(file.string());
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(f.xxh3));
+    std::string name = key;
+    name.append(": ").append(file.lexically_relative(under).string());
+    std::string what = std::to_string(f.bytes);
+    what.append(" bytes, checksum ").append(hex);
+    out[name] = what;
+  };
+  for (const InputPath& in : input_paths(c)) {
+    const bool model = in.key == "model.init" || in.key == "model.config";
+    if (resume && !in.key.starts_with("data.") && !in.key.starts_with("validation.") && !model) continue;
+    if (!fs::is_directory(in.path)) {
+      add(in.key, in.path, fs::path(in.path).parent_path());
+      continue;
+    }
+    if (resume && model) {
+      for (const char* name : {"config.json", "tokenizer.json"})
+        if (fs::exists(fs::path(in.path) / name)) add(in.key, fs::path(in.path) / name, in.path);
+      continue;
+    }
+    for (const fs::directory_entry& e : fs::recursive_directory_iterator(in.path))
+      if (e.is_regular_file()) add(in.key, e.path(), in.path);
+  }
   return out;
 }
 

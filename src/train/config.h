@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -183,6 +184,13 @@ struct InputPath {
   std::string key, value, path;  // "model.init", "hf:/m", "/m"
 };
 std::vector<InputPath> input_paths(const Config& c);
+// The files a run reads, one entry a file ("data.corpus: a.bin", relative to its key's
+// folder) with io::file_fingerprint's size and checksum: each input key's files, a
+// folder's regular files walked in name order. Ranks compare it with rank 0's. With
+// `resume`, only what a resumed run reads again, as a checkpoint records it: the data
+// and validation files, and the model's config.json and tokenizer.json (not
+// checkpoint.load, nor an hf: model's weights).
+std::map<std::string, std::string> input_identity(const Config& c, bool resume);
 
 // Every input path that is set (model.init's hf:DIR, model.config, data.tokens,
 // data.corpus, validation.tokens and corpus, checkpoint.load) exists; else an error naming the key and the path.

@@ -166,27 +166,6 @@ void refuse_short_host(size_t host, size_t others, int sharing, size_t free) {
             << "offload.experts=none where the device holds them. moetrain plan with the same flags prints each figure";
 }
 
-// The data this rank would read, one line a file: each input key's files (a folder's
-// regular files, walked in name order) with io::file_fingerprint's size and checksum.
-std::map<std::string, std::string> data_identity(const Config& cfg) {
-  std::map<std::string, std::string> out;
-  auto add = [&](const std::string& key, const fs::path& file, const fs::path& under) {
-    const io::FileSum f = io::file_fingerprint(file.string());
-    char hex[17];
-    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(f.xxh3));
-    out[key + ": " + file.lexically_relative(under).string()] = std::to_string(f.bytes) + " bytes, checksum " + hex;
-  };
-  for (const InputPath& in : input_paths(cfg)) {
-    if (!fs::is_directory(in.path)) {
-      add(in.key, in.path, fs::path(in.path).parent_path());
-      continue;
-    }
-    for (const fs::directory_entry& e : fs::recursive_directory_iterator(in.path))
-      if (e.is_regular_file()) add(in.key, e.path(), in.path);
-  }
-  return out;
-}
-
 std::string identity_text(const std::map<std::string, std::string>& files) {
   std::string t;
   for (const auto& [name, what] : files) t += name + "\t" + what + "\n";
@@ -204,7 +183,7 @@ void agree_with_rank0(comm::Communicator& world, const Config& cfg) {
   for (const ConfigChange& c : config_changes(zero, cfg))
     differs += (differs.empty() ? "" : ", ") + c.key + " (rank 0: " + c.before + ", here: " + c.after + ")";
   // Every rank takes part in the broadcast, also one whose config differs already.
-  const std::map<std::string, std::string> here = data_identity(cfg);
+  const std::map<std::string, std::string> here = input_identity(cfg, false);
   std::map<std::string, std::string> theirs;
   std::istringstream lines(comm::broadcast_text(world, identity_text(here), 0));
   for (std::string line; std::getline(lines, line);)
@@ -468,6 +447,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   TrainState state;
   state.seed = cfg.training.seed;
   state.config_toml = config_to_toml(cfg);
+  state.inputs = nlohmann::json(input_identity(cfg, true)).dump();
   // The line of checkpoints this run continues: checkpoint.load's when it started from it.
   state.origin = resume.empty() ? "" : !cfg.checkpoint.load.empty() && resume == cfg.checkpoint.load ? start.origin
                                                                                                        : saved.origin;
