@@ -2197,6 +2197,37 @@ TEST(Commands, InputsChangedSinceTheCheckpointRefuseTheResume) {
   EXPECT_NE(out.find("  model.init: config.json: "), std::string::npos) << out;
 }
 
+// One tokenizer a run: corpora whose tokenizer.json differ (in a mixture, or as the
+// validation corpus) are refused, naming both files; the same file content passes.
+TEST(Commands, CorporaOfTwoTokenizersAreRefused) {
+  const std::string dir = temp_dir("two_tokenizers");
+  std::vector<uint16_t> tokens(40 * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
+  for (const char* c : {"a", "b", "c"}) {
+    std::filesystem::create_directories(dir + "/" + c);
+    write_bin(dir + "/" + c + "/part.bin", tokens, {tokens.size()});
+  }
+  const std::string tk = std::string(MOETRAIN_FIXTURES) + "/tokenizers/";
+  std::filesystem::copy_file(tk + "gpt2_style.json", dir + "/a/tokenizer.json");
+  std::filesystem::copy_file(tk + "qwen_kjv_string_merges.json", dir + "/b/tokenizer.json");
+  std::filesystem::copy_file(tk + "gpt2_style.json", dir + "/c/tokenizer.json");
+  auto train = [&](const std::string& data) {
+    return run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") + " " + data +
+               " --data.seq_len=16 --training.global_batch_size=2 --training.steps=1 --job.dump_folder=" + dir +
+               "/run_" + std::to_string(data.size()));
+  };
+  auto [rc, out] = train("--data.mixture=1:" + dir + "/a,1:" + dir + "/b");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("two tokenizers in one run: data.mixture's " + dir + "/a/tokenizer.json"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("and data.mixture's " + dir + "/b/tokenizer.json"), std::string::npos) << out;
+  std::tie(rc, out) = train("--data.corpus=" + dir + "/a --validation.corpus=" + dir + "/b --validation.interval=1");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("and validation.corpus's " + dir + "/b/tokenizer.json"), std::string::npos) << out;
+  std::tie(rc, out) = train("--data.mixture=1:" + dir + "/a,1:" + dir + "/c");
+  EXPECT_EQ(rc, 0) << out;
+}
+
 // A corpus file cut short while a run reads it (a data script rewriting a .bin in place)
 // stops the run with an error naming the file and what it holds now; it was SIGBUS (exit
 // 135, nothing on stderr) while the tokens were read through a map.

@@ -172,6 +172,31 @@ std::string identity_text(const std::map<std::string, std::string>& files) {
   return t;
 }
 
+// One tokenizer a run: the tokenizer.json beside each corpus (data.corpus, each of
+// data.mixture, validation.corpus) and in an hf: model's folder must be the same file
+// by content; token ids of another tokenizer train silently wrong. Folders without one
+// (corpora tokenized before tokenize kept it) are not compared.
+void check_one_tokenizer(const Config& cfg) {
+  std::vector<std::pair<std::string, std::string>> found;  // (key, tokenizer.json)
+  auto look = [&](const std::string& key, const std::string& folder) {
+    const fs::path t = fs::path(folder) / "tokenizer.json";
+    if (!folder.empty() && fs::is_regular_file(t)) found.emplace_back(key, t.string());
+  };
+  for (const MixturePart& part : data_corpora(cfg)) look(cfg.data.mixture.empty() ? "data.corpus" : "data.mixture", part.folder);
+  look("validation.corpus", cfg.validation.corpus);
+  if (cfg.model.init.starts_with("hf:")) look("model.init", cfg.model.init.substr(3));
+  if (found.size() < 2) return;
+  const io::FileSum first = io::file_sum(found[0].second);
+  for (size_t i = 1; i < found.size(); ++i) {
+    const io::FileSum other = io::file_sum(found[i].second);
+    MT_CHECK(other.bytes == first.bytes && other.xxh3 == first.xxh3)
+        << "two tokenizers in one run: " << found[0].first << "'s " << found[0].second << " (" << first.bytes
+        << " bytes) and " << found[i].first << "'s " << found[i].second << " (" << other.bytes << " bytes) differ; "
+        << "token ids mean different text under each, so the run would train silently wrong: tokenize every corpus "
+        << "with the model's tokenizer.json (moetrain tokenize --tokenizer)";
+  }
+}
+
 // Ranks agree or stop: every rank's resolved config must be rank 0's (ranks started with
 // different flags, say training.steps, hung in a collective), and so must the data that
 // config names (a node with a stale copy of the corpus at the same path trained on other
@@ -266,6 +291,7 @@ void install_signal_handlers() {
 
 int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   check_inputs_exist(cfg);
+  check_one_tokenizer(cfg);
   // DeepSeek-V2's config.json asks for its sequence-level balance loss (seq_aux, with
   // aux_loss_alpha): taken while the config leaves both balance keys at their defaults.
   std::string adopted;
