@@ -2919,6 +2919,9 @@ TEST(Commands, RefusedRunLeavesNoRunFolder) {
   const std::pair<std::string, std::string> refused[] = {
       {"--training.micro_batch_size=2", "training.micro_batch_size = 2 does not divide the global batch of 3"},
       {"--training.capacity_factor=-1", "training.capacity_factor = -1"},
+      {"--training.load_balance_coef=-0.01", "training.load_balance_coef = -0.01: expected >= 0"},
+      {"--optimizer.weight_decay=-0.1", "optimizer.weight_decay = -0.1: expected >= 0"},
+      {"--optimizer.eps=0", "optimizer.eps = 0: expected > 0"},
       {"--data.tokens=" + dir + "/none.npy", dir + "/none.npy does not exist"},
       {"--checkpoint.load=" + dir + "/none", dir + "/none does not exist"}};
   for (const auto& [flag, says] : refused) {

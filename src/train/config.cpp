@@ -285,6 +285,12 @@ void validate(const Config& c) {
       << "training.expert_bias_update_rate = " << c.training.expert_bias_update_rate << ": expected >= 0 (0: off)";
   MT_CHECK(c.training.router_z_loss_coef >= 0.0)
       << "training.router_z_loss_coef = " << c.training.router_z_loss_coef << ": expected >= 0 (0: off)";
+  MT_CHECK(c.training.load_balance_coef >= 0.0)
+      << "training.load_balance_coef = " << c.training.load_balance_coef << ": expected >= 0 (0: off); a negative "
+      << "weight would reward imbalance";
+  MT_CHECK(c.optimizer.weight_decay >= 0.0)
+      << "optimizer.weight_decay = " << c.optimizer.weight_decay << ": expected >= 0 (0: none)";
+  MT_CHECK(c.optimizer.eps > 0.0) << "optimizer.eps = " << c.optimizer.eps << ": expected > 0";
   MT_CHECK(c.training.capacity_factor >= 0.0) << "training.capacity_factor = " << c.training.capacity_factor
                                               << ": expected 0 (dropless) or a positive factor";
   MT_CHECK(c.model.init == "random" || c.model.init.starts_with("hf:"))
