@@ -1378,6 +1378,33 @@ TEST(CheckpointCommands, MetricsResumeOnceTheDiskHasRoomAgain) {
       << log;
 }
 
+// The messages of a few misuses: a Hugging Face folder given as checkpoint.load names
+// model.init; an interrupted save's folder is named as it is skipped; a fresh start over
+// an earlier run's metrics moves them aside instead of overwriting them.
+TEST(CheckpointCommands, MisusesAreNamed) {
+  const std::string dump = temp_dir("misuses");
+  auto [rc, out] = run(train_cmd(dump, 2, "--checkpoint.load=" + fixture("qwen3_moe_a")));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("checkpoint.load = " + fixture("qwen3_moe_a") + " is a Hugging Face model folder, not a moetrain "
+                     "checkpoint (no COMPLETE, no train_state.json): start from its weights with model.init=hf:"),
+            std::string::npos)
+      << out;
+  std::tie(rc, out) = run(train_cmd(dump, 2, "--checkpoint.save_final=false"));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string earlier = file_text(dump + "/metrics.jsonl");
+  fs::create_directories(dump + "/checkpoints/step-00000009");
+  std::tie(rc, out) = run(train_cmd(dump, 1, "--checkpoint.save_final=false"));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("note: skipping " + dump + "/checkpoints/step-00000009: no COMPLETE marker"), std::string::npos)
+      << out;
+  const size_t at = out.find("its metrics and configs are now in " + dump + "/earlier-run-");
+  ASSERT_NE(at, std::string::npos) << out;
+  const std::string aside = out.substr(at + 35, out.find('\n', at) - at - 35);
+  EXPECT_EQ(file_text(aside + "/metrics.jsonl"), earlier);
+  EXPECT_TRUE(fs::exists(aside + "/config.toml"));
+  EXPECT_EQ(metric_lines(dump).size(), 1u);
+}
+
 nlohmann::json json_file(const std::string& path) { return nlohmann::json::parse(file_text(path)); }
 
 // tokenize keeps its tokenizer beside the corpus; a run on the corpus carries it into its

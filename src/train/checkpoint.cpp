@@ -608,6 +608,16 @@ ResumeChoice choose_resume(const Config& cfg) {
   const fs::path folder(cfg.job.dump_folder), own_dir = folder / "checkpoints";
   const std::vector<std::string> own = complete_checkpoints(own_dir.string());
   const std::string& load = cfg.checkpoint.load;
+  MT_CHECK(load.empty() || complete(load) || fs::exists(fs::path(load) / "train_state.json") ||
+           !fs::exists(fs::path(load) / "config.json"))
+      << "checkpoint.load = " << load << " is a Hugging Face model folder, not a moetrain checkpoint (no COMPLETE, no "
+      << "train_state.json): start from its weights with model.init=hf:" << load;
+  // Step folders an interrupted save left (no COMPLETE) are named: a resume skips them.
+  std::error_code it_ec;
+  for (fs::directory_iterator it(own_dir, it_ec), end; !it_ec && it != end; it.increment(it_ec))
+    if ((step_of(it->path()) >= 0 || it->path().filename().string().ends_with(".tmp")) && !complete(it->path()))
+      c.incomplete.push_back(it->path().string());
+  std::sort(c.incomplete.begin(), c.incomplete.end());
   if (load.empty()) {
     c.tries = own;
     return c;

@@ -112,6 +112,7 @@ struct ResumeChoice {
   std::string note;
   std::string origin;                 // the origin the run's saves carry, when it starts from tries[0]
   std::vector<std::string> set_aside;  // a branch's later checkpoints, moved to branch_dir
+  std::vector<std::string> incomplete;  // step folders without COMPLETE (interrupted saves), skipped
   std::string branch_dir;
   int64_t branch_step = -1;
 };

@@ -468,6 +468,9 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
     else
       std::printf("  start: resumed from %s (step %lld)\n", resume.c_str(), static_cast<long long>(saved.step));
     if (!start.note.empty()) std::printf("  note: %s\n", start.note.c_str());
+    for (const std::string& dir : start.incomplete)
+      std::printf("  note: skipping %s: no COMPLETE marker (an interrupted save; removed once a later step is "
+                  "saved)\n", dir.c_str());
     std::fflush(stdout);
   }
   TrainState state;
@@ -482,6 +485,22 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   io::AppendFile metrics;
   run_folder.keep = true;
   if (writer) {
+    // A fresh start in a folder an earlier run wrote (without a checkpoint) moves that
+    // run's metrics and configs aside rather than overwriting them.
+    if (resume.empty() && fs::exists(folder + "/metrics.jsonl") && fs::file_size(folder + "/metrics.jsonl") > 0) {
+      char stamp[32];
+      const std::time_t now = std::time(nullptr);
+      std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::gmtime(&now));
+      const fs::path aside = fs::path(folder) / (std::string("earlier-run-") + stamp);
+      fs::create_directories(aside);
+      for (const fs::directory_entry& e : fs::directory_iterator(folder)) {
+        const std::string n = e.path().filename().string();
+        if (n == "metrics.jsonl" || n == "tb" || (n.starts_with("config") && n.ends_with(".toml")))
+          fs::rename(e.path(), aside / n);
+      }
+      std::printf("  note: %s held an earlier run's metrics.jsonl and no checkpoint to resume; its metrics and "
+                  "configs are now in %s\n", folder.c_str(), aside.string().c_str());
+    }
     // config.toml is the config a run started with; a resume from step N keeps its own
     // beside it, as config.step-0000000N.toml (N as the checkpoint folders write it).
     char name[64] = "config.toml";
