@@ -487,7 +487,9 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   if (writer) {
     // A fresh start in a folder an earlier run wrote (without a checkpoint) moves that
     // run's metrics and configs aside rather than overwriting them.
-    if (resume.empty() && fs::exists(folder + "/metrics.jsonl") && fs::file_size(folder + "/metrics.jsonl") > 0) {
+    std::error_code size_ec;
+    if (resume.empty() && fs::is_regular_file(folder + "/metrics.jsonl") &&
+        fs::file_size(folder + "/metrics.jsonl", size_ec) > 0 && !size_ec) {
       char stamp[32];
       const std::time_t now = std::time(nullptr);
       std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::gmtime(&now));
