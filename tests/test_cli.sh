@@ -6,6 +6,7 @@
 # config under configs/ plans from another working folder; the OpenMP defaults hold.
 set -u
 bin="$1"
+here="$(cd "$(dirname "$0")" && pwd)"
 fail=0
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -112,5 +113,13 @@ for cfg in "$configs"/*.toml; do
   check "plan --config $cfg" 0 "$bin" plan --config "$cfg"
   grep -q "total" $tmp/cli.out || { echo "FAIL: plan of $cfg prints no total"; fail=1; }
 done
+# tokenize over lines none of which has the text field (a misspelled --field) is an
+# error naming the field, not a corpus of nothing.
+mkdir -p "$tmp/notext"
+printf '{"body": "one"}\n{"body": "two"}\n' > "$tmp/notext/a.jsonl"
+check "tokenize without the field" 1 "$bin" tokenize --tokenizer "$here/fixtures/tokenizers/gpt2_style.json" \
+  --input "$tmp/notext/a.jsonl" --output "$tmp/notext/out" --workers 1
+grep -q 'no document was found: all 2 lines were skipped (see above); is the JSON field holding the text "text"' \
+  $tmp/cli.err || { echo "FAIL: tokenize without the field: $(cat $tmp/cli.err)"; fail=1; }
 [ $fail = 0 ] && echo "cli: all checks passed"
 exit $fail

@@ -41,6 +41,14 @@ int run_tokenize(const Args& args) {
       "\"malformed\": %lld}\n",
       static_cast<long long>(r.files), static_cast<long long>(r.files_skipped), r.bad_files.size(),
       static_cast<long long>(r.documents), static_cast<long long>(r.tokens), static_cast<long long>(r.malformed));
+  // Every line skipped (a misspelled --field, say) is not a corpus, whatever else went well.
+  if (r.documents == 0 && r.malformed > 0 && r.files > r.files_skipped) {
+    std::fprintf(stderr,
+                 "tokenize: error: no document was found: all %lld lines were skipped (see above); is the JSON field "
+                 "holding the text \"%s\"? (--field names it)\n",
+                 static_cast<long long>(r.malformed), o.field.c_str());
+    return 1;
+  }
   return r.bad_files.empty() ? 0 : 1;  // scripts must notice, though every other file is done
 }
 
