@@ -1018,6 +1018,16 @@ TEST(Commands, TrainOnATerminalRedrawsOneLine) {
                            "\nsummary: 3 steps (1 to 3 of 3) in "})
     EXPECT_NE(out.find(want), std::string::npos) << want << " in\n" << out;
   EXPECT_EQ(out.find("\nstep "), std::string::npos) << out;
+  // Under mpirun rank 0's output is mpirun's terminal even where mpirun writes to a file:
+  // plain lines, no bar redrawn into the file.
+  if (run("command -v mpirun").first != 0) return;
+  std::filesystem::remove_all(dump);
+  std::tie(rc, out) = run(kMpirun + "1 " + MOETRAIN_BIN + " train --model.init=hf:" + fixture("qwen3_moe_b") +
+                          " --data.tokens=" + fixture("qwen3_moe_b/tokens.npy") + " --training.steps=3" +
+                          " --job.dump_folder=" + dump + " > " + dump + ".log; cat " + dump + ".log");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_EQ(out.find('\r'), std::string::npos) << out;
+  EXPECT_NE(out.find("\nstep 3/3  loss "), std::string::npos) << out;
 }
 
 TEST(Progress, StepLineAndSummary) {

@@ -536,7 +536,10 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
                  path.c_str(), static_cast<long long>(step), why.c_str(), static_cast<long long>(lost),
                  static_cast<long long>(cfg.metrics.max_lost_lines));
   };
-  Progress progress(trainer.steps_done(), cfg.training.steps, cfg.metrics.log_interval, isatty(STDOUT_FILENO) == 1,
+  // Under a launcher, rank 0's standard output is mpirun's pseudo-terminal whatever
+  // mpirun's own output is (a file, a pipe): plain lines there, the bar only when alone.
+  const bool terminal = isatty(STDOUT_FILENO) == 1 && world.launch().launcher == "none";
+  Progress progress(trainer.steps_done(), cfg.training.steps, cfg.metrics.log_interval, terminal,
                     started);
   std::string last_checkpoint;
 
