@@ -1003,6 +1003,19 @@ TEST(Commands, TrainFromOverridesMatchesTransformers) {
   EXPECT_TRUE(std::filesystem::exists(dump + "/config.toml"));
 }
 
+// A loss that is not finite at the first step of a fresh run came before any update:
+// the message points at the weights and the config, not at the learning rate.
+TEST(Commands, ANonFiniteFirstStepNamesTheWeightsNotTheLr) {
+  const std::string dump = temp_dir("nonfinite_first");
+  auto [rc, out] = run(std::string(MOETRAIN_BIN) + " train --model.config=" + fixture("qwen3_moe_b/config.json") +
+                       " --model.init=random --model.init_std=1e30 --data.tokens=" +
+                       fixture("qwen3_moe_b/tokens.npy") + " --training.steps=2 --job.dump_folder=" + dump);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("step 1: the "), std::string::npos) << out;
+  EXPECT_NE(out.find("It came before any update, so the learning rate is not the cause"), std::string::npos) << out;
+  EXPECT_EQ(out.find("A lower optimizer.lr"), std::string::npos) << out;
+}
+
 // On a terminal (script(1) gives the run one) the step line is redrawn in place
 // behind a bar: carriage returns, not a line a step.
 TEST(Commands, TrainOnATerminalRedrawsOneLine) {

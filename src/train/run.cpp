@@ -605,7 +605,11 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
           << what << ". Stopping: " << skipped - 1 << " such steps were allowed (training.max_skipped_steps = "
           << cfg.training.max_skipped_steps << "); the last checkpoint is "
           << (last_checkpoint.empty() ? std::string("none of this run's") : last_checkpoint)
-          << ". A lower optimizer.lr or training.clip_grad_norm may help (docs/playbooks/debug-loss-spike.md)";
+          << (r.step == 1 && resume.empty()
+                  ? ". It came before any update, so the learning rate is not the cause: the initial weights (model.init, "
+                    "model.init_std) or the config (the model's config.json, its dtype and sizes) give a non-finite "
+                    "forward; moetrain eval on the weights shows the loss alone"
+                  : ". A lower optimizer.lr or training.clip_grad_norm may help (docs/playbooks/debug-loss-spike.md)");
       if (writer) progress.say("warning: " + what + " (" + std::to_string(skipped) + " of training.max_skipped_steps = " +
                                std::to_string(cfg.training.max_skipped_steps) + ")");
     }
