@@ -465,6 +465,18 @@ TEST(HfConfig, SpellingsNestingFallbacksAndErrors) {
             std::string::npos);
   EXPECT_NE(error([&] { hf.integer({"name"}); }).find("c.json: key name has the wrong type: \"x\""),
             std::string::npos);
+  // A Qwen3-MoE config whose expert count is null (or absent) is refused: it built a
+  // dense model without a word.
+  {
+    std::vector<uint8_t> b = io::read_file(std::string(MOETRAIN_FIXTURES) + "/qwen3_moe_a/config.json");
+    nlohmann::json cfg = nlohmann::json::parse(b.begin(), b.end());
+    cfg["num_local_experts"] = nullptr;
+    const std::string path = test::temp_dir("null_experts") + "/config.json";
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+    io::write_file_atomic(path, {cfg.dump()});
+    const std::string e = error([&] { make_model(path); });
+    EXPECT_NE(e.find("missing key num_experts or num_local_experts (absent or null)"), std::string::npos) << e;
+  }
   // Sizes near 2^62 overflowed the arenas' sizes; a layer count like that spun for ever.
   const nlohmann::json big = nlohmann::json::parse(R"({"n": 4611686018427387904, "m": -2, "l": [1, 16777217]})");
   const HfConfig hb(big, "big.json");

@@ -47,7 +47,7 @@ T HfConfig::read(Names names, const std::optional<T>& fallback) const {
   std::string list;
   for (const char* n : names) list += list.empty() ? n : std::string(" or ") + n;
   if (v == nullptr) {
-    MT_CHECK(fallback.has_value()) << where_ << ": missing key " << list;
+    MT_CHECK(fallback.has_value()) << where_ << ": missing key " << list << " (absent or null)";
     return *fallback;
   }
   try {

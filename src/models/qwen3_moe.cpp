@@ -30,7 +30,8 @@ Qwen3MoeConfig parse_qwen3_moe_config(const json& j, const std::string& where) {
   c.num_kv_heads = hf.integer({"num_key_value_heads"}, c.num_heads);
   c.head_dim = hf.integer({"head_dim"}, c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
   // transformers' defaults
-  c.num_experts = hf.integer({"num_experts", "num_local_experts"}, 0);
+  // Required: a null or missing count would otherwise build a dense model without a word.
+  c.num_experts = hf.integer({"num_experts", "num_local_experts"});
   c.top_k = hf.integer({"num_experts_per_tok"}, 1);
   c.norm_topk_prob = hf.flag({"norm_topk_prob"}, false);
   c.mlp_only_layers = hf.integers({"mlp_only_layers"}, std::vector<int64_t>{});
