@@ -1003,6 +1003,26 @@ TEST(Commands, TrainFromOverridesMatchesTransformers) {
   EXPECT_TRUE(std::filesystem::exists(dump + "/config.toml"));
 }
 
+// The banner's parameter count is the whole model's on any mesh: under ep each rank
+// holds a share of the experts (it showed rank 0's).
+TEST(Commands, TheBannerCountsTheWholeModelUnderEp) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  const std::string dir = temp_dir("banner_ep");
+  std::filesystem::create_directories(dir);
+  write_four_sequences("qwen3_moe_a", dir);
+  auto params = [&](const std::string& launch, const std::string& flags) {
+    auto [rc, out] = run(launch + MOETRAIN_BIN + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                         " --data.tokens=" + dir + "/tokens.npy --training.steps=1 " + flags +
+                         " --checkpoint.save_final=false --job.dump_folder=" + dir + "/run" + std::to_string(flags.size()));
+    EXPECT_EQ(rc, 0) << out;
+    const size_t at = out.find(" parameters (");
+    return at == std::string::npos ? out : out.substr(out.rfind(", ", at) + 2, out.find(')', at) - out.rfind(", ", at) - 1);
+  };
+  const std::string one = params("", ""), ep2 = params(kMpirun + "2 ", "--parallelism.ep=2");
+  EXPECT_NE(one.find(" parameters ("), std::string::npos) << one;
+  EXPECT_EQ(ep2, one);
+}
+
 // A loss that is not finite at the first step of a fresh run came before any update:
 // the message points at the weights and the config, not at the learning rate.
 TEST(Commands, ANonFiniteFirstStepNamesTheWeightsNotTheLr) {

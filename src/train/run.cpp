@@ -440,8 +440,11 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   } else {
     std::tie(resume, saved) = resume_run(cfg, tries, *model, trainer, world.comm(), writer);
   }
-  // Parameters of the whole model: each pp rank counts its own (of one ep rank's experts).
+  // Parameters of the whole model: each pp rank counts its own, its experts those of one
+  // ep rank, which hold equal shares of every MoE layer's experts.
   std::vector<int64_t> counts = {model->param_count(), model->active_param_count()};
+  for (const Param& p : model->params())
+    if (p.expert) counts[0] += p.value.numel() * (mesh.shape().ep - 1);
   if (mesh.shape().pp > 1) mesh.pp().all_reduce(Tensor(counts.data(), {2}, DType::i64));
   if (writer) {
     print_banner(cfg, mesh, config_json, model->num_layers(), counts, trainer);
