@@ -78,6 +78,10 @@ if [ $no_gpu = 1 ]; then
   check "train on cuda without a GPU" 1 "$bin" train --training.device=cuda --model.config="$(dirname "$0")/../configs/demo/config.json"
   grep -q "training.device = cuda, but there is no usable GPU" $tmp/cli.err ||
     { echo "FAIL: no GPU: $(cat $tmp/cli.err)"; fail=1; }
+  check "generate on cuda without a GPU" 1 "$bin" generate --model "$here/fixtures/qwen3_moe_a" --prompt-ids 1,2 \
+    --device cuda
+  grep -q "^moetrain generate: error: --device cuda, but there is no usable GPU" $tmp/cli.err ||
+    { echo "FAIL: generate without a GPU: $(cat $tmp/cli.err)"; fail=1; }
 fi
 # A command run without its inputs fails (exit 1) and names what is missing.
 for pair in "train:model.config is not set" "eval:--model is required" "encode:--tokenizer is required" \

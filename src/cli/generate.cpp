@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "core/arena.h"
 #include "cli/commands.h"
 #include "core/check.h"
 #include "core/rng.h"
@@ -107,6 +108,7 @@ int run_generate(const Args& args) {
   fs::path dir = o.required("model");
   const std::string device = o.get("device", "cpu");
   MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
+  if (device == "cuda") require_gpu("--device cuda");
   const int64_t max_new = o.integer("max-new-tokens", 32, 0, kMaxConfigInteger);
   const double temperature = o.number("temperature", 0.0, 0.0, 1e6);  // 0: greedy
   const double top_p = o.number("top-p", 1.0, 1e-9, 1.0);
