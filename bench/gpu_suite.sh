@@ -56,18 +56,7 @@ balance="$balance --validation.tokens=@TOKENS@"
 names=() commands=()
 check() { names+=("$1"); commands+=("$2"); }
 
-check cuda_ops "$ops"
-for f in qwen3_moe_a deepseek_v2_a gpt_oss_a; do
-  check "cpu_$f" "$vs_cpu --fixture $f"
-  check "cpu_${f}_fp8" "$vs_cpu --fixture $f --extra=--training.fp8=blockwise"
-done
-check cpu_z_loss "$vs_cpu --extra=--training.router_z_loss_coef=0.01"
-check cpu_sequence_loss "$vs_cpu --fixture deepseek_v2_a --lb sequence"
-check cpu_expert_bias "$vs_cpu --extra=--training.expert_bias_update_rate=0.001"
-check cpu_validation "$vs_cpu --extra='--validation.interval=1 --validation.tokens=@TOKENS@'"
-for ac in selective full; do check "cpu_recompute_$ac" "$vs_cpu --extra=--training.activation_checkpoint=$ac"; done
-for tier in optimizer weights; do check "cpu_offload_$tier" "$vs_cpu --mesh-extra=--offload.experts=$tier"; done
-
+# The meshes first (what nothing else checks), then the ops, then one GPU against the CPU.
 check meshes "$on_gpus"
 check zero3 "$on_gpus --lb micro_batch --extra=--parallelism.zero3=true"
 check pipeline "$on_gpus --pipeline"
@@ -85,11 +74,34 @@ check balance_ep2 "$on_gpus --lb sequence --meshes 1,1,2 --extra='$balance'"
 check balance_pp2 "$on_gpus --lb sequence --pipeline --meshes 2,1,1,1 --extra='$balance'"
 check fp8_ep2 "$on_gpus --lb micro_batch --meshes 1,1,2 --extra=--training.fp8=blockwise"
 check fp8_pp2 "$on_gpus --lb micro_batch --pipeline --meshes 2,1,1,1 --extra=--training.fp8=blockwise"
+check cuda_ops "$ops"
+for f in qwen3_moe_a deepseek_v2_a gpt_oss_a; do
+  check "cpu_$f" "$vs_cpu --fixture $f"
+  check "cpu_${f}_fp8" "$vs_cpu --fixture $f --extra=--training.fp8=blockwise"
+done
+check cpu_z_loss "$vs_cpu --extra=--training.router_z_loss_coef=0.01"
+check cpu_sequence_loss "$vs_cpu --fixture deepseek_v2_a --lb sequence"
+check cpu_expert_bias "$vs_cpu --extra=--training.expert_bias_update_rate=0.001"
+check cpu_validation "$vs_cpu --extra='--validation.interval=1 --validation.tokens=@TOKENS@'"
+for ac in selective full; do check "cpu_recompute_$ac" "$vs_cpu --extra=--training.activation_checkpoint=$ac"; done
+for tier in optimizer weights; do check "cpu_offload_$tier" "$vs_cpu --mesh-extra=--offload.experts=$tier"; done
+
 
 echo "gpu_suite: $bin on $gpus GPU(s) ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)), meshes up to" \
   "$ranks ranks, $jobs checks at a time, logs in $logs"
 passed=0 failed=0 running=0
 declare -A started_at
+# Stopped from outside (a time limit): the checks done so far count, the rest are named.
+on_term() {
+  reap
+  local left=""
+  for f in "$logs"/*.log; do [ -e "${f%.log}.rc.done" ] || left="$left $(basename "$f" .log)"; done
+  echo "stopped before these ended:$left"
+  echo "$passed passed, $((failed + running)) failed"
+  kill $(jobs -p) 2> /dev/null
+  exit 1
+}
+trap on_term TERM INT
 # One line a finished check; its log's last lines too when it failed.
 report() {
   local name="$1" rc="$2" secs="$3"

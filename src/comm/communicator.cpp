@@ -46,9 +46,18 @@ struct StageBlock {
   size_t bytes = 0;
   bool pinned = false;
 };
+// Reused until the process ends; plain blocks are freed then, pinned ones go with the
+// process (the CUDA runtime may be gone by the time statics are destroyed).
+struct StagePool {
+  std::vector<StageBlock> blocks;
+  ~StagePool() {
+    for (const StageBlock& b : blocks)
+      if (!b.pinned) std::free(b.data);
+  }
+};
 std::vector<StageBlock>& free_blocks() {
-  static std::vector<StageBlock> blocks;  // never freed: reused until the process ends
-  return blocks;
+  static StagePool pool;
+  return pool.blocks;
 }
 
 StageBlock take_block(size_t bytes, bool pinned) {
