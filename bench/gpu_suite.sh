@@ -56,7 +56,9 @@ balance="$balance --validation.tokens=@TOKENS@"
 names=() commands=()
 check() { names+=("$1"); commands+=("$2"); }
 
-# The meshes first (what nothing else checks), then the ops, then one GPU against the CPU.
+# The ops first (the longest single check), the meshes (what nothing else checks), then
+# one GPU against the CPU.
+check cuda_ops "$ops"
 check meshes "$on_gpus"
 check zero3 "$on_gpus --lb micro_batch --extra=--parallelism.zero3=true"
 check pipeline "$on_gpus --pipeline"
@@ -74,7 +76,6 @@ check balance_ep2 "$on_gpus --lb sequence --meshes 1,1,2 --extra='$balance'"
 check balance_pp2 "$on_gpus --lb sequence --pipeline --meshes 2,1,1,1 --extra='$balance'"
 check fp8_ep2 "$on_gpus --lb micro_batch --meshes 1,1,2 --extra=--training.fp8=blockwise"
 check fp8_pp2 "$on_gpus --lb micro_batch --pipeline --meshes 2,1,1,1 --extra=--training.fp8=blockwise"
-check cuda_ops "$ops"
 for f in qwen3_moe_a deepseek_v2_a gpt_oss_a; do
   check "cpu_$f" "$vs_cpu --fixture $f"
   check "cpu_${f}_fp8" "$vs_cpu --fixture $f --extra=--training.fp8=blockwise"
