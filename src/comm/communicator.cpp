@@ -116,10 +116,6 @@ struct Stage {
 
   // Stages `reads` (copied in now) and `writes` (copied back by finish()); the host
   // waits for the current stream first, which may still be filling them.
-  Stage(std::initializer_list<Tensor> reads, std::initializer_list<Tensor> writes) {
-    std::vector<Tensor> r(reads), w(writes);
-    init(r, w);
-  }
   Stage(const std::vector<Tensor>& reads, const std::vector<Tensor>& writes) { init(reads, writes); }
   Stage(const Stage&) = delete;
   Stage& operator=(const Stage&) = delete;
@@ -532,7 +528,7 @@ Request Communicator::start_all_reduce(const Tensor& x, [[maybe_unused]] Traffic
   check_storage(x, "tensor", w);
   check_summable(x, w);
   if (stages(x)) {
-    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{x}, std::initializer_list<Tensor>{x});
+    auto st = std::make_unique<Stage>(std::vector<Tensor>{x}, std::vector<Tensor>{x});
     const Tensor hx = st->view(x);
     return through_host(std::move(st), [&] { return start_all_reduce(hx, traffic); });
   }
@@ -562,7 +558,7 @@ Request Communicator::start_reduce_scatter(const Tensor& in, const Tensor& out, 
   MT_CHECK(in.numel() == size_ * out.numel()) << w << ": the input should hold " << size_ << " blocks of the output's "
                                               << out.numel() << " elements";
   if (stages(in)) {
-    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{in}, std::initializer_list<Tensor>{out});
+    auto st = std::make_unique<Stage>(std::vector<Tensor>{in}, std::vector<Tensor>{out});
     const Tensor hin = st->view(in), hout = st->view(out);
     return through_host(std::move(st), [&] { return start_reduce_scatter(hin, hout, traffic); });
   }
@@ -595,7 +591,7 @@ Request Communicator::start_all_gather(const Tensor& in, const Tensor& out, [[ma
   MT_CHECK(out.numel() == size_ * in.numel()) << w << ": the output should hold " << size_ << " blocks of the input's "
                                               << in.numel() << " elements";
   if (stages(in)) {
-    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{in}, std::initializer_list<Tensor>{out});
+    auto st = std::make_unique<Stage>(std::vector<Tensor>{in}, std::vector<Tensor>{out});
     const Tensor hin = st->view(in), hout = st->view(out);
     return through_host(std::move(st), [&] { return start_all_gather(hin, hout, traffic); });
   }
@@ -642,7 +638,7 @@ Request Communicator::start_all_to_all_v(const Tensor& in, std::span<const int64
   MT_CHECK(size_ > 1 || send_counts[0] == recv_counts[0])
       << w << ": one rank sends " << send_counts[0] << " elements to itself but expects " << recv_counts[0];
   if (stages(in)) {
-    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{in}, std::initializer_list<Tensor>{out});
+    auto st = std::make_unique<Stage>(std::vector<Tensor>{in}, std::vector<Tensor>{out});
     const Tensor hin = st->view(in), hout = st->view(out);
     return through_host(std::move(st), [&] { return start_all_to_all_v(hin, send_counts, hout, recv_counts, traffic); });
   }
@@ -689,7 +685,7 @@ void Communicator::broadcast(const Tensor& x, int root) {
   check_storage(x, "tensor", w);
   MT_CHECK(root >= 0 && root < size_) << w << ": the root is not a rank of the communicator";
   if (stages(x)) {
-    auto st = std::make_unique<Stage>(std::initializer_list<Tensor>{x}, std::initializer_list<Tensor>{x});
+    auto st = std::make_unique<Stage>(std::vector<Tensor>{x}, std::vector<Tensor>{x});
     const Tensor hx = st->view(x);
     through_host(std::move(st), [&] {
       broadcast(hx, root);
