@@ -517,6 +517,26 @@ TEST(CheckpointCommands, OneRunAFolder) {
   expect_steps_whole(both);
 }
 
+// A run folder that cannot be written is said to be so, not "in use": a procfs folder
+// (no file can be made there, as root too) and, where the test is not root, a folder
+// without write permission.
+TEST(CheckpointCommands, AnUnwritableFolderIsNotCalledInUse) {
+  std::vector<std::string> folders = {"/proc/self"};
+  if (geteuid() != 0) {
+    folders.push_back(temp_dir("read_only"));
+    fs::permissions(folders.back(), fs::perms::owner_read | fs::perms::owner_exec);
+  }
+  for (const std::string& dump : folders) {
+    auto [rc, out] = run(train_cmd(dump, 1, ""));
+    EXPECT_EQ(rc, 1) << out;
+    EXPECT_NE(out.find("job.dump_folder " + dump + " cannot be written: cannot open the lock file " + dump +
+                       "/moetrain.lock: "),
+              std::string::npos)
+        << out;
+    EXPECT_EQ(out.find("in use"), std::string::npos) << out;
+  }
+}
+
 // A wrapper that forwards a signal to a group that got it already (timeout does) is one
 // request: the step is saved, the exit status is 75, and the run resumes bit for bit.
 // So are SIGTERMs sent to every rank (Slurm's form) and a kill of mpirun's process group.

@@ -465,17 +465,26 @@ TEST(HfConfig, SpellingsNestingFallbacksAndErrors) {
             std::string::npos);
   EXPECT_NE(error([&] { hf.integer({"name"}); }).find("c.json: key name has the wrong type: \"x\""),
             std::string::npos);
-  // A Qwen3-MoE config whose expert count is null (or absent) is refused: it built a
-  // dense model without a word.
-  {
-    std::vector<uint8_t> b = io::read_file(std::string(MOETRAIN_FIXTURES) + "/qwen3_moe_a/config.json");
+  // A config whose expert count, expert width or top-k is null (or absent) is refused,
+  // in every family: a null count built a dense model without a word.
+  const std::tuple<const char*, const char*, const char*> null_keys[] = {
+      {"qwen3_moe_a", "num_local_experts", "missing key num_experts or num_local_experts (absent or null)"},
+      {"qwen3_moe_a", "num_experts_per_tok", "missing key num_experts_per_tok (absent or null)"},
+      {"deepseek_v2_a", "n_routed_experts", "missing key n_routed_experts (absent or null)"},
+      {"deepseek_v2_a", "moe_intermediate_size", "missing key moe_intermediate_size (absent or null)"},
+      {"deepseek_v2_a", "num_experts_per_tok", "missing key num_experts_per_tok (absent or null)"},
+      {"gpt_oss_a", "num_local_experts", "missing key num_local_experts or num_experts (absent or null)"},
+      {"gpt_oss_a", "num_experts_per_tok", "missing key num_experts_per_tok or experts_per_token (absent or null)"}};
+  for (const auto& [fixture, key, says] : null_keys) {
+    std::vector<uint8_t> b = io::read_file(std::string(MOETRAIN_FIXTURES) + "/" + fixture + "/config.json");
     nlohmann::json cfg = nlohmann::json::parse(b.begin(), b.end());
-    cfg["num_local_experts"] = nullptr;
+    ASSERT_TRUE(cfg.contains(key)) << fixture << " " << key;
+    cfg[key] = nullptr;
     const std::string path = test::temp_dir("null_experts") + "/config.json";
     std::filesystem::create_directories(std::filesystem::path(path).parent_path());
     io::write_file_atomic(path, {cfg.dump()});
     const std::string e = error([&] { make_model(path); });
-    EXPECT_NE(e.find("missing key num_experts or num_local_experts (absent or null)"), std::string::npos) << e;
+    EXPECT_NE(e.find(says), std::string::npos) << fixture << " " << key << ": " << e;
   }
   // Sizes near 2^62 overflowed the arenas' sizes; a layer count like that spun for ever.
   const nlohmann::json big = nlohmann::json::parse(R"({"n": 4611686018427387904, "m": -2, "l": [1, 16777217]})");

@@ -1637,6 +1637,11 @@ TEST(Commands, ARunThatDoesNotFitIsRefusedWithThePlan) {
   const std::string planned = plan.substr(total + 4, plan.find(' ', total + 4) - total - 4);
   EXPECT_NE(out.find("needs ", needs - 40), std::string::npos);
   EXPECT_EQ(out.substr(out.rfind('(', needs) + 1, needs - out.rfind('(', needs) - 1), planned) << out << plan;
+  // The GiB figure whole (hundreds of GiB were once cut to six characters).
+  const size_t unit = out.find(" GiB (" + planned + " bytes)");
+  ASSERT_NE(unit, std::string::npos) << out;
+  const size_t from = out.rfind(' ', unit - 1) + 1;
+  EXPECT_NEAR(std::stod(out.substr(from, unit - from)), std::stod(planned) / (1 << 30), 0.5) << out;
 }
 
 // Ranks that share one memory share its free bytes: two CPU ranks of one host whose
@@ -2965,6 +2970,7 @@ TEST(Commands, RefusedRunLeavesNoRunFolder) {
       {"--training.load_balance_coef=-0.01", "training.load_balance_coef = -0.01: expected >= 0"},
       {"--optimizer.weight_decay=-0.1", "optimizer.weight_decay = -0.1: expected >= 0"},
       {"--optimizer.eps=0", "optimizer.eps = 0: expected > 0"},
+      {"--model.init_std=-0.02", "model.init_std = -0.02: expected >= 0"},
       {"--data.tokens=" + dir + "/none.npy", dir + "/none.npy does not exist"},
       {"--checkpoint.load=" + dir + "/none", dir + "/none does not exist"}};
   for (const auto& [flag, says] : refused) {

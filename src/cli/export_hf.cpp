@@ -236,9 +236,12 @@ int run_export_hf(const Args& args) {
   std::optional<io::FileLock> lock;
   try {
     lock.emplace(dest.string() + ".lock", "moetrain export-hf to " + dest.string());
-  } catch (const Error& e) {
+  } catch (const io::LockHeld& e) {
     MT_FAIL() << "--output " << dest.string() << " is being written by another export: " << e.message
               << "; wait for it to end, or choose another --output";
+  } catch (const Error& e) {
+    MT_FAIL() << "--output " << dest.string() << ": cannot write beside it (" << e.message
+              << "); choose a folder you can write";
   }
   // The export is written beside dest and swapped in whole: no stale shard of an earlier
   // export stays for loaders to prefer. dest may be new or empty; with --force a folder

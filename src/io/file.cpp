@@ -142,7 +142,7 @@ FileLock::FileLock(const std::string& path, std::string_view what) : path_(path)
       std::string holder(text, n > 0 ? static_cast<size_t>(n) : 0);
       while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
       MT_CHECK(e == EWOULDBLOCK) << "cannot lock " << path << ": " << std::strerror(e);
-      MT_FAIL() << path << " is held by " << (holder.empty() ? std::string("another process") : holder);
+      throw LockHeld(path + " is held by " + (holder.empty() ? std::string("another process") : holder), "");
     }
     struct stat mine {}, now {};
     if (::fstat(fd_, &mine) == 0 && ::stat(path.c_str(), &now) == 0 && mine.st_ino == now.st_ino &&

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/check.h"
+
 namespace mt::io {
 
 std::vector<uint8_t> read_file(const std::string& path);
@@ -68,7 +70,13 @@ FileSum file_fingerprint(const std::string& path);
 // crash never leaves it held (only a stale file, which the next taker reuses). The
 // holder writes "pid P on host H since T (what)" into the file; a second taker is
 // refused at once with an error that quotes it: "<path> is held by pid P on host H ...".
-// `what` names the holder's work, written for the next taker to read.
+// `what` names the holder's work, written for the next taker to read. A lock held by
+// another throws LockHeld; a lock that cannot be taken for another reason (a read-only
+// folder) throws a plain Error, so a caller can say which.
+struct LockHeld : Error {
+  using Error::Error;
+};
+
 class FileLock {
  public:
   FileLock(const std::string& path, std::string_view what);

@@ -18,12 +18,14 @@ DeepseekV2Config parse_deepseek_v2_config(const nlohmann::json& j, const std::st
   d.hidden_size = hf.integer({"hidden_size"});
   d.num_layers = hf.integer({"num_hidden_layers"});
   d.intermediate_size = hf.integer({"intermediate_size"});
-  d.moe_intermediate_size = hf.integer({"moe_intermediate_size"}, 0);
-  d.num_experts = hf.integer({"n_routed_experts"}, 0);
+  // Required, as every MoE key is: a null or missing one would build a dense model, or
+  // another router, without a word (0 experts is said explicitly).
+  d.num_experts = hf.integer({"n_routed_experts"});
+  d.moe_intermediate_size = d.num_experts > 0 ? hf.integer({"moe_intermediate_size"}) : 0;
   d.shared_intermediate_size = hf.integer({"n_shared_experts"}, 0) * d.moe_intermediate_size;
   d.rms_norm_eps = hf.number({"rms_norm_eps"}, 1e-6);
   d.tie_word_embeddings = hf.flag({"tie_word_embeddings"}, false);
-  d.router.top_k = hf.integer({"num_experts_per_tok"}, 1);
+  d.router.top_k = d.num_experts > 0 ? hf.integer({"num_experts_per_tok"}) : 1;
   d.router.scale = static_cast<float>(hf.number({"routed_scaling_factor"}, 1.0));
   const std::string method = hf.text({"topk_method"}, "greedy");
   MT_CHECK(method == "greedy" || method == "group_limited_greedy")

@@ -32,7 +32,7 @@ Qwen3MoeConfig parse_qwen3_moe_config(const json& j, const std::string& where) {
   // transformers' defaults
   // Required: a null or missing count would otherwise build a dense model without a word.
   c.num_experts = hf.integer({"num_experts", "num_local_experts"});
-  c.top_k = hf.integer({"num_experts_per_tok"}, 1);
+  c.top_k = c.num_experts > 0 ? hf.integer({"num_experts_per_tok"}) : 1;
   c.norm_topk_prob = hf.flag({"norm_topk_prob"}, false);
   c.mlp_only_layers = hf.integers({"mlp_only_layers"}, std::vector<int64_t>{});
   c.decoder_sparse_step = hf.integer({"decoder_sparse_step"}, 1);

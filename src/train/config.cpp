@@ -288,6 +288,8 @@ void validate(const Config& c) {
   MT_CHECK(c.training.load_balance_coef >= 0.0)
       << "training.load_balance_coef = " << c.training.load_balance_coef << ": expected >= 0 (0: off); a negative "
       << "weight would reward imbalance";
+  MT_CHECK(c.model.init_std >= 0.0) << "model.init_std = " << c.model.init_std
+                                    << ": expected >= 0 (the standard deviation of the random init)";
   MT_CHECK(c.optimizer.weight_decay >= 0.0)
       << "optimizer.weight_decay = " << c.optimizer.weight_decay << ": expected >= 0 (0: none)";
   MT_CHECK(c.optimizer.eps > 0.0) << "optimizer.eps = " << c.optimizer.eps << ": expected > 0";

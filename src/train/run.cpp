@@ -89,19 +89,31 @@ void claim_run_folder(RunFolder& run, comm::Communicator& world, const std::stri
       fs::create_directories(folder, ec);
       MT_CHECK(!ec && fs::is_directory(folder)) << "job.dump_folder: cannot create " << folder << ": " << ec.message();
       run.lock.emplace(folder + "/moetrain.lock", "moetrain train");
+    } catch (const io::LockHeld& e) {
+      refused = "job.dump_folder " + folder + " is in use: " + e.message +
+                "; one run writes a folder at a time: wait for it to end, stop it, or choose another job.dump_folder";
     } catch (const Error& e) {
-      refused = e.message;
+      refused = "job.dump_folder " + folder + " cannot be written: " + e.message +
+                "; make it writable or choose another job.dump_folder";
     }
   }
   std::vector<int64_t> bad = {refused.empty() ? 0 : 1};
   world.all_reduce(Tensor(bad.data(), {1}, DType::i64));
-  MT_CHECK(refused.empty()) << "job.dump_folder " << folder << " is in use: " << refused
-                            << "; one run writes a folder at a time: wait for it to end, stop it, or choose another "
-                            << "job.dump_folder";
+  MT_CHECK(refused.empty()) << refused;
   MT_CHECK(bad[0] == 0) << "rank 0 cannot have the run folder " << folder << " (it says why)";
 }
 
-std::string gib(size_t b) { return std::to_string(static_cast<double>(b) / (1 << 30)).substr(0, 6) + " GiB"; }
+// `v` with `digits` decimals, whole (std::to_string(v).substr cut large figures short).
+std::string decimals(double v, int digits) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%.*f", digits, v);
+  return text;
+}
+
+std::string gib(size_t b) {
+  const double v = static_cast<double>(b) / (1 << 30);
+  return decimals(v, v >= 100 ? 0 : v >= 1 ? 2 : 4) + " GiB";
+}
 
 // A run whose plan (train/trainer.h, plan_memory: what `moetrain plan` prints) needs
 // more than the device has free is refused before anything is allocated, with the
@@ -266,7 +278,7 @@ void print_banner(const Config& c, const comm::DeviceMesh& mesh, const std::stri
   for (const MixturePart& part : data_corpora(c)) weights += part.weight;
   for (const MixturePart& part : data_corpora(c))
     data += (data.empty() ? "corpus " : ", ") + part.folder +
-            (c.data.mixture.empty() ? "" : " (share " + std::to_string(part.weight / weights).substr(0, 5) + ")");
+            (c.data.mixture.empty() ? "" : " (share " + decimals(part.weight / weights, 3) + ")");
   std::printf("  data: %s, seq_len %lld, global batch %lld sequences (%lld tokens a step), micro-batch %s\n",
               data.c_str(), static_cast<long long>(t.seq_len()),
               static_cast<long long>(t.global_batch()), static_cast<long long>(t.seq_len() * t.global_batch()),
@@ -454,7 +466,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
                   gpu_sharing.text.c_str(), cfg.training.device_memory_limit);
     if (val.interval > 0) {
       const std::string set = !val.tokens.empty() ? val.tokens
-                              : val.split > 0     ? "the last " + std::to_string(val.split * 100).substr(0, 5) +
+                              : val.split > 0     ? "the last " + decimals(val.split * 100, 2) +
                                                     "% of each corpus file's tokens, cut at a document end " +
                                                     "(held out of training)"
                                                   : val.corpus;
@@ -596,7 +608,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
       progress.step(r);
       if (r.val_on)
         progress.say("validation after step " + std::to_string(r.step) + ": val_loss " + std::to_string(v.loss) +
-                     " over " + std::to_string(v.tokens) + " tokens (" + std::to_string(v.seconds).substr(0, 5) + " s)");
+                     " over " + std::to_string(v.tokens) + " tokens (" + decimals(v.seconds, 2) + " s)");
     }
     if (!r.non_finite.empty()) {
       // Not applied (trainer.h). Within the allowance the run goes on; past it, it stops
