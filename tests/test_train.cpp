@@ -2276,45 +2276,105 @@ TEST(Commands, CorporaOfTwoTokenizersAreRefused) {
   EXPECT_EQ(rc, 0) << out;
 }
 
-// A corpus file cut short while a run reads it (a data script rewriting a .bin in place)
-// stops the run with an error naming the file and what it holds now; it was SIGBUS (exit
-// 135, nothing on stderr) while the tokens were read through a map.
-TEST(Commands, ACorpusFileCutShortUnderARunIsNamed) {
-  const std::string dir = temp_dir("corpus_cut");
-  std::filesystem::create_directories(dir + "/corpus");
-  std::vector<uint16_t> tokens(400 * 17);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
-  write_bin(dir + "/corpus/part.bin", tokens, {tokens.size()});
-  const std::string log = dir + "/log";
-  FILE* p = popen((std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
-                   " --data.corpus=" + dir + "/corpus --data.seq_len=16 --training.global_batch_size=2" +
-                   " --training.steps=100000 --checkpoint.save_final=false --job.dump_folder=" + dir + "/run > " +
-                   log + " 2>&1; echo $?")
-                      .c_str(),
-                  "r");
-  ASSERT_NE(p, nullptr);
-  // Once a few steps ran, the file is cut to its first 300 bytes (the header and a few tokens).
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < until) {
-    std::ifstream m(dir + "/run/metrics.jsonl");
-    std::string line;
-    int lines = 0;
-    while (std::getline(m, line)) ++lines;
-    if (lines >= 3) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  std::filesystem::resize_file(dir + "/corpus/part.bin", 300);
-  char status[16] = {};
-  ASSERT_NE(std::fgets(status, sizeof status, p), nullptr);
-  pclose(p);
-  std::ifstream in(log);
-  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(std::string(status), "1\n") << out;
-  EXPECT_NE(out.find(dir + "/corpus/part.bin: cannot read 34 bytes at offset "), std::string::npos) << out;
-  EXPECT_NE(out.find("the file ends first: it holds 300 bytes now); it was cut short or rewritten while the run read "
-                     "it"),
+// A token id past the model's vocabulary deep in a corpus is found at start, naming the
+// file, the token and the byte, before step 1 (it stopped the run at the step that read
+// it, naming neither): in data.corpus, in the held-out part of validation.split, and
+// under two ranks where the other rank's file holds it.
+TEST(Commands, TokenIdsPastTheVocabularyAreFoundAtStart) {
+  const std::string dir = temp_dir("past_vocab");
+  std::vector<uint16_t> tokens(400 * 17), good(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) good[i] = tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
+  tokens[6000] = 200;  // the fixture's vocabulary is 96
+  write_bin(dir + "/corpus/part.bin", tokens, {3000, 5000, tokens.size()});
+  const int64_t byte = static_cast<int64_t>(io::make_npy_header("<u2", {6800}).size()) + 2 * 6000;
+  auto train = [&](const std::string& launch, const std::string& extra, const std::string& name) {
+    return run(launch + MOETRAIN_BIN + " train --model.init=hf:" + fixture("qwen3_moe_a") + " --data.corpus=" + dir +
+               "/corpus --data.seq_len=16 --training.global_batch_size=2 --training.steps=2 --job.dump_folder=" + dir +
+               "/" + name + " " + extra);
+  };
+  const std::string says = "part.bin: token id 200 at token 6000 (byte " + std::to_string(byte) +
+                           ") is outside the model's vocabulary [0, 96) of ";
+  auto [rc, out] = train("", "", "one");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("data.corpus: " + dir + "/corpus/" + says), std::string::npos) << out;
+  EXPECT_EQ(out.find("step 1/"), std::string::npos) << out;
+  // Held out: the training part (the first document) passes, the validation part does not.
+  std::tie(rc, out) = train("", "--validation.split=0.5 --validation.interval=1", "split");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("validation.split: " + dir + "/corpus/" + says), std::string::npos) << out;
+  if (run("command -v mpirun").first != 0) return;
+  // Two files, the bad one read by rank 1: rank 0 stops too, saying another rank found one.
+  write_bin(dir + "/corpus/part.bin", good, {good.size()});
+  write_bin(dir + "/corpus/zz.bin", tokens, {3000, tokens.size()});
+  std::tie(rc, out) = train(kMpirun + "2 ", "--parallelism.ep=2", "two");
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("data.corpus: " + dir + "/corpus/zz." + says.substr(5)), std::string::npos) << out;
+  EXPECT_NE(out.find("data.corpus: another rank found a token id outside the model's vocabulary [0, 96)"),
             std::string::npos)
       << out;
+}
+
+// A corpus file cut short while a run reads it (a data script rewriting a .bin in place)
+// stops the run with an error naming the file and what it holds now, after saving the
+// last step done; it was SIGBUS (exit 135, nothing on stderr, nothing saved) while the
+// tokens were read through a map. On two ranks too: the ranks agree at the step's start,
+// so whichever cannot read, every rank saves and stops (none waits for ever).
+TEST(Commands, ACorpusFileCutShortUnderARunIsNamed) {
+  const bool mpi = run("command -v mpirun").first == 0;
+  for (int ranks : {1, 2}) {
+    if (ranks > 1 && !mpi) continue;
+    const std::string dir = temp_dir("corpus_cut" + std::to_string(ranks));
+    std::filesystem::create_directories(dir + "/corpus");
+    std::vector<uint16_t> tokens(400 * 17);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
+    write_bin(dir + "/corpus/part.bin", tokens, {tokens.size()});
+    const std::string log = dir + "/log";
+    FILE* p = popen(((ranks > 1 ? kMpirun + "2 " : std::string()) + MOETRAIN_BIN + " train --model.init=hf:" +
+                     fixture("qwen3_moe_a") + " --data.corpus=" + dir + "/corpus --data.seq_len=16" +
+                     " --training.global_batch_size=2 --training.steps=100000 --checkpoint.save_final=false" +
+                     (ranks > 1 ? " --parallelism.ep=2" : "") + " --job.dump_folder=" + dir + "/run > " + log +
+                     " 2>&1; echo $?")
+                        .c_str(),
+                    "r");
+    ASSERT_NE(p, nullptr);
+    // Once a few steps ran, the file is cut to its first 300 bytes (the header and a few tokens).
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < until) {
+      std::ifstream m(dir + "/run/metrics.jsonl");
+      std::string line;
+      int lines = 0;
+      while (std::getline(m, line)) ++lines;
+      if (lines >= 3) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    std::filesystem::resize_file(dir + "/corpus/part.bin", 300);
+    char status[16] = {};
+    ASSERT_NE(std::fgets(status, sizeof status, p), nullptr);
+    pclose(p);
+    std::ifstream in(log);
+    const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(std::string(status), "0\n") << out;
+    if (ranks == 1) {
+      EXPECT_EQ(std::string(status), "1\n") << out;
+    }
+    EXPECT_NE(out.find(dir + "/corpus/part.bin: cannot read 34 bytes at offset "), std::string::npos) << out;
+    EXPECT_NE(out.find("the file ends first: it holds 300 bytes now); it was cut short or rewritten while the run "
+                       "read it"),
+              std::string::npos)
+        << out;
+    // The steps done are saved: the checkpoint is the last metrics line's step.
+    std::ifstream m(dir + "/run/metrics.jsonl");
+    int64_t last = 0;
+    for (std::string line; std::getline(m, line);) last = nlohmann::json::parse(line)["step"].get<int64_t>();
+    ASSERT_GE(last, 3) << out;
+    char step[32];
+    std::snprintf(step, sizeof step, "step-%08lld", static_cast<long long>(last));
+    const std::string saved = dir + "/run/checkpoints/" + step;
+    EXPECT_TRUE(std::filesystem::exists(saved + "/COMPLETE")) << ranks << " rank(s): " << out;
+    EXPECT_NE(out.find("Stopped before step " + std::to_string(last + 1) + "; the last checkpoint is " + saved),
+              std::string::npos)
+        << out;
+  }
 }
 
 // data.mixture: corpora a and b, weighted 1:3, in a config file's array form (paths taken

@@ -81,7 +81,7 @@ void Dataset::add_corpus(const std::string& folder, Split split) {
     MT_CHECK(h.shape.size() == 1 && (h.descr == "|u1" || h.descr == "<u2" || h.descr == "<u4"))
         << path << ": tokens array has dtype '" << h.descr << "' and " << h.shape.size()
         << " dimensions (expected a 1-D uint8, uint16 or uint32 array)";
-    g.tokens = static_cast<int64_t>(h.header_bytes);
+    g.tokens = g.header = static_cast<int64_t>(h.header_bytes);
     g.width = h.item_bytes;
     g.count = h.shape[0];
     size_t off = h.header_bytes + h.data_bytes();
@@ -121,6 +121,36 @@ void Dataset::add_corpus(const std::string& folder, Split split) {
   MT_CHECK(starts_.back() > first_sample)
       << "dataset " << folder << part << ": no file holds a whole sample of seq_len + 1 = " << seq_len + 1
       << " tokens (" << corpus_tokens << " tokens in " << files_.size() - first_file << " files)";
+}
+
+std::string Dataset::find_id_past(int64_t vocab, int part, int parts) const {
+  std::vector<uint8_t> chunk(size_t{8} << 20);
+  for (size_t f = static_cast<size_t>(part); f < files_.size(); f += static_cast<size_t>(parts)) {
+    const File& g = files_[f];
+    if (vocab >= (int64_t{1} << (8 * std::min<size_t>(g.width, 7)))) continue;
+    const int64_t per_chunk = static_cast<int64_t>(chunk.size() / g.width);
+    for (int64_t at = 0; at < g.count; at += per_chunk) {
+      const int64_t n = std::min(per_chunk, g.count - at);
+      g.file.read(g.tokens + at * static_cast<int64_t>(g.width), static_cast<size_t>(n) * g.width, chunk.data());
+      auto first_past = [&](auto type) -> int64_t {
+        using T = decltype(type);
+        const T* ids = reinterpret_cast<const T*>(chunk.data());
+        T largest = 0;
+        for (int64_t i = 0; i < n; ++i) largest = std::max(largest, ids[i]);  // vectorizes
+        if (static_cast<int64_t>(largest) < vocab) return -1;
+        for (int64_t i = 0;; ++i)
+          if (static_cast<int64_t>(ids[i]) >= vocab) return i;
+      };
+      const int64_t i = g.width == 1 ? first_past(uint8_t{}) : g.width == 2 ? first_past(uint16_t{}) : first_past(uint32_t{});
+      if (i < 0) continue;
+      uint32_t id = 0;
+      std::memcpy(&id, chunk.data() + i * static_cast<int64_t>(g.width), g.width);
+      const int64_t token = (g.tokens - g.header) / static_cast<int64_t>(g.width) + at + i;
+      return g.file.path() + ": token id " + std::to_string(id) + " at token " + std::to_string(token) + " (byte " +
+             std::to_string(g.tokens + (at + i) * static_cast<int64_t>(g.width)) + ")";
+    }
+  }
+  return "";
 }
 
 int64_t Dataset::sample_at(uint64_t position) const {

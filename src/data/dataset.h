@@ -101,6 +101,12 @@ class Dataset {
   std::vector<double> shares() const;
   // Tokens [begin, end) of sample `index` (0 <= begin <= end <= seq_len + 1).
   void read_sample(int64_t index, int64_t begin, int64_t end, int32_t* out) const;
+  // The first token id at or past `vocab` in the part read of files f with f % parts ==
+  // part, as "FILE: token id V at token I (byte B)"; empty when there is none. A file
+  // whose token type cannot hold such an id (u1 under a vocabulary of 256 or more, u2 of
+  // 65536) is not read. Ranks split the files, so a corpus is read once at start rather
+  // than failing at the step that first meets the id.
+  std::string find_id_past(int64_t vocab, int part, int parts) const;
   // The sequence positions of cp rank cp_rank's columns, [seq_len / cp_size].
   std::vector<int64_t> positions(int cp_rank, int cp_size) const;
 
@@ -113,6 +119,7 @@ class Dataset {
   struct File {
     io::PositionalFile file;  // read with pread: a file cut short under the run is an error, not SIGBUS
     int64_t tokens = 0;  // the byte offset of the first token of the part read (Split)
+    int64_t header = 0;  // the byte offset of the file's first token
     size_t width = 0;  // bytes per token: 1, 2 or 4
     int64_t count = 0;  // tokens of that part
   };

@@ -411,22 +411,42 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
       << "data.mixture (several, weighted)";
   MT_CHECK(corpora.empty() || cfg.data.seq_len > 0) << "data.seq_len must be set (> 0) with data.corpus or data.mixture";
 
+  // A corpus's token ids are checked against the vocabulary once, here, with the ranks
+  // splitting its files: an id past it names its file and offset before step 1.
+  const int64_t vocab = model->vocab_size();
+  auto corpus = [&](const std::vector<data::Source>& sources, int64_t seq_len, data::Split split, const char* key) {
+    auto d = std::make_unique<data::Dataset>(sources, seq_len, cfg.training.seed, split);
+    std::string found, failed;
+    try {
+      found = d->find_id_past(vocab, world.rank(), world.size());
+    } catch (const Error& e) {
+      failed = e.message;  // said after the ranks have met, so none waits for it
+    }
+    std::vector<int64_t> bad = {found.empty() && failed.empty() ? 0 : 1};
+    if (world.size() > 1) world.comm().all_reduce(Tensor(bad.data(), {1}, DType::i64));
+    const std::string tail = " is outside the model's vocabulary [0, " + std::to_string(vocab) + ") of " +
+                             config_json + ": was " + key + " tokenized with another tokenizer?";
+    MT_CHECK(failed.empty()) << key << ": " << failed;
+    MT_CHECK(found.empty()) << key << ": " << found << tail;
+    MT_CHECK(bad[0] == 0) << key << ": another rank found a token id outside the model's vocabulary [0, " << vocab
+                          << ") or could not read a file (it names the file)";
+    return d;
+  };
   std::unique_ptr<Trainer> made;
   if (corpora.empty())
-    made = std::make_unique<Trainer>(cfg, *model, read_token_batch(cfg.data.tokens, model->vocab_size()));
+    made = std::make_unique<Trainer>(cfg, *model, read_token_batch(cfg.data.tokens, vocab));
   else
-    made = std::make_unique<Trainer>(
-        cfg, *model,
-        std::make_unique<data::Dataset>(corpora, cfg.data.seq_len, cfg.training.seed, data::Split{cfg.validation.split, false}));
+    made = std::make_unique<Trainer>(cfg, *model,
+                                     corpus(corpora, cfg.data.seq_len, data::Split{cfg.validation.split, false},
+                                            cfg.data.mixture.empty() ? "data.corpus" : "data.mixture"));
   Trainer& trainer = *made;
   const ValidationConfig& val = cfg.validation;
   if (!val.tokens.empty())
-    trainer.set_validation(read_token_batch(val.tokens, model->vocab_size()));
+    trainer.set_validation(read_token_batch(val.tokens, vocab));
   else if (!val.corpus.empty())
-    trainer.set_validation(std::make_unique<data::Dataset>(val.corpus, trainer.seq_len(), cfg.training.seed));
+    trainer.set_validation(corpus({{val.corpus, 1.0}}, trainer.seq_len(), {}, "validation.corpus"));
   else if (val.split > 0)
-    trainer.set_validation(
-        std::make_unique<data::Dataset>(corpora, trainer.seq_len(), cfg.training.seed, data::Split{val.split, true}));
+    trainer.set_validation(corpus(corpora, trainer.seq_len(), data::Split{val.split, true}, "validation.split"));
   // Positions past what the model was made for (as eval refuses them).
   const int64_t max_positions = max_position_embeddings(config_json);
   if (max_positions > 0 && trainer.seq_len() > max_positions) {
@@ -594,7 +614,16 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   int64_t skipped = 0;  // steps not applied (non-finite), this run
   bool metrics_lost = false;  // past metrics.max_lost_lines, on every rank
   while (trainer.steps_done() < cfg.training.steps) {
-    StepResult r = trainer.step();
+    StepResult r;
+    try {
+      r = trainer.step();
+    } catch (const StepNotTaken& e) {
+      // Nothing of the step was done: the last step done is saved, then the run stops.
+      if (trainer.steps_done() > 0) save(lr);
+      MT_FAIL() << e.message << ". Stopped before step " << trainer.steps_done() + 1 << "; the last checkpoint is "
+                << (last_checkpoint.empty() ? std::string("none of this run's") : last_checkpoint)
+                << " (step " << trainer.steps_done() << ")";
+    }
     lr = r.lr;
     Trainer::Validation v;
     if (val.interval > 0 && r.step % val.interval == 0) {

@@ -380,7 +380,11 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
 void Trainer::load_micro_batch(Stash& s, int64_t index, const TokenBatch& tokens, data::Dataset* corpus) {
   size_t n = static_cast<size_t>(s.batch * s.seq);
   const int32_t *ids, *labels;
-  if (corpus) {
+  if (corpus && corpus == corpus_.get()) {
+    MT_CHECK(step_loaded_ < micro_batches_ && n * static_cast<size_t>(micro_batches_) == step_ids_.size());
+    ids = step_ids_.data() + n * static_cast<size_t>(step_loaded_);
+    labels = step_labels_.data() + n * static_cast<size_t>(step_loaded_++);
+  } else if (corpus) {
     host_ids_.resize(n);
     host_labels_.resize(n);
     corpus->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0,
@@ -409,6 +413,32 @@ void Trainer::load_micro_batch(Stash& s, int64_t index, const TokenBatch& tokens
   }
   copy(s.ids, Tensor(const_cast<int32_t*>(ids), s.ids.shape, DType::i32));
   copy(s.labels, Tensor(const_cast<int32_t*>(labels), s.labels.shape, DType::i32));
+}
+
+void Trainer::read_step_tokens() {
+  const data::DataCursor before = corpus_->cursor();
+  const int cp = cp_ ? cp_->size() : 1;
+  const size_t n = static_cast<size_t>(micro_batch_ * (seq_ / cp));
+  step_ids_.resize(n * static_cast<size_t>(micro_batches_));
+  step_labels_.resize(step_ids_.size());
+  step_loaded_ = 0;
+  std::string failed;
+  try {
+    for (int64_t m = 0; m < micro_batches_; ++m)
+      corpus_->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0, cp,
+                          micro_batch_, std::span(step_ids_).subspan(n * static_cast<size_t>(m), n),
+                          std::span(step_labels_).subspan(n * static_cast<size_t>(m), n));
+  } catch (const Error& e) {
+    failed = e.message;
+  }
+  std::vector<int64_t> bad = {failed.empty() ? 0 : 1};
+  if (world_ && world_->size() > 1) world_->all_reduce(Tensor(bad.data(), {1}, DType::i64));
+  if (bad[0] == 0) return;
+  corpus_->set_cursor(before);
+  throw StepNotTaken(failed.empty() ? "another rank could not read its tokens of step " + std::to_string(step_ + 1) +
+                                          " (it names the file)"
+                                    : failed,
+                     "");
 }
 
 std::string Trainer::data_cursor() const {
@@ -623,6 +653,9 @@ StepResult Trainer::step() {
   const bool global_lb = t.load_balance_type == "global_batch";
   const double coef = t.load_balance_coef;
 
+  // The step's tokens first: a corpus that cannot be read stops every rank here, before
+  // anything changed (StepNotTaken).
+  if (corpus_) read_step_tokens();
   StepResult r;
   r.step = ++step_;
   double loss_sum = 0;

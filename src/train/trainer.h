@@ -133,6 +133,14 @@ struct StepResult {
   std::string non_finite;
 };
 
+// A step that stopped before it changed anything: a corpus file could not be read at
+// its start (cut short under the run), on this rank or another (every rank throws it at
+// the same step). The weights, moments, step count and data order are those of the last
+// step done, so the caller may save them before it stops.
+struct StepNotTaken : Error {
+  using Error::Error;
+};
+
 class Trainer {
  public:
   // Every step trains on the same token matrix (data.tokens) ...
@@ -152,7 +160,7 @@ class Trainer {
   void set_parallel(comm::DeviceMesh& mesh);
   // The layers a pp rank builds (ModelOptions::layers), embedding and head included.
   static Pipeline pipeline_of(const Config& cfg, int64_t layers);
-  StepResult step();
+  StepResult step();  // throws StepNotTaken (above)
   int64_t steps_done() const { return step_; }
   int64_t seq_len() const { return seq_; }
   int64_t global_batch() const { return global_batch_; }
@@ -217,6 +225,9 @@ class Trainer {
   // Micro-batch `index` of a step's (or a validation's: index / micro_batches_ is its
   // global batch) from a token matrix or, when given, a corpus.
   void load_micro_batch(Stash& s, int64_t index, const TokenBatch& tokens, data::Dataset* corpus);
+  // data.corpus: this rank's tokens of the whole step, read before any compute (in the
+  // order its loads take them), the ranks agreeing that each could; else StepNotTaken.
+  void read_step_tokens();
 
   Config cfg_;
   Model& model_;
@@ -226,6 +237,8 @@ class Trainer {
   std::unique_ptr<data::Dataset> val_corpus_;  // validation.corpus or .split
   int64_t seq_ = 0, global_batch_ = 0;
   std::vector<int32_t> host_ids_, host_labels_;  // a corpus micro-batch on its way to the device
+  std::vector<int32_t> step_ids_, step_labels_;  // read_step_tokens's, micro-batch after micro-batch
+  int64_t step_loaded_ = 0;                      // micro-batches of them loaded this step
   comm::Communicator* dp_ = nullptr;              // the data ranks; null: one rank
   comm::Communicator* ep_ = nullptr;              // null: no expert parallelism
   comm::Communicator* cp_ = nullptr;              // null: whole sequences on this rank
