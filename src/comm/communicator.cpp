@@ -719,6 +719,21 @@ std::string broadcast_text(Communicator& c, const std::string& text, int root) {
   return out;
 }
 
+void sum_in_rank_order(Communicator* c, std::vector<double>& v) {
+  if (!c || v.empty()) return;
+  const int64_t n = static_cast<int64_t>(v.size()), ranks = c->size();
+  std::vector<int64_t> mine(v.size()), all(static_cast<size_t>(n * ranks));
+  std::memcpy(mine.data(), v.data(), v.size() * sizeof(double));
+  c->all_gather(Tensor(mine.data(), {n}, DType::i64), Tensor(all.data(), {n * ranks}, DType::i64));
+  std::fill(v.begin(), v.end(), 0.0);
+  for (int64_t r = 0; r < ranks; ++r)
+    for (int64_t i = 0; i < n; ++i) {
+      double x = 0;
+      std::memcpy(&x, &all[static_cast<size_t>(r * n + i)], sizeof(double));
+      v[static_cast<size_t>(i)] += x;
+    }
+}
+
 Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic traffic) {
   std::string w = where("send/recv batch") + " [";
   for (const P2P& op : ops)

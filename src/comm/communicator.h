@@ -210,6 +210,11 @@ class Communicator {
 // is not read).
 std::string broadcast_text(Communicator& c, const std::string& text, int root);
 
+// Sums host doubles over the ranks of `c` (null: one rank, nothing to do). Gathered as
+// raw 64-bit words and added in rank order: exact doubles, and the same sum on every rank
+// (there is no f64 reduction; an f32 one lost ~1e-7). Collective.
+void sum_in_rank_order(Communicator* c, std::vector<double>& v);
+
 // The process-wide world. Created at the first world() call: reads the launcher's
 // variables, calls MPI_Init (only when there is more than one rank, so a lone
 // process needs no mpirun), checks that MPI agrees with the launcher, and names the

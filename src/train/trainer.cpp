@@ -25,6 +25,7 @@
 #include "models/expert_replicas.h"
 #include "models/hf_config.h"
 #include "parallel/context_parallel.h"
+#include "train/balance.h"
 #include "train/checkpoint.h"
 #include "train/schedule.h"
 
@@ -593,304 +594,138 @@ void Trainer::place_replicas(StepResult& r) {
   }
 }
 
-namespace {
-
-// Sums host numbers over every rank (null: one rank). Gathered as raw 64-bit words and
-// added in rank order: exact doubles, and the same sum on every rank (there is no f64
-// reduction; an f32 one lost ~1e-7).
-void sum_over(comm::Communicator* world, std::vector<double>& v) {
-  if (!world || v.empty()) return;
-  const int64_t n = static_cast<int64_t>(v.size()), ranks = world->size();
-  std::vector<int64_t> mine(v.size()), all(static_cast<size_t>(n * ranks));
-  std::memcpy(mine.data(), v.data(), v.size() * sizeof(double));
-  world->all_gather(Tensor(mine.data(), {n}, DType::i64), Tensor(all.data(), {n * ranks}, DType::i64));
-  std::fill(v.begin(), v.end(), 0.0);
-  for (int64_t r = 0; r < ranks; ++r)
-    for (int64_t i = 0; i < n; ++i) {
-      double x = 0;
-      std::memcpy(&x, &all[static_cast<size_t>(r * n + i)], sizeof(double));
-      v[static_cast<size_t>(i)] += x;
-    }
-}
-
-// DeepSeek-V2's sequence-level balance term of one MoE layer's rows (its seq_aux): for
-// each sequence b of T tokens, sum_e (count_be E / (T k)) (prob_sum_be / T), where
-// count_be is the tokens of b that chose e; the mean over the step's `sequences` is
-// added, over the MoE layers, as DeepSeek adds it. Its gradient with respect to p[e] of
-// each token of b, coef count_be E / (T k) / T / sequences, goes to the model. With
-// context parallelism each of the `cps` ranks holds the whole sequence's term and adds
-// 1/cps of it.
-double sequence_balance(const RouterStats& st, int64_t cps, int64_t sequences, double coef, Model& model, Stash& s) {
-  const int64_t E = static_cast<int64_t>(st.counts.size()), rows = st.seq_rows;
-  const double T = static_cast<double>(st.seq_tokens * cps), k = static_cast<double>(st.top_k);
-  const double n = static_cast<double>(sequences);
-  std::vector<float> dprob(static_cast<size_t>(rows * E));
-  double lb = 0;
-  for (int64_t b = 0; b < rows; ++b)
-    for (int64_t e = 0; e < E; ++e) {
-      const size_t i = static_cast<size_t>(b * E + e);
-      const double f = static_cast<double>(st.seq_counts[i]) * static_cast<double>(E) / (T * k);
-      lb += f * st.seq_prob_sum[i] / T / n;
-      dprob[i] = static_cast<float>(coef * f / T / n);
-    }
-  model.set_router_prob_grad(s, st.layer, dprob);
-  return lb / static_cast<double>(cps);
-}
-
-}  // namespace
-
+// The step's story; each phase is a function below, the balance terms train/balance.h.
 StepResult Trainer::step() {
   if (stashes_.empty()) make_stashes();
   model_.reset_row_memory();
-  auto start = std::chrono::steady_clock::now();
+  const auto start = std::chrono::steady_clock::now();
 #ifdef MOETRAIN_WITH_CUDA
   const int64_t host_waits_at_start = model_.device() == Device::cuda ? cuda::host_waits() : 0;
+#else
+  const int64_t host_waits_at_start = 0;
 #endif
-  const TrainingConfig& t = cfg_.training;
-  // Token matrices and corpus windows label every position: the mean is over all.
-  const int64_t count = global_batch_ * seq_;
-  const float loss_scale = static_cast<float>(1.0 / static_cast<double>(count));
-  const bool global_lb = t.load_balance_type == "global_batch";
-  const double coef = t.load_balance_coef;
-
   // The step's tokens first: a corpus that cannot be read stops every rank here, before
   // anything changed (StepNotTaken).
   if (corpus_) read_step_tokens();
   StepResult r;
   r.step = ++step_;
-  double loss_sum = 0;
-  // Per MoE layer of the whole model (zeros for other pp ranks' layers), summed over
-  // micro-batches.
-  std::vector<int64_t> moe_index(static_cast<size_t>(model_.num_layers()), -1);
-  size_t moe_layers = 0;
-  for (int64_t l = 0; l < model_.num_layers(); ++l)
-    if (model_.is_moe_layer(l)) {
-      moe_index[l] = static_cast<int64_t>(moe_layers++);
-      r.moe_layers.push_back(l);
-    }
-  const size_t E = static_cast<size_t>(model_.num_experts());
-  std::vector<std::vector<int64_t>> counts(moe_layers, std::vector<int64_t>(E, 0));
-  std::vector<std::vector<double>> prob_sums(moe_layers, std::vector<double>(E, 0.0));
-  int64_t routed_tokens = 0;
-  std::vector<int64_t> dropped = {0};  // slots over an expert's capacity, all layers
-  // With expert replicas, per MoE layer the rows each slot of the ep ranks got.
-  ExpertReplicas* replicas = model_.expert_replicas();
-  std::vector<std::vector<int64_t>> slot_rows(
-      replicas ? moe_layers : 0, std::vector<int64_t>(replicas ? static_cast<size_t>(ep_->size() * replicas->slots()) : 0, 0));
+  StepBalance balance(cfg_.training, model_, global_batch_ * seq_, global_batch_, micro_batches_,
+                      {cp_, world_, ep_, dp_ ? dp_->size() : 1});
+  const double loss_sum = run_step_schedule(balance);  // forwards, backwards, the schedule's reductions
+  finish_gradients(r, balance);                        // replicas' and the expert cache's
+  reduce_step(r, balance, loss_sum);                   // loss, terms, norm over the ranks; non-finite?
+  apply_step(r, balance);                              // the update, biases and placements
+  measure_step(r, start, host_waits_at_start);         // time and memory
+  return r;
+}
 
-  // The router z-loss: its sum over tokens and MoE layers, and its gradient's factor on
-  // that sum (the mean over the global batch's tokens and the MoE layers, times coef).
-  double z_total = 0;
-  r.z_loss_on = t.router_z_loss_coef > 0 && moe_layers > 0;
-  const double z_mean = r.z_loss_on ? 1.0 / (static_cast<double>(count) * static_cast<double>(moe_layers)) : 0.0;
-  model_.set_router_z_loss(t.router_z_loss_coef * z_mean);
-  auto accumulate_stats = [&](const std::vector<RouterStats>& stats) {
-    for (const RouterStats& st : stats) {
-      const size_t i = static_cast<size_t>(moe_index[st.layer]);
-      for (size_t e = 0; e < E; ++e) {
-        counts[i][e] += st.counts[e];
-        prob_sums[i][e] += st.prob_sum[e];
-      }
-      dropped[0] += st.dropped;
-      z_total += st.z_sum;
-      for (size_t i2 = 0; i2 < st.slot_counts.size(); ++i2) slot_rows[i][i2] += st.slot_counts[i2];
-    }
-    if (!stats.empty()) routed_tokens += stats[0].tokens;
-  };
-  // The Switch-style balance term of one layer, in transformers' convention:
-  // E * sum_e (tokens routed to e / tokens) * (mean probability of e); k when balanced.
-  // Its gradient with respect to each token's p[e] is E * f_e / tokens (f is constant).
-  auto balance = [&](const std::vector<int64_t>& c, const std::vector<double>& ps, int64_t tokens, double weight,
-                     std::vector<float>* dprob) {
-    const int64_t E = model_.num_experts();
-    double lb = 0;
-    if (dprob) dprob->assign(static_cast<size_t>(E), 0.0f);
-    for (int64_t e = 0; e < E; ++e) {
-      double f = static_cast<double>(c[e]) / static_cast<double>(tokens);
-      lb += E * f * ps[e] / static_cast<double>(tokens);
-      if (dprob) (*dprob)[e] = static_cast<float>(weight * E * f / static_cast<double>(tokens));
-    }
-    return lb;
-  };
-
-  const int64_t mb_count = micro_batches_;
-  const int64_t ranks = dp_ ? dp_->size() : 1;
-  // Sums over every rank of host numbers (identity on one rank).
-  auto sum_ranks_f64 = [&](std::vector<double>& v) { sum_over(world_, v); };
-  auto sum_ranks_i64 = [&](std::vector<int64_t>& v) {
-    if (world_ && !v.empty()) world_->all_reduce(Tensor(v.data(), {static_cast<int64_t>(v.size())}, DType::i64));
-  };
-  double lb_total = 0;
-  std::vector<std::vector<RouterStats>> all;  // global_batch: every micro-batch's routing
-  auto stash_of = [&](int mb) -> Stash& { return *stashes_[static_cast<size_t>(slot_[mb])]; };
-  // The trainer's own actions of the schedule.
-  auto on_action = [&](const Action& a) {
-    Stash& s = stash_of(a.micro_batch);
-    if (a.op == Op::load) {
-      load_micro_batch(s, a.micro_batch, data_, corpus_.get());
-    } else if (a.op == Op::statistics && global_lb) {
-      all.push_back(model_.router_stats(s));
-      accumulate_stats(all.back());
-    } else if (a.op == Op::statistics && t.load_balance_type == "sequence") {
-      std::vector<RouterStats> stats = model_.router_stats(s);
-      accumulate_stats(stats);
-      for (RouterStats st : stats) {
-        MT_CHECK(st.seq_rows > 0) << "training.load_balance_type = sequence, but the model was built without "
-                                  << "ModelOptions::sequence_balance (model_options sets it from the config)";
-        const int64_t cps = cp_ ? cp_->size() : 1;
-        if (cp_) {  // a row's sequence spans the cp ranks: every one's chunks
-          cp_->all_reduce(Tensor(st.seq_counts.data(), {static_cast<int64_t>(st.seq_counts.size())}, DType::i64));
-          std::vector<float> p(st.seq_prob_sum.begin(), st.seq_prob_sum.end());
-          cp_->all_reduce(Tensor(p.data(), {static_cast<int64_t>(p.size())}, DType::f32));
-          st.seq_prob_sum.assign(p.begin(), p.end());
-        }
-        lb_total += sequence_balance(st, cps, global_batch_, coef, model_, s);
-      }
-    } else if (a.op == Op::statistics) {
-      std::vector<RouterStats> stats = model_.router_stats(s);
-      accumulate_stats(stats);
-      for (RouterStats st : stats) {
-        std::vector<float> dprob;
-        // A micro-batch's routing is over its whole sequences: with context
-        // parallelism, over every cp rank's chunks.
-        const int64_t cps = cp_ ? cp_->size() : 1;
-        if (cp_) {
-          std::vector<int64_t> c = st.counts;
-          c.push_back(st.tokens);
-          cp_->all_reduce(Tensor(c.data(), {static_cast<int64_t>(c.size())}, DType::i64));
-          st.tokens = c.back();
-          c.pop_back();
-          st.counts = c;
-          std::vector<float> p(st.prob_sum.begin(), st.prob_sum.end());
-          cp_->all_reduce(Tensor(p.data(), {static_cast<int64_t>(p.size())}, DType::f32));
-          st.prob_sum.assign(p.begin(), p.end());
-        }
-        // Every micro-batch of every data rank weighs the same in the mean; its cp
-        // ranks each hold the same term, so each adds 1/cp of it to the sum.
-        double n = static_cast<double>(moe_layers * mb_count * (ranks / cps));
-        lb_total += balance(st.counts, st.prob_sum, st.tokens, coef / n, &dprob) / (n * static_cast<double>(cps));
-        model_.set_router_prob_grad(s, st.layer, dprob);
-      }
-    } else if (a.op == Op::balance) {
-      // Routing over the whole global batch: every rank's counts and probabilities.
-      std::vector<int64_t> routed = {routed_tokens};
-      sum_ranks_i64(routed);
-      routed_tokens = routed[0];
-      for (size_t i = 0; i < counts.size(); ++i) {
-        sum_ranks_i64(counts[i]);
-        sum_ranks_f64(prob_sums[i]);
-      }
-      for (size_t i = 0; i < counts.size(); ++i) {
-        std::vector<float> dprob;
-        lb_total += balance(counts[i], prob_sums[i], routed_tokens, coef / static_cast<double>(counts.size()),
-                            &dprob) /
-                    static_cast<double>(counts.size());
-        for (int mb = 0; mb < mb_count; ++mb) model_.set_router_prob_grad(stash_of(mb), all[mb][i].layer, dprob);
-      }
-    }
-  };
+double Trainer::run_step_schedule(StepBalance& balance) {
+  const float loss_scale = static_cast<float>(1.0 / static_cast<double>(global_batch_ * seq_));
   ScheduleContext ctx;
   ctx.model = &model_;
-  for (int mb = 0; mb < mb_count; ++mb) ctx.stashes.push_back(&stash_of(mb));
+  for (int mb = 0; mb < micro_batches_; ++mb) ctx.stashes.push_back(stashes_[static_cast<size_t>(slot_[mb])].get());
+  // The trainer's own actions of the schedule.
+  ctx.trainer = [&](const Action& a) {
+    Stash& s = *ctx.stashes[static_cast<size_t>(a.micro_batch)];
+    if (a.op == Op::load) load_micro_batch(s, a.micro_batch, data_, corpus_.get());
+    else if (a.op == Op::statistics) balance.statistics(s);
+    else if (a.op == Op::balance) balance.global(ctx.stashes);
+  };
   ctx.loss_scale = loss_scale;
   ctx.zero3 = zero3_.get();
   ctx.optimizer = dp_ ? &optimizer_ : nullptr;
   ctx.profile = &profile_;
-  ctx.trainer = on_action;
   ctx.pipeline = &pipeline_;
   ctx.pp = pp_;
   ctx.pp_rank = pp_rank_;
   ctx.blocks = block_of_;
   clear_gradient_marks(model_.params());  // the step's first write of each gradient replaces it
   run_schedule(actions_, ctx);
+  double loss_sum = 0;
   for (const LossSum& l : ctx.losses) loss_sum += l.sum;
-  // The replicas' gradients into their owners' before the norm (the layers that the
-  // schedule's reductions summed already are skipped).
-  if (replicas) {
+  return loss_sum;
+}
+
+// The replicas' gradients into their owners' before the norm (the layers that the
+// schedule's reductions summed already are skipped); with offload.experts = weights the
+// gradients the cache holds go back to host memory, where the norm and the update read
+// them, and the experts' residency is counted.
+void Trainer::finish_gradients(StepResult& r, const StepBalance& balance) {
+  if (ExpertReplicas* replicas = model_.expert_replicas()) {
     profile_.mark("replica gradients");
     for (int64_t l : replicas->layers()) replicas->sum_gradients(l);
   }
-  // offload.experts = weights: the gradients the cache holds go back to host memory,
-  // where the norm and the update read them.
   r.expert_cache = model_.flush_expert_cache();
-  if (cfg_.offload.experts == "weights") {
-    // [MoE layer][expert] over the whole model: each expert lives on one rank (the tier
-    // refuses experts shared by dp x cp ranks), its ep rank's slice of the experts.
-    std::vector<int64_t> uses(moe_layers * E, 0), hits(uses.size(), 0);
-    const ExpertCacheStats& c = r.expert_cache;
-    for (size_t l = 0; l < c.expert_uses.size(); ++l) {
-      if (moe_index[l] < 0) continue;
-      const size_t local = c.expert_uses[l].size(), first = ep_ ? static_cast<size_t>(ep_->rank()) * local : 0;
-      for (size_t e = 0; e < local; ++e) {
-        uses[static_cast<size_t>(moe_index[l]) * E + first + e] = c.expert_uses[l][e];
-        hits[static_cast<size_t>(moe_index[l]) * E + first + e] = c.expert_hits[l][e];
-      }
+  if (cfg_.offload.experts != "weights") return;
+  // [MoE layer][expert] over the whole model: each expert lives on one rank (the tier
+  // refuses experts shared by dp x cp ranks), its ep rank's slice of the experts.
+  const std::vector<int64_t>& moe_index = balance.moe_index();
+  const size_t E = static_cast<size_t>(model_.num_experts()), layers = balance.counts().size();
+  std::vector<int64_t> uses(layers * E, 0), hits(uses.size(), 0);
+  const ExpertCacheStats& c = r.expert_cache;
+  for (size_t l = 0; l < c.expert_uses.size(); ++l) {
+    if (moe_index[l] < 0) continue;
+    const size_t local = c.expert_uses[l].size(), first = ep_ ? static_cast<size_t>(ep_->rank()) * local : 0;
+    for (size_t e = 0; e < local; ++e) {
+      uses[static_cast<size_t>(moe_index[l]) * E + first + e] = c.expert_uses[l][e];
+      hits[static_cast<size_t>(moe_index[l]) * E + first + e] = c.expert_hits[l][e];
     }
-    sum_ranks_i64(uses);
-    sum_ranks_i64(hits);
-    r.expert_residency.assign(moe_layers, std::vector<double>(E, -1.0));
-    for (size_t i = 0; i < uses.size(); ++i)
-      if (uses[i] > 0) r.expert_residency[i / E][i % E] = static_cast<double>(hits[i]) / static_cast<double>(uses[i]);
   }
-
-  // Global gradient norm in double, then torch's clipping rule (a factor of exactly 1
-  // changes nothing, so it is skipped).
-  profile_.mark("gradient norm");
   if (world_) {
-    // Each rank's shard of the gradients was summed over the ranks that share its
-    // blocks during the backward (the schedule's reductions); every element lives on
-    // one rank of its group (a group of one's blocks on this rank alone), so the
-    // squares of all shards add up to the global norm over the whole mesh (experts of
-    // every ep rank and layers of every pp rank too).
-    std::vector<double> sums = {loss_sum, lb_total, optimizer_.grad_sum_squares(), z_total};
-    sum_ranks_f64(sums);
-    loss_sum = sums[0];
-    z_total = sums[3];
-    // The global-batch term is the same number on every rank already.
-    if (!global_lb) lb_total = sums[1];
-    r.grad_norm = std::sqrt(sums[2]);
-    if (!global_lb)
-      for (auto& c : counts) sum_ranks_i64(c);
-    for (auto& c : slot_rows) sum_ranks_i64(c);
-    sum_ranks_i64(dropped);
-  } else {
-    r.grad_norm = std::sqrt(optimizer_.grad_sum_squares());
+    world_->all_reduce(Tensor(uses.data(), {static_cast<int64_t>(uses.size())}, DType::i64));
+    world_->all_reduce(Tensor(hits.data(), {static_cast<int64_t>(hits.size())}, DType::i64));
   }
-  r.loss = loss_sum / static_cast<double>(count);
-  r.lb_loss = lb_total;
-  r.z_loss = z_total * z_mean;
-  // All three are the same numbers on every rank, so every rank skips the same steps.
+  r.expert_residency.assign(layers, std::vector<double>(E, -1.0));
+  for (size_t i = 0; i < uses.size(); ++i)
+    if (uses[i] > 0) r.expert_residency[i / E][i % E] = static_cast<double>(hits[i]) / static_cast<double>(uses[i]);
+}
+
+// The global gradient norm in double: each rank's shard of the gradients was summed
+// over the ranks that share its blocks during the backward (the schedule's reductions);
+// every element lives on one rank of its group, so the squares of all shards add up to
+// the global norm over the whole mesh (experts of every ep rank and layers of every pp
+// rank too). The loss, the norm and the balance terms are then the same numbers on every
+// rank, so every rank skips the same non-finite steps.
+void Trainer::reduce_step(StepResult& r, StepBalance& balance, double loss_sum) {
+  profile_.mark("gradient norm");
+  std::vector<double> sums = {loss_sum, optimizer_.grad_sum_squares()};
+  balance.reduce(sums);
+  r.loss = sums[0] / static_cast<double>(global_batch_ * seq_);
+  r.grad_norm = std::sqrt(sums[1]);
+  balance.report(r);
   for (auto [name, v] : {std::pair{"loss", r.loss}, {"lb_loss", r.lb_loss}, {"grad_norm", r.grad_norm}})
     if (!std::isfinite(v) && r.non_finite.empty()) r.non_finite = name;
-  // torch's clipping factor, applied by the optimizer as it reads each gradient.
+}
+
+// torch's clipping factor (a factor of exactly 1 changes nothing, so it is skipped),
+// applied by the optimizer as it reads each gradient; the update unless the step is not
+// finite; then the expert biases and the replicas' placements.
+void Trainer::apply_step(StepResult& r, const StepBalance& balance) {
+  const TrainingConfig& t = cfg_.training;
   float clip = 1.0f;
   if (t.clip_grad_norm > 0) clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
   r.lr = lr_at(cfg_, r.step - 1);
   profile_.mark("optimizer");
   if (r.non_finite.empty()) optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
-  r.expert_counts = counts;
   if (corpus_ && corpus_->corpora() > 1) r.data_shares = corpus_->shares();
-  if (t.expert_bias_update_rate > 0 && r.non_finite.empty()) update_expert_bias(counts);
+  if (t.expert_bias_update_rate > 0 && r.non_finite.empty()) {
+    update_expert_bias(expert_bias_, balance.counts(), t.expert_bias_update_rate);
+    apply_expert_bias(model_, expert_bias_, [&](int64_t l) { return pipeline_.owner(l) == pp_rank_; });
+  }
   r.expert_bias = expert_bias_;
-  if (replicas) {
+  if (model_.expert_replicas()) {
     profile_.mark("replica weights");
     place_replicas(r);
   }
   r.breakdown = profile_.finish();
+}
 
-  r.dropped_slots = dropped[0];
-  if (ep_) {
-    // The rows each ep rank received: its slots' (replicas) or its own experts'.
-    const int64_t ranks = ep_->size();
-    for (size_t i = 0; i < counts.size(); ++i) {
-      std::vector<double> rows(static_cast<size_t>(ranks), 0.0);
-      const std::vector<int64_t>& by = replicas ? slot_rows[i] : counts[i];
-      for (size_t j = 0; j < by.size(); ++j) rows[j * static_cast<size_t>(ranks) / by.size()] += static_cast<double>(by[j]);
-      const double total = std::accumulate(rows.begin(), rows.end(), 0.0);
-      r.ep_rows_max_over_mean.push_back(total > 0 ? *std::max_element(rows.begin(), rows.end()) * static_cast<double>(ranks) / total : 1.0);
-    }
-  }
-
+// The step's time, and the memory it held: the optimizer's, the parameters' (values,
+// gradients, compute copies, FP8 copies; in host memory where offloaded), the stashes'
+// and blocks', the expert rows' peak; with the offload traffic.
+void Trainer::measure_step(StepResult& r, std::chrono::steady_clock::time_point start,
+                           [[maybe_unused]] int64_t host_waits_at_start) {
+  const int64_t count = global_batch_ * seq_;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.tokens = count;
   r.tokens_per_s = static_cast<double>(count) / std::max(r.seconds, 1e-9);
@@ -925,7 +760,7 @@ StepResult Trainer::step() {
     std::vector<double> each(2 * static_cast<size_t>(world_->size()), 0.0);
     each[2 * static_cast<size_t>(world_->rank())] = static_cast<double>(rows.peak);
     each[2 * static_cast<size_t>(world_->rank()) + 1] = rows.skew;
-    sum_ranks_f64(each);
+    comm::sum_in_rank_order(world_, each);
     for (size_t i = 0; i < each.size(); i += 2) {
       r.expert_row_bytes = std::max(r.expert_row_bytes, static_cast<int64_t>(each[i]));
       r.routing_skew = std::max(r.routing_skew, each[i + 1]);
@@ -937,7 +772,6 @@ StepResult Trainer::step() {
     r.host_waits = cuda::host_waits() - host_waits_at_start;
   }
 #endif
-  return r;
 }
 
 void Trainer::set_validation(TokenBatch tokens) {
@@ -999,26 +833,12 @@ Trainer::Validation Trainer::validate() {
     sums[0] += l.sum;
     sums[1] += static_cast<double>(l.count);
   }
-  sum_over(world_, sums);
+  comm::sum_in_rank_order(world_, sums);
   Validation v;
   v.tokens = static_cast<int64_t>(sums[1]);
   v.loss = sums[0] / std::max(sums[1], 1.0);
   v.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return v;
-}
-
-void Trainer::update_expert_bias(const std::vector<std::vector<int64_t>>& counts) {
-  const float rate = static_cast<float>(cfg_.training.expert_bias_update_rate);
-  if (expert_bias_.empty()) expert_bias_.assign(counts.size(), std::vector<float>(static_cast<size_t>(model_.num_experts()), 0.0f));
-  for (size_t i = 0; i < counts.size(); ++i) {
-    const double mean = static_cast<double>(std::accumulate(counts[i].begin(), counts[i].end(), int64_t{0})) /
-                        static_cast<double>(counts[i].size());
-    for (size_t e = 0; e < counts[i].size(); ++e) {
-      const double behind = mean - static_cast<double>(counts[i][e]);
-      expert_bias_[i][e] += behind > 0 ? rate : behind < 0 ? -rate : 0.0f;
-    }
-  }
-  apply_expert_bias(model_, expert_bias_, [&](int64_t l) { return pipeline_.owner(l) == pp_rank_; });
 }
 
 std::string Trainer::expert_bias() const {

@@ -3,6 +3,7 @@
 // schedule, and metrics. It knows nothing of any model's internals.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -28,6 +29,8 @@ ModelOptions model_options(const Config& cfg);
 // A step's shape as train takes it: seq_len and the global batch from the flags, or
 // from data.tokens where they give none (a corpus needs both set), the micro-batch, and
 // how many a data rank runs (errors name what does not split).
+class StepBalance;
+
 struct StepShape {
   int64_t seq = 0, global_batch = 0, micro_batch = 0;
   int micro_batches = 0;
@@ -228,6 +231,12 @@ class Trainer {
   // data.corpus: this rank's tokens of the whole step, read before any compute (in the
   // order its loads take them), the ranks agreeing that each could; else StepNotTaken.
   void read_step_tokens();
+  // The phases of step(), in order (trainer.cpp says what each does).
+  double run_step_schedule(StepBalance& balance);
+  void finish_gradients(StepResult& r, const StepBalance& balance);
+  void reduce_step(StepResult& r, StepBalance& balance, double loss_sum);
+  void apply_step(StepResult& r, const StepBalance& balance);
+  void measure_step(StepResult& r, std::chrono::steady_clock::time_point start, int64_t host_waits_at_start);
 
   Config cfg_;
   Model& model_;
@@ -267,7 +276,6 @@ class Trainer {
   // Per MoE layer of the whole model (empty: never updated), and its update from the
   // step's counts, summed over every rank.
   std::vector<std::vector<float>> expert_bias_;
-  void update_expert_bias(const std::vector<std::vector<int64_t>>& counts);
   // The placements of the MoE layers this rank holds into the model, then the replicas'
   // weights from their owners.
   void apply_placements(const std::vector<int64_t>& moe_layers);
