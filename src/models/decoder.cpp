@@ -136,7 +136,8 @@ class Decoder final : public Model {
  public:
   Decoder(const DecoderSpec& c, std::unique_ptr<Attention> attention, const ModelOptions& o)
       : c_(c), attention_(std::move(attention)), device_(o.device), balanced_(o.force_balanced_routing),
-        plan_only_(o.plan_only), external_layers_(o.external_layers), recompute_(o.recompute),
+        sequence_balance_(o.sequence_balance), plan_only_(o.plan_only), external_layers_(o.external_layers),
+        recompute_(o.recompute),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
         linear_(o.fp8, o.fp8_pow2), moe_(c, o, params_, linear_) {
     MT_CHECK(!linear_.fp8() || !o.external_layers)
@@ -259,6 +260,7 @@ class Decoder final : public Model {
   Attend attend_;
   Device device_;
   bool balanced_;
+  bool sequence_balance_;  // router statistics per sequence too
   bool plan_only_;
   bool external_layers_;  // ZeRO-3: the decoder layers' Params have no storage here
   Recompute recompute_;
@@ -435,15 +437,38 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
   for (int64_t l = 0; l < c_.num_layers; ++l) {
     if (!held_[l]) continue;
     s.layers[l].attn = attention_->make_acts();
-    if (c_.moe[l]) moe_.allocate_stats(s.layers[l].moe, a, B);
+    Moe::Acts& x = s.layers[l].moe;
+    if (!c_.moe[l]) continue;
+    // What outlives a layer's activations (which full recomputation drops): its routing
+    // statistics, read after the head's forward, and the balance gradient set then.
+    const int64_t E = c_.num_experts;
+    const ExpertReplicas& replicas = moe_.replicas();
+    const int64_t slot_counts = replicas.on() ? moe_.ep()->size() * replicas.slots() : 0;
+    const int64_t rows = sequence_balance_ ? B : 0, seq_at = 2 * E + 1 + slot_counts;
+    x.stats = i32({seq_at + 2 * rows * E});
+    auto part = [&](int64_t at, Shape shape, DType d) {  // (a plan's arenas have no storage)
+      return Tensor(x.stats.data != nullptr ? x.stats.i32() + at : nullptr, shape, d, x.stats.device);
+    };
+    x.prob_sum = part(0, {E}, DType::f32);
+    x.counts = part(E, {E}, DType::i32);
+    x.z_sum = part(2 * E, {1}, DType::f32);
+    if (slot_counts > 0) x.slot_counts = part(2 * E + 1, {slot_counts}, DType::i32);
+    if (rows > 0) {
+      x.seq_prob_sum = part(seq_at, {rows, E}, DType::f32);
+      x.seq_counts = part(seq_at + rows * E, {rows, E}, DType::i32);
+    }
+    x.dprobs = a.alloc(DType::f32, {std::max<int64_t>(rows, 1), E});  // a row for every token, or each sequence's
   }
   if (balanced_) s.balanced_idx = i32({N, c_.router.top_k});
 }
 
 void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t last) const {
-  const int64_t N = s.batch * s.seq, D = c_.hidden_size;
+  const int64_t N = s.batch * s.seq, D = c_.hidden_size, E = c_.num_experts, K = c_.router.top_k;
+  const int64_t Is = c_.shared_intermediate_size;
+  const bool ep = moe_.ep() != nullptr, replicas = moe_.replicas().on();
   auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
   auto act = [&](Shape sh) { return a.alloc(act_, sh); };
+  auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
   // Gradients that only a layer's own B stages read, each written before it is read:
   // one set serves every layer (a stash's B stages run one layer at a time). What the
   // W stages read (d_hm, d_gu, d_logits_c, d_sgu) stays per layer. A MoE layer's
@@ -463,15 +488,17 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   // block gets the same bytes.
   const bool one_deep = recompute_ == Recompute::full;
   if (!one_deep) attention_->allocate(attn, a, act_, s.batch, s.seq);
-  const Tensor d_y = act({N, D}), d_xn = act({N, D}), d_hs = hidden > 0 ? act({hidden}) : Tensor();
+  const Tensor d_y = act({N, D}), d_xn = act({N, D}), d_hs = hidden > 0 ? act({hidden}) : Tensor(),
+               d_shs = any_moe && Is > 0 ? act({N, Is}) : Tensor();
   // What only a layer's forward reads (the router's logits, the MLP's or experts' output
   // and the shared experts'), and B's f32 router gradient where the products read a bf16
-  // copy: one set for every layer too (the MoE block's with its B's d_shs, Moe::
-  // allocate_shared). Under selective the norms' outputs xn and y are computed again in
-  // W (stage_backward_weight), so they are one set as well.
-  const Moe::Acts moe = any_moe ? moe_.allocate_shared(a, N) : Moe::Acts();
+  // copy: one set for every layer too. Under selective the norms' outputs xn and y are
+  // computed again in W (stage_backward_weight), so they are one set as well.
   const bool renorm = recompute_ == Recompute::selective;
-  const Tensor mo = act({N, D}), xn = renorm ? act({N, D}) : Tensor(), y = renorm ? act({N, D}) : Tensor();
+  const Tensor mo = act({N, D}), logits = any_moe ? f32({N, E}) : Tensor(),
+               so = any_moe && Is > 0 ? act({N, D}) : Tensor(),
+               d_logits = any_moe && act_ != DType::f32 ? f32({N, E}) : Tensor(),
+               xn = renorm ? act({N, D}) : Tensor(), y = renorm ? act({N, D}) : Tensor();
   size_t deepest = a.used();
   for (int64_t l = first; l < last; ++l) {
     if (!held_[l]) continue;
@@ -488,7 +515,29 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
     x.d_xn = d_xn;
     x.mo = mo;
     if (c_.moe[l]) {
-      moe_.allocate(x.moe, a, N, moe);
+      Moe::Acts& m = x.moe;
+      if (ep) m.back = act({N * K, D});
+      m.logits = logits;
+      m.idx = i32({N, K});
+      if (replicas) m.slots = i32({N, K});
+      m.weight = f32({N, K});
+      m.probs = f32({N, E});
+      m.lse = f32({N});
+      if (!ep) {  // the exchange's plan has its own
+        m.offsets = i32({E + 1});
+        m.order = i32({N * K});
+        m.slot_row = i32({N * K});
+      }
+      m.d_weight = f32({N, K});
+      m.d_logits = act_ == DType::f32 ? f32({N, E}) : d_logits;
+      m.d_logits_c = act_ == DType::f32 ? m.d_logits : act({N, E});
+      if (Is > 0) {
+        m.sgu = act({N, 2 * Is});
+        m.shs = act({N, Is});
+        m.so = so;
+        m.d_sgu = act({N, 2 * Is});
+        m.d_shs = d_shs;
+      }
     } else {
       const int64_t I = c_.intermediate_size;
       x.gu = act({N, 2 * I});
@@ -532,6 +581,8 @@ std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
   mt::rope_tables(rope_, Tensor(s->positions_host.data(), {seq}, DType::i32), s->cos, s->sin);
   int32_t all_rows[2] = {0, static_cast<int32_t>(batch * seq)};
   mt::copy(s->all_rows, Tensor(all_rows, {2}, DType::i32));
+  for (LayerActs& x : s->layers)  // no load-balance gradient until the trainer sets one
+    if (x.moe.dprobs.data != nullptr) mt::fill(x.moe.dprobs, 0.0f);
   if (balanced_) {
     std::vector<int32_t> idx(static_cast<size_t>(batch * seq * c_.router.top_k));
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
@@ -585,9 +636,8 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
 }
 
 // A MoE layer's block runs after the decoder's part of a forward stage (its router reads
-// y, its shared experts add to h[l+1]) and before its part of a backward one (the router
-// and shared experts add to d_y, which the post-attention norm's backward reads). A plan
-// runs only the block's, which takes and gives back its rows.
+// y) and before its part of a backward one (it adds to d_y, which the post-attention
+// norm's backward reads). A plan runs only the block's: it takes and gives back rows.
 void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
   MT_CHECK(l >= 0 && l < c_.num_layers && held_[l]) << "forward of layer " << l << ", which is not built here";
   auto& s = static_cast<DecoderStash&>(base);
@@ -597,25 +647,14 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
   // A stage after an exchange reads its results: one a schedule has not finished yet is
   // finished here (correct, only without the overlap).
   finish_exchange(s, l);
-  if (!plan_only_) {
-    switch (stage) {
-      case Stage::attention:
-        attention_forward(l, s);
-        break;
-      case Stage::experts:
-        if (moe) break;
-        linear_.forward(x.y, {{params_[w.gate_up], x.gu}});
-        swiglu_forward(x.gu, x.hs);
-        linear_.forward(x.hs, {{params_[w.down], x.mo}});
-        break;
-      case Stage::aggregate:
-        mt::add(x.hm, x.mo, s.h[l + 1]);
-        break;
-      case Stage::dispatch:
-      case Stage::combine:
-        break;  // the MoE block's
-    }
+  const bool run = !plan_only_;
+  if (run && stage == Stage::attention) attention_forward(l, s);
+  if (run && stage == Stage::experts && !moe) {
+    linear_.forward(x.y, {{params_[w.gate_up], x.gu}});
+    swiglu_forward(x.gu, x.hs);
+    linear_.forward(x.hs, {{params_[w.down], x.mo}});
   }
+  if (run && stage == Stage::aggregate) mt::add(x.hm, x.mo, s.h[l + 1]);
   if (moe) moe_.forward(l, stage, x.moe, moe_io(s, l));
 }
 
@@ -651,21 +690,12 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
   if (recompute_ == Recompute::full && stage == Stage::aggregate) recompute_layer(l, s);
   if (moe) moe_.backward_input(l, stage, x.moe, moe_io(s, l));
   if (plan_only_) return;
-  switch (stage) {
-    case Stage::experts:
-      if (moe) break;
-      linear_.backward_input(d_mo, params_[w.down], x.d_hs);
-      swiglu_backward(x.gu, x.d_hs, x.d_gu);
-      linear_.backward_input(x.d_gu, params_[w.gate_up], x.d_y);
-      break;
-    case Stage::attention:
-      attention_backward_input(l, s);
-      break;
-    case Stage::aggregate:
-    case Stage::combine:
-    case Stage::dispatch:
-      break;
+  if (stage == Stage::experts && !moe) {
+    linear_.backward_input(d_mo, params_[w.down], x.d_hs);
+    swiglu_backward(x.gu, x.d_hs, x.d_gu);
+    linear_.backward_input(x.d_gu, params_[w.gate_up], x.d_y);
   }
+  if (stage == Stage::attention) attention_backward_input(l, s);
 }
 
 void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
@@ -681,20 +711,11 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   if (renorm && stage == Stage::attention) rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
   if (moe) moe_.backward_weight(l, stage, x.moe, moe_io(s, l));
   if (plan_only_) return;
-  switch (stage) {
-    case Stage::experts:
-      if (moe) break;
-      linear_.backward_weight(x.hs, {{s.dh[l + 1], params_[w.down]}});
-      linear_.backward_weight(x.y, {{x.d_gu, params_[w.gate_up]}});
-      break;
-    case Stage::attention:
-      attention_->backward_weight(l, params_, *x.attn, io(s, x));
-      break;
-    case Stage::dispatch:
-    case Stage::combine:
-    case Stage::aggregate:
-      break;  // no parameters
+  if (stage == Stage::experts && !moe) {
+    linear_.backward_weight(x.hs, {{s.dh[l + 1], params_[w.down]}});
+    linear_.backward_weight(x.y, {{x.d_gu, params_[w.gate_up]}});
   }
+  if (stage == Stage::attention) attention_->backward_weight(l, params_, *x.attn, io(s, x));
 }
 
 LossSum Decoder::head_forward(Stash& base, float grad_scale) {

@@ -23,6 +23,22 @@ namespace mt {
 constexpr float kSwigluAlpha = 1.702f;  // GPT-OSS's clamped SwiGLU: gate * sigmoid(alpha * gate)
 constexpr int64_t kRowRounding = 128;   // rows are taken in multiples of this
 
+// The experts' activation, clamped at `limit` > 0 (GPT-OSS): hs = swiglu(gu), and its
+// input gradient: d_gu from d_hs.
+static void swiglu_out(float limit, const Tensor& gu, const Tensor& hs) {
+  if (limit > 0)
+    clamped_swiglu_forward(gu, limit, kSwigluAlpha, hs);
+  else
+    swiglu_forward(gu, hs);
+}
+
+static void swiglu_in(float limit, const Tensor& gu, const Tensor& d_hs, const Tensor& d_gu) {
+  if (limit > 0)
+    clamped_swiglu_backward(gu, limit, kSwigluAlpha, d_hs, d_gu);
+  else
+    swiglu_backward(gu, d_hs, d_gu);
+}
+
 // What the expert rows hold, counted (RowMemory), against a budget: the environment's
 // MOETRAIN_ROW_POOL_BYTES where set (the hook the pool-exhaustion test uses), else
 // ModelOptions::row_memory_limit where set, else the device's memory as the allocator
@@ -167,70 +183,6 @@ bool Moe::another_ranks_expert(const std::string& name) const {
   return e >= 0 && e < c_.num_experts && (e < first_expert_ || e >= first_expert_ + local_experts_);
 }
 
-void Moe::allocate_stats(Acts& x, Arena& a, int64_t batch) const {
-  // What outlives a layer's activations (which full recomputation drops): its routing
-  // statistics, read after the head's forward, and the balance gradient set then.
-  const int64_t E = c_.num_experts;
-  const int64_t slot_counts = replicas_.on() ? ep_->size() * replicas_.slots() : 0;
-  const int64_t rows = sequence_balance_ ? batch : 0, seq_at = 2 * E + 1 + slot_counts;
-  x.stats = a.alloc(DType::i32, {seq_at + 2 * rows * E});
-  auto part = [&](int64_t at, Shape shape, DType d) {  // (a plan's arenas have no storage)
-    return Tensor(x.stats.data != nullptr ? x.stats.i32() + at : nullptr, shape, d, x.stats.device);
-  };
-  x.prob_sum = part(0, {E}, DType::f32);
-  x.counts = part(E, {E}, DType::i32);
-  x.z_sum = part(2 * E, {1}, DType::f32);
-  if (slot_counts > 0) x.slot_counts = part(2 * E + 1, {slot_counts}, DType::i32);
-  if (rows > 0) {
-    x.seq_prob_sum = part(seq_at, {rows, E}, DType::f32);
-    x.seq_counts = part(seq_at + rows * E, {rows, E}, DType::i32);
-  }
-  x.dprobs = a.alloc(DType::f32, {std::max<int64_t>(rows, 1), E});  // a row for every token, or each sequence's
-  if (x.dprobs.data != nullptr) mt::fill(x.dprobs, 0.0f);  // no load-balance gradient until the trainer sets one
-}
-
-// What only a layer's forward reads (the router's logits, the shared experts' output), its
-// B's gradients (the shared experts' d_shs) and B's f32 router gradient where the products
-// read a bf16 copy (allocate_layers in decoder.cpp says why one set serves).
-Moe::Acts Moe::allocate_shared(Arena& a, int64_t tokens) const {
-  const int64_t N = tokens, Is = c_.shared_intermediate_size;
-  Acts s;
-  if (Is > 0) s.d_shs = a.alloc(act_, {N, Is});
-  s.logits = a.alloc(DType::f32, {N, c_.num_experts});
-  if (Is > 0) s.so = a.alloc(act_, {N, c_.hidden_size});
-  if (act_ != DType::f32) s.d_logits = a.alloc(DType::f32, {N, c_.num_experts});
-  return s;
-}
-
-void Moe::allocate(Acts& x, Arena& a, int64_t tokens, const Acts& shared) const {
-  const int64_t N = tokens, D = c_.hidden_size, E = c_.num_experts, K = k_, Is = c_.shared_intermediate_size;
-  auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
-  auto act = [&](Shape sh) { return a.alloc(act_, sh); };
-  auto i32 = [&](Shape sh) { return a.alloc(DType::i32, sh); };
-  if (ep_) x.back = act({N * K, D});
-  x.logits = shared.logits;
-  x.idx = i32({N, K});
-  if (replicas_.on()) x.slots = i32({N, K});
-  x.weight = f32({N, K});
-  x.probs = f32({N, E});
-  x.lse = f32({N});
-  if (!ep_) {  // the exchange's plan has its own
-    x.offsets = i32({E + 1});
-    x.order = i32({N * K});
-    x.slot_row = i32({N * K});
-  }
-  x.d_weight = f32({N, K});
-  x.d_logits = act_ == DType::f32 ? f32({N, E}) : shared.d_logits;
-  x.d_logits_c = act_ == DType::f32 ? x.d_logits : act({N, E});
-  if (Is > 0) {
-    x.sgu = act({N, 2 * Is});
-    x.shs = act({N, Is});
-    x.so = shared.so;
-    x.d_sgu = act({N, 2 * Is});
-    x.d_shs = shared.d_shs;
-  }
-}
-
 // What the backward needs of a MoE layer's forward rows: xs (the gate_up W), gu (B's
 // SwiGLU), hs (the down W) and, without expert parallelism, ys (the combine's B takes
 // dweight from it; with the exchange, `back` holds the outputs on the token's rank, so
@@ -268,20 +220,6 @@ Tensor& Moe::row_view(Acts& x, Row r) {
     case kDHs: return x.d_hs;
     default: return x.d_xs;
   }
-}
-
-void Moe::swiglu_out(const Tensor& gu, const Tensor& hs) const {
-  if (c_.swiglu_limit > 0)
-    clamped_swiglu_forward(gu, c_.swiglu_limit, kSwigluAlpha, hs);
-  else
-    swiglu_forward(gu, hs);
-}
-
-void Moe::swiglu_in(const Tensor& gu, const Tensor& d_hs, const Tensor& d_gu) const {
-  if (c_.swiglu_limit > 0)
-    clamped_swiglu_backward(gu, c_.swiglu_limit, kSwigluAlpha, d_hs, d_gu);
-  else
-    swiglu_backward(gu, d_hs, d_gu);
 }
 
 int64_t Moe::capacity(int64_t n) const {
@@ -437,7 +375,7 @@ void Moe::forward(int64_t l, Stage stage, Acts& x, const Io& io) {
         cached_experts(l, x, Pass::forward);
       } else {
         linear_.grouped_forward(r.xs, X(w.gate_up), bias(w.gate_up_bias), r.offsets, r.gu);
-        swiglu_out(r.gu, r.hs);
+        swiglu_out(c_.swiglu_limit, r.gu, r.hs);
         linear_.grouped_forward(r.hs, X(w.down), bias(w.down_bias), r.offsets, r.ys);
       }
       if (w.shared_gate_up >= 0) {  // the shared experts see every token
@@ -512,11 +450,11 @@ void Moe::cached_experts(int64_t l, Acts& x, Pass pass) {
     const Tensor off = r.offsets.rows(e0, e1 + 1);
     if (pass == Pass::forward) {
       linear_.grouped_forward(r.xs, g, window(bias(w.gate_up_bias)), off, r.gu);
-      swiglu_out(r.gu.rows(r0, r1), r.hs.rows(r0, r1));
+      swiglu_out(c_.swiglu_limit, r.gu.rows(r0, r1), r.hs.rows(r0, r1));
       linear_.grouped_forward(r.hs, d, window(bias(w.down_bias)), off, r.ys);
     } else if (pass == Pass::backward_input) {
       linear_.grouped_backward_input(r.d_ys, d, off, r.d_hs);
-      swiglu_in(r.gu.rows(r0, r1), r.d_hs.rows(r0, r1), r.d_gu.rows(r0, r1));
+      swiglu_in(c_.swiglu_limit, r.gu.rows(r0, r1), r.d_hs.rows(r0, r1), r.d_gu.rows(r0, r1));
       linear_.grouped_backward_input(r.d_gu, g, off, r.d_xs);
     } else {
       linear_.grouped_backward_weight(r.hs, r.d_ys, off, d, window(grad_of(w.down_bias)), accumulate);
@@ -553,12 +491,12 @@ void Moe::backward_input(int64_t l, Stage stage, Acts& x, const Io& io) {
       break;
     case Stage::experts: {
       Routed r = routed(x);
-      if (recompute_ == Recompute::selective) swiglu_out(r.gu, r.hs);  // W reads it
+      if (recompute_ == Recompute::selective) swiglu_out(c_.swiglu_limit, r.gu, r.hs);  // W reads it
       if (cache_.caches(l)) {
         cached_experts(l, x, Pass::backward_input);
       } else {
         linear_.grouped_backward_input(r.d_ys, X(w.down), r.offsets, r.d_hs);
-        swiglu_in(r.gu, r.d_hs, r.d_gu);
+        swiglu_in(c_.swiglu_limit, r.gu, r.d_hs, r.d_gu);
         linear_.grouped_backward_input(r.d_gu, X(w.gate_up), r.offsets, r.d_xs);
       }
       if (w.shared_gate_up >= 0) {

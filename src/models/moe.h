@@ -1,25 +1,19 @@
 // The MoE block: a MoE layer's channel block, from the post-attention norm's output y to
-// the layer's output h' = hm + mo (+ the shared experts' so). The decoder (decoder.h)
-// owns one and calls it at each stage of a MoE layer, after its own part of a forward
-// stage and before its own part of a backward one:
-//   attention  route: the router's logits (`mlp.gate`, or GPT-OSS's `mlp.router` with a
-//              bias), top-k with the expert bias (kernels/router.h) or the balanced
-//              benchmark choice, and the statistics the balance terms read
-//   dispatch   the rows by expert: a plan on this rank (kernels/dispatch.h; a capacity
-//              keeps the first rows) or over the ep group (parallel/expert_parallel.h,
-//              whose exchange the decoder's finish_* completes; with expert_replicas.h
-//              the plan's experts are the ranks' slots), then the tokens' rows to them
-//   experts    the grouped products gate_up, SwiGLU (clamped for GPT-OSS), down; with
-//              offload.experts = weights line by line from expert_cache.h; the shared
-//              experts on every token
-//   combine    each token's k outputs weighted into mo (sent back first over ep)
+// h' = hm + mo (+ the shared experts' so). The decoder (decoder.h) owns one and calls it
+// at each stage of a MoE layer, after its own part of a forward stage and before its own
+// part of a backward one:
+//   attention  route: the router (`mlp.gate`, or GPT-OSS's `mlp.router` with a bias),
+//              top-k with the expert bias (kernels/router.h) or balanced, its statistics
+//   dispatch   rows by expert on this rank (kernels/dispatch.h; a capacity keeps the
+//              first) or over ep (parallel/expert_parallel.h; expert_replicas.h's slots)
+//   experts    grouped gate_up, SwiGLU, down (line by line from expert_cache.h with
+//              offload.experts = weights); the shared experts on every token
+//   combine    each token's k outputs weighted into mo
 //   aggregate  the shared experts' output added to h'
-// The gradient enters at the combine's B (d mo = d h') and goes back through the experts
-// and the dispatch to d_y; at the attention stage's B the router's backward adds the
-// load-balance loss's dprob (set_router_prob_grad) and the z-loss (set_router_z_loss)
-// to the logits' gradient, whose product adds to d_y with the shared experts'. W takes
-// the experts', shared experts' and router's weight gradients. The expert rows are sized
-// by each micro-batch's routing and held only while the layer needs them (row_lives).
+// The gradient enters at the combine's B (d mo = d h') and reaches d_y through the
+// experts and the dispatch; at the attention stage's B the router's backward adds the
+// balance loss's dprob (set_router_prob_grad) and the z-loss (set_router_z_loss) to the
+// logits' gradient, whose product adds to d_y. Expert rows live only while needed (row_lives).
 #pragma once
 
 #include <array>
@@ -41,8 +35,9 @@ class Moe {
   // brings here and held only while the layer needs them (row_lives).
   enum Row : uint8_t { kXs, kGu, kHs, kYs, kDYs, kDGu, kDHs, kDXs, kRowTensors };
 
-  // A MoE layer's activations for one micro-batch. N = batch * seq tokens, R = the routed
-  // rows this rank's experts got (N * top_k without expert parallelism or a capacity).
+  // A MoE layer's activations for one micro-batch, in the decoder's stash (which
+  // allocates them). N = batch * seq tokens, R = the routed rows this rank's experts got
+  // (N * top_k without expert parallelism or a capacity).
   struct Acts {
     Tensor logits, idx, weight, probs, dprobs;  // router (f32)
     Tensor lse;  // [N] logsumexp of the router's logits (the z-loss's backward reads it)
@@ -102,15 +97,11 @@ class Moe {
   bool another_ranks_expert(const std::string& name) const;
   int router(int64_t l) const { return index_[l].router; }  // -1: none here
   int64_t local_experts() const { return local_experts_; }
+  comm::Communicator* ep() const { return ep_; }  // null: every expert lives here
   ExpertCache& cache() { return cache_; }
   const ExpertCache& cache() const { return cache_; }
   ExpertReplicas& replicas() { return replicas_; }
-
-  // Activations: what outlives a layer's (its statistics, the balance gradient), from the
-  // bare stash; the tensors one set of serves every MoE layer of a block; a layer's own.
-  void allocate_stats(Acts& x, Arena& a, int64_t batch) const;
-  Acts allocate_shared(Arena& a, int64_t tokens) const;
-  void allocate(Acts& x, Arena& a, int64_t tokens, const Acts& shared) const;
+  const ExpertReplicas& replicas() const { return replicas_; }
 
   // Layer l's stages (a plan's only take and give back their rows). A layer has at most
   // one exchange in flight: finish_exchange finishes it, whichever it is.
@@ -167,10 +158,6 @@ class Moe {
   };
   std::vector<RowLife> row_lives() const;
   static Tensor& row_view(Acts& x, Row r);
-  // The experts' activation (clamped for GPT-OSS): hs = swiglu(gu), and its input
-  // gradient: d_gu from d_hs.
-  void swiglu_out(const Tensor& gu, const Tensor& hs) const;
-  void swiglu_in(const Tensor& gu, const Tensor& d_hs, const Tensor& d_gu) const;
   // The rows this rank's experts get in a plan: routing_skew times the balanced share,
   // within what the exchange (or a capacity) can bring.
   int64_t planned_rows(int64_t tokens) const;
