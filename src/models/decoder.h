@@ -7,13 +7,10 @@
 //   experts, combine, plus optional shared experts on every token -> h' = hm + mlp(y).
 // The decoder owns all of it but the attention, which a model supplies (Attention
 // below), and gives the attention its kernel (Attend: local or ring over cp). The MoE
-// block runs dropless or with a capacity, locally or over the ep group, with the
-// balanced-routing benchmark mode, the router statistics and the load-balance
-// gradient; its tensors keep Hugging Face's names (`mlp.gate`, `mlp.experts.E.*`,
-// `mlp.shared_experts.*`). Its memory: arenas for the weights and the stash's blocks;
-// the expert rows, sized by each micro-batch's routing, from the stream-ordered pool
-// while a layer needs them (decoder.cpp, Decoder::row_lives, is the table); and the
-// recompute modes (ModelOptions::recompute, interface.h).
+// block is its own object (models/moe.h: routing, dispatch local or over ep, the experts
+// and their rows, combine, shared experts, router statistics), which the decoder calls
+// at each stage of a MoE layer. Its memory: arenas for the weights and the stash's
+// blocks, and the recompute modes (ModelOptions::recompute, interface.h).
 #pragma once
 
 #include <memory>
@@ -99,14 +96,20 @@ class Attention {
 
 // Parameter helpers for models: a new Param of this shape (storage comes later), and
 // a gradient write's factor on the old gradient (0 at the step's first write) or the
-// gradient zeroed first (for kernels that only add).
+// gradient zeroed first (for kernels that only add), or whether it is the step's first
+// write (each marks the write made).
 int add_param(std::vector<Param>& params, std::string name, Shape shape, bool expert = false);
 float grad_beta(Param& p);
 const Tensor& grad_zeroed(Param& p);
+bool start_grad(Param& p);
 // An HfTensor of the whole Param, or of rows [r0, r1) of block e of a fused
 // [E, rows, cols] (or [rows, cols]) Param.
 HfTensor hf_tensor(std::string name, const Param& p, float init_scale = 1.0f, float fill = 0.0f);
 HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64_t r1, float init_scale, bool expert);
+// An MLP's gate_proj, up_proj and down_proj (keys `prefix` + those) from its fused
+// gate_up and down, or block e of fused [E, ...] ones.
+void hf_mlp(std::vector<HfTensor>& out, const std::string& prefix, const Param& gate_up, const Param& down, int64_t e,
+            float out_scale, bool expert);
 
 // What every spec must satisfy, each failure an error naming `where` (the config file)
 // and the config.json keys: positive sizes, an even rotary dim, and for MoE layers top_k

@@ -5,10 +5,10 @@
 // Where the parts are: the decoder allocates the cached matrices' compute copies and
 // gradients in its host arena (models/decoder.cpp, Param::cached; pinned and mapped on a
 // GPU run, so that the gradient norm and AdamW's streamed update, train/offload.h, read
-// them in place over PCIe) and runs a cached layer's expert products line by line from
-// here (Decoder::cached_experts); the trainer flushes the cache before the gradient norm
-// (train/trainer.cpp); the plan counts the lines as device memory and the host copies as
-// host memory.
+// them in place over PCIe); the MoE block runs a cached layer's expert products line by
+// line from here (models/moe.cpp, Moe::cached_experts); the trainer flushes the cache
+// before the gradient norm (train/trainer.cpp); the plan counts the lines as device
+// memory and the host copies as host memory.
 //
 // A line is `line_experts()` consecutive experts of one layer, all of its cached
 // matrices, weights and gradients: a layer's products run once per line, over the

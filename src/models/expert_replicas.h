@@ -8,7 +8,7 @@
 //   route      the router's idx -> slots numbered over the ranks (kernels/dispatch.h,
 //              ep_route_slots, on the device), which the ep plan takes as its experts,
 //              S a rank (parallel/expert_parallel.h), so the exchange is unchanged;
-//   products   the decoder's grouped GEMMs run over all S blocks (wide());
+//   products   the MoE block's grouped GEMMs run over all S blocks (wide(); models/moe.h);
 //   gradients  once a layer's gradients are final, each replica's gradient goes to its
 //              expert's owner, which adds them to its own in a fixed order (source
 //              rank, then slot): before the dp reduction (train/schedule.cpp at

@@ -104,7 +104,7 @@ struct LossSum {
 
 // The memory routing decides: a MoE layer's per-row expert tensors for one micro-batch,
 // sized by the rows its routing brings here and held only while the layer needs them
-// (models/decoder.cpp, take_rows, says which tensors and when). Counted since the last
+// (models/moe.cpp, Moe::row_lives, says which tensors and when). Counted since the last
 // reset_row_memory.
 // The expert cache's traffic since its last flush (offload.experts = weights,
 // models/expert_cache.h): experts found in a device frame and fetched, the bytes each
@@ -173,8 +173,8 @@ struct ModelOptions {
   // its layers (so W must follow each layer's B before the next layer's, as
   // ScheduleShape::defer_weights = false makes DualPipeV do). selective: the norms'
   // outputs xn and y are computed again in W, the experts' SwiGLU output in their B and,
-  // without ep, their input rows in their W (models/decoder.cpp: allocate_layers and
-  // Decoder::row_lives).
+  // without ep, their input rows in their W (models/decoder.cpp: allocate_layers, and
+  // models/moe.cpp: Moe::row_lives).
   Recompute recompute = Recompute::none;
   // training.fp8 and training.fp8_scale: the linear layers' products (models/linear.h).
   Fp8 fp8 = Fp8::none;

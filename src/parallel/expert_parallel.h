@@ -37,7 +37,7 @@
 //
 // Where the rest of the exchange lives: kernels/dispatch.h (the counting sorts and index
 // steps the plan runs, and the one-rank dispatch and combine); parallel/buffer.h (the
-// row buffers, sized by the counts the plan brings); models/decoder.cpp (the MoE layer's
+// row buffers, sized by the counts the plan brings); models/moe.cpp (the MoE layer's
 // dispatch, experts and combine stages, which call these, and its RowPool);
 // models/expert_replicas.h (replica slots as the plan's experts); train/schedule.h
 // (where each *_start and *_finish runs in a step).

@@ -16,7 +16,7 @@
 //   - After the schedule: reduce() sums the terms and counts over the ranks, report() puts
 //     them into the step's result, and update_expert_bias() moves each router bias towards
 //     the mean load (DeepSeek-V3's auxiliary-loss-free rule).
-// The router's backward (models/decoder.cpp, the router in its B stage, kernels/router.h)
+// The router's backward (models/moe.cpp, Moe::backward_input's router part, kernels/router.h)
 // turns the probabilities' gradient and the z-loss's into the logits' gradient.
 #pragma once
 
