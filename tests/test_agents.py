@@ -11,6 +11,9 @@ exists and, where it has a #anchor into a .md file, a heading of that file (GitH
 anchors: lowercase, spaces to '-', other punctuation than '-' and '_' dropped, a
 repeated heading's anchor suffixed -1, -2, ...).
 
+The code stays readable in pieces (issue 59): no file of src/ over 1,000 lines, and
+Trainer::step, the step's story, at most 60 lines from its signature to its closing brace.
+
   python3 tests/test_agents.py            (from anywhere; exits 1 naming each problem)
 """
 import os
@@ -20,6 +23,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The first pages' length limits (issue 59, item 6).
 MAX_LINES = {"README.md": 250, os.path.join("docs", "architecture.md"): 400}
+MAX_SRC_LINES = 1000
+MAX_STEP_LINES = 60
 # What each layer of src/ may include (AGENTS.md, "Layers").
 BELOW = {
     "core": {"core"},
@@ -137,6 +142,21 @@ def main():
         stem = os.path.splitext(os.path.basename(path))[0]
         if not re.search(r"\b" + re.escape(stem) + r"\.(\{h,cpp\}|h\b|cpp\b|cu\b)", architecture):
             problems.append(f"docs/architecture.md does not name {path} (as {stem}.h, .cpp or .{{h,cpp}})")
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "src")):
+        for f in files:
+            with open(os.path.join(dirpath, f), errors="replace") as src:
+                count = len(src.read().splitlines())
+            if count > MAX_SRC_LINES:
+                problems.append(f"{os.path.relpath(os.path.join(dirpath, f), ROOT)} has {count} lines; at most "
+                                f"{MAX_SRC_LINES} (split it along its mechanisms)")
+    trainer = open(os.path.join(ROOT, "src", "train", "trainer.cpp")).read().splitlines()
+    first = next((i for i, line in enumerate(trainer) if line.startswith("StepResult Trainer::step()")), None)
+    if first is None:
+        problems.append("src/train/trainer.cpp holds no StepResult Trainer::step()")
+    else:
+        last = next(i for i in range(first, len(trainer)) if trainer[i] == "}")
+        if last - first + 1 > MAX_STEP_LINES:
+            problems.append(f"Trainer::step is {last - first + 1} lines; at most {MAX_STEP_LINES} (a phase a function)")
     for layer, allowed in BELOW.items():
         folder = os.path.join(ROOT, "src", layer)
         for dirpath, _, files in os.walk(folder):
@@ -151,7 +171,8 @@ def main():
         sys.exit(1)
     print(f"PASS: AGENTS.md's {len(rows)} rows exist and docs/architecture.md names their files; includes go one way;"
           f" README.md and docs/architecture.md within {MAX_LINES['README.md']} and"
-          f" {MAX_LINES[os.path.join('docs', 'architecture.md')]} lines; {links} relative links resolve")
+          f" {MAX_LINES[os.path.join('docs', 'architecture.md')]} lines; {links} relative links resolve; src files"
+          f" within {MAX_SRC_LINES} lines, Trainer::step within {MAX_STEP_LINES}")
 
 
 if __name__ == "__main__":
