@@ -11,6 +11,7 @@
 #include "kernels/gemm.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/swiglu.h"
+#include "models/head.h"
 #include "models/moe.h"
 #include "parallel/context_parallel.h"
 
@@ -89,7 +90,6 @@ namespace {
 // pick the backend by the tensors' device. Calls that take a cpu:: struct are written
 // mt::f(...): argument-dependent lookup would also find cpu::f.
 
-constexpr int32_t kIgnoreIndex = -100;
 
 // Where each layer's own parameters sit in params_ (indices, so the vector may grow); a
 // MoE layer's MLP parameters are the block's (Moe).
@@ -97,14 +97,6 @@ struct LayerIndex {
   int in_norm, post_norm;
   int gate_up = -1, down = -1;  // the dense MLP: [2I, D] and [D, I]
 };
-// With full recomputation the LM head and the cross-entropy run over chunks of this many
-// tokens, so a stash holds [kHeadRows, vocab] logits, not [tokens, vocab] (Liger-Kernel's
-// fused linear cross-entropy does the same): past one chunk, the head's B computes each
-// chunk's logits again and its weight gradient with them, and its W has nothing left to
-// do. Not by default: on the H200 it cost 8% of the 8-layer benchmark's tokens/s (the
-// logits' product again, and a host wait a chunk) for 2.2 GB (bench/RESULTS.md).
-constexpr int64_t kHeadRows = 1024;
-
 // Activations of one layer for one micro-batch, and the gradients its W stages need
 // (N = batch * seq tokens).
 struct LayerActs {
@@ -127,15 +119,14 @@ struct DecoderStash : Stash {
   Tensor all_rows;                   // i32 {0, N} (AttentionIo::all_rows)
   Tensor balanced_idx;               // force_balanced_routing: the fixed expert choice
   std::vector<LayerActs> layers;
-  Tensor hf, rstd_f, logits, lse, d_hf;  // head
-  float logits_grad_scale = 0;  // > 0: head_forward left d(loss)/d(logits) in place, at this scale
+  Head::Acts head;
   LossSum loss;
 };
 
 class Decoder final : public Model {
  public:
-  Decoder(const DecoderSpec& c, std::unique_ptr<Attention> attention, const ModelOptions& o)
-      : c_(c), attention_(std::move(attention)), device_(o.device), balanced_(o.force_balanced_routing),
+  Decoder(const DecoderSpec& c, Mixers mixers, const ModelOptions& o)
+      : c_(c), mixers_(std::move(mixers)), device_(o.device), balanced_(o.force_balanced_routing),
         sequence_balance_(o.sequence_balance), plan_only_(o.plan_only), external_layers_(o.external_layers),
         recompute_(o.recompute),
         act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
@@ -210,8 +201,7 @@ class Decoder final : public Model {
   // The last chunk's: every token's where the micro-batch fits in one.
   Tensor logits(Stash& s) override {
     auto& d = static_cast<DecoderStash&>(s);
-    const int64_t n = d.batch * d.seq, c = head_rows(n), last = n - (n - 1) / c * c;
-    return d.logits.rows(0, last);
+    return lm_.logits(d.head, d.batch * d.seq);
   }
   std::vector<RouterStats> router_stats(const Stash& s) const override;
   void set_router_prob_grad(Stash& s, int64_t layer, const std::vector<float>& dprob) override {
@@ -242,10 +232,6 @@ class Decoder final : public Model {
     LayerActs& x = s.layers[l];
     return {s.batch * s.seq, x.y, x.d_y, x.mo, s.h[l + 1], s.dh[l + 1], s.all_rows, s.balanced_idx};
   }
-  // Tokens a chunk of the head's work (kHeadRows).
-  int64_t head_rows(int64_t tokens) const {
-    return recompute_ == Recompute::full ? std::min(tokens, kHeadRows) : tokens;
-  }
   // Full recomputation: layer l's forward again (all but the aggregate, whose output
   // h[l+1] is the next layer's input and kept), exchanges finished at once.
   void recompute_layer(int64_t l, Stash& s);
@@ -256,7 +242,8 @@ class Decoder final : public Model {
   void attention_backward_input(int64_t l, DecoderStash& s);
 
   DecoderSpec c_;
-  std::unique_ptr<Attention> attention_;
+  Mixers mixers_;  // per layer (layers may share one)
+  Attention& mixer(int64_t l) const { return *mixers_[static_cast<size_t>(l)]; }
   Attend attend_;
   Device device_;
   bool balanced_;
@@ -271,7 +258,8 @@ class Decoder final : public Model {
   Linear linear_;
   std::vector<Param> params_;
   Arena values_, grads_, compute_, fp8_, host_values_;
-  int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  int embed_ = -1;
+  Head lm_;  // the head (models/head.h), where this rank holds it
   std::vector<LayerIndex> layer_;
   cpu::RopeFreqs rope_;
   Moe moe_;  // the MoE layers' block (models/moe.h)
@@ -287,7 +275,7 @@ void Decoder::build_params() {
     std::string p = "layers." + std::to_string(l) + ".";
     LayerIndex x{};
     x.in_norm = add(p + "input_norm", {D});
-    attention_->add_params(l, p, params_);
+    mixer(l).add_params(l, p, params_);
     x.post_norm = add(p + "post_norm", {D});
     if (c_.moe[l]) {
       moe_.add_params(l, p);
@@ -298,8 +286,12 @@ void Decoder::build_params() {
     }
     layer_[l] = x;
   }
-  if (head_) final_norm_ = add("final_norm", {D});
-  if (head_ && !c_.tie_word_embeddings) lm_head_ = add("lm_head", {c_.vocab_size, D});
+  if (head_) {
+    const int norm = add("final_norm", {D});
+    const int out = c_.tie_word_embeddings ? embed_ : add("lm_head", {c_.vocab_size, D});
+    lm_ = Head(&params_, norm, out, !c_.tie_word_embeddings, c_.rms_norm_eps, c_.vocab_size,
+               recompute_ == Recompute::full);
+  }
   for (Param& p : params_) {
     if (p.name.starts_with("layers.")) p.layer = std::atoll(p.name.c_str() + 7);
     if (p.name == "final_norm" || p.name == "lm_head") p.layer = c_.num_layers;
@@ -405,15 +397,14 @@ std::vector<HfTensor> Decoder::hf_tensors() {
     const LayerIndex& x = layer_[l];
     std::string p = "model.layers." + std::to_string(l) + ".";
     out.push_back(hf_tensor(p + "input_layernorm.weight", params_[x.in_norm], 0.0f, 1.0f));
-    attention_->hf_tensors(l, p + "self_attn.", params_, out_scale, out);
+    mixer(l).hf_tensors(l, p + "self_attn.", params_, out_scale, out);
     out.push_back(hf_tensor(p + "post_attention_layernorm.weight", params_[x.post_norm], 0.0f, 1.0f));
     if (c_.moe[l])
       moe_.hf_tensors(l, p, out_scale, out);
     else
       hf_mlp(out, p + "mlp.", params_[x.gate_up], params_[x.down], 0, out_scale, false);
   }
-  if (head_) out.push_back(hf_tensor("model.norm.weight", params_[final_norm_], 0.0f, 1.0f));
-  if (lm_head_ >= 0) out.push_back(hf_tensor("lm_head.weight", params_[lm_head_]));
+  if (head_) lm_.hf_tensors(out);
   return out;
 }
 
@@ -436,7 +427,7 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
   s.layers.resize(c_.num_layers);
   for (int64_t l = 0; l < c_.num_layers; ++l) {
     if (!held_[l]) continue;
-    s.layers[l].attn = attention_->make_acts();
+    s.layers[l].attn = mixer(l).make_acts();
     Moe::Acts& x = s.layers[l].moe;
     if (!c_.moe[l]) continue;
     // What outlives a layer's activations (which full recomputation drops): its routing
@@ -475,19 +466,23 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   // expert rows are not here: routing sizes them (Moe::take_rows).
   bool any_moe = false, any = false;
   int64_t hidden = 0;  // elements of the widest dense d_hs
-  std::vector<AttentionActs*> attn;
+  // Each mixer's layers, in the order the mixers first appear.
+  std::vector<std::pair<Attention*, std::vector<AttentionActs*>>> attn;
   for (int64_t l = first; l < last; ++l) {
     if (!held_[l]) continue;
     any = true;
     any_moe = any_moe || c_.moe[l];
     if (!c_.moe[l]) hidden = std::max(hidden, N * c_.intermediate_size);
-    attn.push_back(s.layers[l].attn.get());
+    auto it = std::find_if(attn.begin(), attn.end(), [&](const auto& m) { return m.first == &mixer(l); });
+    if (it == attn.end()) it = attn.insert(attn.end(), {&mixer(l), {}});
+    it->second.push_back(s.layers[l].attn.get());
   }
   if (!any && !(last == c_.num_layers && head_)) return;
   // Full recomputation keeps one layer's activations at a time: every layer of the
   // block gets the same bytes.
   const bool one_deep = recompute_ == Recompute::full;
-  if (!one_deep) attention_->allocate(attn, a, act_, s.batch, s.seq);
+  if (!one_deep)
+    for (auto& [m, layers] : attn) m->allocate(layers, a, act_, s.batch, s.seq);
   const Tensor d_y = act({N, D}), d_xn = act({N, D}), d_hs = hidden > 0 ? act({hidden}) : Tensor(),
                d_shs = any_moe && Is > 0 ? act({N, Is}) : Tensor();
   // What only a layer's forward reads (the router's logits, the MLP's or experts' output
@@ -504,7 +499,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
     if (!held_[l]) continue;
     LayerActs& x = s.layers[l];
     const size_t start = a.used();
-    if (one_deep) attention_->allocate({x.attn.get()}, a, act_, s.batch, s.seq);
+    if (one_deep) mixer(l).allocate({x.attn.get()}, a, act_, s.batch, s.seq);
     x.xn = renorm ? xn : act({N, D});
     x.rstd1 = f32({N});
     x.hm = act({N, D});
@@ -550,11 +545,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   }
   a.rewind(deepest);
   if (last != c_.num_layers || !head_) return;
-  s.hf = act({N, D});
-  s.rstd_f = f32({N});
-  s.logits = act({head_rows(N), c_.vocab_size});
-  s.lse = f32({N});
-  s.d_hf = act({N, D});
+  lm_.allocate(s.head, a, act_, N, D);
 }
 
 std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
@@ -602,7 +593,7 @@ std::unique_ptr<ActivationBlock> Decoder::make_block(int64_t batch, int64_t seq,
   shape.seq = seq;
   shape.layers.resize(c_.num_layers);
   for (int64_t l = first; l < last; ++l)
-    if (held_[l]) shape.layers[l].attn = attention_->make_acts();
+    if (held_[l]) shape.layers[l].attn = mixer(l).make_acts();
   b->arena = Arena::counting("activations", device_);
   allocate_layers(shape, b->arena, first, last);
   b->bytes = b->arena.peak();
@@ -631,7 +622,7 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
   rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
   // hm = h + attention: the residual, then the attention's output projection onto it.
   mt::copy(x.hm, s.h[l]);
-  attention_->forward(l, params_, *x.attn, io(s, x));
+  mixer(l).forward(l, params_, *x.attn, io(s, x));
   rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
 }
 
@@ -675,7 +666,7 @@ void Decoder::attention_backward_input(int64_t l, DecoderStash& s) {
   // The norms' weight gradients are taken here, with their input gradients, not in W:
   // their dy buffers are shared by every layer (allocate), and the pass is one.
   rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm), s.dh[l + 1]);
-  attention_->backward_input(l, params_, *x.attn, io(s, x));
+  mixer(l).backward_input(l, params_, *x.attn, io(s, x));
   rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Z(w.in_norm), x.d_hm);
 }
 
@@ -715,56 +706,23 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
     linear_.backward_weight(x.hs, {{s.dh[l + 1], params_[w.down]}});
     linear_.backward_weight(x.y, {{x.d_gu, params_[w.gate_up]}});
   }
-  if (stage == Stage::attention) attention_->backward_weight(l, params_, *x.attn, io(s, x));
+  if (stage == Stage::attention) mixer(l).backward_weight(l, params_, *x.attn, io(s, x));
 }
 
 LossSum Decoder::head_forward(Stash& base, float grad_scale) {
   auto& s = static_cast<DecoderStash&>(base);
-  const int64_t N = s.batch * s.seq;
-  rmsnorm_forward(s.h[c_.num_layers], W(final_norm_), static_cast<float>(c_.rms_norm_eps), s.hf, s.rstd_f);
-  s.loss = {};
-  // One chunk: its logits become their gradient in the cross-entropy's pass (the
-  // backward starts from them); chunks are made again by the backward.
-  s.logits_grad_scale = N <= head_rows(N) ? grad_scale : 0.0f;
-  for (int64_t r0 = 0, c = head_rows(N); r0 < N; r0 += c) {
-    const int64_t r1 = std::min(N, r0 + c);
-    const Tensor logits = s.logits.rows(0, r1 - r0);
-    gemm(s.hf.rows(r0, r1), C(lm_head_ >= 0 ? lm_head_ : embed_), logits, false, true);
-    cpu::CrossEntropySum ce =
-        cross_entropy_forward(logits, s.labels.view({N}).rows(r0, r1), kIgnoreIndex, s.lse.rows(r0, r1),
-                              s.logits_grad_scale, s.logits_grad_scale > 0 ? logits : Tensor());
-    s.loss.sum += ce.loss_sum;
-    s.loss.count += ce.count;
-  }
+  s.loss = lm_.forward(s.h[c_.num_layers], s.labels.view({s.batch * s.seq}), s.head, grad_scale);
   return s.loss;
 }
 
 void Decoder::head_backward_input(Stash& base, float scale) {
   auto& s = static_cast<DecoderStash&>(base);
-  const int64_t N = s.batch * s.seq;
-  const int out = lm_head_ >= 0 ? lm_head_ : embed_;
-  const int64_t c = head_rows(N);
-  const bool chunked = N > c;
-  MT_CHECK(s.logits_grad_scale == 0 || s.logits_grad_scale == scale)
-      << "head backward at scale " << scale << ", but its forward made the gradient at " << s.logits_grad_scale;
-  for (int64_t r0 = 0; r0 < N; r0 += c) {
-    const int64_t r1 = std::min(N, r0 + c);
-    const Tensor logits = s.logits.rows(0, r1 - r0), hf = s.hf.rows(r0, r1);
-    if (chunked) gemm(hf, C(out), logits, false, true);  // one chunk's are still there
-    // In place: the chunk's logits become d(loss)/d(logits), which the weight's gradient
-    // reads (here, or in W when there is one chunk).
-    if (s.logits_grad_scale == 0)
-      cross_entropy_backward(logits, s.labels.view({N}).rows(r0, r1), s.lse.rows(r0, r1), kIgnoreIndex, scale, logits);
-    gemm(logits, C(out), s.d_hf.rows(r0, r1), false, false);
-    if (chunked) gemm(logits, hf, G(out), true, false, 1.0f, beta(out));
-  }
-  rmsnorm_backward(s.h[c_.num_layers], W(final_norm_), s.rstd_f, s.d_hf, s.dh[c_.num_layers], Z(final_norm_));
+  lm_.backward_input(s.h[c_.num_layers], s.labels.view({s.batch * s.seq}), s.head, scale, s.dh[c_.num_layers]);
 }
 
 void Decoder::head_backward_weight(Stash& base) {
   auto& s = static_cast<DecoderStash&>(base);
-  const int out = lm_head_ >= 0 ? lm_head_ : embed_;
-  if (s.batch * s.seq <= head_rows(s.batch * s.seq)) gemm(s.logits, s.hf, G(out), true, false, 1.0f, beta(out));
+  lm_.backward_weight(s.head, s.batch * s.seq);
 }
 
 void Decoder::embed_backward(Stash& base) {
@@ -803,11 +761,17 @@ void check_decoder_spec(const DecoderSpec& d, const std::string& where) {
       << where << ": intermediate_size must be positive for the dense layers, got " << d.intermediate_size;
 }
 
-std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, std::unique_ptr<Attention> attention,
-                                    const ModelOptions& options) {
+std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, Mixers mixers, const ModelOptions& options) {
   MT_CHECK(static_cast<int64_t>(spec.moe.size()) == spec.num_layers)
       << "decoder spec: " << spec.moe.size() << " MoE flags for " << spec.num_layers << " layers";
-  return std::make_unique<Decoder>(spec, std::move(attention), options);
+  MT_CHECK(static_cast<int64_t>(mixers.size()) == spec.num_layers &&
+           std::find(mixers.begin(), mixers.end(), nullptr) == mixers.end())
+      << "decoder spec: " << mixers.size() << " token mixers for " << spec.num_layers << " layers (one a layer)";
+  return std::make_unique<Decoder>(spec, std::move(mixers), options);
+}
+
+Mixers every_layer(std::shared_ptr<Attention> mixer, int64_t layers) {
+  return Mixers(static_cast<size_t>(std::max<int64_t>(layers, 0)), std::move(mixer));
 }
 
 }  // namespace mt

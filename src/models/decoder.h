@@ -5,8 +5,10 @@
 //   xn = rmsnorm(h) -> attention, its output projection added to hm = h + ...
 //   y = rmsnorm(hm) -> a dense SwiGLU MLP, or the MoE block: router, dispatch,
 //   experts, combine, plus optional shared experts on every token -> h' = hm + mlp(y).
-// The decoder owns all of it but the attention, which a model supplies (Attention
-// below), and gives the attention its kernel (Attend: local or ring over cp). The MoE
+// The decoder owns all of it but the token mixers, which a model supplies one a layer
+// (Mixers below: Attention objects, which layers may share), and gives each its kernel
+// (Attend: local or ring over cp). The head is its own object too (models/head.h: the
+// seam for heads after the last layer, such as multi-token prediction). The MoE
 // block is its own object (models/moe.h: routing, dispatch local or over ep, the experts
 // and their rows, combine, shared experts, router statistics), which the decoder calls
 // at each stage of a MoE layer. Its memory: arenas for the weights and the stash's
@@ -116,7 +118,12 @@ void hf_mlp(std::vector<HfTensor>& out, const std::string& prefix, const Param& 
 // in [1, experts], a positive expert width and groups that divide the experts.
 void check_decoder_spec(const DecoderSpec& spec, const std::string& where);
 
-std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, std::unique_ptr<Attention> attention,
-                                    const ModelOptions& options);
+// A layer's token mixer, chosen per layer by the model (softmax attention today: GQA,
+// MLA, with sinks and windows; linear attention next): one entry a layer, and layers may
+// share one object (then its allocate() gets all of its layers at once).
+using Mixers = std::vector<std::shared_ptr<Attention>>;
+Mixers every_layer(std::shared_ptr<Attention> mixer, int64_t layers);
+
+std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, Mixers mixers, const ModelOptions& options);
 
 }  // namespace mt

@@ -270,7 +270,7 @@ class MlaAttention final : public Attention {
 }  // namespace
 
 std::unique_ptr<Model> make_deepseek_v2(const DeepseekV2Config& c, const ModelOptions& options) {
-  return make_decoder(c.decoder, std::make_unique<MlaAttention>(c), options);
+  return make_decoder(c.decoder, every_layer(std::make_shared<MlaAttention>(c), c.decoder.num_layers), options);
 }
 
 }  // namespace mt

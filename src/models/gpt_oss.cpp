@@ -195,7 +195,7 @@ class GptOssAttention final : public Attention {
 }  // namespace
 
 std::unique_ptr<Model> make_gpt_oss(const GptOssConfig& c, const ModelOptions& options) {
-  return make_decoder(c.decoder, std::make_unique<GptOssAttention>(c), options);
+  return make_decoder(c.decoder, every_layer(std::make_shared<GptOssAttention>(c), c.decoder.num_layers), options);
 }
 
 }  // namespace mt

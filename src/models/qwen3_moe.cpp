@@ -204,7 +204,7 @@ std::unique_ptr<Model> make_qwen3_moe(const Qwen3MoeConfig& c, const ModelOption
   d.router.normalize = c.norm_topk_prob;
   d.rope.theta = c.rope_theta;
   d.rope.rotary_dim = c.head_dim;
-  return make_decoder(d, std::make_unique<Qwen3Attention>(c), options);
+  return make_decoder(d, every_layer(std::make_shared<Qwen3Attention>(c), d.num_layers), options);
 }
 
 }  // namespace mt
