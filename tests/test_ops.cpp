@@ -108,6 +108,19 @@ std::vector<OpCase> table() {
   add(router_case({.rows = 9, .experts = 8, .top_k = 2, .normalize = true, .dprobs = true, .bias = true}));
   add(router_case({.rows = 7, .experts = 16, .top_k = 3, .n_group = 4, .topk_group = 2, .bias = true}));
   add(router_case({.rows = 6, .experts = 8, .top_k = 2, .gpt_oss = true, .bias = true}));
+  // DeepSeek-V3's sigmoid scoring: plain; groups ranked by their two best with the bias,
+  // renormalised and not, scale != 1, with dprobs; k = E; groups of two (the fewest).
+  add(router_case({.rows = 5, .experts = 6, .top_k = 1, .sigmoid = true}));
+  add(router_case({.rows = 9, .experts = 16, .top_k = 3, .sigmoid = true, .normalize = true, .scale = 2.5f,
+                   .n_group = 4, .topk_group = 2, .dprobs = true, .bias = true}));
+  add(router_case({.rows = 9, .experts = 16, .top_k = 4, .sigmoid = true, .scale = 2.5f, .n_group = 4,
+                   .topk_group = 2, .dprobs = true, .bias = true}));
+  add(router_case({.rows = 7, .experts = 32, .top_k = 6, .sigmoid = true, .normalize = true, .n_group = 8,
+                   .topk_group = 3, .dprobs = true}));
+  add(router_case({.rows = 4, .experts = 8, .top_k = 8, .sigmoid = true, .normalize = true, .scale = 1.5f,
+                   .dprobs = true}));
+  add(router_case({.rows = 6, .experts = 12, .top_k = 2, .sigmoid = true, .normalize = true, .n_group = 6,
+                   .topk_group = 1, .bias = true}));
   // router z-loss: one row, one expert, and logits large enough that logsumexp needs its max.
   add(router_z_case(1, 1, 2.0));
   add(router_z_case(6, 8, 2.0));

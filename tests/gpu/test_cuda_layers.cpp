@@ -478,5 +478,58 @@ TEST(CudaRouter, BiasedChoiceMatchesCpu) {
   }
 }
 
+// DeepSeek-V3's sigmoid scoring on the device against the CPU (which test_ops checks
+// against float64 and finite differences): V3's shape (256 experts, 8 groups of which 4
+// are eligible, k = 8, renormalised, scale 2.5) with a bias and a dprobs row a sequence,
+// then no groups, no bias and a width that is not a multiple of 32. The same experts;
+// weights, normalised scores, score sums and dlogits within a few f32 roundings (expf
+// differs by 2 units in the last place at most, the warp sums add in another order).
+TEST(CudaRouter, SigmoidMatchesCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  struct Case {
+    int64_t n, e, k, n_group, topk_group, g;
+    bool normalize, bias;
+    float scale;
+  };
+  const Case cases[] = {{1000, 256, 8, 8, 4, 4, true, true, 2.5f}, {333, 130, 6, 1, 1, 1, false, false, 1.0f}};
+  uint64_t seed = 40;
+  for (const Case& c : cases) {
+    std::ostringstream what;
+    what << "N=" << c.n << " E=" << c.e << " k=" << c.k << " groups=" << c.n_group << "/" << c.topk_group;
+    SCOPED_TRACE(what.str());
+    const int64_t n = c.n, e = c.e, k = c.k;
+    std::vector<float> logits = random_floats(n * e, -3, 3, ++seed), dweight = random_floats(n * k, -1, 1, ++seed),
+                       rows = random_floats(c.g * e, -1, 1, ++seed), bias = random_floats(e, -0.05f, 0.05f, ++seed);
+    cpu::RouterConfig cfg;
+    cfg.top_k = k;
+    cfg.scoring = cpu::RouterScoring::sigmoid;
+    cfg.normalize = c.normalize;
+    cfg.scale = c.scale;
+    cfg.n_group = c.n_group;
+    cfg.topk_group = c.topk_group;
+    std::vector<int32_t> idx_ref(n * k);
+    std::vector<float> w_ref(n * k), p_ref(n * e), s_ref(n), dl_ref(n * e);
+    const Tensor bias_h = c.bias ? host(bias, {e}) : Tensor();
+    cpu::router_forward(cfg, host(logits, {n, e}), host(idx_ref, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}),
+                        bias_h, host(s_ref, {n}));
+    cpu::router_backward(cfg, host(logits, {n, e}), host(idx_ref, {n, k}), host(w_ref, {n, k}), host(p_ref, {n, e}),
+                         host(dweight, {n, k}), host(rows, {c.g, e}), host(dl_ref, {n, e}), host(s_ref, {n}));
+    DeviceTensor ld = upload(logits, DType::f32, {n, e}), dwd = upload(dweight, DType::f32, {n, k}),
+                 rowsd = upload(rows, DType::f32, {c.g, e}), bd = upload(bias, DType::f32, {e});
+    DeviceTensor idx = poisoned(DType::i32, {n, k}), w = poisoned(DType::f32, {n, k}), p = poisoned(DType::f32, {n, e}),
+                 sums = poisoned(DType::f32, {n}), dl = poisoned(DType::f32, {n, e});
+    mt::router_forward(cfg, ld.t, idx.t, w.t, p.t, c.bias ? bd.t : Tensor(), sums.t);
+    mt::router_backward(cfg, ld.t, idx.t, w.t, p.t, dwd.t, rowsd.t, dl.t, sums.t);
+    ASSERT_EQ(download_ints(idx.t), idx_ref);
+    EXPECT_TRUE(near("weights", download(w.t), w_ref, Tol(1e-5, 1e-6)));
+    // A sum of E positive scores is within (E - 1) roundings of exact in any order, so the
+    // two orders differ by 2 E of them at most; probs divide by it (a few more roundings).
+    const double sum_tol = 2.0 * static_cast<double>(e) * kF32Round;
+    EXPECT_TRUE(near("probs", download(p.t), p_ref, Tol(sum_tol + 8 * kF32Round, 0)));
+    EXPECT_TRUE(near("score sums", download(sums.t), s_ref, Tol(sum_tol, 0)));
+    EXPECT_TRUE(near("dlogits", download(dl.t), dl_ref, Tol(1e-5, 1e-6)));
+  }
+}
+
 }  // namespace
 }  // namespace mt::gpu_test

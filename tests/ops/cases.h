@@ -39,11 +39,12 @@ OpCase grouped_gemm_case(const std::vector<int32_t>& counts, int64_t k, int64_t 
 OpCase swiglu_case(int64_t rows, int64_t inter);
 OpCase clamped_swiglu_case(int64_t rows, int64_t inter, float limit, float alpha);
 // router.cpp: one routing setup on random logits [rows, experts]. gpt_oss: top-k of the
-// logits, then softmax over the k; otherwise softmax, then top-k (DeepSeek groups when
-// n_group > 1). dprobs: probs gets an upstream gradient too (a load-balance loss).
+// logits, then softmax over the k; sigmoid: DeepSeek-V3's sigmoid scores, groups ranked by
+// their two best; otherwise softmax, then top-k (DeepSeek-V2 groups when n_group > 1).
+// dprobs: probs gets an upstream gradient too (a load-balance loss).
 struct RouterRow {
   int64_t rows = 1, experts = 8, top_k = 2;
-  bool gpt_oss = false, normalize = false;
+  bool gpt_oss = false, sigmoid = false, normalize = false;
   float scale = 1.0f;
   int64_t n_group = 1, topk_group = 1;
   bool dprobs = false;

@@ -12,7 +12,11 @@
 // Experts and groups are ranked by their logits, not their probabilities: softmax is
 // monotonic so the order is the same, but fp32 rounding (or underflow to 0) can make
 // distinct logits give equal probabilities, and then "ties to the lower expert id"
-// would depend on rounding.
+// would depend on rounding. Sigmoid scoring ranks the scores themselves: its groups
+// are ranked by sums of two scores, which no order of the logits gives.
+//
+// Sigmoid scoring keeps the scores s in probs until the choice and the weights are
+// made, then divides them by their sum (router.h has the formulas).
 
 namespace mt::cpu {
 
@@ -40,11 +44,39 @@ Dims check_router(const RouterConfig& cfg, const Tensor& logits, const Tensor& i
   MT_CHECK(cfg.scoring != RouterScoring::topk_softmax || (cfg.n_group == 1 && cfg.scale == 1.0f))
       << "topk_softmax routing (GPT-OSS) has no expert groups and no scale, got n_group=" << cfg.n_group
       << " scale=" << cfg.scale;
+  MT_CHECK(cfg.scoring != RouterScoring::sigmoid || cfg.n_group == 1 || d.e / cfg.n_group >= 2)
+      << "sigmoid routing ranks a group by its two best experts: n_group " << cfg.n_group << " of " << d.e
+      << " experts leaves " << d.e / cfg.n_group << " a group";
   check_tensor(logits, "router logits", DType::f32, {d.n, d.e});
   check_tensor(idx, "router idx", DType::i32, {d.n, d.k});
   check_tensor(weight, "router weight", DType::f32, {d.n, d.k});
   check_tensor(probs, "router probs", DType::f32, {d.n, d.e});
   return d;
+}
+
+// The sigmoid scoring's per-token score sums: required there, refused elsewhere.
+void check_score_sum(const RouterConfig& cfg, const Tensor& score_sum, int64_t n) {
+  if (cfg.scoring == RouterScoring::sigmoid) {
+    MT_CHECK(score_sum.data != nullptr) << "sigmoid routing needs score_sum f32 [" << n
+                                        << "] (each token's sum of scores, for the backward), got none";
+    check_tensor(score_sum, "router score_sum", DType::f32, {n});
+  } else {
+    MT_CHECK(score_sum.data == nullptr) << "router score_sum is for sigmoid scoring only, got " << score_sum.str();
+  }
+}
+
+// The sum of the two largest of v[0..n), n >= 2 (equal values count twice).
+float top2_sum(const float* v, int64_t n) {
+  float a = -INFINITY, b = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    if (v[i] > a) {
+      b = a;
+      a = v[i];
+    } else if (v[i] > b) {
+      b = v[i];
+    }
+  }
+  return a + b;
 }
 
 // Strict order: larger score first, ties to the lower id.
@@ -56,11 +88,13 @@ struct Better {
 }  // namespace
 
 void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
-                    const Tensor& probs, const Tensor& bias) {
+                    const Tensor& probs, const Tensor& bias, const Tensor& score_sum) {
   Dims d = check_router(cfg, logits, idx, weight, probs);
   if (bias.data != nullptr) check_tensor(bias, "router bias", DType::f32, {d.e});
+  check_score_sum(cfg, score_sum, d.n);
   const float* bp = bias.data != nullptr ? bias.f32() : nullptr;
   const bool topk_softmax = cfg.scoring == RouterScoring::topk_softmax;
+  const bool sigmoid = cfg.scoring == RouterScoring::sigmoid;
   const float* lp = logits.f32();
   int32_t* ip = idx.i32();
   float* wp = weight.f32();
@@ -69,25 +103,31 @@ void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor&
 #pragma omp parallel
   {
     std::vector<int32_t> cand, groups(static_cast<size_t>(cfg.n_group));
-    std::vector<float> group_max(static_cast<size_t>(cfg.n_group)), biased(bp ? static_cast<size_t>(d.e) : 0);
+    std::vector<float> group_score(static_cast<size_t>(cfg.n_group)), biased(bp ? static_cast<size_t>(d.e) : 0);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < d.n; ++t) {
       const float* l = lp + t * d.e;
       float* p = pp + t * d.e;
-      float m = *std::max_element(l, l + d.e), sum = 0.0f;
-      for (int64_t e = 0; e < d.e; ++e) sum += p[e] = std::exp(l[e] - m);
-      for (int64_t e = 0; e < d.e; ++e) p[e] /= sum;
-      // What the choice ranks: the logits, or with a bias the biased scores.
+      if (sigmoid) {
+        for (int64_t e = 0; e < d.e; ++e) p[e] = 1.0f / (1.0f + std::exp(-l[e]));
+      } else {
+        float m = *std::max_element(l, l + d.e), sum = 0.0f;
+        for (int64_t e = 0; e < d.e; ++e) sum += p[e] = std::exp(l[e] - m);
+        for (int64_t e = 0; e < d.e; ++e) p[e] /= sum;
+      }
+      // What the choice ranks: the logits (the sigmoid scores), or with a bias the
+      // biased scores.
       if (bp)
         for (int64_t e = 0; e < d.e; ++e) biased[e] = (topk_softmax ? l[e] : p[e]) + bp[e];
-      const float* key = bp ? biased.data() : l;
+      const float* key = bp ? biased.data() : sigmoid ? p : l;
 
       cand.clear();
       if (cfg.n_group > 1) {
         for (int64_t g = 0; g < cfg.n_group; ++g)
-          group_max[g] = *std::max_element(key + g * group_size, key + (g + 1) * group_size);
+          group_score[g] = sigmoid ? top2_sum(key + g * group_size, group_size)
+                                   : *std::max_element(key + g * group_size, key + (g + 1) * group_size);
         std::iota(groups.begin(), groups.end(), 0);
-        std::partial_sort(groups.begin(), groups.begin() + cfg.topk_group, groups.end(), Better{group_max.data()});
+        std::partial_sort(groups.begin(), groups.begin() + cfg.topk_group, groups.end(), Better{group_score.data()});
         for (int64_t j = 0; j < cfg.topk_group; ++j)
           for (int64_t e = groups[j] * group_size; e < (groups[j] + 1) * group_size; ++e)
             cand.push_back(static_cast<int32_t>(e));
@@ -109,16 +149,52 @@ void router_forward(const RouterConfig& cfg, const Tensor& logits, const Tensor&
       } else {
         float s = 0.0f;
         for (int64_t j = 0; j < d.k; ++j) s += w[j] = p[it[j]];
-        float f = cfg.normalize ? cfg.scale / s : cfg.scale;
+        // transformers' DeepSeek-V3 adds 1e-20 to the denominator; the softmax sum needs none.
+        float f = cfg.normalize ? cfg.scale / (sigmoid ? s + 1e-20f : s) : cfg.scale;
         for (int64_t j = 0; j < d.k; ++j) w[j] *= f;
+      }
+      if (sigmoid) {
+        float s = 0.0f;
+        for (int64_t e = 0; e < d.e; ++e) s += p[e];
+        score_sum.f32()[t] = s;
+        for (int64_t e = 0; e < d.e; ++e) p[e] /= s;
       }
     }
   }
 }
 
+namespace {
+
+// One token's sigmoid backward (router.h has the formula): p the normalised scores,
+// S their sum before normalisation, dp the balance gradient row (or null).
+void sigmoid_token_backward(const RouterConfig& cfg, int64_t e_n, int64_t k, const int32_t* it, const float* p,
+                            float S, const float* dw, const float* dp, float* dl) {
+  float pdot = 0.0f;
+  if (dp != nullptr)
+    for (int64_t e = 0; e < e_n; ++e) pdot += p[e] * dp[e];
+  for (int64_t e = 0; e < e_n; ++e) dl[e] = dp != nullptr ? (dp[e] - pdot) / S : 0.0f;
+  if (cfg.normalize) {
+    float den = 1e-20f, dot = 0.0f;
+    for (int64_t j = 0; j < k; ++j) den += p[it[j]] * S;
+    for (int64_t j = 0; j < k; ++j) dot += dw[j] * p[it[j]] * S;
+    dot /= den;
+    for (int64_t j = 0; j < k; ++j) dl[it[j]] += cfg.scale / den * (dw[j] - dot);
+  } else {
+    for (int64_t j = 0; j < k; ++j) dl[it[j]] += cfg.scale * dw[j];
+  }
+  for (int64_t e = 0; e < e_n; ++e) {
+    const float s = p[e] * S;
+    dl[e] *= s * (1.0f - s);
+  }
+}
+
+}  // namespace
+
 void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
-                     const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits) {
+                     const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits,
+                     const Tensor& score_sum) {
   Dims d = check_router(cfg, logits, idx, weight, probs);
+  check_score_sum(cfg, score_sum, d.n);
   check_tensor(dweight, "router dweight", DType::f32, {d.n, d.k});
   check_tensor(dlogits, "router dlogits", DType::f32, {d.n, d.e});
   const int64_t groups = dprobs.data != nullptr && dprobs.ndim() == 2 ? dprobs.dim(0) : 1;
@@ -135,14 +211,20 @@ void router_backward(const RouterConfig& cfg, const Tensor& logits, const Tensor
   const float* dwp = dweight.f32();
   const float* dpp = dprobs.data != nullptr ? dprobs.f32() : nullptr;
   float* out = dlogits.f32();
-  bool topk_softmax = cfg.scoring == RouterScoring::topk_softmax;
+  const bool topk_softmax = cfg.scoring == RouterScoring::topk_softmax;
+  const bool sigmoid = cfg.scoring == RouterScoring::sigmoid;
+  const float* ssp = sigmoid ? score_sum.f32() : nullptr;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < d.n; ++t) {
     const int32_t* it = ip + t * d.k;
     const float* p = pp + t * d.e;
     const float* dw = dwp + t * d.k;
-    // dl first holds the gradient with respect to probs, then goes through the softmax.
     float* dl = out + t * d.e;
+    if (sigmoid) {
+      sigmoid_token_backward(cfg, d.e, d.k, it, p, ssp[t], dw, dpp != nullptr ? dpp + t / group * d.e : nullptr, dl);
+      continue;
+    }
+    // dl first holds the gradient with respect to probs, then goes through the softmax.
     for (int64_t e = 0; e < d.e; ++e) dl[e] = dpp != nullptr ? dpp[t / group * d.e + e] : 0.0f;
     if (!topk_softmax) {
       if (cfg.normalize) {

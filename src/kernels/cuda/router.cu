@@ -1,6 +1,6 @@
 // Router on the GPU: one warp per token, f32 throughout, same contract as the CPU backend.
-// Experts (and DeepSeek groups) are ranked by logit (or, with a bias, by biased score),
-// ties to the lower id, as on the CPU;
+// Experts (and DeepSeek groups) are ranked by logit (or, with a bias, by biased score;
+// sigmoid scoring by its scores), ties to the lower id, as on the CPU;
 // the j-th pick is the best candidate strictly worse than the (j-1)-th in that order, so
 // no "taken" flags or per-token storage. router_backward checks idx on the device (a bad
 // entry traps the kernel) rather than on the host, which would need a synchronisation.
@@ -49,13 +49,14 @@ __device__ __forceinline__ float warp_max(float s) {
 
 struct Forward {
   const float* logits;
-  const float* bias;  // null: choose by logit
+  const float* bias;  // null: choose by logit (sigmoid: by score)
   int32_t* idx;
   float* weight;
   float* probs;
+  float* score_sum;  // sigmoid only
   Dims d;
   int n_group, topk_group;
-  bool topk_softmax, normalize;
+  bool topk_softmax, sigmoid, normalize;
   float scale;
 };
 
@@ -68,26 +69,44 @@ __global__ void router_forward_kernel(Forward f) {
   int32_t* it = f.idx + static_cast<long long>(t) * k;
   float* w = f.weight + static_cast<long long>(t) * k;
 
-  float mx = -INFINITY;
-  for (int e = lane; e < e_n; e += 32) mx = fmaxf(mx, l[e]);
-  mx = warp_max(mx);
-  float sum = 0.0f;
-  for (int e = lane; e < e_n; e += 32) sum += expf(l[e] - mx);
-  sum = warp_sum(sum);
-  for (int e = lane; e < e_n; e += 32) p[e] = expf(l[e] - mx) / sum;
+  // Sigmoid scoring keeps the scores in p until the weights are made, then normalises them.
+  float mx = -INFINITY, sum = 0.0f;
+  if (f.sigmoid) {
+    for (int e = lane; e < e_n; e += 32) p[e] = 1.0f / (1.0f + expf(-l[e]));
+  } else {
+    for (int e = lane; e < e_n; e += 32) mx = fmaxf(mx, l[e]);
+    mx = warp_max(mx);
+    for (int e = lane; e < e_n; e += 32) sum += expf(l[e] - mx);
+    sum = warp_sum(sum);
+    for (int e = lane; e < e_n; e += 32) p[e] = expf(l[e] - mx) / sum;
+  }
   __syncwarp();  // the groups below read other lanes' probabilities
-  // What the choice ranks: the logit, or with a bias the biased score.
-  auto key = [&](int e) { return f.bias == nullptr ? l[e] : (f.topk_softmax ? l[e] : p[e]) + f.bias[e]; };
+  // What the choice ranks: the logit (the sigmoid score), or with a bias the biased score.
+  auto key = [&](int e) {
+    if (f.bias == nullptr) return f.sigmoid ? p[e] : l[e];
+    return (f.topk_softmax ? l[e] : p[e]) + f.bias[e];
+  };
 
-  // DeepSeek: groups ranked by their best key; lane x holds groups x and x + 32.
+  // DeepSeek: groups ranked by their best key (sigmoid: the sum of their two best);
+  // lane x holds groups x and x + 32.
   uint64_t allowed = ~0ull;
   const int group_size = e_n / f.n_group;
   if (f.n_group > 1) {
     float gmax[2] = {-INFINITY, -INFINITY};
     for (int x = 0; x < 2; ++x) {
       const int grp = lane + 32 * x;
-      if (grp < f.n_group)
-        for (int e = grp * group_size; e < (grp + 1) * group_size; ++e) gmax[x] = fmaxf(gmax[x], key(e));
+      if (grp >= f.n_group) continue;
+      float second = -INFINITY;
+      for (int e = grp * group_size; e < (grp + 1) * group_size; ++e) {
+        const float v = key(e);
+        if (v > gmax[x]) {
+          second = gmax[x];
+          gmax[x] = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      if (f.sigmoid) gmax[x] += second;
     }
     allowed = 0;
     Pick prev{INFINITY, -1};
@@ -122,6 +141,19 @@ __global__ void router_forward_kernel(Forward f) {
     for (int j = lane; j < k; j += 32) s += expf(l[it[j]] - top);
     s = warp_sum(s);
     for (int j = lane; j < k; j += 32) w[j] = expf(l[it[j]] - top) / s;
+  } else if (f.sigmoid) {
+    float s = 0.0f;
+    for (int j = lane; j < k; j += 32) s += p[it[j]];
+    s = warp_sum(s);
+    // transformers' DeepSeek-V3 adds 1e-20 to the denominator.
+    const float factor = f.normalize ? f.scale / (s + 1e-20f) : f.scale;
+    for (int j = lane; j < k; j += 32) w[j] = p[it[j]] * factor;
+    float total = 0.0f;
+    for (int e = lane; e < e_n; e += 32) total += p[e];
+    total = warp_sum(total);
+    __syncwarp();  // every lane has read the chosen scores before they are normalised
+    if (lane == 0) f.score_sum[t] = total;
+    for (int e = lane; e < e_n; e += 32) p[e] /= total;
   } else {
     float s = 0.0f;
     for (int j = lane; j < k; j += 32) s += expf(l[it[j]] - mx) / sum;
@@ -136,13 +168,45 @@ struct Backward {
   const float* weight;
   const float* probs;
   const float* dweight;
-  const float* dprobs;  // null: no load-balance gradient
-  long long group;      // tokens a dprobs row
+  const float* dprobs;     // null: no load-balance gradient
+  const float* score_sum;  // sigmoid only
+  long long group;         // tokens a dprobs row
   float* dlogits;
   Dims d;
-  bool topk_softmax, normalize;
+  bool topk_softmax, sigmoid, normalize;
   float scale;
 };
+
+// Sigmoid scoring (router.h has the formula): dl first holds the gradient with respect
+// to the scores s = p * S, then goes through the sigmoid.
+__device__ void sigmoid_token_backward(const Backward& b, int t, const int32_t* it, const float* p, const float* dw,
+                                       const float* dp, float* dl) {
+  const int lane = threadIdx.x % 32, e_n = b.d.e, k = b.d.k;
+  const float S = b.score_sum[t];
+  float pdot = 0.0f;
+  if (dp != nullptr)
+    for (int e = lane; e < e_n; e += 32) pdot += p[e] * dp[e];
+  pdot = warp_sum(pdot);
+  for (int e = lane; e < e_n; e += 32) dl[e] = dp != nullptr ? (dp[e] - pdot) / S : 0.0f;
+  __syncwarp();
+  if (b.normalize) {
+    float den = 0.0f, dot = 0.0f;
+    for (int j = lane; j < k; j += 32) {
+      den += p[it[j]] * S;
+      dot += dw[j] * p[it[j]] * S;
+    }
+    den = warp_sum(den) + 1e-20f;
+    dot = warp_sum(dot) / den;
+    for (int j = lane; j < k; j += 32) dl[it[j]] += b.scale / den * (dw[j] - dot);
+  } else {
+    for (int j = lane; j < k; j += 32) dl[it[j]] += b.scale * dw[j];
+  }
+  __syncwarp();
+  for (int e = lane; e < e_n; e += 32) {
+    const float s = p[e] * S;
+    dl[e] *= s * (1.0f - s);
+  }
+}
 
 // dlogits first holds the gradient with respect to probs, then goes through the softmax;
 // the scattered adds touch other lanes' elements, hence the warp barriers between phases.
@@ -159,6 +223,7 @@ __global__ void router_backward_kernel(Backward b) {
     if (it[j] < 0 || it[j] >= e_n) __trap();
 
   const float* dp = b.dprobs != nullptr ? b.dprobs + static_cast<long long>(t) / b.group * e_n : nullptr;
+  if (b.sigmoid) return sigmoid_token_backward(b, t, it, p, dw, dp, dl);
   for (int e = lane; e < e_n; e += 32) dl[e] = dp != nullptr ? dp[e] : 0.0f;
   __syncwarp();
   if (!b.topk_softmax) {
@@ -211,6 +276,9 @@ Dims check_router(const cpu::RouterConfig& cfg, const Tensor& logits, const Tens
   MT_CHECK(cfg.scoring != cpu::RouterScoring::topk_softmax || (cfg.n_group == 1 && cfg.scale == 1.0f))
       << "topk_softmax routing (GPT-OSS) has no expert groups and no scale, got n_group=" << cfg.n_group
       << " scale=" << cfg.scale;
+  MT_CHECK(cfg.scoring != cpu::RouterScoring::sigmoid || cfg.n_group == 1 || e / cfg.n_group >= 2)
+      << "sigmoid routing ranks a group by its two best experts: n_group " << cfg.n_group << " of " << e
+      << " experts leaves " << e / cfg.n_group << " a group";
   check_arg(logits, "router logits", {DType::f32}, {n, e});
   check_arg(idx, "router idx", {DType::i32}, {n, k});
   check_arg(weight, "router weight", {DType::f32}, {n, k});
@@ -218,24 +286,48 @@ Dims check_router(const cpu::RouterConfig& cfg, const Tensor& logits, const Tens
   return {static_cast<int>(n), static_cast<int>(e), static_cast<int>(k)};
 }
 
+// The sigmoid scoring's per-token score sums: required there, refused elsewhere.
+float* score_sum_of(const cpu::RouterConfig& cfg, const Tensor& score_sum, int64_t n) {
+  if (cfg.scoring != cpu::RouterScoring::sigmoid) {
+    MT_CHECK(score_sum.data == nullptr) << "router score_sum is for sigmoid scoring only, got " << score_sum.str();
+    return nullptr;
+  }
+  MT_CHECK(score_sum.data != nullptr) << "sigmoid routing needs score_sum f32 [" << n
+                                      << "] (each token's sum of scores, for the backward), got none";
+  check_arg(score_sum, "router score_sum", {DType::f32}, {n});
+  return score_sum.f32();
+}
+
 }  // namespace
 
 void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
-                    const Tensor& probs, const Tensor& bias) {
+                    const Tensor& probs, const Tensor& bias, const Tensor& score_sum) {
   const Dims d = check_router(cfg, logits, idx, weight, probs);
   if (bias.data != nullptr) check_arg(bias, "router bias", {DType::f32}, {d.e});
+  float* sums = score_sum_of(cfg, score_sum, d.n);
   if (d.n == 0) return;
-  Forward f{logits.f32(), bias.data != nullptr ? bias.f32() : nullptr, idx.i32(), weight.f32(), probs.f32(), d,
+  Forward f{logits.f32(),
+            bias.data != nullptr ? bias.f32() : nullptr,
+            idx.i32(),
+            weight.f32(),
+            probs.f32(),
+            sums,
+            d,
             static_cast<int>(cfg.n_group),
-            static_cast<int>(cfg.topk_group), cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
+            static_cast<int>(cfg.topk_group),
+            cfg.scoring == cpu::RouterScoring::topk_softmax,
+            cfg.scoring == cpu::RouterScoring::sigmoid,
+            cfg.normalize,
             cfg.scale};
   router_forward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(f);
   CUDA_CHECK_LAUNCH();
 }
 
 void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx, const Tensor& weight,
-                     const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits) {
+                     const Tensor& probs, const Tensor& dweight, const Tensor& dprobs, const Tensor& dlogits,
+                     const Tensor& score_sum) {
   const Dims d = check_router(cfg, logits, idx, weight, probs);
+  const float* sums = score_sum_of(cfg, score_sum, d.n);
   check_arg(dweight, "router dweight", {DType::f32}, {d.n, d.k});
   check_arg(dlogits, "router dlogits", {DType::f32}, {d.n, d.e});
   const int64_t groups = dprobs.data != nullptr && dprobs.ndim() == 2 ? dprobs.dim(0) : 1;
@@ -243,8 +335,18 @@ void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const T
                                              << d.n << " tokens";
   if (dprobs.data != nullptr) check_arg(dprobs, "router dprobs", {DType::f32}, {groups, d.e});
   if (d.n == 0) return;
-  Backward b{idx.i32(),     weight.f32(), probs.f32(), dweight.f32(), dprobs.data != nullptr ? dprobs.f32() : nullptr,
-             d.n / groups,  dlogits.f32(), d, cfg.scoring == cpu::RouterScoring::topk_softmax, cfg.normalize,
+  Backward b{idx.i32(),
+             weight.f32(),
+             probs.f32(),
+             dweight.f32(),
+             dprobs.data != nullptr ? dprobs.f32() : nullptr,
+             sums,
+             d.n / groups,
+             dlogits.f32(),
+             d,
+             cfg.scoring == cpu::RouterScoring::topk_softmax,
+             cfg.scoring == cpu::RouterScoring::sigmoid,
+             cfg.normalize,
              cfg.scale};
   router_backward_kernel<<<blocks_for(d.n, kWarps), kWarps * 32, 0, stream()>>>(b);
   CUDA_CHECK_LAUNCH();
