@@ -39,21 +39,24 @@ BELOW = {
 }
 
 
-def outside_code(text):
-    """The lines of a markdown text outside fenced code blocks, with inline code spans
-    blanked (a link or heading inside code is not one)."""
-    lines, fence = [], None
+def unfenced(text):
+    """The lines of a markdown text outside fenced code blocks."""
+    fence = None
     for line in text.split("\n"):
         stripped = line.lstrip()
         if fence is None and (stripped.startswith("```") or stripped.startswith("~~~")):
             fence = stripped[:3]
-            continue
-        if fence is not None:
+        elif fence is not None:
             if stripped.startswith(fence):
                 fence = None
-            continue
-        lines.append(re.sub(r"`[^`]*`", "``", line))
-    return lines
+        else:
+            yield line
+
+
+def outside_code(text):
+    """The lines of a markdown text outside fenced code blocks, with inline code spans
+    blanked (a link or heading inside code is not one)."""
+    return [re.sub(r"`[^`]*`", "``", line) for line in unfenced(text)]
 
 
 def anchor(heading):
@@ -69,16 +72,7 @@ def anchors(path):
     with open(path) as f:
         # Headings' own text, code spans included (outside_code blanks them for links).
         text = f.read()
-    fence = None
-    for line in text.split("\n"):
-        stripped = line.lstrip()
-        if fence is None and (stripped.startswith("```") or stripped.startswith("~~~")):
-            fence = stripped[:3]
-            continue
-        if fence is not None:
-            if stripped.startswith(fence):
-                fence = None
-            continue
+    for line in unfenced(text):
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue
