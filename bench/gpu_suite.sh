@@ -49,7 +49,10 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OMP_WAIT_POLICY=passive NCCL_NVLS
 # A fixture's 3 steps stay a few seconds each; a run that hangs is a failure, not a stall.
 meshes="${PYTHON:-python3} tests/gpu/meshes.py $bin . --timeout 240"
 on_gpus="$meshes --gpus $gpus --ranks $ranks"
-vs_cpu="$meshes --gpus 1 --meshes 1,1,1,1 --ref-device cpu --lb micro_batch"
+# bf16 on the GPU against f32 on the CPU: a few tokens near a routing tie choose another
+# expert (16 slots of a step's counts may move), and FP8 moves the norms a few percent.
+vs_cpu="$meshes --gpus 1 --meshes 1,1,1,1 --ref-device cpu --lb micro_batch --count-slack 16"
+fp8="--fp8-sizes --extra=--training.fp8=blockwise"
 balance="--training.router_z_loss_coef=0.01 --training.expert_bias_update_rate=0.001 --validation.interval=1"
 balance="$balance --validation.tokens=@TOKENS@"
 
@@ -61,7 +64,8 @@ check() { names+=("$1"); commands+=("$2"); }
 check cuda_ops "$ops"
 check meshes "$on_gpus"
 check zero3 "$on_gpus --lb micro_batch --extra=--parallelism.zero3=true"
-check pipeline "$on_gpus --pipeline"
+# global_batch needs every forward before a backward, which a pipeline refuses.
+check pipeline "$on_gpus --pipeline --lb micro_batch"
 check replicas "$on_gpus --lb micro_batch --meshes '1,1,2 1,1,4' --steps 4 \
   --mesh-extra='--parallelism.expert_replicas=2 --parallelism.replan_interval=1'"
 for ac in selective full; do
@@ -74,11 +78,11 @@ for tier in optimizer weights; do
 done
 check balance_ep2 "$on_gpus --lb sequence --meshes 1,1,2 --extra='$balance'"
 check balance_pp2 "$on_gpus --lb sequence --pipeline --meshes 2,1,1,1 --extra='$balance'"
-check fp8_ep2 "$on_gpus --lb micro_batch --meshes 1,1,2 --extra=--training.fp8=blockwise"
-check fp8_pp2 "$on_gpus --lb micro_batch --pipeline --meshes 2,1,1,1 --extra=--training.fp8=blockwise"
+check fp8_ep2 "$on_gpus --lb micro_batch --meshes 1,1,2 $fp8"
+check fp8_pp2 "$on_gpus --lb micro_batch --pipeline --meshes 2,1,1,1 $fp8"
 for f in qwen3_moe_a deepseek_v2_a gpt_oss_a; do
   check "cpu_$f" "$vs_cpu --fixture $f"
-  check "cpu_${f}_fp8" "$vs_cpu --fixture $f --extra=--training.fp8=blockwise"
+  check "cpu_${f}_fp8" "$vs_cpu --fixture $f --rtol 0.05 $fp8"
 done
 check cpu_z_loss "$vs_cpu --extra=--training.router_z_loss_coef=0.01"
 check cpu_sequence_loss "$vs_cpu --fixture deepseek_v2_a --lb sequence"

@@ -125,11 +125,32 @@ def write_pipeline_config(repo, folder, layers):
     return path
 
 
+# The sizes --fp8-sizes rounds up to a multiple of 16 (FP8's e4m3 rows are 16-byte
+# aligned: every product's K and output width must be a multiple of 16).
+SIZE_KEYS = ["hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "q_lora_rank", "kv_lora_rank",
+             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+
+
+def write_fp8_config(repo, folder, source):
+    """`source` (a config.json) with every size rounded up to a multiple of 16: the
+    fixtures' widths (8, 12, 24) are below what the FP8 products take. Its runs start
+    from random weights (seed 0), the same in every run."""
+    with open(source if os.path.isabs(source) else os.path.join(repo, source)) as f:
+        c = json.load(f)
+    for key in SIZE_KEYS:
+        if c.get(key):
+            c[key] = -(-c[key] // 16) * 16
+    path = os.path.join(folder, "config_fp8.json")
+    with open(path, "w") as f:
+        json.dump(c, f)
+    return path
+
+
 def train_command(args, mesh, schedule, lb, tokens, dump, ref):
     """The command of one run: the reference (ref, on --ref-device) or a mesh (on --device)."""
     pp, dp, cp, ep = mesh
     np_ranks = pp * dp * cp * ep
-    model = (["--model.config=" + args.model_config] if args.pipeline
+    model = (["--model.config=" + args.model_config] if args.model_config
              else ["--model.init=hf:" + os.path.join(args.repo, "tests/fixtures", args.fixture)])
     cmd = [args.moetrain, "train"] + model + [
            "--data.tokens=" + tokens,
@@ -225,6 +246,9 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: try the script itself on the CPU backend (any build)")
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
+    ap.add_argument("--fp8-sizes", action="store_true",
+                    help="every size of the model's config.json rounded up to a multiple of 16, random weights "
+                         "(the FP8 products' alignment)")
     ap.add_argument("--extra", default="",
                     help="flags appended to every moetrain command, the one-GPU run's too, separated by spaces "
                          "(e.g. --extra=--parallelism.zero3=true)")
@@ -260,6 +284,9 @@ def main():
     tokens = write_tokens(args.repo, work, args.pipeline, args.fixture)
     dualpipev = args.pipeline and "dualpipev" in args.schedules.split(",")
     args.model_config = write_pipeline_config(args.repo, work, 2 * need if dualpipev else 0) if args.pipeline else None
+    if args.fp8_sizes:
+        args.model_config = write_fp8_config(args.repo, work, args.model_config or os.path.join(
+            "tests/fixtures", args.fixture, "config.json"))
     # Each run: a mesh and, where pp > 1, a schedule.
     runs = [(m, s if m[0] > 1 else "") for m in meshes for s in (args.schedules.split(",") if m[0] > 1 else [""])]
     print("moetrain %s, %s, %d steps, meshes (pp,dp,cp,ep): %s%s%s on %s (%d GPU(s), up to %d ranks), reference on "
