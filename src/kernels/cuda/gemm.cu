@@ -154,6 +154,10 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
             b_blocks ? Shape{fp8::tiles(n), fp8::block_scale_cols(k)} : Shape{fp8::tiles(k), n});
   check_arg(c, "gemm_fp8 c", {DType::bf16, DType::f32}, {m, n});
   MT_CHECK(k % 16 == 0) << "gemm_fp8: K " << k << " must be a multiple of 16 (e4m3 rows 16-byte aligned)";
+  // cuBLASLt's FP8 kernels take 16-byte output rows only (otherwise it says only
+  // NOT_SUPPORTED): N = 20 failed on an H100, N = 200 passes (test_cuda_fp8).
+  MT_CHECK(n % 8 == 0) << "gemm_fp8: N " << n << " (the output width, c " << c.str()
+                       << ") must be a multiple of 8 for cuBLASLt's FP8 product";
   if (m == 0 || n == 0) return;
   PlanKey key{false, true, m, n, k, k, k, n, c.dtype == DType::f32, alignment(a.data), alignment(b.data),
               alignment(c.data), b_blocks ? 2 : 1};
