@@ -2377,6 +2377,54 @@ TEST(Commands, ACorpusFileCutShortUnderARunIsNamed) {
   }
 }
 
+// A validation corpus cut short under a run stops it at the next validation, before its
+// forwards: the step before it keeps its metrics line and is saved (it stopped with the
+// last checkpoint only, or on several ranks with MPI_Abort).
+TEST(Commands, AValidationCorpusCutShortSavesTheStepBefore) {
+  const std::string dir = temp_dir("val_cut");
+  std::vector<uint16_t> tokens(400 * 17);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
+  write_bin(dir + "/train/part.bin", tokens, {tokens.size()});
+  write_bin(dir + "/val/part.bin", tokens, {tokens.size()});
+  const std::string log = dir + "/log";
+  FILE* p = popen((std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                   " --data.corpus=" + dir + "/train --validation.corpus=" + dir + "/val --validation.interval=1" +
+                   " --validation.steps=1 --data.seq_len=16 --training.global_batch_size=2 --training.steps=100000" +
+                   " --checkpoint.save_final=false --job.dump_folder=" + dir + "/run > " + log + " 2>&1; echo $?")
+                      .c_str(),
+                  "r");
+  ASSERT_NE(p, nullptr);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < until) {
+    std::ifstream m(dir + "/run/metrics.jsonl");
+    std::string line;
+    int lines = 0;
+    while (std::getline(m, line)) ++lines;
+    if (lines >= 3) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::filesystem::resize_file(dir + "/val/part.bin", 300);
+  char status[16] = {};
+  ASSERT_NE(std::fgets(status, sizeof status, p), nullptr);
+  pclose(p);
+  std::ifstream in(log);
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(std::string(status), "1\n") << out;
+  EXPECT_NE(out.find(dir + "/val/part.bin: cannot read 2 bytes at offset "), std::string::npos) << out;
+  std::ifstream m(dir + "/run/metrics.jsonl");
+  int64_t last = 0;
+  for (std::string line; std::getline(m, line);) last = nlohmann::json::parse(line)["step"].get<int64_t>();
+  ASSERT_GE(last, 3) << out;
+  char step[32];
+  std::snprintf(step, sizeof step, "step-%08lld", static_cast<long long>(last));
+  const std::string saved = dir + "/run/checkpoints/" + step;
+  EXPECT_TRUE(std::filesystem::exists(saved + "/COMPLETE")) << out;
+  EXPECT_NE(out.find("Stopped at the validation after step " + std::to_string(last) + "; the last checkpoint is " +
+                     saved),
+            std::string::npos)
+      << out;
+}
+
 // data.mixture: corpora a and b, weighted 1:3, in a config file's array form (paths taken
 // against its folder). Over 8 steps of 4 sequences each corpus's share (data_shares) is
 // exactly its weight; a run stopped at step 4 and resumed gives steps 5-8 the same bits

@@ -153,6 +153,12 @@ std::string Dataset::find_id_past(int64_t vocab, int part, int parts) const {
   return "";
 }
 
+void Dataset::check_whole() const {
+  uint32_t last = 0;
+  for (const File& g : files_)
+    if (g.count > 0) g.file.read(g.tokens + (g.count - 1) * static_cast<int64_t>(g.width), g.width, &last);
+}
+
 int64_t Dataset::sample_at(uint64_t position) const {
   MT_CHECK(corpora_.size() == 1) << "Dataset::sample_at of a mixture";
   return sample_of(0, position);

@@ -107,6 +107,9 @@ class Dataset {
   // 65536) is not read. Ranks split the files, so a corpus is read once at start rather
   // than failing at the step that first meets the id.
   std::string find_id_past(int64_t vocab, int part, int parts) const;
+  // Reads the last token of each file's part: a file cut short since it was opened
+  // throws, naming it (one pread a file; what a validation checks before it starts).
+  void check_whole() const;
   // The sequence positions of cp rank cp_rank's columns, [seq_len / cp_size].
   std::vector<int64_t> positions(int cp_rank, int cp_size) const;
 

@@ -627,7 +627,16 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
     lr = r.lr;
     Trainer::Validation v;
     if (val.interval > 0 && r.step % val.interval == 0) {
-      v = trainer.validate();
+      try {
+        v = trainer.validate();
+      } catch (const StepNotTaken& e) {
+        // The step is done: its line and its checkpoint are kept, then the run stops.
+        if (writer) note_lost(metrics.append(step_json(r) + "\n"), metrics.path(), r.step);
+        save(lr);
+        MT_FAIL() << e.message << ". Stopped at the validation after step " << r.step
+                  << "; the last checkpoint is " << (last_checkpoint.empty() ? std::string("saved") : last_checkpoint)
+                  << " (step " << trainer.steps_done() << ")";
+      }
       r.val_on = true;
       r.val_loss = v.loss;
     }

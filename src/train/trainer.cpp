@@ -823,7 +823,22 @@ Trainer::Validation Trainer::validate() {
   ctx.pipeline = &pipeline_;
   ctx.pp = pp_;
   ctx.pp_rank = pp_rank_;
-  if (val_corpus_) val_corpus_->rewind();
+  if (val_corpus_) {
+    // A validation corpus cut short stops every rank here, before its forwards
+    // (StepNotTaken: the step before it is done and may be saved).
+    std::string failed;
+    try {
+      val_corpus_->check_whole();
+    } catch (const Error& e) {
+      failed = e.message;
+    }
+    std::vector<int64_t> bad = {failed.empty() ? 0 : 1};
+    if (world_ && world_->size() > 1) world_->all_reduce(Tensor(bad.data(), {1}, DType::i64));
+    if (bad[0] != 0)
+      throw StepNotTaken(failed.empty() ? "another rank cannot read its validation corpus (it names the file)" : failed,
+                         "");
+    val_corpus_->rewind();
+  }
   ctx.trainer = [&](const Action& a) {
     if (a.op == Op::load) load_micro_batch(*ctx.stashes[0], a.micro_batch, val_tokens_, val_corpus_.get());
   };

@@ -139,7 +139,8 @@ struct StepResult {
 // A step that stopped before it changed anything: a corpus file could not be read at
 // its start (cut short under the run), on this rank or another (every rank throws it at
 // the same step). The weights, moments, step count and data order are those of the last
-// step done, so the caller may save them before it stops.
+// step done, so the caller may save them before it stops. validate() throws it too, for
+// a validation corpus cut short, before any of its forwards.
 struct StepNotTaken : Error {
   using Error::Error;
 };
