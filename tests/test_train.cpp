@@ -2314,6 +2314,40 @@ TEST(Commands, TokenIdsPastTheVocabularyAreFoundAtStart) {
       << out;
 }
 
+// A train (its output to DIR/log, its run folder DIR/run) whose `file` is cut to its first
+// 300 bytes (the header and a few tokens) once 3 steps ran: its exit status line, its
+// output, the last metrics line's step and that step's checkpoint folder.
+struct CutRun {
+  std::string status, out, saved;
+  int64_t last = 0;
+};
+CutRun train_and_cut(const std::string& cmd, const std::string& dir, const std::string& file) {
+  CutRun r;
+  FILE* p = popen((cmd + " --job.dump_folder=" + dir + "/run > " + dir + "/log 2>&1; echo $?").c_str(), "r");
+  if (p == nullptr) return r;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  auto lines_now = [&] {  // counted, not parsed: the run may be writing the last one
+    std::ifstream m(dir + "/run/metrics.jsonl");
+    int n = 0;
+    for (std::string line; std::getline(m, line);) ++n;
+    return n;
+  };
+  while (std::chrono::steady_clock::now() < until && lines_now() < 3)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::filesystem::resize_file(file, 300);
+  char status[16] = {};
+  if (std::fgets(status, sizeof status, p) != nullptr) r.status = status;
+  pclose(p);
+  std::ifstream in(dir + "/log");
+  r.out.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  const std::vector<nlohmann::json> lines = metrics_of(dir + "/run");
+  r.last = lines.empty() ? 0 : lines.back()["step"].get<int64_t>();
+  char step[32];
+  std::snprintf(step, sizeof step, "step-%08lld", static_cast<long long>(r.last));
+  r.saved = dir + "/run/checkpoints/" + step;
+  return r;
+}
+
 // A corpus file cut short while a run reads it (a data script rewriting a .bin in place)
 // stops the run with an error naming the file and what it holds now, after saving the
 // last step done; it was SIGBUS (exit 135, nothing on stderr, nothing saved) while the
@@ -2324,56 +2358,30 @@ TEST(Commands, ACorpusFileCutShortUnderARunIsNamed) {
   for (int ranks : {1, 2}) {
     if (ranks > 1 && !mpi) continue;
     const std::string dir = temp_dir("corpus_cut" + std::to_string(ranks));
-    std::filesystem::create_directories(dir + "/corpus");
     std::vector<uint16_t> tokens(400 * 17);
     for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
     write_bin(dir + "/corpus/part.bin", tokens, {tokens.size()});
-    const std::string log = dir + "/log";
-    FILE* p = popen(((ranks > 1 ? kMpirun + "2 " : std::string()) + MOETRAIN_BIN + " train --model.init=hf:" +
-                     fixture("qwen3_moe_a") + " --data.corpus=" + dir + "/corpus --data.seq_len=16" +
-                     " --training.global_batch_size=2 --training.steps=100000 --checkpoint.save_final=false" +
-                     (ranks > 1 ? " --parallelism.ep=2" : "") + " --job.dump_folder=" + dir + "/run > " + log +
-                     " 2>&1; echo $?")
-                        .c_str(),
-                    "r");
-    ASSERT_NE(p, nullptr);
-    // Once a few steps ran, the file is cut to its first 300 bytes (the header and a few tokens).
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (std::chrono::steady_clock::now() < until) {
-      std::ifstream m(dir + "/run/metrics.jsonl");
-      std::string line;
-      int lines = 0;
-      while (std::getline(m, line)) ++lines;
-      if (lines >= 3) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    std::filesystem::resize_file(dir + "/corpus/part.bin", 300);
-    char status[16] = {};
-    ASSERT_NE(std::fgets(status, sizeof status, p), nullptr);
-    pclose(p);
-    std::ifstream in(log);
-    const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    EXPECT_NE(std::string(status), "0\n") << out;
+    const CutRun r = train_and_cut((ranks > 1 ? kMpirun + "2 " : std::string()) + MOETRAIN_BIN +
+                                       " train --model.init=hf:" + fixture("qwen3_moe_a") + " --data.corpus=" + dir +
+                                       "/corpus --data.seq_len=16 --training.global_batch_size=2" +
+                                       " --training.steps=100000 --checkpoint.save_final=false" +
+                                       (ranks > 1 ? " --parallelism.ep=2" : ""),
+                                   dir, dir + "/corpus/part.bin");
+    EXPECT_NE(r.status, "0\n") << r.out;
     if (ranks == 1) {
-      EXPECT_EQ(std::string(status), "1\n") << out;
+      EXPECT_EQ(r.status, "1\n") << r.out;
     }
-    EXPECT_NE(out.find(dir + "/corpus/part.bin: cannot read 34 bytes at offset "), std::string::npos) << out;
-    EXPECT_NE(out.find("the file ends first: it holds 300 bytes now); it was cut short or rewritten while the run "
-                       "read it"),
+    EXPECT_NE(r.out.find(dir + "/corpus/part.bin: cannot read 34 bytes at offset "), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("the file ends first: it holds 300 bytes now); it was cut short or rewritten while the run "
+                         "read it"),
               std::string::npos)
-        << out;
+        << r.out;
     // The steps done are saved: the checkpoint is the last metrics line's step.
-    std::ifstream m(dir + "/run/metrics.jsonl");
-    int64_t last = 0;
-    for (std::string line; std::getline(m, line);) last = nlohmann::json::parse(line)["step"].get<int64_t>();
-    ASSERT_GE(last, 3) << out;
-    char step[32];
-    std::snprintf(step, sizeof step, "step-%08lld", static_cast<long long>(last));
-    const std::string saved = dir + "/run/checkpoints/" + step;
-    EXPECT_TRUE(std::filesystem::exists(saved + "/COMPLETE")) << ranks << " rank(s): " << out;
-    EXPECT_NE(out.find("Stopped before step " + std::to_string(last + 1) + "; the last checkpoint is " + saved),
+    ASSERT_GE(r.last, 3) << r.out;
+    EXPECT_TRUE(std::filesystem::exists(r.saved + "/COMPLETE")) << ranks << " rank(s): " << r.out;
+    EXPECT_NE(r.out.find("Stopped before step " + std::to_string(r.last + 1) + "; the last checkpoint is " + r.saved),
               std::string::npos)
-        << out;
+        << r.out;
   }
 }
 
@@ -2386,43 +2394,20 @@ TEST(Commands, AValidationCorpusCutShortSavesTheStepBefore) {
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 37 + i / 7) % 96);
   write_bin(dir + "/train/part.bin", tokens, {tokens.size()});
   write_bin(dir + "/val/part.bin", tokens, {tokens.size()});
-  const std::string log = dir + "/log";
-  FILE* p = popen((std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
-                   " --data.corpus=" + dir + "/train --validation.corpus=" + dir + "/val --validation.interval=1" +
-                   " --validation.steps=1 --data.seq_len=16 --training.global_batch_size=2 --training.steps=100000" +
-                   " --checkpoint.save_final=false --job.dump_folder=" + dir + "/run > " + log + " 2>&1; echo $?")
-                      .c_str(),
-                  "r");
-  ASSERT_NE(p, nullptr);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < until) {
-    std::ifstream m(dir + "/run/metrics.jsonl");
-    std::string line;
-    int lines = 0;
-    while (std::getline(m, line)) ++lines;
-    if (lines >= 3) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  std::filesystem::resize_file(dir + "/val/part.bin", 300);
-  char status[16] = {};
-  ASSERT_NE(std::fgets(status, sizeof status, p), nullptr);
-  pclose(p);
-  std::ifstream in(log);
-  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(std::string(status), "1\n") << out;
-  EXPECT_NE(out.find(dir + "/val/part.bin: cannot read 2 bytes at offset "), std::string::npos) << out;
-  std::ifstream m(dir + "/run/metrics.jsonl");
-  int64_t last = 0;
-  for (std::string line; std::getline(m, line);) last = nlohmann::json::parse(line)["step"].get<int64_t>();
-  ASSERT_GE(last, 3) << out;
-  char step[32];
-  std::snprintf(step, sizeof step, "step-%08lld", static_cast<long long>(last));
-  const std::string saved = dir + "/run/checkpoints/" + step;
-  EXPECT_TRUE(std::filesystem::exists(saved + "/COMPLETE")) << out;
-  EXPECT_NE(out.find("Stopped at the validation after step " + std::to_string(last) + "; the last checkpoint is " +
-                     saved),
+  const CutRun r = train_and_cut(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                                     " --data.corpus=" + dir + "/train --validation.corpus=" + dir +
+                                     "/val --validation.interval=1 --validation.steps=1 --data.seq_len=16" +
+                                     " --training.global_batch_size=2 --training.steps=100000" +
+                                     " --checkpoint.save_final=false",
+                                 dir, dir + "/val/part.bin");
+  EXPECT_EQ(r.status, "1\n") << r.out;
+  EXPECT_NE(r.out.find(dir + "/val/part.bin: cannot read 2 bytes at offset "), std::string::npos) << r.out;
+  ASSERT_GE(r.last, 3) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(r.saved + "/COMPLETE")) << r.out;
+  EXPECT_NE(r.out.find("Stopped at the validation after step " + std::to_string(r.last) + "; the last checkpoint is " +
+                       r.saved),
             std::string::npos)
-      << out;
+      << r.out;
 }
 
 // data.mixture: corpora a and b, weighted 1:3, in a config file's array form (paths taken
