@@ -416,20 +416,16 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   const int64_t vocab = model->vocab_size();
   auto corpus = [&](const std::vector<data::Source>& sources, int64_t seq_len, data::Split split, const char* key) {
     auto d = std::make_unique<data::Dataset>(sources, seq_len, cfg.training.seed, split);
-    std::string found, failed;
-    try {
-      found = d->find_id_past(vocab, world.rank(), world.size());
-    } catch (const Error& e) {
-      failed = e.message;  // said after the ranks have met, so none waits for it
-    }
-    std::vector<int64_t> bad = {found.empty() && failed.empty() ? 0 : 1};
-    if (world.size() > 1) world.comm().all_reduce(Tensor(bad.data(), {1}, DType::i64));
-    const std::string tail = " is outside the model's vocabulary [0, " + std::to_string(vocab) + ") of " +
-                             config_json + ": was " + key + " tokenized with another tokenizer?";
-    MT_CHECK(failed.empty()) << key << ": " << failed;
-    MT_CHECK(found.empty()) << key << ": " << found << tail;
-    MT_CHECK(bad[0] == 0) << key << ": another rank found a token id outside the model's vocabulary [0, " << vocab
-                          << ") or could not read a file (it names the file)";
+    const std::string range = "the model's vocabulary [0, " + std::to_string(vocab) + ")";
+    read_on_every_rank(
+        &world.comm(),
+        [&] {
+          const std::string found = d->find_id_past(vocab, world.rank(), world.size());
+          MT_CHECK(found.empty()) << key << ": " << found << " is outside " << range << " of " << config_json
+                                  << ": was " << key << " tokenized with another tokenizer?";
+        },
+        std::string(key) + ": another rank found a token id outside " + range +
+            " or could not read a file (it names the file)");
     return d;
   };
   std::unique_ptr<Trainer> made;

@@ -423,23 +423,32 @@ void Trainer::read_step_tokens() {
   step_ids_.resize(n * static_cast<size_t>(micro_batches_));
   step_labels_.resize(step_ids_.size());
   step_loaded_ = 0;
+  try {
+    read_on_every_rank(
+        world_,
+        [&] {
+          for (int64_t m = 0; m < micro_batches_; ++m)
+            corpus_->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0, cp,
+                                micro_batch_, std::span(step_ids_).subspan(n * static_cast<size_t>(m), n),
+                                std::span(step_labels_).subspan(n * static_cast<size_t>(m), n));
+        },
+        "another rank could not read its tokens of step " + std::to_string(step_ + 1) + " (it names the file)");
+  } catch (const StepNotTaken&) {
+    corpus_->set_cursor(before);
+    throw;
+  }
+}
+
+void read_on_every_rank(comm::Communicator* world, const std::function<void()>& read, const std::string& elsewhere) {
   std::string failed;
   try {
-    for (int64_t m = 0; m < micro_batches_; ++m)
-      corpus_->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0, cp,
-                          micro_batch_, std::span(step_ids_).subspan(n * static_cast<size_t>(m), n),
-                          std::span(step_labels_).subspan(n * static_cast<size_t>(m), n));
+    read();
   } catch (const Error& e) {
     failed = e.message;
   }
   std::vector<int64_t> bad = {failed.empty() ? 0 : 1};
-  if (world_ && world_->size() > 1) world_->all_reduce(Tensor(bad.data(), {1}, DType::i64));
-  if (bad[0] == 0) return;
-  corpus_->set_cursor(before);
-  throw StepNotTaken(failed.empty() ? "another rank could not read its tokens of step " + std::to_string(step_ + 1) +
-                                          " (it names the file)"
-                                    : failed,
-                     "");
+  if (world && world->size() > 1) world->all_reduce(Tensor(bad.data(), {1}, DType::i64));
+  if (bad[0] != 0) throw StepNotTaken(failed.empty() ? elsewhere : failed, "");
 }
 
 std::string Trainer::data_cursor() const {
@@ -826,17 +835,8 @@ Trainer::Validation Trainer::validate() {
   if (val_corpus_) {
     // A validation corpus cut short stops every rank here, before its forwards
     // (StepNotTaken: the step before it is done and may be saved).
-    std::string failed;
-    try {
-      val_corpus_->check_whole();
-    } catch (const Error& e) {
-      failed = e.message;
-    }
-    std::vector<int64_t> bad = {failed.empty() ? 0 : 1};
-    if (world_ && world_->size() > 1) world_->all_reduce(Tensor(bad.data(), {1}, DType::i64));
-    if (bad[0] != 0)
-      throw StepNotTaken(failed.empty() ? "another rank cannot read its validation corpus (it names the file)" : failed,
-                         "");
+    read_on_every_rank(world_, [&] { val_corpus_->check_whole(); },
+                       "another rank cannot read its validation corpus (it names the file)");
     val_corpus_->rewind();
   }
   ctx.trainer = [&](const Action& a) {

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -144,6 +145,11 @@ struct StepResult {
 struct StepNotTaken : Error {
   using Error::Error;
 };
+
+// Runs `read` (reading data) on this rank of `world` (null: one rank); where it threw
+// here or on another rank, every rank throws StepNotTaken: this rank's message, or
+// `elsewhere`. So no rank waits in a collective for one that stopped. Collective.
+void read_on_every_rank(comm::Communicator* world, const std::function<void()>& read, const std::string& elsewhere);
 
 class Trainer {
  public:
