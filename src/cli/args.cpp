@@ -8,14 +8,7 @@
 namespace mt::cli {
 
 Options::Options(const char* command, const Args& args, std::vector<std::string> known) : command_(command) {
-  auto spec = [&](std::string_view name) -> const std::string* {
-    for (const std::string& k : known) {
-      std::string_view base(k);
-      if (base.ends_with('*') || base.ends_with('?')) base.remove_suffix(1);
-      if (base == name) return &k;
-    }
-    return nullptr;
-  };
+  auto base = [](const std::string& k) { return k.substr(0, k.find_first_of("*?")); };
   for (size_t i = 0; i < args.size(); ++i) {
     std::string_view a = args[i];
     MT_CHECK(a.starts_with("--")) << "unexpected argument '" << a << "': options start with -- (moetrain "
@@ -39,10 +32,10 @@ Options::Options(const char* command, const Args& args, std::vector<std::string>
       dotted_.emplace_back(name, one_value());
       continue;
     }
-    const std::string* s = spec(name);
-    if (s == nullptr) {
+    const auto s = std::find_if(known.begin(), known.end(), [&](const std::string& k) { return base(k) == name; });
+    if (s == known.end()) {
       std::vector<std::string> names;
-      for (const std::string& k : known) names.push_back(k.substr(0, k.find_first_of("*?")));
+      for (const std::string& k : known) names.push_back(base(k));
       MT_FAIL() << "unknown option --" << name << "; did you mean --" << closest(name, names) << "? (moetrain "
                 << command_ << " --help lists the options)";
     }

@@ -12,13 +12,9 @@ namespace mt::cli {
 int run_encode(const Args& args) {
   Options opt("encode", args, {"tokenizer", "text"});
   data::Tokenizer tok(opt.required("tokenizer"));
-  std::string text;
-  if (opt.has("text")) {
-    text = opt.get("text");
-  } else {
-    // Standard input byte for byte (istreambuf_iterator skips nothing): no newline is added or removed.
-    text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
-  }
+  // Else standard input byte for byte (istreambuf_iterator skips nothing): no newline is added or removed.
+  const std::string text =
+      opt.has("text") ? opt.get("text") : std::string(std::istreambuf_iterator<char>(std::cin), {});
   std::vector<int32_t> ids = tok.encode(text);
   std::string out = "[";
   for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);

@@ -15,7 +15,6 @@ namespace mt::cli {
 
 int run_eval(const Args& args) {
   Options o("eval", args, {"model", "tokens", "device", "micro-batch"});
-  std::string folder = o.required("model");
   std::string device = o.get("device", "cpu");
   MT_CHECK(device == "cpu" || device == "cuda") << "--device should be cpu or cuda, got '" << device << "'";
   if (device == "cuda") require_gpu("--device cuda");
@@ -24,7 +23,7 @@ int run_eval(const Args& args) {
   options.device = device == "cuda" ? Device::cuda : Device::cpu;
   // A Hugging Face folder, or a checkpoint (verified, as generate and export-hf read it).
   std::string read;
-  std::unique_ptr<Model> model = load_model_folder(folder, options, &read);
+  std::unique_ptr<Model> model = load_model_folder(o.required("model"), options, &read);
   TokenBatch data = read_token_batch(o.required("tokens"), model->vocab_size());
   // Positions past what the model was made for are not an evaluation of it.
   const int64_t max_positions = max_position_embeddings(read + "/config.json");
@@ -36,10 +35,7 @@ int run_eval(const Args& args) {
   MT_CHECK(l.count > 0 && std::isfinite(loss))
       << "the mean loss of " << read << " on " << o.required("tokens") << " is " << loss << " over " << l.count
       << " tokens: the weights hold a non-finite value, or no token has a label";
-  nlohmann::json j;
-  j["loss"] = loss;
-  j["tokens"] = l.count;
-  std::printf("%s\n", j.dump().c_str());
+  std::printf("%s\n", nlohmann::json{{"loss", loss}, {"tokens", l.count}}.dump().c_str());
   return 0;
 }
 

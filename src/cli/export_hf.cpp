@@ -64,10 +64,6 @@ std::vector<int64_t> stack_experts(const io::HfWeights& w, const fs::path& ckpt,
   return shape;
 }
 
-// Where the checkpoint has none: generation_config.json with config.json's bos, eos and
-// pad ids (eos: else the tokenizer's end-of-document token, which ends every document of
-// a corpus), and beside a tokenizer.json a tokenizer_config.json that loads it as it is.
-// Returns the files written.
 // What an export writes besides its model*.safetensors shards: config.json, the
 // tokenizer's files and the generation config.
 bool exported_file(const std::string& n) {
@@ -75,6 +71,10 @@ bool exported_file(const std::string& n) {
          n == "merges.txt" || n == "added_tokens.json" || n == "chat_template.jinja" || n == "generation_config.json";
 }
 
+// Where the checkpoint has none: generation_config.json with config.json's bos, eos and
+// pad ids (eos: else the tokenizer's end-of-document token, which ends every document of
+// a corpus), and beside a tokenizer.json a tokenizer_config.json that loads it as it is.
+// Returns the files written.
 int write_generation_files(const fs::path& ckpt, const nlohmann::json& config, const fs::path& out) {
   std::unique_ptr<data::Tokenizer> tok;
   if (fs::exists(ckpt / "tokenizer.json")) tok = std::make_unique<data::Tokenizer>((ckpt / "tokenizer.json").string());
@@ -137,7 +137,6 @@ Written write_export(const fs::path& ckpt, const fs::path& out, bool bf16, int64
   std::error_code ec;
   fs::create_directories(out, ec);
   MT_CHECK(!ec && fs::is_directory(out)) << "cannot create the output folder " << out.string() << ": " << ec.message();
-  Written w;
 
   // Convert every tensor, then cut the list into shards of at most max_shard bytes.
   std::vector<std::vector<uint16_t>> data;  // bf16 values, or fp32 ones as pairs of halves
@@ -191,24 +190,21 @@ Written write_export(const fs::path& ckpt, const fs::path& out, bool bf16, int64
 
   std::vector<uint8_t> cb = io::read_file((ckpt / "config.json").string());
   nlohmann::json config = nlohmann::json::parse(cb.begin(), cb.end(), nullptr, false);
-  MT_CHECK(!config.is_discarded() && config.is_object()) << (ckpt / "config.json").string() << ": not a JSON object";
+  MT_CHECK(config.is_object()) << (ckpt / "config.json").string() << ": not a JSON object";
   config.erase("quantization_config");  // what was quantized on import is bf16 or fp32 now
   const char* torch_dtype = bf16 ? "bfloat16" : "float32";
   if (config.contains("dtype")) config["dtype"] = torch_dtype;
   if (config.contains("torch_dtype") || !config.contains("dtype")) config["torch_dtype"] = torch_dtype;
   io::write_file_atomic((out / "config.json").string(), {config.dump(2) + "\n"});
+  int copied = 0;
   for (const auto& e : fs::directory_iterator(ckpt)) {
     std::string n = e.path().filename().string();
     if (!exported_file(n) || n == "config.json") continue;  // the tokenizer's and generation files
     std::vector<uint8_t> b = io::read_file(e.path().string());
     io::write_file_atomic((out / n).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
-    ++w.copied;
+    ++copied;
   }
-  w.copied += write_generation_files(ckpt, config, out);
-  w.tensors = all.size();
-  w.shards = shards.size();
-  w.bytes = total;
-  return w;
+  return {all.size(), shards.size(), total, copied + write_generation_files(ckpt, config, out)};
 }
 
 }  // namespace

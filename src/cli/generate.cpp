@@ -93,12 +93,6 @@ int32_t pick(const std::vector<float>& logits, double temperature, double top_p,
   return order[kept - 1];  // rounding left the sum a little short of the target
 }
 
-// The last position's logits [V] on the host, in f32, wherever the model runs.
-std::vector<float> last_logits(Model& model, Stash& s) {
-  Tensor all = model.logits(s);  // [T, V]
-  return to_host(all.rows(all.dim(0) - 1, all.dim(0)));
-}
-
 }  // namespace
 
 int run_generate(const Args& args) {
@@ -159,7 +153,8 @@ int run_generate(const Args& args) {
     copy(s->ids, Tensor(ids.data(), s->ids.shape, DType::i32));
     copy(s->labels, Tensor(labels.data(), s->labels.shape, DType::i32));
     Trainer::forward(*model, *s);
-    ids.push_back(pick(last_logits(*model, *s), temperature, top_p, seed, step));
+    const Tensor logits = model->logits(*s);  // [T, V]; the last position's row to the host, in f32
+    ids.push_back(pick(to_host(logits.rows(T - 1, T)), temperature, top_p, seed, step));
     if (std::find(eos.begin(), eos.end(), ids.back()) != eos.end()) break;
   }
   if (o.has("offload-experts")) {

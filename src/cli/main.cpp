@@ -152,10 +152,6 @@ int print_version() {
   return 0;
 }
 
-bool wants_help(const Args& args) {
-  return std::any_of(args.begin(), args.end(), [](std::string_view a) { return a == "--help" || a == "-h"; });
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -174,7 +170,7 @@ int main(int argc, char** argv) {
   const bool verbose = std::erase(args, "--verbose") > 0;
   for (const Command& c : kCommands) {
     if (cmd != c.name) continue;
-    if (wants_help(args)) {
+    if (std::any_of(args.begin(), args.end(), [](std::string_view a) { return a == "--help" || a == "-h"; })) {
       std::fputs(c.usage, stdout);
       if (c.keys) std::fputs(mt::config_reference(false).c_str(), stdout);
       return 0;

@@ -167,7 +167,6 @@ int run_plan(const Args& args) {
                   m.head ? ", the head" : "");
     std::printf("  master weights (f32)      %10.3f %s%s\n", in(m.weights), unit, zero3 ? " (embedding and head)" : "");
     std::printf("  gradients (f32)           %10.3f %s%s\n", in(m.gradients), unit, zero3 ? " (embedding and head)" : "");
-    const DType state = cfg.optimizer.state();
     if (m.sharded) {
       // Experts shard over dp x cp; a group of one has no gradient shard (sharding.h).
       const int experts = mesh.ep > 1 ? mesh.dp * mesh.cp : m.replicas;
@@ -179,8 +178,8 @@ int run_plan(const Args& args) {
       std::printf("  AdamW shards              %10.3f %s (moments and summed gradients%s over %d ranks%s)\n",
                   in(m.optimizer), unit, zero3 ? ", layers' weights" : "", m.replicas, also.c_str());
     } else {
-      std::printf("  AdamW moments (2 x %s)  %10.3f %s\n", state == DType::bf16 ? "bf16" : "f32 ", in(m.optimizer),
-                  unit);
+      std::printf("  AdamW moments (2 x %s)  %10.3f %s\n", cfg.optimizer.state() == DType::bf16 ? "bf16" : "f32 ",
+                  in(m.optimizer), unit);
     }
     std::printf("  %-26s%10.3f %s\n", cfg.training.fp8 == "blockwise" ? "bf16 and fp8 weight copies" : "bf16 weight copies",
                 in(m.compute), unit);

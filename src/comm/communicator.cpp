@@ -70,9 +70,7 @@ StageBlock take_block(size_t bytes, bool pinned) {
     blocks.erase(best);
     return b;
   }
-  StageBlock b;
-  b.bytes = std::max<size_t>(std::bit_ceil(std::max<size_t>(bytes, 1)), size_t{1} << 16);
-  b.pinned = pinned;
+  StageBlock b{.bytes = std::max<size_t>(std::bit_ceil(std::max<size_t>(bytes, 1)), size_t{1} << 16), .pinned = pinned};
 #ifdef MOETRAIN_WITH_CUDA
   if (pinned) {
     CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.data), b.bytes));
@@ -116,7 +114,30 @@ struct Stage {
 
   // Stages `reads` (copied in now) and `writes` (copied back by finish()); the host
   // waits for the current stream first, which may still be filling them.
-  Stage(const std::vector<Tensor>& reads, const std::vector<Tensor>& writes) { init(reads, writes); }
+  Stage(const std::vector<Tensor>& reads, const std::vector<Tensor>& writes) {
+    for (const Tensor& t : reads) add(t, false);
+    const size_t read_count = originals.size();
+    for (const Tensor& t : writes) add(t, true);
+    size_t bytes = 0;
+    std::vector<size_t> offset;
+    for (const Tensor& t : originals) {
+      device = device || t.device == Device::cuda;
+      offset.push_back(bytes);
+      bytes += (static_cast<size_t>(t.nbytes()) + 255) / 256 * 256;
+    }
+    block = take_block(bytes, device);
+    for (size_t i = 0; i < originals.size(); ++i) {
+      Tensor v = originals[i];
+      v.data = block.data + offset[i];
+      v.device = Device::cpu;
+      views.push_back(v);
+    }
+    stage_sync(device);
+    // Reads were added first, so a tensor both read and written is among them.
+    for (size_t i = 0; i < read_count; ++i)
+      stage_copy(views[i].data, originals[i].data, static_cast<size_t>(views[i].nbytes()), device);
+    stage_sync(device);
+  }
   Stage(const Stage&) = delete;
   Stage& operator=(const Stage&) = delete;
   ~Stage() {
@@ -150,30 +171,6 @@ struct Stage {
       }
     originals.push_back(t);
     written.push_back(write);
-  }
-  void init(const std::vector<Tensor>& reads, const std::vector<Tensor>& writes) {
-    for (const Tensor& t : reads) add(t, false);
-    const size_t read_count = originals.size();
-    for (const Tensor& t : writes) add(t, true);
-    size_t bytes = 0;
-    std::vector<size_t> offset;
-    for (const Tensor& t : originals) {
-      device = device || t.device == Device::cuda;
-      offset.push_back(bytes);
-      bytes += (static_cast<size_t>(t.nbytes()) + 255) / 256 * 256;
-    }
-    block = take_block(bytes, device);
-    for (size_t i = 0; i < originals.size(); ++i) {
-      Tensor v = originals[i];
-      v.data = block.data + offset[i];
-      v.device = Device::cpu;
-      views.push_back(v);
-    }
-    stage_sync(device);
-    // Reads were added first, so a tensor both read and written is among them.
-    for (size_t i = 0; i < read_count; ++i)
-      stage_copy(views[i].data, originals[i].data, static_cast<size_t>(views[i].nbytes()), device);
-    stage_sync(device);
   }
 };
 
@@ -320,14 +317,14 @@ cudaStream_t traffic_stream(Traffic t) {
   return s;
 }
 
-// Queues `issue` (NCCL calls on the stream it is given) on traffic's stream after the
-// work queued so far on the current stream, which may fill its buffers, and marks the
-// end for Request::wait. The host waits for neither.
+// Queues `issue` (NCCL calls on communicator c and the stream it is given) on traffic's
+// stream after the work queued so far on the current stream, which may fill its buffers,
+// and marks the end for Request::wait. The host waits for neither.
 template <class Issue>
-cuda::Event on_traffic(Traffic t, const Issue& issue) {
+cuda::Event on_traffic(Traffic t, ncclComm_t c, const Issue& issue) {
   const cudaStream_t s = traffic_stream(t);
   cuda::join(s, cuda::stream());
-  issue(s);
+  issue(s, c);
   return cuda::Event::record(s);
 }
 
@@ -401,17 +398,14 @@ GpuSharing share_gpus(std::span<const RankGpu> gpus) {
   out.ranks_on_gpu.assign(gpus.size(), 0);
   // Each GPU's ranks, in the order of its first rank.
   std::vector<std::vector<int>> groups;
-  std::vector<const RankGpu*> first;
+  auto first = [&](size_t g) -> const RankGpu& { return gpus[static_cast<size_t>(groups[g][0])]; };
   bool hosts = false;
   for (size_t r = 0; r < gpus.size(); ++r) {
     hosts = hosts || gpus[r].host != gpus[0].host;
     if (gpus[r].bus_id.empty()) continue;
     size_t g = 0;
-    while (g < groups.size() && !(first[g]->host == gpus[r].host && first[g]->bus_id == gpus[r].bus_id)) ++g;
-    if (g == groups.size()) {
-      groups.emplace_back();
-      first.push_back(&gpus[r]);
-    }
+    while (g < groups.size() && !(first(g).host == gpus[r].host && first(g).bus_id == gpus[r].bus_id)) ++g;
+    if (g == groups.size()) groups.emplace_back();
     groups[g].push_back(static_cast<int>(r));
   }
   std::string shared;
@@ -424,8 +418,8 @@ GpuSharing share_gpus(std::span<const RankGpu> gpus) {
     }
     out.staged = true;
     if (!shared.empty()) shared.append(", ");
-    shared.append(rank_list(groups[g])).append(" share GPU ").append(std::to_string(first[g]->ordinal));
-    if (hosts) shared.append(" of ").append(first[g]->host);
+    shared.append(rank_list(groups[g])).append(" share GPU ").append(std::to_string(first(g).ordinal));
+    if (hosts) shared.append(" of ").append(first(g).host);
   }
   if (!out.staged) return out;
   std::sort(alone.begin(), alone.end());
@@ -507,12 +501,14 @@ bool Communicator::stages(const Tensor& t) const {
   return staging_ == Staging::every_tensor || (staging_ == Staging::gpu_tensors && t.device == Device::cuda);
 }
 
-Request Communicator::through_host(std::unique_ptr<Stage> stage, const std::function<Request()>& start) {
+Request Communicator::through_host(const std::vector<Tensor>& reads, const std::vector<Tensor>& writes,
+                                   const std::function<Request(const Stage&)>& start) {
+  auto stage = std::make_unique<Stage>(reads, writes);
   const Staging was = staging_;
   staging_ = Staging::none;
   Request r;
   try {
-    r = start();
+    r = start(*stage);
   } catch (...) {
     staging_ = was;
     throw;
@@ -527,16 +523,11 @@ Request Communicator::start_all_reduce(const Tensor& x, [[maybe_unused]] Traffic
   const std::string w = where("all_reduce") + " of " + x.str();
   check_storage(x, "tensor", w);
   check_summable(x, w);
-  if (stages(x)) {
-    auto st = std::make_unique<Stage>(std::vector<Tensor>{x}, std::vector<Tensor>{x});
-    const Tensor hx = st->view(x);
-    return through_host(std::move(st), [&] { return start_all_reduce(hx, traffic); });
-  }
+  if (stages(x)) return through_host({x}, {x}, [&](const Stage& st) { return start_all_reduce(st.view(x), traffic); });
   Request r(w);
   if (on_gpu(x, w)) {
 #ifdef MOETRAIN_WITH_CUDA
-    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
-    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+    r.impl_->done = on_traffic(traffic, nccl_comm(*impl_, rank_, size_, w), [&](cudaStream_t s, ncclComm_t c) {
       NCCL_CHECK(ncclAllReduce(x.data, x.data, static_cast<size_t>(x.numel()), nccl_type(x.dtype), ncclSum, c, s), w,
                  c);
     });
@@ -557,16 +548,13 @@ Request Communicator::start_reduce_scatter(const Tensor& in, const Tensor& out, 
   check_summable(in, w);
   MT_CHECK(in.numel() == size_ * out.numel()) << w << ": the input should hold " << size_ << " blocks of the output's "
                                               << out.numel() << " elements";
-  if (stages(in)) {
-    auto st = std::make_unique<Stage>(std::vector<Tensor>{in}, std::vector<Tensor>{out});
-    const Tensor hin = st->view(in), hout = st->view(out);
-    return through_host(std::move(st), [&] { return start_reduce_scatter(hin, hout, traffic); });
-  }
+  if (stages(in))
+    return through_host({in}, {out},
+                        [&](const Stage& st) { return start_reduce_scatter(st.view(in), st.view(out), traffic); });
   Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
-    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
-    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+    r.impl_->done = on_traffic(traffic, nccl_comm(*impl_, rank_, size_, w), [&](cudaStream_t s, ncclComm_t c) {
       NCCL_CHECK(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()), nccl_type(in.dtype), ncclSum,
                                    c, s),
                  w, c);
@@ -590,16 +578,13 @@ Request Communicator::start_all_gather(const Tensor& in, const Tensor& out, [[ma
   check_pair(in, out, w);
   MT_CHECK(out.numel() == size_ * in.numel()) << w << ": the output should hold " << size_ << " blocks of the input's "
                                               << in.numel() << " elements";
-  if (stages(in)) {
-    auto st = std::make_unique<Stage>(std::vector<Tensor>{in}, std::vector<Tensor>{out});
-    const Tensor hin = st->view(in), hout = st->view(out);
-    return through_host(std::move(st), [&] { return start_all_gather(hin, hout, traffic); });
-  }
+  if (stages(in))
+    return through_host({in}, {out},
+                        [&](const Stage& st) { return start_all_gather(st.view(in), st.view(out), traffic); });
   Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
-    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
-    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+    r.impl_->done = on_traffic(traffic, nccl_comm(*impl_, rank_, size_, w), [&](cudaStream_t s, ncclComm_t c) {
       NCCL_CHECK(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()), nccl_type(in.dtype), c, s), w, c);
     });
 #endif
@@ -637,17 +622,15 @@ Request Communicator::start_all_to_all_v(const Tensor& in, std::span<const int64
       << ", but the tensors hold " << in.numel() << " and " << out.numel() << " elements";
   MT_CHECK(size_ > 1 || send_counts[0] == recv_counts[0])
       << w << ": one rank sends " << send_counts[0] << " elements to itself but expects " << recv_counts[0];
-  if (stages(in)) {
-    auto st = std::make_unique<Stage>(std::vector<Tensor>{in}, std::vector<Tensor>{out});
-    const Tensor hin = st->view(in), hout = st->view(out);
-    return through_host(std::move(st), [&] { return start_all_to_all_v(hin, send_counts, hout, recv_counts, traffic); });
-  }
+  if (stages(in))
+    return through_host({in}, {out}, [&](const Stage& st) {
+      return start_all_to_all_v(st.view(in), send_counts, st.view(out), recv_counts, traffic);
+    });
   Request r(w);
   if (on_gpu(in, w)) {
 #ifdef MOETRAIN_WITH_CUDA
-    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
     const ncclDataType_t t = nccl_type(in.dtype);
-    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+    r.impl_->done = on_traffic(traffic, nccl_comm(*impl_, rank_, size_, w), [&](cudaStream_t s, ncclComm_t c) {
       NCCL_CHECK(ncclGroupStart(), w, c);
       for (int p = 0; p < size_; ++p) {
         if (send_counts[p] > 0)
@@ -685,10 +668,8 @@ void Communicator::broadcast(const Tensor& x, int root) {
   check_storage(x, "tensor", w);
   MT_CHECK(root >= 0 && root < size_) << w << ": the root is not a rank of the communicator";
   if (stages(x)) {
-    auto st = std::make_unique<Stage>(std::vector<Tensor>{x}, std::vector<Tensor>{x});
-    const Tensor hx = st->view(x);
-    through_host(std::move(st), [&] {
-      broadcast(hx, root);
+    through_host({x}, {x}, [&](const Stage& st) {
+      broadcast(st.view(x), root);
       return Request();
     }).wait();
     return;
@@ -727,11 +708,8 @@ void sum_in_rank_order(Communicator* c, std::vector<double>& v) {
   c->all_gather(Tensor(mine.data(), {n}, DType::i64), Tensor(all.data(), {n * ranks}, DType::i64));
   std::fill(v.begin(), v.end(), 0.0);
   for (int64_t r = 0; r < ranks; ++r)
-    for (int64_t i = 0; i < n; ++i) {
-      double x = 0;
-      std::memcpy(&x, &all[static_cast<size_t>(r * n + i)], sizeof(double));
-      v[static_cast<size_t>(i)] += x;
-    }
+    for (int64_t i = 0; i < n; ++i)
+      v[static_cast<size_t>(i)] += std::bit_cast<double>(all[static_cast<size_t>(r * n + i)]);
 }
 
 Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic traffic) {
@@ -749,16 +727,16 @@ Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic t
   if (stages(ops[0].tensor)) {
     std::vector<Tensor> sends, recvs;
     for (const P2P& op : ops) (op.send ? sends : recvs).push_back(op.tensor);
-    auto st = std::make_unique<Stage>(sends, recvs);
-    std::vector<P2P> host(ops.begin(), ops.end());
-    for (P2P& op : host) op.tensor = st->view(op.tensor);
-    return through_host(std::move(st), [&] { return start(host, traffic); });
+    return through_host(sends, recvs, [&](const Stage& st) {
+      std::vector<P2P> host(ops.begin(), ops.end());
+      for (P2P& op : host) op.tensor = st.view(op.tensor);
+      return start(host, traffic);
+    });
   }
   Request r(w);
   if (on_gpu(ops[0].tensor, w)) {
 #ifdef MOETRAIN_WITH_CUDA
-    ncclComm_t c = nccl_comm(*impl_, rank_, size_, w);
-    r.impl_->done = on_traffic(traffic, [&](cudaStream_t s) {
+    r.impl_->done = on_traffic(traffic, nccl_comm(*impl_, rank_, size_, w), [&](cudaStream_t s, ncclComm_t c) {
       NCCL_CHECK(ncclGroupStart(), w, c);
       for (const P2P& op : ops) {
         const size_t n = static_cast<size_t>(op.tensor.numel());
@@ -801,18 +779,15 @@ Request Communicator::start(std::span<const P2P> ops, [[maybe_unused]] Traffic t
 }
 
 Communicator Communicator::split(int color, int key, std::string name) {
-  if (size_ == 1) {
-    Communicator alone(std::move(name));
-    alone.staging_ = staging_;
-    return alone;
-  }
-  const std::string w = where("split") + " into '" + name + "'";
   auto im = std::make_unique<Impl>();
-  check_mpi(MPI_Comm_split(impl_->mpi, color, key, &im->mpi), w);
-  check_mpi(MPI_Comm_set_errhandler(im->mpi, MPI_ERRORS_RETURN), w);
   int rank = 0, size = 1;
-  MPI_Comm_rank(im->mpi, &rank);
-  MPI_Comm_size(im->mpi, &size);
+  if (size_ > 1) {
+    const std::string w = where("split") + " into '" + name + "'";
+    check_mpi(MPI_Comm_split(impl_->mpi, color, key, &im->mpi), w);
+    check_mpi(MPI_Comm_set_errhandler(im->mpi, MPI_ERRORS_RETURN), w);
+    MPI_Comm_rank(im->mpi, &rank);
+    MPI_Comm_size(im->mpi, &size);
+  }
   Communicator out(std::move(name), rank, size, std::move(im));
   out.staging_ = staging_;
   return out;

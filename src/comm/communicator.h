@@ -193,11 +193,12 @@ class Communicator {
   friend class World;
   // "all_reduce on comm 'ep' (rank 1 of 4)": what every error of an operation starts with.
   std::string where(const char* op) const;
-  // Whether `t` travels through host staging on this communicator; through_host runs
-  // `start` (the operation on the stage's host views) with staging off and hands the
-  // Request the stage, which its wait() finishes.
+  // Whether `t` travels through host staging on this communicator; through_host stages
+  // `reads` and `writes`, runs `start` (the operation on the stage's host views) with
+  // staging off and hands the Request the stage, which its wait() finishes.
   bool stages(const Tensor& t) const;
-  Request through_host(std::unique_ptr<Stage> stage, const std::function<Request()>& start);
+  Request through_host(const std::vector<Tensor>& reads, const std::vector<Tensor>& writes,
+                       const std::function<Request(const Stage&)>& start);
 
   std::string name_;
   int rank_ = 0, size_ = 1;

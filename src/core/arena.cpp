@@ -64,8 +64,7 @@ void* device_alloc(Device device, size_t bytes) {
         << "planned host memory of " << static_cast<double>(bytes) / (1 << 30) << " GiB (" << bytes
         << " bytes) in one block is more than this machine's " << physical / (1 << 30) << " GiB; a smaller model, "
         << "or more ranks to shard it (moetrain plan shows what each rank holds)";
-    size_t rounded = (bytes + Arena::kAlign - 1) / Arena::kAlign * Arena::kAlign;
-    void* p = std::aligned_alloc(Arena::kAlign, rounded);
+    void* p = std::aligned_alloc(Arena::kAlign, (bytes + Arena::kAlign - 1) / Arena::kAlign * Arena::kAlign);
     MT_CHECK(p != nullptr) << "out of host memory allocating " << bytes << " bytes";
     return p;
   }
@@ -164,11 +163,8 @@ Tensor Arena::alloc(DType dtype, Shape shape) {
            !__builtin_add_overflow(start, bytes, &end))
       << "arena '" << name_ << "': " << dtype_name(dtype) << shape.str() << " at offset " << start
       << " needs more bytes than fit in 64 bits";
-  if (!counting_) {
-    MT_CHECK(end <= capacity_) << "arena '" << name_ << "' is full: " << dtype_name(dtype) << shape.str()
-                                         << " needs " << bytes << " bytes at offset " << start << " of "
-                                         << capacity_;
-  }
+  MT_CHECK(counting_ || end <= capacity_) << "arena '" << name_ << "' is full: " << dtype_name(dtype) << shape.str()
+                                          << " needs " << bytes << " bytes at offset " << start << " of " << capacity_;
   used_ = end;
   if (used_ > peak_) peak_ = used_;
   return Tensor(counting_ ? nullptr : base_ + start, shape, dtype, device_);

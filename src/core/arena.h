@@ -53,8 +53,6 @@ class Arena {
   size_t used() const { return used_; }
   size_t peak() const { return peak_; }
   size_t capacity() const { return capacity_; }
-  Device device() const { return device_; }
-  const std::string& name() const { return name_; }
 
  private:
   std::string name_;

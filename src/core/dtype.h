@@ -6,8 +6,8 @@
 // Hopper's cvt instructions use for training) and maps every NaN to the canonical NaN.
 #pragma once
 
+#include <bit>
 #include <cstdint>
-#include <cstring>
 #include <string_view>
 
 namespace mt {
@@ -38,17 +38,8 @@ constexpr std::string_view dtype_name(DType t) {
   return "?";
 }
 
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-inline float f32_from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline uint32_t f32_bits(float f) { return std::bit_cast<uint32_t>(f); }
+inline float f32_from_bits(uint32_t u) { return std::bit_cast<float>(u); }
 
 // bf16 is the top half of an fp32. Rounding adds 0x7fff plus the lowest kept bit,
 // which is round-to-nearest-even; overflow carries into the exponent and gives inf,

@@ -1,5 +1,6 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace mt {
@@ -20,10 +21,7 @@ int64_t Shape::numel() const {
 }
 
 bool Shape::operator==(const Shape& o) const {
-  if (n != o.n) return false;
-  for (int i = 0; i < n; ++i)
-    if (d[i] != o.d[i]) return false;
-  return true;
+  return n == o.n && std::equal(d.begin(), d.begin() + n, o.d.begin());
 }
 
 std::string Shape::str() const {

@@ -18,12 +18,18 @@ namespace mt {
 
 enum class Device : uint8_t { cpu, cuda };
 
+// An op's call on the backend it runs on (the dispatchers in kernels/*.h): cuda::call when
+// on_gpu holds and CUDA support is built in, else cpu::call (on_gpu is then not evaluated).
+#ifdef MOETRAIN_WITH_CUDA
+#define MT_BACKEND(on_gpu, call) ((on_gpu) ? cuda::call : cpu::call)
+#else
+#define MT_BACKEND(on_gpu, call) cpu::call
+#endif
+
 template <typename T>
 constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::f32; }
 template <> constexpr DType dtype_of<int32_t>() { return DType::i32; }
-template <> constexpr DType dtype_of<int64_t>() { return DType::i64; }
-template <> constexpr DType dtype_of<uint8_t>() { return DType::u8; }
 
 constexpr int kMaxDims = 5;
 

@@ -191,7 +191,7 @@ std::vector<Job> find_jobs(const TokenizeOptions& o) {
 //   P <docs> <tokens> <bytes>   progress since the last P
 //   M <text>                    a malformed line, reported
 //   D                           the file handed out last is done
-//   F <text>                    it is a bad file, skipped (see tokenize_file)
+//   F <text>                    it is a bad file, skipped (see corpus.h)
 //   E <text>                    a fatal error; the worker exits
 void send(int fd, std::string msg) {
   std::replace(msg.begin(), msg.end(), '\n', ' ');
@@ -218,9 +218,6 @@ int take_lock(const std::string& lock, const std::string& input) {
   return fd;
 }
 
-// A bad input (unreadable, corrupt or truncated zstd, a document the tokenizer
-// rejects) is reported with F and left without .bin, .tmp and .lock, so that a rerun
-// tries it again; with --strict it is fatal, as is anything wrong with the output.
 pid_t worker_parent = -1;  // the tokenize process, as a worker saw it at its start
 
 void tokenize_file(const Job& job, Tokenizer& tok, const TokenizeOptions& o, int to_parent) {
@@ -347,20 +344,18 @@ std::string clock_time(double s) {
 // tokenizer.json, and tokenizer_config.json where one is beside it. An output folder
 // holding another tokenizer.json has files of another vocabulary: an error.
 void keep_tokenizer(const std::string& tokenizer, const std::string& output) {
-  const fs::path src(tokenizer), out = fs::path(output) / "tokenizer.json";
-  std::vector<uint8_t> b = io::read_file(tokenizer);
+  const fs::path out = fs::path(output) / "tokenizer.json";
+  const std::vector<uint8_t> b = io::read_file(tokenizer);
   MT_CHECK(!fs::exists(out) || io::read_file(out.string()) == b)
       << output << " holds files tokenized with another tokenizer (" << out.string() << " differs from " << tokenizer
       << "); give a new --output folder";
-  auto text = [](const std::vector<uint8_t>& v) {
-    return std::string_view(reinterpret_cast<const char*>(v.data()), v.size());
+  auto keep = [&](const std::vector<uint8_t>& bytes, const char* name) {
+    const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    io::write_file_atomic((fs::path(output) / name).string(), {text});
   };
-  io::write_file_atomic(out.string(), {text(b)});
-  const fs::path config = src.parent_path() / "tokenizer_config.json";
-  if (fs::exists(config)) {
-    std::vector<uint8_t> c = io::read_file(config.string());
-    io::write_file_atomic((fs::path(output) / "tokenizer_config.json").string(), {text(c)});
-  }
+  keep(b, "tokenizer.json");
+  const fs::path config = fs::path(tokenizer).parent_path() / "tokenizer_config.json";
+  if (fs::exists(config)) keep(io::read_file(config.string()), "tokenizer_config.json");
 }
 
 }  // namespace

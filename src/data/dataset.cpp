@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
+#include <utility>
 
 #include "core/check.h"
 #include "core/rng.h"
@@ -26,9 +28,7 @@ uint64_t feistel(uint64_t x, int half_bits, uint64_t seed, uint64_t epoch) {
                                 static_cast<uint32_t>(epoch) ^ static_cast<uint32_t>(epoch >> 32) * 0x9E3779B9u};
     std::array<uint32_t, 4> r = philox4x32_10(ctr, key);
     uint64_t f = (static_cast<uint64_t>(r[1]) << 32 | r[0]) & mask;
-    uint64_t next = left ^ f;
-    left = right;
-    right = next;
+    left = std::exchange(right, left ^ f);  // (L, R) -> (R, L ^ F(R))
   }
   return (left << half_bits) | right;
 }
@@ -165,23 +165,18 @@ int64_t Dataset::sample_at(uint64_t position) const {
 }
 
 size_t Dataset::next_corpus(const std::vector<uint64_t>& drawn) const {
-  uint64_t n = 0;
-  for (uint64_t d : drawn) n += d;
+  const uint64_t n = std::accumulate(drawn.begin(), drawn.end(), uint64_t{0});
+  auto behind = [&](size_t k) {
+    return corpora_[k].weight * static_cast<double>(n + 1) - static_cast<double>(drawn[k]);
+  };
   size_t best = 0;
-  double behind = -1e300;
-  for (size_t k = 0; k < corpora_.size(); ++k) {
-    const double b = corpora_[k].weight * static_cast<double>(n + 1) - static_cast<double>(drawn[k]);
-    if (b > behind) {
-      behind = b;
-      best = k;
-    }
-  }
+  for (size_t k = 1; k < corpora_.size(); ++k)
+    if (behind(k) > behind(best)) best = k;
   return best;
 }
 
 void Dataset::set_cursor(DataCursor c) {
-  uint64_t sum = 0;
-  for (uint64_t d : c.drawn) sum += d;
+  const uint64_t sum = std::accumulate(c.drawn.begin(), c.drawn.end(), uint64_t{0});
   MT_CHECK(corpora_.size() == 1 ? c.drawn.empty() : c.drawn.size() == corpora_.size() && sum == c.samples_seen)
       << "the data cursor holds draws from " << c.drawn.size() << " corpora (summing to " << sum << " of "
       << c.samples_seen << " samples) but the data is " << corpora_.size() << " corpora";

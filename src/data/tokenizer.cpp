@@ -239,6 +239,22 @@ const json& field(const json& j, const char* key) {
   return it == j.end() ? none : *it;
 }
 
+// PCRE2's text for an error code.
+std::string pcre2_error(int code) {
+  PCRE2_UCHAR msg[256];
+  pcre2_get_error_message(code, msg, sizeof msg);
+  return reinterpret_cast<const char*>(msg);
+}
+
+// The steps of a Sequence (j's `list`, keyed "key.list[i]"), or j itself as the only one.
+std::vector<std::pair<const json&, std::string>> steps_of(const json& j, const std::string& key, const char* list) {
+  if (j.value("type", std::string()) != "Sequence") return {{j, key}};
+  std::vector<std::pair<const json&, std::string>> steps;
+  const json& l = field(j, list);
+  for (size_t i = 0; i < l.size(); ++i) steps.emplace_back(l[i], key + "." + list + "[" + std::to_string(i) + "]");
+  return steps;
+}
+
 // Errors about the file name the file and the key, e.g. "tokenizer.json: decoder".
 void unsupported(const std::string& file, const std::string& key, const std::string& what) {
   MT_FAIL() << file << ": " << key << ": " << what
@@ -253,11 +269,10 @@ constexpr int64_t kMaxIds = int64_t{1} << 24;
 struct Tokenizer::Impl {
   std::string path;
   bool nfc = false;
-  bool ignore_merges = false;
   bool has_decoder = false;
   std::vector<Regex> regexes;     // applied in order: each cuts the previous one's pieces
   StringMap<int32_t> vocab;       // as spelled in the file (byte-level characters)
-  StringMap<int32_t> byte_vocab;  // raw bytes -> id, for ignore_merges
+  StringMap<int32_t> byte_vocab;  // raw bytes -> id, with ignore_merges only (else empty)
   std::array<int32_t, 256> byte_id{};
   MergeTable merges;
   AddedMatcher raw_added, normalized_added;
@@ -324,7 +339,6 @@ void Tokenizer::Impl::load_model(const json& m) {
     if (m.contains(key) && !m[key].is_null() && m[key] != "")
       unsupported(path, std::string("model.") + key, m[key].dump());
   if (flag(m, "byte_fallback")) unsupported(path, "model.byte_fallback", "byte_fallback true");
-  ignore_merges = flag(m, "ignore_merges");
   MT_CHECK(m.contains("vocab") && m["vocab"].is_object()) << path << ": model.vocab: missing or not an object";
   MT_CHECK(m.contains("merges") && m["merges"].is_array()) << path << ": model.merges: missing or not a list";
 
@@ -345,7 +359,7 @@ void Tokenizer::Impl::load_model(const json& m) {
                                 << "'); a byte-level BPE vocabulary has all 256";
     byte_id[b] = it->second;
   }
-  if (ignore_merges)
+  if (flag(m, "ignore_merges"))
     for (const auto& [spelled, id] : vocab)
       if (auto b = byte_level_bytes(spelled)) byte_vocab.emplace(*b, id);
 
@@ -377,14 +391,11 @@ void Tokenizer::Impl::load_model(const json& m) {
 }
 
 void Tokenizer::Impl::load_normalizer(const json& nz) {
-  auto step = [&](const json& n, const std::string& key) {
+  if (nz.is_null()) return;
+  for (const auto& [n, key] : steps_of(nz, "normalizer", "normalizers")) {
     if (n.value("type", std::string()) != "NFC") unsupported(path, key, "normalizer " + type_of(n));
     nfc = true;
-  };
-  if (nz.is_null()) return;
-  if (nz.value("type", std::string()) != "Sequence") return step(nz, "normalizer");
-  const json& steps = field(nz, "normalizers");
-  for (size_t i = 0; i < steps.size(); ++i) step(steps[i], "normalizer.normalizers[" + std::to_string(i) + "]");
+  }
 }
 
 void Tokenizer::Impl::load_pre_tokenizer(const json& pt) {
@@ -394,27 +405,15 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& pt) {
     Regex r{key};
     r.code.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP,
                                &err, &offset, nullptr));
-    if (r.code == nullptr) {
-      PCRE2_UCHAR msg[256];
-      pcre2_get_error_message(err, msg, sizeof msg);
-      MT_FAIL() << path << ": " << key << ": regex " << json(pattern).dump()
-                << " does not compile with PCRE2 at offset " << offset << ": " << reinterpret_cast<const char*>(msg);
-    }
+    MT_CHECK(r.code != nullptr) << path << ": " << key << ": regex " << json(pattern).dump()
+                                << " does not compile with PCRE2 at offset " << offset << ": " << pcre2_error(err);
     // JIT is an optimisation: pcre2_match uses it when it compiled, interprets otherwise.
     pcre2_jit_compile(r.code.get(), PCRE2_JIT_COMPLETE);
     r.match.reset(pcre2_match_data_create_from_pattern(r.code.get(), nullptr));
     regexes.push_back(std::move(r));
   };
-  std::vector<std::pair<const json&, std::string>> steps;
-  if (pt.value("type", std::string()) == "Sequence") {
-    const json& list = field(pt, "pretokenizers");
-    for (size_t i = 0; i < list.size(); ++i)
-      steps.emplace_back(list[i], "pre_tokenizer.pretokenizers[" + std::to_string(i) + "]");
-  } else {
-    steps.emplace_back(pt, "pre_tokenizer");
-  }
   bool byte_level = false;
-  for (const auto& [s, key] : steps) {
+  for (const auto& [s, key] : steps_of(pt, "pre_tokenizer", "pretokenizers")) {
     std::string type = s.value("type", std::string());
     MT_CHECK(!byte_level) << path << ": " << key << ": " << type_of(s)
                           << " after ByteLevel is not supported (ByteLevel must come last)";
@@ -553,13 +552,10 @@ void Tokenizer::Impl::pre_tokenize(std::string_view piece, size_t level, std::ve
     int rc = pcre2_match(r.code.get(), subject, piece.size(), from, PCRE2_NO_UTF_CHECK, r.match.get(),
                          r.limits.get());
     if (rc == PCRE2_ERROR_NOMATCH) break;
-    if (rc < 0) {  // 0 only says the ovector is short of captures; the whole match is in it
-      PCRE2_UCHAR msg[256];
-      pcre2_get_error_message(rc, msg, sizeof msg);
-      MT_FAIL() << path << ": " << r.key << ": the regex failed searching from byte " << from << " of a "
-                << piece.size() << "-byte piece of the text (PCRE2: " << reinterpret_cast<const char*>(msg)
-                << "); a pattern that backtracks without bound needs rewriting";
-    }
+    // 0 only says the ovector is short of captures; the whole match is in it.
+    MT_CHECK(rc >= 0) << path << ": " << r.key << ": the regex failed searching from byte " << from << " of a "
+                      << piece.size() << "-byte piece of the text (PCRE2: " << pcre2_error(rc)
+                      << "); a pattern that backtracks without bound needs rewriting";
     PCRE2_SIZE* ov = pcre2_get_ovector_pointer(r.match.get());
     size_t b = ov[0], e = ov[1];
     if (b > gap) pre_tokenize(piece.substr(gap, b - gap), level + 1, out);
@@ -589,11 +585,9 @@ void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& out) {
     out.insert(out.end(), it->second.begin(), it->second.end());
     return;
   }
-  if (ignore_merges) {
-    if (auto it = byte_vocab.find(word); it != byte_vocab.end()) {
-      out.push_back(it->second);
-      return;
-    }
+  if (auto it = byte_vocab.find(word); it != byte_vocab.end()) {
+    out.push_back(it->second);
+    return;
   }
   int32_t n = static_cast<int32_t>(word.size());
   symbols.resize(word.size());

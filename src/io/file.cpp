@@ -11,7 +11,6 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <memory>
 
 // x86's dispatching entry points take AVX2 where the CPU has it: 3x the SSE2 default.
 #if defined(__x86_64__)
@@ -19,8 +18,6 @@
 #else
 #include <xxhash.h>
 #endif
-
-#include "core/check.h"
 
 namespace mt::io {
 
@@ -32,62 +29,64 @@ std::string kind_of(mode_t m) {
          : S_ISFIFO(m) ? "a pipe" : S_ISSOCK(m) ? "a socket" : "not a regular file";
 }
 
-void check_regular(int fd, const std::string& path) {
+// `path` opened read-only ("cannot open <what> <path>" where it cannot be) and refused
+// unless it is a regular file; its size into *size.
+int open_regular(const std::string& path, std::string_view what, size_t* size = nullptr) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MT_CHECK(fd >= 0) << "cannot open " << what << (what.empty() ? "" : " ") << path << ": " << std::strerror(errno);
   struct stat st {};
-  MT_CHECK(::fstat(fd, &st) == 0) << "cannot stat " << path << ": " << std::strerror(errno);
+  const bool stat_ok = ::fstat(fd, &st) == 0;
+  const int stat_errno = errno;
+  if (!stat_ok || !S_ISREG(st.st_mode)) ::close(fd);
+  MT_CHECK(stat_ok) << "cannot stat " << path << ": " << std::strerror(stat_errno);
   MT_CHECK(S_ISREG(st.st_mode)) << path << " is " << kind_of(st.st_mode) << ", where a regular file was expected";
+  if (size != nullptr) *size = static_cast<size_t>(st.st_size);
+  return fd;
+}
+
+// Calls op(done), a read or write of bytes [done, n), until all n are done, again after
+// EINTR. Returns 1 then, else op's first other result <= 0 (errno set where < 0).
+template <typename Op>
+ssize_t transfer(size_t n, Op op) {
+  for (size_t done = 0; done < n;) {
+    const ssize_t got = op(done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return got;
+    done += static_cast<size_t>(got);
+  }
+  return 1;
 }
 
 }  // namespace
 
 std::vector<uint8_t> read_file(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  MT_CHECK(f != nullptr) << "cannot open " << path << ": " << std::strerror(errno);
-  try {
-    check_regular(::fileno(f), path);
-  } catch (...) {
-    std::fclose(f);
-    throw;
-  }
+  const int fd = open_regular(path, "");
   std::vector<uint8_t> out;
   uint8_t buf[1 << 16];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.insert(out.end(), buf, buf + n);
-  bool bad = std::ferror(f);
-  std::fclose(f);
-  MT_CHECK(!bad) << "error reading " << path;
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) != 0) {
+    if (n > 0) out.insert(out.end(), buf, buf + n);
+    else if (errno != EINTR) break;
+  }
+  ::close(fd);
+  MT_CHECK(n == 0) << "error reading " << path;
   return out;
 }
 
 MappedFile::MappedFile(const std::string& path, std::string_view what) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MT_CHECK(fd >= 0) << "cannot open " << what << " " << path << ": " << std::strerror(errno);
-  struct stat st {};
-  bool stat_ok = ::fstat(fd, &st) == 0;
-  int stat_errno = errno;
-  bool regular = stat_ok && S_ISREG(st.st_mode);
-  size_t size = regular ? static_cast<size_t>(st.st_size) : 0;
+  size_t size = 0;
+  const int fd = open_regular(path, what, &size);
   void* m = size > 0 ? ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0) : nullptr;
-  int map_errno = errno;
+  const int map_errno = errno;
   ::close(fd);
-  MT_CHECK(stat_ok) << "cannot stat " << path << ": " << std::strerror(stat_errno);
-  MT_CHECK(regular) << path << " is " << kind_of(st.st_mode) << ", where a regular file was expected";
   MT_CHECK(m != MAP_FAILED) << "cannot mmap " << path << " (" << size << " bytes): " << std::strerror(map_errno);
   map_ = {static_cast<const uint8_t*>(m), Unmap{size}};
 }
 
 void MappedFile::Unmap::operator()(const uint8_t* p) const { ::munmap(const_cast<uint8_t*>(p), size); }
 
-PositionalFile::PositionalFile(const std::string& path, std::string_view what) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MT_CHECK(fd_ >= 0) << "cannot open " << what << " " << path << ": " << std::strerror(errno);
-  try {
-    check_regular(fd_, path);
-  } catch (...) {
-    ::close(fd_);
-    throw;
-  }
-}
+PositionalFile::PositionalFile(const std::string& path, std::string_view what)
+    : path_(path), fd_(open_regular(path, what)) {}
 
 PositionalFile::~PositionalFile() {
   if (fd_ >= 0) ::close(fd_);
@@ -95,20 +94,15 @@ PositionalFile::~PositionalFile() {
 
 void PositionalFile::read(int64_t offset, size_t n, void* dst) const {
   char* p = static_cast<char*>(dst);
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t got = ::pread(fd_, p + done, n - done, offset + static_cast<int64_t>(done));
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) {
-      struct stat st {};
-      const std::string now = ::fstat(fd_, &st) == 0 ? std::to_string(st.st_size) + " bytes" : "unknown size";
-      MT_FAIL() << path_ << ": cannot read " << n << " bytes at offset " << offset << " ("
-                << (got < 0 ? std::string(std::strerror(errno)) : "the file ends first: it holds " + now + " now")
-                << "); it was cut short or rewritten while the run read it. A file a run reads must stay as it was: "
-                << "write a changed corpus to a new folder";
-    }
-    done += static_cast<size_t>(got);
-  }
+  const ssize_t got =
+      transfer(n, [&](size_t done) { return ::pread(fd_, p + done, n - done, offset + static_cast<int64_t>(done)); });
+  if (got > 0) return;
+  struct stat st {};
+  const std::string now = ::fstat(fd_, &st) == 0 ? std::to_string(st.st_size) + " bytes" : "unknown size";
+  MT_FAIL() << path_ << ": cannot read " << n << " bytes at offset " << offset << " ("
+            << (got < 0 ? std::string(std::strerror(errno)) : "the file ends first: it holds " + now + " now")
+            << "); it was cut short or rewritten while the run read it. A file a run reads must stay as it was: "
+            << "write a changed corpus to a new folder";
 }
 
 FileSum file_sum(const std::string& path) {
@@ -140,7 +134,7 @@ FileLock::FileLock(const std::string& path, std::string_view what) : path_(path)
       ::close(fd_);
       fd_ = -1;
       std::string holder(text, n > 0 ? static_cast<size_t>(n) : 0);
-      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+      holder.erase(holder.find_last_not_of("\n ") + 1);
       MT_CHECK(e == EWOULDBLOCK) << "cannot lock " << path << ": " << std::strerror(e);
       throw LockHeld(path + " is held by " + (holder.empty() ? std::string("another process") : holder), "");
     }
@@ -195,24 +189,17 @@ AppendFile::~AppendFile() {
 std::string AppendFile::append(std::string_view record) {
   if (fd_ < 0) return "not open";
   // At the end of the whole records: a record cut off before is written over.
-  const char* p = record.data();
-  size_t left = record.size();
-  int64_t at = size_;
-  while (left > 0) {
-    const ssize_t n = ::pwrite(fd_, p, left, at);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string why = n < 0 ? std::strerror(errno) : "no bytes written";
-      // The part written is cut off again; where that fails too, the next record that
-      // is written whole cuts it (it starts where this one did).
-      torn_ = ::ftruncate(fd_, size_) != 0;
-      return why;
-    }
-    p += n;
-    left -= static_cast<size_t>(n);
-    at += n;
+  const ssize_t n = transfer(record.size(), [&](size_t done) {
+    return ::pwrite(fd_, record.data() + done, record.size() - done, size_ + static_cast<int64_t>(done));
+  });
+  if (n <= 0) {
+    const std::string why = n < 0 ? std::strerror(errno) : "no bytes written";
+    // The part written is cut off again; where that fails too, the next record that
+    // is written whole cuts it (it starts where this one did).
+    torn_ = ::ftruncate(fd_, size_) != 0;
+    return why;
   }
-  size_ = at;
+  size_ += static_cast<int64_t>(record.size());
   if (torn_) torn_ = ::ftruncate(fd_, size_) != 0;
   return "";
 }
@@ -228,17 +215,11 @@ FileSum write_file_atomic(const std::string& path, const std::vector<std::string
   for (std::string_view p : pieces) {
     XXH3_64bits_update(hash.get(), p.data(), p.size());
     sum.bytes += p.size();
-    size_t done = 0;
-    while (done < p.size()) {
-      ssize_t w = ::write(fd, p.data() + done, p.size() - done);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) {
-        int e = errno;
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        MT_FAIL() << "writing " << tmp << ": " << std::strerror(e);
-      }
-      done += static_cast<size_t>(w);
+    if (transfer(p.size(), [&](size_t done) { return ::write(fd, p.data() + done, p.size() - done); }) <= 0) {
+      int e = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      MT_FAIL() << "writing " << tmp << ": " << std::strerror(e);
     }
   }
   bool synced = ::fsync(fd) == 0;

@@ -106,7 +106,6 @@ class AppendFile {
   // "" once the record is the file's; otherwise why not.
   std::string append(std::string_view record);
   const std::string& path() const { return path_; }
-  bool is_open() const { return fd_ >= 0; }
 
  private:
   std::string path_;

@@ -10,7 +10,6 @@
 
 #include "core/check.h"
 #include "core/dtype.h"
-#include "io/file.h"
 
 namespace mt::io {
 
@@ -104,15 +103,11 @@ StTensor parse_entry(const std::string& name, const Json& e, const std::string& 
 // Levenshtein distance, to suggest the keys closest to a missing one.
 size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  std::iota(row.begin(), row.end(), size_t{0});
   for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
-      diag = up;
-    }
+    size_t diag = row[0]++;
+    for (size_t j = 1; j <= b.size(); ++j)
+      diag = std::exchange(row[j], std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])}));
   }
   return row[b.size()];
 }

@@ -95,10 +95,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
 namespace mt {
 
 inline void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWStep& s) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (!blocks.empty() && blocks.front().param.device == Device::cuda) return cuda::adamw_step_multi(blocks, s);
-#endif
-  return cpu::adamw_step_multi(blocks, s);
+  return MT_BACKEND(!blocks.empty() && blocks.front().param.device == Device::cuda, adamw_step_multi(blocks, s));
 }
 
 }  // namespace mt

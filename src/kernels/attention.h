@@ -55,20 +55,15 @@ namespace mt {
 
 inline void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                               const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (out.device == Device::cuda) return cuda::attention_forward(q, k, v, sinks, a, out, lse);
-#endif
-  return cpu::attention_forward(q, k, v, sinks, a, out, lse);
+  return MT_BACKEND(out.device == Device::cuda, attention_forward(q, k, v, sinks, a, out, lse));
 }
 
 inline void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
                                const cpu::AttentionArgs& a, const Tensor& out, const Tensor& lse,
                                const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                const Tensor& dsinks) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dq.device == Device::cuda) return cuda::attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv, dsinks);
-#endif
-  return cpu::attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv, dsinks);
+  return MT_BACKEND(dq.device == Device::cuda,
+                    attention_backward(q, k, v, sinks, a, out, lse, dout, dq, dk, dv, dsinks));
 }
 
 }  // namespace mt

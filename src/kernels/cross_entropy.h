@@ -46,19 +46,14 @@ namespace mt {
 inline cpu::CrossEntropySum cross_entropy_forward(const Tensor& logits, const Tensor& labels, int32_t ignore_index,
                                                   const Tensor& lse, float scale = 0.0f,
                                                   const Tensor& dlogits = Tensor()) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (lse.device == Device::cuda) return cuda::cross_entropy_forward(logits, labels, ignore_index, lse, scale, dlogits);
-#endif
-  return cpu::cross_entropy_forward(logits, labels, ignore_index, lse, scale, dlogits);
+  return MT_BACKEND(lse.device == Device::cuda,
+                    cross_entropy_forward(logits, labels, ignore_index, lse, scale, dlogits));
 }
 
 inline void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& lse, int32_t ignore_index,
                                    float scale, const Tensor& dlogits) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dlogits.device == Device::cuda)
-    return cuda::cross_entropy_backward(logits, labels, lse, ignore_index, scale, dlogits);
-#endif
-  return cpu::cross_entropy_backward(logits, labels, lse, ignore_index, scale, dlogits);
+  return MT_BACKEND(dlogits.device == Device::cuda,
+                    cross_entropy_backward(logits, labels, lse, ignore_index, scale, dlogits));
 }
 
 }  // namespace mt

@@ -110,101 +110,62 @@ namespace mt {
 
 inline int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
                              const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (slot_row.device == Device::cuda)
-    return cuda::dispatch_plan(idx, num_experts, capacity, counts, offsets, order, slot_row);
-#endif
-  return cpu::dispatch_plan(idx, num_experts, capacity, counts, offsets, order, slot_row);
+  return MT_BACKEND(slot_row.device == Device::cuda,
+                    dispatch_plan(idx, num_experts, capacity, counts, offsets, order, slot_row));
 }
 
 inline void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Tensor& xs) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (xs.device == Device::cuda) return cuda::dispatch_forward(x, order, k, xs);
-#endif
-  return cpu::dispatch_forward(x, order, k, xs);
+  return MT_BACKEND(xs.device == Device::cuda, dispatch_forward(x, order, k, xs));
 }
 
 inline void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& dx) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dx.device == Device::cuda) return cuda::dispatch_backward(dxs, slot_row, dx);
-#endif
-  return cpu::dispatch_backward(dxs, slot_row, dx);
+  return MT_BACKEND(dx.device == Device::cuda, dispatch_backward(dxs, slot_row, dx));
 }
 
 inline void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (y.device == Device::cuda) return cuda::combine_forward(ys, weight, slot_row, y);
-#endif
-  return cpu::combine_forward(ys, weight, slot_row, y);
+  return MT_BACKEND(y.device == Device::cuda, combine_forward(ys, weight, slot_row, y));
 }
 
 inline void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
                              const Tensor& dys, const Tensor& dweight) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dys.device == Device::cuda) return cuda::combine_backward(ys, weight, slot_row, dy, dys, dweight);
-#endif
-  return cpu::combine_backward(ys, weight, slot_row, dy, dys, dweight);
+  return MT_BACKEND(dys.device == Device::cuda, combine_backward(ys, weight, slot_row, dy, dys, dweight));
 }
 
 inline void dispatch_sort(const Tensor& buckets, int64_t num_buckets, int64_t capacity, const Tensor& counts,
                           const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (slot_row.device == Device::cuda)
-    return cuda::dispatch_sort(buckets, num_buckets, capacity, counts, offsets, order, slot_row);
-#endif
-  return cpu::dispatch_sort(buckets, num_buckets, capacity, counts, offsets, order, slot_row);
+  return MT_BACKEND(slot_row.device == Device::cuda,
+                    dispatch_sort(buckets, num_buckets, capacity, counts, offsets, order, slot_row));
 }
 
 inline void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const Tensor& buckets) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (buckets.device == Device::cuda) return cuda::ep_row_buckets(idx, per, num_experts, buckets);
-#endif
-  return cpu::ep_row_buckets(idx, per, num_experts, buckets);
+  return MT_BACKEND(buckets.device == Device::cuda, ep_row_buckets(idx, per, num_experts, buckets));
 }
 
 inline void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, const Tensor& buckets) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (buckets.device == Device::cuda) return cuda::ep_send_buckets(idx, sent_slot, per, buckets);
-#endif
-  return cpu::ep_send_buckets(idx, sent_slot, per, buckets);
+  return MT_BACKEND(buckets.device == Device::cuda, ep_send_buckets(idx, sent_slot, per, buckets));
 }
 
 inline void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int64_t per, const Tensor& out) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (out.device == Device::cuda) return cuda::ep_pack_counts(row_counts, expert_offsets, per, out);
-#endif
-  return cpu::ep_pack_counts(row_counts, expert_offsets, per, out);
+  return MT_BACKEND(out.device == Device::cuda, ep_pack_counts(row_counts, expert_offsets, per, out));
 }
 
 inline void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const Tensor& recv_counts, int64_t k,
                               const Tensor& buckets) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (buckets.device == Device::cuda) return cuda::ep_return_buckets(order, local_offsets, recv_counts, k, buckets);
-#endif
-  return cpu::ep_return_buckets(order, local_offsets, recv_counts, k, buckets);
+  return MT_BACKEND(buckets.device == Device::cuda, ep_return_buckets(order, local_offsets, recv_counts, k, buckets));
 }
 
 inline void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
                             const Tensor& buckets) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (buckets.device == Device::cuda) return cuda::ep_kept_buckets(idx, token_rows, kept_rows, per, buckets);
-#endif
-  return cpu::ep_kept_buckets(idx, token_rows, kept_rows, per, buckets);
+  return MT_BACKEND(buckets.device == Device::cuda, ep_kept_buckets(idx, token_rows, kept_rows, per, buckets));
 }
 
 inline void ep_route_slots(const Tensor& idx, const Tensor& mine, const Tensor& first, const Tensor& slot,
                            const Tensor& bound, const Tensor& slots) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (slots.device == Device::cuda) return cuda::ep_route_slots(idx, mine, first, slot, bound, slots);
-#endif
-  return cpu::ep_route_slots(idx, mine, first, slot, bound, slots);
+  return MT_BACKEND(slots.device == Device::cuda, ep_route_slots(idx, mine, first, slot, bound, slots));
 }
 
 inline void read_counts(std::initializer_list<Tensor> arrays, int32_t* out) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (arrays.size() > 0 && arrays.begin()->device == Device::cuda) return cuda::read_counts(arrays, out);
-#endif
-  return cpu::read_counts(arrays, out);
+  return MT_BACKEND(arrays.size() > 0 && arrays.begin()->device == Device::cuda, read_counts(arrays, out));
 }
 
 }  // namespace mt

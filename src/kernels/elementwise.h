@@ -77,17 +77,11 @@ namespace mt {
 // Between any two devices (host <-> GPU copies wait until done, so a host buffer can be
 // reused at once); host to host is cpu::copy.
 inline void copy(const Tensor& dst, const Tensor& src) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dst.device == Device::cuda || src.device == Device::cuda) return cuda::copy(dst, src);
-#endif
-  return cpu::copy(dst, src);
+  return MT_BACKEND(dst.device == Device::cuda || src.device == Device::cuda, copy(dst, src));
 }
 
 inline void cast(const Tensor& src, const Tensor& dst) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dst.device == Device::cuda) return cuda::cast(src, dst);
-#endif
-  return cpu::cast(src, dst);
+  return MT_BACKEND(dst.device == Device::cuda, cast(src, dst));
 }
 
 // A tensor's values in host memory as f32, from f32 or bf16 on either device.
@@ -106,40 +100,21 @@ inline std::vector<float> to_host(const Tensor& t) {
 }
 
 inline void add(const Tensor& a, const Tensor& b, const Tensor& out) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (out.device == Device::cuda) return cuda::add(a, b, out);
-#endif
-  return cpu::add(a, b, out);
-}
-
-inline void scale(const Tensor& x, float s) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (x.device == Device::cuda) return cuda::scale(x, s);
-#endif
-  return cpu::scale(x, s);
+  return MT_BACKEND(out.device == Device::cuda, add(a, b, out));
 }
 
 inline void fill(const Tensor& x, float value) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (x.device == Device::cuda) return cuda::fill(x, value);
-#endif
-  return cpu::fill(x, value);
+  return MT_BACKEND(x.device == Device::cuda, fill(x, value));
 }
 
 inline void copy_columns(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col, int64_t width,
                          bool accumulate) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dst.device == Device::cuda) return cuda::copy_columns(dst, dst_col, src, src_col, width, accumulate);
-#endif
-  return cpu::copy_columns(dst, dst_col, src, src_col, width, accumulate);
+  return MT_BACKEND(dst.device == Device::cuda, copy_columns(dst, dst_col, src, src_col, width, accumulate));
 }
 
 // The device of the first tensor decides; all must share it.
 inline double sum_squares(const std::vector<Tensor>& xs) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (!xs.empty() && xs.front().device == Device::cuda) return cuda::sum_squares(xs);
-#endif
-  return cpu::sum_squares(xs);
+  return MT_BACKEND(!xs.empty() && xs.front().device == Device::cuda, sum_squares(xs));
 }
 
 }  // namespace mt

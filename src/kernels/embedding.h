@@ -28,17 +28,11 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dta
 namespace mt {
 
 inline void embedding_forward(const Tensor& table, const Tensor& ids, const Tensor& out) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (out.device == Device::cuda) return cuda::embedding_forward(table, ids, out);
-#endif
-  return cpu::embedding_forward(table, ids, out);
+  return MT_BACKEND(out.device == Device::cuda, embedding_forward(table, ids, out));
 }
 
 inline void embedding_backward(const Tensor& ids, const Tensor& dout, const Tensor& dtable) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dtable.device == Device::cuda) return cuda::embedding_backward(ids, dout, dtable);
-#endif
-  return cpu::embedding_backward(ids, dout, dtable);
+  return MT_BACKEND(dtable.device == Device::cuda, embedding_backward(ids, dout, dtable));
 }
 
 }  // namespace mt

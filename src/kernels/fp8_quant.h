@@ -124,36 +124,22 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
 namespace mt {
 
 inline void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (q.device == Device::cuda) return cuda::quantize_rows(x, q, scale, pow2);
-#endif
-  return cpu::quantize_rows(x, q, scale, pow2);
+  return MT_BACKEND(q.device == Device::cuda, quantize_rows(x, q, scale, pow2));
 }
 
 inline void quantize_blocks(const Tensor& w, const Tensor& q, const Tensor& scale, bool pow2, const Tensor& qt = {},
                             const Tensor& scale_t = {}) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (q.device == Device::cuda) return cuda::quantize_blocks(w, q, scale, pow2, qt, scale_t);
-#endif
-  return cpu::quantize_blocks(w, q, scale, pow2, qt, scale_t);
+  return MT_BACKEND(q.device == Device::cuda, quantize_blocks(w, q, scale, pow2, qt, scale_t));
 }
-
 
 inline void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
                      const Tensor& c, float alpha = 1.0f, float beta = 0.0f) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (c.device == Device::cuda) return cuda::gemm_fp8(a, a_scale, b, b_scale, b_blocks, c, alpha, beta);
-#endif
-  return cpu::gemm_fp8(a, a_scale, b, b_scale, b_blocks, c, alpha, beta);
+  return MT_BACKEND(c.device == Device::cuda, gemm_fp8(a, a_scale, b, b_scale, b_blocks, c, alpha, beta));
 }
 
 inline void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
                              const Tensor& offsets, const Tensor& y, const Tensor& bias = {}) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (y.device == Device::cuda) return cuda::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y, bias);
-#endif
-  return cpu::grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y, bias);
+  return MT_BACKEND(y.device == Device::cuda, grouped_gemm_fp8(x, x_scale, w, w_scale, offsets, y, bias));
 }
-
 
 }  // namespace mt

@@ -31,10 +31,7 @@ namespace mt {
 
 inline void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha = 1.0f,
                  float beta = 0.0f) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (c.device == Device::cuda) return cuda::gemm(a, b, c, trans_a, trans_b, alpha, beta);
-#endif
-  return cpu::gemm(a, b, c, trans_a, trans_b, alpha, beta);
+  return MT_BACKEND(c.device == Device::cuda, gemm(a, b, c, trans_a, trans_b, alpha, beta));
 }
 
 }  // namespace mt

@@ -44,25 +44,16 @@ namespace mt {
 
 inline void grouped_gemm(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& offsets,
                          const Tensor& y) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (y.device == Device::cuda) return cuda::grouped_gemm(x, w, bias, offsets, y);
-#endif
-  return cpu::grouped_gemm(x, w, bias, offsets, y);
+  return MT_BACKEND(y.device == Device::cuda, grouped_gemm(x, w, bias, offsets, y));
 }
 
 inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dx.device == Device::cuda) return cuda::grouped_gemm_backward_input(dy, w, offsets, dx);
-#endif
-  return cpu::grouped_gemm_backward_input(dy, w, offsets, dx);
+  return MT_BACKEND(dx.device == Device::cuda, grouped_gemm_backward_input(dy, w, offsets, dx));
 }
 
 inline void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, const Tensor& dw,
                                          const Tensor& dbias, bool accumulate) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dw.device == Device::cuda) return cuda::grouped_gemm_backward_weight(x, dy, offsets, dw, dbias, accumulate);
-#endif
-  return cpu::grouped_gemm_backward_weight(x, dy, offsets, dw, dbias, accumulate);
+  return MT_BACKEND(dw.device == Device::cuda, grouped_gemm_backward_weight(x, dy, offsets, dw, dbias, accumulate));
 }
 
 }  // namespace mt

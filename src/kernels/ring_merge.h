@@ -38,17 +38,11 @@ void accumulate(const Tensor& x, const Tensor& acc);
 namespace mt {
 
 inline void ring_merge(const Tensor& o, const Tensor& l, int64_t b, int slot, const Tensor& acc, const Tensor& lse) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (acc.device == Device::cuda) return cuda::ring_merge(o, l, b, slot, acc, lse);
-#endif
-  return cpu::ring_merge(o, l, b, slot, acc, lse);
+  return MT_BACKEND(acc.device == Device::cuda, ring_merge(o, l, b, slot, acc, lse));
 }
 
 inline void accumulate(const Tensor& x, const Tensor& acc) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (acc.device == Device::cuda) return cuda::accumulate(x, acc);
-#endif
-  return cpu::accumulate(x, acc);
+  return MT_BACKEND(acc.device == Device::cuda, accumulate(x, acc));
 }
 
 }  // namespace mt

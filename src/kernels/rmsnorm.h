@@ -49,34 +49,22 @@ void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd,
 namespace mt {
 
 inline void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (y.device == Device::cuda) return cuda::rmsnorm_forward(x, w, eps, y, rstd);
-#endif
-  return cpu::rmsnorm_forward(x, w, eps, y, rstd);
+  return MT_BACKEND(y.device == Device::cuda, rmsnorm_forward(x, w, eps, y, rstd));
 }
 
 inline void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
                              const Tensor& dw, const Tensor& residual = Tensor()) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dy.device == Device::cuda) return cuda::rmsnorm_backward(x, w, rstd, dy, dx, dw, residual);
-#endif
-  return cpu::rmsnorm_backward(x, w, rstd, dy, dx, dw, residual);
+  return MT_BACKEND(dy.device == Device::cuda, rmsnorm_backward(x, w, rstd, dy, dx, dw, residual));
 }
 
 inline void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,
                                  const Tensor& y, const Tensor& rstd) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (y.device == Device::cuda) return cuda::rmsnorm_rope_forward(x, w, eps, cos, sin, y, rstd);
-#endif
-  return cpu::rmsnorm_rope_forward(x, w, eps, cos, sin, y, rstd);
+  return MT_BACKEND(y.device == Device::cuda, rmsnorm_rope_forward(x, w, eps, cos, sin, y, rstd));
 }
 
 inline void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& cos,
                                   const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dy.device == Device::cuda) return cuda::rmsnorm_rope_backward(x, w, rstd, cos, sin, dy, dx, dw);
-#endif
-  return cpu::rmsnorm_rope_backward(x, w, rstd, cos, sin, dy, dx, dw);
+  return MT_BACKEND(dy.device == Device::cuda, rmsnorm_rope_backward(x, w, rstd, cos, sin, dy, dx, dw));
 }
 
 }  // namespace mt

@@ -63,24 +63,15 @@ namespace mt {
 // RopeFreqs lives in mt::cpu, so an unqualified call from namespace mt also finds
 // cpu::rope_tables by argument-dependent lookup: call this one as mt::rope_tables.
 inline void rope_tables(const cpu::RopeFreqs& f, const Tensor& positions, const Tensor& cos, const Tensor& sin) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (cos.device == Device::cuda) return cuda::rope_tables(f, positions, cos, sin);
-#endif
-  return cpu::rope_tables(f, positions, cos, sin);
+  return MT_BACKEND(cos.device == Device::cuda, rope_tables(f, positions, cos, sin));
 }
 
 inline void rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, const Tensor& y) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (y.device == Device::cuda) return cuda::rope_forward(x, cos, sin, interleaved, y);
-#endif
-  return cpu::rope_forward(x, cos, sin, interleaved, y);
+  return MT_BACKEND(y.device == Device::cuda, rope_forward(x, cos, sin, interleaved, y));
 }
 
 inline void rope_backward(const Tensor& dy, const Tensor& cos, const Tensor& sin, bool interleaved, const Tensor& dx) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dx.device == Device::cuda) return cuda::rope_backward(dy, cos, sin, interleaved, dx);
-#endif
-  return cpu::rope_backward(dy, cos, sin, interleaved, dx);
+  return MT_BACKEND(dx.device == Device::cuda, rope_backward(dy, cos, sin, interleaved, dx));
 }
 
 }  // namespace mt

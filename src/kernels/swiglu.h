@@ -31,31 +31,19 @@ void clamped_swiglu_backward(const Tensor& gu, float limit, float alpha, const T
 namespace mt {
 
 inline void swiglu_forward(const Tensor& gu, const Tensor& h) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (h.device == Device::cuda) return cuda::swiglu_forward(gu, h);
-#endif
-  return cpu::swiglu_forward(gu, h);
+  return MT_BACKEND(h.device == Device::cuda, swiglu_forward(gu, h));
 }
 
 inline void swiglu_backward(const Tensor& gu, const Tensor& dh, const Tensor& dgu) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dgu.device == Device::cuda) return cuda::swiglu_backward(gu, dh, dgu);
-#endif
-  return cpu::swiglu_backward(gu, dh, dgu);
+  return MT_BACKEND(dgu.device == Device::cuda, swiglu_backward(gu, dh, dgu));
 }
 
 inline void clamped_swiglu_forward(const Tensor& gu, float limit, float alpha, const Tensor& h) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (h.device == Device::cuda) return cuda::clamped_swiglu_forward(gu, limit, alpha, h);
-#endif
-  return cpu::clamped_swiglu_forward(gu, limit, alpha, h);
+  return MT_BACKEND(h.device == Device::cuda, clamped_swiglu_forward(gu, limit, alpha, h));
 }
 
 inline void clamped_swiglu_backward(const Tensor& gu, float limit, float alpha, const Tensor& dh, const Tensor& dgu) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dgu.device == Device::cuda) return cuda::clamped_swiglu_backward(gu, limit, alpha, dh, dgu);
-#endif
-  return cpu::clamped_swiglu_backward(gu, limit, alpha, dh, dgu);
+  return MT_BACKEND(dgu.device == Device::cuda, clamped_swiglu_backward(gu, limit, alpha, dh, dgu));
 }
 
 }  // namespace mt

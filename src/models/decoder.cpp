@@ -5,10 +5,8 @@
 #include <cstdlib>
 
 #include "core/check.h"
-#include "kernels/cross_entropy.h"
 #include "kernels/elementwise.h"
 #include "kernels/embedding.h"
-#include "kernels/gemm.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/swiglu.h"
 #include "models/head.h"
@@ -63,8 +61,9 @@ HfTensor hf_tensor(std::string name, const Param& p, float init_scale, float fil
   return t;
 }
 
-HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64_t r1, float init_scale,
-                  bool expert) {
+// Rows [r0, r1) of block e of a fused [E, rows, cols] (or [rows, cols]) Param.
+static HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64_t r1, float init_scale,
+                         bool expert) {
   auto slice = [&](const Tensor& t) {
     Tensor block = t.ndim() == 3 ? t.rows(e, e + 1).view({t.dim(1), t.dim(2)}) : t;
     return block.rows(r0, r1);
@@ -126,10 +125,7 @@ struct DecoderStash : Stash {
 class Decoder final : public Model {
  public:
   Decoder(const DecoderSpec& c, Mixers mixers, const ModelOptions& o)
-      : c_(c), mixers_(std::move(mixers)), device_(o.device), balanced_(o.force_balanced_routing),
-        sequence_balance_(o.sequence_balance), plan_only_(o.plan_only), external_layers_(o.external_layers),
-        recompute_(o.recompute),
-        act_(o.device == Device::cuda ? DType::bf16 : DType::f32), embedding_(o.embedding), head_(o.head),
+      : c_(c), mixers_(std::move(mixers)), o_(o), act_(o.device == Device::cuda ? DType::bf16 : DType::f32),
         linear_(o.fp8, o.fp8_pow2), moe_(c, o, params_, linear_) {
     MT_CHECK(!linear_.fp8() || !o.external_layers)
         << "training.fp8 = blockwise with parallelism.zero3 is not built yet (the weight slots gather bf16 copies, "
@@ -140,13 +136,13 @@ class Decoder final : public Model {
       MT_CHECK(l >= 0 && l < c.num_layers) << "model built for layer " << l << " of " << c.num_layers;
       held_[l] = true;
     }
-    MT_CHECK(!c.tie_word_embeddings || embedding_ == head_)
+    MT_CHECK(!c.tie_word_embeddings || o_.embedding == o_.head)
         << "tie_word_embeddings: the embedding and the head share a weight, so they must be on one pipeline rank "
         << "(parallelism.pipeline_schedule = dualpipev places both on rank 0)";
     build_params();
   }
 
-  Device device() const override { return device_; }
+  Device device() const override { return o_.device; }
   size_t expert_cache_bytes() const override { return moe_.cache().bytes(); }
   ExpertCacheStats expert_cache_traffic(int64_t micro_batches, int64_t sweep) const override {
     return moe_.cache().planned_traffic(micro_batches, sweep);
@@ -155,7 +151,7 @@ class Decoder final : public Model {
   ExpertReplicas* expert_replicas() override { return moe_.replicas().on() ? &moe_.replicas() : nullptr; }
   size_t expert_replica_bytes() const override { return replica_bytes_; }
   ExpertCacheStats expert_cache_stats() override { return moe_.cache().stats(); }
-  bool balanced_routing() const override { return balanced_; }
+  bool balanced_routing() const override { return o_.force_balanced_routing; }
   int64_t num_layers() const override { return c_.num_layers; }
   bool is_moe_layer(int64_t layer) const override { return c_.moe[layer]; }
   int64_t num_experts() const override { return c_.num_experts; }
@@ -180,8 +176,8 @@ class Decoder final : public Model {
       const int64_t l = std::atoll(name.c_str() + 13);
       if (l >= 0 && l < c_.num_layers && !held_[l]) return true;
     }
-    if (name == "model.embed_tokens.weight") return !embedding_;
-    if (name == "model.norm.weight" || name == "lm_head.weight") return !head_;
+    if (name == "model.embed_tokens.weight") return !o_.embedding;
+    if (name == "model.norm.weight" || name == "lm_head.weight") return !o_.head;
     return moe_.another_ranks_expert(name);
   }
   std::unique_ptr<Stash> make_bare_stash(int64_t batch, int64_t seq) override;
@@ -216,12 +212,9 @@ class Decoder final : public Model {
   void build_params();
   void allocate_bare(DecoderStash& s, Arena& a) const;
   void allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t last) const;
-  const Tensor& W(int i) const { return params_[i].value; }    // f32 master (norms, embedding)
-  const Tensor& C(int i) const { return params_[i].compute; }  // read by matrix products
-  const Tensor& G(int i) const { return params_[i].grad; }
+  const Tensor& W(int i) const { return params_[i].value; }  // f32 master (norms, embedding)
   // Gradient writes: a Param's first write of the step replaces its gradient and later
   // ones add (Param::grad_started), whatever order the schedule runs micro-batches in.
-  float beta(int i) { return grad_beta(params_[i]); }
   const Tensor& Z(int i) { return grad_zeroed(params_[i]); }
   AttentionIo io(DecoderStash& s, LayerActs& x) const {
     return {s.batch, s.seq, s.cos, s.sin, x.xn, x.hm, x.d_hm, x.d_xn, &attend_, &linear_, s.all_rows};
@@ -245,16 +238,10 @@ class Decoder final : public Model {
   Mixers mixers_;  // per layer (layers may share one)
   Attention& mixer(int64_t l) const { return *mixers_[static_cast<size_t>(l)]; }
   Attend attend_;
-  Device device_;
-  bool balanced_;
-  bool sequence_balance_;  // router statistics per sequence too
-  bool plan_only_;
-  bool external_layers_;  // ZeRO-3: the decoder layers' Params have no storage here
-  Recompute recompute_;
+  ModelOptions o_;  // as given: attend_.cp and held_ are what its cp and layers come to
   size_t replica_bytes_ = 0;  // what the expert replicas' slots add to the arenas
   DType act_;  // activations: bf16 on the GPU, f32 on the CPU
   std::vector<bool> held_;  // per layer: built on this rank (pipeline parallelism)
-  bool embedding_, head_;
   Linear linear_;
   std::vector<Param> params_;
   Arena values_, grads_, compute_, fp8_, host_values_;
@@ -268,7 +255,7 @@ class Decoder final : public Model {
 void Decoder::build_params() {
   const int64_t D = c_.hidden_size;
   auto add = [&](std::string name, Shape shape) { return add_param(params_, std::move(name), shape); };
-  if (embedding_) embed_ = add("embed", {c_.vocab_size, D});
+  if (o_.embedding) embed_ = add("embed", {c_.vocab_size, D});
   layer_.resize(static_cast<size_t>(c_.num_layers));
   for (int64_t l = 0; l < c_.num_layers; ++l) {
     if (!held_[l]) continue;
@@ -286,11 +273,11 @@ void Decoder::build_params() {
     }
     layer_[l] = x;
   }
-  if (head_) {
+  if (o_.head) {
     const int norm = add("final_norm", {D});
     const int out = c_.tie_word_embeddings ? embed_ : add("lm_head", {c_.vocab_size, D});
     lm_ = Head(&params_, norm, out, !c_.tie_word_embeddings, c_.rms_norm_eps, c_.vocab_size,
-               recompute_ == Recompute::full);
+               o_.recompute == Recompute::full);
   }
   for (Param& p : params_) {
     if (p.name.starts_with("layers.")) p.layer = std::atoll(p.name.c_str() + 7);
@@ -304,8 +291,8 @@ void Decoder::build_params() {
   // router. Those need no bf16 copy (only the FP8 products read them): their compute is
   // the master itself, which they are quantized from, so the GPU's codes are the CPU's
   // for the same master weights.
-  const bool copies = device_ == Device::cuda;
-  auto held = [&](const Param& p) { return !external_layers_ || p.layer < 0 || p.layer >= c_.num_layers; };
+  const bool copies = o_.device == Device::cuda;
+  auto held = [&](const Param& p) { return !o_.external_layers || p.layer < 0 || p.layer >= c_.num_layers; };
   std::vector<bool> quantized(params_.size(), false);
   if (linear_.fp8()) {
     for (size_t i = 0; i < params_.size(); ++i)
@@ -323,8 +310,8 @@ void Decoder::build_params() {
   // offload.experts: master weights (Param::offloaded, the MoE block's choice) in one more
   // arena, in host memory, and with weights (Param::cached) their compute copies and
   // gradients too.
-  Arena count_v = Arena::counting("parameters", device_), count_g = Arena::counting("gradients", device_),
-        count_c = Arena::counting("compute weights", device_), count_q = Arena::counting("fp8 weights", device_),
+  Arena count_v = Arena::counting("parameters", o_.device), count_g = Arena::counting("gradients", o_.device),
+        count_c = Arena::counting("compute weights", o_.device), count_q = Arena::counting("fp8 weights", o_.device),
         count_h = Arena::counting("parameters (host)", Device::cpu);
   // parallelism.expert_replicas: an expert Param's storage is S blocks wide, the Param
   // its first E/ep (models/expert_replicas.h).
@@ -343,20 +330,21 @@ void Decoder::build_params() {
     if (quantized[i]) fp8_copy(count_q, p);
   }
   auto arena = [&](const char* name, size_t bytes) {
-    return plan_only_ ? Arena::counting(name, device_) : Arena(name, device_, bytes);
+    return o_.plan_only ? Arena::counting(name, o_.device) : Arena(name, o_.device, bytes);
   };
   values_ = arena("parameters", count_v.peak());
   grads_ = arena("gradients", count_g.peak());
   compute_ = arena("compute weights", count_c.peak());
   fp8_ = arena("fp8 weights", count_q.peak());
-  host_values_ = plan_only_ ? Arena::counting("parameters (host)", Device::cpu)
-                            : Arena::host("parameters (host)", count_h.peak(), device_ == Device::cuda);
+  host_values_ = o_.plan_only ? Arena::counting("parameters (host)", Device::cpu)
+                              : Arena::host("parameters (host)", count_h.peak(), o_.device == Device::cuda);
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (!held(p)) {
-      p.value = Tensor(nullptr, p.value.shape, DType::f32, device_);
+      p.value = Tensor(nullptr, p.value.shape, DType::f32, o_.device);
       p.grad = p.value;
-      p.compute = copies && p.matrix && !quantized[i] ? Tensor(nullptr, p.value.shape, DType::bf16, device_) : p.value;
+      p.compute =
+          copies && p.matrix && !quantized[i] ? Tensor(nullptr, p.value.shape, DType::bf16, o_.device) : p.value;
       continue;
     }
     const int64_t blocks = p.value.ndim() > 0 ? p.value.dim(0) : 0;
@@ -376,14 +364,14 @@ void Decoder::build_params() {
     p.grad = own(wide.grad);
     p.compute = own(wide.compute);
     // In mapped host memory the device's kernels (the norm, AdamW) reach them in place.
-    if (p.cached && copies) p.grad.device = p.compute.device = device_;
+    if (p.cached && copies) p.grad.device = p.compute.device = o_.device;
     if (quantized[i]) p.fp8 = fp8_copy(fp8_, p);
-    if (widened && !plan_only_) replicas.add(p.layer, static_cast<int>(i), wide);
-    if (plan_only_) continue;
+    if (widened && !o_.plan_only) replicas.add(p.layer, static_cast<int>(i), wide);
+    if (o_.plan_only) continue;
     mt::fill(wide.value, 0.0f);
     mt::fill(wide.grad, 0.0f);
   }
-  if (!plan_only_) refresh_compute_weights(params_);
+  if (!o_.plan_only) refresh_compute_weights(params_);
   rope_ = cpu::rope_freqs(c_.rope);
   moe_.make_cache();
 }
@@ -391,7 +379,7 @@ void Decoder::build_params() {
 std::vector<HfTensor> Decoder::hf_tensors() {
   std::vector<HfTensor> out;
   const float out_scale = static_cast<float>(1.0 / std::sqrt(2.0 * static_cast<double>(c_.num_layers)));
-  if (embedding_) out.push_back(hf_tensor("model.embed_tokens.weight", params_[embed_]));
+  if (o_.embedding) out.push_back(hf_tensor("model.embed_tokens.weight", params_[embed_]));
   for (int64_t l = 0; l < c_.num_layers; ++l) {
     if (!held_[l]) continue;
     const LayerIndex& x = layer_[l];
@@ -404,7 +392,7 @@ std::vector<HfTensor> Decoder::hf_tensors() {
     else
       hf_mlp(out, p + "mlp.", params_[x.gate_up], params_[x.down], 0, out_scale, false);
   }
-  if (head_) lm_.hf_tensors(out);
+  if (o_.head) lm_.hf_tensors(out);
   return out;
 }
 
@@ -420,7 +408,7 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
   s.h.resize(c_.num_layers + 1);
   s.dh.resize(c_.num_layers + 1);
   for (int64_t l = 0; l <= c_.num_layers; ++l) {
-    if (!(l < c_.num_layers && held_[l]) && !(l > 0 && held_[l - 1]) && !(l == c_.num_layers && head_)) continue;
+    if (!(l < c_.num_layers && held_[l]) && !(l > 0 && held_[l - 1]) && !(l == c_.num_layers && o_.head)) continue;
     s.h[l] = a.alloc(act_, {N, D});
     s.dh[l] = a.alloc(act_, {N, D});
   }
@@ -435,7 +423,7 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
     const int64_t E = c_.num_experts;
     const ExpertReplicas& replicas = moe_.replicas();
     const int64_t slot_counts = replicas.on() ? moe_.ep()->size() * replicas.slots() : 0;
-    const int64_t rows = sequence_balance_ ? B : 0, seq_at = 2 * E + 1 + slot_counts;
+    const int64_t rows = o_.sequence_balance ? B : 0, seq_at = 2 * E + 1 + slot_counts;
     x.stats = i32({seq_at + 2 * rows * E});
     auto part = [&](int64_t at, Shape shape, DType d) {  // (a plan's arenas have no storage)
       return Tensor(x.stats.data != nullptr ? x.stats.i32() + at : nullptr, shape, d, x.stats.device);
@@ -450,7 +438,7 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
     }
     x.dprobs = a.alloc(DType::f32, {std::max<int64_t>(rows, 1), E});  // a row for every token, or each sequence's
   }
-  if (balanced_) s.balanced_idx = i32({N, c_.router.top_k});
+  if (o_.force_balanced_routing) s.balanced_idx = i32({N, c_.router.top_k});
 }
 
 void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t last) const {
@@ -477,10 +465,10 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
     if (it == attn.end()) it = attn.insert(attn.end(), {&mixer(l), {}});
     it->second.push_back(s.layers[l].attn.get());
   }
-  if (!any && !(last == c_.num_layers && head_)) return;
+  if (!any && !(last == c_.num_layers && o_.head)) return;
   // Full recomputation keeps one layer's activations at a time: every layer of the
   // block gets the same bytes.
-  const bool one_deep = recompute_ == Recompute::full;
+  const bool one_deep = o_.recompute == Recompute::full;
   if (!one_deep)
     for (auto& [m, layers] : attn) m->allocate(layers, a, act_, s.batch, s.seq);
   const Tensor d_y = act({N, D}), d_xn = act({N, D}), d_hs = hidden > 0 ? act({hidden}) : Tensor(),
@@ -489,7 +477,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   // and the shared experts'), and B's f32 router gradient where the products read a bf16
   // copy: one set for every layer too. Under selective the norms' outputs xn and y are
   // computed again in W (stage_backward_weight), so they are one set as well.
-  const bool renorm = recompute_ == Recompute::selective;
+  const bool renorm = o_.recompute == Recompute::selective;
   const Tensor mo = act({N, D}), logits = any_moe ? f32({N, E}) : Tensor(),
                so = any_moe && Is > 0 ? act({N, D}) : Tensor(),
                d_logits = any_moe && act_ != DType::f32 ? f32({N, E}) : Tensor(),
@@ -544,7 +532,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
     if (one_deep) a.rewind(start);
   }
   a.rewind(deepest);
-  if (last != c_.num_layers || !head_) return;
+  if (last != c_.num_layers || !o_.head) return;
   lm_.allocate(s.head, a, act_, N, D);
 }
 
@@ -555,11 +543,11 @@ std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
   s->batch = batch;
   s->seq = seq;
   // Plan with a counting arena, then allocate the same sequence for real.
-  Arena plan = Arena::counting("activations", device_);
+  Arena plan = Arena::counting("activations", o_.device);
   allocate_bare(*s, plan);
   s->bytes = plan.peak();
-  if (plan_only_) return s;
-  s->arena = Arena("activations", device_, plan.peak());
+  if (o_.plan_only) return s;
+  s->arena = Arena("activations", o_.device, plan.peak());
   allocate_bare(*s, s->arena);
   s->positions_host.resize(static_cast<size_t>(seq));
   if (attend_.cp) {
@@ -574,7 +562,7 @@ std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
   mt::copy(s->all_rows, Tensor(all_rows, {2}, DType::i32));
   for (LayerActs& x : s->layers)  // no load-balance gradient until the trainer sets one
     if (x.moe.dprobs.data != nullptr) mt::fill(x.moe.dprobs, 0.0f);
-  if (balanced_) {
+  if (o_.force_balanced_routing) {
     std::vector<int32_t> idx(static_cast<size_t>(batch * seq * c_.router.top_k));
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i % c_.num_experts);
     mt::copy(s->balanced_idx, Tensor(idx.data(), s->balanced_idx.shape, DType::i32));
@@ -594,11 +582,11 @@ std::unique_ptr<ActivationBlock> Decoder::make_block(int64_t batch, int64_t seq,
   shape.layers.resize(c_.num_layers);
   for (int64_t l = first; l < last; ++l)
     if (held_[l]) shape.layers[l].attn = mixer(l).make_acts();
-  b->arena = Arena::counting("activations", device_);
+  b->arena = Arena::counting("activations", o_.device);
   allocate_layers(shape, b->arena, first, last);
   b->bytes = b->arena.peak();
-  if (plan_only_) return b;
-  b->arena = Arena("activations", device_, b->bytes);
+  if (o_.plan_only) return b;
+  b->arena = Arena("activations", o_.device, b->bytes);
   return b;
 }
 
@@ -638,7 +626,7 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
   // A stage after an exchange reads its results: one a schedule has not finished yet is
   // finished here (correct, only without the overlap).
   finish_exchange(s, l);
-  const bool run = !plan_only_;
+  const bool run = !o_.plan_only;
   if (run && stage == Stage::attention) attention_forward(l, s);
   if (run && stage == Stage::experts && !moe) {
     linear_.forward(x.y, {{params_[w.gate_up], x.gu}});
@@ -678,9 +666,9 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
   const Tensor& d_mo = s.dh[l + 1];  // aggregate: h[l+1] = hm + mo, so d_mo = d_hm = dh[l+1]
   finish_exchange(s, l);  // as in stage_forward
   // The layer's first B (the aggregate's) finds its activations recomputed.
-  if (recompute_ == Recompute::full && stage == Stage::aggregate) recompute_layer(l, s);
+  if (o_.recompute == Recompute::full && stage == Stage::aggregate) recompute_layer(l, s);
   if (moe) moe_.backward_input(l, stage, x.moe, moe_io(s, l));
-  if (plan_only_) return;
+  if (o_.plan_only) return;
   if (stage == Stage::experts && !moe) {
     linear_.backward_input(d_mo, params_[w.down], x.d_hs);
     swiglu_backward(x.gu, x.d_hs, x.d_gu);
@@ -696,12 +684,12 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   const bool moe = c_.moe[l];
   // selective: the norms' outputs that this W reads, computed again (allocate_layers).
   const float eps = static_cast<float>(c_.rms_norm_eps);
-  const bool renorm = recompute_ == Recompute::selective && !plan_only_;
+  const bool renorm = o_.recompute == Recompute::selective && !o_.plan_only;
   if (renorm && (stage == Stage::experts || (stage == Stage::attention && moe)))
     rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
   if (renorm && stage == Stage::attention) rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
   if (moe) moe_.backward_weight(l, stage, x.moe, moe_io(s, l));
-  if (plan_only_) return;
+  if (o_.plan_only) return;
   if (stage == Stage::experts && !moe) {
     linear_.backward_weight(x.hs, {{s.dh[l + 1], params_[w.down]}});
     linear_.backward_weight(x.y, {{x.d_gu, params_[w.gate_up]}});

@@ -104,10 +104,8 @@ int add_param(std::vector<Param>& params, std::string name, Shape shape, bool ex
 float grad_beta(Param& p);
 const Tensor& grad_zeroed(Param& p);
 bool start_grad(Param& p);
-// An HfTensor of the whole Param, or of rows [r0, r1) of block e of a fused
-// [E, rows, cols] (or [rows, cols]) Param.
+// An HfTensor of the whole Param.
 HfTensor hf_tensor(std::string name, const Param& p, float init_scale = 1.0f, float fill = 0.0f);
-HfTensor hf_slice(std::string name, const Param& p, int64_t e, int64_t r0, int64_t r1, float init_scale, bool expert);
 // An MLP's gate_proj, up_proj and down_proj (keys `prefix` + those) from its fused
 // gate_up and down, or block e of fused [E, ...] ones.
 void hf_mlp(std::vector<HfTensor>& out, const std::string& prefix, const Param& gate_up, const Param& down, int64_t e,

@@ -1,7 +1,6 @@
 #include "models/deepseek_v2.h"
 
 #include <cmath>
-#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "kernels/elementwise.h"
@@ -257,11 +256,7 @@ class MlaAttention final : public Attention {
   struct Index {
     int q_a = -1, q_a_norm = -1, q = -1, kv_a = -1, kv_a_norm = -1, kv_b = -1, o = -1;
   };
-  cpu::AttentionArgs args() const {
-    cpu::AttentionArgs a;
-    a.scale = static_cast<float>(c_.softmax_scale);
-    return a;
-  }
+  cpu::AttentionArgs args() const { return {.scale = static_cast<float>(c_.softmax_scale)}; }
   DeepseekV2Config c_;
   int64_t H, Dn, Dr, Dv, Dq, r, Rq;
   std::vector<Index> w_;

@@ -95,6 +95,17 @@ void ExpertCache::copy(const Tensor& dst, const Tensor& src) {
   stats_.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Zeros into t, queued behind the copies like them.
+void ExpertCache::zero(const Tensor& t) {
+#ifdef MOETRAIN_WITH_CUDA
+  if (device_ == Device::cuda) {
+    CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.nbytes(), copy_stream()));
+    return;
+  }
+#endif
+  mt::fill(t, 0.0f);
+}
+
 // A free frame, else the least recently used one; its line's changed gradients go back
 // to host memory first, once the compute queued on it is done.
 int ExpertCache::victim() {
@@ -146,8 +157,7 @@ void ExpertCache::load_weights(Frame& f, int64_t layer, int64_t line) {
 
 ExpertCache::Line ExpertCache::make_view(const Frame& f) const {
   Line v;
-  v.first = f.line * line_;
-  v.count = std::min(experts_, v.first + line_) - v.first;
+  const int64_t count = std::min(experts_, (f.line + 1) * line_) - f.line * line_;
   const std::vector<int>& b = blocks_[static_cast<size_t>(f.layer)];
   for (size_t j = 0; j < b.size(); ++j) {
     const Param& p = (*params_)[static_cast<size_t>(b[j])];
@@ -156,8 +166,8 @@ ExpertCache::Line ExpertCache::make_view(const Frame& f) const {
     q.matrix = p.matrix;
     q.expert = p.expert;
     q.layer = p.layer;
-    q.compute = f.compute[j].rows(0, v.count);
-    q.grad = f.grad[j].rows(0, v.count);
+    q.compute = f.compute[j].rows(0, count);
+    q.grad = f.grad[j].rows(0, count);
     q.value = q.compute;
     v.params.push_back(std::move(q));
   }
@@ -214,14 +224,7 @@ ExpertCache::Line& ExpertCache::fetch(int64_t layer, int64_t line, bool grads, b
         copy(frame, host);
         stats_.bytes_in += static_cast<int64_t>(host.nbytes());
       } else {
-        // What the step's first write left for experts without rows: zeros.
-#ifdef MOETRAIN_WITH_CUDA
-        if (device_ == Device::cuda) {
-          CUDA_CHECK(cudaMemsetAsync(frame.data, 0, frame.nbytes(), copy_stream()));
-          continue;
-        }
-#endif
-        mt::fill(frame, 0.0f);
+        zero(frame);  // what the step's first write left for experts without rows
       }
     }
 #ifdef MOETRAIN_WITH_CUDA
@@ -282,16 +285,7 @@ ExpertCacheStats ExpertCache::flush() {
   for (size_t l = 0; l < blocks_.size(); ++l) {
     for (int64_t line = 0; line < lines_ && !blocks_[l].empty() && !counting_; ++line) {
       if (written_[l][static_cast<size_t>(line)]) continue;
-      for (int j : blocks_[l]) {
-        const Tensor host = host_rows((*params_)[static_cast<size_t>(j)].grad, line);
-#ifdef MOETRAIN_WITH_CUDA
-        if (device_ == Device::cuda) {
-          CUDA_CHECK(cudaMemsetAsync(host.data, 0, host.nbytes(), copy_stream()));
-          continue;
-        }
-#endif
-        mt::fill(host, 0.0f);
-      }
+      for (int j : blocks_[l]) zero(host_rows((*params_)[static_cast<size_t>(j)].grad, line));
     }
     std::fill(written_[l].begin(), written_[l].end(), false);
   }
@@ -319,12 +313,6 @@ ExpertCacheStats ExpertCache::stats() {
   return stats_;
 }
 
-int64_t ExpertCache::cached_layers() const {
-  int64_t n = 0;
-  for (const std::vector<int>& b : blocks_) n += b.empty() ? 0 : 1;
-  return n;
-}
-
 ExpertCacheStats ExpertCache::planned_traffic(int64_t micro_batches, int64_t sweep) const {
   int64_t weights = 0, grads = 0;
   for (const std::vector<int>& b : blocks_)
@@ -334,7 +322,9 @@ ExpertCacheStats ExpertCache::planned_traffic(int64_t micro_batches, int64_t swe
     }
   ExpertCacheStats t;
   const int64_t frames = static_cast<int64_t>(frames_.size());
-  const bool all = frames >= cached_layers() * lines_;
+  const int64_t cached_layers =
+      std::count_if(blocks_.begin(), blocks_.end(), [](const std::vector<int>& b) { return !b.empty(); });
+  const bool all = frames >= cached_layers * lines_;
   const int64_t passes = frames >= 2 * lines_ ? (micro_batches + sweep - 1) / sweep : micro_batches;
   t.bytes_in = all ? weights : passes * (2 * weights + grads);
   t.bytes_out = all ? grads : passes * grads;

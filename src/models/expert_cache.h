@@ -64,14 +64,11 @@ class ExpertCache {
   // training rule above). With `counting` the frames are only counted.
   ExpertCache(std::vector<Param>& params, std::vector<std::vector<int>> blocks, int64_t experts, int64_t slots,
               int64_t line, Device device, bool counting);
-  ExpertCache(ExpertCache&&) = default;
-  ExpertCache& operator=(ExpertCache&&) = default;
 
   bool caches(int64_t layer) const {
     return layer >= 0 && layer < static_cast<int64_t>(blocks_.size()) && !blocks_[static_cast<size_t>(layer)].empty();
   }
   int64_t line_experts() const { return line_; }
-  int64_t lines() const { return lines_; }
   size_t bytes() const { return frames_arena_.peak(); }
   // What `moetrain plan` predicts a step of `micro_batches` in sweeps of `sweep`
   // (train/schedule.h) moves each way: holding every cached line, the weights come in
@@ -81,10 +78,9 @@ class ExpertCache {
   // and out, at most.
   ExpertCacheStats planned_traffic(int64_t micro_batches, int64_t sweep) const;
 
-  // Experts [first, first + count) of a layer on the device: its cached matrices as
-  // Params (the line's compute copies and gradients), in the order of blocks[layer].
+  // A line's experts of a layer on the device: its cached matrices as Params (the line's
+  // compute copies and gradients), in the order of blocks[layer].
   struct Line {
-    int64_t first = 0, count = 0;
     std::vector<Param> params;
   };
   // The order a pass takes the layer's lines in: those in frames first, the most recent
@@ -125,9 +121,9 @@ class ExpertCache {
   void load_weights(Frame& f, int64_t layer, int64_t line);
   void store_grads(Frame& f);
   void copy(const Tensor& dst, const Tensor& src);
+  void zero(const Tensor& t);
   Tensor host_rows(const Tensor& t, int64_t line) const;
   Line make_view(const Frame& f) const;
-  int64_t cached_layers() const;
   void count_waits();
 
   std::vector<Param>* params_ = nullptr;

@@ -37,8 +37,7 @@ bool ExpertReplicas::set_placement(int64_t layer, const parallel::Placement& p) 
       << "expert placement for layer " << layer << ": " << p.experts << " experts over " << p.ranks << " ranks with "
       << p.replicas << " replica slots, expected " << experts_ << ", " << ranks_ << " and " << replicas_;
   Layer& l = layers_[layer];
-  const bool same = l.table.storage && l.placement == p;
-  if (same) return false;
+  if (l.table.storage && l.placement == p) return false;
   l.placement = p;
   const parallel::RouteTable t = parallel::route_table(p, rank_);
   // One i32 buffer: mine, first, slot, then bound's i64 words (8-byte aligned).
@@ -65,7 +64,7 @@ void ExpertReplicas::route(int64_t layer, const Tensor& idx, const Tensor& slots
 }
 
 std::vector<int64_t> ExpertReplicas::expert_counts(int64_t layer, const std::vector<int32_t>& slot_counts) const {
-  const parallel::Placement& p = placement(layer);
+  const parallel::Placement& p = layers_.at(layer).placement;
   MT_CHECK(static_cast<int64_t>(slot_counts.size()) == ranks_ * slots())
       << "expert replicas: " << slot_counts.size() << " slot counts, expected " << ranks_ * slots();
   std::vector<int64_t> out(static_cast<size_t>(experts_), 0);

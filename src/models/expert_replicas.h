@@ -46,7 +46,6 @@ class ExpertReplicas {
   // Sets a layer's placement (uploading its routing table); its replicas are filled at
   // the next refresh. Returns whether it changed.
   bool set_placement(int64_t layer, const parallel::Placement& p);
-  const parallel::Placement& placement(int64_t layer) const { return layers_.at(layer).placement; }
   std::vector<int64_t> layers() const;
 
   // idx i32 [N,k] (experts) -> slots i32 [N,k] (slots over the ranks), on idx's device.

@@ -5,7 +5,6 @@
 
 #include "core/check.h"
 #include "kernels/elementwise.h"
-#include "kernels/grouped_gemm.h"
 #include "models/hf_config.h"
 
 namespace mt {
@@ -174,19 +173,15 @@ class GptOssAttention final : public Attention {
     int q = -1, k = -1, v = -1, o = -1, q_bias = -1, k_bias = -1, v_bias = -1, o_bias = -1, sinks = -1;
   };
   // The W and b gradients of y = x @ W^T + b: a grouped GEMM of one group.
-  static Shape one_group(const Tensor& t) { return t.ndim() == 1 ? Shape{1, t.dim(0)} : Shape{1, t.dim(0), t.dim(1)}; }
   static void linear_weight(std::vector<Param>& P, int w, int b, const AttentionIo& io, const Tensor& x,
                             const Tensor& dy) {
-    const bool accumulate = grad_beta(P[w]) != 0.0f;  // the bias is written with its weight
+    const bool accumulate = !start_grad(P[w]);  // the bias is written with its weight
     P[b].grad_started = true;
-    grouped_gemm_backward_weight(x, dy, io.all_rows, P[w].grad.view(one_group(P[w].grad)),
-                                 P[b].grad.view(one_group(P[b].grad)), accumulate);
+    io.linear->grouped_backward_weight(x, dy, io.all_rows, P[w], P[b].grad, accumulate);
   }
   cpu::AttentionArgs args(int64_t l) const {
-    cpu::AttentionArgs a;
-    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)));
-    a.window = c_.sliding[l] ? c_.sliding_window : 0;
-    return a;
+    return {.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim))),
+            .window = c_.sliding[l] ? c_.sliding_window : 0};
   }
   GptOssConfig c_;
   std::vector<Index> w_;

@@ -112,17 +112,20 @@ cpu::RopeConfig read_rope(const HfConfig& hf, int64_t rotary_dim) {
   return r;
 }
 
+nlohmann::json read_json_object(const std::string& path) {
+  const std::vector<uint8_t> b = io::read_file(path);
+  nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
+  MT_CHECK(j.is_object()) << path << ": not a JSON object";
+  return j;
+}
+
 int64_t max_position_embeddings(const std::string& config_json) {
-  const std::vector<uint8_t> b = io::read_file(config_json);
-  const nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
-  MT_CHECK(j.is_object()) << config_json << ": not a JSON object";
+  const nlohmann::json j = read_json_object(config_json);
   return HfConfig(j, config_json).integer({"max_position_embeddings"}, 0);
 }
 
 SequenceBalance sequence_balance(const std::string& config_json) {
-  const std::vector<uint8_t> b = io::read_file(config_json);
-  const nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
-  MT_CHECK(j.is_object()) << config_json << ": not a JSON object";
+  const nlohmann::json j = read_json_object(config_json);
   const HfConfig hf(j, config_json);
   return {hf.flag({"seq_aux"}, false), hf.number({"aux_loss_alpha"}, 0.0)};
 }

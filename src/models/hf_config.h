@@ -42,6 +42,9 @@ class HfConfig {
   std::string where_;
 };
 
+// The JSON object in the file at `path` (an error naming the file where it holds none).
+nlohmann::json read_json_object(const std::string& path);
+
 // The rope of `rotary_dim` dims: rope_theta, and rope_parameters / rope_scaling of type
 // default or yarn (factor, beta_fast, beta_slow, original_max_position_embeddings,
 // attention_factor, mscale, mscale_all_dim, truncate); another type is an error.

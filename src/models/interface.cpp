@@ -4,19 +4,17 @@
 
 #include "core/arena.h"
 #include "core/check.h"
-#include "io/file.h"
 #include "kernels/elementwise.h"
 #include "kernels/fp8_quant.h"
 #include "models/deepseek_v2.h"
 #include "models/gpt_oss.h"
+#include "models/hf_config.h"
 #include "models/qwen3_moe.h"
 
 namespace mt {
 
 std::unique_ptr<Model> make_model(const std::string& config_json_path, const ModelOptions& options) {
-  std::vector<uint8_t> bytes = io::read_file(config_json_path);
-  nlohmann::json j = nlohmann::json::parse(bytes.begin(), bytes.end(), nullptr, false);
-  MT_CHECK(!j.is_discarded() && j.is_object()) << config_json_path << ": not a JSON object";
+  const nlohmann::json j = read_json_object(config_json_path);
   MT_CHECK(j.contains("model_type") && j["model_type"].is_string()) << config_json_path << ": no model_type";
   std::string type = j["model_type"];
   if (type == "qwen3_moe") return make_qwen3_moe(parse_qwen3_moe_config(j, config_json_path), options);

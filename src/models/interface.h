@@ -102,10 +102,6 @@ struct LossSum {
   int64_t count = 0;
 };
 
-// The memory routing decides: a MoE layer's per-row expert tensors for one micro-batch,
-// sized by the rows its routing brings here and held only while the layer needs them
-// (models/moe.cpp, Moe::row_lives, says which tensors and when). Counted since the last
-// reset_row_memory.
 // The expert cache's traffic since its last flush (offload.experts = weights,
 // models/expert_cache.h): experts found in a device frame and fetched, the bytes each
 // way, and the compute's waits for them.
@@ -120,6 +116,10 @@ struct ExpertCacheStats {
   std::vector<std::vector<int64_t>> expert_uses, expert_hits;
 };
 
+// The memory routing decides: a MoE layer's per-row expert tensors for one micro-batch,
+// sized by the rows its routing brings here and held only while the layer needs them
+// (models/moe.cpp, Moe::row_lives, says which tensors and when). Counted since the last
+// reset_row_memory.
 struct RowMemory {
   size_t peak = 0;   // the most bytes held at once
   double skew = 0;   // the most rows a layer's micro-batch brought here over its balanced share (tokens * k)
@@ -271,7 +271,7 @@ class Model {
   // The router z-loss (training.router_z_loss_coef): from now on every MoE layer's
   // forward sums logsumexp(logits)^2 over its tokens (RouterStats::z_sum) and its
   // backward adds scale x that sum's gradient to the router's (0: off).
-  virtual void set_router_z_loss(double scale) { (void)scale; }
+  virtual void set_router_z_loss(double /*scale*/) {}
   // DeepSeek-V3's auxiliary-loss-free balancing (training.expert_bias_update_rate): the
   // per-expert bias [E] a held MoE layer's router adds to its scores for the top-k choice
   // only (kernels/router.h); zero until set.
@@ -283,14 +283,10 @@ class Model {
   virtual void reset_row_memory() {}
   // offload.experts = weights: the expert cache's device bytes, the traffic a plan
   // predicts for a step of this many micro-batches in sweeps of `sweep` (ScheduleShape),
-  // and its flush before the gradient
-  // norm (every changed gradient back in host memory, the lines dropped), which returns
-  // the traffic since the last (models/expert_cache.h).
+  // and its flush before the gradient norm (every changed gradient back in host memory,
+  // the lines dropped), which returns the traffic since the last (models/expert_cache.h).
   virtual size_t expert_cache_bytes() const { return 0; }
-  virtual ExpertCacheStats expert_cache_traffic(int64_t micro_batches, int64_t sweep) const {
-    (void)micro_batches, (void)sweep;
-    return {};
-  }
+  virtual ExpertCacheStats expert_cache_traffic(int64_t /*micro_batches*/, int64_t /*sweep*/) const { return {}; }
   virtual ExpertCacheStats flush_expert_cache() { return {}; }
   // The traffic since the last flush, the cache left as it is (generation reads it).
   virtual ExpertCacheStats expert_cache_stats() { return {}; }

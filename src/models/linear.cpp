@@ -26,6 +26,16 @@ Rows quantized_rows(const Tensor& x, bool pow2) {
   return r;
 }
 
+// A 2-D weight and its 1-D bias (a linear layer with a bias) are one group of every row.
+Tensor group(const Tensor& t, int64_t dims) {
+  if (t.ndim() == dims || t.data == nullptr) return t;
+  Shape s = t.shape;
+  s.n += 1;
+  for (int i = s.n - 1; i > 0; --i) s.d[i] = s.d[i - 1];
+  s.d[0] = 1;
+  return t.view(s);
+}
+
 const Fp8Copy& cache(const Param& w) {
   MT_CHECK(w.fp8.q.data != nullptr) << w.name << " has no FP8 copy: training.fp8 = blockwise quantizes only the "
                                     << "weights of linear layers";
@@ -61,15 +71,6 @@ void Linear::backward_weight(const Tensor& x, std::initializer_list<Grad> grads)
 
 void Linear::grouped_forward(const Tensor& x, const Param& w, const Tensor& bias, const Tensor& offsets,
                              const Tensor& y) const {
-  // A 2-D weight and its 1-D bias (a linear layer with a bias) are one group of every row.
-  auto group = [](const Tensor& t, int64_t dims) {
-    if (t.ndim() == dims || t.data == nullptr) return t;
-    Shape s = t.shape;
-    s.n += 1;
-    for (int i = s.n - 1; i > 0; --i) s.d[i] = s.d[i - 1];
-    s.d[0] = 1;
-    return t.view(s);
-  };
   if (!fp8()) return grouped_gemm(x, group(w.compute, 3), group(bias, 2), offsets, y);
   const Rows xq = quantized_rows(x, pow2_);
   grouped_gemm_fp8(xq.q.t, xq.scale.t, group(cache(w).q, 3), group(w.fp8.scale, 3), offsets, y, group(bias, 2));
@@ -84,7 +85,8 @@ void Linear::grouped_backward_input(const Tensor& dy, const Param& w, const Tens
 
 void Linear::grouped_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets, Param& w,
                                      const Tensor& dbias, bool accumulate) const {
-  grouped_gemm_backward_weight(x, dy, offsets, w.grad, dbias, accumulate);  // bf16 in either mode (header)
+  // bf16 in either mode (header)
+  grouped_gemm_backward_weight(x, dy, offsets, group(w.grad, 3), group(dbias, 2), accumulate);
 }
 
 }  // namespace mt

@@ -29,7 +29,6 @@ enum class Fp8 : uint8_t { none, blockwise };
 
 class Linear {
  public:
-  Linear() = default;
   Linear(Fp8 mode, bool pow2) : mode_(mode), pow2_(pow2) {}
   bool fp8() const { return mode_ == Fp8::blockwise; }
   bool pow2() const { return pow2_; }

@@ -51,17 +51,14 @@ struct Moe::RowPool {
 };
 
 Moe::Moe(const DecoderSpec& c, const ModelOptions& o, std::vector<Param>& params, const Linear& linear)
-    : c_(c), k_(c.router.top_k), params_(params), linear_(linear), device_(o.device),
-      act_(o.device == Device::cuda ? DType::bf16 : DType::f32), balanced_(o.force_balanced_routing),
-      sequence_balance_(o.sequence_balance), plan_only_(o.plan_only), external_layers_(o.external_layers),
-      capacity_factor_(o.capacity_factor), routing_skew_(o.routing_skew), recompute_(o.recompute),
-      offload_experts_(o.offload_experts), offload_layers_(o.offload_layers),
-      offload_weights_(o.offload_experts && o.offload_weights), expert_slots_(o.expert_slots),
-      expert_line_(o.expert_line), expert_replicas_(o.ep != nullptr && o.ep->size() > 1 ? o.expert_replicas : 0),
-      ep_(o.ep), pool_(std::make_shared<RowPool>()), index_(static_cast<size_t>(c.num_layers)) {
-  MT_CHECK(routing_skew_ >= 1.0) << "a routing skew of " << routing_skew_
-                                 << ": the hottest rank gets at least the mean share of rows (>= 1)";
-  pool_->counting = plan_only_;
+    : c_(c), o_(o), k_(c.router.top_k), params_(params), linear_(linear),
+      act_(o.device == Device::cuda ? DType::bf16 : DType::f32),
+      offload_weights_(o.offload_experts && o.offload_weights),
+      expert_replicas_(o.ep != nullptr && o.ep->size() > 1 ? o.expert_replicas : 0), ep_(o.ep),
+      pool_(std::make_shared<RowPool>()), index_(static_cast<size_t>(c.num_layers)) {
+  MT_CHECK(o.routing_skew >= 1.0) << "a routing skew of " << o.routing_skew
+                                  << ": the hottest rank gets at least the mean share of rows (>= 1)";
+  pool_->counting = o.plan_only;
   if (o.row_memory_limit > 0) {
     pool_->limit = o.row_memory_limit;
     pool_->limit_key = "training.device_memory_limit, less the arenas";
@@ -72,7 +69,7 @@ Moe::Moe(const DecoderSpec& c, const ModelOptions& o, std::vector<Param>& params
   }
   if (expert_replicas_ > 0) {
     const char* with = o.external_layers ? "parallelism.zero3" : o.fp8 == Fp8::blockwise ? "training.fp8 = blockwise"
-                       : o.offload_experts ? "offload.experts" : capacity_factor_ > 0 ? "training.capacity_factor" : nullptr;
+                       : o.offload_experts ? "offload.experts" : o.capacity_factor > 0 ? "training.capacity_factor" : nullptr;
     MT_CHECK(with == nullptr) << "parallelism.expert_replicas = " << expert_replicas_ << " with " << with
                               << " is not built yet (replicas are built for dropless bf16 experts held whole on "
                                  "the device, with ZeRO-1/2 sharding)";
@@ -88,7 +85,7 @@ Moe::Moe(const DecoderSpec& c, const ModelOptions& o, std::vector<Param>& params
   }
   // parallelism.expert_replicas: an expert Param's storage is S blocks wide, the Param
   // its first E/ep (models/expert_replicas.h; the decoder's arenas hold the storage).
-  if (expert_replicas_ > 0) replicas_ = ExpertReplicas(ep_, c_.num_experts, expert_replicas_, device_);
+  if (expert_replicas_ > 0) replicas_ = ExpertReplicas(ep_, c_.num_experts, expert_replicas_, o.device);
   lives_ = row_lives();  // ep_ and the mode are settled: the table is the same every stage
 }
 
@@ -118,7 +115,8 @@ void Moe::add_params(int64_t l, const std::string& p) {
   // join them there (the expert cache's).
   int64_t before = 0;
   for (int64_t j = 0; j < l; ++j) before += holds(j);
-  const bool offload = offload_experts_ && !external_layers_ && (offload_layers_ == 0 || before < offload_layers_);
+  const bool offload =
+      o_.offload_experts && !o_.external_layers && (o_.offload_layers == 0 || before < o_.offload_layers);
   for (int i : {x.gate_up, x.down}) {
     params_[i].offloaded = offload;
     params_[i].cached = offload && offload_weights_;
@@ -131,8 +129,9 @@ void Moe::make_cache() {
   std::vector<std::vector<int>> blocks(static_cast<size_t>(c_.num_layers));
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].cached) blocks[static_cast<size_t>(params_[i].layer)].push_back(static_cast<int>(i));
-  cache_ = ExpertCache(params_, std::move(blocks), local_experts_, expert_slots_ > 0 ? expert_slots_ : 2 * local_experts_,
-                       expert_line_, device_, plan_only_);
+  cache_ = ExpertCache(params_, std::move(blocks), local_experts_,
+                       o_.expert_slots > 0 ? o_.expert_slots : 2 * local_experts_, o_.expert_line, o_.device,
+                       o_.plan_only);
 }
 
 void Moe::hf_tensors(int64_t l, const std::string& p, float out_scale, std::vector<HfTensor>& out) const {
@@ -160,14 +159,9 @@ void Moe::hf_tensors(int64_t l, const std::string& p, float out_scale, std::vect
         std::copy(all.shape.d.begin() + 1, all.shape.d.end(), one.d.begin());
         return all.rows(e, e + 1).view(one);
       };
-      HfTensor t = hf_tensor(q + std::to_string(g) + "." + key, w, scale);
-      t.value = expert(w.value);
-      t.grad = expert(w.grad);
-      t.expert = true;
-      t.fused = q + key;
-      t.fused_index = g;
-      t.transposed = transposed;
-      out.push_back(t);
+      out.push_back({.name = q + std::to_string(g) + "." + key, .value = expert(w.value), .grad = expert(w.grad),
+                     .init_scale = scale, .expert = true, .fused = q + key, .fused_index = g,
+                     .transposed = transposed});
     };
     add("gate_up_proj", x.gate_up, 1.0f, true);
     add("gate_up_proj_bias", x.gate_up_bias, 0.0f, false);
@@ -195,7 +189,7 @@ std::vector<Moe::RowLife> Moe::row_lives() const {
   const int64_t D = c_.hidden_size, I = c_.moe_intermediate_size;
   constexpr Pass F = Pass::forward, B = Pass::backward_input, W = Pass::backward_weight;
   constexpr Stage dispatch = Stage::dispatch, experts = Stage::experts, combine = Stage::combine;
-  const bool selective = recompute_ == Recompute::selective, regather = selective && !ep_;
+  const bool selective = o_.recompute == Recompute::selective, regather = selective && !ep_;
   std::vector<RowLife> lives = {{kXs, dispatch, F, experts, regather ? F : W, D},
                                 {kGu, experts, F, experts, B, 2 * I},
                                 {kHs, experts, F, experts, selective ? F : W, I},
@@ -210,22 +204,15 @@ std::vector<Moe::RowLife> Moe::row_lives() const {
 }
 
 Tensor& Moe::row_view(Acts& x, Row r) {
-  switch (r) {
-    case kXs: return x.xs;
-    case kGu: return x.gu;
-    case kHs: return x.hs;
-    case kYs: return x.ys;
-    case kDYs: return x.d_ys;
-    case kDGu: return x.d_gu;
-    case kDHs: return x.d_hs;
-    default: return x.d_xs;
-  }
+  static constexpr Tensor Acts::*kViews[kRowTensors] = {&Acts::xs,   &Acts::gu,   &Acts::hs,   &Acts::ys,
+                                                         &Acts::d_ys, &Acts::d_gu, &Acts::d_hs, &Acts::d_xs};
+  return x.*kViews[r];
 }
 
 int64_t Moe::capacity(int64_t n) const {
-  if (capacity_factor_ <= 0.0) return 0;
+  if (o_.capacity_factor <= 0.0) return 0;
   const double fair = static_cast<double>(n * k_) / static_cast<double>(c_.num_experts);
-  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(capacity_factor_ * fair)));
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(o_.capacity_factor * fair)));
 }
 
 int64_t Moe::planned_rows(int64_t tokens) const {
@@ -233,7 +220,7 @@ int64_t Moe::planned_rows(int64_t tokens) const {
   int64_t most = ep_ ? ep_->size() * tokens * std::min(k_, local_experts_ + expert_replicas_) : balanced;
   const int64_t cap = capacity(ep_ ? tokens * ep_->size() : tokens);
   if (cap > 0) most = std::min(most, cap * local_experts_);
-  return std::min(most, static_cast<int64_t>(std::ceil(routing_skew_ * static_cast<double>(balanced))));
+  return std::min(most, static_cast<int64_t>(std::ceil(o_.routing_skew * static_cast<double>(balanced))));
 }
 
 void Moe::take_rows(int64_t l, Acts& x, Stage stage, Pass pass, int64_t tokens) {
@@ -261,13 +248,13 @@ void Moe::take_rows(int64_t l, Acts& x, Stage stage, Pass pass, int64_t tokens) 
     parallel::Buffer b;
     if (!pool_->counting) {
       try {
-        b = parallel::make_buffer(device_, act_, {rows, life.width});
+        b = parallel::make_buffer(o_.device, act_, {rows, life.width});
       } catch (const Error& e) {
         size_t free = 0;
 #ifdef MOETRAIN_WITH_CUDA
-        if (device_ == Device::cuda) free = cuda::free_memory();
+        if (o_.device == Device::cuda) free = cuda::free_memory();
 #endif
-        if (device_ == Device::cpu) free = available_host_memory();
+        if (o_.device == Device::cpu) free = available_host_memory();
         refuse("the device has " + std::to_string(free) + " bytes free (" + e.message + ")");
       }
     }
@@ -278,7 +265,7 @@ void Moe::take_rows(int64_t l, Acts& x, Stage stage, Pass pass, int64_t tokens) 
       pool->in_use -= bytes;
       inner.reset();
     });
-    row_view(x, static_cast<Row>(r)) = b.t.data != nullptr ? b.t : Tensor(nullptr, {rows, life.width}, act_, device_);
+    row_view(x, static_cast<Row>(r)) = b.t.data != nullptr ? b.t : Tensor(nullptr, {rows, life.width}, act_, o_.device);
     x.held[r] = std::move(b);
   }
 }
@@ -320,7 +307,7 @@ void Moe::finish_exchange(Acts& x, const Io& io) const {
 void Moe::forward(int64_t l, Stage stage, Acts& x, const Io& io) {
   const Index& w = index_[l];
   const int64_t N = io.tokens;
-  if (plan_only_) return plan_rows(l, stage, Pass::forward, x, N);
+  if (o_.plan_only) return plan_rows(l, stage, Pass::forward, x, N);
   if (stage != Stage::dispatch) take_rows(l, x, stage, Pass::forward, N);
   switch (stage) {
     case Stage::attention:  // the router, on the post-attention norm's output
@@ -333,11 +320,11 @@ void Moe::forward(int64_t l, Stage stage, Acts& x, const Io& io) {
                          expert_bias_.empty() ? Tensor{} : expert_bias_[static_cast<size_t>(l)]);
       mt::router_prob_sum(x.probs, x.prob_sum);
       if (z_scale_ != 0) mt::router_z_forward(x.logits, x.lse, x.z_sum);
-      if (balanced_) {
+      if (o_.force_balanced_routing) {
         mt::copy(x.idx, io.balanced_idx);
         mt::fill(x.weight, 1.0f / static_cast<float>(k_));
       }
-      if (sequence_balance_) {
+      if (o_.sequence_balance) {
         // Each sequence's (row's) sums and choices, for the sequence-level balance term.
         const int64_t rows = x.seq_counts.dim(0), T = x.probs.dim(0) / rows, E = c_.num_experts;
         for (int64_t b = 0; b < rows; ++b)
@@ -409,7 +396,7 @@ void Moe::plan_rows(int64_t l, Stage stage, Pass pass, Acts& x, int64_t tokens) 
 
 void Moe::end_forward_rows(Acts& x, Stage stage) {
   give_rows(x, stage, Pass::forward);
-  if (recompute_ != Recompute::full || x.recomputing || stage != Stage::combine) return;
+  if (o_.recompute != Recompute::full || x.recomputing || stage != Stage::combine) return;
   for (int r = 0; r < kRowTensors; ++r) {
     x.held[r] = parallel::Buffer();
     row_view(x, static_cast<Row>(r)) = Tensor();
@@ -477,7 +464,7 @@ void Moe::cached_experts(int64_t l, Acts& x, Pass pass) {
 void Moe::backward_input(int64_t l, Stage stage, Acts& x, const Io& io) {
   const Index& w = index_[l];
   const Tensor& d_mo = io.d_next;  // aggregate: h[l+1] = hm + mo, so d_mo = d_hm = dh[l+1]
-  if (plan_only_) return plan_rows(l, stage, Pass::backward_input, x, io.tokens);
+  if (o_.plan_only) return plan_rows(l, stage, Pass::backward_input, x, io.tokens);
   take_rows(l, x, stage, Pass::backward_input, io.tokens);
   switch (stage) {
     case Stage::aggregate:
@@ -491,7 +478,7 @@ void Moe::backward_input(int64_t l, Stage stage, Acts& x, const Io& io) {
       break;
     case Stage::experts: {
       Routed r = routed(x);
-      if (recompute_ == Recompute::selective) swiglu_out(c_.swiglu_limit, r.gu, r.hs);  // W reads it
+      if (o_.recompute == Recompute::selective) swiglu_out(c_.swiglu_limit, r.gu, r.hs);  // W reads it
       if (cache_.caches(l)) {
         cached_experts(l, x, Pass::backward_input);
       } else {
@@ -515,7 +502,7 @@ void Moe::backward_input(int64_t l, Stage stage, Acts& x, const Io& io) {
       // Router: every token's probability row gets the load-balance gradient (x.dprobs,
       // uploaded by set_router_prob_grad).
       // Forced routing does not come from the logits: only the balance term reaches them.
-      if (balanced_) mt::fill(x.d_weight, 0.0f);
+      if (o_.force_balanced_routing) mt::fill(x.d_weight, 0.0f);
       mt::router_backward(c_.router, x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
       if (z_scale_ != 0) mt::router_z_backward(x.lse, x.probs, static_cast<float>(z_scale_), x.d_logits);
       if (x.d_logits_c.data != x.d_logits.data) mt::cast(x.d_logits, x.d_logits_c);
@@ -529,12 +516,12 @@ void Moe::backward_input(int64_t l, Stage stage, Acts& x, const Io& io) {
 
 void Moe::backward_weight(int64_t l, Stage stage, Acts& x, const Io& io) {
   const Index& w = index_[l];
-  if (plan_only_) return plan_rows(l, stage, Pass::backward_weight, x, io.tokens);
+  if (o_.plan_only) return plan_rows(l, stage, Pass::backward_weight, x, io.tokens);
   take_rows(l, x, stage, Pass::backward_weight, io.tokens);
   switch (stage) {
     case Stage::experts: {
       Routed r = routed(x);
-      if (recompute_ == Recompute::selective && !ep_) mt::dispatch_forward(io.y, x.order, k_, r.xs);
+      if (o_.recompute == Recompute::selective && !ep_) mt::dispatch_forward(io.y, x.order, k_, r.xs);
       // A bias is written with its weight: one mark serves both.
       if (cache_.caches(l)) {
         cached_experts(l, x, Pass::backward_weight);
@@ -578,27 +565,24 @@ RouterStats Moe::router_stats(int64_t l, const Acts& x, int64_t tokens) const {
   // expert kept, counted by the dispatch plan: one copy of both to the host.
   std::vector<int32_t> stats(static_cast<size_t>(x.stats.numel()));
   mt::copy(Tensor(stats.data(), {x.stats.numel()}, DType::i32), x.stats);
-  std::vector<float> sums(static_cast<size_t>(E));
-  std::memcpy(sums.data(), stats.data(), sums.size() * sizeof(float));
-  r.prob_sum.assign(sums.begin(), sums.end());
+  auto floats = [&](int64_t at, int64_t n) {  // the f32 words of stats [at, at + n)
+    std::vector<float> f(static_cast<size_t>(n));
+    std::memcpy(f.data(), stats.data() + at, f.size() * sizeof(float));
+    return std::vector<double>(f.begin(), f.end());
+  };
+  r.prob_sum = floats(0, E);
   r.counts.assign(stats.begin() + E, stats.begin() + 2 * E);
-  if (z_scale_ != 0) {
-    float z = 0;
-    std::memcpy(&z, stats.data() + 2 * E, sizeof z);
-    r.z_sum = z;
-  }
+  if (z_scale_ != 0) r.z_sum = floats(2 * E, 1)[0];
   const int64_t slot_end = 2 * E + 1 + (replicas_.on() ? x.slot_counts.numel() : 0);
   if (replicas_.on()) {  // the plan counted slots: each expert's are the sum of its copies'
     r.slot_counts.assign(stats.begin() + 2 * E + 1, stats.begin() + slot_end);
     r.counts = replicas_.expert_counts(l, std::vector<int32_t>(stats.begin() + 2 * E + 1, stats.begin() + slot_end));
   }
-  if (sequence_balance_) {
+  if (o_.sequence_balance) {
     r.seq_rows = x.seq_counts.dim(0);
     r.seq_tokens = N / r.seq_rows;
     const int64_t n = r.seq_rows * E;
-    std::vector<float> f(static_cast<size_t>(n));
-    std::memcpy(f.data(), stats.data() + slot_end, f.size() * sizeof(float));
-    r.seq_prob_sum.assign(f.begin(), f.end());
+    r.seq_prob_sum = floats(slot_end, n);
     r.seq_counts.assign(stats.begin() + slot_end + n, stats.begin() + slot_end + 2 * n);
   }
   return r;
@@ -613,7 +597,7 @@ void Moe::set_expert_bias(int64_t layer, const std::vector<float>& bias) {
     // Every held MoE layer's, zero, at the first call.
     int64_t layers = 0;
     for (int64_t l = 0; l < c_.num_layers; ++l) layers += holds(l);
-    bias_arena_ = Arena("expert bias", device_, static_cast<size_t>(layers) * (E * sizeof(float) + Arena::kAlign));
+    bias_arena_ = Arena("expert bias", o_.device, static_cast<size_t>(layers) * (E * sizeof(float) + Arena::kAlign));
     expert_bias_.resize(static_cast<size_t>(c_.num_layers));
     for (int64_t l = 0; l < c_.num_layers; ++l)
       if (holds(l)) {

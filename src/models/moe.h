@@ -176,22 +176,12 @@ class Moe {
   void cached_experts(int64_t l, Acts& x, Pass pass);
 
   DecoderSpec c_;
-  int64_t k_;  // experts a token goes to
+  ModelOptions o_;  // as given: ep_, offload_weights_ and expert_replicas_ are what they come to
+  int64_t k_;       // experts a token goes to
   std::vector<Param>& params_;
   const Linear& linear_;
-  Device device_;
-  DType act_;  // activations: bf16 on the GPU, f32 on the CPU
-  bool balanced_;
-  bool sequence_balance_;  // router statistics per sequence too
-  bool plan_only_;
-  bool external_layers_;    // ZeRO-3: the layers' Params have no storage here
-  double capacity_factor_;  // 0: dropless
-  double routing_skew_;     // plan_only: the rows a MoE layer brings here, over the balanced share
-  Recompute recompute_;
-  bool offload_experts_;    // the routed experts' master weights in host memory
-  int64_t offload_layers_;  // of the first this many MoE layers held here (0: all)
-  bool offload_weights_;    // their compute copies and gradients too, through cache_
-  int64_t expert_slots_, expert_line_;
+  DType act_;             // activations: bf16 on the GPU, f32 on the CPU
+  bool offload_weights_;  // offload.experts = weights: through cache_
   ExpertCache cache_;
   int64_t expert_replicas_;  // R replica slots a rank (0: none)
   ExpertReplicas replicas_;

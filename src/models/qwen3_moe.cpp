@@ -1,7 +1,7 @@
 #include "models/qwen3_moe.h"
 
+#include <algorithm>
 #include <cmath>
-#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "kernels/rmsnorm.h"
@@ -10,15 +10,12 @@
 
 namespace mt {
 
-using json = nlohmann::json;
-
 bool Qwen3MoeConfig::is_moe_layer(int64_t layer) const {
-  for (int64_t l : mlp_only_layers)
-    if (l == layer) return false;
-  return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
+  return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end() &&
+         num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
 }
 
-Qwen3MoeConfig parse_qwen3_moe_config(const json& j, const std::string& where) {
+Qwen3MoeConfig parse_qwen3_moe_config(const nlohmann::json& j, const std::string& where) {
   Qwen3MoeConfig c;
   const HfConfig hf(j, where);
   c.vocab_size = hf.integer({"vocab_size"});
@@ -58,11 +55,9 @@ Qwen3MoeConfig parse_qwen3_moe_config(const json& j, const std::string& where) {
   MT_CHECK(c.decoder_sparse_step >= 1) << where << ": decoder_sparse_step must be >= 1";
   bool any_moe = false;
   for (int64_t l = 0; l < c.num_layers; ++l) any_moe = any_moe || c.is_moe_layer(l);
-  if (any_moe) {
-    MT_CHECK(c.top_k >= 1 && c.top_k <= c.num_experts && c.moe_intermediate_size > 0)
-        << where << ": num_experts_per_tok " << c.top_k << " must be in [1, num_experts=" << c.num_experts
-        << "] and moe_intermediate_size positive";
-  }
+  MT_CHECK(!any_moe || (c.top_k >= 1 && c.top_k <= c.num_experts && c.moe_intermediate_size > 0))
+      << where << ": num_experts_per_tok " << c.top_k << " must be in [1, num_experts=" << c.num_experts
+      << "] and moe_intermediate_size positive";
   return c;
 }
 
@@ -179,9 +174,7 @@ class Qwen3Attention final : public Attention {
     int q = -1, k = -1, v = -1, o = -1, q_norm = -1, k_norm = -1;
   };
   cpu::AttentionArgs args() const {
-    cpu::AttentionArgs a;
-    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)));
-    return a;
+    return {.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)))};
   }
   Qwen3MoeConfig c_;
   std::vector<Index> w_;  // per layer, where its parameters sit in the decoder's params

@@ -112,10 +112,9 @@ void ring_attention_forward(comm::Communicator& cp, const Tensor& q, const Tenso
         const int64_t qc = chunk_of(r, size, qs), kc = chunk_of(src, size, ks);
         if (!visible(qc, kc, n.c, a.window)) continue;
         const cpu::AttentionArgs args = block_args(a, qc, kc, n.c);
-        const Tensor blk_sinks = qc == kc ? sinks : Tensor();
         for (int64_t b = 0; b < n.b; ++b) {
-          mt::attention_forward(block(q, b, qs, n.c), block(cur_k, b, ks, n.c), block(cur_v, b, ks, n.c), blk_sinks,
-                                args, o_blk.t, l_blk.t);
+          mt::attention_forward(block(q, b, qs, n.c), block(cur_k, b, ks, n.c), block(cur_v, b, ks, n.c),
+                                qc == kc ? sinks : Tensor(), args, o_blk.t, l_blk.t);
           mt::ring_merge(o_blk.t, l_blk.t, b, qs, acc.t, lse);
         }
       }
@@ -171,9 +170,8 @@ void ring_attention_backward(comm::Communicator& cp, const Tensor& q, const Tens
              comm::recv_from(nx[1].t, prev)};
     if (s > 0) {
       const std::array<Buffer, 2>& done = mine[(s - 1) % 2];
-      for (comm::P2P op : {comm::send_to(done[0].t, next), comm::send_to(done[1].t, next),
-                           comm::recv_from(partial[0].t, prev), comm::recv_from(partial[1].t, prev)})
-        ops.push_back(op);
+      ops.insert(ops.end(), {comm::send_to(done[0].t, next), comm::send_to(done[1].t, next),
+                             comm::recv_from(partial[0].t, prev), comm::recv_from(partial[1].t, prev)});
     }
     comm::Request pass = cp.start(ops, comm::Traffic::context);
     mt::fill(acc[0].t, 0.0f);

@@ -72,19 +72,9 @@ class Carve {
 };
 
 const char* kind_name(EpExchange::Kind k) {
-  switch (k) {
-    case EpExchange::Kind::none:
-      return "none in flight";
-    case EpExchange::Kind::dispatch_forward:
-      return "ep_dispatch_forward_start's";
-    case EpExchange::Kind::dispatch_backward:
-      return "ep_dispatch_backward_start's";
-    case EpExchange::Kind::combine_forward:
-      return "ep_combine_forward_start's";
-    case EpExchange::Kind::combine_backward:
-      return "ep_combine_backward_start's";
-  }
-  return "unknown";
+  static const char* const names[] = {"none in flight", "ep_dispatch_forward_start's", "ep_dispatch_backward_start's",
+                                      "ep_combine_forward_start's", "ep_combine_backward_start's"};  // in Kind's order
+  return names[static_cast<size_t>(k)];
 }
 
 // Waits for the transfer a finish of kind `k` joins; the exchange keeps its buffers
@@ -335,11 +325,10 @@ EpPlan ep_plan(comm::Communicator& ep, const Tensor& idx, int64_t num_experts, i
       static_cast<const cuda::Event*>(routed.event.get())->wait(plan_stream);
     else
       cuda::join(plan_stream, caller);
-    EpPlan p;
-    {
+    EpPlan p = [&] {
       cuda::StreamScope scope(plan_stream);
-      p = build_plan(ep, idx, num_experts, capacity);
-    }
+      return build_plan(ep, idx, num_experts, capacity);
+    }();
     cuda::join(caller, plan_stream);
     return p;
   }

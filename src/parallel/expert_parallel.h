@@ -121,9 +121,7 @@ struct EpExchange {
   comm::Request request;
 
   EpExchange() = default;
-  EpExchange(EpExchange&& o) noexcept
-      : kind(std::exchange(o.kind, Kind::none)), received(o.received), send_storage(std::move(o.send_storage)),
-        recv_storage(std::move(o.recv_storage)), request(std::move(o.request)) {}
+  EpExchange(EpExchange&& o) noexcept { *this = std::move(o); }
   EpExchange& operator=(EpExchange&& o) noexcept {
     if (this != &o) {
       request = std::move(o.request);

@@ -53,8 +53,7 @@ RouteTable route_table(const Placement& p, int64_t sender) {
       sum += copies[i].second;
       const bool last = i + 1 == copies.size();
       t.slot.push_back(copies[i].first);
-      t.bound.push_back(last || total <= 0 ? (last ? int64_t{1} << 32 : 0)
-                                           : static_cast<int64_t>(std::ldexp(sum / total, 32)));
+      t.bound.push_back(last ? int64_t{1} << 32 : total <= 0 ? 0 : static_cast<int64_t>(std::ldexp(sum / total, 32)));
     }
     t.first[static_cast<size_t>(e + 1)] = static_cast<int32_t>(t.slot.size());
   }
@@ -229,10 +228,8 @@ bool replan(Placement& p, const std::vector<double>& load, bool plan, int64_t ra
 
 void LoadAverage::add(const std::vector<std::vector<int64_t>>& counts) {
   const bool first = mean.empty();
-  if (first) {
-    mean.resize(counts.size());
-    for (size_t l = 0; l < counts.size(); ++l) mean[l].assign(counts[l].size(), 0.0);
-  }
+  if (first)
+    for (const std::vector<int64_t>& c : counts) mean.emplace_back(c.size(), 0.0);
   MT_CHECK(mean.size() == counts.size()) << "expert loads: " << counts.size() << " layers, after " << mean.size();
   for (size_t l = 0; l < counts.size(); ++l) {
     MT_CHECK(mean[l].size() == counts[l].size())

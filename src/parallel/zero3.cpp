@@ -14,6 +14,18 @@ int64_t aligned(int64_t bf16_elements) { return (bf16_elements + 127) / 128 * 12
 
 bool has_copy(const Param& p) { return p.compute.dtype != p.value.dtype; }
 
+// The slot of `slots` holding `layer`; with layer -1, a free one.
+template <typename Slot>
+Slot& slot_of(Slot (&slots)[2], int64_t layer, const char* op, const char* what) {
+  for (Slot& s : slots)
+    if (s.layer == layer) return s;
+  MT_FAIL() << "Zero3::" << op << ": "
+            << (layer < 0 ? std::string("both ") + what + " slots are taken (layers " +
+                                std::to_string(slots[0].layer) + " and " + std::to_string(slots[1].layer) + ")"
+                          : "layer " + std::to_string(layer) + " holds no " + what + " slot");
+  return slots[0];
+}
+
 }  // namespace
 
 Zero3::Sizes Zero3::sizes(const std::vector<Param>& params, const ShardLayout& layout) {
@@ -85,7 +97,6 @@ bool Zero3::is_layer(const Param& p) const {
 void Zero3::detach(int i) {
   Param& p = params_[i];
   p.value = Tensor(nullptr, p.value.shape, DType::f32, device_);
-  p.grad = p.value;
   p.compute = Tensor(nullptr, p.value.shape, compute_dtype_[i], device_);
 }
 
@@ -95,30 +106,11 @@ const std::vector<int>& Zero3::units_of(int64_t layer, const char* op) const {
   return units_of_[static_cast<size_t>(layer)];
 }
 
-namespace {
-
-// The slot of `slots` holding `layer`; with layer -1, a free one.
-template <typename Slot>
-Slot& slot_of(Slot (&slots)[2], int64_t layer, const char* op, const char* what) {
-  for (Slot& s : slots)
-    if (s.layer == layer) return s;
-  MT_FAIL() << "Zero3::" << op << ": "
-            << (layer < 0 ? std::string("both ") + what + " slots are taken (layers " +
-                                std::to_string(slots[0].layer) + " and " + std::to_string(slots[1].layer) + ")"
-                          : "layer " + std::to_string(layer) + " holds no " + what + " slot");
-  return slots[0];
-}
-
-}  // namespace
-
-Zero3::WeightSlot& Zero3::weight_slot(int64_t layer, const char* op) { return slot_of(wslots_, layer, op, "weight"); }
-Zero3::GradSlot& Zero3::grad_slot(int64_t layer, const char* op) { return slot_of(gslots_, layer, op, "gradient"); }
-
 void Zero3::gather_start(int64_t layer) {
   const std::vector<int>& units = units_of(layer, "gather_start");
   MT_CHECK(wslots_[0].layer != layer && wslots_[1].layer != layer)
       << "Zero3::gather_start: layer " << layer << " is gathered already";
-  WeightSlot& w = weight_slot(-1, "gather_start");
+  WeightSlot& w = slot_of(wslots_, -1, "gather_start", "weight");
   w.layer = layer;
   int64_t at = 0, copies_at = 0;
   for (int k : units) {
@@ -146,7 +138,7 @@ void Zero3::gather_start(int64_t layer) {
 }
 
 void Zero3::gather_finish(int64_t layer) {
-  WeightSlot& w = weight_slot(layer, "gather_finish");
+  WeightSlot& w = slot_of(wslots_, layer, "gather_finish", "weight");
   for (comm::Request& r : w.gathers) r.wait();
   w.gathers.clear();
   for (int k : units_of(layer, "gather_finish"))
@@ -155,20 +147,16 @@ void Zero3::gather_finish(int64_t layer) {
 }
 
 void Zero3::release(int64_t layer) {
-  WeightSlot& w = weight_slot(layer, "release");
+  WeightSlot& w = slot_of(wslots_, layer, "release", "weight");
   MT_CHECK(w.gathers.empty()) << "Zero3::release: layer " << layer << "'s gather was never finished";
   w.layer = -1;
   for (int k : units_of(layer, "release"))
-    for (int i : layout_.units()[k].params) {
-      Param& p = params_[i];
-      p.value = Tensor(nullptr, p.value.shape, DType::f32, device_);
-      p.compute = Tensor(nullptr, p.value.shape, compute_dtype_[i], device_);
-    }
+    for (int i : layout_.units()[k].params) detach(i);
 }
 
 void Zero3::attach_gradients(int64_t layer) {
   const std::vector<int>& units = units_of(layer, "attach_gradients");
-  GradSlot& g = grad_slot(-1, "attach_gradients");
+  GradSlot& g = slot_of(gslots_, -1, "attach_gradients", "gradient");
   g.layer = layer;
   int64_t at = 0;
   for (int k : units) {
@@ -183,7 +171,7 @@ void Zero3::attach_gradients(int64_t layer) {
 }
 
 void Zero3::reduce_start(int64_t layer, bool accumulate) {
-  GradSlot& g = grad_slot(layer, "reduce_start");
+  GradSlot& g = slot_of(gslots_, layer, "reduce_start", "gradient");
   MT_CHECK(g.reductions.empty()) << "Zero3::reduce_start: layer " << layer << " is being reduced already";
   g.accumulate = accumulate;
   int64_t at = 0, out_at = 0;
@@ -205,7 +193,7 @@ void Zero3::reduce_start(int64_t layer, bool accumulate) {
 }
 
 void Zero3::reduce_finish(int64_t layer) {
-  GradSlot& g = grad_slot(layer, "reduce_finish");
+  GradSlot& g = slot_of(gslots_, layer, "reduce_finish", "gradient");
   for (comm::Request& r : g.reductions) r.wait();
   g.reductions.clear();
   int64_t out_at = 0;
@@ -260,7 +248,10 @@ void Zero3::release_all() {
   for (const WeightSlot& w : wslots_)
     MT_CHECK(w.layer < 0) << "Zero3::release_all: layer " << w.layer << " is still gathered";
   for (size_t i = 0; i < params_.size(); ++i)
-    if (is_layer(params_[i])) detach(static_cast<int>(i));
+    if (is_layer(params_[i])) {
+      detach(static_cast<int>(i));
+      params_[i].grad = params_[i].value;
+    }
   host_ = Arena();
 }
 

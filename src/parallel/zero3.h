@@ -75,10 +75,8 @@ class Zero3 {
   };
   static Sizes sizes(const std::vector<Param>& params, const ShardLayout& layout);
   bool is_layer(const Param& p) const;  // in a decoder layer, whose weights are shards
-  void detach(int param);                // no storage
+  void detach(int param);                // its weights without storage
   const std::vector<int>& units_of(int64_t layer, const char* op) const;
-  WeightSlot& weight_slot(int64_t layer, const char* op);
-  GradSlot& grad_slot(int64_t layer, const char* op);
 
   std::vector<Param>& params_;
   ShardLayout layout_;

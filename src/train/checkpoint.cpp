@@ -1,21 +1,16 @@
 #include "train/checkpoint.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 
-#include "core/check.h"
 #include "io/file.h"
-#include "comm/communicator.h"
 #include "comm/mesh.h"
 #include "io/safetensors.h"
 #include "kernels/elementwise.h"
@@ -63,6 +58,12 @@ void sync_dir(const fs::path& dir) {
 }
 
 bool complete(const fs::path& dir) { return fs::exists(dir / "COMPLETE"); }
+
+// Whether `dir` is a checkpoint (a step folder, a run folder, its checkpoints/) rather
+// than a Hugging Face model folder (config.json, no train_state).
+bool is_checkpoint_folder(const fs::path& dir) {
+  return complete(dir) || fs::exists(dir / "train_state.json") || !fs::exists(dir / "config.json");
+}
 
 // The marker first: from then on a reader that finds a file missing finds the checkpoint
 // incomplete too (one being rotated away), not damaged.
@@ -166,23 +167,18 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
 
   // Each writer saves what it owns: its experts, and the dense tensors of its layers
   // when it is the first of its ep group; the index files then say which file holds a key.
-  std::vector<HfTensor> tensors;
-  for (HfTensor& t : model.hf_tensors())
-    if (write_dense || t.expert) tensors.push_back(t);
+  std::vector<HfTensor> tensors = model.hf_tensors();
+  std::erase_if(tensors, [&](const HfTensor& t) { return !write_dense && !t.expert; });
   std::vector<io::StWrite> weights, moments;
-  std::vector<std::string> names;
   std::vector<std::vector<float>> host;  // staging, so GPU tensors save the same way
-  names.reserve(2 * tensors.size());
   host.reserve(3 * tensors.size());
   for (const HfTensor& t : tensors) {
     host.push_back(to_host(t.value));
     weights.push_back(io::st_f32(t.name, dims(t.value), host.back().data()));
-    names.push_back(t.name + ".exp_avg");
     host.push_back(to_host(opt.exp_avg(t.value)));
-    moments.push_back(io::st_f32(names.back(), dims(t.value), host.back().data()));
-    names.push_back(t.name + ".exp_avg_sq");
+    moments.push_back(io::st_f32(t.name + ".exp_avg", dims(t.value), host.back().data()));
     host.push_back(to_host(opt.exp_avg_sq(t.value)));
-    moments.push_back(io::st_f32(names.back(), dims(t.value), host.back().data()));
+    moments.push_back(io::st_f32(t.name + ".exp_avg_sq", dims(t.value), host.back().data()));
   }
   auto part = [&](int r) { return ranks > 1 ? "-part" + std::to_string(r) : std::string(); };
   auto path = [&](const std::string& stem) { return (tmp / (stem + part(rank) + ".safetensors")).string(); };
@@ -223,17 +219,12 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
       record(name, io::write_file_atomic((tmp / name).string(), {index.dump(2)}));
     }
   }
-  nlohmann::json state;
-  state["format"] = 1;
-  state["step"] = st.step;
-  state["seed"] = st.seed;
-  state["lr"] = st.lr;
-  state["data_cursor"] = nlohmann::json::parse(st.data_cursor);
-  state["expert_placement"] = nlohmann::json::parse(st.expert_placement);
-  state["expert_bias"] = nlohmann::json::parse(st.expert_bias);
-  state["config"] = st.config_toml;
+  nlohmann::json state = {{"format", 1}, {"step", st.step}, {"seed", st.seed}, {"lr", st.lr},
+                          {"data_cursor", nlohmann::json::parse(st.data_cursor)},
+                          {"expert_placement", nlohmann::json::parse(st.expert_placement)},
+                          {"expert_bias", nlohmann::json::parse(st.expert_bias)}, {"config", st.config_toml},
+                          {"inputs", nlohmann::json::parse(st.inputs)}};
   if (!st.origin.empty()) state["origin"] = st.origin;
-  state["inputs"] = nlohmann::json::parse(st.inputs);
   record("train_state.json", io::write_file_atomic((tmp / "train_state.json").string(), {state.dump(2)}));
   auto copy_in = [&](const fs::path& from, const std::string& name) {
     std::vector<uint8_t> b = io::read_file(from.string());
@@ -388,13 +379,6 @@ void read_checkpoint(const std::string& path, const std::function<void(const std
   }
 }
 
-// Whether eval and generate take `path` as a checkpoint (a step folder, a run folder,
-// its checkpoints/) rather than a Hugging Face model folder (config.json, no train_state).
-static bool is_checkpoint_folder(const std::string& path) {
-  const fs::path dir(path);
-  return complete(dir) || fs::exists(dir / "train_state.json") || !fs::exists(dir / "config.json");
-}
-
 std::unique_ptr<Model> load_model_folder(const std::string& path, const ModelOptions& options, std::string* read) {
   MT_CHECK(fs::is_directory(path)) << path << " is not a folder (expected a Hugging Face model folder, a checkpoint "
                                    << "step folder or a run folder)";
@@ -524,34 +508,32 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt, com
   io::HfWeights weights(dir);
   std::vector<HfTensor> tensors = model.hf_tensors();
   std::vector<float> host;
-  auto load = [&](const Tensor& dst) { from_host(dst, host); };
+  // Whether tensor `name` belongs to the model: to this rank's part of it, or another's.
+  auto owned = [&](const std::string& name) {
+    return std::any_of(tensors.begin(), tensors.end(), [&](const HfTensor& t) { return t.name == name; }) ||
+           model.held_by_another_rank(name);
+  };
   for (const HfTensor& t : tensors) {
     host.resize(static_cast<size_t>(t.value.numel()));
     weights.read_f32(t.name, dims(t.value), host.data());
-    load(t.value);
+    from_host(t.value, host);
   }
   refresh_compute_weights(model.params());
-  for (const std::string& name : weights.names()) {
-    bool used = std::any_of(tensors.begin(), tensors.end(), [&](const HfTensor& t) { return t.name == name; });
-    used = used || model.held_by_another_rank(name);
-    MT_CHECK(used) << dir << "/model.safetensors: tensor " << name
-                   << " is not a parameter of this model (was the checkpoint written for another config?)";
-  }
+  for (const std::string& name : weights.names())
+    MT_CHECK(owned(name)) << dir << "/model.safetensors: tensor " << name
+                          << " is not a parameter of this model (was the checkpoint written for another config?)";
   if (opt != nullptr) {
     io::HfWeights moments(dir, "optimizer");
     for (const HfTensor& t : tensors) {
       for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
         host.resize(static_cast<size_t>(t.value.numel()));
         moments.read_f32(t.name + suffix, dims(t.value), host.data());
-        load(std::string_view(suffix) == ".exp_avg_sq" ? opt->exp_avg_sq(t.value) : opt->exp_avg(t.value));
+        from_host(std::string_view(suffix) == ".exp_avg_sq" ? opt->exp_avg_sq(t.value) : opt->exp_avg(t.value), host);
       }
     }
-    for (const std::string& name : moments.names()) {
-      std::string base = name.substr(0, name.rfind(".exp_avg"));
-      bool used = std::any_of(tensors.begin(), tensors.end(), [&](const HfTensor& t) { return t.name == base; }) ||
-                  model.held_by_another_rank(base);
-      MT_CHECK(used) << dir << ": optimizer state " << name << " belongs to no parameter of this model";
-    }
+    for (const std::string& name : moments.names())
+      MT_CHECK(owned(name.substr(0, name.rfind(".exp_avg"))))
+          << dir << ": optimizer state " << name << " belongs to no parameter of this model";
   }
   return read_train_state(dir);
 }
@@ -608,8 +590,7 @@ ResumeChoice choose_resume(const Config& cfg) {
   const fs::path folder(cfg.job.dump_folder), own_dir = folder / "checkpoints";
   const std::vector<std::string> own = complete_checkpoints(own_dir.string());
   const std::string& load = cfg.checkpoint.load;
-  MT_CHECK(load.empty() || complete(load) || fs::exists(fs::path(load) / "train_state.json") ||
-           !fs::exists(fs::path(load) / "config.json"))
+  MT_CHECK(load.empty() || is_checkpoint_folder(load))
       << "checkpoint.load = " << load << " is a Hugging Face model folder, not a moetrain checkpoint (no COMPLETE, no "
       << "train_state.json): start from its weights with model.init=hf:" << load;
   // Step folders an interrupted save left (no COMPLETE) are named: a resume skips them.
@@ -695,9 +676,8 @@ std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vect
                                               Trainer& trainer, comm::Communicator& world, bool print) {
   // Sharded moments are read laid out like the weights, then cut into this rank's shards.
   trainer.materialize_state();
-  // A damaged checkpoint (load_checkpoint checks every file first, alike on every rank)
-  // is named and skipped for the one before it, whose load writes every key again; one
-  // that checkpoint.load names must load.
+  // load_checkpoint checks every file first, alike on every rank; the load of the one
+  // before a damaged one (skipped, as checkpoint.h says) writes every key again.
   std::string resume;
   TrainState saved;
   for (const std::string& dir : tries) {
@@ -726,9 +706,6 @@ std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vect
 
 std::string save_run(const Config& cfg, Model& model, Trainer& trainer, comm::DeviceMesh& mesh, const TrainState& state,
                      const std::string& config_json) {
-  // Weights are replicated over dp and cp: the pp x ep ranks of the first replica write,
-  // each its own experts and (ep rank 0) its layers' dense weights. Sharded moments are
-  // first gathered (and with ZeRO-3 the layers' weights), which every rank takes part in.
   trainer.materialize_state();
   std::string dir;
   if (mesh.coord().dp == 0 && mesh.coord().cp == 0)

@@ -168,6 +168,11 @@ const char* type_name() {
   else return "a number";
 }
 
+std::string weight_text(double w) {
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, w).ptr);
+}
+
 // A value in TOML; a number in the fewest digits that read back the same, as a float.
 template <typename T>
 std::string toml_text(const T& v) {
@@ -179,8 +184,7 @@ std::string toml_text(const T& v) {
   } else if constexpr (std::is_same_v<T, int64_t>) {
     s << v;
   } else {
-    char buf[32];
-    std::string t(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+    const std::string t = weight_text(v);
     s << t << (t.find_first_of(".en") == std::string::npos ? ".0" : "");
   }
   return s.str();
@@ -193,11 +197,6 @@ std::string on_path(const std::string& v, F&& f) {
   const size_t skip = v.starts_with("hf:") ? 3 : 0;
   if (v == "random" || v.size() == skip) return v;
   return v.substr(0, skip) + f(fs::path(v.substr(skip))).string();
-}
-
-std::string weight_text(double w) {
-  char buf[32];
-  return std::string(buf, std::to_chars(buf, buf + sizeof buf, w).ptr);
 }
 
 // The same over each path of a key's value (a kList key's several).
@@ -477,6 +476,24 @@ std::string mixture_from_toml(const toml::array& parts, const std::string& where
   return out;
 }
 
+// The input paths that are set: model.init's hf:DIR, model.config, data.tokens,
+// data.corpus, validation.tokens and corpus, checkpoint.load; each with its key, its value and the path in it.
+struct InputPath {
+  std::string key, value, path;  // "model.init", "hf:/m", "/m"
+};
+std::vector<InputPath> input_paths(const Config& c) {
+  std::vector<InputPath> out;
+  visit(c, [&](const Key& k, const auto& field) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
+      if ((k.flags & kPath) && k.dotted() != "job.dump_folder")
+        on_paths(k, field, [&](const fs::path& p) {
+          out.push_back({k.dotted(), field, p.string()});
+          return p;
+        });
+  });
+  return out;
+}
+
 }  // namespace
 
 std::vector<MixturePart> mixture_parts(const std::string& text, const std::string& where) {
@@ -631,30 +648,13 @@ std::vector<ConfigChange> config_changes(const std::string& saved_toml, const Co
   return changes;
 }
 
-std::vector<InputPath> input_paths(const Config& c) {
-  std::vector<InputPath> out;
-  visit(c, [&](const Key& k, const auto& field) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
-      if ((k.flags & kPath) && k.dotted() != "job.dump_folder")
-        on_paths(k, field, [&](const fs::path& p) {
-          out.push_back({k.dotted(), field, p.string()});
-          return p;
-        });
-  });
-  return out;
-}
-
 std::map<std::string, std::string> input_identity(const Config& c, bool resume) {
   std::map<std::string, std::string> out;
   auto add = [&](const std::string& key, const fs::path& file, const fs::path& under) {
     const io::FileSum f = io::file_fingerprint(file.string());
     char hex[17];
     std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(f.xxh3));
-    std::string name = key;
-    name.append(": ").append(file.lexically_relative(under).string());
-    std::string what = std::to_string(f.bytes);
-    what.append(" bytes, checksum ").append(hex);
-    out[name] = what;
+    out[key + ": " + file.lexically_relative(under).string()] = std::to_string(f.bytes) + " bytes, checksum " + hex;
   };
   for (const InputPath& in : input_paths(c)) {
     const bool model = in.key == "model.init" || in.key == "model.config";

@@ -178,12 +178,6 @@ struct ConfigChange {
 // config_to_toml's text (relative paths made absolute against the working folder).
 std::vector<ConfigChange> config_changes(const std::string& saved_toml, const Config& c);
 
-// The input paths that are set: model.init's hf:DIR, model.config, data.tokens,
-// data.corpus, validation.tokens and corpus, checkpoint.load; each with its key, its value and the path in it.
-struct InputPath {
-  std::string key, value, path;  // "model.init", "hf:/m", "/m"
-};
-std::vector<InputPath> input_paths(const Config& c);
 // The files a run reads, one entry a file ("data.corpus: a.bin", relative to its key's
 // folder) with io::file_fingerprint's size and checksum: each input key's files, a
 // folder's regular files walked in name order. Ranks compare it with rank 0's. With

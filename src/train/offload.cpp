@@ -83,14 +83,10 @@ OffloadTraffic StreamedUpdate::update(const std::vector<AdamWBlock>& blocks, con
       block.param = staged[0];
       block.m = staged[1];
       block.v = staged[2];
-      block.grad = experts_of(b.grad, e0, e1);
-      block.compute = experts_of(b.compute, e0, e1);
       block.key = b.key + static_cast<uint64_t>(e0 * per);
-      for (Tensor* t : {&block.fp8.q, &block.fp8.scale, &block.fp8.qt, &block.fp8.scale_t}) *t = experts_of(*t, e0, e1);
-      for (const Tensor& t : host) {
-        traffic.bytes_in += static_cast<int64_t>(t.nbytes());
-        traffic.bytes_out += static_cast<int64_t>(t.nbytes());
-      }
+      for (Tensor* t : {&block.grad, &block.compute, &block.fp8.q, &block.fp8.scale, &block.fp8.qt, &block.fp8.scale_t})
+        *t = experts_of(*t, e0, e1);
+      for (const Tensor& t : host) traffic.bytes_in += static_cast<int64_t>(t.nbytes());
 #ifdef MOETRAIN_WITH_CUDA
       if (gpu) {
         // In on the first copy stream once the set's last chunk has gone out, updated on
@@ -122,6 +118,7 @@ OffloadTraffic StreamedUpdate::update(const std::vector<AdamWBlock>& blocks, con
     cuda::count_host_wait();
   }
 #endif
+  traffic.bytes_out = traffic.bytes_in;  // every chunk goes back out as it came in
   traffic.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return traffic;
 }

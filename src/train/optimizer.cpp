@@ -19,8 +19,8 @@ AdamW::AdamW(std::vector<Param>& params, DType state, double staging_mib) : para
   MT_CHECK(state == DType::f32 || state == DType::bf16)
       << "AdamW keeps its moments in f32 or bf16, not " << dtype_name(state);
   const Device device = params_.empty() ? Device::cpu : params_.front().grad.device;
-  arena_ = Arena("optimizer", device, moment_bytes(params_, state_));
-  host_ = Arena::host("optimizer (host)", host_bytes(params_, state_), device == Device::cuda);
+  arena_ = Arena("optimizer", device, moment_bytes(params_, state_, false));
+  host_ = Arena::host("optimizer (host)", moment_bytes(params_, state_, true), device == Device::cuda);
   const int64_t staged = StreamedUpdate::set_elements(params_, state_, staging_mib);
   if (staged > 0) streamed_ = StreamedUpdate(device, state_, staged);
   staging_bytes_ = StreamedUpdate::bytes(state_, staged);
@@ -35,17 +35,10 @@ AdamW::AdamW(std::vector<Param>& params, DType state, double staging_mib) : para
   }
 }
 
-size_t AdamW::moment_bytes(const std::vector<Param>& params, DType state) {
-  Arena count = Arena::counting("optimizer", Device::cpu);
+size_t AdamW::moment_bytes(const std::vector<Param>& params, DType state, bool offloaded) {
+  Arena count = Arena::counting(offloaded ? "optimizer (host)" : "optimizer", Device::cpu);
   for (const Param& p : params)
-    for (int j = 0; j < 2 && !p.offloaded; ++j) count.alloc(state, p.value.shape);
-  return count.peak();
-}
-
-size_t AdamW::host_bytes(const std::vector<Param>& params, DType state) {
-  Arena count = Arena::counting("optimizer (host)", Device::cpu);
-  for (const Param& p : params)
-    for (int j = 0; j < 2 && p.offloaded; ++j) count.alloc(state, p.value.shape);
+    for (int j = 0; j < 2 && p.offloaded == offloaded; ++j) count.alloc(state, p.value.shape);
   return count.peak();
 }
 
@@ -65,10 +58,9 @@ void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t
   host_ = Arena::host("optimizer (host)", sharded_host_bytes(layout_, state_), device == Device::cuda);
   host_m_shard_ = host_.alloc(state_, {layout_.host_elements()});
   host_v_shard_ = host_.alloc(state_, {layout_.host_elements()});
-  fill(host_m_shard_, 0.0f);
-  fill(host_v_shard_, 0.0f);
-  for (Tensor& t : host_m_) t = Tensor();
-  for (Tensor& t : host_v_) t = Tensor();
+  for (const Tensor& t : {host_m_shard_, host_v_shard_}) fill(t, 0.0f);
+  host_m_.assign(params_.size(), Tensor());
+  host_v_.assign(params_.size(), Tensor());
   for (const parallel::ShardUnit& u : layout_.units())
     if (u.offloaded && u.group_size == 1)
       for (const parallel::ShardPiece& p : u.pieces) {
@@ -182,35 +174,31 @@ void AdamW::release_moments() {
 }
 
 void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale) {
-  cpu::AdamWStep a;
-  a.lr = lr;
-  a.beta1 = cfg.beta1;
-  a.beta2 = cfg.beta2;
-  a.eps = cfg.eps;
-  a.step = step;
-  a.grad_scale = grad_scale;
-  a.weight_decay = cfg.weight_decay;
+  const cpu::AdamWStep a{.lr = lr,
+                         .beta1 = cfg.beta1,
+                         .beta2 = cfg.beta2,
+                         .eps = cfg.eps,
+                         .weight_decay = cfg.weight_decay,
+                         .step = step,
+                         .grad_scale = grad_scale};
   auto decay = [&](const Param& p) { return p.matrix || cfg.decay == "all"; };
   std::vector<AdamWBlock> blocks, offloaded;
-  // An offloaded block: whole, its moments in host memory, streamed (train/offload.h);
-  // its compute copy and FP8 codes written in the same pass.
-  auto offload = [&](size_t i) {
+  // A whole block, its moments `m` and `v`; the bf16 copy and the FP8 codes the products
+  // read are written in the same pass.
+  auto whole = [&](size_t i, const Tensor& m, const Tensor& v) -> AdamWBlock {
     const Param& p = params_[i];
-    offloaded.push_back({p.value, p.grad, host_m_[i], host_v_[i], decay(p),
-                         p.compute.data != p.value.data ? p.compute : Tensor(), noise_key(i, 0), p.fp8});
+    return {p.value, p.grad, m, v, decay(p), p.compute.data != p.value.data ? p.compute : Tensor(), noise_key(i, 0),
+            p.fp8};
   };
+  // An offloaded block: whole, its moments in host memory, streamed (train/offload.h).
+  auto offload = [&](size_t i) { offloaded.push_back(whole(i, host_m_[i], host_v_[i])); };
   auto stream = [&] { traffic_ = offloaded.empty() ? OffloadTraffic{} : streamed_.update(offloaded, a); };
   if (!sharded_) {
-    // The bf16 copies and the FP8 codes the products read are written in the same pass.
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const Param& p = params_[i];
-      if (p.offloaded) {
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].offloaded)
         offload(i);
-        continue;
-      }
-      blocks.push_back({p.value, p.grad, m_[i], v_[i], decay(p), p.compute.data != p.value.data ? p.compute : Tensor(),
-                        noise_key(i, 0), p.fp8});
-    }
+      else
+        blocks.push_back(whole(i, m_[i], v_[i]));
     mt::adamw_step_multi(blocks, a);
     stream();
     return;
@@ -224,26 +212,23 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
       for (int i : u.params) offload(static_cast<size_t>(i));
       continue;
     }
-    if (u.offloaded) {
-      // This rank's flat pieces; all_gather then writes the compute copies and codes.
-      for (const parallel::ShardPiece& p : u.pieces) {
-        const Param& w = params_[p.param];
-        offloaded.push_back({Tensor(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device),
-                             ShardLayout::grad_of(params_, g_shard_, u, p), ShardLayout::piece_of(host_m_shard_, p),
-                             ShardLayout::piece_of(host_v_shard_, p), decay(w), Tensor(), noise_key(p.param, p.offset)});
-      }
-      gathered_in += u.shard * static_cast<int64_t>(sizeof(float));
-      gathered_out += u.length * static_cast<int64_t>(sizeof(float));
-      continue;
-    }
+    // An offloaded unit's flat pieces (its weights full, its moment shards in host memory)
+    // are streamed; all_gather then writes the compute copies and codes.
     for (const parallel::ShardPiece& p : u.pieces) {
       const Param& w = params_[p.param];
       Tensor value = u.value_at >= 0
                          ? Tensor(static_cast<float*>(w_shard_.data) + u.value_at + (p.at - u.state_at), {p.count},
                                   DType::f32, w_shard_.device)
                          : Tensor(static_cast<float*>(w.value.data) + p.offset, {p.count}, DType::f32, w.value.device);
-      blocks.push_back({value, ShardLayout::grad_of(params_, g_shard_, u, p), ShardLayout::piece_of(m_shard_, p),
-                        ShardLayout::piece_of(v_shard_, p), decay(w), Tensor(), noise_key(p.param, p.offset)});
+      (u.offloaded ? offloaded : blocks)
+          .push_back({value, ShardLayout::grad_of(params_, g_shard_, u, p),
+                      ShardLayout::piece_of(u.offloaded ? host_m_shard_ : m_shard_, p),
+                      ShardLayout::piece_of(u.offloaded ? host_v_shard_ : v_shard_, p), decay(w), Tensor(),
+                      noise_key(p.param, p.offset)});
+    }
+    if (u.offloaded) {
+      gathered_in += u.shard * static_cast<int64_t>(sizeof(float));
+      gathered_out += u.length * static_cast<int64_t>(sizeof(float));
     }
   }
   mt::adamw_step_multi(blocks, a);

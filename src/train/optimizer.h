@@ -23,11 +23,9 @@ class AdamW {
   // (kernels/adamw.h), which halves their bytes.
   // offload.staging_mib sizes the staging of offloaded blocks' updates.
   explicit AdamW(std::vector<Param>& params, DType state = DType::f32, double staging_mib = 64);
-  DType state_dtype() const { return state_; }
   // What the unsharded moments of `params` take on the device (the blocks not offloaded),
-  // and what the offloaded blocks' take in host memory plus, on the device, their staging.
-  static size_t moment_bytes(const std::vector<Param>& params, DType state);
-  static size_t host_bytes(const std::vector<Param>& params, DType state);
+  // or with `offloaded` the offloaded blocks' in host memory; and, on the device, their staging.
+  static size_t moment_bytes(const std::vector<Param>& params, DType state, bool offloaded);
   static size_t staging_bytes(const std::vector<Param>& params, DType state, double staging_mib);
   // One update of every block at 1-based `step` with learning rate `lr`; weight decay
   // applies to matrices, or to everything when optimizer.decay = "all".
@@ -44,7 +42,6 @@ class AdamW {
   // (weight_shards) and updated in place; parallel::Zero3 gathers them for the stages
   // and reduces their gradients into grad_shards.
   void shard(comm::Communicator* dense, comm::Communicator* expert, int64_t weight_layers = 0);
-  bool sharded() const { return sharded_; }
   const parallel::ShardLayout& layout() const { return layout_; }
   Tensor weight_shards() const { return w_shard_; }
   Tensor grad_shards() const { return g_shard_; }  // f32 [layout().grad_elements()]

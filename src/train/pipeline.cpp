@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <deque>
 #include <map>
+#include <numeric>
 
 #include "core/check.h"
 #include "train/schedule.h"
@@ -87,10 +88,7 @@ class Emitter {
     commit();
     const int m = forward_start(ph);
     for (int64_t l = begin(ph); l < end(ph); ++l)
-      for (Stage st : kStages) {
-        a_.push_back({Op::forward, m, l, st});
-        a_.push_back({Op::finish_forward, m, l, st});
-      }
+      for (Stage st : kStages) forward_stage(m, l, st, true);
     forward_end(ph, m);
     if (send) send_forward(ph);
   }
@@ -148,7 +146,10 @@ class Emitter {
     MT_CHECK(!deferred_.empty()) << "schedule: a W with none deferred";
     auto [ph, m] = deferred_.front();
     deferred_.pop_front();
-    weights(ph, m);
+    if (end(ph) == s_.layers) a_.push_back({Op::head_backward_weight, m});
+    for (int64_t l = end(ph) - 1; l >= begin(ph); --l)
+      for (int i = 4; i >= 0; --i) a_.push_back({Op::backward_weight, m, l, kStages[i]});
+    if (begin(ph) == 0) a_.push_back({Op::embed_backward, m});
   }
 
   std::vector<Action> finish() {
@@ -203,12 +204,6 @@ class Emitter {
   void finish_backward(int m, int64_t l, Stage st, bool weight_now = true) {
     a_.push_back({Op::finish_backward_input, m, l, st});
     if (weight_now) a_.push_back({Op::backward_weight, m, l, st});
-  }
-  void weights(int ph, int m) {
-    if (end(ph) == s_.layers) a_.push_back({Op::head_backward_weight, m});
-    for (int64_t l = end(ph) - 1; l >= begin(ph); --l)
-      for (int i = 4; i >= 0; --i) a_.push_back({Op::backward_weight, m, l, kStages[i]});
-    if (begin(ph) == 0) a_.push_back({Op::embed_backward, m});
   }
 
   const ScheduleShape& s_;
@@ -338,24 +333,19 @@ std::vector<Action> make_schedule(const ScheduleShape& s, const Pipeline& p, int
   return p.dualpipev ? dualpipev_schedule(s, p, rank) : one_f_one_b_schedule(s, p, rank);
 }
 
-}  // namespace mt
-
-namespace mt {
-
 double Timeline::bubble() const {
-  double busy_all = 0;
-  for (double b : busy) busy_all += b;
+  const double busy_all = std::accumulate(busy.begin(), busy.end(), 0.0);
   return step > 0 ? 1.0 - busy_all / (step * static_cast<double>(busy.size())) : 0.0;
 }
 
 Timeline simulate(const std::vector<std::vector<Action>>& per_rank, const Pipeline& p,
                   const std::function<double(int, const Action&)>& cost) {
   const int P = static_cast<int>(per_rank.size());
-  auto peer_of = [&](const Action& a) {
-    const bool grad = a.op == Op::send_gradient || a.op == Op::recv_gradient;
-    const bool send = a.op == Op::send_activation || a.op == Op::send_gradient;
-    return p.owner(grad == send ? a.layer - 1 : a.layer);
-  };
+  auto is_message = [](const Action& m) { return m.op >= Op::send_activation && m.op <= Op::recv_gradient; };
+  auto is_send = [](const Action& m) { return m.op == Op::send_activation || m.op == Op::send_gradient; };
+  auto is_activation = [](const Action& m) { return m.op == Op::send_activation || m.op == Op::recv_activation; };
+  // h[l] travels from layer l - 1's rank to layer l's, dh[l] back.
+  auto peer_of = [&](const Action& m) { return p.owner(!is_activation(m) == is_send(m) ? m.layer - 1 : m.layer); };
   // Per (sender, receiver): what was posted so far, in order, with the time.
   std::map<std::pair<int, int>, std::vector<std::pair<Action, double>>> sends, recvs;
   Timeline t;
@@ -364,23 +354,19 @@ Timeline simulate(const std::vector<std::vector<Action>>& per_rank, const Pipeli
   std::vector<size_t> at(P, 0);       // next action
   std::vector<double> clock(P, 0.0);
   std::vector<size_t> batch(P, 0);    // the action after the last commit
-  auto same = [](const Action& x, const Action& y) { return x.layer == y.layer && x.micro_batch == y.micro_batch; };
   struct Waiting {
     Action m;
     std::pair<int, int> key;  // (sender, receiver)
-    bool send;
     size_t k;  // its place among the pair's messages this way
   };
   std::vector<std::vector<Waiting>> waiting(P);  // the messages of the commit a rank is at
   std::vector<bool> posted(P, false);
-  auto is_send = [](const Action& m) { return m.op == Op::send_activation || m.op == Op::send_gradient; };
-  auto is_activation = [](const Action& m) { return m.op == Op::send_activation || m.op == Op::recv_activation; };
   for (bool moved = true; moved;) {
     moved = false;
     for (int r = 0; r < P; ++r) {
       while (at[r] < per_rank[r].size()) {
         const Action& a = per_rank[r][at[r]];
-        if (a.op >= Op::send_activation && a.op <= Op::recv_gradient) {
+        if (is_message(a)) {
           ++at[r];
           continue;
         }
@@ -397,11 +383,11 @@ Timeline simulate(const std::vector<std::vector<Action>>& per_rank, const Pipeli
           waiting[r].clear();
           for (size_t i = batch[r]; i < at[r]; ++i) {
             const Action& m = per_rank[r][i];
-            if (m.op < Op::send_activation || m.op > Op::recv_gradient) continue;
+            if (!is_message(m)) continue;
             const int q = peer_of(m);
             const std::pair<int, int> key = is_send(m) ? std::make_pair(r, q) : std::make_pair(q, r);
             auto& list = is_send(m) ? sends[key] : recvs[key];
-            waiting[r].push_back({m, key, is_send(m), list.size()});
+            waiting[r].push_back({m, key, list.size()});
             list.push_back({m, clock[r]});
           }
           posted[r] = moved = true;
@@ -410,13 +396,13 @@ Timeline simulate(const std::vector<std::vector<Action>>& per_rank, const Pipeli
         double ready = clock[r];
         bool all = true;
         for (const Waiting& w : waiting[r]) {
-          const auto& theirs = w.send ? recvs[w.key] : sends[w.key];
+          const auto& theirs = is_send(w.m) ? recvs[w.key] : sends[w.key];
           if (w.k >= theirs.size()) {
             all = false;
             break;
           }
           const Action& o = theirs[w.k].first;
-          MT_CHECK(same(o, w.m) && is_activation(o) == is_activation(w.m))
+          MT_CHECK(o.layer == w.m.layer && o.micro_batch == w.m.micro_batch && is_activation(o) == is_activation(w.m))
               << "pipeline: rank " << r << "'s " << describe(w.m) << " meets " << describe(o);
           ready = std::max(ready, theirs[w.k].second);
         }

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"

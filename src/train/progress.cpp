@@ -16,18 +16,14 @@ std::string format(const char* fmt, auto... args) {
   return b;
 }
 
-std::string memory(const StepResult& r) {
-  // Measured on a GPU; planned (the arenas `moetrain plan` prints) on the CPU.
-  return bytes_text(static_cast<double>(r.device_memory_bytes > 0 ? r.device_memory_bytes : r.memory_bytes));
+// "121.2 MiB" below 1 GiB, else "1.25 GiB".
+std::string bytes_text(double bytes) {
+  return bytes < (1 << 30) ? format("%.1f MiB", bytes / (1 << 20)) : format("%.2f GiB", bytes / (1 << 30));
 }
 
 std::string span(double seconds) { return seconds < 60 ? format("%.1f s", seconds) : clock_time(seconds); }
 
 }  // namespace
-
-std::string bytes_text(double bytes) {
-  return bytes < (1 << 30) ? format("%.1f MiB", bytes / (1 << 20)) : format("%.2f GiB", bytes / (1 << 30));
-}
 
 std::string count_text(double n) { return n < 1e9 ? format("%.3fM", n / 1e6) : format("%.3fB", n / 1e9); }
 
@@ -39,10 +35,13 @@ std::string clock_time(double seconds) {
 std::string step_line(const StepResult& r, int64_t total_steps, double elapsed, double eta, bool times_first) {
   const std::string step =
       format("step %lld/%lld  ", static_cast<long long>(r.step), static_cast<long long>(total_steps));
+  // Memory measured on a GPU; planned (the arenas `moetrain plan` prints) on the CPU.
+  const std::string memory =
+      bytes_text(static_cast<double>(r.device_memory_bytes > 0 ? r.device_memory_bytes : r.memory_bytes));
   const std::string values =
       format("loss %.4f  lb_loss %.4f  ", r.loss, r.lb_loss) + (r.z_loss_on ? format("z_loss %.4f  ", r.z_loss) : "") +
       format("grad_norm %.4f  lr %.3e  tokens/s %.0f  memory %s  step_time %.3fs", r.grad_norm, r.lr, r.tokens_per_s,
-             memory(r).c_str(), r.seconds);
+             memory.c_str(), r.seconds);
   const std::string e = clock_time(elapsed), left = clock_time(eta);
   return times_first ? step + "eta " + left + "  elapsed " + e + "  " + values
                      : step + values + "  elapsed " + e + "  eta " + left;

@@ -14,9 +14,7 @@ namespace mt {
 
 // "h:mm:ss"
 std::string clock_time(double seconds);
-// The units `train` and `plan` both print: "121.2 MiB" below 1 GiB, else "1.25 GiB";
-// a parameter count "2.528M" below a billion, else "30.532B".
-std::string bytes_text(double bytes);
+// A parameter count as `train` and `plan` print it: "2.528M" below a billion, else "30.532B".
 std::string count_text(double n);
 // The step line; elapsed and eta in seconds, after the values or (the bar's) before.
 std::string step_line(const StepResult& r, int64_t total_steps, double elapsed, double eta, bool times_first = false);

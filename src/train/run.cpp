@@ -25,7 +25,6 @@
 #include "kernels/cuda/device.h"
 #endif
 #include "train/checkpoint.h"
-#include "train/config.h"
 #include "train/progress.h"
 #include "train/run.h"
 #include "train/tensorboard.h"
@@ -341,7 +340,6 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   const ResumeChoice start = choose_resume(cfg);
   if (writer) set_branch_aside(cfg, start);
   world.comm().barrier();
-  const std::vector<std::string>& tries = start.tries;
   comm::DeviceMesh mesh(world.comm(), static_cast<int>(cfg.parallelism.pp), static_cast<int>(cfg.parallelism.cp),
                         static_cast<int>(cfg.parallelism.ep));
   const std::string config_json = model_config_path(cfg);
@@ -360,22 +358,20 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
     options.embedding = p.owner(-1) == mesh.coord().pp;
     options.head = p.owner(whole->num_layers()) == mesh.coord().pp;
   }
-  // The host's memory the kernel could give now, or the GPU's free memory.
+  // The host's memory the kernel could give now, or the GPU's free memory; and which
+  // memory this rank's plan draws on: its host's, and on CUDA its GPU's. Every rank
+  // learns every other's plan, to sum those that share it.
   size_t free = available_host_memory();
+  int gpu = -1;
 #ifdef MOETRAIN_WITH_CUDA
   if (options.device == Device::cuda) {
     cuda::note_memory_baseline();  // before the first allocation
     free = cuda::free_memory();
+    gpu = cuda::current_device();
   }
 #endif
-  // Which memory this rank's plan draws on: its host's, and on CUDA its GPU's. Every rank
-  // learns every other's plan, to sum those that share it.
   char host[256] = "?";
   gethostname(host, sizeof host - 1);
-  int gpu = -1;
-#ifdef MOETRAIN_WITH_CUDA
-  if (options.device == Device::cuda) gpu = cuda::current_device();
-#endif
   // Per rank: the memory its device plan draws on and what it needs there, and its host
   // and the offloaded bytes it needs there (counted in the first on the CPU).
   const int64_t memory = static_cast<int64_t>(std::hash<std::string>{}(std::string(host) + "/" + std::to_string(gpu)) >> 1);
@@ -458,7 +454,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   // copies of the layers, cut into this rank's shards after.
   std::string resume;
   TrainState saved;
-  if (tries.empty()) {
+  if (start.tries.empty()) {
     trainer.materialize_weights();
     if (cfg.model.init == "random")
       init_random(*model, cfg.model.init_std, static_cast<uint64_t>(cfg.training.seed));
@@ -466,7 +462,7 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
       load_hf(*model, cfg.model.init.substr(3));
     trainer.commit_weights();
   } else {
-    std::tie(resume, saved) = resume_run(cfg, tries, *model, trainer, world.comm(), writer);
+    std::tie(resume, saved) = resume_run(cfg, start.tries, *model, trainer, world.comm(), writer);
   }
   // Parameters of the whole model: each pp rank counts its own, its experts those of one
   // ep rank, which hold equal shares of every MoE layer's experts.

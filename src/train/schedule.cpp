@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <array>
-#include <climits>
-#include <cstdint>
 #include <deque>
 #include <map>
 #include <optional>
@@ -240,17 +238,15 @@ int block_phase(const Action& a, const Pipeline& p, int rank, int64_t layers) {
 }  // namespace
 
 std::vector<int> stash_slots(const std::vector<Action>& actions, int micro_batches, int* count) {
-  return share_slots(whole_lives(actions, micro_batches,
-                                 [&](size_t i) -> std::optional<size_t> {
-                                   const Op op = actions[i].op;
-                                   if (op > Op::embed_backward && !is_message(op)) return std::nullopt;
-                                   size_t end = i;
-                                   if (op == Op::send_activation || op == Op::send_gradient)
-                                     while (end < actions.size() && actions[end].op != Op::commit)
-                                       ++end;  // read until its commit
-                                   return end;
-                                 }),
-                     count);
+  auto life_end = [&](size_t i) -> std::optional<size_t> {
+    const Op op = actions[i].op;
+    if (op > Op::embed_backward && !is_message(op)) return std::nullopt;
+    size_t end = i;
+    if (op == Op::send_activation || op == Op::send_gradient)
+      while (end < actions.size() && actions[end].op != Op::commit) ++end;  // read until its commit
+    return end;
+  };
+  return share_slots(whole_lives(actions, micro_batches, life_end), count);
 }
 
 std::vector<ChunkBlocks> chunk_blocks(const std::vector<Action>& actions, int micro_batches, const Pipeline& p,
@@ -358,8 +354,7 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
       case Op::attach_gradients: zero3().attach_gradients(a.layer); break;
       case Op::reduce_start:
         if (zero3_layer) {
-          ctx.zero3->reduce_start(a.layer, reduced.count(a.layer) > 0);
-          reduced.insert(a.layer);
+          ctx.zero3->reduce_start(a.layer, !reduced.insert(a.layer).second);
         } else {
           MT_CHECK(ctx.optimizer != nullptr) << "schedule: " << describe(a) << " without a sharded optimizer";
           // A layer's replica gradients join their owners' before the owners' are summed.

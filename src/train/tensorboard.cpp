@@ -7,6 +7,7 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <numeric>
 
 #include "core/check.h"
 
@@ -128,9 +129,7 @@ std::vector<std::pair<std::string, float>> step_scalars(const StepResult& r) {
   for (size_t i = 0; i < r.expert_counts.size(); ++i) {
     const std::vector<int64_t>& c = r.expert_counts[i];
     if (c.empty()) continue;
-    double sum = 0;
-    for (int64_t n : c) sum += static_cast<double>(n);
-    const double mean = std::max(sum / static_cast<double>(c.size()), 1e-30);
+    const double mean = std::max(std::accumulate(c.begin(), c.end(), 0.0) / static_cast<double>(c.size()), 1e-30);
     const std::string layer =
         "expert_load/layer_" + std::to_string(i < r.moe_layers.size() ? r.moe_layers[i] : static_cast<int64_t>(i));
     v.emplace_back(layer + "/max_over_mean", static_cast<float>(*std::max_element(c.begin(), c.end()) / mean));

@@ -3,11 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <set>
 
 #include <unistd.h>
@@ -27,7 +25,6 @@
 #include "parallel/context_parallel.h"
 #include "train/balance.h"
 #include "train/checkpoint.h"
-#include "train/schedule.h"
 
 namespace mt {
 
@@ -55,10 +52,9 @@ void load_hf(Model& m, const std::string& folder) {
     nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
     mxfp4 = HfConfig(j, config).text({"quantization_config.quant_method"}, "") == "mxfp4";
   }
-  std::vector<HfTensor> tensors = m.hf_tensors();
   std::set<std::string> used;  // the keys the model reads
   std::vector<float> host;
-  for (const HfTensor& t : tensors) {
+  for (const HfTensor& t : m.hf_tensors()) {
     std::vector<int64_t> shape = hf_shape(t, m.num_experts());
     host.resize(static_cast<size_t>(t.value.numel()));
     if (t.fused.empty())
@@ -133,16 +129,15 @@ StepShape step_shape(const Config& cfg, const comm::MeshShape& mesh) {
 }
 
 ScheduleShape schedule_shape(const Config& cfg, int64_t layers, int micro_batches, bool zero3, bool sharded) {
-  ScheduleShape shape;
-  shape.layers = layers;
-  shape.micro_batches = micro_batches;
-  shape.global_balance = cfg.training.load_balance_type == "global_batch";
-  shape.zero3 = zero3;
-  shape.reduce = sharded;
-  shape.defer_weights = cfg.training.activation_checkpoint != "full";
-  shape.sweep = static_cast<int>(cfg.training.layer_sweep == 0 ? micro_batches
-                                                                : std::min<int64_t>(cfg.training.layer_sweep, micro_batches));
-  return shape;
+  const TrainingConfig& t = cfg.training;
+  return {.layers = layers,
+          .micro_batches = micro_batches,
+          .global_balance = t.load_balance_type == "global_batch",
+          .zero3 = zero3,
+          .reduce = sharded,
+          .defer_weights = t.activation_checkpoint != "full",
+          .sweep = static_cast<int>(t.layer_sweep == 0 ? micro_batches
+                                                       : std::min<int64_t>(t.layer_sweep, micro_batches))};
 }
 
 MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
@@ -197,12 +192,12 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   const parallel::ShardLayout layout(model->params(), m.replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : m.replicas,
                                      m.zero3 ? L : 0);
   const DType state = cfg.optimizer.state();
-  m.optimizer = m.sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state);
+  m.optimizer = m.sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state, false);
   m.optimizer += AdamW::staging_bytes(model->params(), state, cfg.offload.staging_mib);
   // Offloaded blocks: their moments (or shards of them) on the host too, and the
   // update's traffic out, the larger way: this rank's weights and moments, and with a
   // group over dp x cp the gathered weights (train/offload.h).
-  m.host += m.sharded ? AdamW::sharded_host_bytes(layout, state) : AdamW::host_bytes(model->params(), state);
+  m.host += m.sharded ? AdamW::sharded_host_bytes(layout, state) : AdamW::moment_bytes(model->params(), state, true);
   for (const parallel::ShardUnit& u : layout.units())
     if (u.offloaded)
       m.offload_traffic += static_cast<size_t>(u.group_size == 1 ? u.length : u.shard) * (4 + 2 * dtype_size(state)) +
@@ -329,8 +324,8 @@ void Trainer::make_stashes() {
 
 void Trainer::set_parallel(comm::DeviceMesh& mesh) {
   comm::Communicator *all = &mesh.dp_cp_ep(), *expert_all = &mesh.dp_cp(), *ep = &mesh.ep(), *cp = &mesh.cp();
-  const int64_t data_rank = mesh.coord().dp * mesh.shape().ep + mesh.coord().ep;
-  const int64_t data_ranks = static_cast<int64_t>(mesh.shape().dp) * mesh.shape().ep;
+  data_rank_ = mesh.coord().dp * mesh.shape().ep + mesh.coord().ep;
+  data_ranks_ = static_cast<int64_t>(mesh.shape().dp) * mesh.shape().ep;
   if (mesh.world().size() > 1) world_ = &mesh.world();
   if (mesh.shape().pp > 1) {
     pp_ = &mesh.pp();
@@ -338,8 +333,8 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
     // Created here, where every rank is, rather than at a stage's first message.
     if (model_.device() == Device::cuda) pp_->init_gpu();
   }
-  if (ep != nullptr && ep->size() > 1) ep_ = ep;
-  if (cp != nullptr && cp->size() > 1) {
+  if (ep->size() > 1) ep_ = ep;
+  if (cp->size() > 1) {
     cp_ = cp;
     MT_CHECK(seq_ % (2 * cp->size()) == 0) << "sequences of " << seq_ << " positions do not split into 2 * cp = "
                                            << 2 * cp->size() << " equal chunks";
@@ -366,15 +361,13 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
   if (zero3)
     zero3_ = std::make_unique<parallel::Zero3>(model_.params(), optimizer_.layout(), optimizer_.weight_shards(),
                                                optimizer_.grad_shards(), model_.device());
-  data_rank_ = data_rank;
-  data_ranks_ = data_ranks;
-  MT_CHECK(global_batch_ % data_ranks == 0) << "training.global_batch_size " << global_batch_
-                                            << " does not split over " << data_ranks << " data ranks (dp x ep)";
-  rank_rows_ = global_batch_ / data_ranks;
-  const int64_t micro = cfg_.training.micro_batch_size ? cfg_.training.micro_batch_size : rank_rows_;
-  MT_CHECK(rank_rows_ % micro == 0) << "training.micro_batch_size " << micro << " does not divide the " << rank_rows_
-                                    << " sequences of each of " << data_ranks << " data ranks (dp x ep)";
-  micro_batch_ = micro;
+  MT_CHECK(global_batch_ % data_ranks_ == 0) << "training.global_batch_size " << global_batch_
+                                             << " does not split over " << data_ranks_ << " data ranks (dp x ep)";
+  rank_rows_ = global_batch_ / data_ranks_;
+  micro_batch_ = cfg_.training.micro_batch_size ? cfg_.training.micro_batch_size : rank_rows_;
+  MT_CHECK(rank_rows_ % micro_batch_ == 0) << "training.micro_batch_size " << micro_batch_ << " does not divide the "
+                                           << rank_rows_ << " sequences of each of " << data_ranks_
+                                           << " data ranks (dp x ep)";
   micro_batches_ = rank_rows_ / micro_batch_;
 }
 
@@ -479,9 +472,7 @@ std::string Trainer::expert_placement() const {
   j["version"] = placement_version_;
   j["decay"] = loads_.decay;
   j["loads"] = loads_.mean;
-  nlohmann::json layers = nlohmann::json::array();
-  for (const parallel::Placement& p : placements_) layers.push_back({{"slots", p.slots}, {"share", p.share}});
-  j["placements"] = std::move(layers);
+  for (const parallel::Placement& p : placements_) j["placements"].push_back({{"slots", p.slots}, {"share", p.share}});
   return j.dump();
 }
 
@@ -629,7 +620,6 @@ StepResult Trainer::step() {
 }
 
 double Trainer::run_step_schedule(StepBalance& balance) {
-  const float loss_scale = static_cast<float>(1.0 / static_cast<double>(global_batch_ * seq_));
   ScheduleContext ctx;
   ctx.model = &model_;
   for (int mb = 0; mb < micro_batches_; ++mb) ctx.stashes.push_back(stashes_[static_cast<size_t>(slot_[mb])].get());
@@ -640,7 +630,7 @@ double Trainer::run_step_schedule(StepBalance& balance) {
     else if (a.op == Op::statistics) balance.statistics(s);
     else if (a.op == Op::balance) balance.global(ctx.stashes);
   };
-  ctx.loss_scale = loss_scale;
+  ctx.loss_scale = static_cast<float>(1.0 / static_cast<double>(global_batch_ * seq_));
   ctx.zero3 = zero3_.get();
   ctx.optimizer = dp_ ? &optimizer_ : nullptr;
   ctx.profile = &profile_;
@@ -674,11 +664,10 @@ void Trainer::finish_gradients(StepResult& r, const StepBalance& balance) {
   const ExpertCacheStats& c = r.expert_cache;
   for (size_t l = 0; l < c.expert_uses.size(); ++l) {
     if (moe_index[l] < 0) continue;
-    const size_t local = c.expert_uses[l].size(), first = ep_ ? static_cast<size_t>(ep_->rank()) * local : 0;
-    for (size_t e = 0; e < local; ++e) {
-      uses[static_cast<size_t>(moe_index[l]) * E + first + e] = c.expert_uses[l][e];
-      hits[static_cast<size_t>(moe_index[l]) * E + first + e] = c.expert_hits[l][e];
-    }
+    const size_t local = c.expert_uses[l].size();
+    const size_t at = static_cast<size_t>(moe_index[l]) * E + (ep_ ? static_cast<size_t>(ep_->rank()) * local : 0);
+    std::copy_n(c.expert_uses[l].begin(), local, uses.begin() + at);
+    std::copy_n(c.expert_hits[l].begin(), local, hits.begin() + at);
   }
   if (world_) {
     world_->all_reduce(Tensor(uses.data(), {static_cast<int64_t>(uses.size())}, DType::i64));
@@ -711,8 +700,8 @@ void Trainer::reduce_step(StepResult& r, StepBalance& balance, double loss_sum) 
 // finite; then the expert biases and the replicas' placements.
 void Trainer::apply_step(StepResult& r, const StepBalance& balance) {
   const TrainingConfig& t = cfg_.training;
-  float clip = 1.0f;
-  if (t.clip_grad_norm > 0) clip = static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6)));
+  const float clip =
+      t.clip_grad_norm > 0 ? static_cast<float>(std::min(1.0, t.clip_grad_norm / (r.grad_norm + 1e-6))) : 1.0f;
   r.lr = lr_at(cfg_, r.step - 1);
   profile_.mark("optimizer");
   if (r.non_finite.empty()) optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
@@ -734,10 +723,9 @@ void Trainer::apply_step(StepResult& r, const StepBalance& balance) {
 // and blocks', the expert rows' peak; with the offload traffic.
 void Trainer::measure_step(StepResult& r, std::chrono::steady_clock::time_point start,
                            [[maybe_unused]] int64_t host_waits_at_start) {
-  const int64_t count = global_batch_ * seq_;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  r.tokens = count;
-  r.tokens_per_s = static_cast<double>(count) / std::max(r.seconds, 1e-9);
+  r.tokens = global_batch_ * seq_;
+  r.tokens_per_s = static_cast<double>(r.tokens) / std::max(r.seconds, 1e-9);
   const auto since_epoch = std::chrono::system_clock::now().time_since_epoch();
   r.time = static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(since_epoch).count()) / 1e3;
   size_t bytes = optimizer_.bytes() + (zero3_ ? zero3_->bytes() : 0);
@@ -818,10 +806,9 @@ Trainer::Validation Trainer::validate() {
   MT_CHECK(val_corpus_ || val_tokens_.rows > 0) << "Trainer::validate without a validation set";
   if (stashes_.empty()) make_stashes();
   const auto start = std::chrono::steady_clock::now();
-  ScheduleShape shape;
-  shape.layers = model_.num_layers();
-  shape.micro_batches = static_cast<int>(validation_batches() * micro_batches_);
-  shape.zero3 = zero3_ != nullptr;
+  const ScheduleShape shape{.layers = model_.num_layers(),
+                            .micro_batches = static_cast<int>(validation_batches() * micro_batches_),
+                            .zero3 = zero3_ != nullptr};
   // One micro-batch at a time: the step's first stash and blocks serve them all.
   ScheduleContext ctx;
   ctx.model = &model_;
@@ -867,10 +854,9 @@ void Trainer::set_expert_bias(const std::string& json) {
 
 LossSum Trainer::evaluate(Model& model, const TokenBatch& data, int64_t micro_batch) {
   LossSum total;
-  int64_t mb = std::min(micro_batch, data.rows);
   std::unique_ptr<Stash> s;
-  for (int64_t row = 0; row < data.rows; row += mb) {
-    int64_t n = std::min(mb, data.rows - row);
+  for (int64_t row = 0; row < data.rows; row += micro_batch) {
+    const int64_t n = std::min(micro_batch, data.rows - row);
     if (!s || s->batch != n) s = model.make_stash(n, data.seq);
     copy(s->ids, Tensor(const_cast<int32_t*>(data.ids.data()) + row * data.seq, s->ids.shape, DType::i32));
     copy(s->labels, Tensor(const_cast<int32_t*>(data.labels.data()) + row * data.seq, s->labels.shape, DType::i32));
@@ -922,14 +908,9 @@ std::string step_json(const StepResult& r) {
                                  static_cast<double>(r.expert_cache.hits + r.expert_cache.misses);
     j["expert_cache_wait_s"] = r.expert_cache.wait_s;
   }
-  if (!r.expert_residency.empty()) {
-    nlohmann::json res = nlohmann::json::array();
-    for (const std::vector<double>& layer : r.expert_residency) {
-      nlohmann::json row = nlohmann::json::array();
-      for (double v : layer) row.push_back(v < 0 ? nlohmann::json() : nlohmann::json(v));
-      res.push_back(std::move(row));
-    }
-    j["expert_cache_residency"] = std::move(res);
+  for (const std::vector<double>& layer : r.expert_residency) {
+    nlohmann::json& row = j["expert_cache_residency"].emplace_back(nlohmann::json::array());
+    for (double v : layer) row.push_back(v < 0 ? nlohmann::json() : nlohmann::json(v));
   }
   j["time"] = r.time;
   j["expert_counts"] = r.expert_counts;
@@ -940,14 +921,9 @@ std::string step_json(const StepResult& r) {
     j["placement_version"] = r.placement_version;
     j["expert_copies"] = r.expert_copies;
   }
-  if (!r.breakdown.empty()) {
-    nlohmann::json ms = nlohmann::json::object(), counts = nlohmann::json::object();
-    for (const ProfileEntry& e : r.breakdown) {
-      ms[e.name] = e.ms;
-      counts[e.name] = e.count;
-    }
-    j["breakdown_ms"] = ms;
-    j["breakdown_counts"] = counts;
+  for (const ProfileEntry& e : r.breakdown) {
+    j["breakdown_ms"][e.name] = e.ms;
+    j["breakdown_counts"][e.name] = e.count;
   }
   return j.dump();
 }

@@ -22,6 +22,8 @@
 
 namespace mt {
 
+class StepBalance;
+
 // The model's options that the config gives (device, routing, capacity, FP8,
 // recomputation), as train, plan and eval's setup build the model; the mesh's groups,
 // layers and plan_only are the caller's.
@@ -30,8 +32,6 @@ ModelOptions model_options(const Config& cfg);
 // A step's shape as train takes it: seq_len and the global batch from the flags, or
 // from data.tokens where they give none (a corpus needs both set), the micro-batch, and
 // how many a data rank runs (errors name what does not split).
-class StepBalance;
-
 struct StepShape {
   int64_t seq = 0, global_batch = 0, micro_batch = 0;
   int micro_batches = 0;

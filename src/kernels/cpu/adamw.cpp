@@ -13,7 +13,6 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
   for (const Tensor* t : {&param, &grad})
     MT_CHECK(t->dtype == DType::f32 && t->numel() == n)
         << "adamw wants f32 param and grad of " << n << " elements (param " << param.str() << "), got " << t->str();
-  const bool bf16 = m.dtype == DType::bf16;
   for (const Tensor* t : {&m, &v})
     MT_CHECK((t->dtype == DType::f32 || t->dtype == DType::bf16) && t->dtype == m.dtype && t->numel() == n)
         << "adamw wants both moments f32 or both bf16, of " << n << " elements (param " << param.str() << "), got "
@@ -37,7 +36,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
     float denom = std::sqrt(vi) / bias2_sqrt + eps;
     p[i] -= step_size * mi / denom;
   };
-  if (!bf16) {
+  if (m.dtype != DType::bf16) {
     float* mp = m.f32();
     float* vp = v.f32();
 #pragma omp parallel for schedule(static)

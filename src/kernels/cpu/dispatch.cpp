@@ -30,7 +30,8 @@ int64_t check_slot_row(const Tensor& slot_row, int64_t tokens, int64_t rows) {
 }
 
 // The counting sort of dispatch_plan and dispatch_sort; `lowest` is 0 (every slot has a
-// bucket) or -1 (a slot may go nowhere). Returns the slots the capacity dropped.
+// bucket, and order room for every slot) or -1 (a slot may go nowhere). Returns the slots
+// the capacity dropped.
 int64_t counting_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, int32_t lowest, const Tensor& counts,
                       const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
   MT_CHECK(idx.dtype == DType::i32 && idx.ndim() == 2) << "dispatch idx should be i32 [N,k], got " << idx.str();
@@ -39,7 +40,7 @@ int64_t counting_sort(const Tensor& idx, int64_t num_buckets, int64_t capacity, 
   int64_t n = idx.dim(0), k = idx.dim(1), slots = n * k;
   check_tensor(counts, "dispatch counts", DType::i32, {num_buckets});
   check_tensor(offsets, "dispatch offsets", DType::i32, {num_buckets + 1});
-  check_index_tensor(order, "dispatch order", 0);
+  check_index_tensor(order, "dispatch order", lowest == 0 ? slots : 0);
   check_tensor(slot_row, "dispatch slot_row", DType::i32, {slots});
   const int32_t* ip = idx.i32();
   int32_t* cnt = counts.i32();
@@ -99,8 +100,6 @@ void sum_slots(const float* rows, const float* w, const int32_t* slot_row, int64
 
 int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, const Tensor& counts,
                       const Tensor& offsets, const Tensor& order, const Tensor& slot_row) {
-  MT_CHECK(idx.ndim() == 2) << "dispatch idx should be i32 [N,k], got " << idx.str();
-  check_index_tensor(order, "dispatch order", idx.dim(0) * idx.dim(1));
   return counting_sort(idx, num_experts, capacity, 0, counts, offsets, order, slot_row);
 }
 

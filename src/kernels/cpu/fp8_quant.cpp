@@ -129,28 +129,9 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
   check_tensor(c, "gemm_fp8 c", DType::f32, {m, n});
   std::vector<float> af(static_cast<size_t>(m * k)), bf(static_cast<size_t>(n * k));
   dequantize_rows(a, a_scale, Tensor(af.data(), {m, k}, DType::f32));
-  if (b_blocks)
-    dequantize_blocks(b, b_scale, Tensor(bf.data(), {n, k}, DType::f32));
-  else
-    dequantize_rows(b, b_scale, Tensor(bf.data(), {n, k}, DType::f32));
+  (b_blocks ? dequantize_blocks : dequantize_rows)(b, b_scale, Tensor(bf.data(), {n, k}, DType::f32));
   sgemm(false, true, m, n, k, alpha, af.data(), k, bf.data(), k, beta, c.f32(), n);
 }
-
-}  // namespace mt::cpu
-
-namespace mt::cpu {
-
-namespace {
-
-// Expert e's rows of a grouped operand, checked against the rows there are.
-std::pair<int64_t, int64_t> segment(const Tensor& offsets, int64_t e, int64_t rows, const char* what) {
-  const int32_t* off = offsets.i32();
-  MT_CHECK(off[e] >= 0 && off[e] <= off[e + 1] && off[e + 1] <= rows)
-      << what << ": offsets " << off[e] << " .. " << off[e + 1] << " of expert " << e << " outside 0 .. " << rows;
-  return {off[e], off[e + 1]};
-}
-
-}  // namespace
 
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
                       const Tensor& offsets, const Tensor& y, const Tensor& bias) {
@@ -165,8 +146,11 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
   dequantize_rows(x, x_scale, Tensor(xf.data(), {r, k}, DType::f32));
   check_tensor(w_scale, "grouped_gemm_fp8 w_scale", DType::f32, {e, fp8::tiles(o), fp8::block_scale_cols(k)});
   if (bias.data != nullptr) check_tensor(bias, "grouped_gemm_fp8 bias", DType::f32, {e, o});
+  const int32_t* off = offsets.i32();
   for (int64_t g = 0; g < e; ++g) {
-    const auto [r0, r1] = segment(offsets, g, r, "grouped_gemm_fp8");
+    const int64_t r0 = off[g], r1 = off[g + 1];
+    MT_CHECK(r0 >= 0 && r0 <= r1 && r1 <= r)
+        << "grouped_gemm_fp8: offsets " << r0 << " .. " << r1 << " of expert " << g << " outside 0 .. " << r;
     if (r1 == r0) continue;
     dequantize_blocks(w.rows(g, g + 1).view({o, k}), w_scale.rows(g, g + 1).view({fp8::tiles(o), fp8::block_scale_cols(k)}),
                       Tensor(wf.data(), {o, k}, DType::f32));

@@ -27,21 +27,15 @@ Dims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool
 
 }  // namespace
 
-// OpenBLAS's own thread pool and our OpenMP loops spin against each other on the
-// same cores (a 1000x slowdown was measured on 2 cores), so BLAS runs on one thread
-// and the parallelism comes from OpenMP around it.
-static void single_threaded_blas() {
-  static const bool once = [] {
-    openblas_set_num_threads(1);
-    return true;
-  }();
-  (void)once;
-}
-
 void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
-  single_threaded_blas();
+  // OpenBLAS's own thread pool and our OpenMP loops spin against each other (a 1000x
+  // slowdown measured on 2 cores): BLAS runs on one thread, OpenMP parallelises around it.
+  [[maybe_unused]] static const bool single_threaded = [] {
+    openblas_set_num_threads(1);
+    return true;
+  }();
   if (k == 0) {
     // BLAS leaves c untouched only for beta == 1; make the empty sum explicit.
     for (int64_t i = 0; i < m * n; ++i) c[i] = beta == 0.0f ? 0.0f : beta * c[i];

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <limits>
 
-#include "core/check.h"
 #include "kernels/elementwise.h"
 
 namespace mt::cpu {

@@ -98,9 +98,9 @@ __device__ __forceinline__ float4 update4(const AdamWTable& t, float decay, floa
   return pj;
 }
 
-// One element where four at a time do not fit (tails, unaligned pieces); out: its new value.
-__device__ __forceinline__ void update_one(const AdamWTable& t, float decay, float* p, const float* g, void* m,
-                                           void* v, uint64_t key, int64_t j, float& out) {
+// One element where four at a time do not fit (tails, unaligned pieces); returns its new value.
+__device__ __forceinline__ float update_one(const AdamWTable& t, float decay, float* p, const float* g, void* m,
+                                            void* v, uint64_t key, int64_t j) {
   const bool bf16 = t.bf16_moments;
   float pj = p[j], mj, vj;
   if (bf16) {
@@ -120,7 +120,7 @@ __device__ __forceinline__ void update_one(const AdamWTable& t, float decay, flo
     static_cast<float*>(m)[j] = mj;
     static_cast<float*>(v)[j] = vj;
   }
-  out = pj;
+  return pj;
 }
 
 // The step is bound by memory traffic (6 to 8 streams of 2 or 4 bytes a parameter), so
@@ -152,8 +152,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWTable t) {
     i = vec_end;
   }
   for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x) {
-    float pj;
-    update_one(t, decay, p, g, m, v, key, j, pj);
+    const float pj = update_one(t, decay, p, g, m, v, key, j);
     if (c != nullptr) c[j] = __float2bfloat16_rn(pj);
   }
 }
@@ -203,14 +202,12 @@ __global__ void __launch_bounds__(kThreads) adamw_fp8_kernel(AdamWTable t, Fp8Ta
       amax = fmaxf(amax, fmaxf(fmaxf(fabsf(pj.x), fabsf(pj.y)), fmaxf(fabsf(pj.z), fabsf(pj.w))));
     } else {
       for (int q = 0; q < 4; ++q) {
-        float w = 0.0f;
-        if (r < n && c + q < k) update_one(t, decay, p, g, m, v, key, j + q, w);
+        const float w = r < n && c + q < k ? update_one(t, decay, p, g, m, v, key, j + q) : 0.0f;
         amax = fmaxf(amax, fabsf(w));
       }
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  amax = warp_max(amax);
   if (lane == 0) smax[warp] = amax;
   __syncthreads();
   amax = 0.0f;
@@ -278,8 +275,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
   MT_CHECK(s.step >= 1) << "adamw step is 1-based, got " << s.step;
   const bool bf16 = !blocks.empty() && blocks.front().m.dtype == DType::bf16;
   for (const AdamWBlock& b : blocks) {
-    const Shape shape = b.param.shape;
-    check_arg(b.param, "adamw param", {DType::f32}, shape);
+    check_arg(b.param, "adamw param", {DType::f32}, b.param.shape);
     MT_CHECK(b.grad.dtype == DType::f32 && b.grad.device == Device::cuda && b.grad.numel() == b.param.numel())
         << "adamw wants an f32 GPU gradient of " << b.param.numel() << " elements (param " << b.param.str()
         << "), got " << b.grad.str();
@@ -308,6 +304,17 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
   t.step = static_cast<uint64_t>(s.step);
   // Without decay the factor is exactly 1, as the CPU's 1 - lr * 0 rounds.
   const float with_decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
+  // Entry j of a launch's table: the block's tensors and decay.
+  auto set_block = [&](int j, const AdamWBlock& b) {
+    t.p[j] = b.param.f32();
+    t.g[j] = b.grad.f32();
+    t.m[j] = b.m.data;
+    t.v[j] = b.v.data;
+    t.key[j] = b.key;
+    t.c[j] = bf16_data(b.compute);  // null without a compute copy
+    t.n[j] = b.param.numel();
+    t.decay[j] = b.decay ? with_decay : 1.0f;
+  };
   std::vector<const AdamWBlock*> plain, quantized;
   for (const AdamWBlock& b : blocks) (b.fp8.q.data != nullptr ? quantized : plain).push_back(&b);
   for (size_t first = 0; first < quantized.size(); first += kTableSize) {
@@ -329,14 +336,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
       f.qt[j] = static_cast<uint8_t*>(b.fp8.qt.data);
       f.scale_t[j] = b.fp8.qt.data != nullptr ? b.fp8.scale_t.f32() : nullptr;
       f.pow2[j] = b.fp8.pow2;
-      t.p[j] = b.param.f32();
-      t.g[j] = b.grad.f32();
-      t.m[j] = b.m.data;
-      t.v[j] = b.v.data;
-      t.key[j] = b.key;
-      t.c[j] = nullptr;
-      t.n[j] = b.param.numel();
-      t.decay[j] = b.decay ? with_decay : 1.0f;
+      set_block(j, b);
       f.first_tile[j] = tiles;
       tiles += f.experts[j] * fp8::tiles(f.rows[j]) * fp8::tiles(f.cols[j]);
     }
@@ -349,15 +349,7 @@ void adamw_step_multi(const std::vector<AdamWBlock>& blocks, const cpu::AdamWSte
     t.count = static_cast<int>(std::min<size_t>(kTableSize, plain.size() - first));
     int64_t chunks = 0;
     for (int j = 0; j < t.count; ++j) {
-      const AdamWBlock& b = *plain[first + j];
-      t.p[j] = b.param.f32();
-      t.g[j] = b.grad.f32();
-      t.m[j] = b.m.data;
-      t.v[j] = b.v.data;
-      t.key[j] = b.key;
-      t.c[j] = bf16_data(b.compute);  // null without a compute copy
-      t.n[j] = b.param.numel();
-      t.decay[j] = b.decay ? with_decay : 1.0f;
+      set_block(j, *plain[first + j]);
       t.first_chunk[j] = chunks;
       chunks += (t.n[j] + kChunk - 1) / kChunk;
     }

@@ -1,11 +1,12 @@
 // Device-side helpers the kernel files share: float views of f32-or-bf16 buffers, 16-byte
-// bf16 loads and stores, warp and block sums, grid-stride loops. Kernels compute in f32
-// and choose the storage type per launch with a uniform branch, which keeps one kernel
-// per op instead of one per dtype pair.
+// bf16 loads and stores, warp and block sums, grid-stride loops, expert row segments.
+// Kernels compute in f32 and choose the storage type per launch with a uniform branch,
+// which keeps one kernel per op instead of one per dtype pair.
 #pragma once
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 
@@ -20,6 +21,8 @@ struct In {
   __device__ float operator[](int64_t i) const {
     return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]) : static_cast<const float*>(p)[i];
   }
+  // The view from element i on (a row of the buffer).
+  __device__ In from(int64_t i) const { return {static_cast<const char*>(p) + i * (bf16 ? 2 : 4), bf16}; }
 };
 
 // Writes f32 values into a f32 or bf16 buffer (round to nearest even for bf16).
@@ -33,6 +36,7 @@ struct Out {
       static_cast<float*>(p)[i] = v;
   }
   __device__ float get(int64_t i) const { return In{p, bf16}[i]; }
+  __device__ Out from(int64_t i) const { return {static_cast<char*>(p) + i * (bf16 ? 2 : 4), bf16}; }
 };
 
 // A bf16 tensor's elements (the caller has checked its dtype).
@@ -42,6 +46,9 @@ inline In as_in(const Tensor& t) { return In{t.data, t.dtype == DType::bf16}; }
 inline Out as_out(const Tensor& t) { return Out{t.data, t.dtype == DType::bf16}; }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+inline bool all_aligned16(std::initializer_list<const Tensor*> ts) {
+  return std::all_of(ts.begin(), ts.end(), [](const Tensor* t) { return aligned16(t->data); });
+}
 
 // Whether a kernel's 8-wide bf16 path applies: bf16 everywhere, rows of 8k elements,
 // 16-byte starts.
@@ -91,6 +98,13 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// Maximum over the warp, every lane getting it; fmaxf ignores NaN, as std::fmax does on the CPU.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // Sum over the block of a per-thread value; every thread gets the total. The order of
 // the additions depends only on blockDim, so results repeat bit for bit. `shared` holds
 // one T per warp; blockDim.x is a multiple of 32.
@@ -122,6 +136,16 @@ __device__ inline int tensor_of_chunk(const int64_t* first_chunk, int count, int
       hi = mid - 1;
   }
   return lo;
+}
+
+// Rows [begin, end) of expert e's segment, the offsets clamped to [0, rows] so that
+// malformed offsets cannot send a block outside the buffers.
+struct RowRange {
+  int64_t begin, end;
+};
+__device__ __forceinline__ RowRange segment_rows(const int32_t* offsets, int e, int64_t rows) {
+  const int64_t begin = min(max(int64_t{offsets[e]}, int64_t{0}), rows);
+  return {begin, min(max(int64_t{offsets[e + 1]}, begin), rows)};
 }
 
 }  // namespace mt::cuda

@@ -118,20 +118,19 @@ __device__ void grad_row(In in, Out out, int64_t v, bool vec, int32_t y, bool sk
 __global__ void ce_forward_kernel(In logits, const int32_t* labels, int32_t ignore, int64_t v, bool vec, float* lse,
                                   double* row_loss, float scale, Out dlogits) {
   const int64_t row = blockIdx.x;
-  const void* base = static_cast<const char*>(logits.p) + row * v * (logits.bf16 ? 2 : 4);
+  const In x = logits.from(row * v);
   MaxSum st;
   if (vec) {
     const int w = logits.bf16 ? 8 : 4;
     float buf[8];
     for (int64_t q = threadIdx.x; q < v / w; q += blockDim.x) {
-      load_chunk(base, logits.bf16, q, buf);
+      load_chunk(x.p, x.bf16, q, buf);
 #pragma unroll
       for (int k = 0; k < 8; ++k)
         if (k < w) st.add(buf[k]);
     }
   } else {
-    In r{base, logits.bf16};
-    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) st.add(r[j]);
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) st.add(x[j]);
   }
   st = block_max_sum(st);
   const float l = st.m + logf(st.s);
@@ -143,12 +142,11 @@ __global__ void ce_forward_kernel(In logits, const int32_t* labels, int32_t igno
     else if (y < 0 || y >= v)
       row_loss[row] = NAN;
     else
-      row_loss[row] = static_cast<double>(l) - In{base, logits.bf16}[y];
+      row_loss[row] = static_cast<double>(l) - x[y];
   }
   if (dlogits.p == nullptr) return;
   __syncthreads();  // the label's logit is read before the pass below may overwrite it
-  void* out_row = static_cast<char*>(dlogits.p) + row * v * (dlogits.bf16 ? 2 : 4);
-  grad_row(In{base, logits.bf16}, Out{out_row, dlogits.bf16}, v, vec, y, y == ignore, l, scale, true);
+  grad_row(x, dlogits.from(row * v), v, vec, y, y == ignore, l, scale, true);
 }
 
 // One block adds the rows' losses in a fixed order and counts the labelled rows.
@@ -168,15 +166,12 @@ __global__ void ce_sum_kernel(const double* row_loss, const int32_t* labels, int
   }
 }
 
-// dlogits = scale * (exp(x - lse) - onehot(label)); zero on ignored rows. Each element
-// is read and written by the same thread, so dlogits may be the logits buffer.
+// grad_row over every row, from the forward's lse (dlogits may be the logits buffer).
 __global__ void ce_backward_kernel(In logits, const int32_t* labels, const float* lse, int32_t ignore, float scale,
                                    int64_t v, bool vec, Out dlogits) {
   const int64_t row = blockIdx.x;
   const int32_t y = labels[row];
-  const void* in_row = static_cast<const char*>(logits.p) + row * v * (logits.bf16 ? 2 : 4);
-  void* out_row = static_cast<char*>(dlogits.p) + row * v * (dlogits.bf16 ? 2 : 4);
-  grad_row(In{in_row, logits.bf16}, Out{out_row, dlogits.bf16}, v, vec, y, y == ignore, lse[row], scale, false);
+  grad_row(logits.from(row * v), dlogits.from(row * v), v, vec, y, y == ignore, lse[row], scale, false);
 }
 
 void check_args(const Tensor& logits, const Tensor& labels, const Tensor& lse) {

@@ -219,13 +219,6 @@ __global__ void combine_backward_kernel(Gather g) {
   }
 }
 
-bool rows_aligned(int64_t d, std::initializer_list<const void*> ptrs) {
-  if (d % 8 != 0) return false;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return false;
-  return true;
-}
-
 // The gathers: one block per expert-ordered row (dispatch forward) or per token.
 void launch(void (*kernel)(Gather), int64_t blocks, const Gather& g) {
   kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(g);
@@ -304,10 +297,9 @@ int64_t dispatch_plan(const Tensor& idx, int64_t num_experts, int64_t capacity, 
   // The sort's buffer is the backend's scratch.
   char* buffer = static_cast<char*>(scratch(sort_bytes(slots, num_experts)));
   launch_sort(idx, num_experts, capacity, 0, counts, offsets, order, slot_row, buffer);
-  const long long* dropped_d = reinterpret_cast<const long long*>(buffer);
-  long long dropped = 0;
+  long long dropped = 0;  // the buffer's first bytes (sort_bytes)
   if (capacity > 0) {
-    CUDA_CHECK(cudaMemcpyAsync(&dropped, dropped_d, sizeof(dropped), cudaMemcpyDeviceToHost, stream()));
+    CUDA_CHECK(cudaMemcpyAsync(&dropped, buffer, sizeof(dropped), cudaMemcpyDeviceToHost, stream()));
     synchronize();
   }
   return dropped;
@@ -335,8 +327,7 @@ void dispatch_forward(const Tensor& x, const Tensor& order, int64_t k, const Ten
   if (rows == 0 || d == 0) return;
   Gather g{bf16_data(x), bf16_data(xs), order.i32(), nullptr, nullptr, nullptr, static_cast<int>(rows),
            static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  const bool wide = rows_aligned(d, {x.data, xs.data});
-  launch(wide ? dispatch_forward_kernel<8> : dispatch_forward_kernel<1>, rows, g);
+  launch(x8(d, {&x, &xs}) ? dispatch_forward_kernel<8> : dispatch_forward_kernel<1>, rows, g);
 }
 
 void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& dx) {
@@ -349,8 +340,7 @@ void dispatch_backward(const Tensor& dxs, const Tensor& slot_row, const Tensor& 
   if (n == 0 || d == 0) return;
   Gather g{bf16_data(dxs), bf16_data(dx), slot_row.i32(), nullptr, nullptr, nullptr, static_cast<int>(rows),
            static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  const bool wide = rows_aligned(d, {dxs.data, dx.data});
-  launch(wide ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
+  launch(x8(d, {&dxs, &dx}) ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
 }
 
 void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& y) {
@@ -365,8 +355,7 @@ void combine_forward(const Tensor& ys, const Tensor& weight, const Tensor& slot_
   if (n == 0 || d == 0) return;
   Gather g{bf16_data(ys), bf16_data(y), slot_row.i32(), weight.f32(), nullptr, nullptr, static_cast<int>(rows),
            static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  const bool wide = rows_aligned(d, {ys.data, y.data});
-  launch(wide ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
+  launch(x8(d, {&ys, &y}) ? gather_sum_kernel<8> : gather_sum_kernel<1>, n, g);
 }
 
 void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot_row, const Tensor& dy,
@@ -384,13 +373,20 @@ void combine_backward(const Tensor& ys, const Tensor& weight, const Tensor& slot
   if (n == 0) return;
   Gather g{bf16_data(dy), bf16_data(dys), slot_row.i32(), weight.f32(), bf16_data(ys), dweight.f32(),
            static_cast<int>(rows), static_cast<int>(n), static_cast<int>(d), static_cast<int>(k)};
-  const bool wide = rows_aligned(d, {ys.data, dy.data, dys.data});
-  launch(wide ? combine_backward_kernel<8> : combine_backward_kernel<1>, n, g);
+  launch(x8(d, {&ys, &dy, &dys}) ? combine_backward_kernel<8> : combine_backward_kernel<1>, n, g);
 }
 
 namespace {
 
 constexpr int kIndexThreads = 256;
+
+// The index kernels: a thread an index of [0, n), no launch for n = 0.
+template <typename... Params, typename... Args>
+void launch_index(void (*kernel)(Params...), int64_t n, Args... args) {
+  if (n == 0) return;
+  kernel<<<blocks_for(n, kIndexThreads), kIndexThreads, 0, stream()>>>(args...);
+  CUDA_CHECK_LAUNCH();
+}
 
 __global__ void ep_row_buckets_kernel(const int32_t* idx, int32_t* buckets, int slots, int k, int per, int experts) {
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
@@ -491,11 +487,8 @@ void ep_row_buckets(const Tensor& idx, int64_t per, int64_t num_experts, const T
   const int64_t n = idx.dim(0), k = idx.dim(1);
   check_arg(idx, "ep_row_buckets idx", {DType::i32}, {n, k});
   check_arg(buckets, "ep_row_buckets buckets", {DType::i32}, {n, k});
-  if (n * k == 0) return;
-  ep_row_buckets_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
-      idx.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(per),
-      static_cast<int>(num_experts));
-  CUDA_CHECK_LAUNCH();
+  launch_index(ep_row_buckets_kernel, n * k, idx.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k),
+               static_cast<int>(per), static_cast<int>(num_experts));
 }
 
 void ep_route_slots(const Tensor& idx, const Tensor& mine, const Tensor& first, const Tensor& slot,
@@ -507,11 +500,9 @@ void ep_route_slots(const Tensor& idx, const Tensor& mine, const Tensor& first, 
   check_arg(idx, "ep_route_slots idx", {DType::i32}, {n, k});
   check_arg(slots, "ep_route_slots slots", {DType::i32}, {n, k});
   check_arg(bound, "ep_route_slots bound", {DType::i64}, {slot.numel()});
-  if (n * k == 0) return;
-  ep_route_slots_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
-      idx.i32(), mine.i32(), first.i32(), slot.i32(), static_cast<const int64_t*>(bound.data), slots.i32(),
-      static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(mine.numel()));
-  CUDA_CHECK_LAUNCH();
+  launch_index(ep_route_slots_kernel, n * k, idx.i32(), mine.i32(), first.i32(), slot.i32(),
+               static_cast<const int64_t*>(bound.data), slots.i32(), static_cast<int>(n * k), static_cast<int>(k),
+               static_cast<int>(mine.numel()));
 }
 
 void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, const Tensor& buckets) {
@@ -522,11 +513,8 @@ void ep_send_buckets(const Tensor& idx, const Tensor& sent_slot, int64_t per, co
   check_arg(idx, "ep_send_buckets idx", {DType::i32}, {n, k});
   check_arg(sent_slot, "ep_send_buckets sent_slot", {DType::i32}, {rows});
   check_arg(buckets, "ep_send_buckets buckets", {DType::i32}, {rows, k});
-  if (rows * k == 0) return;
-  ep_send_buckets_kernel<<<blocks_for(rows * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
-      idx.i32(), sent_slot.i32(), buckets.i32(), static_cast<int>(rows), static_cast<int>(n * k),
-      static_cast<int>(k), static_cast<int>(per));
-  CUDA_CHECK_LAUNCH();
+  launch_index(ep_send_buckets_kernel, rows * k, idx.i32(), sent_slot.i32(), buckets.i32(), static_cast<int>(rows),
+               static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(per));
 }
 
 void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int64_t per, const Tensor& out) {
@@ -536,10 +524,8 @@ void ep_pack_counts(const Tensor& row_counts, const Tensor& expert_offsets, int6
   check_arg(row_counts, "ep_pack_counts row_counts", {DType::i32}, {ranks});
   check_arg(expert_offsets, "ep_pack_counts expert_offsets", {DType::i32}, {ranks * per + 1});
   check_arg(out, "ep_pack_counts out", {DType::i32}, {ranks, 2});
-  if (ranks == 0) return;
-  ep_pack_counts_kernel<<<blocks_for(ranks, kIndexThreads), kIndexThreads, 0, stream()>>>(
-      row_counts.i32(), expert_offsets.i32(), out.i32(), static_cast<int>(ranks), static_cast<int>(per));
-  CUDA_CHECK_LAUNCH();
+  launch_index(ep_pack_counts_kernel, ranks, row_counts.i32(), expert_offsets.i32(), out.i32(), static_cast<int>(ranks),
+               static_cast<int>(per));
 }
 
 void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const Tensor& recv_counts, int64_t k,
@@ -553,11 +539,8 @@ void ep_return_buckets(const Tensor& order, const Tensor& local_offsets, const T
   check_arg(local_offsets, "ep_return_buckets local_offsets", {DType::i32}, local_offsets.shape);
   check_arg(recv_counts, "ep_return_buckets recv_counts", {DType::i32}, {ranks, 2});
   check_arg(buckets, "ep_return_buckets buckets", {DType::i32}, {m});
-  if (m == 0) return;
-  ep_return_buckets_kernel<<<blocks_for(m, kIndexThreads), kIndexThreads, 0, stream()>>>(
-      order.i32(), local_offsets.i32() + local_offsets.dim(0) - 1, recv_counts.i32(), buckets.i32(),
-      static_cast<int>(m), static_cast<int>(ranks), static_cast<int>(k));
-  CUDA_CHECK_LAUNCH();
+  launch_index(ep_return_buckets_kernel, m, order.i32(), local_offsets.i32() + local_offsets.dim(0) - 1,
+               recv_counts.i32(), buckets.i32(), static_cast<int>(m), static_cast<int>(ranks), static_cast<int>(k));
 }
 
 void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& kept_rows, int64_t per,
@@ -570,11 +553,8 @@ void ep_kept_buckets(const Tensor& idx, const Tensor& token_rows, const Tensor& 
   check_arg(token_rows, "ep_kept_buckets token_rows", {DType::i32}, {n * k});
   check_arg(kept_rows, "ep_kept_buckets kept_rows", {DType::i32}, kept_rows.shape);
   check_arg(buckets, "ep_kept_buckets buckets", {DType::i32}, {n, k});
-  if (n * k == 0) return;
-  ep_kept_buckets_kernel<<<blocks_for(n * k, kIndexThreads), kIndexThreads, 0, stream()>>>(
-      idx.i32(), token_rows.i32(), kept_rows.i32(), buckets.i32(), static_cast<int>(n * k), static_cast<int>(k),
-      static_cast<int>(per), static_cast<int>(kept_rows.dim(0)));
-  CUDA_CHECK_LAUNCH();
+  launch_index(ep_kept_buckets_kernel, n * k, idx.i32(), token_rows.i32(), kept_rows.i32(), buckets.i32(),
+               static_cast<int>(n * k), static_cast<int>(k), static_cast<int>(per), static_cast<int>(kept_rows.dim(0)));
 }
 
 void read_counts(std::initializer_list<Tensor> arrays, int32_t* out) {

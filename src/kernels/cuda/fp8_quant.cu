@@ -17,35 +17,21 @@ constexpr int kTile = static_cast<int>(fp8::kTile);
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kRowsPerWarp = kTile / kWarps;
 
-// One quantization's arguments: quantize_rows' (rows_kernel) and blocks_kernel's
-// (128x128 blocks).
+// blocks_kernel's arguments.
 struct Job {
   In x;
-  int64_t m, k;  // x [m, k]; with blocks, blockIdx.z picks one of the experts' matrices
+  int64_t m, k;  // x [m, k]; blockIdx.z picks one of the experts' matrices
   bool pow2;
   uint8_t* q;    // [m, k]
-  float* scale;  // rows: [tiles(k), m]; blocks: [tiles(m), ld]
+  float* scale;  // [tiles(m), ld]
   int64_t ld;
-  uint8_t* qt;     // blocks: [k, m], or null
-  float* scale_t;  // blocks: [tiles(k), ldt]
+  uint8_t* qt;     // [k, m], or null
+  float* scale_t;  // [tiles(k), ldt]
   int64_t ldt;
-  int64_t expert_elements, expert_scales, expert_scales_t;  // blocks: one expert's strides
+  int64_t expert_elements, expert_scales, expert_scales_t;  // one expert's strides
 };
 
 __device__ __forceinline__ uint8_t e4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
-
-// fmaxf ignores NaN, as std::fmax does on the CPU.
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-In check_input(const Tensor& x, const char* name) {
-  MT_CHECK(x.ndim() == 2) << name << " should be [rows, cols], got " << x.str();
-  check_arg(x, name, {DType::bf16, DType::f32}, x.shape);
-  return as_in(x);
-}
 
 uint8_t* codes(const Tensor& q, const char* name, Shape shape) {
   check_arg(q, name, {DType::f8e4m3}, shape);
@@ -110,8 +96,7 @@ __global__ void __launch_bounds__(kThreads) blocks_kernel(Job p, bool vector, bo
   __shared__ __align__(16) uint8_t sq[kTile][kTile + 16];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t e = blockIdx.z, r0 = blockIdx.y * int64_t{kTile}, c0 = blockIdx.x * int64_t{kTile};
-  const char* base = static_cast<const char*>(p.x.p) + e * p.expert_elements * (p.x.bf16 ? 2 : 4);
-  const In x{base, p.x.bf16};
+  const In x = p.x.from(e * p.expert_elements);
   float v[kRowsPerWarp][4];
   float amax = 0.0f;
 #pragma unroll
@@ -189,20 +174,19 @@ __global__ void __launch_bounds__(kThreads) blocks_kernel(Job p, bool vector, bo
 }  // namespace
 
 void quantize_rows(const Tensor& x, const Tensor& q, const Tensor& scale, bool pow2) {
-  Job p{};
-  p.x = check_input(x, "quantize_rows x");
-  p.m = x.dim(0), p.k = x.dim(1), p.pow2 = pow2;
-  check_arg(scale, "quantize_rows scale", {DType::f32}, {fp8::tiles(p.k), p.m});
-  p.q = codes(q, "quantize_rows q", {p.m, p.k});
-  p.scale = scale.f32();
-  if (p.m * p.k == 0) return;
+  MT_CHECK(x.ndim() == 2) << "quantize_rows x should be [rows, cols], got " << x.str();
+  check_arg(x, "quantize_rows x", {DType::bf16, DType::f32}, x.shape);
+  const int64_t m = x.dim(0), k = x.dim(1);
+  check_arg(scale, "quantize_rows scale", {DType::f32}, {fp8::tiles(k), m});
+  uint8_t* codes_q = codes(q, "quantize_rows q", {m, k});
+  if (m * k == 0) return;
   // 16-byte loads of a row's 8 elements and 8-byte stores of their codes need k % 8 == 0.
-  const bool vector = p.k % 8 == 0 && aligned16(x.data) && reinterpret_cast<uintptr_t>(q.data) % 8 == 0;
-  const int64_t blocks = (p.m + kRowTilesPerBlock - 1) / kRowTilesPerBlock;
-  MT_CHECK(blocks <= 65535 && fp8::tiles(p.k) <= INT_MAX)
-      << "quantize_rows of [" << p.m << ", " << p.k << "]: more row groups (" << blocks << ") than one launch takes";
-  const dim3 grid(static_cast<unsigned>(fp8::tiles(p.k)), static_cast<unsigned>(blocks));
-  rows_kernel<<<grid, kThreads, 0, stream()>>>(p.x, p.m, p.k, pow2, vector, p.q, p.scale);
+  const bool vector = k % 8 == 0 && aligned16(x.data) && reinterpret_cast<uintptr_t>(q.data) % 8 == 0;
+  const int64_t blocks = (m + kRowTilesPerBlock - 1) / kRowTilesPerBlock;
+  MT_CHECK(blocks <= 65535 && fp8::tiles(k) <= INT_MAX)
+      << "quantize_rows of [" << m << ", " << k << "]: more row groups (" << blocks << ") than one launch takes";
+  const dim3 grid(static_cast<unsigned>(fp8::tiles(k)), static_cast<unsigned>(blocks));
+  rows_kernel<<<grid, kThreads, 0, stream()>>>(as_in(x), m, k, pow2, vector, codes_q, scale.f32());
   CUDA_CHECK_LAUNCH();
 }
 

@@ -102,44 +102,6 @@ const Plan& plan_for(const PlanKey& key, const void* scale_a = nullptr, const vo
   return plans->emplace(key, p).first->second;
 }
 
-// Row-major c[m,n] = alpha op(a) op(b) + beta c, a and b bf16 with row widths lda/ldb,
-// c f32 or bf16 with row width ldc. beta = 0 never reads c (it may hold NaN).
-void matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void* a, int64_t lda,
-            const void* b, int64_t ldb, float beta, const Tensor& c, int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    // An empty sum: cuBLASLt rejects k = 0, and c = beta c is the whole answer.
-    if (beta == 0.0f)
-      cuda::fill(c, 0.0f);
-    else
-      cuda::scale(c, beta);
-    return;
-  }
-  PlanKey key{ta, tb, m, n, k, lda, ldb, ldc, c.dtype == DType::f32, alignment(a), alignment(b), alignment(c.data)};
-  const Plan& p = plan_for(key);
-  // The workspace is the current stream's, so products on two streams never share one.
-  CUBLAS_CHECK(cublasLtMatmul(blaslt(), p.desc, &alpha, b, p.la, a, p.lb, &beta, c.data, p.lc, c.data, p.lc,
-                              &p.algo, blaslt_workspace(), kBlasltWorkspaceBytes, stream()));
-}
-
-struct Dims {
-  int64_t m, n, k;
-};
-
-Dims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb) {
-  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2)
-      << "gemm wants 2-D tensors, got a " << a.str() << ", b " << b.str() << ", gemm c " << c.str();
-  Dims d{ta ? a.dim(1) : a.dim(0), tb ? b.dim(0) : b.dim(1), ta ? a.dim(0) : a.dim(1)};
-  int64_t kb = tb ? b.dim(1) : b.dim(0);
-  MT_CHECK(kb == d.k && c.dim(0) == d.m && c.dim(1) == d.n)
-      << "gemm shapes disagree: op(a) " << d.m << "x" << d.k << " (a " << a.str() << (ta ? "^T" : "") << "), op(b) "
-      << kb << "x" << d.n << " (b " << b.str() << (tb ? "^T" : "") << "), gemm c " << c.str();
-  check_arg(a, "gemm a", {DType::bf16}, a.shape);
-  check_arg(b, "gemm b", {DType::bf16}, b.shape);
-  check_arg(c, "gemm c", {DType::bf16, DType::f32}, c.shape);
-  return d;
-}
-
 }  // namespace
 
 void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_blocks,
@@ -170,9 +132,34 @@ void gemm_fp8(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Ten
                               &p.algo, blaslt_workspace(), kBlasltWorkspaceBytes, stream()));
 }
 
+// Row-major c[m,n] = alpha op(a) op(b) + beta c, a and b bf16 with row widths a.dim(1) and
+// b.dim(1), c f32 or bf16. beta = 0 never reads c (it may hold NaN).
 void gemm(const Tensor& a, const Tensor& b, const Tensor& c, bool trans_a, bool trans_b, float alpha, float beta) {
-  Dims d = check_gemm(a, b, c, trans_a, trans_b);
-  matmul(trans_a, trans_b, d.m, d.n, d.k, alpha, a.data, a.dim(1), b.data, b.dim(1), beta, c, d.n);
+  MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2)
+      << "gemm wants 2-D tensors, got a " << a.str() << ", b " << b.str() << ", gemm c " << c.str();
+  const int64_t m = trans_a ? a.dim(1) : a.dim(0), n = trans_b ? b.dim(0) : b.dim(1), k = trans_a ? a.dim(0) : a.dim(1);
+  const int64_t kb = trans_b ? b.dim(1) : b.dim(0);
+  MT_CHECK(kb == k && c.dim(0) == m && c.dim(1) == n)
+      << "gemm shapes disagree: op(a) " << m << "x" << k << " (a " << a.str() << (trans_a ? "^T" : "")
+      << "), op(b) " << kb << "x" << n << " (b " << b.str() << (trans_b ? "^T" : "") << "), gemm c " << c.str();
+  check_arg(a, "gemm a", {DType::bf16}, a.shape);
+  check_arg(b, "gemm b", {DType::bf16}, b.shape);
+  check_arg(c, "gemm c", {DType::bf16, DType::f32}, c.shape);
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    // An empty sum: cuBLASLt rejects k = 0, and c = beta c is the whole answer.
+    if (beta == 0.0f)
+      cuda::fill(c, 0.0f);
+    else
+      cuda::scale(c, beta);
+    return;
+  }
+  PlanKey key{trans_a, trans_b, m, n, k, a.dim(1), b.dim(1), n, c.dtype == DType::f32, alignment(a.data),
+              alignment(b.data), alignment(c.data)};
+  const Plan& p = plan_for(key);
+  // The workspace is the current stream's, so products on two streams never share one.
+  CUBLAS_CHECK(cublasLtMatmul(blaslt(), p.desc, &alpha, b.data, p.la, a.data, p.lb, &beta, c.data, p.lc, c.data, p.lc,
+                              &p.algo, blaslt_workspace(), kBlasltWorkspaceBytes, stream()));
 }
 
 }  // namespace mt::cuda

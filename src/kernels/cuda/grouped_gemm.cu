@@ -185,14 +185,6 @@ struct Segments {
   int64_t total_rows;
 };
 
-// Rows [begin, end) of expert e, clamped to [0, total_rows) so that a malformed offsets
-// tensor cannot send a block outside the buffers.
-__device__ void segment(const Segments& s, int e, int64_t& begin, int64_t& end) {
-  const int64_t lo = s.offsets[e], hi = s.offsets[e + 1];
-  begin = min(max(lo, int64_t{0}), s.total_rows);
-  end = min(max(hi, begin), s.total_rows);
-}
-
 // Which (expert, tile row) block `tile` of a row-segmented product is: warp 0 scans the
 // per-expert tile counts 32 experts at a time. Returns false past the last tile (the
 // grid is sized for the worst case, ceil(N / BM) + E tiles).
@@ -205,8 +197,7 @@ __device__ bool find_row_tile(const Segments& s, int64_t tile, int& expert, int6
     __syncwarp();  // the reset lands before any lane can record a match
     for (int e0 = 0; e0 < s.experts; e0 += 32) {
       const int e = e0 + lane;
-      int64_t begin = 0, end = 0;
-      if (e < s.experts) segment(s, e, begin, end);
+      const auto [begin, end] = e < s.experts ? segment_rows(s.offsets, e, s.total_rows) : RowRange{0, 0};
       const int64_t tiles = (end - begin + BM - 1) / BM;
       int64_t incl = tiles;  // inclusive prefix sum over the lanes
       for (int o = 1; o < 32; o <<= 1) {
@@ -271,8 +262,7 @@ struct WeightArgs {
 __global__ void __launch_bounds__(kThreads) weight_kernel(WeightArgs p) {
   __shared__ __align__(128) unsigned char smem[Gemm<false, false>::kSmemBytes];
   const int expert = blockIdx.z;
-  int64_t begin, end;
-  segment(p.seg, expert, begin, end);
+  const auto [begin, end] = segment_rows(p.seg.offsets, expert, p.seg.total_rows);
   const int64_t rows = end - begin;
   // A(m=o, k=row) = dy[row][o] and B(k=row, n) = x[row][n].
   Operand a{p.dy + begin * p.o, p.o, rows, p.o, p.o % 8 == 0 && reinterpret_cast<uintptr_t>(p.dy) % 16 == 0};
@@ -299,8 +289,7 @@ __global__ void bias_grad_partial_kernel(Segments seg, const bf16* dy, int64_t o
 }
 
 __device__ int64_t tiles_of(const Segments& s, int e) {
-  int64_t begin, end;
-  segment(s, e, begin, end);
+  const auto [begin, end] = segment_rows(s.offsets, e, s.total_rows);
   return (end - begin + BM - 1) / BM;
 }
 

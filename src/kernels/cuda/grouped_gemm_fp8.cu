@@ -138,12 +138,6 @@ Groups carve_groups(Carve& c, int experts) {
 
 __device__ int64_t tiles_of(int64_t n) { return (n + kTile - 1) / kTile; }
 
-// Rows [begin, end) of expert e, offsets clamped to [0, rows].
-__device__ void segment(const int32_t* offsets, int e, int64_t rows, int64_t& begin, int64_t& end) {
-  begin = min(max(int64_t{offsets[e]}, int64_t{0}), rows);
-  end = min(max(int64_t{offsets[e + 1]}, begin), rows);
-}
-
 // A per-row scale layout ((1, rows), (128, k_tiles)): rows contiguous, k_stride between
 // k-tiles.
 template <class Layout>
@@ -173,8 +167,7 @@ __global__ void plan_forward_kernel(ForwardPlan p, Groups out) {
   using namespace cute;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= p.experts) return;
-  int64_t begin, end;
-  segment(p.offsets, e, p.rows, begin, end);
+  const auto [begin, end] = segment_rows(p.offsets, e, p.rows);
   const int n = static_cast<int>(end - begin), k_tiles = static_cast<int>(tiles_of(p.k));
   const int o_tiles = static_cast<int>(tiles_of(p.o));
   out.shape[e] = make_shape(n, static_cast<int>(p.o), static_cast<int>(p.k));
@@ -231,12 +224,6 @@ void launch(const ForwardPlan& p) {
       << cutlass::cutlassGetStatusString(status);
 }
 
-bool aligned(std::initializer_list<const Tensor*> tensors) {
-  for (const Tensor* t : tensors)
-    if (!aligned16(t->data)) return false;
-  return true;
-}
-
 }  // namespace
 
 void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, const Tensor& w_scale,
@@ -255,7 +242,7 @@ void grouped_gemm_fp8(const Tensor& x, const Tensor& x_scale, const Tensor& w, c
   // TMA moves 16-byte rows (x's and w's K a multiple of 16 codes, y's O of 8 bf16); O a
   // multiple of 16 too, what the tests reach (a ragged last N tile included).
   MT_CHECK(k > 0 && k % 16 == 0 && o > 0 && o % 16 == 0 && rows <= INT_MAX && k <= INT_MAX && o <= INT_MAX &&
-           experts <= INT_MAX && aligned({&x, &w, &y}))
+           experts <= INT_MAX && all_aligned16({&x, &w, &y}))
       << "grouped_gemm_fp8 on the GPU takes K and O positive multiples of 16 and 16-byte aligned x, w, y; got x "
       << x.str() << ", w " << w.str() << ", y " << y.str();
   if (rows == 0 || experts == 0) return;

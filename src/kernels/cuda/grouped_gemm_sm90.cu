@@ -79,12 +79,6 @@ using ForwardBiasGemm = Config<RowMajor, ColumnMajor, void, bf16, Tile128x256, C
 using InputGemm = Config<RowMajor, RowMajor, void, bf16, Tile128x256, Cluster2x1, false>::Gemm;
 using WeightGemm = Config<ColumnMajor, RowMajor, float, float, Tile128x128, Cluster2x1, true>::Gemm;
 
-// Whether a Gemm's epilogue reads a per-expert bias row.
-template <class Gemm>
-constexpr bool kBiasOf = false;
-template <>
-constexpr bool kBiasOf<ForwardBiasGemm> = true;
-
 // The types CUTLASS reads per group. ElementC is void when the epilogue has no source.
 template <class Gemm>
 struct Types {
@@ -98,7 +92,7 @@ struct Types {
   using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
   static constexpr bool kHasC = !std::is_void_v<C>;
-  static constexpr bool kBias = kBiasOf<Gemm>;
+  static constexpr bool kBias = std::is_same_v<Gemm, ForwardBiasGemm>;  // the epilogue reads a bias row
 };
 
 // Where expert e's part of an operand starts: base + begin * per_row + e * per_expert
@@ -150,8 +144,7 @@ template <class Gemm>
 __global__ void plan_groups_kernel(Plan<Gemm> p) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= p.experts) return;
-  const int64_t begin = min(max(int64_t{p.offsets[e]}, int64_t{0}), p.rows);
-  const int64_t end = min(max(int64_t{p.offsets[e + 1]}, begin), p.rows);
+  const auto [begin, end] = segment_rows(p.offsets, e, p.rows);
   const int rows = static_cast<int>(end - begin);
   p.out.shape[e] = p.rows_reduce ? cute::make_shape(rows > 0 ? p.m : 0, p.n, rows) : cute::make_shape(rows, p.n, p.k);
   p.out.a[e] = p.a.at(e, begin);
@@ -233,10 +226,7 @@ void launch(Plan<Gemm> p, const Tensor& offsets, int64_t experts, int64_t rows, 
 // elements, and every tensor's start 16-byte aligned. Sizes must fit CUTLASS's ints.
 bool tma_length(int64_t elements) { return elements > 0 && elements % 8 == 0 && elements <= INT_MAX; }
 bool tma_fits(int64_t n, int64_t experts, int64_t k, int64_t o, std::initializer_list<const Tensor*> tensors) {
-  if (!tma_length(k) || !tma_length(o) || n > INT_MAX || experts > INT_MAX) return false;
-  for (const Tensor* t : tensors)
-    if (!aligned16(t->data)) return false;
-  return true;
+  return tma_length(k) && tma_length(o) && n <= INT_MAX && experts <= INT_MAX && all_aligned16(tensors);
 }
 
 template <class Gemm>
@@ -259,8 +249,7 @@ void forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor&
 // dw[e] = 0 for every expert without rows (W without accumulation: CUTLASS skips them).
 __global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t rows, float4* dw, int64_t per_expert) {
   const int e = blockIdx.y;
-  const int64_t begin = min(max(int64_t{offsets[e]}, int64_t{0}), rows);
-  const int64_t end = min(max(int64_t{offsets[e + 1]}, begin), rows);
+  const auto [begin, end] = segment_rows(offsets, e, rows);
   if (end > begin) return;
   float4* out = dw + e * per_expert;
   MT_GRID_STRIDE(i, per_expert) out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);

@@ -3,6 +3,7 @@
 // block's decide two weights, the lanes rescale the row's Dh values. All f32, elementwise per
 // row, so results repeat bit for bit.
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
@@ -54,10 +55,7 @@ __global__ void accumulate_kernel(In x, float* acc, int64_t n) {
 }
 
 // Grid-stride launches stop at a grid the GPU can hold at once.
-unsigned grid_for(int64_t n) {
-  const int64_t blocks = (n + kThreads - 1) / kThreads, cap = static_cast<int64_t>(sm_count()) * 8;
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
-}
+unsigned grid_for(int64_t n) { return std::min<unsigned>(blocks_for(n, kThreads), 8u * sm_count()); }
 
 }  // namespace
 

@@ -262,8 +262,8 @@ bool fused_heads(const Tensor& x, const Tensor& cos, std::initializer_list<const
   return d % 16 == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0 && 2 * cos.dim(1) == d && x8(d, ts);
 }
 
-void check_heads(const Tensor& x, const Tensor& cos, const Tensor& sin, const char* what) {
-  MT_CHECK(x.ndim() == 4) << "rmsnorm_rope " << what << " should be [B,T,H,Dh], got " << x.str();
+void check_heads(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  MT_CHECK(x.ndim() == 4) << "rmsnorm_rope x should be [B,T,H,Dh], got " << x.str();
   MT_CHECK(cos.ndim() == 2) << "rmsnorm_rope cos should be [T, rotary_dim/2], got " << cos.str();
   check_arg(cos, "rmsnorm_rope cos", {DType::f32}, {x.dim(1), cos.dim(1)});
   check_arg(sin, "rmsnorm_rope sin", {DType::f32}, {x.dim(1), cos.dim(1)});
@@ -334,7 +334,7 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
 
 void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,
                           const Tensor& y, const Tensor& rstd) {
-  check_heads(x, cos, sin, "x");
+  check_heads(x, cos, sin);
   MT_CHECK(x.data != y.data) << "rmsnorm_rope needs y apart from x (the backward reads x)";
   const int64_t t = x.dim(1), h = x.dim(2), d = x.dim(3), n = x.dim(0) * t * h;
   if (!fused_heads(x, cos, {&x, &y})) {
@@ -352,7 +352,7 @@ void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Ten
 
 void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& cos,
                            const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw) {
-  check_heads(x, cos, sin, "x");
+  check_heads(x, cos, sin);
   const int64_t t = x.dim(1), h = x.dim(2), d = x.dim(3), n = x.dim(0) * t * h;
   check_arg(dy, "rmsnorm_rope dy", {DType::bf16, DType::f32}, x.shape);
   if (dx.data == nullptr || dw.data == nullptr || !fused_heads(x, cos, {&x, &dy, &dx})) {

@@ -32,6 +32,7 @@ void fail_cublas(cublasStatus_t s, const char* call, const char* file, int line)
 namespace {
 
 cudaStream_t t_current = nullptr;  // null: the main stream
+std::atomic<int64_t> g_host_waits{0};
 
 // Events for ordering only, reused: creating one per cross-stream wait would cost a
 // driver call each time on the step's path. Two pools: marks without timing (the cheap ones) and timed marks.
@@ -153,10 +154,6 @@ void join(cudaStream_t waiter, cudaStream_t producer) {
   if (waiter != producer) Event::record(producer).wait(waiter);
 }
 
-namespace {
-std::atomic<int64_t> g_host_waits{0};
-}
-
 void count_host_wait() { ++g_host_waits; }
 int64_t host_waits() { return g_host_waits.load(); }
 
@@ -216,10 +213,8 @@ void stream_free(void* p) {
     cudaFreeAsync(p, now);
     return;
   }
-  // Let go of on another stream than its own: free it on the release stream once both
-  // are done with what they have queued, so that neither waits for the other. Errors
-  // are not thrown from here (destructors call it); a failed wait leaves the memory out
-  // of the pool rather than reused early.
+  // Let go of on another stream than its own: freed on the release stream after both
+  // (runtime.h). Nothing throws; a failed wait leaves the memory out of the pool rather than reused early.
   const cudaStream_t release = release_stream();
   cudaEvent_t e = nullptr;
   bool ordered = take_event(e) == cudaSuccess;
@@ -248,8 +243,7 @@ void copy(const Tensor& dst, const Tensor& src) {
 }
 
 void check_arg(const Tensor& t, const char* name, std::initializer_list<DType> allowed, Shape shape) {
-  bool dtype_ok = false;
-  for (DType d : allowed) dtype_ok = dtype_ok || t.dtype == d;
+  const bool dtype_ok = std::find(allowed.begin(), allowed.end(), t.dtype) != allowed.end();
   bool ok = dtype_ok && t.shape == shape && t.device == Device::cuda && (t.data != nullptr || shape.numel() == 0);
   if (ok) return;
   std::ostringstream want;
