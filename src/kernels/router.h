@@ -116,48 +116,30 @@ namespace mt {
 inline void router_forward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx,
                            const Tensor& weight, const Tensor& probs, const Tensor& bias = {},
                            const Tensor& score_sum = {}) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (probs.device == Device::cuda) return cuda::router_forward(cfg, logits, idx, weight, probs, bias, score_sum);
-#endif
-  return cpu::router_forward(cfg, logits, idx, weight, probs, bias, score_sum);
+  return MT_BACKEND(probs.device == Device::cuda, router_forward(cfg, logits, idx, weight, probs, bias, score_sum));
 }
 
 inline void router_backward(const cpu::RouterConfig& cfg, const Tensor& logits, const Tensor& idx,
                             const Tensor& weight, const Tensor& probs, const Tensor& dweight, const Tensor& dprobs,
                             const Tensor& dlogits, const Tensor& score_sum = {}) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dlogits.device == Device::cuda)
-    return cuda::router_backward(cfg, logits, idx, weight, probs, dweight, dprobs, dlogits, score_sum);
-#endif
-  return cpu::router_backward(cfg, logits, idx, weight, probs, dweight, dprobs, dlogits, score_sum);
+  return MT_BACKEND(dlogits.device == Device::cuda,
+                    router_backward(cfg, logits, idx, weight, probs, dweight, dprobs, dlogits, score_sum));
 }
 
 inline void router_prob_sum(const Tensor& probs, const Tensor& sums) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (sums.device == Device::cuda) return cuda::router_prob_sum(probs, sums);
-#endif
-  return cpu::router_prob_sum(probs, sums);
+  return MT_BACKEND(sums.device == Device::cuda, router_prob_sum(probs, sums));
 }
 
 inline void router_counts(const Tensor& idx, const Tensor& counts) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (counts.device == Device::cuda) return cuda::router_counts(idx, counts);
-#endif
-  return cpu::router_counts(idx, counts);
+  return MT_BACKEND(counts.device == Device::cuda, router_counts(idx, counts));
 }
 
 inline void router_z_forward(const Tensor& logits, const Tensor& lse, const Tensor& sum) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (sum.device == Device::cuda) return cuda::router_z_forward(logits, lse, sum);
-#endif
-  return cpu::router_z_forward(logits, lse, sum);
+  return MT_BACKEND(sum.device == Device::cuda, router_z_forward(logits, lse, sum));
 }
 
 inline void router_z_backward(const Tensor& lse, const Tensor& probs, float scale, const Tensor& dlogits) {
-#ifdef MOETRAIN_WITH_CUDA
-  if (dlogits.device == Device::cuda) return cuda::router_z_backward(lse, probs, scale, dlogits);
-#endif
-  return cpu::router_z_backward(lse, probs, scale, dlogits);
+  return MT_BACKEND(dlogits.device == Device::cuda, router_z_backward(lse, probs, scale, dlogits));
 }
 
 }  // namespace mt

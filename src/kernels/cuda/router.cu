@@ -41,12 +41,6 @@ __device__ __forceinline__ Pick warp_best(Pick p) {
   return p;
 }
 
-__device__ __forceinline__ float warp_max(float s) {
-#pragma unroll
-  for (int w = 16; w > 0; w /= 2) s = fmaxf(s, __shfl_xor_sync(kFull, s, w));
-  return s;
-}
-
 struct Forward {
   const float* logits;
   const float* bias;  // null: choose by logit (sigmoid: by score)
