@@ -104,6 +104,7 @@ void check_exact_resume(const std::string& state_dtype, const std::string& model
   for (int64_t i = 0; i < n; ++i) b.step();
   TrainState st;
   st.step = b.steps_done();
+  st.expert_bias = b.expert_bias();  // DeepSeek-V3's correction bias, as save_run keeps it
   std::string dir = save_checkpoint(dump + "/checkpoints", *first, b.optimizer(), st,
                                     fixture(model + "/config.json"), "", 2);
   EXPECT_EQ(latest_checkpoint(dump + "/checkpoints"), dir);
@@ -114,6 +115,7 @@ void check_exact_resume(const std::string& state_dtype, const std::string& model
   Trainer c(straight_cfg, *second, read_token_batch(straight_cfg.data.tokens, second->vocab_size()));
   TrainState back = load_checkpoint(dir, *second, &c.optimizer());
   EXPECT_EQ(back.step, n);
+  c.set_expert_bias(back.expert_bias);
   c.set_steps_done(back.step);
   for (int64_t i = n; i < 2 * n; ++i) {
     StepResult r = c.step();
@@ -126,6 +128,7 @@ void check_exact_resume(const std::string& state_dtype, const std::string& model
 
 TEST(Checkpoint, ResumeIsBitwiseExact) { check_exact_resume("fp32"); }
 TEST(Checkpoint, ResumeIsBitwiseExactForDeepseekV2) { check_exact_resume("fp32", "deepseek_v2_a"); }
+TEST(Checkpoint, ResumeIsBitwiseExactForDeepseekV3) { check_exact_resume("fp32", "deepseek_v3_a"); }
 // GPT-OSS: its experts checkpointed one tensor each, its biases and sinks with them.
 TEST(Checkpoint, ResumeIsBitwiseExactForGptOss) { check_exact_resume("fp32", "gpt_oss_a"); }
 

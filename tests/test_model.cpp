@@ -165,7 +165,7 @@ TEST_P(HfParity, FiveAdamWStepsWithClipping) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity,
-                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b",
+                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b", "deepseek_v3_a",
                                            "gpt_oss_a"));
 
 // The seam itself: each of Linear's FP8 products equals, in float64, the product of the
@@ -321,7 +321,10 @@ Pass forward_backward(const std::string& name, Fp8 fp8) {
 // product reading the wrong codes gives (an error of 1 or more).
 TEST_P(Fp8Parity, LossAndGradientsWithinQuantizationError) {
   const Pass want = forward_backward(GetParam(), Fp8::none), got = forward_backward(GetParam(), Fp8::blockwise);
-  EXPECT_NEAR(got.loss, want.loss, (GetParam() == "gpt_oss_a" ? 0.01 : 0.005) * want.loss);
+  // GPT-OSS's clamp and DeepSeek-V3's group-limited choice (a quantized input flips a
+  // near tie of two groups) move the loss further.
+  const bool wide = GetParam() == "gpt_oss_a" || GetParam() == "deepseek_v3_a";
+  EXPECT_NEAR(got.loss, want.loss, (wide ? 0.01 : 0.005) * want.loss);
   EXPECT_GT(std::fabs(got.loss - want.loss), 1e-6 * want.loss) << "the loss is fp32's: nothing was quantized";
   std::vector<std::pair<double, std::string>> err;
   for (size_t i = 0; i < want.grads.size(); ++i)
@@ -333,7 +336,7 @@ TEST_P(Fp8Parity, LossAndGradientsWithinQuantizationError) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Fp8Parity,
-                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "gpt_oss_a"));
+                         ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"));
 
 // ZeRO-3's slots are not in the FP8 path: refused, with the reason.
 TEST(Fp8Parity, RefusesWhatItDoesNotCover) {
@@ -406,6 +409,39 @@ TEST(DeepseekV2Config, HubAndTransformers5SpellingsAndRefusals) {
                   {"num_key_value_heads", 2},
                   {"scoring_func", "sigmoid"},
                   {"qk_rope_head_dim", 3}});
+}
+
+// DeepSeek-V3 as transformers 5.17 writes it (deepseek_v3_a), as the hub spells it
+// (topk_method and scoring_func given) and as Kimi K2 names it: sigmoid scoring,
+// noaux_tc groups, norm_topk_prob honoured; what the router cannot do is refused.
+TEST(DeepseekV3Config, SpellingsAndRefusals) {
+  std::vector<uint8_t> b = io::read_file(fixture("deepseek_v3_a/config.json"));
+  nlohmann::json v5 = nlohmann::json::parse(b.begin(), b.end());
+  nlohmann::json hub = v5, kimi = v5;
+  hub["topk_method"] = "noaux_tc";
+  hub["scoring_func"] = "sigmoid";
+  kimi["model_type"] = "kimi_k2";
+  for (const nlohmann::json* j : {&v5, &hub, &kimi}) {
+    const DeepseekV2Config c = parse_deepseek_v2_config(*j, "cfg");
+    EXPECT_EQ(c.decoder.router.scoring, cpu::RouterScoring::sigmoid);
+    EXPECT_TRUE(c.decoder.router.normalize);
+    EXPECT_EQ(c.decoder.router.n_group, 4);
+    EXPECT_EQ(c.decoder.router.topk_group, 2);
+    EXPECT_FLOAT_EQ(c.decoder.router.scale, 2.5f);
+    EXPECT_EQ(c.decoder.moe, (std::vector<bool>{false, true, true}));
+    EXPECT_EQ(c.q_lora_rank, 24);
+  }
+  nlohmann::json plain = v5;
+  plain["norm_topk_prob"] = false;
+  EXPECT_FALSE(parse_deepseek_v2_config(plain, "cfg").decoder.router.normalize);
+  expect_refused(v5, [](const nlohmann::json& j) { parse_deepseek_v2_config(j, "cfg.json"); },
+                 {{"topk_method", "greedy"},
+                  {"scoring_func", "softmax"},
+                  {"rope_interleave", false},
+                  {"n_group", 16},              // groups of one expert: noaux_tc ranks by the two best
+                  {"num_experts_per_tok", 9},   // more than topk_group 2 of 4 groups of 4 experts
+                  {"n_group", nullptr},
+                  {"routed_scaling_factor", nullptr}});
 }
 
 // GPT-OSS's config as the hub spells it (gpt_oss_mxfp4: rope_scaling, a top-level

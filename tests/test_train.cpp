@@ -1320,7 +1320,7 @@ TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
   };
   auto same = [&](const std::string& a, const std::string& b) { expect_same_run(dir + "/" + a, dir + "/" + b); };
   const char* modes[] = {"none", "selective", "full"};
-  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"}) {
     for (std::string m : modes)
       train("", model + m,
             " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy") +
@@ -1362,7 +1362,7 @@ TEST(Commands, OffloadedExpertsGiveTheSameBits) {
     return out;
   };
   const std::string on = " --offload.experts=optimizer";
-  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"}) {
     std::string flags = " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy");
     if (model == "deepseek_v2_a") flags += " --training.fp8=blockwise --optimizer.state_dtype=bf16";
     train("", model, flags);
@@ -1509,7 +1509,7 @@ TEST(Commands, OffloadedWeightsGiveTheSameBits) {
     return out;
   };
   const std::string on = " --offload.experts=weights", three = on + " --offload.gpu_expert_slots=3";
-  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"}) {
     const std::string flags = " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy");
     train("", model, flags);
     train("", model + "_weights", flags + three);
@@ -2021,7 +2021,9 @@ TEST_P(Meshes, MatchOneRank) {
       auto [rc, out] = run(kMpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                            fixture(model) + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
-                           " --training.router_z_loss_coef=0.01" +
+                           // DeepSeek-V3's sigmoid routing has no z-loss: its correction bias moves instead
+                           (model == "deepseek_v3_a" ? " --training.expert_bias_update_rate=0.05"
+                                                     : " --training.router_z_loss_coef=0.01") +
                            " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
                            " --parallelism.cp=" + std::to_string(m.cp) +
                            (m.zero3 ? " --parallelism.zero3=true" : "") + (m.sweep ? " --training.layer_sweep=0" : "") +
@@ -2036,15 +2038,17 @@ TEST_P(Meshes, MatchOneRank) {
     for (size_t m = 1; m < runs.size(); ++m)
       for (size_t i = 0; i < 3; ++i) {
         for (const char* key : {"loss", "grad_norm", "lb_loss", "z_loss"}) {
+          if (!runs[0][i].contains(key)) continue;  // DeepSeek-V3: no z-loss
           double want = runs[0][i][key], got = runs[m][i][key];
           EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << lb << " mesh " << m << " step " << i + 1 << " " << key;
         }
         EXPECT_EQ(runs[m][i]["expert_counts"], runs[0][i]["expert_counts"]) << lb << " mesh " << m;
+        EXPECT_EQ(runs[m][i]["expert_bias"], runs[0][i]["expert_bias"]) << lb << " mesh " << m;
       }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, Meshes, ::testing::Values("qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"));
+INSTANTIATE_TEST_SUITE_P(Models, Meshes, ::testing::Values("qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"));
 
 // training.fp8 = blockwise on meshes. Quantization along the tokens (the weight
 // gradients' 1x128 tiles) sees whatever rows a rank's product has: with dp each rank's
@@ -2597,7 +2601,7 @@ TEST(Commands, ValidationEqualsEvalOnEveryMesh) {
 // receives over the mean fall in the first MoE layer.
 TEST(Commands, ExpertReplicasMatchTheRunWithout) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
-  for (const std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+  for (const std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"}) {
     const std::string dir = temp_dir("replicas_" + model);
     write_four_sequences(model, dir);
     for (auto [dp, ep] : {std::pair{1, 2}, {1, 4}, {2, 2}}) {
@@ -2844,6 +2848,81 @@ TEST(Commands, ExpertBiasMovesByTheRateAgainstTheLoad) {
                           "/hf 2>&1");
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("routers carry expert biases"), std::string::npos) << out;
+}
+
+// DeepSeek-V3's correction bias (mlp.gate.e_score_correction_bias) is the expert bias:
+// imported with the weights, moved by training.expert_bias_update_rate from there (by
+// hand here, in float as the trainer adds), the same on pp 2 (each stage holds some of
+// the layers); an export of a step with lr 0 is byte-equal to the fixture it was imported
+// from, the bias included (fp32), and one after updates carries the run's bias; the
+// z-loss is refused.
+TEST(Commands, DeepseekV3CarriesItsCorrectionBias) {
+  const std::string dir = temp_dir("deepseek_v3");
+  write_four_sequences("deepseek_v3_a", dir);
+  const float rate = 0.05f;
+  auto train = [&](const std::string& name, int np, const std::string& flags) {
+    auto [rc, out] = run((np > 1 ? kMpirun + std::to_string(np) + " " : std::string()) + MOETRAIN_BIN + " train" +
+                         " --model.init=hf:" + fixture("deepseek_v3_a") + " --data.tokens=" + dir + "/tokens.npy" +
+                         " --training.micro_batch_size=1 --job.dump_folder=" + dir + "/" + name + flags + " 2>&1");
+    return std::make_pair(rc, out);
+  };
+  auto exported = [&](const std::string& name) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " export-hf --dtype fp32 --checkpoint " + dir + "/" + name +
+                         " --output " + dir + "/" + name + "_hf 2>&1");
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_EQ(out.find("routers carry expert biases"), std::string::npos) << out;
+    return io::HfWeights(dir + "/" + name + "_hf");
+  };
+  const io::HfWeights fixture_weights(fixture("deepseek_v3_a"));
+  auto [rc, out] = train("still", 1, " --training.steps=1 --optimizer.lr=0");
+  ASSERT_EQ(rc, 0) << out;
+  const io::HfWeights still = exported("still");
+  ASSERT_EQ(still.names(), fixture_weights.names());
+  for (const std::string& name : still.names()) {
+    const std::span<const uint8_t> a = still.bytes(name), b = fixture_weights.bytes(name);
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end())) << name;
+  }
+
+  const std::string on = " --training.steps=2 --training.expert_bias_update_rate=0.05";
+  std::tie(rc, out) = train("one", 1, on);
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<nlohmann::json> one = metrics_of(dir + "/one");
+  ASSERT_EQ(one.size(), 2u);
+  std::vector<std::vector<float>> bias;
+  for (const char* layer : {"1", "2"}) {
+    const std::string key = std::string("model.layers.") + layer + ".mlp.gate.e_score_correction_bias";
+    std::vector<float> b(16);
+    fixture_weights.read_f32(key, {16}, b.data());
+    bias.push_back(b);
+  }
+  for (size_t s = 0; s < 2; ++s) {
+    const auto counts = one[s]["expert_counts"].get<std::vector<std::vector<int64_t>>>();
+    for (size_t l = 0; l < 2; ++l) {
+      double mean = 0;
+      for (int64_t c : counts[l]) mean += static_cast<double>(c) / 16.0;
+      for (size_t e = 0; e < 16; ++e)
+        bias[l][e] += mean > static_cast<double>(counts[l][e]) ? rate : mean < static_cast<double>(counts[l][e]) ? -rate : 0.0f;
+    }
+    EXPECT_EQ(one[s]["expert_bias"].get<std::vector<std::vector<float>>>(), bias) << "step " << s + 1;
+  }
+  const io::HfWeights moved = exported("one");
+  for (size_t l = 0; l < 2; ++l) {
+    std::vector<float> b(16);
+    moved.read_f32("model.layers." + std::to_string(l + 1) + ".mlp.gate.e_score_correction_bias", {16}, b.data());
+    EXPECT_EQ(b, bias[l]) << "layer " << l + 1;
+  }
+  std::tie(rc, out) = train("zloss", 1, " --training.steps=1 --training.router_z_loss_coef=0.001");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("sigmoid routing has no z-loss"), std::string::npos) << out;
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  std::tie(rc, out) = train("pp", 2, on + " --parallelism.pp=2 --parallelism.pipeline_schedule=1f1b");
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<nlohmann::json> pp = metrics_of(dir + "/pp");
+  ASSERT_EQ(pp.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(pp[s]["expert_bias"], one[s]["expert_bias"]) << "step " << s + 1;
+    EXPECT_NEAR(pp[s]["loss"].get<double>(), one[s]["loss"].get<double>(), 1e-5) << "step " << s + 1;
+  }
 }
 
 // What replicas do not take yet is refused at start, naming the keys: no ep, and with

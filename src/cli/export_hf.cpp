@@ -162,6 +162,19 @@ Written write_export(const fs::path& ckpt, const fs::path& out, bool bf16, int64
       std::memcpy(converted.data(), f.data(), f.size() * 4);
     all.push_back({key == fused_of.end() ? name : key->second, bf16 ? "BF16" : "F32", shape, converted.data()});
   }
+  // DeepSeek-V3's correction biases: the checkpoint's expert bias (zero where it has none),
+  // kept in fp32 as the released checkpoints and transformers keep them.
+  const std::string saved = saved_expert_bias(ckpt.string());
+  const std::vector<std::vector<float>> bias = saved == "null" ? std::vector<std::vector<float>>{}
+                                                                : parse_expert_bias(*model, saved);
+  std::vector<HfTensor> buffers = model->hf_buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    f.assign(static_cast<size_t>(model->num_experts()), 0.0f);
+    if (i < bias.size()) f = bias[i];
+    std::vector<uint16_t>& converted = data.emplace_back(f.size() * 2);
+    std::memcpy(converted.data(), f.data(), f.size() * 4);
+    all.push_back({buffers[i].name, "F32", {model->num_experts()}, converted.data()});
+  }
   MT_CHECK(fused.empty()) << ckpt.string() << ": Hugging Face key " << fused.begin()->first
                           << " holds experts the checkpoint has none of (such as "
                           << fused.begin()->second[0].name << ")";
@@ -285,7 +298,9 @@ int run_export_hf(const Args& args) {
     ckpt = dir;
     fs::remove_all(out);
     w = write_export(ckpt, out, dtype == "bf16", max_shard);
-    biased = saved_expert_bias(dir) != "null";
+    ModelOptions plan;
+    plan.plan_only = true;
+    biased = saved_expert_bias(dir) != "null" && !make_model((ckpt / "config.json").string(), plan)->sigmoid_routing();
   });
   if (biased)
     std::fprintf(stderr, "moetrain export-hf: warning: %s's routers carry expert biases (training."

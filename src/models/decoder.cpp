@@ -205,6 +205,14 @@ class Decoder final : public Model {
   }
   void set_router_z_loss(double scale) override { moe_.set_router_z_loss(scale); }
   void set_expert_bias(int64_t layer, const std::vector<float>& bias) override { moe_.set_expert_bias(layer, bias); }
+  std::vector<float> expert_bias(int64_t layer) const override { return moe_.expert_bias(layer); }
+  bool sigmoid_routing() const override { return c_.router.scoring == cpu::RouterScoring::sigmoid; }
+  std::vector<HfTensor> hf_buffers() override {
+    std::vector<HfTensor> out;
+    for (int64_t l = 0; l < c_.num_layers; ++l)
+      if (held_[l] && c_.moe[l]) moe_.hf_buffers(l, "model.layers." + std::to_string(l) + ".", out);
+    return out;
+  }
   RowMemory row_memory() const override { return moe_.row_memory(); }
   void reset_row_memory() override { moe_.reset_row_memory(); }
 
@@ -506,6 +514,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
       m.weight = f32({N, K});
       m.probs = f32({N, E});
       m.lse = f32({N});
+      if (c_.router.scoring == cpu::RouterScoring::sigmoid) m.score_sum = f32({N});
       if (!ep) {  // the exchange's plan has its own
         m.offsets = i32({E + 1});
         m.order = i32({N * K});
@@ -744,6 +753,13 @@ void check_decoder_spec(const DecoderSpec& d, const std::string& where) {
                         d.router.topk_group >= 1 && d.router.topk_group <= d.router.n_group))
       << where << ": n_group " << d.router.n_group << " must divide the " << d.num_experts
       << " experts and topk_group " << d.router.topk_group << " be in [1, n_group]";
+  const int64_t per_group = d.num_experts / std::max<int64_t>(d.router.n_group, 1);
+  MT_CHECK(!any_moe || d.router.top_k <= d.router.topk_group * per_group)
+      << where << ": num_experts_per_tok " << d.router.top_k << " is more than the " << d.router.topk_group * per_group
+      << " experts of topk_group " << d.router.topk_group << " groups of " << per_group;
+  MT_CHECK(!any_moe || d.router.scoring != cpu::RouterScoring::sigmoid || d.router.n_group == 1 || per_group >= 2)
+      << where << ": n_group " << d.router.n_group << " leaves groups of one expert, and noaux_tc ranks a group by "
+      << "the sum of its two best scores";
   const bool any_dense = std::find(d.moe.begin(), d.moe.end(), false) != d.moe.end();
   MT_CHECK(!any_dense || d.intermediate_size > 0)
       << where << ": intermediate_size must be positive for the dense layers, got " << d.intermediate_size;

@@ -25,13 +25,32 @@ DeepseekV2Config parse_deepseek_v2_config(const nlohmann::json& j, const std::st
   d.rms_norm_eps = hf.number({"rms_norm_eps"}, 1e-6);
   d.tie_word_embeddings = hf.flag({"tie_word_embeddings"}, false);
   d.router.top_k = d.num_experts > 0 ? hf.integer({"num_experts_per_tok"}) : 1;
-  d.router.scale = static_cast<float>(hf.number({"routed_scaling_factor"}, 1.0));
-  const std::string method = hf.text({"topk_method"}, "greedy");
-  MT_CHECK(method == "greedy" || method == "group_limited_greedy")
-      << where << ": topk_method '" << method << "' is not supported (greedy or group_limited_greedy)";
-  if (method == "group_limited_greedy") {
+  // DeepSeek-V3 (and Moonlight, Kimi K2: the same architecture under other names):
+  // sigmoid scores, groups by their two best, the correction bias in the choice only.
+  const std::string type = hf.text({"model_type"}, "deepseek_v2");
+  const bool v3 = type == "deepseek_v3" || type == "kimi_k2";
+  if (v3) {
+    const std::string method = hf.text({"topk_method"}, "noaux_tc"), scoring = hf.text({"scoring_func"}, "sigmoid");
+    MT_CHECK(method == "noaux_tc" && scoring == "sigmoid")
+        << where << ": model_type " << type << " routes with topk_method noaux_tc and scoring_func sigmoid, not "
+        << method << " and " << scoring;
+    d.router.scoring = cpu::RouterScoring::sigmoid;
+    d.router.scale = static_cast<float>(hf.number({"routed_scaling_factor"}));
+    d.router.normalize = hf.flag({"norm_topk_prob"}, true);
     d.router.n_group = hf.integer({"n_group"});
     d.router.topk_group = hf.integer({"topk_group"});
+    MT_CHECK(hf.flag({"rope_interleave"}, true))
+        << where << ": rope_interleave = false is not supported (MLA's rope pairs are interleaved, as released)";
+  } else {
+    d.router.scale = static_cast<float>(hf.number({"routed_scaling_factor"}, 1.0));
+    const std::string method = hf.text({"topk_method"}, "greedy");
+    MT_CHECK(method == "greedy" || method == "group_limited_greedy")
+        << where << ": topk_method '" << method << "' is not supported (greedy or group_limited_greedy)";
+    if (method == "group_limited_greedy") {
+      d.router.n_group = hf.integer({"n_group"});
+      d.router.topk_group = hf.integer({"topk_group"});
+    }
+    MT_CHECK(hf.text({"scoring_func"}, "softmax") == "softmax") << where << ": only scoring_func softmax is supported";
   }
   const int64_t first_dense = hf.integer({"first_k_dense_replace"}, 0);
   for (int64_t l = 0; l < d.num_layers; ++l) d.moe.push_back(d.num_experts > 0 && l >= first_dense);
@@ -49,7 +68,6 @@ DeepseekV2Config parse_deepseek_v2_config(const nlohmann::json& j, const std::st
   // What this implementation does not do is an error, never a silent difference.
   const std::string act = hf.text({"hidden_act"}, "silu");
   MT_CHECK(act == "silu") << where << ": hidden_act '" << act << "' is not supported (DeepSeek-V2 uses silu)";
-  MT_CHECK(hf.text({"scoring_func"}, "softmax") == "softmax") << where << ": only scoring_func softmax is supported";
   MT_CHECK(!hf.flag({"attention_bias"}, false)) << where << ": attention_bias = true is not supported";
   MT_CHECK(hf.integer({"moe_layer_freq"}, 1) == 1) << where << ": moe_layer_freq other than 1 is not supported";
   const int64_t kv_heads = hf.integer({"num_key_value_heads"}, c.num_heads);

@@ -1,7 +1,10 @@
-// DeepSeek-V2 and V2-Lite (transformers' model_type "deepseek_v2"): the config and
-// multi-head latent attention; the MoE block (softmax routing, greedy or group-limited,
-// routed_scaling_factor, shared experts, first_k_dense_replace) is the shared decoder's
-// (models/decoder.h).
+// DeepSeek-V2 and V2-Lite (transformers' model_type "deepseek_v2") and DeepSeek-V3
+// ("deepseek_v3", also Moonlight's; Kimi K2's "kimi_k2" is the same architecture): the
+// config and multi-head latent attention; the MoE block (softmax routing, greedy or
+// group-limited, for V2; V3's sigmoid noaux_tc routing with its correction bias,
+// kernels/router.h; routed_scaling_factor, shared experts, first_k_dense_replace) is the
+// shared decoder's (models/moe.h). V3's multi-token prediction layers are not built
+// (num_nextn_predict_layers is read by nothing, as transformers 5.17 reads it).
 //
 // As transformers 5.17 computes it (the parity reference, tests/fixtures):
 //   q = q_proj(x), or q_b_proj(rmsnorm(q_a_proj(x))) with q_lora_rank; per head
@@ -11,8 +14,9 @@
 //   rope on q's and k_pe's rope parts only, pairs interleaved (2i, 2i+1)
 //   softmax scale qk_head_dim^-1/2 * m^2, m = 0.1 mscale_all_dim ln(factor) + 1 (YaRN)
 //   the q_a and kv_a norms use eps 1e-6 whatever rms_norm_eps says.
-// norm_topk_prob is ignored, as transformers 5.17 ignores it (DeepSeek's own code
-// renormalises; the released V2 and V2-Lite set it false). moe_layer_freq must be 1.
+// V2: norm_topk_prob is ignored, as transformers 5.17 ignores it (DeepSeek's own code
+// renormalises; the released V2 and V2-Lite set it false); V3 honours it. moe_layer_freq
+// must be 1.
 #pragma once
 
 #include <memory>

@@ -18,10 +18,11 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
   MT_CHECK(j.contains("model_type") && j["model_type"].is_string()) << config_json_path << ": no model_type";
   std::string type = j["model_type"];
   if (type == "qwen3_moe") return make_qwen3_moe(parse_qwen3_moe_config(j, config_json_path), options);
-  if (type == "deepseek_v2") return make_deepseek_v2(parse_deepseek_v2_config(j, config_json_path), options);
+  if (type == "deepseek_v2" || type == "deepseek_v3" || type == "kimi_k2")
+    return make_deepseek_v2(parse_deepseek_v2_config(j, config_json_path), options);
   if (type == "gpt_oss") return make_gpt_oss(parse_gpt_oss_config(j, config_json_path), options);
   MT_FAIL() << config_json_path << ": model_type '" << type
-            << "' is not supported (supported: qwen3_moe, deepseek_v2, gpt_oss)";
+            << "' is not supported (supported: qwen3_moe, deepseek_v2, deepseek_v3, kimi_k2, gpt_oss)";
   return nullptr;
 }
 

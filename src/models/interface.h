@@ -217,6 +217,11 @@ class Model {
   virtual std::vector<Param>& params() = 0;
   // This rank's tensors; with expert parallelism only its own experts.
   virtual std::vector<HfTensor> hf_tensors() = 0;
+  // The tensors a Hugging Face folder keeps that no optimizer trains, with this rank's
+  // layers: DeepSeek-V3's per-expert routing bias (`mlp.gate.e_score_correction_bias`
+  // [E] f32, the model's expert bias, set_expert_bias). load_hf reads them; a checkpoint
+  // keeps them as the expert bias in train_state.json, and export-hf writes them from it.
+  virtual std::vector<HfTensor> hf_buffers() { return {}; }
   // A Hugging Face key this model has, on another rank (another rank's expert or
   // pipeline stage).
   virtual bool held_by_another_rank(const std::string& name) const = 0;
@@ -276,6 +281,11 @@ class Model {
   // per-expert bias [E] a held MoE layer's router adds to its scores for the top-k choice
   // only (kernels/router.h); zero until set.
   virtual void set_expert_bias(int64_t layer, const std::vector<float>& bias) = 0;
+  // A held MoE layer's expert bias [E] as the router uses it (zeros where none is set).
+  virtual std::vector<float> expert_bias(int64_t /*layer*/) const { return {}; }
+  // DeepSeek-V3's sigmoid routing: its routers keep an expert bias in the Hugging Face
+  // format (hf_buffers), which a run carries from the import on; no z-loss applies.
+  virtual bool sigmoid_routing() const { return false; }
 
   // The expert rows' memory (RowMemory) since the last reset; a trainer resets it at
   // each step's start. A model without routed rows holds none.

@@ -125,6 +125,7 @@ void Moe::add_params(int64_t l, const std::string& p) {
 }
 
 void Moe::make_cache() {
+  if (c_.router.scoring == cpu::RouterScoring::sigmoid && !o_.plan_only) make_expert_bias();
   if (!offload_weights_) return;
   std::vector<std::vector<int>> blocks(static_cast<size_t>(c_.num_layers));
   for (size_t i = 0; i < params_.size(); ++i)
@@ -168,6 +169,15 @@ void Moe::hf_tensors(int64_t l, const std::string& p, float out_scale, std::vect
     add("down_proj", x.down, out_scale, true);
     add("down_proj_bias", x.down_bias, 0.0f, false);
   }
+}
+
+void Moe::hf_buffers(int64_t l, const std::string& p, std::vector<HfTensor>& out) const {
+  if (c_.router.scoring != cpu::RouterScoring::sigmoid) return;
+  HfTensor t;
+  t.name = p + "mlp.gate.e_score_correction_bias";
+  t.value = expert_bias_.empty() ? Tensor{} : expert_bias_[static_cast<size_t>(l)];
+  t.init_scale = 0.0f;
+  out.push_back(std::move(t));
 }
 
 bool Moe::another_ranks_expert(const std::string& name) const {
@@ -317,7 +327,7 @@ void Moe::forward(int64_t l, Stage stage, Acts& x, const Io& io) {
       else
         gemm(io.y, params_[w.router].compute, x.logits, false, true);
       mt::router_forward(c_.router, x.logits, x.idx, x.weight, x.probs,
-                         expert_bias_.empty() ? Tensor{} : expert_bias_[static_cast<size_t>(l)]);
+                         expert_bias_.empty() ? Tensor{} : expert_bias_[static_cast<size_t>(l)], x.score_sum);
       mt::router_prob_sum(x.probs, x.prob_sum);
       if (z_scale_ != 0) mt::router_z_forward(x.logits, x.lse, x.z_sum);
       if (o_.force_balanced_routing) {
@@ -503,7 +513,8 @@ void Moe::backward_input(int64_t l, Stage stage, Acts& x, const Io& io) {
       // uploaded by set_router_prob_grad).
       // Forced routing does not come from the logits: only the balance term reaches them.
       if (o_.force_balanced_routing) mt::fill(x.d_weight, 0.0f);
-      mt::router_backward(c_.router, x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits);
+      mt::router_backward(c_.router, x.logits, x.idx, x.weight, x.probs, x.d_weight, x.dprobs, x.d_logits,
+                          x.score_sum);
       if (z_scale_ != 0) mt::router_z_backward(x.lse, x.probs, static_cast<float>(z_scale_), x.d_logits);
       if (x.d_logits_c.data != x.d_logits.data) mt::cast(x.d_logits, x.d_logits_c);
       gemm(x.d_logits_c, params_[w.router].compute, io.d_y, false, false, 1.0f, 1.0f);
@@ -593,19 +604,36 @@ void Moe::set_expert_bias(int64_t layer, const std::vector<float>& bias) {
   MT_CHECK(holds(layer) && static_cast<int64_t>(bias.size()) == E)
       << "an expert bias of " << bias.size() << " values for layer " << layer << ", which is not a MoE layer held "
       << "here with " << E << " experts";
-  if (expert_bias_.empty()) {
-    // Every held MoE layer's, zero, at the first call.
-    int64_t layers = 0;
-    for (int64_t l = 0; l < c_.num_layers; ++l) layers += holds(l);
-    bias_arena_ = Arena("expert bias", o_.device, static_cast<size_t>(layers) * (E * sizeof(float) + Arena::kAlign));
-    expert_bias_.resize(static_cast<size_t>(c_.num_layers));
-    for (int64_t l = 0; l < c_.num_layers; ++l)
-      if (holds(l)) {
-        expert_bias_[static_cast<size_t>(l)] = bias_arena_.alloc(DType::f32, {E});
-        mt::fill(expert_bias_[static_cast<size_t>(l)], 0.0f);
-      }
-  }
+  if (expert_bias_.empty()) make_expert_bias();
   mt::copy(expert_bias_[static_cast<size_t>(layer)], Tensor(const_cast<float*>(bias.data()), {E}, DType::f32));
+}
+
+std::vector<float> Moe::expert_bias(int64_t l) const {
+  std::vector<float> out(static_cast<size_t>(c_.num_experts), 0.0f);
+  if (!expert_bias_.empty() && holds(l))
+    mt::copy(Tensor(out.data(), {c_.num_experts}, DType::f32), expert_bias_[static_cast<size_t>(l)]);
+  return out;
+}
+
+// Every held MoE layer's, zero.
+void Moe::make_expert_bias() {
+  const int64_t E = c_.num_experts;
+  int64_t layers = 0;
+  for (int64_t l = 0; l < c_.num_layers; ++l) layers += holds(l);
+  bias_arena_ = Arena("expert bias", o_.device, static_cast<size_t>(layers) * (E * sizeof(float) + Arena::kAlign));
+  expert_bias_.resize(static_cast<size_t>(c_.num_layers));
+  for (int64_t l = 0; l < c_.num_layers; ++l)
+    if (holds(l)) {
+      expert_bias_[static_cast<size_t>(l)] = bias_arena_.alloc(DType::f32, {E});
+      mt::fill(expert_bias_[static_cast<size_t>(l)], 0.0f);
+    }
+}
+
+void Moe::set_router_z_loss(double scale) {
+  // Its gradient reads probs as softmax(logits); sigmoid scoring's are normalised scores.
+  MT_CHECK(scale == 0 || c_.router.scoring != cpu::RouterScoring::sigmoid)
+      << "training.router_z_loss_coef: sigmoid routing (DeepSeek-V3) has no z-loss; set it to 0";
+  z_scale_ = scale;
 }
 
 void Moe::set_router_prob_grad(int64_t layer, Acts& x, const std::vector<float>& dprob) {

@@ -41,6 +41,7 @@ class Moe {
   struct Acts {
     Tensor logits, idx, weight, probs, dprobs;  // router (f32)
     Tensor lse;  // [N] logsumexp of the router's logits (the z-loss's backward reads it)
+    Tensor score_sum;  // [N] with sigmoid scoring: each token's sum of scores (kernels/router.h)
     // prob_sum f32 [E] (probs summed over tokens), counts i32 [E] (slots each expert kept)
     // and z_sum f32 [1] (the router z-loss's sum, when on) side by side in `stats`, so the
     // metrics read them in one copy; with sequence_balance also per stash row, seq_prob_sum
@@ -93,6 +94,9 @@ class Moe {
   void add_params(int64_t l, const std::string& prefix);
   void make_cache();
   void hf_tensors(int64_t l, const std::string& prefix, float out_scale, std::vector<HfTensor>& out) const;
+  // Layer l's expert bias under its Hugging Face name, with sigmoid scoring (DeepSeek-V3's
+  // `mlp.gate.e_score_correction_bias`, Model::hf_buffers), after make_cache.
+  void hf_buffers(int64_t l, const std::string& prefix, std::vector<HfTensor>& out) const;
   // A key of an expert that another ep rank holds.
   bool another_ranks_expert(const std::string& name) const;
   int router(int64_t l) const { return index_[l].router; }  // -1: none here
@@ -113,8 +117,9 @@ class Moe {
   // As Model's functions of these names, for one layer.
   RouterStats router_stats(int64_t l, const Acts& x, int64_t tokens) const;
   void set_router_prob_grad(int64_t l, Acts& x, const std::vector<float>& dprob);
-  void set_router_z_loss(double scale) { z_scale_ = scale; }
+  void set_router_z_loss(double scale);
   void set_expert_bias(int64_t l, const std::vector<float>& bias);
+  std::vector<float> expert_bias(int64_t l) const;
   RowMemory row_memory() const;
   void reset_row_memory();
 
@@ -186,7 +191,9 @@ class Moe {
   int64_t expert_replicas_;  // R replica slots a rank (0: none)
   ExpertReplicas replicas_;
   double z_scale_ = 0;  // the router z-loss's factor on its sum (0: off)
-  // The routers' expert biases [E] per layer (empty until set_expert_bias), in bias_arena_.
+  // The routers' expert biases [E] per layer (empty until set_expert_bias, or with sigmoid
+  // scoring made zero by make_cache), in bias_arena_.
+  void make_expert_bias();
   Arena bias_arena_;
   std::vector<Tensor> expert_bias_;
   comm::Communicator* ep_;  // null: every expert lives here

@@ -54,7 +54,9 @@ void load_hf(Model& m, const std::string& folder) {
   }
   std::set<std::string> used;  // the keys the model reads
   std::vector<float> host;
-  for (const HfTensor& t : m.hf_tensors()) {
+  std::vector<HfTensor> tensors = m.hf_tensors(), buffers = m.hf_buffers();
+  tensors.insert(tensors.end(), buffers.begin(), buffers.end());
+  for (const HfTensor& t : tensors) {
     std::vector<int64_t> shape = hf_shape(t, m.num_experts());
     host.resize(static_cast<size_t>(t.value.numel()));
     if (t.fused.empty())
@@ -294,6 +296,9 @@ void Trainer::setup() {
                                            << " does not divide the global batch of " << global_batch_;
   micro_batches_ = rank_rows_ / micro_batch_;
   pipeline_ = pipeline_of(cfg_, model_.num_layers());
+  MT_CHECK(t.router_z_loss_coef == 0 || !model_.sigmoid_routing())
+      << "training.router_z_loss_coef = " << t.router_z_loss_coef << ": DeepSeek-V3's sigmoid routing has no "
+      << "z-loss (its scores are no softmax); set it to 0";
 }
 
 Pipeline Trainer::pipeline_of(const Config& cfg, int64_t layers) {
@@ -706,11 +711,12 @@ void Trainer::apply_step(StepResult& r, const StepBalance& balance) {
   profile_.mark("optimizer");
   if (r.non_finite.empty()) optimizer_.step(cfg_.optimizer, r.lr, r.step, clip);  // compute copies included
   if (corpus_ && corpus_->corpora() > 1) r.data_shares = corpus_->shares();
+  if (expert_bias_.empty() && model_.sigmoid_routing()) expert_bias_ = model_expert_bias();
   if (t.expert_bias_update_rate > 0 && r.non_finite.empty()) {
     update_expert_bias(expert_bias_, balance.counts(), t.expert_bias_update_rate);
     apply_expert_bias(model_, expert_bias_, [&](int64_t l) { return pipeline_.owner(l) == pp_rank_; });
   }
-  r.expert_bias = expert_bias_;
+  if (t.expert_bias_update_rate > 0 || !model_.sigmoid_routing()) r.expert_bias = expert_bias_;
   if (model_.expert_replicas()) {
     profile_.mark("replica weights");
     place_replicas(r);
@@ -841,6 +847,24 @@ Trainer::Validation Trainer::validate() {
   v.loss = sums[0] / std::max(sums[1], 1.0);
   v.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return v;
+}
+
+// Every MoE layer's bias as the model holds it (from its import): each pp stage gives
+// its layers', zero elsewhere, summed over the stages (exact: one term is not zero).
+std::vector<std::vector<float>> Trainer::model_expert_bias() {
+  std::vector<double> all;
+  for (int64_t l = 0; l < model_.num_layers(); ++l) {
+    if (!model_.is_moe_layer(l)) continue;
+    const bool here = pipeline_.owner(l) == pp_rank_;
+    std::vector<float> b = here ? model_.expert_bias(l) : std::vector<float>(model_.num_experts(), 0.0f);
+    all.insert(all.end(), b.begin(), b.end());
+  }
+  comm::sum_in_rank_order(pp_, all);
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < all.size(); i += static_cast<size_t>(model_.num_experts()))
+    out.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(i),
+                     all.begin() + static_cast<std::ptrdiff_t>(i + model_.num_experts()));
+  return out;
 }
 
 std::string Trainer::expert_bias() const {

@@ -283,6 +283,7 @@ class Trainer {
   // Per MoE layer of the whole model (empty: never updated), and its update from the
   // step's counts, summed over every rank.
   std::vector<std::vector<float>> expert_bias_;
+  std::vector<std::vector<float>> model_expert_bias();
   // The placements of the MoE layers this rank holds into the model, then the replicas'
   // weights from their owners.
   void apply_placements(const std::vector<int64_t>& moe_layers);
