@@ -4,7 +4,9 @@
 The model is a config.json (--config; default Qwen3-30B-A3B cut to --layers 8 or 4):
 qwen3_moe, deepseek_v2 (bench/configs/deepseek_v2_lite_8l.json: DeepSeek-V2-Lite as
 released, cut to 8 layers) or gpt_oss (bench/configs/gpt_oss_20b_4l.json: GPT-OSS-20B
-in bf16, cut to 4 layers; eager attention in transformers, whose sdpa takes no sinks).
+in bf16, cut to 4 layers; eager attention in transformers, whose sdpa takes no sinks) or
+deepseek_v3 (bench/configs/moonlight_16b_a3b_8l.json: Moonlight-16B-A3B as released, cut
+to 8 layers, without multi-token prediction).
 
 Each optimizer step accumulates --micro-batches M micro-batches of --batch x --seq tokens
 (default 8 of 2 x 4096: a real training batch, where the optimizer is a small share of
@@ -46,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def flops_per_token(cfg, seq):
     d, h, v, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"], cfg["num_hidden_layers"]
     k, i = cfg["num_experts_per_tok"], cfg.get("moe_intermediate_size", cfg["intermediate_size"])
-    if cfg["model_type"] == "deepseek_v2":
+    if cfg["model_type"] in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
         dn, dr, dv, r, rq = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"],
                              cfg.get("q_lora_rank") or 0)
         dq = dn + dr

@@ -105,7 +105,7 @@ TEST_P(CudaModel, EvalLossMatchesTheCpuBackend) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModel,
                          ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b",
-                                           "gpt_oss_a"));
+                                           "gpt_oss_a", "deepseek_v3_a"));
 
 // gpt_oss_a's config with heads of 64 (its tokens: 3 rows of 16 positions, so the 5-key
 // window cuts the sliding layer's rows), random weights: both layers' attention runs on
