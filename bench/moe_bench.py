@@ -6,7 +6,10 @@ qwen3_moe, deepseek_v2 (bench/configs/deepseek_v2_lite_8l.json: DeepSeek-V2-Lite
 released, cut to 8 layers) or gpt_oss (bench/configs/gpt_oss_20b_4l.json: GPT-OSS-20B
 in bf16, cut to 4 layers; eager attention in transformers, whose sdpa takes no sinks) or
 deepseek_v3 (bench/configs/moonlight_16b_a3b_8l.json: Moonlight-16B-A3B as released, cut
-to 8 layers, without multi-token prediction).
+to 8 layers, without multi-token prediction; bench/configs/deepseek_v3_4l.json: DeepSeek-V3's
+own shape cut to its 3 dense layers and 1 MoE layer, what one H200 holds, only with
+--extra "--offload.experts=optimizer" --state-dtypes bf16 (113.6 GiB on the GPU, 84 GiB of
+host memory by `moetrain plan`) and --skip-baseline: transformers needs 253 GiB).
 
 Each optimizer step accumulates --micro-batches M micro-batches of --batch x --seq tokens
 (default 8 of 2 x 4096: a real training batch, where the optimizer is a small share of
