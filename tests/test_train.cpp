@@ -2786,6 +2786,21 @@ TEST(Commands, DeepSeekConfigAsksForTheSequenceLevelLoss) {
   EXPECT_NE(own[1]["loss"], asked[1]["loss"]);
 }
 
+// One step of training.expert_bias_update_rate by hand: each expert's bias moves by the
+// rate against its layer's mean load (the step's counts), in float as the trainer adds.
+void move_bias_by_hand(std::vector<std::vector<float>>& bias, const nlohmann::json& step_counts, float rate) {
+  const auto counts = step_counts.get<std::vector<std::vector<int64_t>>>();
+  for (size_t l = 0; l < bias.size(); ++l) {
+    const double E = static_cast<double>(counts[l].size());
+    double mean = 0;
+    for (int64_t c : counts[l]) mean += static_cast<double>(c) / E;
+    for (size_t e = 0; e < counts[l].size(); ++e) {
+      const double c = static_cast<double>(counts[l][e]);
+      bias[l][e] += mean > c ? rate : mean < c ? -rate : 0.0f;
+    }
+  }
+}
+
 // training.expert_bias_update_rate (DeepSeek-V3's loss-free balancing): after each of 3
 // steps every expert's bias moves by the rate against its load, as computed here by hand
 // from the step's counts (in float, as the trainer adds); ep 2, dp 2, cp 2 and pp 2 give
@@ -2818,13 +2833,7 @@ TEST(Commands, ExpertBiasMovesByTheRateAgainstTheLoad) {
   EXPECT_FALSE(off[2].contains("expert_bias"));
   std::vector<std::vector<float>> bias(2, std::vector<float>(8, 0.0f));
   for (size_t s = 0; s < 3; ++s) {
-    const auto counts = one[s]["expert_counts"].get<std::vector<std::vector<int64_t>>>();
-    for (size_t l = 0; l < 2; ++l) {
-      double mean = 0;
-      for (int64_t c : counts[l]) mean += static_cast<double>(c) / 8.0;
-      for (size_t e = 0; e < 8; ++e)
-        bias[l][e] += mean > static_cast<double>(counts[l][e]) ? rate : mean < static_cast<double>(counts[l][e]) ? -rate : 0.0f;
-    }
+    move_bias_by_hand(bias, one[s]["expert_counts"], rate);
     EXPECT_EQ(one[s]["expert_bias"].get<std::vector<std::vector<float>>>(), bias) << "step " << s + 1;
     for (size_t m = 0; m < meshes.size(); ++m) {
       EXPECT_EQ(meshes[m][s]["expert_bias"], one[s]["expert_bias"]) << "mesh " << m << " step " << s + 1;
@@ -2896,13 +2905,7 @@ TEST(Commands, DeepseekV3CarriesItsCorrectionBias) {
     bias.push_back(b);
   }
   for (size_t s = 0; s < 2; ++s) {
-    const auto counts = one[s]["expert_counts"].get<std::vector<std::vector<int64_t>>>();
-    for (size_t l = 0; l < 2; ++l) {
-      double mean = 0;
-      for (int64_t c : counts[l]) mean += static_cast<double>(c) / 16.0;
-      for (size_t e = 0; e < 16; ++e)
-        bias[l][e] += mean > static_cast<double>(counts[l][e]) ? rate : mean < static_cast<double>(counts[l][e]) ? -rate : 0.0f;
-    }
+    move_bias_by_hand(bias, one[s]["expert_counts"], rate);
     EXPECT_EQ(one[s]["expert_bias"].get<std::vector<std::vector<float>>>(), bias) << "step " << s + 1;
   }
   const io::HfWeights moved = exported("one");
