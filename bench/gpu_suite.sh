@@ -81,15 +81,21 @@ check balance_ep2 "$on_gpus --lb sequence --meshes 1,1,2 --extra='$balance'"
 check balance_pp2 "$on_gpus --lb sequence --pipeline --meshes 2,1,1,1 --extra='$balance'"
 check fp8_ep2 "$on_gpus --lb micro_batch --meshes 1,1,2 $fp8"
 check fp8_pp2 "$on_gpus --lb micro_batch --pipeline --meshes 2,1,1,1 $fp8"
-check v3_meshes "$on_gpus --fixture deepseek_v3_a --lb micro_batch --extra=--training.expert_bias_update_rate=0.001"
-for f in qwen3_moe_a deepseek_v2_a gpt_oss_a deepseek_v3_a; do
+# DeepSeek-V3's group-limited sigmoid choice flips more of the fixture's slots under bf16
+# (grad_norm 2.7% from the CPU at step 1 on an H100; 0.26% with the routing forced
+# balanced, so the rest of the numerics agree as the other families' do).
+v3="--fixture deepseek_v3_a --rtol 0.035"
+check v3_meshes "$on_gpus $v3 --count-slack 16 --lb micro_batch --extra=--training.expert_bias_update_rate=0.001"
+for f in qwen3_moe_a deepseek_v2_a gpt_oss_a; do
   check "cpu_$f" "$vs_cpu --fixture $f"
   check "cpu_${f}_fp8" "$vs_cpu --fixture $f --rtol 0.05 $fp8"
 done
+check cpu_deepseek_v3_a "$vs_cpu $v3"
+check cpu_deepseek_v3_a_fp8 "$vs_cpu --fixture deepseek_v3_a --rtol 0.05 $fp8"
 check cpu_z_loss "$vs_cpu --extra=--training.router_z_loss_coef=0.01"
 check cpu_sequence_loss "$vs_cpu --fixture deepseek_v2_a --lb sequence"
 check cpu_expert_bias "$vs_cpu --extra=--training.expert_bias_update_rate=0.001"
-check cpu_v3_expert_bias "$vs_cpu --fixture deepseek_v3_a --extra=--training.expert_bias_update_rate=0.001"
+check cpu_v3_expert_bias "$vs_cpu $v3 --extra=--training.expert_bias_update_rate=0.001"
 check cpu_validation "$vs_cpu --extra='--validation.interval=1 --validation.tokens=@TOKENS@'"
 for ac in selective full; do check "cpu_recompute_$ac" "$vs_cpu --extra=--training.activation_checkpoint=$ac"; done
 for tier in optimizer weights; do check "cpu_offload_$tier" "$vs_cpu --mesh-extra=--offload.experts=$tier"; done
