@@ -2123,17 +2123,21 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
         EXPECT_NEAR(value, want, 1e-5 * std::fabs(want)) << what << " step " << first + i + 1 << " " << key;
       }
       EXPECT_EQ(got[i]["expert_counts"], one[first + i]["expert_counts"]) << what << " step " << first + i + 1;
+      EXPECT_EQ(got[i].value("expert_bias", nlohmann::json()), one[first + i].value("expert_bias", nlohmann::json()))
+          << what << " step " << first + i + 1;
     }
   };
   struct Mesh {
     int pp, dp, cp, ep;
   };
   // Every model family (DeepSeek-V2 here with q_lora, group-limited routing, a shared
-  // expert and a dense first layer; GPT-OSS with sinks, windows on even layers and
-  // biases); the qwen3 config, last, is the one the rest uses.
-  for (std::string family : {"deepseek_v2.json", "gpt_oss.json", "config.json"}) {
+  // expert and a dense first layer; DeepSeek-V3 the same with sigmoid noaux_tc routing
+  // and its bias moving; GPT-OSS with sinks, windows on even layers and biases); the
+  // qwen3 config, last, is the one the rest uses.
+  for (std::string family : {"deepseek_v2.json", "deepseek_v3.json", "gpt_oss.json", "config.json"}) {
     config = fixture("pipeline/" + family);
-    one = train("one" + family, 1, "", 4);
+    const std::string bias = family == "deepseek_v3.json" ? " --training.expert_bias_update_rate=0.05" : "";
+    one = train("one" + family, 1, bias, 4);
     ASSERT_EQ(one.size(), 4u);
     for (Mesh m : {Mesh{2, 1, 1, 1}, Mesh{4, 1, 1, 1}, Mesh{2, 2, 1, 1}, Mesh{2, 1, 1, 2}, Mesh{2, 1, 2, 1},
                    Mesh{2, 2, 1, 2}, Mesh{8, 1, 1, 1}, Mesh{1, 1, 1, 1}})
@@ -2144,7 +2148,8 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
         std::vector<nlohmann::json> got =
             train(name, m.pp * m.dp * m.cp * m.ep,
                   "--parallelism.pp=" + std::to_string(m.pp) + " --parallelism.cp=" + std::to_string(m.cp) +
-                      " --parallelism.ep=" + std::to_string(m.ep) + " --parallelism.pipeline_schedule=" + schedule,
+                      " --parallelism.ep=" + std::to_string(m.ep) + " --parallelism.pipeline_schedule=" + schedule +
+                      bias,
                   3);
         expect_same(got, 0, 3, name);
       }
