@@ -2871,8 +2871,9 @@ TEST(Commands, ExpertBiasMovesByTheRateAgainstTheLoad) {
 // imported with the weights, moved by training.expert_bias_update_rate from there (by
 // hand here, in float as the trainer adds), the same on pp 2 (each stage holds some of
 // the layers); an export of a step with lr 0 is byte-equal to the fixture it was imported
-// from, the bias included (fp32), and one after updates carries the run's bias; the
-// z-loss is refused.
+// from, the bias included (fp32), and one after updates carries the run's bias, with
+// which eval of the checkpoint and of the export gives the run's val_loss; the z-loss
+// is refused.
 TEST(Commands, DeepseekV3CarriesItsCorrectionBias) {
   const std::string dir = temp_dir("deepseek_v3");
   write_four_sequences("deepseek_v3_a", dir);
@@ -2900,7 +2901,8 @@ TEST(Commands, DeepseekV3CarriesItsCorrectionBias) {
     EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end())) << name;
   }
 
-  const std::string on = " --training.steps=2 --training.expert_bias_update_rate=0.05";
+  const std::string on = " --training.steps=2 --training.expert_bias_update_rate=0.05 --validation.interval=2" +
+                         (" --validation.tokens=" + dir + "/tokens.npy");
   std::tie(rc, out) = train("one", 1, on);
   ASSERT_EQ(rc, 0) << out;
   const std::vector<nlohmann::json> one = metrics_of(dir + "/one");
@@ -2921,6 +2923,13 @@ TEST(Commands, DeepseekV3CarriesItsCorrectionBias) {
     std::vector<float> b(16);
     moved.read_f32("model.layers." + std::to_string(l + 1) + ".mlp.gate.e_score_correction_bias", {16}, b.data());
     EXPECT_EQ(b, bias[l]) << "layer " << l + 1;
+  }
+  // eval routes with the bias, from the checkpoint and from the export: the run's val_loss.
+  for (const std::string& model : {dir + "/one/checkpoints/step-00000002", dir + "/one_hf"}) {
+    std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " eval --model " + model + " --tokens " + dir + "/tokens.npy");
+    ASSERT_EQ(rc, 0) << out;
+    const double eval_loss = nlohmann::json::parse(out.substr(out.find('{')))["loss"];
+    EXPECT_NEAR(eval_loss, one[1]["val_loss"].get<double>(), 1e-6 * eval_loss) << model;
   }
   std::tie(rc, out) = train("zloss", 1, " --training.steps=1 --training.router_z_loss_coef=0.001");
   EXPECT_EQ(rc, 1) << out;
