@@ -572,6 +572,30 @@ TEST(Qwen3MoeLoad, MisShapedTensorIsNamed) {
   }
 }
 
+// A released DeepSeek-V3 folder keeps its multi-token prediction layer after the model's
+// (model.layers.61.* of 61 layers): refused by name, with the reason, not dropped.
+TEST(DeepseekV3Load, MultiTokenPredictionKeysAreRefusedByName) {
+  std::string dir = ::testing::TempDir() + "/v3_mtp";
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(fixture("deepseek_v3_a/config.json"), dir + "/config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  io::SafetensorsFile src(fixture("deepseek_v3_a/model.safetensors"));
+  std::vector<std::vector<float>> keep;
+  std::vector<io::StWrite> out;
+  for (const io::StTensor& t : src.tensors()) {
+    keep.emplace_back(static_cast<size_t>(t.numel()));
+    src.read_f32(t, keep.back().data());
+    out.push_back(io::st_f32(t.name, t.shape, keep.back().data()));
+  }
+  std::vector<float> enorm(32, 1.0f);
+  out.push_back(io::st_f32("model.layers.3.enorm.weight", {32}, enorm.data()));
+  io::write_safetensors(dir + "/model.safetensors", out);
+  std::unique_ptr<Model> model = make_model(dir + "/config.json");
+  const std::string m = test::error_of([&] { load_hf(*model, dir); });
+  EXPECT_NE(m.find("model.layers.3.enorm.weight belongs to a multi-token prediction layer"), std::string::npos) << m;
+  EXPECT_NE(m.find("num_nextn_predict_layers 1"), std::string::npos) << m;
+}
+
 // GPT-OSS's experts alone, as a model gives them (expert slices of one key per layer,
 // transposed to [out, in] but for the biases), every other key said to be another
 // rank's: load_hf's side of fused keys, without the GPT-OSS model.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -47,11 +48,18 @@ void load_hf(Model& m, const std::string& folder) {
   // GPT-OSS's release keeps its experts in MXFP4 (io::dequantize_mxfp4).
   const std::string config = folder + "/config.json";
   bool mxfp4 = false;
+  int64_t mtp = 0;  // DeepSeek-V3's multi-token prediction layers, after the model's
   if (std::filesystem::exists(config)) {
     std::vector<uint8_t> b = io::read_file(config);
     nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
-    mxfp4 = HfConfig(j, config).text({"quantization_config.quant_method"}, "") == "mxfp4";
+    const HfConfig hf(j, config);
+    mxfp4 = hf.text({"quantization_config.quant_method"}, "") == "mxfp4";
+    mtp = hf.integer({"num_nextn_predict_layers"}, 0);
   }
+  auto past_the_layers = [&](const std::string& name) {
+    const std::string layers = "model.layers.";
+    return name.starts_with(layers) && std::atoll(name.c_str() + layers.size()) >= m.num_layers();
+  };
   std::set<std::string> used;  // the keys the model reads
   std::vector<float> host;
   std::vector<HfTensor> tensors = m.hf_tensors(), buffers = m.hf_buffers();
@@ -70,9 +78,12 @@ void load_hf(Model& m, const std::string& folder) {
   // A key the model does not use is as suspicious as a missing one.
   for (const std::string& name : w.names()) {
     const bool quantized = mxfp4 && (name.ends_with("_blocks") || name.ends_with("_scales"));
-    MT_CHECK(used.contains(name) || (quantized && used.contains(name.substr(0, name.size() - 7))) ||
-             m.held_by_another_rank(name))
-        << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
+    const bool ok = used.contains(name) || (quantized && used.contains(name.substr(0, name.size() - 7))) ||
+                    m.held_by_another_rank(name);
+    MT_CHECK(ok || mtp == 0 || !past_the_layers(name))
+        << folder << ": tensor " << name << " belongs to a multi-token prediction layer (num_nextn_predict_layers "
+        << mtp << "), which moetrain does not build yet; import a copy of the folder without those layers' keys";
+    MT_CHECK(ok) << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
   }
 }
 
