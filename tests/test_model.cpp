@@ -542,23 +542,33 @@ TEST(HfConfig, SpellingsNestingFallbacksAndErrors) {
   EXPECT_NE(error([&] { hf2.integers({"l"}); }).find("key l = 3.5 should be a whole number"), std::string::npos);
 }
 
-// A checkpoint whose tensor has the wrong shape names the key, the file and both shapes.
-TEST(Qwen3MoeLoad, MisShapedTensorIsNamed) {
-  std::string dir = ::testing::TempDir() + "/misshaped";
+// Fixture `name`'s config.json and weights in folder `dir`, each tensor's shape first
+// passed through `edit`, and `extra` tensors added.
+void copy_fixture(const std::string& dir, const std::string& name,
+                  const std::function<void(const std::string&, std::vector<int64_t>&)>& edit,
+                  const std::vector<io::StWrite>& extra = {}) {
   std::filesystem::create_directories(dir);
-  std::filesystem::copy_file(fixture("qwen3_moe_a/config.json"), dir + "/config.json",
+  std::filesystem::copy_file(fixture(name + "/config.json"), dir + "/config.json",
                              std::filesystem::copy_options::overwrite_existing);
-  io::SafetensorsFile src(fixture("qwen3_moe_a/model.safetensors"));
+  io::SafetensorsFile src(fixture(name + "/model.safetensors"));
   std::vector<std::vector<float>> keep;
-  std::vector<io::StWrite> out;
+  std::vector<io::StWrite> out = extra;
   for (const io::StTensor& t : src.tensors()) {
     keep.emplace_back(static_cast<size_t>(t.numel()));
     src.read_f32(t, keep.back().data());
     std::vector<int64_t> shape = t.shape;
-    if (t.name == "model.layers.0.self_attn.k_proj.weight") std::swap(shape[0], shape[1]);
+    edit(t.name, shape);
     out.push_back(io::st_f32(t.name, shape, keep.back().data()));
   }
   io::write_safetensors(dir + "/model.safetensors", out);
+}
+
+// A checkpoint whose tensor has the wrong shape names the key, the file and both shapes.
+TEST(Qwen3MoeLoad, MisShapedTensorIsNamed) {
+  const std::string dir = ::testing::TempDir() + "/misshaped";
+  copy_fixture(dir, "qwen3_moe_a", [](const std::string& name, std::vector<int64_t>& shape) {
+    if (name == "model.layers.0.self_attn.k_proj.weight") std::swap(shape[0], shape[1]);
+  });
   std::unique_ptr<Model> model = make_model(dir + "/config.json");
   try {
     load_hf(*model, dir);
@@ -575,21 +585,10 @@ TEST(Qwen3MoeLoad, MisShapedTensorIsNamed) {
 // A released DeepSeek-V3 folder keeps its multi-token prediction layer after the model's
 // (model.layers.61.* of 61 layers): refused by name, with the reason, not dropped.
 TEST(DeepseekV3Load, MultiTokenPredictionKeysAreRefusedByName) {
-  std::string dir = ::testing::TempDir() + "/v3_mtp";
-  std::filesystem::create_directories(dir);
-  std::filesystem::copy_file(fixture("deepseek_v3_a/config.json"), dir + "/config.json",
-                             std::filesystem::copy_options::overwrite_existing);
-  io::SafetensorsFile src(fixture("deepseek_v3_a/model.safetensors"));
-  std::vector<std::vector<float>> keep;
-  std::vector<io::StWrite> out;
-  for (const io::StTensor& t : src.tensors()) {
-    keep.emplace_back(static_cast<size_t>(t.numel()));
-    src.read_f32(t, keep.back().data());
-    out.push_back(io::st_f32(t.name, t.shape, keep.back().data()));
-  }
-  std::vector<float> enorm(32, 1.0f);
-  out.push_back(io::st_f32("model.layers.3.enorm.weight", {32}, enorm.data()));
-  io::write_safetensors(dir + "/model.safetensors", out);
+  const std::string dir = ::testing::TempDir() + "/v3_mtp";
+  const std::vector<float> enorm(32, 1.0f);
+  copy_fixture(dir, "deepseek_v3_a", [](const std::string&, std::vector<int64_t>&) {},
+               {io::st_f32("model.layers.3.enorm.weight", {32}, enorm.data())});
   std::unique_ptr<Model> model = make_model(dir + "/config.json");
   const std::string m = test::error_of([&] { load_hf(*model, dir); });
   EXPECT_NE(m.find("model.layers.3.enorm.weight belongs to a multi-token prediction layer"), std::string::npos) << m;
