@@ -18,7 +18,8 @@
 #                       family, the z-loss, the sequence loss, the expert bias, validation,
 #                       each recompute mode, each offload tier (the CPU without offload)
 #                       (cpu_v3_expert_bias: DeepSeek-V3's correction bias moving)
-#   meshes, zero3, pipeline, replicas, recompute_*, offload_*, balance_*, fp8_*, v3_meshes
+#   meshes, zero3, pipeline, replicas, recompute_*, offload_*, balance_*, fp8_*, v3_meshes,
+#   cpu_v3_mtp*, v3_mtp_meshes (multi-token prediction)
 #                       meshes of up to --ranks ranks (default 4) on the GPUs present,
 #                       against one GPU (tests/gpu/meshes.py): with more ranks than GPUs
 #                       the ranks share them and exchange through host memory
@@ -96,6 +97,12 @@ check cpu_z_loss "$vs_cpu --extra=--training.router_z_loss_coef=0.01"
 check cpu_sequence_loss "$vs_cpu --fixture deepseek_v2_a --lb sequence"
 check cpu_expert_bias "$vs_cpu --extra=--training.expert_bias_update_rate=0.001"
 check cpu_v3_expert_bias "$vs_cpu $v3 --extra=--training.expert_bias_update_rate=0.001"
+# DeepSeek-V3 with two multi-token prediction depths: one GPU against the CPU (bf16, FP8),
+# and every mesh on one GPU's ranks against one rank.
+mtp="--fixture deepseek_v3_mtp --rtol 0.035"
+check cpu_v3_mtp "$vs_cpu $mtp --extra=--training.expert_bias_update_rate=0.001"
+check cpu_v3_mtp_fp8 "$vs_cpu --fixture deepseek_v3_mtp --rtol 0.05 $fp8"
+check v3_mtp_meshes "$on_gpus $mtp --count-slack 16 --lb micro_batch --extra=--training.expert_bias_update_rate=0.001"
 check cpu_validation "$vs_cpu --extra='--validation.interval=1 --validation.tokens=@TOKENS@'"
 for ac in selective full; do check "cpu_recompute_$ac" "$vs_cpu --extra=--training.activation_checkpoint=$ac"; done
 for tier in optimizer weights; do check "cpu_offload_$tier" "$vs_cpu --mesh-extra=--offload.experts=$tier"; done

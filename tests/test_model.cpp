@@ -168,6 +168,40 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity,
                          ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b", "deepseek_v3_a",
                                            "gpt_oss_a"));
 
+// DeepSeek-V3 with two multi-token prediction depths (deepseek_v3_mtp) against the
+// float64 formula of make_hf_fixtures.py's write_mtp_fixture, around transformers' own
+// layers (transformers runs no MTP): each depth's loss, every key's gradient of loss +
+// 0.3 / 2 x their sum at the first step, five AdamW steps with clipping, the weights after.
+TEST(MtpParity, DepthLossesGradientsAndFiveSteps) {
+  const std::string name = "deepseek_v3_mtp";
+  io::SafetensorsFile exp(fixture(name + "/expected.safetensors"));
+  ModelOptions options;
+  options.mtp = true;
+  std::unique_ptr<Model> model = make_model(fixture(name + "/config.json"), options);
+  ASSERT_EQ(model->num_layers(), 2);
+  ASSERT_EQ(model->mtp_depths(), 2);
+  load_hf(*model, fixture(name));
+  Trainer trainer(fixture_config(name, 5), *model, read_token_batch(fixture(name + "/tokens.npy"), model->vocab_size()));
+  const std::vector<float> losses = expected(exp, "step_loss"), mtp = expected(exp, "step_mtp_loss"),
+                           norms = expected(exp, "step_grad_norm");
+  for (int i = 0; i < 5; ++i) {
+    StepResult r = trainer.step();
+    EXPECT_NEAR(r.loss, losses[i], 1e-4 * losses[i]) << "step " << i + 1;
+    ASSERT_EQ(r.mtp_loss.size(), 2u);
+    for (size_t k = 0; k < 2; ++k) EXPECT_NEAR(r.mtp_loss[k], mtp[2 * i + k], 1e-4 * mtp[2 * i + k]) << "step " << i + 1;
+    EXPECT_NEAR(r.grad_norm, norms[i], 1e-4 * norms[i]) << "step " << i + 1;
+    if (i > 0) continue;
+    size_t keys = 0;
+    for (const HfTensor& t : model->hf_tensors()) {
+      EXPECT_LT(rel_err_norm(t.grad.f32(), expected_of(exp, "grad.", t)), 1e-4) << t.name;
+      keys += t.name.starts_with("model.layers.2.") || t.name.starts_with("model.layers.3.");
+    }
+    EXPECT_GT(keys, 2u * 3 * 16) << "the depths' layers, experts included, are the model's tensors";
+  }
+  for (const HfTensor& t : model->hf_tensors())
+    EXPECT_LT(rel_err_norm(t.value.f32(), expected_of(exp, "final.", t)), 1e-4) << t.name;
+}
+
 // The seam itself: each of Linear's FP8 products equals, in float64, the product of the
 // dequantized codes of the layouts it should read (the forward: x in 1x128 rows against
 // w's blocks; the input gradient: dy's rows against the blocks of w^T), with beta; the
@@ -428,7 +462,9 @@ TEST(DeepseekV3Config, SpellingsAndRefusals) {
     EXPECT_EQ(c.decoder.router.n_group, 4);
     EXPECT_EQ(c.decoder.router.topk_group, 2);
     EXPECT_FLOAT_EQ(c.decoder.router.scale, 2.5f);
-    EXPECT_EQ(c.decoder.moe, (std::vector<bool>{false, true, true}));
+    // transformers writes num_nextn_predict_layers 1: the depth's layer is a MoE one too.
+    EXPECT_EQ(c.decoder.mtp_depths, 1);
+    EXPECT_EQ(c.decoder.moe, (std::vector<bool>{false, true, true, true}));
     EXPECT_EQ(c.q_lora_rank, 24);
   }
   nlohmann::json plain = v5;
@@ -582,8 +618,9 @@ TEST(Qwen3MoeLoad, MisShapedTensorIsNamed) {
   }
 }
 
-// A released DeepSeek-V3 folder keeps its multi-token prediction layer after the model's
-// (model.layers.61.* of 61 layers): refused by name, with the reason, not dropped.
+// A DeepSeek-V3 folder's multi-token prediction layer (model.layers.61.* of 61 layers) in a
+// model built without its depths (training.mtp_loss_weight = 0): refused by name, with
+// the reason, not dropped.
 TEST(DeepseekV3Load, MultiTokenPredictionKeysAreRefusedByName) {
   const std::string dir = ::testing::TempDir() + "/v3_mtp";
   const std::vector<float> enorm(32, 1.0f);
@@ -593,6 +630,30 @@ TEST(DeepseekV3Load, MultiTokenPredictionKeysAreRefusedByName) {
   const std::string m = test::error_of([&] { load_hf(*model, dir); });
   EXPECT_NE(m.find("model.layers.3.enorm.weight belongs to a multi-token prediction layer"), std::string::npos) << m;
   EXPECT_NE(m.find("num_nextn_predict_layers 1"), std::string::npos) << m;
+}
+
+// The released checkpoints keep a copy of the embedding and the head with each depth
+// (model.layers.{L + k - 1}.embed_tokens, shared_head.head): read, and refused where one
+// differs from the model's, which the depths share.
+TEST(DeepseekV3Load, DepthCopiesOfTheEmbeddingAndHeadAreTheModels) {
+  io::SafetensorsFile f(fixture("deepseek_v3_mtp/model.safetensors"));
+  std::vector<float> embed(96 * 32), head(96 * 32);
+  f.read_f32(*f.find("model.embed_tokens.weight"), embed.data());
+  f.read_f32(*f.find("lm_head.weight"), head.data());
+  for (bool differ : {false, true}) {
+    const std::string dir = ::testing::TempDir() + "/v3_copies" + (differ ? "_differ" : "");
+    std::vector<float> copy = head;
+    if (differ) copy[5] += 1.0f;
+    copy_fixture(dir, "deepseek_v3_mtp", [](const std::string&, std::vector<int64_t>&) {},
+                 {io::st_f32("model.layers.2.embed_tokens.weight", {96, 32}, embed.data()),
+                  io::st_f32("model.layers.3.shared_head.head.weight", {96, 32}, copy.data())});
+    ModelOptions o;
+    o.mtp = true;
+    std::unique_ptr<Model> model = make_model(dir + "/config.json", o);
+    const std::string m = test::error_of([&] { load_hf(*model, dir); });
+    if (!differ) EXPECT_EQ(m, "(no error)");
+    if (differ) EXPECT_NE(m.find("model.layers.3.shared_head.head.weight differs from lm_head.weight"), std::string::npos) << m;
+  }
 }
 
 // GPT-OSS's experts alone, as a model gives them (expert slices of one key per layer,

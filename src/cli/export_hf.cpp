@@ -119,6 +119,7 @@ Written write_export(const fs::path& ckpt, const fs::path& out, bool bf16, int64
   // built from config.json, without memory, says which.
   ModelOptions plan;
   plan.plan_only = true;
+  plan.mtp = has_mtp_weights(ckpt.string());
   std::unique_ptr<Model> model = make_model((ckpt / "config.json").string(), plan);
   std::map<std::string, std::vector<HfTensor>> fused;  // key -> its experts, by index
   std::map<std::string, std::string> fused_of;         // checkpoint key -> its fused key

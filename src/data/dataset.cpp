@@ -239,7 +239,7 @@ std::vector<int64_t> Dataset::positions(int cp_rank, int cp_size) const {
 }
 
 void Dataset::next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int64_t micro_batch,
-                         std::span<int32_t> ids, std::span<int32_t> labels) {
+                         std::span<int32_t> ids, std::span<int32_t> labels, std::span<int32_t> ahead) {
   MT_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size && micro_batch >= 1)
       << "dp rank " << dp_rank << " of " << dp_size << ", micro_batch " << micro_batch;
   std::vector<int64_t> pos = positions(cp_rank, cp_size);
@@ -247,10 +247,14 @@ void Dataset::next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int
   MT_CHECK(static_cast<int64_t>(ids.size()) == micro_batch * cols && labels.size() == ids.size())
       << "next_batch: ids and labels must hold micro_batch * seq_len / cp = " << micro_batch * cols << " each, got "
       << ids.size() << " and " << labels.size();
+  const int64_t A = static_cast<int64_t>(ahead.size()) / std::max<int64_t>(static_cast<int64_t>(ids.size()), 1);
+  MT_CHECK(static_cast<int64_t>(ahead.size()) == A * micro_batch * cols)
+      << "next_batch: ahead must hold planes of micro_batch * seq_len / cp = " << micro_batch * cols << ", got "
+      << ahead.size();
   // Whole chunks are contiguous in the sample: read each with the one token after it,
-  // which is the chunk's last label.
+  // which is the chunk's last label (and the A after that, the sample's end allowing).
   int64_t chunk = cp_size == 1 ? seq_len_ : seq_len_ / (2 * cp_size);
-  std::vector<int32_t> buf(static_cast<size_t>(chunk + 1));
+  std::vector<int32_t> buf(static_cast<size_t>(chunk + 1 + A));
   // A mixture's draws of the positions before this rank's (every rank counts them all).
   const bool mixture = corpora_.size() > 1;
   std::vector<uint64_t> drawn = cursor_.drawn;
@@ -265,13 +269,37 @@ void Dataset::next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int
     const int64_t sample = mixture ? sample_of(mine[static_cast<size_t>(b)].first, mine[static_cast<size_t>(b)].second)
                                    : sample_of(0, cursor_.samples_seen + static_cast<uint64_t>(dp_rank * micro_batch + b));
     for (int64_t c = 0; c < cols; c += chunk) {
-      read_sample(sample, pos[static_cast<size_t>(c)], pos[static_cast<size_t>(c)] + chunk + 1, buf.data());
-      std::copy(buf.begin(), buf.end() - 1, ids.begin() + b * cols + c);
-      std::copy(buf.begin() + 1, buf.end(), labels.begin() + b * cols + c);
+      const int64_t begin = pos[static_cast<size_t>(c)], end = std::min(begin + chunk + 1 + A, seq_len_ + 1);
+      std::fill(buf.begin(), buf.end(), kPastTheEnd);
+      read_sample(sample, begin, end, buf.data());
+      std::copy_n(buf.begin(), chunk, ids.begin() + b * cols + c);
+      std::copy_n(buf.begin() + 1, chunk, labels.begin() + b * cols + c);
+      for (int64_t j = 0; j < A; ++j)
+        std::copy_n(buf.begin() + 2 + j, chunk, ahead.begin() + (j * micro_batch + b) * cols + c);
     }
   }
   cursor_.samples_seen += static_cast<uint64_t>(dp_size * micro_batch);
   if (mixture) cursor_.drawn = drawn;
+}
+
+void labels_ahead(const int32_t* labels, int64_t rows, int64_t seq, const std::vector<int64_t>& cols,
+                  std::span<int32_t> ahead) {
+  const int64_t c = static_cast<int64_t>(cols.size()), A = static_cast<int64_t>(ahead.size()) / std::max<int64_t>(rows * c, 1);
+  std::fill(ahead.begin(), ahead.end(), Dataset::kPastTheEnd);
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t b = 0; b < rows; ++b)
+      for (int64_t j = 0; j < c; ++j)
+        if (cols[j] + a + 1 < seq) ahead[(a * rows + b) * c + j] = labels[b * seq + cols[j] + a + 1];
+}
+
+void mtp_tokens(std::span<const int32_t> labels, std::span<const int32_t> ahead, std::span<int32_t> out) {
+  const size_t n = labels.size(), A = ahead.size() / std::max<size_t>(n, 1);
+  MT_CHECK(out.size() == 2 * A * n) << "mtp_tokens: " << out.size() << " outputs for " << A << " depths of " << n;
+  for (size_t k = 1; k <= A; ++k)
+    for (size_t i = 0; i < n; ++i) {
+      out[(k - 1) * n + i] = std::max(k == 1 ? labels[i] : ahead[(k - 2) * n + i], 0);
+      out[(A + k - 1) * n + i] = ahead[(k - 1) * n + i];
+    }
 }
 
 }  // namespace mt::data

@@ -88,8 +88,12 @@ class Dataset {
 
   // Fills ids and labels, each [micro_batch, seq_len / cp_size] row-major, with this
   // rank's share of the next dp_size * micro_batch samples and advances the cursor.
+  // `ahead`, where given, [A, micro_batch, seq_len / cp_size]: plane j holds the token
+  // j + 1 positions after each label (multi-token prediction's; kPastTheEnd past the
+  // sample), read with the chunk, so that a cp rank's chunk has the tokens of the next.
   void next_batch(int dp_rank, int dp_size, int cp_rank, int cp_size, int64_t micro_batch, std::span<int32_t> ids,
-                  std::span<int32_t> labels);
+                  std::span<int32_t> labels, std::span<int32_t> ahead = {});
+  static constexpr int32_t kPastTheEnd = -100;  // the cross-entropy's ignored label
 
   // The sample at `position` of the global order (epoch position / num_samples()); one
   // corpus only (a mixture's order depends on the draws before).
@@ -141,5 +145,14 @@ class Dataset {
   int64_t num_tokens_ = 0;
   DataCursor cursor_;
 };
+
+// Multi-token prediction's tokens for A depths. labels_ahead: next_batch's `ahead` planes
+// [A, rows, cols] from whole label rows [rows, seq], the columns `cols` of each (a cp
+// rank's zigzag ones). mtp_tokens: from n labels and their A planes ahead, depth k's
+// embedding inputs (the token k ahead: the labels, then the planes; 0 past the end, where
+// its label is ignored) then its labels (the token k + 1 ahead), each [A, n], into `out`.
+void labels_ahead(const int32_t* labels, int64_t rows, int64_t seq, const std::vector<int64_t>& cols,
+                  std::span<int32_t> ahead);
+void mtp_tokens(std::span<const int32_t> labels, std::span<const int32_t> ahead, std::span<int32_t> out);
 
 }  // namespace mt::data

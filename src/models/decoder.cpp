@@ -111,31 +111,70 @@ struct DecoderBlock : ActivationBlock {
   Arena arena;
 };
 
+// Multi-token prediction depth k's activations (DecoderSpec::mtp_depths): its layer's
+// input x = eh_proj(cat) and output `out`, with their gradients; the embedding rows e of
+// the tokens k ahead and their norm en, the previous depth's output normed hn, cat =
+// [en | hn]. What only one depth's backward reads at a time (d_cat, d_en, d_hn, d_e) is
+// one set for every depth, as is d_prev (the gradient of the previous depth's output
+// from this one's hnorm).
+struct MtpActs {
+  Tensor x, out, dx, dout;
+  Tensor e, en, rstd_e, hn, rstd_h, cat;
+  Tensor d_cat, d_en, d_hn, d_e, d_prev;
+};
+
 struct DecoderStash : Stash {
   Arena arena;
+  int64_t L = 0;  // the model's layers: past them, a layer is a multi-token prediction depth's
   std::vector<int32_t> positions_host;
   Tensor cos, sin;
   Tensor all_rows;                   // i32 {0, N} (AttentionIo::all_rows)
   Tensor balanced_idx;               // force_balanced_routing: the fixed expert choice
   std::vector<LayerActs> layers;
-  Head::Acts head;
+  Head::Acts head;  // the main head's, and scratch of the depths' heads before it
+  std::vector<MtpActs> mtp;
   LossSum loss;
+  // Layer l's input and output in the residual stream and their gradients: h[l] and
+  // h[l + 1], or a multi-token prediction depth's x and out.
+  const Tensor& in(int64_t l) const { return l < L ? h[l] : mtp[l - L].x; }
+  const Tensor& out(int64_t l) const { return l < L ? h[l + 1] : mtp[l - L].out; }
+  const Tensor& d_in(int64_t l) const { return l < L ? dh[l] : mtp[l - L].dx; }
+  const Tensor& d_out(int64_t l) const { return l < L ? dh[l + 1] : mtp[l - L].dout; }
 };
+
+// The spec as the decoder builds it: num_layers counts the multi-token prediction
+// depths' layers too, where they are built.
+DecoderSpec with_mtp_layers(DecoderSpec c, bool mtp) {
+  if (mtp) c.num_layers += c.mtp_depths;
+  c.moe.resize(static_cast<size_t>(c.num_layers));
+  return c;
+}
 
 class Decoder final : public Model {
  public:
-  Decoder(const DecoderSpec& c, Mixers mixers, const ModelOptions& o)
-      : c_(c), mixers_(std::move(mixers)), o_(o), act_(o.device == Device::cuda ? DType::bf16 : DType::f32),
-        linear_(o.fp8, o.fp8_pow2), moe_(c, o, params_, linear_) {
+  Decoder(const DecoderSpec& spec, Mixers mixers, const ModelOptions& o)
+      : c_(with_mtp_layers(spec, o.mtp)), L_(spec.num_layers), D_(c_.num_layers - L_), mixers_(std::move(mixers)),
+        o_(o), act_(o.device == Device::cuda ? DType::bf16 : DType::f32), linear_(o.fp8, o.fp8_pow2),
+        moe_(c_, o, params_, linear_) {
+    const DecoderSpec& c = c_;
+    mixers_.resize(static_cast<size_t>(c.num_layers));
+    MT_CHECK(D_ == 0 || !o.head || o.embedding)
+        << "multi-token prediction (num_nextn_predict_layers " << D_ << ") embeds the tokens ahead where the head is: "
+        << "the embedding and the head must be on one pipeline rank (parallelism.pipeline_schedule = dualpipev "
+        << "places both on rank 0), or set training.mtp_loss_weight = 0";
     MT_CHECK(!linear_.fp8() || !o.external_layers)
         << "training.fp8 = blockwise with parallelism.zero3 is not built yet (the weight slots gather bf16 copies, "
            "not FP8 ones)";
     attend_.cp = o.cp != nullptr && o.cp->size() > 1 ? o.cp : nullptr;
     held_.assign(static_cast<size_t>(c.num_layers), o.layers.empty());
     for (int64_t l : o.layers) {
-      MT_CHECK(l >= 0 && l < c.num_layers) << "model built for layer " << l << " of " << c.num_layers;
+      MT_CHECK(l >= 0 && l < L_) << "model built for layer " << l << " of " << L_;
       held_[l] = true;
     }
+    for (int64_t l = L_; l < c.num_layers; ++l) held_[l] = o.head;
+    // The replicas key an expert by its Param::layer, which is L for every depth's.
+    MT_CHECK(D_ <= 1 || o.expert_replicas == 0)
+        << "parallelism.expert_replicas with " << D_ << " multi-token prediction depths is not built (one depth is)";
     MT_CHECK(!c.tie_word_embeddings || o_.embedding == o_.head)
         << "tie_word_embeddings: the embedding and the head share a weight, so they must be on one pipeline rank "
         << "(parallelism.pipeline_schedule = dualpipev places both on rank 0)";
@@ -152,7 +191,8 @@ class Decoder final : public Model {
   size_t expert_replica_bytes() const override { return replica_bytes_; }
   ExpertCacheStats expert_cache_stats() override { return moe_.cache().stats(); }
   bool balanced_routing() const override { return o_.force_balanced_routing; }
-  int64_t num_layers() const override { return c_.num_layers; }
+  int64_t num_layers() const override { return L_; }
+  int64_t mtp_depths() const override { return D_; }
   bool is_moe_layer(int64_t layer) const override { return c_.moe[layer]; }
   int64_t num_experts() const override { return c_.num_experts; }
   int64_t vocab_size() const override { return c_.vocab_size; }
@@ -231,7 +271,7 @@ class Decoder final : public Model {
   static Moe::Io moe_io(Stash& base, int64_t l) {
     auto& s = static_cast<DecoderStash&>(base);
     LayerActs& x = s.layers[l];
-    return {s.batch * s.seq, x.y, x.d_y, x.mo, s.h[l + 1], s.dh[l + 1], s.all_rows, s.balanced_idx};
+    return {s.batch * s.seq, x.y, x.d_y, x.mo, s.out(l), s.d_out(l), s.all_rows, s.balanced_idx};
   }
   // Full recomputation: layer l's forward again (all but the aggregate, whose output
   // h[l+1] is the next layer's input and kept), exchanges finished at once.
@@ -241,8 +281,16 @@ class Decoder final : public Model {
   void finish_exchange(Stash& s, int64_t l) const { moe_.finish_exchange(layer_acts(s, l).moe, moe_io(s, l)); }
   void attention_forward(int64_t l, DecoderStash& s);
   void attention_backward_input(int64_t l, DecoderStash& s);
+  // The held layers of a block of [first, last), with the depths' layers where it has the head.
+  std::vector<int64_t> block_layers(int64_t first, int64_t last) const;
+  // Multi-token prediction: every depth's forward, each one's head with its B and W at
+  // once (the main head's scratch serves them before its own forward), and the depths'
+  // backward from the last, into the last layer's output gradient.
+  std::vector<LossSum> mtp_forward(DecoderStash& s, float grad_scale);
+  void mtp_backward(DecoderStash& s);
 
-  DecoderSpec c_;
+  DecoderSpec c_;  // with_mtp_layers: num_layers counts the depths' layers
+  int64_t L_, D_;  // the model's layers and the multi-token prediction depths built
   Mixers mixers_;  // per layer (layers may share one)
   Attention& mixer(int64_t l) const { return *mixers_[static_cast<size_t>(l)]; }
   Attend attend_;
@@ -255,6 +303,13 @@ class Decoder final : public Model {
   Arena values_, grads_, compute_, fp8_, host_values_;
   int embed_ = -1;
   Head lm_;  // the head (models/head.h), where this rank holds it
+  // Multi-token prediction depth k's own parameters (its layer's are layer_[L + k - 1]'s)
+  // and its head: its own norm, the model's output projection.
+  struct MtpIndex {
+    int enorm, hnorm, eh_proj;
+  };
+  std::vector<MtpIndex> mtp_;
+  std::vector<Head> mtp_heads_;
   std::vector<LayerIndex> layer_;
   cpu::RopeFreqs rope_;
   Moe moe_;  // the MoE layers' block (models/moe.h)
@@ -284,12 +339,20 @@ void Decoder::build_params() {
   if (o_.head) {
     const int norm = add("final_norm", {D});
     const int out = c_.tie_word_embeddings ? embed_ : add("lm_head", {c_.vocab_size, D});
-    lm_ = Head(&params_, norm, out, !c_.tie_word_embeddings, c_.rms_norm_eps, c_.vocab_size,
-               o_.recompute == Recompute::full);
+    const bool chunked = o_.recompute == Recompute::full;
+    lm_ = Head(&params_, norm, out, !c_.tie_word_embeddings, c_.rms_norm_eps, c_.vocab_size, chunked);
+    for (int64_t k = 1; k <= D_; ++k) {
+      const std::string p = "layers." + std::to_string(L_ + k - 1) + ".";
+      mtp_.push_back({add(p + "enorm", {D}), add(p + "hnorm", {D}), add(p + "eh_proj", {D, 2 * D})});
+      mtp_heads_.emplace_back(&params_, add(p + "head_norm", {D}), out, false, c_.rms_norm_eps, c_.vocab_size, chunked);
+    }
   }
+  // A Param's part (Param::layer): its layer, or L for the head's and the multi-token
+  // prediction depths' (one part: ZeRO-3 does not gather them, and their gradients are
+  // reduced with the head's).
   for (Param& p : params_) {
-    if (p.name.starts_with("layers.")) p.layer = std::atoll(p.name.c_str() + 7);
-    if (p.name == "final_norm" || p.name == "lm_head") p.layer = c_.num_layers;
+    if (p.name.starts_with("layers.")) p.layer = std::min(std::atoll(p.name.c_str() + 7), static_cast<long long>(L_));
+    if (p.name == "final_norm" || p.name == "lm_head") p.layer = L_;
   }
 
   // Two arenas, master weights and their gradients, and on the GPU
@@ -300,11 +363,11 @@ void Decoder::build_params() {
   // the master itself, which they are quantized from, so the GPU's codes are the CPU's
   // for the same master weights.
   const bool copies = o_.device == Device::cuda;
-  auto held = [&](const Param& p) { return !o_.external_layers || p.layer < 0 || p.layer >= c_.num_layers; };
+  auto held = [&](const Param& p) { return !o_.external_layers || p.layer < 0 || p.layer >= L_; };
   std::vector<bool> quantized(params_.size(), false);
   if (linear_.fp8()) {
     for (size_t i = 0; i < params_.size(); ++i)
-      quantized[i] = params_[i].matrix && params_[i].layer >= 0 && params_[i].layer < c_.num_layers;
+      quantized[i] = params_[i].matrix && params_[i].name.starts_with("layers.");
     for (int64_t l = 0; l < c_.num_layers; ++l)
       if (moe_.router(l) >= 0) quantized[moe_.router(l)] = false;
   }
@@ -386,7 +449,7 @@ void Decoder::build_params() {
 
 std::vector<HfTensor> Decoder::hf_tensors() {
   std::vector<HfTensor> out;
-  const float out_scale = static_cast<float>(1.0 / std::sqrt(2.0 * static_cast<double>(c_.num_layers)));
+  const float out_scale = static_cast<float>(1.0 / std::sqrt(2.0 * static_cast<double>(L_)));
   if (o_.embedding) out.push_back(hf_tensor("model.embed_tokens.weight", params_[embed_]));
   for (int64_t l = 0; l < c_.num_layers; ++l) {
     if (!held_[l]) continue;
@@ -401,6 +464,14 @@ std::vector<HfTensor> Decoder::hf_tensors() {
       hf_mlp(out, p + "mlp.", params_[x.gate_up], params_[x.down], 0, out_scale, false);
   }
   if (o_.head) lm_.hf_tensors(out);
+  for (int64_t k = 1; k <= D_ && o_.head; ++k) {
+    const std::string p = "model.layers." + std::to_string(L_ + k - 1) + ".";
+    const MtpIndex& x = mtp_[k - 1];
+    out.push_back(hf_tensor(p + "enorm.weight", params_[x.enorm], 0.0f, 1.0f));
+    out.push_back(hf_tensor(p + "hnorm.weight", params_[x.hnorm], 0.0f, 1.0f));
+    out.push_back(hf_tensor(p + "eh_proj.weight", params_[x.eh_proj]));
+    mtp_heads_[k - 1].hf_tensors(out, p + "shared_head.norm.weight");
+  }
   return out;
 }
 
@@ -413,10 +484,11 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
   s.sin = a.alloc(DType::f32, {S, Dr / 2});
   s.all_rows = i32({2});
   // The residual stream where a layer here reads or writes it, or the head reads it.
-  s.h.resize(c_.num_layers + 1);
-  s.dh.resize(c_.num_layers + 1);
-  for (int64_t l = 0; l <= c_.num_layers; ++l) {
-    if (!(l < c_.num_layers && held_[l]) && !(l > 0 && held_[l - 1]) && !(l == c_.num_layers && o_.head)) continue;
+  s.L = L_;
+  s.h.resize(L_ + 1);
+  s.dh.resize(L_ + 1);
+  for (int64_t l = 0; l <= L_; ++l) {
+    if (!(l < L_ && held_[l]) && !(l > 0 && held_[l - 1]) && !(l == L_ && o_.head)) continue;
     s.h[l] = a.alloc(act_, {N, D});
     s.dh[l] = a.alloc(act_, {N, D});
   }
@@ -447,6 +519,19 @@ void Decoder::allocate_bare(DecoderStash& s, Arena& a) const {
     x.dprobs = a.alloc(DType::f32, {std::max<int64_t>(rows, 1), E});  // a row for every token, or each sequence's
   }
   if (o_.force_balanced_routing) s.balanced_idx = i32({N, c_.router.top_k});
+  if (D_ > 0) {
+    s.mtp_ids = i32({D_, B, S});
+    s.mtp_labels = i32({D_, B, S});
+  }
+}
+
+std::vector<int64_t> Decoder::block_layers(int64_t first, int64_t last) const {
+  std::vector<int64_t> out;
+  for (int64_t l = first; l < last; ++l)
+    if (held_[l]) out.push_back(l);
+  if (last == L_ && o_.head)
+    for (int64_t l = L_; l < L_ + D_; ++l) out.push_back(l);
+  return out;
 }
 
 void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t last) const {
@@ -464,8 +549,8 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   int64_t hidden = 0;  // elements of the widest dense d_hs
   // Each mixer's layers, in the order the mixers first appear.
   std::vector<std::pair<Attention*, std::vector<AttentionActs*>>> attn;
-  for (int64_t l = first; l < last; ++l) {
-    if (!held_[l]) continue;
+  const std::vector<int64_t> layers = block_layers(first, last);
+  for (int64_t l : layers) {
     any = true;
     any_moe = any_moe || c_.moe[l];
     if (!c_.moe[l]) hidden = std::max(hidden, N * c_.intermediate_size);
@@ -473,7 +558,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
     if (it == attn.end()) it = attn.insert(attn.end(), {&mixer(l), {}});
     it->second.push_back(s.layers[l].attn.get());
   }
-  if (!any && !(last == c_.num_layers && o_.head)) return;
+  if (!any && !(last == L_ && o_.head)) return;
   // Full recomputation keeps one layer's activations at a time: every layer of the
   // block gets the same bytes.
   const bool one_deep = o_.recompute == Recompute::full;
@@ -491,8 +576,7 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
                d_logits = any_moe && act_ != DType::f32 ? f32({N, E}) : Tensor(),
                xn = renorm ? act({N, D}) : Tensor(), y = renorm ? act({N, D}) : Tensor();
   size_t deepest = a.used();
-  for (int64_t l = first; l < last; ++l) {
-    if (!held_[l]) continue;
+  for (int64_t l : layers) {
     LayerActs& x = s.layers[l];
     const size_t start = a.used();
     if (one_deep) mixer(l).allocate({x.attn.get()}, a, act_, s.batch, s.seq);
@@ -541,8 +625,29 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
     if (one_deep) a.rewind(start);
   }
   a.rewind(deepest);
-  if (last != c_.num_layers || !o_.head) return;
+  if (last != L_ || !o_.head) return;
   lm_.allocate(s.head, a, act_, N, D);
+  if (D_ == 0) return;
+  s.mtp.resize(static_cast<size_t>(D_));
+  const Tensor d_cat = act({N, 2 * D}), d_en = act({N, D}), d_hn = act({N, D}), d_e = act({N, D}),
+               d_prev = act({N, D});
+  for (MtpActs& x : s.mtp) {
+    x.x = act({N, D});
+    x.out = act({N, D});
+    x.dx = act({N, D});
+    x.dout = act({N, D});
+    x.e = act({N, D});
+    x.en = act({N, D});
+    x.rstd_e = f32({N});
+    x.hn = act({N, D});
+    x.rstd_h = f32({N});
+    x.cat = act({N, 2 * D});
+    x.d_cat = d_cat;
+    x.d_en = d_en;
+    x.d_hn = d_hn;
+    x.d_e = d_e;
+    x.d_prev = d_prev;
+  }
 }
 
 std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
@@ -580,17 +685,16 @@ std::unique_ptr<Stash> Decoder::make_bare_stash(int64_t batch, int64_t seq) {
 }
 
 std::unique_ptr<ActivationBlock> Decoder::make_block(int64_t batch, int64_t seq, int64_t first, int64_t last) {
-  MT_CHECK(0 <= first && first <= last && last <= c_.num_layers)
-      << "an activation block for layers [" << first << ", " << last << ") of " << c_.num_layers;
+  MT_CHECK(0 <= first && first <= last && last <= L_)
+      << "an activation block for layers [" << first << ", " << last << ") of " << L_;
   auto b = std::make_unique<DecoderBlock>();
   b->first = first;
   b->last = last;
   DecoderStash shape;  // the views are thrown away: only the sizes count
   shape.batch = batch;
   shape.seq = seq;
-  shape.layers.resize(c_.num_layers);
-  for (int64_t l = first; l < last; ++l)
-    if (held_[l]) shape.layers[l].attn = mixer(l).make_acts();
+  shape.layers.resize(static_cast<size_t>(c_.num_layers));
+  for (int64_t l : block_layers(first, last)) shape.layers[l].attn = mixer(l).make_acts();
   b->arena = Arena::counting("activations", o_.device);
   allocate_layers(shape, b->arena, first, last);
   b->bytes = b->arena.peak();
@@ -616,9 +720,9 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
   const float eps = static_cast<float>(c_.rms_norm_eps);
-  rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
+  rmsnorm_forward(s.in(l), W(w.in_norm), eps, x.xn, x.rstd1);
   // hm = h + attention: the residual, then the attention's output projection onto it.
-  mt::copy(x.hm, s.h[l]);
+  mt::copy(x.hm, s.in(l));
   mixer(l).forward(l, params_, *x.attn, io(s, x));
   rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
 }
@@ -642,7 +746,7 @@ void Decoder::stage_forward(int64_t l, Stage stage, Stash& base) {
     swiglu_forward(x.gu, x.hs);
     linear_.forward(x.hs, {{params_[w.down], x.mo}});
   }
-  if (run && stage == Stage::aggregate) mt::add(x.hm, x.mo, s.h[l + 1]);
+  if (run && stage == Stage::aggregate) mt::add(x.hm, x.mo, s.out(l));
   if (moe) moe_.forward(l, stage, x.moe, moe_io(s, l));
 }
 
@@ -662,9 +766,9 @@ void Decoder::attention_backward_input(int64_t l, DecoderStash& s) {
   // d_hm = dh[l+1] (the residual) + the post-attention norm's input gradient.
   // The norms' weight gradients are taken here, with their input gradients, not in W:
   // their dy buffers are shared by every layer (allocate), and the pass is one.
-  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm), s.dh[l + 1]);
+  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm), s.d_out(l));
   mixer(l).backward_input(l, params_, *x.attn, io(s, x));
-  rmsnorm_backward(s.h[l], W(w.in_norm), x.rstd1, x.d_xn, s.dh[l], Z(w.in_norm), x.d_hm);
+  rmsnorm_backward(s.in(l), W(w.in_norm), x.rstd1, x.d_xn, s.d_in(l), Z(w.in_norm), x.d_hm);
 }
 
 void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
@@ -672,7 +776,7 @@ void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
   const bool moe = c_.moe[l];
-  const Tensor& d_mo = s.dh[l + 1];  // aggregate: h[l+1] = hm + mo, so d_mo = d_hm = dh[l+1]
+  const Tensor& d_mo = s.d_out(l);  // aggregate: h[l+1] = hm + mo, so d_mo = d_hm = dh[l+1]
   finish_exchange(s, l);  // as in stage_forward
   // The layer's first B (the aggregate's) finds its activations recomputed.
   if (o_.recompute == Recompute::full && stage == Stage::aggregate) recompute_layer(l, s);
@@ -696,11 +800,11 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   const bool renorm = o_.recompute == Recompute::selective && !o_.plan_only;
   if (renorm && (stage == Stage::experts || (stage == Stage::attention && moe)))
     rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
-  if (renorm && stage == Stage::attention) rmsnorm_forward(s.h[l], W(w.in_norm), eps, x.xn, x.rstd1);
+  if (renorm && stage == Stage::attention) rmsnorm_forward(s.in(l), W(w.in_norm), eps, x.xn, x.rstd1);
   if (moe) moe_.backward_weight(l, stage, x.moe, moe_io(s, l));
   if (o_.plan_only) return;
   if (stage == Stage::experts && !moe) {
-    linear_.backward_weight(x.hs, {{s.dh[l + 1], params_[w.down]}});
+    linear_.backward_weight(x.hs, {{s.d_out(l), params_[w.down]}});
     linear_.backward_weight(x.y, {{x.d_gu, params_[w.gate_up]}});
   }
   if (stage == Stage::attention) mixer(l).backward_weight(l, params_, *x.attn, io(s, x));
@@ -708,13 +812,77 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
 
 LossSum Decoder::head_forward(Stash& base, float grad_scale) {
   auto& s = static_cast<DecoderStash&>(base);
-  s.loss = lm_.forward(s.h[c_.num_layers], s.labels.view({s.batch * s.seq}), s.head, grad_scale);
+  // The depths first: their heads use the main head's buffers, which its forward then
+  // leaves to its B. Evaluation (no grad_scale) runs the main head only.
+  s.mtp_loss.clear();
+  if (D_ > 0 && grad_scale > 0) s.mtp_loss = mtp_forward(s, grad_scale);
+  s.loss = lm_.forward(s.h[L_], s.labels.view({s.batch * s.seq}), s.head, grad_scale);
   return s.loss;
 }
 
 void Decoder::head_backward_input(Stash& base, float scale) {
   auto& s = static_cast<DecoderStash&>(base);
-  lm_.backward_input(s.h[c_.num_layers], s.labels.view({s.batch * s.seq}), s.head, scale, s.dh[c_.num_layers]);
+  lm_.backward_input(s.h[L_], s.labels.view({s.batch * s.seq}), s.head, scale, s.dh[L_]);
+  if (!s.mtp_loss.empty()) mtp_backward(s);
+}
+
+std::vector<LossSum> Decoder::mtp_forward(DecoderStash& s, float grad_scale) {
+  const int64_t N = s.batch * s.seq, D = c_.hidden_size;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  // Depth k's labels are the sequence's positions but its last k, so its mean takes
+  // global_batch x (S - k) of them: lambda / D over that, where grad_scale is 1 over
+  // global_batch x S (the whole sequence's S, every cp rank's chunks together).
+  const double S = static_cast<double>(s.seq) * (attend_.cp ? attend_.cp->size() : 1);
+  std::vector<LossSum> losses;
+  for (int64_t k = 1; k <= D_; ++k) {
+    const int64_t l = L_ + k - 1;
+    const MtpIndex& w = mtp_[k - 1];
+    MtpActs& x = s.mtp[k - 1];
+    const Tensor& prev = k == 1 ? s.h[L_] : s.mtp[k - 2].out;
+    const Tensor ids = s.mtp_ids.rows(k - 1, k).view({N}), labels = s.mtp_labels.rows(k - 1, k).view({N});
+    embedding_forward(W(embed_), ids, x.e);
+    rmsnorm_forward(x.e, W(w.enorm), eps, x.en, x.rstd_e);
+    rmsnorm_forward(prev, W(w.hnorm), eps, x.hn, x.rstd_h);
+    mt::copy_columns(x.cat, 0, x.en, 0, D, false);
+    mt::copy_columns(x.cat, D, x.hn, 0, D, false);
+    linear_.forward(x.cat, {{params_[w.eh_proj], x.x}});
+    for (Stage st : kStages) {
+      stage_forward(l, st, s);
+      finish_exchange(s, l);
+    }
+    const float scale = static_cast<float>(grad_scale * o_.mtp_loss_weight / static_cast<double>(D_) * S /
+                                           std::max(S - static_cast<double>(k), 1.0));
+    Head& head = mtp_heads_[k - 1];
+    losses.push_back(head.forward(x.out, labels, s.head, scale));
+    head.backward_input(x.out, labels, s.head, scale, x.dout);
+    head.backward_weight(s.head, N);
+  }
+  return losses;
+}
+
+void Decoder::mtp_backward(DecoderStash& s) {
+  const int64_t N = s.batch * s.seq, D = c_.hidden_size;
+  for (int64_t k = D_; k >= 1; --k) {
+    const int64_t l = L_ + k - 1;
+    const MtpIndex& w = mtp_[k - 1];
+    MtpActs& x = s.mtp[k - 1];
+    // Its output's gradient: its head's (from the forward), and the next depth's hnorm's.
+    if (k < D_) mt::add(x.dout, x.d_prev, x.dout);
+    for (auto it = std::rbegin(kStages); it != std::rend(kStages); ++it) {
+      stage_backward_input(l, *it, s);
+      finish_exchange(s, l);
+      stage_backward_weight(l, *it, s);
+    }
+    linear_.backward_input(x.dx, params_[w.eh_proj], x.d_cat);
+    linear_.backward_weight(x.cat, {{x.dx, params_[w.eh_proj]}});
+    mt::copy_columns(x.d_en, 0, x.d_cat, 0, D, false);
+    mt::copy_columns(x.d_hn, 0, x.d_cat, D, D, false);
+    rmsnorm_backward(x.e, W(w.enorm), x.rstd_e, x.d_en, x.d_e, Z(w.enorm));
+    embedding_backward(s.mtp_ids.rows(k - 1, k).view({N}), x.d_e, Z(embed_));
+    const Tensor& prev = k == 1 ? s.h[L_] : s.mtp[k - 2].out;
+    rmsnorm_backward(prev, W(w.hnorm), x.rstd_h, x.d_hn, x.d_prev, Z(w.hnorm));
+  }
+  mt::add(s.dh[L_], s.mtp[0].d_prev, s.dh[L_]);
 }
 
 void Decoder::head_backward_weight(Stash& base) {
@@ -766,11 +934,12 @@ void check_decoder_spec(const DecoderSpec& d, const std::string& where) {
 }
 
 std::unique_ptr<Model> make_decoder(const DecoderSpec& spec, Mixers mixers, const ModelOptions& options) {
-  MT_CHECK(static_cast<int64_t>(spec.moe.size()) == spec.num_layers)
-      << "decoder spec: " << spec.moe.size() << " MoE flags for " << spec.num_layers << " layers";
-  MT_CHECK(static_cast<int64_t>(mixers.size()) == spec.num_layers &&
+  const int64_t layers = spec.num_layers + spec.mtp_depths;  // the depths' layers too
+  MT_CHECK(static_cast<int64_t>(spec.moe.size()) == layers)
+      << "decoder spec: " << spec.moe.size() << " MoE flags for " << layers << " layers";
+  MT_CHECK(static_cast<int64_t>(mixers.size()) == layers &&
            std::find(mixers.begin(), mixers.end(), nullptr) == mixers.end())
-      << "decoder spec: " << mixers.size() << " token mixers for " << spec.num_layers << " layers (one a layer)";
+      << "decoder spec: " << mixers.size() << " token mixers for " << layers << " layers (one a layer)";
   return std::make_unique<Decoder>(spec, std::move(mixers), options);
 }
 

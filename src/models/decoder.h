@@ -8,7 +8,8 @@
 // The decoder owns all of it but the token mixers, which a model supplies one a layer
 // (Mixers below: Attention objects, which layers may share), and gives each its kernel
 // (Attend: local or ring over cp). The head is its own object too (models/head.h: the
-// seam for heads after the last layer, such as multi-token prediction). The MoE
+// seam for heads after the last layer; multi-token prediction's depths, DecoderSpec::
+// mtp_depths, run behind it: head_forward and head_backward_input). The MoE
 // block is its own object (models/moe.h: routing, dispatch local or over ep, the experts
 // and their rows, combine, shared experts, router statistics), which the decoder calls
 // at each stage of a MoE layer. Its memory: arenas for the weights and the stash's
@@ -30,7 +31,15 @@ struct DecoderSpec {
   int64_t vocab_size = 0, hidden_size = 0, num_layers = 0;
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;
-  std::vector<bool> moe;          // per layer: the MoE block (else the dense MLP)
+  // DeepSeek-V3's multi-token prediction: D depths after the last layer, each
+  //   x = eh_proj([enorm(embed(token k ahead)) | hnorm(h of depth k - 1, or the last layer)])
+  //   -> one decoder layer of its own (layer L + k - 1) -> its own norm (shared_head.norm)
+  //   -> the model's output projection -> cross-entropy against the token k + 1 ahead,
+  // built where ModelOptions::mtp and the head are (the embedding too: one rank holds
+  // both). Weights under model.layers.{L + k - 1}. as the released checkpoints name them.
+  int64_t mtp_depths = 0;
+  // Per layer: the MoE block (else the dense MLP); num_layers + mtp_depths entries.
+  std::vector<bool> moe;
   int64_t intermediate_size = 0;  // the dense MLP's
   int64_t num_experts = 0, moe_intermediate_size = 0;
   int64_t shared_intermediate_size = 0;  // shared experts as one MLP this wide (0: none)
@@ -117,8 +126,9 @@ void hf_mlp(std::vector<HfTensor>& out, const std::string& prefix, const Param& 
 void check_decoder_spec(const DecoderSpec& spec, const std::string& where);
 
 // A layer's token mixer, chosen per layer by the model (softmax attention today: GQA,
-// MLA, with sinks and windows; linear attention next): one entry a layer, and layers may
-// share one object (then its allocate() gets all of its layers at once).
+// MLA, with sinks and windows; linear attention next): one entry a layer (and one for
+// each multi-token prediction depth's layer), and layers may share one object (then its
+// allocate() gets all of its layers at once).
 using Mixers = std::vector<std::shared_ptr<Attention>>;
 Mixers every_layer(std::shared_ptr<Attention> mixer, int64_t layers);
 

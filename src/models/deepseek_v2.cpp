@@ -53,7 +53,10 @@ DeepseekV2Config parse_deepseek_v2_config(const nlohmann::json& j, const std::st
     MT_CHECK(hf.text({"scoring_func"}, "softmax") == "softmax") << where << ": only scoring_func softmax is supported";
   }
   const int64_t first_dense = hf.integer({"first_k_dense_replace"}, 0);
-  for (int64_t l = 0; l < d.num_layers; ++l) d.moe.push_back(d.num_experts > 0 && l >= first_dense);
+  // V3's multi-token prediction depths, each a layer after the model's (index L + k - 1).
+  d.mtp_depths = v3 ? hf.integer({"num_nextn_predict_layers"}, 0) : 0;
+  MT_CHECK(d.mtp_depths >= 0) << where << ": num_nextn_predict_layers " << d.mtp_depths << " is negative";
+  for (int64_t l = 0; l < d.num_layers + d.mtp_depths; ++l) d.moe.push_back(d.num_experts > 0 && l >= first_dense);
   c.num_heads = hf.integer({"num_attention_heads"});
   c.q_lora_rank = hf.integer({"q_lora_rank"}, 0);
   c.kv_lora_rank = hf.integer({"kv_lora_rank"});
@@ -110,7 +113,7 @@ class MlaAttention final : public Attention {
 
   void add_params(int64_t l, const std::string& p, std::vector<Param>& params) override {
     const int64_t D = c_.decoder.hidden_size;
-    if (static_cast<int64_t>(w_.size()) < c_.decoder.num_layers) w_.resize(c_.decoder.num_layers);
+    if (static_cast<int64_t>(w_.size()) <= l) w_.resize(static_cast<size_t>(l) + 1);
     Index& x = w_[l];
     if (Rq > 0) {
       x.q_a = add_param(params, p + "q_a", {Rq, D});
@@ -283,7 +286,8 @@ class MlaAttention final : public Attention {
 }  // namespace
 
 std::unique_ptr<Model> make_deepseek_v2(const DeepseekV2Config& c, const ModelOptions& options) {
-  return make_decoder(c.decoder, every_layer(std::make_shared<MlaAttention>(c), c.decoder.num_layers), options);
+  return make_decoder(c.decoder,
+                      every_layer(std::make_shared<MlaAttention>(c), c.decoder.num_layers + c.decoder.mtp_depths), options);
 }
 
 }  // namespace mt

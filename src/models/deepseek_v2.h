@@ -3,9 +3,9 @@
 // config and multi-head latent attention; the MoE block (softmax routing, greedy or
 // group-limited, for V2; V3's sigmoid noaux_tc routing with its correction bias,
 // kernels/router.h; routed_scaling_factor, shared experts, first_k_dense_replace) is the
-// shared decoder's (models/moe.h). V3's multi-token prediction layers are not built
-// (num_nextn_predict_layers builds nothing, as in transformers 5.17; load_hf refuses a
-// folder's MTP keys by name).
+// shared decoder's (models/moe.h). V3's multi-token prediction depths
+// (num_nextn_predict_layers) are the shared decoder's too (models/decoder.h, mtp_depths):
+// this file gives their layers' MLA and MoE flags (docs/models.md).
 //
 // As transformers 5.17 computes it (the parity reference, tests/fixtures):
 //   q = q_proj(x), or q_b_proj(rmsnorm(q_a_proj(x))) with q_lora_rank; per head

@@ -18,8 +18,8 @@ void Head::allocate(Acts& x, Arena& a, DType act, int64_t tokens, int64_t width)
   x.d_hf = a.alloc(act, {tokens, width});
 }
 
-void Head::hf_tensors(std::vector<HfTensor>& out) const {
-  out.push_back(hf_tensor("model.norm.weight", p(norm_), 0.0f, 1.0f));
+void Head::hf_tensors(std::vector<HfTensor>& out, const std::string& norm_key) const {
+  out.push_back(hf_tensor(norm_key, p(norm_), 0.0f, 1.0f));
   if (own_out_) out.push_back(hf_tensor("lm_head.weight", p(out_)));
 }
 

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/arena.h"
@@ -45,7 +46,8 @@ class Head {
 
   // Allocates a micro-batch's activations of `tokens` tokens of width `width`.
   void allocate(Acts& x, Arena& a, DType act, int64_t tokens, int64_t width) const;
-  void hf_tensors(std::vector<HfTensor>& out) const;
+  // The norm under `norm_key`, and the output projection where it is the head's own.
+  void hf_tensors(std::vector<HfTensor>& out, const std::string& norm_key = "model.norm.weight") const;
   // h: the last layer's output [N, D]; labels i32 [N].
   LossSum forward(const Tensor& h, const Tensor& labels, Acts& x, float grad_scale);
   // dh: d loss / d h, written.

@@ -82,6 +82,11 @@ struct ActivationBlock {
   size_t bytes = 0;
 };
 
+struct LossSum {
+  double sum = 0;
+  int64_t count = 0;
+};
+
 // A micro-batch: its tokens, the residual stream, and through a lent block every
 // activation its backward will need.
 struct Stash {
@@ -91,15 +96,16 @@ struct Stash {
   std::unique_ptr<ActivationBlock> own;  // make_stash: the block of every layer here
   Tensor ids;     // i32 [batch, seq]
   Tensor labels;  // i32 [batch, seq]
+  // Multi-token prediction (Model::mtp_depths D > 0), i32 [D, batch, seq]: plane k-1
+  // holds, for depth k, the token k positions ahead (its embedding input; 0 past the
+  // sequence's end) and the token k + 1 ahead (its label; kIgnoreIndex past the end),
+  // cut from the whole sequence before the cp split (train/trainer.cpp, mtp_tokens).
+  Tensor mtp_ids, mtp_labels;
+  std::vector<LossSum> mtp_loss;  // the last training head_forward's, per depth
   // The residual stream [batch * seq, hidden] entering layer l (l = L: the head's input)
   // and its gradient, where this rank has a layer or the head next to it (empty
   // elsewhere): what pipeline stages send each other.
   std::vector<Tensor> h, dh;
-};
-
-struct LossSum {
-  double sum = 0;
-  int64_t count = 0;
 };
 
 // The expert cache's traffic since its last flush (offload.experts = weights,
@@ -196,6 +202,13 @@ struct ModelOptions {
   // parallelism.expert_replicas: R slots a rank more for copies of hot experts of other
   // ranks (models/expert_replicas.h; needs ep, dropless).
   int64_t expert_replicas = 0;
+  // DeepSeek-V3's multi-token prediction (config.json's num_nextn_predict_layers D):
+  // whether its D depths are built, with the head (false: a folder's MTP keys are
+  // refused, never dropped; train/checkpoint.h, has_mtp_weights, says where the tools
+  // build them), and lambda, training.mtp_loss_weight: a training forward adds lambda / D
+  // times the sum over depths of their mean cross-entropies.
+  bool mtp = false;
+  double mtp_loss_weight = 0.3;
 };
 
 class Model {
@@ -206,6 +219,13 @@ class Model {
 
   // Layers of the whole model; is_moe_layer answers for any of them, held here or not.
   virtual int64_t num_layers() const = 0;
+  // Multi-token prediction's depths D, built with the head (models/decoder.h): their
+  // decoder layers are L .. L + D - 1 after the model's L, which is_moe_layer,
+  // router_stats, set_router_prob_grad and the expert bias take as any other layer's.
+  // The schedules never see them: head_forward runs them (when it is given a grad_scale)
+  // and head_backward_input their backward. all_layers() is L + D.
+  virtual int64_t mtp_depths() const { return 0; }
+  int64_t all_layers() const { return num_layers() + mtp_depths(); }
   virtual bool is_moe_layer(int64_t layer) const = 0;
   virtual int64_t num_experts() const = 0;
   virtual int64_t vocab_size() const = 0;

@@ -30,8 +30,8 @@ StepBalance::StepBalance(const TrainingConfig& t, Model& model, int64_t tokens, 
     : t_(t), model_(model), ranks_(ranks), replicas_(model.expert_replicas()), sequences_(sequences),
       micro_batches_(micro_batches), E_(static_cast<size_t>(model.num_experts())),
       global_(t.load_balance_type == "global_batch") {
-  moe_index_.assign(static_cast<size_t>(model.num_layers()), -1);
-  for (int64_t l = 0; l < model.num_layers(); ++l)
+  moe_index_.assign(static_cast<size_t>(model.all_layers()), -1);
+  for (int64_t l = 0; l < model.all_layers(); ++l)
     if (model.is_moe_layer(l)) {
       moe_index_[l] = static_cast<int64_t>(moe_layers_.size());
       moe_layers_.push_back(l);

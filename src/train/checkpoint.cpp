@@ -379,18 +379,30 @@ void read_checkpoint(const std::string& path, const std::function<void(const std
   }
 }
 
+bool has_mtp_weights(const std::string& folder) {
+  const std::vector<std::string> names = io::HfWeights(folder).names();
+  return std::any_of(names.begin(), names.end(), [](const std::string& n) { return n.ends_with(".eh_proj.weight"); });
+}
+
+namespace {
+ModelOptions as_saved(ModelOptions o, const std::string& folder) {
+  o.mtp = has_mtp_weights(folder);
+  return o;
+}
+}  // namespace
+
 std::unique_ptr<Model> load_model_folder(const std::string& path, const ModelOptions& options, std::string* read) {
   MT_CHECK(fs::is_directory(path)) << path << " is not a folder (expected a Hugging Face model folder, a checkpoint "
                                    << "step folder or a run folder)";
   std::unique_ptr<Model> model;
   if (!is_checkpoint_folder(path)) {
-    model = make_model(path + "/config.json", options);
+    model = make_model(path + "/config.json", as_saved(options, path));
     load_hf(*model, path);
     if (read != nullptr) *read = path;
     return model;
   }
   read_checkpoint(path, [&](const std::string& dir) {
-    model = make_model(dir + "/config.json", options);
+    model = make_model(dir + "/config.json", as_saved(options, dir));
     load_checkpoint(dir, *model, nullptr);
     apply_expert_bias(*model, parse_expert_bias(*model, saved_expert_bias(dir)), [](int64_t) { return true; });
     if (read != nullptr) *read = dir;
@@ -406,7 +418,7 @@ std::vector<std::vector<float>> parse_expert_bias(const Model& model, const std:
   const nlohmann::json j = nlohmann::json::parse(json, nullptr, false);
   if (j.is_null()) return {};
   size_t moe = 0;
-  for (int64_t l = 0; l < model.num_layers(); ++l) moe += model.is_moe_layer(l);
+  for (int64_t l = 0; l < model.all_layers(); ++l) moe += model.is_moe_layer(l);
   const size_t E = static_cast<size_t>(model.num_experts());
   bool fits = j.is_array() && j.size() == moe;
   for (size_t i = 0; fits && i < j.size(); ++i) {
@@ -421,7 +433,7 @@ std::vector<std::vector<float>> parse_expert_bias(const Model& model, const std:
 void apply_expert_bias(Model& model, const std::vector<std::vector<float>>& bias,
                        const std::function<bool(int64_t)>& held) {
   size_t i = 0;
-  for (int64_t l = 0; l < model.num_layers() && !bias.empty(); ++l) {
+  for (int64_t l = 0; l < model.all_layers() && !bias.empty(); ++l) {
     if (!model.is_moe_layer(l)) continue;
     if (held(l)) model.set_expert_bias(l, bias[i]);
     ++i;

@@ -141,6 +141,12 @@ std::string saved_expert_bias(const std::string& dir);
 void apply_expert_bias(Model& model, const std::vector<std::vector<float>>& bias,
                        const std::function<bool(int64_t)>& held);
 
+// Whether a folder's weights (a Hugging Face folder's or a checkpoint's) have multi-token
+// prediction depths: models of it build them only then (ModelOptions::mtp). A run with
+// training.mtp_loss_weight = 0 saves none; transformers saves DeepSeek-V3 without them
+// though its config.json keeps num_nextn_predict_layers.
+bool has_mtp_weights(const std::string& folder);
+
 // The model of a Hugging Face folder, or of a checkpoint found, verified and read through
 // read_checkpoint, built with `options` (a checkpoint's expert biases applied); `read`
 // gets the folder read.

@@ -87,6 +87,10 @@ void visit(C& c, F&& f) {
      "DeepSeek-V3's loss-free balancing: each step an expert's routing bias (for the top-k choice only) moves by "
      "this x sign(mean load - its load); 0: off"},
     c.training.expert_bias_update_rate);
+  f({"training", "mtp_loss_weight", kFixed,
+     "multi-token prediction (a model with num_nextn_predict_layers D): the depths' loss weight lambda, lambda / D "
+     "times the sum of their mean cross-entropies added to the loss; 0: the depths are not built"},
+    c.training.mtp_loss_weight);
   f({"training", "capacity_factor", 0, "an expert keeps ceil(f * tokens * top_k / experts) rows; 0: dropless"},
     c.training.capacity_factor);
   f({"training", "activation_checkpoint", 0,
@@ -280,6 +284,8 @@ void validate(const Config& c) {
   });
   MT_CHECK(c.training.device_memory_limit >= 0.0)
       << "training.device_memory_limit = " << c.training.device_memory_limit << ": expected GiB >= 0 (0: no limit)";
+  MT_CHECK(c.training.mtp_loss_weight >= 0.0 && std::isfinite(c.training.mtp_loss_weight))
+      << "training.mtp_loss_weight = " << c.training.mtp_loss_weight << ": expected a finite number >= 0 (0: off)";
   MT_CHECK(c.training.expert_bias_update_rate >= 0.0)
       << "training.expert_bias_update_rate = " << c.training.expert_bias_update_rate << ": expected >= 0 (0: off)";
   MT_CHECK(c.training.router_z_loss_coef >= 0.0)

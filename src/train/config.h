@@ -62,6 +62,10 @@ struct TrainingConfig {
   // DeepSeek-V3's auxiliary-loss-free balancing: after each step every expert's router
   // bias moves by rate x sign(mean load - its load), from the step's counts (0: off).
   double expert_bias_update_rate = 0.0;
+  // DeepSeek-V3's multi-token prediction, for a model with num_nextn_predict_layers D:
+  // lambda, the weight of the depths' loss (lambda / D times the sum of their mean
+  // cross-entropies); 0: the depths are not built (models/decoder.h).
+  double mtp_loss_weight = 0.3;
   double capacity_factor = 0.0;   // 0: dropless
   bool force_balanced_routing = false;  // benchmarks: route round-robin, not by the router
   // Recomputation in the backward (torchtitan's names): none, selective or full

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
 namespace mt {
 
@@ -109,6 +110,58 @@ void Progress::finish(const std::string& last_checkpoint, const std::string& why
   bar_shown_ = false;
   std::printf("%s", summary(last_checkpoint, why_none).c_str());
   std::fflush(stdout);
+}
+
+std::string step_json(const StepResult& r) {
+  nlohmann::json j;
+  j["step"] = r.step;
+  j["loss"] = r.loss;
+  j["lb_loss"] = r.lb_loss;
+  if (r.z_loss_on) j["z_loss"] = r.z_loss;
+  if (r.val_on) j["val_loss"] = r.val_loss;
+  if (!r.mtp_loss.empty()) j["mtp_loss"] = r.mtp_loss;
+  if (!r.data_shares.empty()) j["data_shares"] = r.data_shares;
+  if (!r.expert_bias.empty()) j["expert_bias"] = r.expert_bias;
+  j["grad_norm"] = r.grad_norm;
+  j["lr"] = r.lr;
+  if (!r.non_finite.empty()) j["skipped"] = r.non_finite;  // NaN and inf print as null
+  j["tokens_per_s"] = r.tokens_per_s;
+  j["memory_bytes"] = r.memory_bytes;
+  j["expert_row_bytes"] = r.expert_row_bytes;
+  j["routing_skew"] = r.routing_skew;
+  if (r.device_memory_bytes > 0) {
+    j["device_memory_bytes"] = r.device_memory_bytes;
+    j["host_waits"] = r.host_waits;
+  }
+  if (r.host_memory_bytes > 0) {
+    j["host_memory_bytes"] = r.host_memory_bytes;
+    j["offload_bytes_in"] = r.offload.bytes_in;
+    j["offload_bytes_out"] = r.offload.bytes_out;
+    j["offload_s"] = r.offload.seconds;
+  }
+  if (r.expert_cache.hits + r.expert_cache.misses > 0) {
+    j["expert_cache_hit_rate"] = static_cast<double>(r.expert_cache.hits) /
+                                 static_cast<double>(r.expert_cache.hits + r.expert_cache.misses);
+    j["expert_cache_wait_s"] = r.expert_cache.wait_s;
+  }
+  for (const std::vector<double>& layer : r.expert_residency) {
+    nlohmann::json& row = j["expert_cache_residency"].emplace_back(nlohmann::json::array());
+    for (double v : layer) row.push_back(v < 0 ? nlohmann::json() : nlohmann::json(v));
+  }
+  j["time"] = r.time;
+  j["expert_counts"] = r.expert_counts;
+  j["moe_layers"] = r.moe_layers;
+  j["dropped_slots"] = r.dropped_slots;
+  if (!r.ep_rows_max_over_mean.empty()) j["ep_rows_max_over_mean"] = r.ep_rows_max_over_mean;
+  if (!r.expert_copies.empty()) {
+    j["placement_version"] = r.placement_version;
+    j["expert_copies"] = r.expert_copies;
+  }
+  for (const ProfileEntry& e : r.breakdown) {
+    j["breakdown_ms"][e.name] = e.ms;
+    j["breakdown_counts"][e.name] = e.count;
+  }
+  return j.dump();
 }
 
 }  // namespace mt

@@ -1,7 +1,8 @@
 // What rank 0 prints while `moetrain train` runs: a step line (step N/total, loss,
 // lb_loss, grad_norm, lr, tokens/s, memory, step time, elapsed time and ETA), redrawn
 // in place behind a bar when standard output is a terminal and printed as plain lines
-// every metrics.log_interval steps otherwise (pipes, files, CI), and the run's summary.
+// every metrics.log_interval steps otherwise (pipes, files, CI), and the run's summary;
+// and each step's metrics.jsonl line.
 #pragma once
 
 #include <chrono>
@@ -12,6 +13,8 @@
 
 namespace mt {
 
+// One JSON object per line: the metrics.jsonl contract.
+std::string step_json(const StepResult& r);
 // "h:mm:ss"
 std::string clock_time(double seconds);
 // A parameter count as `train` and `plan` print it: "2.528M" below a billion, else "30.532B".

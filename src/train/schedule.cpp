@@ -341,6 +341,11 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
       case Op::finish_forward: model.finish_forward(a.layer, a.stage, s); break;
       case Op::head_forward:
         ctx.losses[static_cast<size_t>(a.micro_batch)] = model.head_forward(s, backward ? ctx.loss_scale : 0.0f);
+        ctx.mtp_losses.resize(std::max(ctx.mtp_losses.size(), s.mtp_loss.size()));
+        for (size_t k = 0; k < s.mtp_loss.size(); ++k) {
+          ctx.mtp_losses[k].sum += s.mtp_loss[k].sum;
+          ctx.mtp_losses[k].count += s.mtp_loss[k].count;
+        }
         break;
       case Op::head_backward_input: model.head_backward_input(s, ctx.loss_scale); break;
       case Op::head_backward_weight: model.head_backward_weight(s); break;

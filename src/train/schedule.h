@@ -208,6 +208,7 @@ struct ScheduleContext {
   comm::Communicator* pp = nullptr;         // ... and the pp group they go over
   std::function<void(const Action&)> trainer;  // load, statistics, balance
   std::vector<LossSum> losses;              // per micro-batch, filled by head_forward
+  std::vector<LossSum> mtp_losses;          // per multi-token prediction depth, summed over micro-batches
 };
 
 void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx);

@@ -60,6 +60,22 @@ void load_hf(Model& m, const std::string& folder) {
     const std::string layers = "model.layers.";
     return name.starts_with(layers) && std::atoll(name.c_str() + layers.size()) >= m.num_layers();
   };
+  // DeepSeek-V3's releases keep a copy of the embedding and the head with each depth
+  // (model.layers.{L + k - 1}.embed_tokens, shared_head.head); moetrain's depths share
+  // the model's, as DeepSeek-V3 trains them: a copy is read, and must equal them.
+  auto copy_equal = [&](const std::string& name) {
+    if (m.mtp_depths() == 0 || !past_the_layers(name)) return false;
+    const bool embed = name.ends_with(".embed_tokens.weight"), head = name.ends_with(".shared_head.head.weight");
+    if (!embed && !head) return false;
+    const std::string own = embed || !w.contains("lm_head.weight") ? "model.embed_tokens.weight" : "lm_head.weight";
+    const std::span<const uint8_t> a = w.bytes(name), b = w.bytes(own);
+    const bool same = w.tensor(name).dtype == w.tensor(own).dtype && w.shape(name) == w.shape(own) &&
+                      std::equal(a.begin(), a.end(), b.begin(), b.end());
+    MT_CHECK(same) << folder << ": " << name << " differs from " << own << ", which moetrain's multi-token "
+                     << "prediction shares (as DeepSeek-V3 trains it); a folder whose depths have their own is not "
+                     << "supported";
+    return true;
+  };
   std::set<std::string> used;  // the keys the model reads
   std::vector<float> host;
   std::vector<HfTensor> tensors = m.hf_tensors(), buffers = m.hf_buffers();
@@ -80,10 +96,11 @@ void load_hf(Model& m, const std::string& folder) {
     const bool quantized = mxfp4 && (name.ends_with("_blocks") || name.ends_with("_scales"));
     const bool ok = used.contains(name) || (quantized && used.contains(name.substr(0, name.size() - 7))) ||
                     m.held_by_another_rank(name);
-    MT_CHECK(ok || mtp == 0 || !past_the_layers(name))
+      MT_CHECK(ok || copy_equal(name) || mtp == 0 || !past_the_layers(name))
         << folder << ": tensor " << name << " belongs to a multi-token prediction layer (num_nextn_predict_layers "
-        << mtp << "), which moetrain does not build yet; import a copy of the folder without those layers' keys";
-    MT_CHECK(ok) << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
+        << mtp << "), which this run does not build (training.mtp_loss_weight = 0); set it above 0 to train them, "
+        << "or import a copy of the folder without those layers' keys";
+    MT_CHECK(ok || copy_equal(name)) << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
   }
 }
 
@@ -104,6 +121,10 @@ ModelOptions model_options(const Config& cfg) {
   o.offload_weights = cfg.offload.experts == "weights";
   o.expert_slots = cfg.offload.gpu_expert_slots;
   o.expert_replicas = cfg.parallelism.expert_replicas;
+  // DeepSeek-V3's depths: trained where they have a weight, and with weights from a
+  // folder, where it has theirs (a transformers-saved V3 has none: it trains without).
+  o.mtp = t.mtp_loss_weight > 0 && (!cfg.model.init.starts_with("hf:") || has_mtp_weights(cfg.model.init.substr(3)));
+  o.mtp_loss_weight = t.mtp_loss_weight;
   return o;
 }
 
@@ -310,6 +331,12 @@ void Trainer::setup() {
   MT_CHECK(t.router_z_loss_coef == 0 || !model_.sigmoid_routing())
       << "training.router_z_loss_coef = " << t.router_z_loss_coef << ": DeepSeek-V3's sigmoid routing has no "
       << "z-loss (its scores are no softmax); set it to 0";
+  // A sweep runs each micro-batch's head backward, and with it the depths' layers', before
+  // the global-batch balance term is known (schedule.h).
+  MT_CHECK(model_.mtp_depths() == 0 || t.load_balance_type != "global_batch" || t.layer_sweep == 1)
+      << "training.layer_sweep = " << t.layer_sweep << " with load_balance_type = global_batch and multi-token "
+      << "prediction is not built (the depths' layers run their backward before the global term is known); "
+      << "set training.layer_sweep = 1";
 }
 
 Pipeline Trainer::pipeline_of(const Config& cfg, int64_t layers) {
@@ -389,12 +416,14 @@ void Trainer::set_parallel(comm::DeviceMesh& mesh) {
 
 void Trainer::load_micro_batch(Stash& s, int64_t index, const TokenBatch& tokens, data::Dataset* corpus) {
   size_t n = static_cast<size_t>(s.batch * s.seq);
-  const int32_t *ids, *labels;
+  const int32_t *ids, *labels, *ahead = nullptr;  // ahead: [D, n], multi-token prediction's
+  const size_t D = static_cast<size_t>(s.mtp_ids.numel()) / std::max<size_t>(n, 1);
   if (corpus && corpus == corpus_.get()) {
     MT_CHECK(step_loaded_ < micro_batches_ && n * static_cast<size_t>(micro_batches_) == step_ids_.size());
     ids = step_ids_.data() + n * static_cast<size_t>(step_loaded_);
+    ahead = D > 0 ? step_ahead_.data() + D * n * static_cast<size_t>(step_loaded_) : nullptr;
     labels = step_labels_.data() + n * static_cast<size_t>(step_loaded_++);
-  } else if (corpus) {
+  } else if (corpus) {  // validation: the main head's loss only
     host_ids_.resize(n);
     host_labels_.resize(n);
     corpus->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0,
@@ -406,12 +435,16 @@ void Trainer::load_micro_batch(Stash& s, int64_t index, const TokenBatch& tokens
         index / micro_batches_ * global_batch_ + data_rank_ * rank_rows_ + index % micro_batches_ * micro_batch_;
     ids = tokens.ids.data() + row * seq_;
     labels = tokens.labels.data() + row * seq_;
+    // This rank's zigzag columns of each sequence, and the tokens ahead from the whole ones.
+    const int64_t c = static_cast<int64_t>(n) / s.batch;
+    std::vector<int64_t> pos = cp_ ? parallel::zigzag_positions(seq_, cp_->rank(), cp_->size()) : std::vector<int64_t>();
+    for (int64_t t = 0; !cp_ && t < seq_; ++t) pos.push_back(t);
+    host_ahead_.resize(D * n);
+    data::labels_ahead(labels, s.batch, seq_, pos, host_ahead_);
+    ahead = host_ahead_.data();
     if (cp_) {
-      // This rank's zigzag columns of each sequence.
-      std::vector<int64_t> pos = parallel::zigzag_positions(seq_, cp_->rank(), cp_->size());
       host_ids_.resize(n);
       host_labels_.resize(n);
-      const int64_t c = static_cast<int64_t>(pos.size());
       for (int64_t b = 0; b < s.batch; ++b)
         for (int64_t j = 0; j < c; ++j) {
           host_ids_[b * c + j] = ids[b * seq_ + pos[j]];
@@ -423,6 +456,11 @@ void Trainer::load_micro_batch(Stash& s, int64_t index, const TokenBatch& tokens
   }
   copy(s.ids, Tensor(const_cast<int32_t*>(ids), s.ids.shape, DType::i32));
   copy(s.labels, Tensor(const_cast<int32_t*>(labels), s.labels.shape, DType::i32));
+  if (D == 0 || ahead == nullptr) return;
+  host_mtp_.resize(2 * D * n);
+  data::mtp_tokens({labels, n}, {ahead, D * n}, host_mtp_);
+  copy(s.mtp_ids, Tensor(host_mtp_.data(), s.mtp_ids.shape, DType::i32));
+  copy(s.mtp_labels, Tensor(host_mtp_.data() + D * n, s.mtp_labels.shape, DType::i32));
 }
 
 void Trainer::read_step_tokens() {
@@ -431,6 +469,8 @@ void Trainer::read_step_tokens() {
   const size_t n = static_cast<size_t>(micro_batch_ * (seq_ / cp));
   step_ids_.resize(n * static_cast<size_t>(micro_batches_));
   step_labels_.resize(step_ids_.size());
+  const size_t D = static_cast<size_t>(model_.mtp_depths());
+  step_ahead_.resize(D * step_ids_.size());
   step_loaded_ = 0;
   try {
     read_on_every_rank(
@@ -439,7 +479,8 @@ void Trainer::read_step_tokens() {
           for (int64_t m = 0; m < micro_batches_; ++m)
             corpus_->next_batch(static_cast<int>(data_rank_), static_cast<int>(data_ranks_), cp_ ? cp_->rank() : 0, cp,
                                 micro_batch_, std::span(step_ids_).subspan(n * static_cast<size_t>(m), n),
-                                std::span(step_labels_).subspan(n * static_cast<size_t>(m), n));
+                                std::span(step_labels_).subspan(n * static_cast<size_t>(m), n),
+                                std::span(step_ahead_).subspan(D * n * static_cast<size_t>(m), D * n));
         },
         "another rank could not read its tokens of step " + std::to_string(step_ + 1) + " (it names the file)");
   } catch (const StepNotTaken&) {
@@ -535,7 +576,7 @@ void Trainer::set_expert_placement(const std::string& json, bool say) {
       }
     }
   std::vector<int64_t> moe;
-  for (int64_t l = 0; l < model_.num_layers(); ++l)
+  for (int64_t l = 0; l < model_.all_layers(); ++l)
     if (model_.is_moe_layer(l)) moe.push_back(l);
   MT_CHECK(moe.size() == placements_.size()) << "the checkpoint's expert_placement has " << placements_.size()
                                               << " MoE layers; this model has " << moe.size();
@@ -656,6 +697,7 @@ double Trainer::run_step_schedule(StepBalance& balance) {
   ctx.blocks = block_of_;
   clear_gradient_marks(model_.params());  // the step's first write of each gradient replaces it
   run_schedule(actions_, ctx);
+  mtp_losses_ = ctx.mtp_losses;
   double loss_sum = 0;
   for (const LossSum& l : ctx.losses) loss_sum += l.sum;
   return loss_sum;
@@ -703,12 +745,20 @@ void Trainer::finish_gradients(StepResult& r, const StepBalance& balance) {
 void Trainer::reduce_step(StepResult& r, StepBalance& balance, double loss_sum) {
   profile_.mark("gradient norm");
   std::vector<double> sums = {loss_sum, optimizer_.grad_sum_squares()};
+  // Multi-token prediction's per depth: only the head's ranks have them.
+  const size_t depths = static_cast<size_t>(model_.mtp_depths());
+  mtp_losses_.resize(cfg_.training.mtp_loss_weight > 0 ? depths : 0);
+  for (const LossSum& l : mtp_losses_) sums.insert(sums.end(), {l.sum, static_cast<double>(l.count)});
   balance.reduce(sums);
   r.loss = sums[0] / static_cast<double>(global_batch_ * seq_);
   r.grad_norm = std::sqrt(sums[1]);
+  r.mtp_loss.clear();
+  for (size_t k = 0; k < mtp_losses_.size(); ++k) r.mtp_loss.push_back(sums[2 + 2 * k] / std::max(sums[3 + 2 * k], 1.0));
   balance.report(r);
   for (auto [name, v] : {std::pair{"loss", r.loss}, {"lb_loss", r.lb_loss}, {"grad_norm", r.grad_norm}})
     if (!std::isfinite(v) && r.non_finite.empty()) r.non_finite = name;
+  for (double v : r.mtp_loss)
+    if (!std::isfinite(v) && r.non_finite.empty()) r.non_finite = "mtp_loss";
 }
 
 // torch's clipping factor (a factor of exactly 1 changes nothing, so it is skipped),
@@ -864,7 +914,7 @@ Trainer::Validation Trainer::validate() {
 // its layers', zero elsewhere, summed over the stages (exact: one term is not zero).
 std::vector<std::vector<float>> Trainer::model_expert_bias() {
   std::vector<double> all;
-  for (int64_t l = 0; l < model_.num_layers(); ++l) {
+  for (int64_t l = 0; l < model_.all_layers(); ++l) {
     if (!model_.is_moe_layer(l)) continue;
     const bool here = pipeline_.owner(l) == pp_rank_;
     std::vector<float> b = here ? model_.expert_bias(l) : std::vector<float>(model_.num_experts(), 0.0f);
@@ -912,55 +962,5 @@ LossSum Trainer::forward(Model& model, Stash& s) {
   return model.head_forward(s, 0.0f);
 }
 
-std::string step_json(const StepResult& r) {
-  nlohmann::json j;
-  j["step"] = r.step;
-  j["loss"] = r.loss;
-  j["lb_loss"] = r.lb_loss;
-  if (r.z_loss_on) j["z_loss"] = r.z_loss;
-  if (r.val_on) j["val_loss"] = r.val_loss;
-  if (!r.data_shares.empty()) j["data_shares"] = r.data_shares;
-  if (!r.expert_bias.empty()) j["expert_bias"] = r.expert_bias;
-  j["grad_norm"] = r.grad_norm;
-  j["lr"] = r.lr;
-  if (!r.non_finite.empty()) j["skipped"] = r.non_finite;  // NaN and inf print as null
-  j["tokens_per_s"] = r.tokens_per_s;
-  j["memory_bytes"] = r.memory_bytes;
-  j["expert_row_bytes"] = r.expert_row_bytes;
-  j["routing_skew"] = r.routing_skew;
-  if (r.device_memory_bytes > 0) {
-    j["device_memory_bytes"] = r.device_memory_bytes;
-    j["host_waits"] = r.host_waits;
-  }
-  if (r.host_memory_bytes > 0) {
-    j["host_memory_bytes"] = r.host_memory_bytes;
-    j["offload_bytes_in"] = r.offload.bytes_in;
-    j["offload_bytes_out"] = r.offload.bytes_out;
-    j["offload_s"] = r.offload.seconds;
-  }
-  if (r.expert_cache.hits + r.expert_cache.misses > 0) {
-    j["expert_cache_hit_rate"] = static_cast<double>(r.expert_cache.hits) /
-                                 static_cast<double>(r.expert_cache.hits + r.expert_cache.misses);
-    j["expert_cache_wait_s"] = r.expert_cache.wait_s;
-  }
-  for (const std::vector<double>& layer : r.expert_residency) {
-    nlohmann::json& row = j["expert_cache_residency"].emplace_back(nlohmann::json::array());
-    for (double v : layer) row.push_back(v < 0 ? nlohmann::json() : nlohmann::json(v));
-  }
-  j["time"] = r.time;
-  j["expert_counts"] = r.expert_counts;
-  j["moe_layers"] = r.moe_layers;
-  j["dropped_slots"] = r.dropped_slots;
-  if (!r.ep_rows_max_over_mean.empty()) j["ep_rows_max_over_mean"] = r.ep_rows_max_over_mean;
-  if (!r.expert_copies.empty()) {
-    j["placement_version"] = r.placement_version;
-    j["expert_copies"] = r.expert_copies;
-  }
-  for (const ProfileEntry& e : r.breakdown) {
-    j["breakdown_ms"][e.name] = e.ms;
-    j["breakdown_counts"][e.name] = e.count;
-  }
-  return j.dump();
-}
 
 }  // namespace mt

@@ -88,6 +88,9 @@ struct StepResult {
   int64_t step = 0;          // 1-based
   double loss = 0;           // mean cross-entropy over the global batch
   double lb_loss = 0;        // load-balance term, before its coefficient
+  // Multi-token prediction: each depth's mean cross-entropy (its labels: the sequences'
+  // positions but their last k), before lambda / D.
+  std::vector<double> mtp_loss;
   // training.router_z_loss_coef > 0: the router z-loss, before its coefficient (the mean
   // over MoE layers and tokens of logsumexp(logits)^2).
   bool z_loss_on = false;
@@ -254,6 +257,10 @@ class Trainer {
   int64_t seq_ = 0, global_batch_ = 0;
   std::vector<int32_t> host_ids_, host_labels_;  // a corpus micro-batch on its way to the device
   std::vector<int32_t> step_ids_, step_labels_;  // read_step_tokens's, micro-batch after micro-batch
+  // Multi-token prediction's tokens ahead (data::Dataset::next_batch's `ahead`), read_step_tokens's and
+  // a micro-batch's; the depths' summed losses of the step (run_step_schedule's).
+  std::vector<int32_t> step_ahead_, host_ahead_, host_mtp_;
+  std::vector<LossSum> mtp_losses_;
   int64_t step_loaded_ = 0;                      // micro-batches of them loaded this step
   comm::Communicator* dp_ = nullptr;              // the data ranks; null: one rank
   comm::Communicator* ep_ = nullptr;              // null: no expert parallelism
@@ -290,7 +297,5 @@ class Trainer {
   StepProfile profile_;
 };
 
-// One JSON object per line: the metrics.jsonl contract.
-std::string step_json(const StepResult& r);
 
 }  // namespace mt

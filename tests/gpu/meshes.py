@@ -337,6 +337,13 @@ def main():
                         worst[key] = max(worst.get(key, 0.0), d)
                         bad = bad or not d <= args.rtol
                         others.append("%s %.6g (%.1e)" % (key, w[key], d))
+                # Multi-token prediction: each depth's loss.
+                for k, want in enumerate(w.get("mtp_loss", [])):
+                    have = g.get("mtp_loss", [])
+                    d = rel(have[k] if k < len(have) else float("nan"), want)
+                    worst["mtp_loss"] = max(worst.get("mtp_loss", 0.0), d)
+                    bad = bad or not d <= args.rtol
+                    others.append("mtp_loss[%d] %.6g (%.1e)" % (k, want, d))
                 moved = count_moves(g.get("expert_counts", []), w.get("expert_counts", []))
                 worst["expert_counts"] = max(worst["expert_counts"], moved)
                 bad = bad or moved > args.count_slack
