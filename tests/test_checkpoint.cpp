@@ -90,6 +90,7 @@ void check_exact_resume(const std::string& state_dtype, const std::string& model
   std::string dump = temp_dir("resume_" + state_dtype + model + (fp8 == Fp8::none ? "" : "_fp8"));
   ModelOptions options;
   options.fp8 = fp8;
+  options.mtp = has_mtp_weights(fixture(model));  // DeepSeek-V3's depths, where the fixture has them
   Config straight_cfg = resume_config(dump, 2 * n, model);
   straight_cfg.optimizer.state_dtype = state_dtype;
   std::unique_ptr<Model> straight = make_model(fixture(model + "/config.json"), options);
@@ -122,13 +123,15 @@ void check_exact_resume(const std::string& state_dtype, const std::string& model
     EXPECT_EQ(r.loss, want[i].loss) << "step " << i + 1;
     EXPECT_EQ(r.grad_norm, want[i].grad_norm) << "step " << i + 1;
     EXPECT_EQ(r.lr, want[i].lr) << "step " << i + 1;
+    EXPECT_EQ(r.mtp_loss, want[i].mtp_loss) << "step " << i + 1;
   }
   EXPECT_EQ(all_weights(*second), all_weights(*straight));
 }
 
 TEST(Checkpoint, ResumeIsBitwiseExact) { check_exact_resume("fp32"); }
 TEST(Checkpoint, ResumeIsBitwiseExactForDeepseekV2) { check_exact_resume("fp32", "deepseek_v2_a"); }
-TEST(Checkpoint, ResumeIsBitwiseExactForDeepseekV3) { check_exact_resume("fp32", "deepseek_v3_a"); }
+// DeepSeek-V3 with two multi-token prediction depths: their weights, moments and losses.
+TEST(Checkpoint, ResumeIsBitwiseExactForDeepseekV3) { check_exact_resume("fp32", "deepseek_v3_mtp"); }
 // GPT-OSS: its experts checkpointed one tensor each, its biases and sinks with them.
 TEST(Checkpoint, ResumeIsBitwiseExactForGptOss) { check_exact_resume("fp32", "gpt_oss_a"); }
 

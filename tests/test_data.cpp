@@ -682,13 +682,14 @@ TEST(Dataset, ContextParallelChunksAreSlicesOfTheSample) {
   TempDir t;
   Dataset full(make_corpus(t.path).string(), 16, 5);  // 16 = 2 * cp * 4 for cp = 2; 2 * cp * 2 for cp = 4
   for (int cp : {2, 4}) {
-    std::vector<std::vector<int32_t>> ids_r, labels_r;
+    std::vector<std::vector<int32_t>> ids_r, labels_r, ahead_r;
     for (int r = 0; r < cp; ++r) {
       Dataset ds(t.path.string(), 16, 5);
-      std::vector<int32_t> ids(static_cast<size_t>(3 * 16 / cp)), labels(ids.size());
-      ds.next_batch(0, 1, r, cp, 3, ids, labels);
+      std::vector<int32_t> ids(static_cast<size_t>(3 * 16 / cp)), labels(ids.size()), ahead(3 * ids.size());
+      ds.next_batch(0, 1, r, cp, 3, ids, labels, ahead);  // 3 planes ahead: multi-token prediction's
       ids_r.push_back(ids);
       labels_r.push_back(labels);
+      ahead_r.push_back(ahead);
     }
     std::vector<int32_t> s(17);
     int64_t chunk = 16 / (2 * cp);
@@ -704,10 +705,36 @@ TEST(Dataset, ContextParallelChunksAreSlicesOfTheSample) {
           size_t col = static_cast<size_t>(b) * pos.size() + k;
           EXPECT_EQ(ids_r[static_cast<size_t>(r)][col], s[static_cast<size_t>(pos[k])]) << "cp " << cp << " rank " << r;
           EXPECT_EQ(labels_r[static_cast<size_t>(r)][col], s[static_cast<size_t>(pos[k] + 1)]);
+          // Plane j: the token j + 2 after, across the chunk's end, kPastTheEnd past the sample's.
+          for (int64_t j = 0; j < 3; ++j) {
+            const int64_t at = pos[k] + 2 + j;
+            EXPECT_EQ(ahead_r[static_cast<size_t>(r)][static_cast<size_t>(j * 3) * pos.size() + col],
+                      at <= 16 ? s[static_cast<size_t>(at)] : Dataset::kPastTheEnd)
+                << "cp " << cp << " rank " << r << " plane " << j;
+          }
           ++covered[static_cast<size_t>(pos[k])];
         }
       }
       EXPECT_EQ(covered, std::vector<int>(16, 1));  // the ranks together hold each position once
+    }
+    // The same planes from whole label rows (a token matrix's path), and depth k's tokens.
+    for (int r = 0; r < cp; ++r) {
+      std::vector<int32_t> whole(3 * 16), ahead(ahead_r[static_cast<size_t>(r)].size());
+      for (int64_t b = 0; b < 3; ++b) {
+        full.read_sample(full.sample_at(static_cast<uint64_t>(b)), 1, 17, whole.data() + b * 16);
+      }
+      labels_ahead(whole.data(), 3, 16, full.positions(r, cp), ahead);
+      EXPECT_EQ(ahead, ahead_r[static_cast<size_t>(r)]) << "cp " << cp << " rank " << r;
+      const std::vector<int32_t>& labels = labels_r[static_cast<size_t>(r)];
+      std::vector<int32_t> mtp(2 * ahead.size());
+      mtp_tokens(labels, ahead, mtp);
+      const size_t n = labels.size();
+      for (size_t i = 0; i < n; ++i)
+        for (size_t k = 1; k <= 3; ++k) {
+          const int32_t in = k == 1 ? labels[i] : ahead[(k - 2) * n + i];
+          EXPECT_EQ(mtp[(k - 1) * n + i], in == Dataset::kPastTheEnd ? 0 : in);
+          EXPECT_EQ(mtp[(3 + k - 1) * n + i], ahead[(k - 1) * n + i]);
+        }
     }
   }
   Dataset ds(t.path.string(), 15, 5);

@@ -1320,7 +1320,7 @@ TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
   };
   auto same = [&](const std::string& a, const std::string& b) { expect_same_run(dir + "/" + a, dir + "/" + b); };
   const char* modes[] = {"none", "selective", "full"};
-  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"}) {
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp"}) {
     for (std::string m : modes)
       train("", model + m,
             " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy") +
@@ -1362,7 +1362,7 @@ TEST(Commands, OffloadedExpertsGiveTheSameBits) {
     return out;
   };
   const std::string on = " --offload.experts=optimizer";
-  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"}) {
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp"}) {
     std::string flags = " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy");
     if (model == "deepseek_v2_a") flags += " --training.fp8=blockwise --optimizer.state_dtype=bf16";
     train("", model, flags);
@@ -1509,7 +1509,7 @@ TEST(Commands, OffloadedWeightsGiveTheSameBits) {
     return out;
   };
   const std::string on = " --offload.experts=weights", three = on + " --offload.gpu_expert_slots=3";
-  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_a"}) {
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp"}) {
     const std::string flags = " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy");
     train("", model, flags);
     train("", model + "_weights", flags + three);
@@ -2968,6 +2968,54 @@ TEST(Commands, DeepseekV3CarriesItsCorrectionBias) {
     EXPECT_EQ(pp[s]["expert_bias"], one[s]["expert_bias"]) << "step " << s + 1;
     EXPECT_NEAR(pp[s]["loss"].get<double>(), one[s]["loss"].get<double>(), 1e-5) << "step " << s + 1;
   }
+}
+
+// DeepSeek-V3 with two multi-token prediction depths (deepseek_v3_mtp): an export of a
+// step with lr 0 is byte-equal to the fixture, the depths' keys and their correction
+// biases included; after steps that move the biases, eval of the checkpoint and of its
+// export (the main head only) gives the run's val_loss, and metrics.jsonl has each
+// depth's loss. With training.mtp_loss_weight = 0 the depths are not built, so their keys
+// are refused on import.
+TEST(Commands, DeepseekV3MtpExportsAsImported) {
+  const std::string dir = temp_dir("deepseek_v3_mtp"), model = fixture("deepseek_v3_mtp");
+  write_four_sequences("deepseek_v3_mtp", dir);
+  auto train = [&](const std::string& name, const std::string& flags) {
+    return run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + model + " --data.tokens=" + dir +
+               "/tokens.npy --training.micro_batch_size=1 --job.dump_folder=" + dir + "/" + name + flags + " 2>&1");
+  };
+  auto exported = [&](const std::string& name) {
+    auto [rc, out] = run(std::string(MOETRAIN_BIN) + " export-hf --dtype fp32 --checkpoint " + dir + "/" + name +
+                         " --output " + dir + "/" + name + "_hf 2>&1");
+    EXPECT_EQ(rc, 0) << out;
+    return io::HfWeights(dir + "/" + name + "_hf");
+  };
+  auto [rc, out] = train("still", " --training.steps=1 --optimizer.lr=0");
+  ASSERT_EQ(rc, 0) << out;
+  const io::HfWeights still = exported("still"), want(model);
+  ASSERT_EQ(still.names(), want.names());
+  EXPECT_TRUE(still.contains("model.layers.3.eh_proj.weight"));
+  EXPECT_TRUE(still.contains("model.layers.3.mlp.gate.e_score_correction_bias"));
+  for (const std::string& name : still.names()) {
+    const std::span<const uint8_t> a = still.bytes(name), b = want.bytes(name);
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end())) << name;
+  }
+  std::tie(rc, out) = train("moved", " --training.steps=2 --training.expert_bias_update_rate=0.05 "
+                                     "--validation.interval=2 --validation.tokens=" + dir + "/tokens.npy");
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<nlohmann::json> moved = metrics_of(dir + "/moved");
+  ASSERT_EQ(moved.size(), 2u);
+  EXPECT_EQ(moved[1]["mtp_loss"].size(), 2u);
+  EXPECT_EQ(moved[1]["expert_bias"].size(), 3u) << "layer 1's and the two depths' layers'";
+  exported("moved");
+  for (const std::string& m : {dir + "/moved/checkpoints/step-00000002", dir + "/moved_hf"}) {
+    std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " eval --model " + m + " --tokens " + dir + "/tokens.npy");
+    ASSERT_EQ(rc, 0) << out;
+    const double eval_loss = nlohmann::json::parse(out.substr(out.find('{')))["loss"];
+    EXPECT_NEAR(eval_loss, moved[1]["val_loss"].get<double>(), 1e-6 * eval_loss) << m;
+  }
+  std::tie(rc, out) = train("off", " --training.steps=1 --training.mtp_loss_weight=0");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("which this run does not build (training.mtp_loss_weight = 0)"), std::string::npos) << out;
 }
 
 // What replicas do not take yet is refused at start, naming the keys: no ep, and with

@@ -127,9 +127,11 @@ void Moe::add_params(int64_t l, const std::string& p) {
 void Moe::make_cache() {
   if (c_.router.scoring == cpu::RouterScoring::sigmoid && !o_.plan_only) make_expert_bias();
   if (!offload_weights_) return;
+  // By the block's layer (a multi-token prediction depth's Params are the head's part, L).
   std::vector<std::vector<int>> blocks(static_cast<size_t>(c_.num_layers));
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].cached) blocks[static_cast<size_t>(params_[i].layer)].push_back(static_cast<int>(i));
+  for (int64_t l = 0; l < c_.num_layers; ++l)
+    for (int i : {index_[l].gate_up, index_[l].down, index_[l].gate_up_bias, index_[l].down_bias})
+      if (i >= 0 && params_[i].cached) blocks[static_cast<size_t>(l)].push_back(i);
   cache_ = ExpertCache(params_, std::move(blocks), local_experts_,
                        o_.expert_slots > 0 ? o_.expert_slots : 2 * local_experts_, o_.expert_line, o_.device,
                        o_.plan_only);
