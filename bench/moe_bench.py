@@ -6,8 +6,9 @@ qwen3_moe, deepseek_v2 (bench/configs/deepseek_v2_lite_8l.json: DeepSeek-V2-Lite
 released, cut to 8 layers) or gpt_oss (bench/configs/gpt_oss_20b_4l.json: GPT-OSS-20B
 in bf16, cut to 4 layers; eager attention in transformers, whose sdpa takes no sinks) or
 deepseek_v3 (bench/configs/moonlight_16b_a3b_8l.json: Moonlight-16B-A3B as released, cut
-to 8 layers, without multi-token prediction; bench/configs/deepseek_v3_4l.json: DeepSeek-V3's
-own shape cut to its 3 dense layers and 1 MoE layer, what one H200 holds, only with
+to 8 layers, as released without multi-token prediction (--mtp 1 adds a depth); bench/configs/deepseek_v3_4l.json: DeepSeek-V3's
+own shape cut to its 3 dense layers and 1 MoE layer (and its MTP depth: --mtp 0 for none),
+what one H200 holds, only with
 --extra "--offload.experts=optimizer" --state-dtypes bf16 (113.6 GiB on the GPU, 84 GiB of
 host memory by `moetrain plan`) and --skip-baseline: transformers needs 253 GiB).
 
@@ -70,6 +71,12 @@ def flops_per_token(cfg, seq):
     kinds = cfg.get("layer_types") or ["full_attention"] * layers
     keys = [sum(min(t + 1, window if kind == "sliding_attention" else seq) for t in range(seq)) / seq for kind in kinds]
     active = layers * attention + mlp + v * d
+    # DeepSeek-V3's multi-token prediction depths, where moetrain builds them: each one
+    # more MoE layer, eh_proj [D, 2D] and the head again, on every position.
+    depths = (cfg.get("num_nextn_predict_layers") or 0) if cfg["model_type"] in ("deepseek_v3", "kimi_k2") else 0
+    if depths:
+        active += depths * (attention + d * e + (k + shared) * 3 * d * i + 2 * d * d + v * d)
+        keys += keys[-1:] * depths
     return 6 * active + sum(6 * h * (dq + dv) * n for n in keys), active
 
 
@@ -225,6 +232,9 @@ def main():
     p.add_argument("--state-dtypes", default="fp32",
                    help="comma-separated optimizer.state_dtype values to run moetrain with (fp32, bf16)")
     p.add_argument("--fp8", default="none", help="comma-separated training.fp8 values (none, blockwise)")
+    p.add_argument("--mtp", type=int, default=None,
+                   help="DeepSeek-V3: this many multi-token prediction depths (the config's num_nextn_predict_layers "
+                        "rewritten; moetrain only: transformers runs none)")
     args = p.parse_args()
     cfg_path = args.config or os.path.join(HERE, "configs", f"qwen3_30b_a3b_{args.layers}l.json")
     if not os.path.exists(cfg_path) and not args.config:
@@ -235,6 +245,12 @@ def main():
         json.dump(cfg, open(cfg_path, "w"))
     cfg = json.load(open(cfg_path))
     name_of_model = os.path.splitext(os.path.basename(cfg_path))[0]
+    if args.mtp is not None:
+        cfg["num_nextn_predict_layers"] = args.mtp
+        name_of_model += f" with {args.mtp} MTP depths"
+        cfg_path = os.path.join(tempfile.mkdtemp(), "config.json")
+        json.dump(cfg, open(cfg_path, "w"))
+        args.skip_baseline = args.skip_baseline or args.mtp > 0
     fpt, active = flops_per_token(cfg, args.seq)
     peak = gemm_peak()
     fp8_peak = gemm_peak(fp8=True) if "blockwise" in args.fp8 else 0.0
