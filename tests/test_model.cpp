@@ -202,6 +202,30 @@ TEST(MtpParity, DepthLossesGradientsAndFiveSteps) {
     EXPECT_LT(rel_err_norm(t.value.f32(), expected_of(exp, "final.", t)), 1e-4) << t.name;
 }
 
+// Blockwise FP8 with the depths (their layers' products and eh_proj quantized as the
+// layers' are): one step's losses, depths' losses and gradient norm within what e4m3
+// costs of the fp32 run's, and not equal to them. Routing is forced, as in Fp8Parity.
+TEST(MtpParity, Fp8WithinQuantizationError) {
+  std::vector<StepResult> r;
+  for (const char* fp8 : {"none", "blockwise"}) {
+    Config cfg = fixture_config("deepseek_v3_mtp", 1);
+    cfg.training.fp8 = fp8;
+    cfg.training.force_balanced_routing = true;
+    std::unique_ptr<Model> model = make_model(fixture("deepseek_v3_mtp/config.json"), model_options(cfg));
+    load_hf(*model, fixture("deepseek_v3_mtp"));
+    Trainer trainer(cfg, *model, read_token_batch(fixture("deepseek_v3_mtp/tokens.npy"), model->vocab_size()));
+    r.push_back(trainer.step());
+  }
+  ASSERT_EQ(r[1].mtp_loss.size(), 2u);
+  EXPECT_NEAR(r[1].loss, r[0].loss, 1e-2 * r[0].loss);
+  EXPECT_NE(r[1].loss, r[0].loss);
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_NEAR(r[1].mtp_loss[k], r[0].mtp_loss[k], 1e-2 * r[0].mtp_loss[k]) << "depth " << k + 1;
+    EXPECT_NE(r[1].mtp_loss[k], r[0].mtp_loss[k]) << "depth " << k + 1;
+  }
+  EXPECT_NEAR(r[1].grad_norm, r[0].grad_norm, 5e-2 * r[0].grad_norm);
+}
+
 // The seam itself: each of Linear's FP8 products equals, in float64, the product of the
 // dequantized codes of the layouts it should read (the forward: x in 1x128 rows against
 // w's blocks; the input gradient: dy's rows against the blocks of w^T), with beta; the
