@@ -7,8 +7,9 @@
 // The schedules reach it only through Model::head_forward / head_backward_input /
 // head_backward_weight, on the rank that holds the head (ModelOptions::head: the last
 // pipeline stage). That is the seam for heads after the last layer: a model that adds
-// some (DeepSeek-V3's multi-token prediction) runs them behind the same three calls,
-// and no schedule changes.
+// some runs them behind the same three calls, and no schedule changes: DeepSeek-V3's
+// multi-token prediction (models/decoder.cpp, Decoder::mtp_forward), each depth a Head
+// of its own norm over the model's projection.
 //
 // With full recomputation the head runs over chunks of kHeadRows tokens, so a stash
 // holds [kHeadRows, vocab] logits, not [tokens, vocab] (Liger-Kernel's fused linear
