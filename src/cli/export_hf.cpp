@@ -111,6 +111,8 @@ struct Written {
   size_t tensors = 0, shards = 0;
   int64_t bytes = 0;
   int copied = 0;  // tokenizer and generation files
+  // Expert biases that the architecture has no key for (all but DeepSeek-V3's): dropped.
+  bool biases_dropped = false;
 };
 
 // The export of checkpoint `ckpt` into the new folder `out`.
@@ -166,6 +168,7 @@ Written write_export(const fs::path& ckpt, const fs::path& out, bool bf16, int64
   // DeepSeek-V3's correction biases: the checkpoint's expert bias (zero where it has none),
   // kept in fp32 as the released checkpoints and transformers keep them.
   const std::string saved = saved_expert_bias(ckpt.string());
+  const bool dropped = saved != "null" && !model->sigmoid_routing();
   const std::vector<std::vector<float>> bias = saved == "null" ? std::vector<std::vector<float>>{}
                                                                 : parse_expert_bias(*model, saved);
   std::vector<HfTensor> buffers = model->hf_buffers();
@@ -218,7 +221,7 @@ Written write_export(const fs::path& ckpt, const fs::path& out, bool bf16, int64
     io::write_file_atomic((out / n).string(), {std::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
     ++copied;
   }
-  return {all.size(), shards.size(), total, copied + write_generation_files(ckpt, config, out)};
+  return {all.size(), shards.size(), total, copied + write_generation_files(ckpt, config, out), dropped};
 }
 
 }  // namespace
@@ -294,16 +297,12 @@ int run_export_hf(const Args& args) {
   // there may rotate it away meanwhile: read_checkpoint reads the newest again.
   fs::path ckpt;
   Written w;
-  bool biased = false;
   read_checkpoint(named, [&](const std::string& dir) {
     ckpt = dir;
     fs::remove_all(out);
     w = write_export(ckpt, out, dtype == "bf16", max_shard);
-    ModelOptions plan;
-    plan.plan_only = true;
-    biased = saved_expert_bias(dir) != "null" && !make_model((ckpt / "config.json").string(), plan)->sigmoid_routing();
   });
-  if (biased)
+  if (w.biases_dropped)
     std::fprintf(stderr, "moetrain export-hf: warning: %s's routers carry expert biases (training."
                          "expert_bias_update_rate), which these Hugging Face architectures have no place for: the "
                          "export routes without them (moetrain eval and generate of the checkpoint route with them)\n",
