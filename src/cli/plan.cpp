@@ -233,10 +233,11 @@ int run_plan(const Args& args) {
   for (const Param& p : whole->params())
     if (p.expert) expert_elements += static_cast<double>(p.value.numel()) / static_cast<double>(whole->num_experts());
   int64_t moe_layers = 0, most_moe = 0;
-  for (int64_t l = 0; l < L; ++l) moe_layers += whole->is_moe_layer(l);
+  for (int64_t l = 0; l < whole->all_layers(); ++l) moe_layers += whole->is_moe_layer(l);
   for (int r = 0; r < mesh.pp; ++r) {
     int64_t n = 0;
     for (int64_t l : pipeline.layers_of(r)) n += whole->is_moe_layer(l);
+    for (int64_t l = L; l < whole->all_layers() && pipeline.owner(L) == r; ++l) n += whole->is_moe_layer(l);  // MTP's
     most_moe = std::max(most_moe, n);
   }
   const double slot_bytes = moe_layers > 0 ? 6.0 * expert_elements / static_cast<double>(moe_layers) *
