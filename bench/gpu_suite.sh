@@ -19,7 +19,7 @@
 #                       each recompute mode, each offload tier (the CPU without offload)
 #                       (cpu_v3_expert_bias: DeepSeek-V3's correction bias moving)
 #   meshes, zero3, pipeline, replicas, recompute_*, offload_*, balance_*, fp8_*, v3_meshes,
-#   cpu_v3_mtp*, v3_mtp_meshes (multi-token prediction)
+#   cpu_v3_mtp*, v3_mtp_meshes, v3_mtp_pipeline (multi-token prediction)
 #                       meshes of up to --ranks ranks (default 4) on the GPUs present,
 #                       against one GPU (tests/gpu/meshes.py): with more ranks than GPUs
 #                       the ranks share them and exchange through host memory
@@ -103,6 +103,9 @@ mtp="--fixture deepseek_v3_mtp --rtol 0.035"
 check cpu_v3_mtp "$vs_cpu $mtp --extra=--training.expert_bias_update_rate=0.001"
 check cpu_v3_mtp_fp8 "$vs_cpu --fixture deepseek_v3_mtp --rtol 0.05 $fp8"
 check v3_mtp_meshes "$on_gpus $mtp --count-slack 16 --lb micro_batch --extra=--training.expert_bias_update_rate=0.001"
+# One depth on the pipeline meshes: under 1F1B the last rank's copy of the embedding.
+check v3_mtp_pipeline "$on_gpus --pipeline --pipeline-config tests/fixtures/pipeline/deepseek_v3.json --rtol 0.035 \
+  --count-slack 16 --lb micro_batch"
 check cpu_validation "$vs_cpu --extra='--validation.interval=1 --validation.tokens=@TOKENS@'"
 for ac in selective full; do check "cpu_recompute_$ac" "$vs_cpu --extra=--training.activation_checkpoint=$ac"; done
 for tier in optimizer weights; do check "cpu_offload_$tier" "$vs_cpu --mesh-extra=--offload.experts=$tier"; done

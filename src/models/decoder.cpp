@@ -158,10 +158,6 @@ class Decoder final : public Model {
         moe_(c_, o, params_, linear_) {
     const DecoderSpec& c = c_;
     mixers_.resize(static_cast<size_t>(c.num_layers));
-    MT_CHECK(D_ == 0 || !o.head || o.embedding)
-        << "multi-token prediction (num_nextn_predict_layers " << D_ << ") embeds the tokens ahead where the head is: "
-        << "the embedding and the head must be on one pipeline rank (parallelism.pipeline_schedule = dualpipev "
-        << "places both on rank 0), or set training.mtp_loss_weight = 0";
     MT_CHECK(!linear_.fp8() || !o.external_layers)
         << "training.fp8 = blockwise with parallelism.zero3 is not built yet (the weight slots gather bf16 copies, "
            "not FP8 ones)";
@@ -197,6 +193,8 @@ class Decoder final : public Model {
   int64_t num_experts() const override { return c_.num_experts; }
   int64_t vocab_size() const override { return c_.vocab_size; }
   std::vector<Param>& params() override { return params_; }
+  Param* embedding() override { return embed_ >= 0 ? &params_[embed_] : nullptr; }
+  Param* embedding_copy() override { return embed_copy_.name.empty() ? nullptr : &embed_copy_; }
 
   int64_t param_count() const override {
     int64_t n = 0;
@@ -310,6 +308,10 @@ class Decoder final : public Model {
   };
   std::vector<MtpIndex> mtp_;
   std::vector<Head> mtp_heads_;
+  // The depths' embedding: the model's, or where this rank has the head but not the
+  // embedding, a copy (Model::embedding_copy).
+  Param embed_copy_;
+  Param& mtp_embedding() { return embed_ >= 0 ? params_[embed_] : embed_copy_; }
   std::vector<LayerIndex> layer_;
   cpu::RopeFreqs rope_;
   Moe moe_;  // the MoE layers' block (models/moe.h)
@@ -392,6 +394,13 @@ void Decoder::build_params() {
     if (replicas.on() && p.expert) s.d[0] = replicas.slots();
     return s;
   };
+  const bool copy = o_.head && D_ > 0 && embed_ < 0;
+  if (copy) {
+    embed_copy_.name = "embed (copy)";
+    embed_copy_.value = Tensor(nullptr, {c_.vocab_size, D}, DType::f32, o_.device);
+    count_v.alloc(DType::f32, embed_copy_.value.shape);
+    count_g.alloc(DType::f32, embed_copy_.value.shape);
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     if (!held(p)) continue;
@@ -409,6 +418,11 @@ void Decoder::build_params() {
   fp8_ = arena("fp8 weights", count_q.peak());
   host_values_ = o_.plan_only ? Arena::counting("parameters (host)", Device::cpu)
                               : Arena::host("parameters (host)", count_h.peak(), o_.device == Device::cuda);
+  if (copy) {
+    embed_copy_.value = embed_copy_.compute = values_.alloc(DType::f32, embed_copy_.value.shape);
+    embed_copy_.grad = grads_.alloc(DType::f32, embed_copy_.value.shape);
+    if (!o_.plan_only) mt::fill(embed_copy_.value, 0.0f);
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (!held(p)) {
@@ -840,7 +854,7 @@ std::vector<LossSum> Decoder::mtp_forward(DecoderStash& s, float grad_scale) {
     MtpActs& x = s.mtp[k - 1];
     const Tensor& prev = k == 1 ? s.h[L_] : s.mtp[k - 2].out;
     const Tensor ids = s.mtp_ids.rows(k - 1, k).view({N}), labels = s.mtp_labels.rows(k - 1, k).view({N});
-    embedding_forward(W(embed_), ids, x.e);
+    embedding_forward(mtp_embedding().value, ids, x.e);
     rmsnorm_forward(x.e, W(w.enorm), eps, x.en, x.rstd_e);
     rmsnorm_forward(prev, W(w.hnorm), eps, x.hn, x.rstd_h);
     mt::copy_columns(x.cat, 0, x.en, 0, D, false);
@@ -878,7 +892,7 @@ void Decoder::mtp_backward(DecoderStash& s) {
     mt::copy_columns(x.d_en, 0, x.d_cat, 0, D, false);
     mt::copy_columns(x.d_hn, 0, x.d_cat, D, D, false);
     rmsnorm_backward(x.e, W(w.enorm), x.rstd_e, x.d_en, x.d_e, Z(w.enorm));
-    embedding_backward(s.mtp_ids.rows(k - 1, k).view({N}), x.d_e, Z(embed_));
+    embedding_backward(s.mtp_ids.rows(k - 1, k).view({N}), x.d_e, grad_zeroed(mtp_embedding()));
     const Tensor& prev = k == 1 ? s.h[L_] : s.mtp[k - 2].out;
     rmsnorm_backward(prev, W(w.hnorm), x.rstd_h, x.d_hn, x.d_prev, Z(w.hnorm));
   }

@@ -35,8 +35,9 @@ struct DecoderSpec {
   //   x = eh_proj([enorm(embed(token k ahead)) | hnorm(h of depth k - 1, or the last layer)])
   //   -> one decoder layer of its own (layer L + k - 1) -> its own norm (shared_head.norm)
   //   -> the model's output projection -> cross-entropy against the token k + 1 ahead,
-  // built where ModelOptions::mtp and the head are (the embedding too: one rank holds
-  // both). Weights under model.layers.{L + k - 1}. as the released checkpoints name them.
+  // built where ModelOptions::mtp and the head are (where the embedding is not, with a
+  // copy of it: Model::embedding_copy). Weights under model.layers.{L + k - 1}. as the
+  // released checkpoints name them.
   int64_t mtp_depths = 0;
   // Per layer: the MoE block (else the dense MLP); num_layers + mtp_depths entries.
   std::vector<bool> moe;

@@ -226,6 +226,15 @@ class Model {
   // and head_backward_input their backward. all_layers() is L + D.
   virtual int64_t mtp_depths() const { return 0; }
   int64_t all_layers() const { return num_layers() + mtp_depths(); }
+  // The depths embed the tokens ahead where the head is. Where a pipeline puts the head
+  // on another rank than the embedding (1F1B at pp > 1), that rank holds a copy of the
+  // embedding outside params(): embedding_copy() there, embedding() the original on its
+  // own rank (else null). The copy is no parameter: no optimizer state, norm, checkpoint
+  // or export sees it. The schedule's copy_embedding and embedding_gradient actions
+  // (train/schedule.h) give it the original's weights each step and add its gradient
+  // into the original's.
+  virtual Param* embedding() { return nullptr; }
+  virtual Param* embedding_copy() { return nullptr; }
   virtual bool is_moe_layer(int64_t layer) const = 0;
   virtual int64_t num_experts() const = 0;
   virtual int64_t vocab_size() const = 0;

@@ -139,6 +139,11 @@ class Emitter {
     send_backward(b);
   }
 
+  void action(const Action& a) {
+    commit();
+    a_.push_back(a);
+  }
+
   // The oldest deferred W (a whole chunk of one micro-batch).
   void weight_chunk() {
     commit();
@@ -223,12 +228,18 @@ std::vector<Action> one_f_one_b_schedule(const ScheduleShape& s, const Pipeline&
   Emitter e(s, p, rank);
   // Warm-up forwards fill the pipeline below this rank; then one forward, one backward.
   const int warmup = std::min(p.ranks - rank - 1, s.micro_batches);
+  // Multi-token prediction's embedding copy, where the head is not on rank 0.
+  const int64_t L = s.layers;
+  const bool copy = s.mtp && p.owner(-1) != p.owner(L) && (rank == p.owner(-1) || rank == p.owner(L));
+  const int64_t side = rank == p.owner(-1) ? -1 : L;
+  if (copy) e.action({Op::copy_embedding, 0, side});
   for (int i = 0; i < warmup; ++i) e.forward_chunk(0);
   for (int i = 0; i < s.micro_batches - warmup; ++i) {
     e.forward_chunk(0);
     e.backward_chunk(0);
   }
   for (int i = 0; i < warmup; ++i) e.backward_chunk(0);
+  if (copy) e.action({Op::embedding_gradient, s.micro_batches - 1, side});
   return e.finish();
 }
 

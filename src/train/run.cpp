@@ -352,14 +352,8 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   if (mesh.shape().pp > 1) {
     ModelOptions counting;
     counting.plan_only = true;
-    counting.mtp = options.mtp;
     std::unique_ptr<Model> whole = make_model(config_json, counting);
     const Pipeline p = Trainer::pipeline_of(cfg, whole->num_layers());
-    MT_CHECK(whole->mtp_depths() == 0 || p.owner(-1) == p.owner(whole->num_layers()))
-        << "multi-token prediction (num_nextn_predict_layers " << whole->mtp_depths() << ") embeds the tokens "
-        << "ahead where the head is, and parallelism.pipeline_schedule " << cfg.parallelism.pipeline_schedule
-        << " puts the embedding and the head on different pp ranks: use dualpipev (both on rank 0), or "
-        << "training.mtp_loss_weight = 0";
     options.layers = p.layers_of(mesh.coord().pp);
     options.embedding = p.owner(-1) == mesh.coord().pp;
     options.head = p.owner(whole->num_layers()) == mesh.coord().pp;

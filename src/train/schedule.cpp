@@ -9,7 +9,9 @@
 #include <utility>
 
 #include "comm/communicator.h"
+#include "core/arena.h"
 #include "core/check.h"
+#include "kernels/elementwise.h"
 #include "models/expert_replicas.h"
 #include "parallel/zero3.h"
 #include "train/optimizer.h"
@@ -52,6 +54,8 @@ const char* profile_name(const Action& a) {
     case Op::release: return "zero3 release";
     case Op::reduce_start:
     case Op::reduce_finish: return "gradient reduction";
+    case Op::copy_embedding:
+    case Op::embedding_gradient: return "embedding copy";
     case Op::send_activation:
     case Op::recv_activation:
     case Op::send_gradient:
@@ -147,6 +151,7 @@ void add_reductions(std::vector<Action>& actions, int64_t layers, bool zero3) {
     if (a.op == Op::backward_weight && !zero3) return a.layer;
     if (a.op == Op::head_backward_weight) return layers;
     if (a.op == Op::embed_backward) return -1;
+    if (a.op == Op::embedding_gradient && a.layer < 0) return -1;  // the copy's, added
     return std::nullopt;
   };
   std::map<int64_t, size_t> last;  // part -> index of its last write
@@ -302,6 +307,48 @@ size_t row_peak(const std::vector<Action>& actions, Model& model, int micro_batc
   return model.row_memory().peak;
 }
 
+namespace {
+
+// copy_embedding and embedding_gradient (schedule.h): rank 0's embedding and the head's
+// rank's copy, in blocks of rows (a bounded buffer for the gradient to add).
+void exchange_embedding(const Action& a, ScheduleContext& ctx) {
+  const bool original = a.layer < 0;
+  Param* p = original ? ctx.model->embedding() : ctx.model->embedding_copy();
+  MT_CHECK(p != nullptr && ctx.pipeline != nullptr && ctx.pp != nullptr)
+      << "schedule: " << describe(a) << " on a rank without the embedding's " << (original ? "weights" : "copy")
+      << " or without a pipeline";
+  const int peer = ctx.pipeline->owner(original ? ctx.model->num_layers() : -1);
+  const int64_t V = p->value.dim(0), H = p->value.dim(1);
+  const int64_t rows = std::max<int64_t>(1, (int64_t{64} << 20) / (H * 4));
+  if (a.op == Op::copy_embedding) {
+    for (int64_t r = 0; r < V; r += rows) {
+      const Tensor block = p->value.rows(r, std::min(V, r + rows));
+      if (original) ctx.pp->send(block, peer);
+      else ctx.pp->recv(block, peer);
+    }
+    p->grad_started = false;  // the step's first write replaces the copy's gradient
+    return;
+  }
+  if (!original) {
+    if (!p->grad_started) mt::fill(p->grad, 0.0f);
+    for (int64_t r = 0; r < V; r += rows) ctx.pp->send(p->grad.rows(r, std::min(V, r + rows)), peer);
+    return;
+  }
+  Arena buffer("embedding copy's gradient", p->grad.device, static_cast<size_t>(std::min(V, rows) * H * 4));
+  const Tensor in = buffer.alloc(DType::f32, {std::min(V, rows), H});
+  const Tensor& grad = p->grad;
+  if (!p->grad_started) mt::fill(grad, 0.0f);
+  p->grad_started = true;
+  for (int64_t r = 0; r < V; r += rows) {
+    const int64_t n = std::min(V, r + rows) - r;
+    const Tensor part = in.rows(0, n), mine = grad.rows(r, r + n);
+    ctx.pp->recv(part, peer);
+    mt::add(mine, part, mine);
+  }
+}
+
+}  // namespace
+
 void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
   Model& model = *ctx.model;
   const int64_t L = model.num_layers();
@@ -373,6 +420,8 @@ void run_schedule(const std::vector<Action>& actions, ScheduleContext& ctx) {
         else
           ctx.optimizer->reduce_finish(a.layer);
         break;
+      case Op::copy_embedding:
+      case Op::embedding_gradient: exchange_embedding(a, ctx); break;
       case Op::send_activation:
       case Op::recv_activation:
       case Op::send_gradient:
@@ -398,7 +447,7 @@ std::string describe(const Action& a) {
   static constexpr const char* kOps[] = {
       "load", "embed F", "F",      "finish F",      "head F",  "statistics",       "balance", "head B",
       "head W", "B",     "finish B", "W",           "embed W", "gather",           "finish gather",
-      "release", "attach gradients", "reduce",      "finish reduce", "send h", "recv h", "send dh", "recv dh",
+      "release", "attach gradients", "reduce",      "finish reduce", "copy embedding", "embedding gradient", "send h", "recv h", "send dh", "recv dh",
       "commit"};
   std::string s = kOps[static_cast<int>(a.op)];
   const bool stage = a.op == Op::forward || a.op == Op::finish_forward || a.op == Op::backward_input ||

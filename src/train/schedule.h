@@ -74,6 +74,13 @@ enum class Op : uint8_t {
   attach_gradients,       // ZeRO-3: a gradient slot for the layer's backward
   reduce_start,           // a part's gradients start summing into the optimizer's shards
   reduce_finish,          // ... and are joined
+  // Multi-token prediction where the head's pp rank does not hold the embedding (1F1B):
+  // that rank's copy (Model::embedding_copy) takes rank 0's weights at the step's start,
+  // and at its end rank 0 adds the copy's gradient into the embedding's before reducing
+  // it. Blocking point-to-point transfers between the two, in blocks of rows; `layer` -1
+  // on rank 0, L on the head's rank.
+  copy_embedding,
+  embedding_gradient,
   // Pipeline messages of the residual stream h[layer] (activation) or its gradient
   // dh[layer], queued until the next commit, which starts them all and waits for them.
   send_activation,
@@ -103,6 +110,7 @@ struct ScheduleShape {
   // whose blocks hold one layer at a time, needs that).
   bool defer_weights = true;
   int sweep = 1;  // micro-batches that pass each layer together (sequential_schedule)
+  bool mtp = false;  // multi-token prediction depths run with the head (the copy actions)
 };
 
 std::vector<Action> sequential_schedule(const ScheduleShape& shape);

@@ -217,6 +217,10 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
     if (p.cached)
       m.offload_traffic += 2 * p.grad.nbytes() + (p.compute.dtype != p.value.dtype ? p.compute.nbytes() : 0);
   }
+  if (const Param* c = model->embedding_copy()) {  // multi-token prediction's under 1F1B
+    m.weights += c->value.nbytes();
+    m.gradients += c->grad.nbytes();
+  }
   // The expert cache (models/expert_cache.h): its frames, and its moves a step.
   m.expert_cache = model->expert_cache_bytes();
   m.expert_replicas = model->expert_replica_bytes();
@@ -348,8 +352,9 @@ void Trainer::make_stashes() {
   // load-balance loss, all of them). Made at the first step, once the mesh is known: a
   // stash for the whole batch, dropped when set_parallel splits it, would leave the GPU
   // pool holding its memory in pieces.
-  const ScheduleShape shape =
+  ScheduleShape shape =
       schedule_shape(cfg_, model_.num_layers(), static_cast<int>(micro_batches_), zero3_ != nullptr, dp_ != nullptr);
+  shape.mtp = model_.mtp_depths() > 0;
   actions_ = make_schedule(shape, pipeline_, pp_rank_);
   int live = 0;
   slot_ = stash_slots(actions_, shape.micro_batches, &live);

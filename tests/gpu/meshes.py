@@ -28,7 +28,8 @@ replicas, which need ep > 1, must train exactly as without them).
 
 --pipeline: the meshes (pp, dp, cp, ep) of Commands.PipelineMeshesMatchOneRank instead,
 pp = 2 .. --gpus with each schedule of --schedules: the model of
-tests/fixtures/pipeline/config.json (4 experts), made 2 * pp layers deep where DualPipeV
+tests/fixtures/pipeline/config.json (4 experts; --pipeline-config: another of that
+folder's, such as deepseek_v3.json with a multi-token prediction depth), made 2 * pp layers deep where DualPipeV
 needs it (two chunks a rank), from random weights, on that test's 32 x 17 token matrix
 in micro-batches of one sequence (DualPipeV needs 2 * pp micro-batches a replica).
 Prints a table; exits 1 on a mismatch, 2 when a run fails. Everything it starts has
@@ -114,9 +115,9 @@ def write_tokens(repo, folder, pipeline, fixture):
     return path
 
 
-def write_pipeline_config(repo, folder, layers):
-    """The pipeline fixture's config.json, `layers` deep (at least its own 8)."""
-    with open(os.path.join(repo, PIPELINE_CONFIG)) as f:
+def write_pipeline_config(repo, folder, layers, source=PIPELINE_CONFIG):
+    """A pipeline fixture's config.json, `layers` deep (at least its own 8)."""
+    with open(os.path.join(repo, source)) as f:
         c = json.load(f)
     c["num_hidden_layers"] = max(layers, c["num_hidden_layers"])
     path = os.path.join(folder, "config.json")
@@ -241,6 +242,8 @@ def main():
                     help="dp,cp,ep triples or pp,dp,cp,ep quadruples separated by spaces (default: all for --gpus)")
     ap.add_argument("--pipeline", action="store_true",
                     help="pipeline meshes (pp > 1) of the pipeline fixture, with each of --schedules")
+    ap.add_argument("--pipeline-config", default=PIPELINE_CONFIG,
+                    help="with --pipeline: the model's config.json (of tests/fixtures/pipeline)")
     ap.add_argument("--schedules", default="1f1b,dualpipev", help="with --pipeline: schedules, comma-separated")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -283,7 +286,8 @@ def main():
     work = tempfile.mkdtemp(prefix="moetrain_meshes_")
     tokens = write_tokens(args.repo, work, args.pipeline, args.fixture)
     dualpipev = args.pipeline and "dualpipev" in args.schedules.split(",")
-    args.model_config = write_pipeline_config(args.repo, work, 2 * need if dualpipev else 0) if args.pipeline else None
+    args.model_config = (write_pipeline_config(args.repo, work, 2 * need if dualpipev else 0, args.pipeline_config)
+                         if args.pipeline else None)
     if args.fp8_sizes:
         args.model_config = write_fp8_config(args.repo, work, args.model_config or os.path.join(
             "tests/fixtures", args.fixture, "config.json"))
