@@ -35,9 +35,12 @@ std::vector<OpCase> table() {
   add(rmsnorm_case(1, 5, 1e-6f));
   add(rmsnorm_case(9, 131, 1e-5f));
   add(rmsnorm_case(4, 6, 1e-6f, true));
+  // Zero-centred weights (Qwen3.5): w near 0, the offset 1 added in the kernel.
+  add(rmsnorm_case(3, 7, 1e-6f, true, 1.0f));
   // rmsnorm_rope: several heads and batches, a partial rotation, odd positions.
   add(rmsnorm_rope_case(2, 3, 8, 8, {0, 1, 2}));
   add(rmsnorm_rope_case(1, 2, 12, 8, {7, 3, 11, 0}));
+  add(rmsnorm_rope_case(1, 2, 12, 4, {5, 0, 9}, 1.0f));
 
   // cross-entropy: ignored labels, one row, a vocabulary that is not a multiple of 8.
   add(cross_entropy_case(12, 37, 3));

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <string>
+#include <tuple>
 
 #include "gpu/gpu_test.h"
 #include "kernels/cuda/runtime.h"
@@ -277,6 +279,58 @@ TEST(CudaRope, TablesForwardAndBackwardMatchCpu) {
 // in their order, so y, rstd, dx and dw are equal bit for bit. Qwen3's heads (Dh 128,
 // rows over several dw chunks that are not whole row groups), a head of 64, and a
 // partial rotation (the two ops' path).
+// Zero-centred weights (w_offset 1): every path (16-byte rows, the narrow one, f32, the
+// fused per-head norm and rotation) gives the bits of plain weights w + 1 made in f32 on
+// the host, forward and backward, the weight gradient included.
+TEST(CudaRmsnorm, ZeroCentredWeightsEqualTheShiftedWeights) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 4100;
+  for (auto [n, d, act] : {std::tuple{37, 2048, DType::bf16}, {9, 131, DType::bf16}, {9, 131, DType::f32}}) {
+    SCOPED_TRACE("N=" + std::to_string(n) + " D=" + std::to_string(d));
+    const std::vector<float> w = random_floats(d, -0.5f, 0.5f, ++seed);
+    std::vector<float> shifted(w);
+    for (float& v : shifted) v += 1.0f;
+    auto x = upload(random_floats(n * d, -2, 2, ++seed), act, {n, d});
+    auto dy = upload(random_floats(n * d, -1, 1, ++seed), act, {n, d});
+    auto d_w = upload(w, DType::f32, {d}), d_s = upload(shifted, DType::f32, {d});
+    auto y1 = poisoned(act, {n, d}), r1 = poisoned(DType::f32, {n}), y2 = poisoned(act, {n, d}),
+         r2 = poisoned(DType::f32, {n});
+    cuda::rmsnorm_forward(x.t, d_s.t, 1e-6f, y1.t, r1.t);
+    cuda::rmsnorm_forward(x.t, d_w.t, 1e-6f, y2.t, r2.t, 1.0f);
+    EXPECT_TRUE(near("y", download(y2.t), download(y1.t), Tol{}));
+    auto dx1 = poisoned(act, {n, d}), dx2 = poisoned(act, {n, d});
+    auto dw1 = upload(std::vector<float>(d, 0.0f), DType::f32, {d}), dw2 = upload(std::vector<float>(d, 0.0f), DType::f32, {d});
+    cuda::rmsnorm_backward(x.t, d_s.t, r1.t, dy.t, dx1.t, dw1.t);
+    cuda::rmsnorm_backward(x.t, d_w.t, r1.t, dy.t, dx2.t, dw2.t, Tensor(), 1.0f);
+    EXPECT_TRUE(near("dx", download(dx2.t), download(dx1.t), Tol{}));
+    EXPECT_TRUE(near("dw", download(dw2.t), download(dw1.t), Tol{}));
+  }
+  const int64_t b = 2, t = 33, h = 4, dh = 128, n = b * t * h;
+  const Shape s{b, t, h, dh};
+  std::vector<int32_t> pos(t);
+  for (int64_t i = 0; i < t; ++i) pos[i] = static_cast<int32_t>(i);
+  auto d_pos = upload(pos, {t});
+  auto d_cos = poisoned(DType::f32, {t, dh / 2}), d_sin = poisoned(DType::f32, {t, dh / 2});
+  cuda::rope_tables(cpu::rope_freqs(rope_config(dh, false)), d_pos.t, d_cos.t, d_sin.t);
+  const std::vector<float> w = random_floats(dh, -0.5f, 0.5f, ++seed);
+  std::vector<float> shifted(w);
+  for (float& v : shifted) v += 1.0f;
+  auto d_w = upload(w, DType::f32, {dh}), d_s = upload(shifted, DType::f32, {dh});
+  auto x = upload(random_floats(s.numel(), -2, 2, ++seed), DType::bf16, s);
+  auto dy = upload(random_floats(s.numel(), -1, 1, ++seed), DType::bf16, s);
+  auto y1 = poisoned(DType::bf16, s), r1 = poisoned(DType::f32, {n}), y2 = poisoned(DType::bf16, s),
+       r2 = poisoned(DType::f32, {n});
+  cuda::rmsnorm_rope_forward(x.t, d_s.t, 1e-6f, d_cos.t, d_sin.t, y1.t, r1.t);
+  cuda::rmsnorm_rope_forward(x.t, d_w.t, 1e-6f, d_cos.t, d_sin.t, y2.t, r2.t, 1.0f);
+  EXPECT_TRUE(near("rope y", download(y2.t), download(y1.t), Tol{}));
+  auto dx1 = poisoned(DType::bf16, s), dx2 = poisoned(DType::bf16, s);
+  auto dw1 = upload(std::vector<float>(dh, 0.0f), DType::f32, {dh}), dw2 = upload(std::vector<float>(dh, 0.0f), DType::f32, {dh});
+  cuda::rmsnorm_rope_backward(x.t, d_s.t, r1.t, d_cos.t, d_sin.t, dy.t, dx1.t, dw1.t);
+  cuda::rmsnorm_rope_backward(x.t, d_w.t, r1.t, d_cos.t, d_sin.t, dy.t, dx2.t, dw2.t, 1.0f);
+  EXPECT_TRUE(near("rope dx", download(dx2.t), download(dx1.t), Tol{}));
+  EXPECT_TRUE(near("rope dw", download(dw2.t), download(dw1.t), Tol{}));
+}
+
 TEST(CudaRmsnormRope, FusedEqualsTheTwoOps) {
   MT_SKIP_WITHOUT_GPU();
   uint64_t seed = 3500;

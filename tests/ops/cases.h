@@ -12,12 +12,13 @@ OpCase gemm_case(int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, fl
 // embedding.cpp: vocabulary V, width D, N tokens (ids repeat).
 OpCase embedding_case(int64_t vocab, int64_t dim, int64_t tokens);
 // rmsnorm.cpp; with_residual: x also passes on unchanged (a skip output), whose gradient
-// the backward adds to dx through its residual argument.
-OpCase rmsnorm_case(int64_t rows, int64_t dim, float eps, bool with_residual = false);
+// the backward adds to dx through its residual argument; w_offset: zero-centred weights
+// (y = x rstd (w + w_offset)).
+OpCase rmsnorm_case(int64_t rows, int64_t dim, float eps, bool with_residual = false, float w_offset = 0.0f);
 // rmsnorm.cpp: x [B,T,H,Dh] normed per head, then rotated (halves; the first rotary_dim
 // dims, theta 1e6 as Qwen3's) at the given positions.
 OpCase rmsnorm_rope_case(int64_t batch, int64_t heads, int64_t dim, int64_t rotary_dim,
-                         const std::vector<int32_t>& positions);
+                         const std::vector<int32_t>& positions, float w_offset = 0.0f);
 // cross_entropy.cpp: `ignored` of the N labels are the ignore index.
 OpCase cross_entropy_case(int64_t rows, int64_t vocab, int64_t ignored);
 // adamw.cpp: one update at 1-based step t (no backward: outputs are not differentiable).

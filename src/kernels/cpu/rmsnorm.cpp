@@ -7,7 +7,7 @@
 
 namespace mt::cpu {
 
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd) {
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd, float wo) {
   MT_CHECK(x.ndim() == 2) << "rmsnorm input should be [N,D], got " << x.str();
   int64_t n = x.dim(0), d = x.dim(1);
   check_tensor(x, "rmsnorm x", DType::f32, {n, d});
@@ -25,12 +25,12 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& 
     for (int64_t j = 0; j < d; ++j) ss += xi[j] * xi[j];
     float r = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
     rp[i] = r;
-    for (int64_t j = 0; j < d; ++j) yp[i * d + j] = xi[j] * r * wp[j];
+    for (int64_t j = 0; j < d; ++j) yp[i * d + j] = xi[j] * r * (wp[j] + wo);
   }
 }
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
-                      const Tensor& dw, const Tensor& residual) {
+                      const Tensor& dw, const Tensor& residual, float wo) {
   MT_CHECK(x.ndim() == 2) << "rmsnorm input should be [N,D], got " << x.str();
   int64_t n = x.dim(0), d = x.dim(1);
   check_tensor(w, "rmsnorm weight", DType::f32, {d});
@@ -49,11 +49,11 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       float r = rp[i], dot = 0;
-      for (int64_t j = 0; j < d; ++j) dot += wp[j] * g[i * d + j] * xp[i * d + j] * r;
+      for (int64_t j = 0; j < d; ++j) dot += (wp[j] + wo) * g[i * d + j] * xp[i * d + j] * r;
       dot /= static_cast<float>(d);
       for (int64_t j = 0; j < d; ++j) {
         float xhat = xp[i * d + j] * r;
-        out[i * d + j] = r * (wp[j] * g[i * d + j] - xhat * dot);
+        out[i * d + j] = r * ((wp[j] + wo) * g[i * d + j] - xhat * dot);
         if (res != nullptr) out[i * d + j] += res[i * d + j];
       }
     }
@@ -73,17 +73,17 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
 
 // The two ops in turn: on the CPU the normed heads cost no more in memory than in registers.
 void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,
-                          const Tensor& y, const Tensor& rstd) {
+                          const Tensor& y, const Tensor& rstd, float wo) {
   MT_CHECK(x.ndim() == 4 && y.ndim() == 4) << "rmsnorm_rope x and y should be [B,T,H,Dh], got " << x.str() << " and "
                                            << y.str();
   MT_CHECK(x.data != y.data) << "rmsnorm_rope needs y apart from x (the backward reads x)";
   const int64_t rows = x.dim(0) * x.dim(1) * x.dim(2), d = x.dim(3);
-  cpu::rmsnorm_forward(x.view({rows, d}), w, eps, y.view({rows, d}), rstd);
+  cpu::rmsnorm_forward(x.view({rows, d}), w, eps, y.view({rows, d}), rstd, wo);
   cpu::rope_forward(y, cos, sin, false, y);
 }
 
 void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& cos,
-                           const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw) {
+                           const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw, float wo) {
   MT_CHECK(x.ndim() == 4 && dy.ndim() == 4) << "rmsnorm_rope x and dy should be [B,T,H,Dh], got " << x.str()
                                             << " and " << dy.str();
   const int64_t rows = x.dim(0) * x.dim(1) * x.dim(2), d = x.dim(3);
@@ -91,7 +91,8 @@ void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd,
   std::vector<float> normed(static_cast<size_t>(rows * d));  // the gradient of the normed heads
   const Tensor dn(normed.data(), x.shape, DType::f32);
   cpu::rope_backward(dy, cos, sin, false, dn);
-  cpu::rmsnorm_backward(x.view({rows, d}), w, rstd, dn.view({rows, d}), dx.data ? dx.view({rows, d}) : Tensor(), dw);
+  cpu::rmsnorm_backward(x.view({rows, d}), w, rstd, dn.view({rows, d}), dx.data ? dx.view({rows, d}) : Tensor(), dw,
+                        Tensor(), wo);
 }
 
 }  // namespace mt::cpu

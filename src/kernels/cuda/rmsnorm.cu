@@ -18,7 +18,8 @@ constexpr int kRowsPerBlock = 8;  // one warp each
 constexpr int kThreads = 32 * kRowsPerBlock;
 
 // Products grouped as in the CPU backend: the two differ only in the order of the row sums.
-__global__ void rmsnorm_forward_kernel(In x, const float* w, float eps, int64_t n, int64_t d, Out y, float* rstd) {
+__global__ void rmsnorm_forward_kernel(In x, const float* w, float wo, float eps, int64_t n, int64_t d, Out y,
+                                       float* rstd) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -30,24 +31,24 @@ __global__ void rmsnorm_forward_kernel(In x, const float* w, float eps, int64_t 
   }
   const float r = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(d) + eps);
   if (lane == 0) rstd[row] = r;
-  for (int64_t c = lane; c < d; c += 32) y.set(base + c, x[base + c] * r * w[c]);
+  for (int64_t c = lane; c < d; c += 32) y.set(base + c, x[base + c] * r * (w[c] + wo));
 }
 
 // dx = r * (w*dy - xhat * mean(w*dy*xhat)), xhat = x * r.
 // With a residual: dx's value rounded to its dtype (where the separate add would read
 // it), plus the residual.
-__global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy, int64_t n, int64_t d, Out dx,
-                                  In residual) {
+__global__ void rmsnorm_dx_kernel(In x, const float* w, float wo, const float* rstd, In dy, int64_t n, int64_t d,
+                                  Out dx, In residual) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
   const int64_t base = row * d;
   const float r = rstd[row];
   float dot = 0.0f;
-  for (int64_t c = lane; c < d; c += 32) dot += w[c] * dy[base + c] * x[base + c] * r;
+  for (int64_t c = lane; c < d; c += 32) dot += (w[c] + wo) * dy[base + c] * x[base + c] * r;
   dot = warp_sum(dot) / static_cast<float>(d);
   for (int64_t c = lane; c < d; c += 32) {
-    float v = r * (w[c] * dy[base + c] - x[base + c] * r * dot);
+    float v = r * ((w[c] + wo) * dy[base + c] - x[base + c] * r * dot);
     if (residual.p != nullptr) v = (dx.bf16 ? __bfloat162float(__float2bfloat16_rn(v)) : v) + residual[base + c];
     dx.set(base + c, v);
   }
@@ -56,8 +57,8 @@ __global__ void rmsnorm_dx_kernel(In x, const float* w, const float* rstd, In dy
 // bf16 rows whose width is a multiple of 8 (every model's hidden size and head_dim): a
 // lane moves 16 bytes per load and store instead of 2, which these memory-bound passes
 // need to approach the bandwidth. Same arithmetic per element; row sums in another order.
-__global__ void rmsnorm_forward_x8_kernel(const __nv_bfloat16* x, const float* w, float eps, int64_t n, int64_t d,
-                                          __nv_bfloat16* y, float* rstd) {
+__global__ void rmsnorm_forward_x8_kernel(const __nv_bfloat16* x, const float* w, float wo, float eps, int64_t n,
+                                          int64_t d, __nv_bfloat16* y, float* rstd) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -71,12 +72,12 @@ __global__ void rmsnorm_forward_x8_kernel(const __nv_bfloat16* x, const float* w
   if (lane == 0) rstd[row] = r;
   for (int64_t c = 8 * lane; c < d; c += 256) {
     load8(x + base + c, v);
-    for (int i = 0; i < 8; ++i) v[i] = v[i] * r * w[c + i];
+    for (int i = 0; i < 8; ++i) v[i] = v[i] * r * (w[c + i] + wo);
     store8(y + base + c, v);
   }
 }
 
-__global__ void rmsnorm_dx_x8_kernel(const __nv_bfloat16* x, const float* w, const float* rstd,
+__global__ void rmsnorm_dx_x8_kernel(const __nv_bfloat16* x, const float* w, float wo, const float* rstd,
                                      const __nv_bfloat16* dy, int64_t n, int64_t d, __nv_bfloat16* dx,
                                      const __nv_bfloat16* residual) {
   const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
@@ -88,13 +89,13 @@ __global__ void rmsnorm_dx_x8_kernel(const __nv_bfloat16* x, const float* w, con
   for (int64_t c = 8 * lane; c < d; c += 256) {
     load8(x + base + c, xv);
     load8(dy + base + c, gv);
-    for (int i = 0; i < 8; ++i) dot += w[c + i] * gv[i] * xv[i] * r;
+    for (int i = 0; i < 8; ++i) dot += (w[c + i] + wo) * gv[i] * xv[i] * r;
   }
   dot = warp_sum(dot) / static_cast<float>(d);
   for (int64_t c = 8 * lane; c < d; c += 256) {
     load8(x + base + c, xv);
     load8(dy + base + c, gv);
-    for (int i = 0; i < 8; ++i) xv[i] = r * (w[c + i] * gv[i] - xv[i] * r * dot);
+    for (int i = 0; i < 8; ++i) xv[i] = r * ((w[c + i] + wo) * gv[i] - xv[i] * r * dot);
     if (residual != nullptr) {
       load8(residual + base + c, gv);
       for (int i = 0; i < 8; ++i) xv[i] = __bfloat162float(__float2bfloat16_rn(xv[i])) + gv[i];
@@ -199,7 +200,7 @@ __device__ __forceinline__ void round_bf16(float (&v)[8]) {
   for (int i = 0; i < 8; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
 }
 
-__global__ void rmsnorm_rope_forward_kernel(const __nv_bfloat16* x, const float* w, float eps, const float* cos,
+__global__ void rmsnorm_rope_forward_kernel(const __nv_bfloat16* x, const float* w, float wo, float eps, const float* cos,
                                             const float* sin, int64_t n, int d, int64_t t, int64_t heads,
                                             __nv_bfloat16* y, float* rstd) {
   const int lanes = d / 8;
@@ -212,7 +213,7 @@ __global__ void rmsnorm_rope_forward_kernel(const __nv_bfloat16* x, const float*
   for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
   const float r = 1.0f / sqrtf(lanes_sum(ss, lanes) / static_cast<float>(d) + eps);
   if (valid && c == 0) rstd[row] = r;
-  for (int i = 0; i < 8; ++i) v[i] = v[i] * r * w[c + i];
+  for (int i = 0; i < 8; ++i) v[i] = v[i] * r * (w[c + i] + wo);
   round_bf16(v);
   rotate8(v, c, d / 2, lanes, cos, sin, valid ? (row / heads) % t : 0, 1.0f);
   if (valid) store8(y + row * d + c, v);
@@ -221,7 +222,7 @@ __global__ void rmsnorm_rope_forward_kernel(const __nv_bfloat16* x, const float*
 // A block is a chunk of rows, as rmsnorm_dw_partial_x8_kernel splits them: row group g
 // walks rows r0 + g, r0 + g + groups, ...; per row, dx as rmsnorm_dx_x8_kernel computes it
 // from the unrotated gradient, and dw's partial sums as the partial kernel adds them.
-__global__ void rmsnorm_rope_backward_kernel(const __nv_bfloat16* x, const float* w, const float* rstd,
+__global__ void rmsnorm_rope_backward_kernel(const __nv_bfloat16* x, const float* w, float wo, const float* rstd,
                                              const float* cos, const float* sin, const __nv_bfloat16* dy, int64_t n,
                                              int d, int64_t t, int64_t heads, int64_t rows_per_chunk,
                                              __nv_bfloat16* dx, float* partial) {
@@ -242,11 +243,11 @@ __global__ void rmsnorm_rope_backward_kernel(const __nv_bfloat16* x, const float
     round_bf16(gv);
     const float r = valid ? rstd[row] : 0.0f;
     float dot = 0.0f;
-    for (int i = 0; i < 8; ++i) dot += w[c + i] * gv[i] * xv[i] * r;
+    for (int i = 0; i < 8; ++i) dot += (w[c + i] + wo) * gv[i] * xv[i] * r;
     dot = lanes_sum(dot, lanes) / static_cast<float>(d);
     if (!valid) continue;
     for (int i = 0; i < 8; ++i) acc[i] += gv[i] * xv[i] * r;
-    for (int i = 0; i < 8; ++i) xv[i] = r * (w[c + i] * gv[i] - xv[i] * r * dot);
+    for (int i = 0; i < 8; ++i) xv[i] = r * ((w[c + i] + wo) * gv[i] - xv[i] * r * dot);
     store8(dx + row * d + c, xv);
   }
   group_sums_to_partial(acc, sums, g, groups, c, d, partial);
@@ -271,7 +272,7 @@ void check_heads(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 
 }  // namespace
 
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd) {
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& y, const Tensor& rstd, float wo) {
   MT_CHECK(x.ndim() == 2) << "rmsnorm input should be [N,D], got " << x.str();
   const int64_t n = x.dim(0), d = x.dim(1);
   check_arg(x, "rmsnorm x", {DType::bf16, DType::f32}, {n, d});
@@ -280,16 +281,16 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& 
   check_arg(rstd, "rmsnorm rstd", {DType::f32}, {n});
   if (n == 0) return;
   if (x8(d, {&x, &y}))
-    rmsnorm_forward_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(bf16_data(x), w.f32(), eps, n, d,
-                                                                                       bf16_data(y), rstd.f32());
+    rmsnorm_forward_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(bf16_data(x), w.f32(), wo, eps, n,
+                                                                                       d, bf16_data(y), rstd.f32());
   else
-    rmsnorm_forward_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), eps, n, d,
-                                                                                     as_out(y), rstd.f32());
+    rmsnorm_forward_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(as_in(x), w.f32(), wo, eps, n,
+                                                                                     d, as_out(y), rstd.f32());
   CUDA_CHECK_LAUNCH();
 }
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
-                      const Tensor& dw, const Tensor& residual) {
+                      const Tensor& dw, const Tensor& residual, float wo) {
   MT_CHECK(x.ndim() == 2) << "rmsnorm input should be [N,D], got " << x.str();
   const int64_t n = x.dim(0), d = x.dim(1);
   check_arg(x, "rmsnorm x", {DType::bf16, DType::f32}, {n, d});
@@ -303,10 +304,12 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
     if (n > 0) {
       if (x8(d, {&x, &dy, &dx}) && (!res || aligned16(residual.data)))
         rmsnorm_dx_x8_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(
-            bf16_data(x), w.f32(), rstd.f32(), bf16_data(dy), n, d, bf16_data(dx), res ? bf16_data(residual) : nullptr);
+            bf16_data(x), w.f32(), wo, rstd.f32(), bf16_data(dy), n, d, bf16_data(dx),
+            res ? bf16_data(residual) : nullptr);
       else
         rmsnorm_dx_kernel<<<blocks_for(n, kRowsPerBlock), kThreads, 0, stream()>>>(
-            as_in(x), w.f32(), rstd.f32(), as_in(dy), n, d, as_out(dx), In{residual.data, res && residual.dtype == DType::bf16});
+            as_in(x), w.f32(), wo, rstd.f32(), as_in(dy), n, d, as_out(dx),
+            In{residual.data, res && residual.dtype == DType::bf16});
       CUDA_CHECK_LAUNCH();
     }
   }
@@ -333,12 +336,12 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
 }
 
 void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Tensor& cos, const Tensor& sin,
-                          const Tensor& y, const Tensor& rstd) {
+                          const Tensor& y, const Tensor& rstd, float wo) {
   check_heads(x, cos, sin);
   MT_CHECK(x.data != y.data) << "rmsnorm_rope needs y apart from x (the backward reads x)";
   const int64_t t = x.dim(1), h = x.dim(2), d = x.dim(3), n = x.dim(0) * t * h;
   if (!fused_heads(x, cos, {&x, &y})) {
-    cuda::rmsnorm_forward(x.view({n, d}), w, eps, y.view({n, d}), rstd);
+    cuda::rmsnorm_forward(x.view({n, d}), w, eps, y.view({n, d}), rstd, wo);
     return cuda::rope_forward(y, cos, sin, false, y);
   }
   check_arg(w, "rmsnorm_rope weight", {DType::f32}, {d});
@@ -346,12 +349,12 @@ void rmsnorm_rope_forward(const Tensor& x, const Tensor& w, float eps, const Ten
   check_arg(rstd, "rmsnorm_rope rstd", {DType::f32}, {n});
   if (n == 0) return;
   rmsnorm_rope_forward_kernel<<<blocks_for(n * (d / 8), kThreads), kThreads, 0, stream()>>>(
-      bf16_data(x), w.f32(), eps, cos.f32(), sin.f32(), n, static_cast<int>(d), t, h, bf16_data(y), rstd.f32());
+      bf16_data(x), w.f32(), wo, eps, cos.f32(), sin.f32(), n, static_cast<int>(d), t, h, bf16_data(y), rstd.f32());
   CUDA_CHECK_LAUNCH();
 }
 
 void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& cos,
-                           const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw) {
+                           const Tensor& sin, const Tensor& dy, const Tensor& dx, const Tensor& dw, float wo) {
   check_heads(x, cos, sin);
   const int64_t t = x.dim(1), h = x.dim(2), d = x.dim(3), n = x.dim(0) * t * h;
   check_arg(dy, "rmsnorm_rope dy", {DType::bf16, DType::f32}, x.shape);
@@ -360,7 +363,8 @@ void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd,
     void* p = stream_alloc(static_cast<size_t>(n * d) * dtype_size(dy.dtype));
     const Tensor dn(p, x.shape, dy.dtype, Device::cuda);
     cuda::rope_backward(dy, cos, sin, false, dn);
-    cuda::rmsnorm_backward(x.view({n, d}), w, rstd, dn.view({n, d}), dx.data ? dx.view({n, d}) : Tensor(), dw);
+    cuda::rmsnorm_backward(x.view({n, d}), w, rstd, dn.view({n, d}), dx.data ? dx.view({n, d}) : Tensor(), dw,
+                           Tensor(), wo);
     return stream_free(p);
   }
   check_arg(w, "rmsnorm_rope weight", {DType::f32}, {d});
@@ -371,7 +375,7 @@ void rmsnorm_rope_backward(const Tensor& x, const Tensor& w, const Tensor& rstd,
   const int64_t rows_per_chunk = dw_rows_per_chunk(n, d), chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
   float* partial = static_cast<float*>(scratch(sizeof(float) * chunks * d));
   rmsnorm_rope_backward_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(
-      bf16_data(x), w.f32(), rstd.f32(), cos.f32(), sin.f32(), bf16_data(dy), n, static_cast<int>(d), t, h,
+      bf16_data(x), w.f32(), wo, rstd.f32(), cos.f32(), sin.f32(), bf16_data(dy), n, static_cast<int>(d), t, h,
       rows_per_chunk, bf16_data(dx), partial);
   CUDA_CHECK_LAUNCH();
   rmsnorm_dw_sum_kernel<<<blocks_for(d, 32), kThreads, 0, stream()>>>(partial, chunks, d, dw.f32());
