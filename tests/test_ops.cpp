@@ -12,6 +12,7 @@
 #include "kernels/adamw.h"
 #include "kernels/grouped_gemm.h"
 #include "ops/cases.h"
+#include "ops/gated_delta.h"
 
 namespace mt::test {
 namespace {
@@ -174,6 +175,15 @@ std::vector<OpCase> table() {
   add(attention_case({.tq = 13, .tk = 13, .hq = 6, .hkv = 2, .dim = 12, .window = 3, .sinks = true, .dim_v = 5}));
   add(attention_case({.tq = 7, .tk = 5, .hq = 2, .hkv = 1, .dim = 8, .sinks = true, .k_offset = 4, .dim_v = 3}));
   add(attention_case({.tq = 5, .tk = 7, .hq = 4, .hkv = 1, .dim = 4, .window = 4, .q_offset = 7, .dim_v = 9}));
+
+  // gated delta rule: one token, T a multiple of the chunk and not, the default chunk of
+  // 64 with T above it, with and without the initial and final states.
+  add(gated_delta_case({.dk = 4, .dv = 3, .chunk = 4}));
+  add(gated_delta_case({.batch = 2, .tokens = 5, .heads = 2, .dk = 4, .dv = 3, .chunk = 4, .initial_state = true}));
+  add(gated_delta_case({.tokens = 16, .heads = 3, .dk = 5, .dv = 4, .chunk = 4, .final_state = true}));
+  add(gated_delta_case({.batch = 2, .tokens = 37, .heads = 2, .dk = 8, .dv = 6, .chunk = 16, .initial_state = true,
+                        .final_state = true}));
+  add(gated_delta_case({.tokens = 70, .heads = 2, .dk = 6, .dv = 5, .initial_state = true, .final_state = true}));
   return t;
 }
 
