@@ -96,6 +96,11 @@ std::vector<OpCase> table() {
   add(clamped_swiglu_case(1, 3, 7.0f, 1.702f));
   add(clamped_swiglu_case(17, 45, 7.0f, 1.702f));
   add(clamped_swiglu_case(5, 9, 1.5f, 0.5f));
+  // sigmoid gates: elementwise (Qwen3.5's attention output), a gate a row (its shared
+  // expert), one column.
+  add(sigmoid_gate_case(3, 7, false));
+  add(sigmoid_gate_case(5, 9, true));
+  add(sigmoid_gate_case(4, 1, true));
 
   // router: k = 1 and k = E, renormalised and not, scale != 1, DeepSeek groups (with
   // just enough eligible experts, too), GPT-OSS scoring, with and without dprobs.

@@ -1,4 +1,5 @@
-// Gated activations of the expert and dense MLPs.
+// Gated activations of the expert and dense MLPs, and sigmoid gates (Qwen3.5's attention
+// output gate and its shared expert's gate).
 #pragma once
 
 #include "core/tensor.h"
@@ -16,6 +17,12 @@ void swiglu_backward(const Tensor& gu, const Tensor& dh, const Tensor& dgu);
 void clamped_swiglu_forward(const Tensor& gu, float limit, float alpha, const Tensor& h);
 void clamped_swiglu_backward(const Tensor& gu, float limit, float alpha, const Tensor& dh, const Tensor& dgu);
 
+// out = v * sigmoid(s), v and out f32 [N, C]: s [N, C] gates each element, or [N, 1]
+// each row. The backward: dv = sigmoid(s) * dout (dv may be dout) and ds = dout * v *
+// sigmoid(s) (1 - sigmoid(s)), summed over the row's columns in order for a row gate.
+void sigmoid_gate_forward(const Tensor& v, const Tensor& s, const Tensor& out);
+void sigmoid_gate_backward(const Tensor& v, const Tensor& s, const Tensor& dout, const Tensor& dv, const Tensor& ds);
+
 }  // namespace mt::cpu
 
 namespace mt::cuda {
@@ -25,6 +32,10 @@ void swiglu_forward(const Tensor& gu, const Tensor& h);
 void swiglu_backward(const Tensor& gu, const Tensor& dh, const Tensor& dgu);
 void clamped_swiglu_forward(const Tensor& gu, float limit, float alpha, const Tensor& h);
 void clamped_swiglu_backward(const Tensor& gu, float limit, float alpha, const Tensor& dh, const Tensor& dgu);
+// Any of them f32 or bf16; a row gate's sum over a warp's lanes (in another order than
+// the CPU's).
+void sigmoid_gate_forward(const Tensor& v, const Tensor& s, const Tensor& out);
+void sigmoid_gate_backward(const Tensor& v, const Tensor& s, const Tensor& dout, const Tensor& dv, const Tensor& ds);
 
 }  // namespace mt::cuda
 
@@ -44,6 +55,15 @@ inline void clamped_swiglu_forward(const Tensor& gu, float limit, float alpha, c
 
 inline void clamped_swiglu_backward(const Tensor& gu, float limit, float alpha, const Tensor& dh, const Tensor& dgu) {
   return MT_BACKEND(dgu.device == Device::cuda, clamped_swiglu_backward(gu, limit, alpha, dh, dgu));
+}
+
+inline void sigmoid_gate_forward(const Tensor& v, const Tensor& s, const Tensor& out) {
+  return MT_BACKEND(out.device == Device::cuda, sigmoid_gate_forward(v, s, out));
+}
+
+inline void sigmoid_gate_backward(const Tensor& v, const Tensor& s, const Tensor& dout, const Tensor& dv,
+                                  const Tensor& ds) {
+  return MT_BACKEND(dv.device == Device::cuda, sigmoid_gate_backward(v, s, dout, dv, ds));
 }
 
 }  // namespace mt

@@ -442,6 +442,43 @@ TEST(CudaSwiglu, ForwardAndBackwardMatchCpu) {
   }
 }
 
+// Sigmoid gates against the CPU: elementwise, a gate a row (warp sums), one column; bf16
+// and f32. The forward and dv are a sigmoid and a product (expf within 2 ulp of glibc's):
+// 16 2^-24 relative, then the storage rounding; a row gate's ds sums C terms in another
+// order: (C + 16) 2^-24 of the sum of their sizes.
+TEST(CudaSigmoidGate, MatchesCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 4200;
+  for (auto [n, c, row_gate, act] : {std::tuple{300, 512, false, DType::bf16}, {64, 2048, true, DType::bf16},
+                                     {7, 33, true, DType::f32}, {9, 1, true, DType::f32}, {5, 13, false, DType::f32}}) {
+    SCOPED_TRACE("N=" + std::to_string(n) + " C=" + std::to_string(c) + (row_gate ? " row" : ""));
+    const int64_t gc = row_gate ? 1 : c;
+    auto v = random_floats(n * c, -2, 2, ++seed), s = random_floats(n * gc, -4, 4, ++seed),
+         d = random_floats(n * c, -1, 1, ++seed);
+    if (act == DType::bf16) {
+      v = round_bf16(v);
+      s = round_bf16(s);
+      d = round_bf16(d);
+    }
+    std::vector<float> want(n * c), want_dv(n * c), want_ds(n * gc);
+    cpu::sigmoid_gate_forward(host(v, {n, c}), host(s, {n, gc}), host(want, {n, c}));
+    cpu::sigmoid_gate_backward(host(v, {n, c}), host(s, {n, gc}), host(d, {n, c}), host(want_dv, {n, c}),
+                               host(want_ds, {n, gc}));
+    auto d_v = upload(v, act, {n, c}), d_s = upload(s, act, {n, gc}), d_d = upload(d, act, {n, c});
+    auto out = poisoned(act, {n, c}), dv = poisoned(act, {n, c}), ds = poisoned(act, {n, gc});
+    cuda::sigmoid_gate_forward(d_v.t, d_s.t, out.t);
+    cuda::sigmoid_gate_backward(d_v.t, d_s.t, d_d.t, dv.t, ds.t);
+    const double round = act == DType::bf16 ? kBf16Round : 0.0;
+    EXPECT_TRUE(near("out", download(out.t), want, Tol{round + 16 * kF32Round}));
+    EXPECT_TRUE(near("dv", download(dv.t), want_dv, Tol{round + 16 * kF32Round}));
+    std::vector<float> bound(n * gc, 0.0f);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < c; ++j) bound[r * gc + (row_gate ? 0 : j)] += std::fabs(d[r * c + j] * v[r * c + j]) / 4;
+    for (float& b : bound) b = static_cast<float>(b * (c + 16) * kF32Round);
+    EXPECT_TRUE(near("ds", download(ds.t), want_ds, Tol{round, 0, bound}));
+  }
+}
+
 // The load-balance statistics summed on the device, and the backward fed one dprobs row
 // for every token, against the CPU (which test_ops checks against float64 and full rows).
 TEST(CudaRouter, ProbSumsAndOneRowDprobsMatchCpu) {

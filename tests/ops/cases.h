@@ -39,6 +39,8 @@ OpCase grouped_gemm_case(const std::vector<int32_t>& counts, int64_t k, int64_t 
 // swiglu.cpp: gate/up halves [N,2I] -> [N,I]; the GPT-OSS variant interleaves and clamps.
 OpCase swiglu_case(int64_t rows, int64_t inter);
 OpCase clamped_swiglu_case(int64_t rows, int64_t inter, float limit, float alpha);
+// swiglu.cpp: v [N,C] times sigmoid(s), s [N,C] (elementwise) or [N,1] (a gate a row).
+OpCase sigmoid_gate_case(int64_t rows, int64_t cols, bool row_gate);
 // router.cpp: one routing setup on random logits [rows, experts]. gpt_oss: top-k of the
 // logits, then softmax over the k; sigmoid: DeepSeek-V3's sigmoid scores, groups ranked by
 // their two best; otherwise softmax, then top-k (DeepSeek-V2 groups when n_group > 1).

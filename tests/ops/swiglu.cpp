@@ -92,4 +92,34 @@ TEST(ClampedSwiglu, GradientAtClampBoundaries) {
 
 }  // namespace
 
+OpCase sigmoid_gate_case(int64_t rows, int64_t cols, bool row_gate) {
+  std::ostringstream name;
+  name << "sigmoid_gate N=" << rows << " C=" << cols << (row_gate ? " row" : "");
+  const int64_t gc = row_gate ? 1 : cols;
+  OpCase c;
+  c.name = name.str();
+  c.inputs = {{"v", {rows, cols}, -2.0, 2.0}, {"s", {rows, gc}, -4.0, 4.0}};
+  c.outputs = {{"out"}};
+  c.reference = [=](const Vecs& in) {
+    Vec out(rows * cols);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j)
+        out[r * cols + j] = in[0][r * cols + j] / (1.0 + std::exp(-in[1][r * gc + (row_gate ? 0 : j)]));
+    return Vecs{out};
+  };
+  c.forward = [=](const Vecs& in) {
+    auto v = HostTensor::f32({rows, cols}, in[0]), s = HostTensor::f32({rows, gc}, in[1]);
+    auto out = HostTensor::zeros({rows, cols});
+    cpu::sigmoid_gate_forward(v.t, s.t, out.t);
+    return Vecs{out.vec()};
+  };
+  c.backward = [=](const Vecs& in, const Vecs& dout) {
+    auto v = HostTensor::f32({rows, cols}, in[0]), s = HostTensor::f32({rows, gc}, in[1]);
+    auto d = HostTensor::f32({rows, cols}, dout[0]), ds = HostTensor::zeros({rows, gc});
+    cpu::sigmoid_gate_backward(v.t, s.t, d.t, d.t, ds.t);  // dv in place of dout
+    return Vecs{d.vec(), ds.vec()};
+  };
+  return c;
+}
+
 }  // namespace mt::test

@@ -95,4 +95,45 @@ void clamped_swiglu_backward(const Tensor& gu, float limit, float alpha, const T
   }
 }
 
+// v [N, C]; s [N, C] or [N, 1]: returns s's columns.
+static int64_t check_sigmoid_gate(const Tensor& v, const Tensor& s) {
+  MT_CHECK(v.ndim() == 2) << "sigmoid_gate v should be [N,C], got " << v.str();
+  check_tensor(v, "sigmoid_gate v", DType::f32, v.shape);
+  MT_CHECK(s.ndim() == 2 && s.dim(0) == v.dim(0) && (s.dim(1) == v.dim(1) || s.dim(1) == 1))
+      << "sigmoid_gate s should be [N,C] or [N,1] for v " << v.str() << ", got " << s.str();
+  check_tensor(s, "sigmoid_gate s", DType::f32, s.shape);
+  return s.dim(1);
+}
+
+void sigmoid_gate_forward(const Tensor& v, const Tensor& s, const Tensor& out) {
+  const int64_t gc = check_sigmoid_gate(v, s), n = v.dim(0), c = v.dim(1);
+  check_tensor(out, "sigmoid_gate out", DType::f32, v.shape);
+  const float *vp = v.f32(), *sp = s.f32();
+  float* o = out.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < c; ++j) o[r * c + j] = vp[r * c + j] * sigmoid(sp[r * gc + (gc == 1 ? 0 : j)]);
+}
+
+void sigmoid_gate_backward(const Tensor& v, const Tensor& s, const Tensor& dout, const Tensor& dv, const Tensor& ds) {
+  const int64_t gc = check_sigmoid_gate(v, s), n = v.dim(0), c = v.dim(1);
+  check_tensor(dout, "sigmoid_gate dout", DType::f32, v.shape);
+  check_tensor(dv, "sigmoid_gate dv", DType::f32, v.shape);
+  check_tensor(ds, "sigmoid_gate ds", DType::f32, s.shape);
+  const float *vp = v.f32(), *sp = s.f32(), *g = dout.f32();
+  float *dvp = dv.f32(), *dsp = ds.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    float row = 0.0f;
+    for (int64_t j = 0; j < c; ++j) {
+      const float sg = sigmoid(sp[r * gc + (gc == 1 ? 0 : j)]), d = g[r * c + j];
+      const float d_s = d * vp[r * c + j] * sg * (1.0f - sg);
+      if (gc == 1) row += d_s;
+      else dsp[r * c + j] = d_s;
+      dvp[r * c + j] = sg * d;  // after dout's read: dv may be dout
+    }
+    if (gc == 1) dsp[r] = row;
+  }
+}
+
 }  // namespace mt::cpu

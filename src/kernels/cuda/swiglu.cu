@@ -107,6 +107,44 @@ int64_t check_gated(const char* op, const Tensor& gu, const Tensor& half, const 
 
 unsigned grid_for(int64_t n) { return std::min<unsigned>(blocks_for(n, kThreads), 32u * sm_count()); }
 
+// Elementwise gates: one thread an element. Row gates: a warp a row, its lanes' sums
+// reduced by warp_sum.
+__global__ void sigmoid_gate_forward_kernel(In v, In s, int64_t n, int64_t c, bool row_gate, Out out) {
+  MT_GRID_STRIDE(idx, n * c) out.set(idx, v[idx] * sigmoid(s[row_gate ? idx / c : idx]));
+}
+
+__global__ void sigmoid_gate_backward_kernel(In v, In s, In dout, int64_t n, int64_t c, Out dv, Out ds) {
+  MT_GRID_STRIDE(idx, n * c) {
+    const float sg = sigmoid(s[idx]), d = dout[idx];
+    ds.set(idx, d * v[idx] * sg * (1.0f - sg));
+    dv.set(idx, sg * d);
+  }
+}
+
+__global__ void sigmoid_gate_backward_rows_kernel(In v, In s, In dout, int64_t n, int64_t c, Out dv, Out ds) {
+  const int64_t row = (blockIdx.x * int64_t{kThreads} + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const float sg = sigmoid(s[row]);
+  float sum = 0.0f;
+  for (int64_t j = lane; j < c; j += 32) {
+    const float d = dout[row * c + j];
+    sum += d * v[row * c + j] * sg * (1.0f - sg);
+    dv.set(row * c + j, sg * d);
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) ds.set(row, sum);
+}
+
+int64_t check_sigmoid_gate(const Tensor& v, const Tensor& s) {
+  MT_CHECK(v.ndim() == 2) << "sigmoid_gate v should be [N,C], got " << v.str();
+  check_arg(v, "sigmoid_gate v", {DType::bf16, DType::f32}, v.shape);
+  MT_CHECK(s.ndim() == 2 && s.dim(0) == v.dim(0) && (s.dim(1) == v.dim(1) || s.dim(1) == 1))
+      << "sigmoid_gate s should be [N,C] or [N,1] for v " << v.str() << ", got " << s.str();
+  check_arg(s, "sigmoid_gate s", {DType::bf16, DType::f32}, s.shape);
+  return s.dim(1);
+}
+
 }  // namespace
 
 void swiglu_forward(const Tensor& gu, const Tensor& h) {
@@ -145,6 +183,30 @@ void clamped_swiglu_backward(const Tensor& gu, float limit, float alpha, const T
   if (n * i == 0) return;
   clamped_swiglu_backward_kernel<<<grid_for(n * i), kThreads, 0, stream()>>>(as_in(gu), limit, alpha, as_in(dh), n,
                                                                               i, as_out(dgu));
+  CUDA_CHECK_LAUNCH();
+}
+
+void sigmoid_gate_forward(const Tensor& v, const Tensor& s, const Tensor& out) {
+  const int64_t gc = check_sigmoid_gate(v, s), n = v.dim(0), c = v.dim(1);
+  check_arg(out, "sigmoid_gate out", {DType::bf16, DType::f32}, v.shape);
+  if (n * c == 0) return;
+  sigmoid_gate_forward_kernel<<<grid_for(n * c), kThreads, 0, stream()>>>(as_in(v), as_in(s), n, c, gc == 1 && c > 1,
+                                                                          as_out(out));
+  CUDA_CHECK_LAUNCH();
+}
+
+void sigmoid_gate_backward(const Tensor& v, const Tensor& s, const Tensor& dout, const Tensor& dv, const Tensor& ds) {
+  const int64_t gc = check_sigmoid_gate(v, s), n = v.dim(0), c = v.dim(1);
+  check_arg(dout, "sigmoid_gate dout", {DType::bf16, DType::f32}, v.shape);
+  check_arg(dv, "sigmoid_gate dv", {DType::bf16, DType::f32}, v.shape);
+  check_arg(ds, "sigmoid_gate ds", {DType::bf16, DType::f32}, s.shape);
+  if (n * c == 0) return;
+  if (gc == 1 && c > 1)
+    sigmoid_gate_backward_rows_kernel<<<blocks_for(n * 32, kThreads), kThreads, 0, stream()>>>(
+        as_in(v), as_in(s), as_in(dout), n, c, as_out(dv), as_out(ds));
+  else
+    sigmoid_gate_backward_kernel<<<grid_for(n * c), kThreads, 0, stream()>>>(as_in(v), as_in(s), as_in(dout), n, c,
+                                                                             as_out(dv), as_out(ds));
   CUDA_CHECK_LAUNCH();
 }
 
