@@ -12,7 +12,6 @@
 #include "kernels/adamw.h"
 #include "kernels/grouped_gemm.h"
 #include "ops/cases.h"
-#include "ops/gated_delta.h"
 
 namespace mt::test {
 namespace {

@@ -41,6 +41,15 @@ OpCase swiglu_case(int64_t rows, int64_t inter);
 OpCase clamped_swiglu_case(int64_t rows, int64_t inter, float limit, float alpha);
 // swiglu.cpp: v [N,C] times sigmoid(s), s [N,C] (elementwise) or [N,1] (a gate a row).
 OpCase sigmoid_gate_case(int64_t rows, int64_t cols, bool row_gate);
+// gated_delta.cpp: the gated delta rule, chunked, against the float64 step-by-step
+// recurrence. q [B,T,H,Dk], k with |k| <= 1 (what L2-normalised keys satisfy), v
+// [B,T,H,Dv], g in [-2, -0.01], beta in [0.05, 0.95]; initial_state: S_0 is an input;
+// final_state: S_T is an output (so the backward takes its gradient).
+struct GatedDeltaSpec {
+  int64_t batch = 1, tokens = 1, heads = 1, dk = 4, dv = 3, chunk = 64;
+  bool initial_state = false, final_state = false;
+};
+OpCase gated_delta_case(const GatedDeltaSpec& s);
 // router.cpp: one routing setup on random logits [rows, experts]. gpt_oss: top-k of the
 // logits, then softmax over the k; sigmoid: DeepSeek-V3's sigmoid scores, groups ranked by
 // their two best; otherwise softmax, then top-k (DeepSeek-V2 groups when n_group > 1).

@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "kernels/gated_delta.h"
-#include "ops/gated_delta.h"
+#include "ops/cases.h"
 
 namespace mt::test {
 
