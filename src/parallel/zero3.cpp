@@ -213,7 +213,9 @@ void Zero3::materialize() {
   Arena count = Arena::counting("zero3 weights (host)", Device::cpu);
   for (const Param& p : params_)
     if (is_layer(p)) count.alloc(DType::f32, p.value.shape);
-  host_ = Arena("zero3 weights (host)", Device::cpu, count.peak());
+  // Counted in the params' order, taken in the units': the last tensor's padding to the
+  // arena's alignment may fall elsewhere, so one alignment more.
+  host_ = Arena("zero3 weights (host)", Device::cpu, count.peak() + Arena::kAlign);
   for (const ShardUnit& u : layout_.units()) {
     if (u.value_at < 0) continue;
     // Through a weight slot (none is in use outside a step): every unit fits in it.
