@@ -87,7 +87,7 @@ check fp8_pp2 "$on_gpus --lb micro_batch --pipeline --meshes 2,1,1,1 $fp8"
 # balanced, so the rest of the numerics agree as the other families' do).
 v3="--fixture deepseek_v3_a --rtol 0.035"
 check v3_meshes "$on_gpus $v3 --count-slack 16 --lb micro_batch --extra=--training.expert_bias_update_rate=0.001"
-for f in qwen3_moe_a deepseek_v2_a gpt_oss_a; do
+for f in qwen3_moe_a deepseek_v2_a gpt_oss_a qwen3_5_moe_a; do
   check "cpu_$f" "$vs_cpu --fixture $f"
   check "cpu_${f}_fp8" "$vs_cpu --fixture $f --rtol 0.05 $fp8"
 done

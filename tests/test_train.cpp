@@ -2102,8 +2102,10 @@ TEST_P(Meshes, MatchOneRank) {
   }
 }
 
-// DeepSeek-V3 as deepseek_v3_mtp: its router, and two multi-token prediction depths.
-INSTANTIATE_TEST_SUITE_P(Models, Meshes, ::testing::Values("qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp"));
+// DeepSeek-V3 as deepseek_v3_mtp: its router, and two multi-token prediction depths;
+// Qwen3.5-MoE (qwen3_5_moe_a): gated attention, zero-centred norms, a gated shared expert.
+INSTANTIATE_TEST_SUITE_P(Models, Meshes,
+                         ::testing::Values("qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp", "qwen3_5_moe_a"));
 
 // training.fp8 = blockwise on meshes. Quantization along the tokens (the weight
 // gradients' 1x128 tiles) sees whatever rows a rank's product has: with dp each rank's

@@ -342,7 +342,8 @@ void Decoder::build_params() {
     const int norm = add("final_norm", {D});
     const int out = c_.tie_word_embeddings ? embed_ : add("lm_head", {c_.vocab_size, D});
     const bool chunked = o_.recompute == Recompute::full;
-    lm_ = Head(&params_, norm, out, !c_.tie_word_embeddings, c_.rms_norm_eps, c_.vocab_size, chunked);
+    lm_ = Head(&params_, norm, out, !c_.tie_word_embeddings, c_.rms_norm_eps, c_.vocab_size, chunked,
+               c_.norm_weight_offset);
     for (int64_t k = 1; k <= D_; ++k) {
       const std::string p = "layers." + std::to_string(L_ + k - 1) + ".";
       mtp_.push_back({add(p + "enorm", {D}), add(p + "hnorm", {D}), add(p + "eh_proj", {D, 2 * D})});
@@ -371,7 +372,8 @@ void Decoder::build_params() {
     for (size_t i = 0; i < params_.size(); ++i)
       quantized[i] = params_[i].matrix && params_[i].name.starts_with("layers.");
     for (int64_t l = 0; l < c_.num_layers; ++l)
-      if (moe_.router(l) >= 0) quantized[moe_.router(l)] = false;
+      for (int i : {moe_.router(l), moe_.shared_gate(l)})  // one-column products stay bf16
+        if (i >= 0) quantized[i] = false;
   }
   auto fp8_copy = [&](Arena& a, const Param& p) {
     const Shape t = p.value.ndim() == 3 ? Shape{p.value.dim(0), p.value.dim(2), p.value.dim(1)}
@@ -469,9 +471,10 @@ std::vector<HfTensor> Decoder::hf_tensors() {
     if (!held_[l]) continue;
     const LayerIndex& x = layer_[l];
     std::string p = "model.layers." + std::to_string(l) + ".";
-    out.push_back(hf_tensor(p + "input_layernorm.weight", params_[x.in_norm], 0.0f, 1.0f));
+    out.push_back(hf_tensor(p + "input_layernorm.weight", params_[x.in_norm], 0.0f, 1.0f - c_.norm_weight_offset));
     mixer(l).hf_tensors(l, p + "self_attn.", params_, out_scale, out);
-    out.push_back(hf_tensor(p + "post_attention_layernorm.weight", params_[x.post_norm], 0.0f, 1.0f));
+    out.push_back(
+        hf_tensor(p + "post_attention_layernorm.weight", params_[x.post_norm], 0.0f, 1.0f - c_.norm_weight_offset));
     if (c_.moe[l])
       moe_.hf_tensors(l, p, out_scale, out);
     else
@@ -587,6 +590,8 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
   const bool renorm = o_.recompute == Recompute::selective;
   const Tensor mo = act({N, D}), logits = any_moe ? f32({N, E}) : Tensor(),
                so = any_moe && Is > 0 ? act({N, D}) : Tensor(),
+               gated = any_moe && c_.shared_expert_gate ? act({N, D}) : Tensor(),
+               d_so = any_moe && c_.shared_expert_gate ? act({N, D}) : Tensor(),
                d_logits = any_moe && act_ != DType::f32 ? f32({N, E}) : Tensor(),
                xn = renorm ? act({N, D}) : Tensor(), y = renorm ? act({N, D}) : Tensor();
   size_t deepest = a.used();
@@ -624,9 +629,15 @@ void Decoder::allocate_layers(DecoderStash& s, Arena& a, int64_t first, int64_t 
       if (Is > 0) {
         m.sgu = act({N, 2 * Is});
         m.shs = act({N, Is});
-        m.so = so;
+        m.so = c_.shared_expert_gate ? act({N, D}) : so;  // gated, B reads it
         m.d_sgu = act({N, 2 * Is});
         m.d_shs = d_shs;
+        if (c_.shared_expert_gate) {
+          m.sg = act({N, 1});
+          m.gated = gated;
+          m.d_so = d_so;
+          m.d_sg = act({N, 1});
+        }
       }
     } else {
       const int64_t I = c_.intermediate_size;
@@ -734,11 +745,11 @@ void Decoder::attention_forward(int64_t l, DecoderStash& s) {
   const LayerIndex& w = layer_[l];
   LayerActs& x = s.layers[l];
   const float eps = static_cast<float>(c_.rms_norm_eps);
-  rmsnorm_forward(s.in(l), W(w.in_norm), eps, x.xn, x.rstd1);
+  rmsnorm_forward(s.in(l), W(w.in_norm), eps, x.xn, x.rstd1, c_.norm_weight_offset);
   // hm = h + attention: the residual, then the attention's output projection onto it.
   mt::copy(x.hm, s.in(l));
   mixer(l).forward(l, params_, *x.attn, io(s, x));
-  rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
+  rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2, c_.norm_weight_offset);
 }
 
 // A MoE layer's block runs after the decoder's part of a forward stage (its router reads
@@ -780,9 +791,9 @@ void Decoder::attention_backward_input(int64_t l, DecoderStash& s) {
   // d_hm = dh[l+1] (the residual) + the post-attention norm's input gradient.
   // The norms' weight gradients are taken here, with their input gradients, not in W:
   // their dy buffers are shared by every layer (allocate), and the pass is one.
-  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm), s.d_out(l));
+  rmsnorm_backward(x.hm, W(w.post_norm), x.rstd2, x.d_y, x.d_hm, Z(w.post_norm), s.d_out(l), c_.norm_weight_offset);
   mixer(l).backward_input(l, params_, *x.attn, io(s, x));
-  rmsnorm_backward(s.in(l), W(w.in_norm), x.rstd1, x.d_xn, s.d_in(l), Z(w.in_norm), x.d_hm);
+  rmsnorm_backward(s.in(l), W(w.in_norm), x.rstd1, x.d_xn, s.d_in(l), Z(w.in_norm), x.d_hm, c_.norm_weight_offset);
 }
 
 void Decoder::stage_backward_input(int64_t l, Stage stage, Stash& base) {
@@ -813,8 +824,9 @@ void Decoder::stage_backward_weight(int64_t l, Stage stage, Stash& base) {
   const float eps = static_cast<float>(c_.rms_norm_eps);
   const bool renorm = o_.recompute == Recompute::selective && !o_.plan_only;
   if (renorm && (stage == Stage::experts || (stage == Stage::attention && moe)))
-    rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2);
-  if (renorm && stage == Stage::attention) rmsnorm_forward(s.in(l), W(w.in_norm), eps, x.xn, x.rstd1);
+    rmsnorm_forward(x.hm, W(w.post_norm), eps, x.y, x.rstd2, c_.norm_weight_offset);
+  if (renorm && stage == Stage::attention)
+    rmsnorm_forward(s.in(l), W(w.in_norm), eps, x.xn, x.rstd1, c_.norm_weight_offset);
   if (moe) moe_.backward_weight(l, stage, x.moe, moe_io(s, l));
   if (o_.plan_only) return;
   if (stage == Stage::experts && !moe) {

@@ -30,6 +30,9 @@ namespace mt {
 struct DecoderSpec {
   int64_t vocab_size = 0, hidden_size = 0, num_layers = 0;
   double rms_norm_eps = 1e-6;
+  // 1: zero-centred norm weights (Qwen3.5's x rstd (1 + w), kernels/rmsnorm.h), for the
+  // layers' two norms and the head's; 0: plain.
+  float norm_weight_offset = 0.0f;
   bool tie_word_embeddings = false;
   // DeepSeek-V3's multi-token prediction: D depths after the last layer, each
   //   x = eh_proj([enorm(embed(token k ahead)) | hnorm(h of depth k - 1, or the last layer)])
@@ -44,6 +47,9 @@ struct DecoderSpec {
   int64_t intermediate_size = 0;  // the dense MLP's
   int64_t num_experts = 0, moe_intermediate_size = 0;
   int64_t shared_intermediate_size = 0;  // shared experts as one MLP this wide (0: none)
+  // Qwen's gated shared expert: its output times sigmoid(y . w), w `mlp.shared_expert_gate`
+  // [1, D], under Qwen's names (mlp.shared_expert.*; else DeepSeek's mlp.shared_experts.*).
+  bool shared_expert_gate = false;
   cpu::RouterConfig router;
   // GPT-OSS's MoE block: `mlp.router` with a bias (else `mlp.gate`), experts with biases,
   // SwiGLU clamped at this limit with gate and up interleaved (0: plain, gate then up),

@@ -19,13 +19,13 @@ void Head::allocate(Acts& x, Arena& a, DType act, int64_t tokens, int64_t width)
 }
 
 void Head::hf_tensors(std::vector<HfTensor>& out, const std::string& norm_key) const {
-  out.push_back(hf_tensor(norm_key, p(norm_), 0.0f, 1.0f));
+  out.push_back(hf_tensor(norm_key, p(norm_), 0.0f, 1.0f - norm_offset_));
   if (own_out_) out.push_back(hf_tensor("lm_head.weight", p(out_)));
 }
 
 LossSum Head::forward(const Tensor& h, const Tensor& labels, Acts& x, float grad_scale) {
   const int64_t N = h.dim(0);
-  rmsnorm_forward(h, p(norm_).value, static_cast<float>(eps_), x.hf, x.rstd_f);
+  rmsnorm_forward(h, p(norm_).value, static_cast<float>(eps_), x.hf, x.rstd_f, norm_offset_);
   LossSum loss;
   // One chunk: its logits become their gradient in the cross-entropy's pass (the
   // backward starts from them); chunks are made again by the backward.
@@ -60,7 +60,7 @@ void Head::backward_input(const Tensor& h, const Tensor& labels, Acts& x, float 
     gemm(logits, out.compute, x.d_hf.rows(r0, r1), false, false);
     if (chunked) gemm(logits, hf, out.grad, true, false, 1.0f, grad_beta(out));
   }
-  rmsnorm_backward(h, p(norm_).value, x.rstd_f, x.d_hf, dh, grad_zeroed(p(norm_)));
+  rmsnorm_backward(h, p(norm_).value, x.rstd_f, x.d_hf, dh, grad_zeroed(p(norm_)), Tensor(), norm_offset_);
 }
 
 void Head::backward_weight(Acts& x, int64_t tokens) {

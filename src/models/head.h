@@ -42,8 +42,11 @@ class Head {
   Head() = default;
   // `norm` and `out` index `params` (out: lm_head, or the embedding when tied); `chunked`:
   // full recomputation's chunks of kHeadRows tokens.
-  Head(std::vector<Param>* params, int norm, int out, bool own_out, double eps, int64_t vocab, bool chunked)
-      : params_(params), norm_(norm), out_(out), own_out_(own_out), eps_(eps), vocab_(vocab), chunked_(chunked) {}
+  // norm_offset: zero-centred norm weights (DecoderSpec::norm_weight_offset).
+  Head(std::vector<Param>* params, int norm, int out, bool own_out, double eps, int64_t vocab, bool chunked,
+       float norm_offset = 0.0f)
+      : params_(params), norm_(norm), out_(out), own_out_(own_out), eps_(eps), vocab_(vocab), chunked_(chunked),
+        norm_offset_(norm_offset) {}
 
   // Allocates a micro-batch's activations of `tokens` tokens of width `width`.
   void allocate(Acts& x, Arena& a, DType act, int64_t tokens, int64_t width) const;
@@ -67,6 +70,7 @@ class Head {
   double eps_ = 1e-6;
   int64_t vocab_ = 0;
   bool chunked_ = false;
+  float norm_offset_ = 0.0f;
 };
 
 }  // namespace mt

@@ -9,6 +9,7 @@
 #include "models/deepseek_v2.h"
 #include "models/gpt_oss.h"
 #include "models/hf_config.h"
+#include "models/qwen3_5_moe.h"
 #include "models/qwen3_moe.h"
 
 namespace mt {
@@ -21,8 +22,11 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
   if (type == "deepseek_v2" || type == "deepseek_v3" || type == "kimi_k2")
     return make_deepseek_v2(parse_deepseek_v2_config(j, config_json_path), options);
   if (type == "gpt_oss") return make_gpt_oss(parse_gpt_oss_config(j, config_json_path), options);
+  if (type == "qwen3_5_moe_text" || type == "qwen3_5_moe")
+    return make_qwen3_5_moe(parse_qwen3_5_moe_config(j, config_json_path), options);
   MT_FAIL() << config_json_path << ": model_type '" << type
-            << "' is not supported (supported: qwen3_moe, deepseek_v2, deepseek_v3, kimi_k2, gpt_oss)";
+            << "' is not supported (supported: qwen3_moe, qwen3_5_moe_text, deepseek_v2, deepseek_v3, kimi_k2, "
+            << "gpt_oss)";
   return nullptr;
 }
 

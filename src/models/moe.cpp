@@ -108,6 +108,7 @@ void Moe::add_params(int64_t l, const std::string& p) {
   if (Is > 0) {
     x.shared_gate_up = add_param(params_, p + "shared.gate_up", {2 * Is, D});
     x.shared_down = add_param(params_, p + "shared.down", {D, Is});
+    if (c_.shared_expert_gate) x.shared_gate = add_param(params_, p + "shared.gate", {1, D});
   }
   // offload.experts: the routed experts' matrices (of the first offload.layers MoE
   // layers) keep their master weights in the decoder's host arena; their compute copies
@@ -145,7 +146,9 @@ void Moe::hf_tensors(int64_t l, const std::string& p, float out_scale, std::vect
       hf_mlp(out, p + "mlp.experts." + std::to_string(first_expert_ + e) + ".", params_[x.gate_up], params_[x.down],
              e, out_scale, true);
     if (x.shared_gate_up >= 0)
-      hf_mlp(out, p + "mlp.shared_experts.", params_[x.shared_gate_up], params_[x.shared_down], 0, out_scale, false);
+      hf_mlp(out, p + (x.shared_gate >= 0 ? "mlp.shared_expert." : "mlp.shared_experts."), params_[x.shared_gate_up],
+             params_[x.shared_down], 0, out_scale, false);
+    if (x.shared_gate >= 0) out.push_back(hf_tensor(p + "mlp.shared_expert_gate.weight", params_[x.shared_gate]));
     return;
   }
   out.push_back(hf_tensor(p + "mlp.router.weight", params_[x.router]));
@@ -381,6 +384,7 @@ void Moe::forward(int64_t l, Stage stage, Acts& x, const Io& io) {
         linear_.forward(io.y, {{params_[w.shared_gate_up], x.sgu}});
         swiglu_forward(x.sgu, x.shs);
         linear_.forward(x.shs, {{params_[w.shared_down], x.so}});
+        if (w.shared_gate >= 0) linear_.forward(io.y, {{params_[w.shared_gate], x.sg}});
       }
       break;
     }
@@ -391,7 +395,12 @@ void Moe::forward(int64_t l, Stage stage, Acts& x, const Io& io) {
         mt::combine_forward(routed(x).ys, x.weight, x.slot_row, io.mo);
       break;
     case Stage::aggregate:
-      if (w.shared_gate_up >= 0) mt::add(io.h_next, x.so, io.h_next);
+      if (w.shared_gate >= 0) {
+        sigmoid_gate_forward(x.so, x.sg, x.gated);
+        mt::add(io.h_next, x.gated, io.h_next);
+      } else if (w.shared_gate_up >= 0) {
+        mt::add(io.h_next, x.so, io.h_next);
+      }
       break;
   }
   end_forward_rows(x, stage);
@@ -499,7 +508,8 @@ void Moe::backward_input(int64_t l, Stage stage, Acts& x, const Io& io) {
         linear_.grouped_backward_input(r.d_gu, X(w.gate_up), r.offsets, r.d_xs);
       }
       if (w.shared_gate_up >= 0) {
-        linear_.backward_input(d_mo, params_[w.shared_down], x.d_shs);
+        if (w.shared_gate >= 0) sigmoid_gate_backward(x.so, x.sg, d_mo, x.d_so, x.d_sg);
+        linear_.backward_input(w.shared_gate >= 0 ? x.d_so : d_mo, params_[w.shared_down], x.d_shs);
         swiglu_backward(x.sgu, x.d_shs, x.d_sgu);
       }
       break;
@@ -522,6 +532,7 @@ void Moe::backward_input(int64_t l, Stage stage, Acts& x, const Io& io) {
       gemm(x.d_logits_c, params_[w.router].compute, io.d_y, false, false, 1.0f, 1.0f);
       // The shared experts' input gradient, after the dispatch's (which overwrites d_y).
       if (w.shared_gate_up >= 0) linear_.backward_input(x.d_sgu, params_[w.shared_gate_up], io.d_y, 1.0f);
+      if (w.shared_gate >= 0) linear_.backward_input(x.d_sg, params_[w.shared_gate], io.d_y, 1.0f);
       break;
   }
   give_rows(x, stage, Pass::backward_input);
@@ -545,8 +556,11 @@ void Moe::backward_weight(int64_t l, Stage stage, Acts& x, const Io& io) {
                                         !start_grad(params_[w.gate_up]));
       }
       if (w.shared_gate_up >= 0) {
-        linear_.backward_weight(x.shs, {{io.d_next, params_[w.shared_down]}});
+        // Gated, the output's gradient sigmoid(sg) d_next again (the forward's formula).
+        if (w.shared_gate >= 0) sigmoid_gate_forward(io.d_next, x.sg, x.d_so);
+        linear_.backward_weight(x.shs, {{w.shared_gate >= 0 ? x.d_so : io.d_next, params_[w.shared_down]}});
         linear_.backward_weight(io.y, {{x.d_sgu, params_[w.shared_gate_up]}});
+        if (w.shared_gate >= 0) linear_.backward_weight(io.y, {{x.d_sg, params_[w.shared_gate]}});
       }
       break;
     }

@@ -54,6 +54,9 @@ class Moe {
     int64_t dropped = 0;              // slots over capacity
     Tensor xs, gu, hs, ys;            // the experts' rows
     Tensor sgu, shs, so;              // shared experts: [N, 2Is], [N, Is], output [N, D]
+    // With its gate (DecoderSpec::shared_expert_gate): the gate's logit sg [N, 1] and the
+    // gated output [N, D]; B's d_so [N, D] (W makes it again) and d_sg [N, 1].
+    Tensor sg, gated, d_so, d_sg;
     // The rows R this micro-batch brought to this rank's experts, and the row tensors
     // held now (xs .. d_xs are views of them, R rounded up to kRowRounding).
     int64_t rows = 0;
@@ -100,6 +103,7 @@ class Moe {
   // A key of an expert that another ep rank holds.
   bool another_ranks_expert(const std::string& name) const;
   int router(int64_t l) const { return index_[l].router; }  // -1: none here
+  int shared_gate(int64_t l) const { return index_[l].shared_gate; }  // -1: none
   int64_t local_experts() const { return local_experts_; }
   comm::Communicator* ep() const { return ep_; }  // null: every expert lives here
   ExpertCache& cache() { return cache_; }
@@ -131,6 +135,7 @@ class Moe {
     int router = -1;              // [E, D]
     int gate_up = -1, down = -1;  // [E, 2I, D] and [E, D, I]
     int shared_gate_up = -1, shared_down = -1;                // shared experts: [2Is, D], [D, Is]
+    int shared_gate = -1;                                     // its gate: [1, D]
     int router_bias = -1, gate_up_bias = -1, down_bias = -1;  // GPT-OSS: [E], [E, 2I], [E, D]
   };
   bool holds(int64_t l) const { return l >= 0 && l < c_.num_layers && router(l) >= 0; }
