@@ -100,6 +100,16 @@ std::vector<OpCase> table() {
   add(sigmoid_gate_case(3, 7, false));
   add(sigmoid_gate_case(5, 9, true));
   add(sigmoid_gate_case(4, 1, true));
+  // Gated DeltaNet's short convolution: one token, two sequences (the padding restarts per
+  // sequence), fewer tokens than taps, and more channels than one of the backward's blocks.
+  add(causal_conv1d_silu_case(1, 1, 3, 4));
+  add(causal_conv1d_silu_case(2, 7, 5, 4));
+  add(causal_conv1d_silu_case(2, 3, 4, 2));
+  add(causal_conv1d_silu_case(2, 9, 67, 4));
+  // ... and its gates: one element, several heads, softplus above its threshold.
+  add(deltanet_gates_case(1, 1, false));
+  add(deltanet_gates_case(5, 3, false));
+  add(deltanet_gates_case(6, 4, true));
 
   // router: k = 1 and k = E, renormalised and not, scale != 1, DeepSeek groups (with
   // just enough eligible experts, too), GPT-OSS scoring, with and without dprobs.

@@ -41,6 +41,11 @@ OpCase swiglu_case(int64_t rows, int64_t inter);
 OpCase clamped_swiglu_case(int64_t rows, int64_t inter, float limit, float alpha);
 // swiglu.cpp: v [N,C] times sigmoid(s), s [N,C] (elementwise) or [N,1] (a gate a row).
 OpCase sigmoid_gate_case(int64_t rows, int64_t cols, bool row_gate);
+// deltanet.cpp: Qwen3.5's causal depthwise conv1d + SiLU, x [B,T,C] and w [C,K] (T < K too);
+// its gates g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) from a, b [N,H], with
+// a + dt_bias in [-4, 4] or, above_threshold, in [20.5, 24.5] (softplus's identity branch).
+OpCase causal_conv1d_silu_case(int64_t batch, int64_t tokens, int64_t channels, int64_t kernel);
+OpCase deltanet_gates_case(int64_t rows, int64_t heads, bool above_threshold);
 // gated_delta.cpp: the gated delta rule, chunked, against the float64 step-by-step
 // recurrence. q [B,T,H,Dk], k with |k| <= 1 (what L2-normalised keys satisfy), v
 // [B,T,H,Dv], g in [-2, -0.01], beta in [0.05, 0.95]; initial_state: S_0 is an input;
