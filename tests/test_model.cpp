@@ -166,7 +166,7 @@ TEST_P(HfParity, FiveAdamWStepsWithClipping) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfParity,
                          ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b", "deepseek_v3_a",
-                                           "gpt_oss_a", "qwen3_5_moe_a"));
+                                           "gpt_oss_a", "qwen3_5_moe_a", "qwen3_5_moe_b"));
 
 // DeepSeek-V3 with two multi-token prediction depths (deepseek_v3_mtp) against the
 // float64 formula of make_hf_fixtures.py's write_mtp_fixture, around transformers' own

@@ -472,7 +472,7 @@ std::vector<HfTensor> Decoder::hf_tensors() {
     const LayerIndex& x = layer_[l];
     std::string p = "model.layers." + std::to_string(l) + ".";
     out.push_back(hf_tensor(p + "input_layernorm.weight", params_[x.in_norm], 0.0f, 1.0f - c_.norm_weight_offset));
-    mixer(l).hf_tensors(l, p + "self_attn.", params_, out_scale, out);
+    mixer(l).hf_tensors(l, p + mixer(l).hf_module(), params_, out_scale, out);
     out.push_back(
         hf_tensor(p + "post_attention_layernorm.weight", params_[x.post_norm], 0.0f, 1.0f - c_.norm_weight_offset));
     if (c_.moe[l])

@@ -102,6 +102,9 @@ class Attention {
   // projections into the residual stream.
   virtual void hf_tensors(int64_t l, const std::string& prefix, std::vector<Param>& params, float out_scale,
                           std::vector<HfTensor>& out) const = 0;
+  // The Hugging Face module of the layer's mixer: `self_attn.` (softmax attention) or
+  // `linear_attn.` (Qwen3.5's gated DeltaNet).
+  virtual const char* hf_module() const { return "self_attn."; }
   virtual std::unique_ptr<AttentionActs> make_acts() const = 0;
   // Allocates the activations of these layers of one micro-batch of batch x seq
   // tokens, in order, from `a`; what only a layer's B reads may be shared by them.

@@ -1,5 +1,6 @@
 #include "models/qwen3_5_moe.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <nlohmann/json.hpp>
@@ -9,6 +10,7 @@
 #include "kernels/rmsnorm.h"
 #include "kernels/swiglu.h"
 #include "models/decoder.h"
+#include "models/gated_deltanet.h"
 #include "models/hf_config.h"
 
 namespace mt {
@@ -53,6 +55,7 @@ Qwen35MoeConfig parse_qwen3_5_moe_config(const nlohmann::json& j, const std::str
       << c.num_kv_heads;
   // Text positions only: the multimodal rotary sections all take the token's position, so
   // mrope_section changes nothing here.
+  c.linear.assign(static_cast<size_t>(c.num_layers), false);
   if (j.contains("layer_types")) {
     const nlohmann::json& types = j["layer_types"];
     MT_CHECK(types.is_array() && static_cast<int64_t>(types.size()) == c.num_layers)
@@ -60,12 +63,22 @@ Qwen35MoeConfig parse_qwen3_5_moe_config(const nlohmann::json& j, const std::str
         << types.dump();
     for (size_t l = 0; l < types.size(); ++l) {
       const std::string t = types[l].is_string() ? types[l].get<std::string>() : types[l].dump();
-      MT_CHECK(t != "linear_attention")
-          << where << ": layer " << l << " is linear_attention (gated DeltaNet), which moetrain does not train yet "
-          << "(its CPU kernel is built, its layer is not); full_attention layers are";
-      MT_CHECK(t == "full_attention") << where << ": layer_types[" << l << "] = " << t
-                                      << ": expected full_attention or linear_attention";
+      MT_CHECK(t == "full_attention" || t == "linear_attention")
+          << where << ": layer_types[" << l << "] = " << t << ": expected full_attention or linear_attention";
+      c.linear[l] = t == "linear_attention";
     }
+  } else {
+    // transformers' default: every full_attention_interval-th layer full, the rest linear.
+    const int64_t every = hf.integer({"full_attention_interval"}, 4);
+    MT_CHECK(every >= 1) << where << ": full_attention_interval must be >= 1";
+    for (int64_t l = 0; l < c.num_layers; ++l) c.linear[static_cast<size_t>(l)] = (l + 1) % every != 0;
+  }
+  if (std::find(c.linear.begin(), c.linear.end(), true) != c.linear.end()) {
+    c.linear_key_heads = hf.integer({"linear_num_key_heads"});
+    c.linear_value_heads = hf.integer({"linear_num_value_heads"});
+    c.linear_key_dim = hf.integer({"linear_key_head_dim"});
+    c.linear_value_dim = hf.integer({"linear_value_head_dim"});
+    c.linear_conv_kernel = hf.integer({"linear_conv_kernel_dim"}, 4);
   }
   return c;
 }
@@ -223,7 +236,21 @@ std::unique_ptr<Model> make_qwen3_5_moe(const Qwen35MoeConfig& c, const ModelOpt
   d.router.normalize = true;  // Qwen3.5's router always renormalises the top-k
   d.rope.theta = c.rope_theta;
   d.rope.rotary_dim = c.rotary_dim;
-  return make_decoder(d, every_layer(std::make_shared<Qwen35Attention>(c), d.num_layers), options);
+  const bool any_linear = std::find(c.linear.begin(), c.linear.end(), true) != c.linear.end();
+  MT_CHECK(!any_linear || options.device == Device::cpu)
+      << "Qwen3.5's gated DeltaNet layers (layer_types linear_attention) run on the CPU backend only for now: "
+      << "their CUDA kernels are not built yet (issue 61)";
+  Mixers mixers = every_layer(std::make_shared<Qwen35Attention>(c), d.num_layers);
+  if (any_linear) {
+    const std::shared_ptr<Attention> delta = make_gated_deltanet(
+        {.hidden_size = c.hidden_size, .key_heads = c.linear_key_heads, .value_heads = c.linear_value_heads,
+         .key_dim = c.linear_key_dim, .value_dim = c.linear_value_dim, .conv_kernel = c.linear_conv_kernel,
+         .rms_norm_eps = c.rms_norm_eps},
+        d.num_layers);
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      if (c.linear[static_cast<size_t>(l)]) mixers[static_cast<size_t>(l)] = delta;
+  }
+  return make_decoder(d, std::move(mixers), options);
 }
 
 }  // namespace mt

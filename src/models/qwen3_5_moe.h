@@ -6,10 +6,10 @@
 // Full-attention layers: q_proj yields each head's query and an output gate side by side
 // ([q | gate] per head), q and k are RMS-normed per head with zero-centred weights and
 // rotated on the first partial_rotary_factor of the head's dims, and the attention's output
-// is multiplied by sigmoid(gate) before o_proj. The family's other layers, gated DeltaNet
-// linear attention (layer_types "linear_attention"), are refused by name until their mixer
-// lands (issue 61; the CPU kernel is kernels/gated_delta.h), as is the hub's
-// vision-language folder (model_type "qwen3_5_moe", weights under model.language_model.).
+// is multiplied by sigmoid(gate) before o_proj. The other layers (layer_types
+// "linear_attention") are gated DeltaNet, models/gated_deltanet.h (the CPU backend only for
+// now). The hub's vision-language folder (model_type "qwen3_5_moe", weights under
+// model.language_model.) is refused by name.
 #pragma once
 
 #include <memory>
@@ -28,6 +28,9 @@ struct Qwen35MoeConfig {
   int64_t num_experts = 0, top_k = 0, moe_intermediate_size = 0, shared_intermediate_size = 0;
   double rms_norm_eps = 1e-6, rope_theta = 10000.0;
   bool tie_word_embeddings = false;
+  std::vector<bool> linear;  // per layer: gated DeltaNet (else full attention)
+  int64_t linear_key_heads = 0, linear_value_heads = 0, linear_key_dim = 0, linear_value_dim = 0;
+  int64_t linear_conv_kernel = 4;
 };
 
 // `where` (the file) is named in errors, with the key.
