@@ -59,8 +59,9 @@ const std::string kMpirun =
 void write_four_sequences(const std::string& model, const std::string& dir) {
   io::NpyArray a = io::read_npy(fixture(model + "/tokens.npy"));
   std::vector<int64_t> tokens = io::npy_as_int64(a, "tokens");
-  const int64_t t = a.header.shape[1];
-  tokens.insert(tokens.end(), tokens.begin(), tokens.begin() + t);
+  const int64_t t = a.header.shape[1], rows = a.header.shape[0];
+  for (int64_t r = rows; r < 4; ++r)  // its rows again, in order, up to four
+    tokens.insert(tokens.end(), tokens.begin() + (r % rows) * t, tokens.begin() + (r % rows + 1) * t);
   test::write_npy(dir + "/tokens.npy", "<i8", {4, t}, tokens.data());
 }
 
@@ -2065,6 +2066,9 @@ TEST_P(Meshes, MatchOneRank) {
       const int np = m.dp * m.cp * m.ep, ep = m.ep;
       std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(ep) +
                          (m.zero3 ? "zero3" : "") + (m.sweep ? "sweep" : "") + lb;
+      // Gated DeltaNet layers refuse cp > 1 (their state would cross the ranks' chunks).
+      const bool refused = m.cp > 1 && model == "qwen3_5_moe_b";
+      if (refused && (lb != "micro_batch" || m.ep > 1 || m.zero3)) continue;
       auto [rc, out] = run(kMpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                            fixture(model) + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
@@ -2075,6 +2079,11 @@ TEST_P(Meshes, MatchOneRank) {
                            " --parallelism.cp=" + std::to_string(m.cp) +
                            (m.zero3 ? " --parallelism.zero3=true" : "") + (m.sweep ? " --training.layer_sweep=0" : "") +
                            " --job.dump_folder=" + dump);
+      if (refused) {
+        EXPECT_NE(rc, 0);
+        EXPECT_NE(out.find("with parallelism.cp > 1 are not built yet"), std::string::npos) << out;
+        continue;
+      }
       ASSERT_EQ(rc, 0) << out;
       std::ifstream metrics(dump + "/metrics.jsonl");
       std::string line;
@@ -2103,9 +2112,11 @@ TEST_P(Meshes, MatchOneRank) {
 }
 
 // DeepSeek-V3 as deepseek_v3_mtp: its router, and two multi-token prediction depths;
-// Qwen3.5-MoE (qwen3_5_moe_a): gated attention, zero-centred norms, a gated shared expert.
+// Qwen3.5-MoE: gated attention, zero-centred norms, a gated shared expert (qwen3_5_moe_a),
+// and gated DeltaNet layers (qwen3_5_moe_b: its two sequences twice; cp refused).
 INSTANTIATE_TEST_SUITE_P(Models, Meshes,
-                         ::testing::Values("qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp", "qwen3_5_moe_a"));
+                         ::testing::Values("qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp", "qwen3_5_moe_a",
+                                           "qwen3_5_moe_b"));
 
 // training.fp8 = blockwise on meshes. Quantization along the tokens (the weight
 // gradients' 1x128 tiles) sees whatever rows a rank's product has: with dp each rank's

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/communicator.h"
 #include "core/check.h"
 #include "kernels/elementwise.h"
 #include "kernels/rmsnorm.h"
@@ -240,6 +241,9 @@ std::unique_ptr<Model> make_qwen3_5_moe(const Qwen35MoeConfig& c, const ModelOpt
   MT_CHECK(!any_linear || options.device == Device::cpu)
       << "Qwen3.5's gated DeltaNet layers (layer_types linear_attention) run on the CPU backend only for now: "
       << "their CUDA kernels are not built yet (issue 61)";
+  MT_CHECK(!any_linear || options.cp == nullptr || options.cp->size() == 1)
+      << "Qwen3.5's gated DeltaNet layers (layer_types linear_attention) with parallelism.cp > 1 are not built yet: "
+      << "their state would pass from each rank's chunk to the next (issue 61)";
   Mixers mixers = every_layer(std::make_shared<Qwen35Attention>(c), d.num_layers);
   if (any_linear) {
     const std::shared_ptr<Attention> delta = make_gated_deltanet(
