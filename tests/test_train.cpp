@@ -2207,8 +2207,9 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
   // expert and a dense first layer; DeepSeek-V3 the same with sigmoid noaux_tc routing,
   // its bias moving and a multi-token prediction depth, which under 1F1B runs on the last
   // rank with its copy of the embedding); GPT-OSS with sinks, windows on even layers and
-  // biases); the qwen3 config, last, is the one the rest uses.
-  for (std::string family : {"deepseek_v2.json", "deepseek_v3.json", "gpt_oss.json", "config.json"}) {
+  // biases); Qwen3.5 with gated DeltaNet layers (no cp: refused); the qwen3 config, last, is
+  // the one the rest uses.
+  for (std::string family : {"deepseek_v2.json", "deepseek_v3.json", "gpt_oss.json", "qwen3_5.json", "config.json"}) {
     config = fixture("pipeline/" + family);
     const std::string bias = family == "deepseek_v3.json" ? " --training.expert_bias_update_rate=0.05" : "";
     one = train("one" + family, 1, bias, 4);
@@ -2220,6 +2221,7 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
                    Mesh{2, 2, 1, 2}, Mesh{8, 1, 1, 1}, Mesh{1, 1, 1, 1}})
       for (std::string schedule : {"1f1b", "dualpipev"}) {
         if ((m.pp == 8 && schedule == "dualpipev") || (m.pp == 1 && schedule == "1f1b")) continue;
+        if (family == "qwen3_5.json" && m.cp > 1) continue;
         const std::string name = "pp" + std::to_string(m.pp) + "dp" + std::to_string(m.dp) + "cp" +
                                  std::to_string(m.cp) + "ep" + std::to_string(m.ep) + schedule + family;
         std::vector<nlohmann::json> got =
