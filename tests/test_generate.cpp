@@ -38,7 +38,7 @@ std::string ids_flag(const std::vector<int64_t>& ids) {
 }
 
 TEST(GenerateCommand, GreedyMatchesTransformers) {
-  for (const char* name : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a"}) {
+  for (const char* name : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "qwen3_5_moe_a", "qwen3_5_moe_b"}) {
     std::vector<uint8_t> b = io::read_file(fixture(std::string(name) + "/generate.json"));
     nlohmann::json want = nlohmann::json::parse(b.begin(), b.end());
     ASSERT_GE(want["min_top2_margin"].get<double>(), 1e-2) << name;
