@@ -7,12 +7,10 @@
 
 #include "comm/communicator.h"
 #include "core/check.h"
-#include "kernels/elementwise.h"
-#include "kernels/rmsnorm.h"
-#include "kernels/swiglu.h"
 #include "models/decoder.h"
 #include "models/gated_deltanet.h"
 #include "models/hf_config.h"
+#include "models/qwen3_moe.h"
 
 namespace mt {
 
@@ -84,142 +82,6 @@ Qwen35MoeConfig parse_qwen3_5_moe_config(const nlohmann::json& j, const std::str
   return c;
 }
 
-namespace {
-
-// The gated full attention's activations (one layer, one micro-batch).
-struct Qwen35Acts : AttentionActs {
-  Tensor qg, q, gate, k, v;  // q_proj's [N, H*2Dh] and its halves [N, H*Dh]; k, v [N, Hkv*Dh]
-  Tensor rstd_q, rstd_k, qr, kr, att, lse;
-  Tensor att_g;                           // the gated output (forward, and W makes it again)
-  Tensor d_att_g, d_att, d_q, d_qr, d_kr;  // B only
-  Tensor d_gate, d_qg, d_k, d_v;           // W reads d_qg, d_k, d_v
-};
-
-class Qwen35Attention final : public Attention {
- public:
-  explicit Qwen35Attention(const Qwen35MoeConfig& c) : c_(c) {}
-
-  void add_params(int64_t l, const std::string& p, std::vector<Param>& params) override {
-    const int64_t D = c_.hidden_size, Dh = c_.head_dim;
-    if (static_cast<int64_t>(w_.size()) < c_.num_layers) w_.resize(static_cast<size_t>(c_.num_layers));
-    Index& x = w_[l];
-    x.q = add_param(params, p + "q", {2 * c_.num_heads * Dh, D});
-    x.k = add_param(params, p + "k", {c_.num_kv_heads * Dh, D});
-    x.v = add_param(params, p + "v", {c_.num_kv_heads * Dh, D});
-    x.o = add_param(params, p + "o", {D, c_.num_heads * Dh});
-    x.q_norm = add_param(params, p + "q_norm", {Dh});
-    x.k_norm = add_param(params, p + "k_norm", {Dh});
-  }
-
-  void hf_tensors(int64_t l, const std::string& p, std::vector<Param>& params, float out_scale,
-                  std::vector<HfTensor>& out) const override {
-    const Index& x = w_[l];
-    out.push_back(hf_tensor(p + "q_proj.weight", params[x.q]));
-    out.push_back(hf_tensor(p + "k_proj.weight", params[x.k]));
-    out.push_back(hf_tensor(p + "v_proj.weight", params[x.v]));
-    out.push_back(hf_tensor(p + "o_proj.weight", params[x.o], out_scale));
-    out.push_back(hf_tensor(p + "q_norm.weight", params[x.q_norm], 0.0f, 0.0f));  // zero-centred
-    out.push_back(hf_tensor(p + "k_norm.weight", params[x.k_norm], 0.0f, 0.0f));
-  }
-
-  std::unique_ptr<AttentionActs> make_acts() const override { return std::make_unique<Qwen35Acts>(); }
-
-  void allocate(const std::vector<AttentionActs*>& layers, Arena& a, DType act_dtype, int64_t B,
-                int64_t S) const override {
-    const int64_t N = B * S, Q = c_.num_heads * c_.head_dim, KV = c_.num_kv_heads * c_.head_dim;
-    auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
-    auto act = [&](Shape sh) { return a.alloc(act_dtype, sh); };
-    const Tensor att_g = act({N, Q}), d_att_g = act({N, Q}), d_att = act({N, Q}), d_q = act({N, Q}),
-                 d_qr = act({N, Q}), d_kr = act({N, KV}), d_gate = act({N, Q});
-    for (AttentionActs* base : layers) {
-      auto& x = static_cast<Qwen35Acts&>(*base);
-      x.qg = act({N, 2 * Q});
-      x.q = act({N, Q});
-      x.gate = act({N, Q});
-      x.k = act({N, KV});
-      x.v = act({N, KV});
-      x.rstd_q = f32({N * c_.num_heads});
-      x.rstd_k = f32({N * c_.num_kv_heads});
-      x.qr = act({N, Q});
-      x.kr = act({N, KV});
-      x.att = act({N, Q});
-      x.lse = f32({B, c_.num_heads, S});
-      x.att_g = att_g;
-      x.d_att_g = d_att_g;
-      x.d_att = d_att;
-      x.d_q = d_q;
-      x.d_qr = d_qr;
-      x.d_kr = d_kr;
-      x.d_gate = d_gate;
-      x.d_qg = act({N, 2 * Q});
-      x.d_k = act({N, KV});
-      x.d_v = act({N, KV});
-    }
-  }
-
-  void forward(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
-    const Index& w = w_[l];
-    auto& x = static_cast<Qwen35Acts&>(base);
-    const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
-    const float eps = static_cast<float>(c_.rms_norm_eps);
-    io.linear->forward(io.xn, {{P[w.q], x.qg}, {P[w.k], x.k}, {P[w.v], x.v}});
-    // Each head's [query | gate] halves apart.
-    const Tensor heads = x.qg.view({N * Hq, 2 * Dh});
-    mt::copy_columns(x.q.view({N * Hq, Dh}), 0, heads, 0, Dh, false);
-    mt::copy_columns(x.gate.view({N * Hq, Dh}), 0, heads, Dh, Dh, false);
-    rmsnorm_rope_forward(x.q.view({B, S, Hq, Dh}), P[w.q_norm].value, eps, io.cos, io.sin, x.qr.view({B, S, Hq, Dh}),
-                         x.rstd_q, 1.0f);
-    rmsnorm_rope_forward(x.k.view({B, S, Hkv, Dh}), P[w.k_norm].value, eps, io.cos, io.sin,
-                         x.kr.view({B, S, Hkv, Dh}), x.rstd_k, 1.0f);
-    io.attend->forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
-                       args(), x.att.view({B, S, Hq, Dh}), x.lse);
-    sigmoid_gate_forward(x.att, x.gate, x.att_g);
-    io.linear->forward(x.att_g, {{P[w.o], io.hm, 1.0f}});
-  }
-
-  void backward_input(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
-    const Index& w = w_[l];
-    auto& x = static_cast<Qwen35Acts&>(base);
-    const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
-    io.linear->backward_input(io.d_hm, P[w.o], x.d_att_g);
-    sigmoid_gate_backward(x.att, x.gate, x.d_att_g, x.d_att, x.d_gate);
-    io.attend->backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
-                        args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
-                        x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
-                        Tensor());
-    rmsnorm_rope_backward(x.q.view({B, S, Hq, Dh}), P[w.q_norm].value, x.rstd_q, io.cos, io.sin,
-                          x.d_qr.view({B, S, Hq, Dh}), x.d_q.view({B, S, Hq, Dh}), grad_zeroed(P[w.q_norm]), 1.0f);
-    rmsnorm_rope_backward(x.k.view({B, S, Hkv, Dh}), P[w.k_norm].value, x.rstd_k, io.cos, io.sin,
-                          x.d_kr.view({B, S, Hkv, Dh}), x.d_k.view({B, S, Hkv, Dh}), grad_zeroed(P[w.k_norm]), 1.0f);
-    const Tensor d_heads = x.d_qg.view({N * Hq, 2 * Dh});
-    mt::copy_columns(d_heads, 0, x.d_q.view({N * Hq, Dh}), 0, Dh, false);
-    mt::copy_columns(d_heads, Dh, x.d_gate.view({N * Hq, Dh}), 0, Dh, false);
-    io.linear->backward_input(x.d_qg, P[w.q], io.d_xn);
-    io.linear->backward_input(x.d_k, P[w.k], io.d_xn, 1.0f);
-    io.linear->backward_input(x.d_v, P[w.v], io.d_xn, 1.0f);
-  }
-
-  void backward_weight(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
-    const Index& w = w_[l];
-    auto& x = static_cast<Qwen35Acts&>(base);
-    sigmoid_gate_forward(x.att, x.gate, x.att_g);  // shared by the layers: made again
-    io.linear->backward_weight(x.att_g, {{io.d_hm, P[w.o]}});
-    io.linear->backward_weight(io.xn, {{x.d_qg, P[w.q]}, {x.d_k, P[w.k]}, {x.d_v, P[w.v]}});
-  }
-
- private:
-  struct Index {
-    int q = -1, k = -1, v = -1, o = -1, q_norm = -1, k_norm = -1;
-  };
-  cpu::AttentionArgs args() const {
-    return {.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)))};
-  }
-  Qwen35MoeConfig c_;
-  std::vector<Index> w_;
-};
-
-}  // namespace
-
 std::unique_ptr<Model> make_qwen3_5_moe(const Qwen35MoeConfig& c, const ModelOptions& options) {
   DecoderSpec d;
   d.vocab_size = c.vocab_size;
@@ -244,7 +106,11 @@ std::unique_ptr<Model> make_qwen3_5_moe(const Qwen35MoeConfig& c, const ModelOpt
   MT_CHECK(!any_linear || options.cp == nullptr || options.cp->size() == 1)
       << "Qwen3.5's gated DeltaNet layers (layer_types linear_attention) with parallelism.cp > 1 are not built yet: "
       << "their state would pass from each rank's chunk to the next (issue 61)";
-  Mixers mixers = every_layer(std::make_shared<Qwen35Attention>(c), d.num_layers);
+  Mixers mixers = every_layer(make_qwen_attention({.hidden_size = c.hidden_size, .num_layers = c.num_layers,
+                                                    .num_heads = c.num_heads, .num_kv_heads = c.num_kv_heads,
+                                                    .head_dim = c.head_dim, .rms_norm_eps = c.rms_norm_eps,
+                                                    .output_gate = true, .norm_offset = 1.0f}),
+                              d.num_layers);
   if (any_linear) {
     const std::shared_ptr<Attention> delta = make_gated_deltanet(
         {.hidden_size = c.hidden_size, .key_heads = c.linear_key_heads, .value_heads = c.linear_value_heads,

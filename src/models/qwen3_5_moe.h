@@ -3,10 +3,11 @@
 // decoder (models/decoder.h) with zero-centred norms (DecoderSpec::norm_weight_offset)
 // and a gated shared expert (DecoderSpec::shared_expert_gate).
 //
-// Full-attention layers: q_proj yields each head's query and an output gate side by side
-// ([q | gate] per head), q and k are RMS-normed per head with zero-centred weights and
-// rotated on the first partial_rotary_factor of the head's dims, and the attention's output
-// is multiplied by sigmoid(gate) before o_proj. The other layers (layer_types
+// Full-attention layers are Qwen3's attention with its output gate (models/qwen3_moe.h):
+// q_proj yields each head's query and an output gate side by side ([q | gate] per head),
+// q and k are RMS-normed per head with zero-centred weights and rotated on the first
+// partial_rotary_factor of the head's dims, and the attention's output is multiplied by
+// sigmoid(gate) before o_proj. The other layers (layer_types
 // "linear_attention") are gated DeltaNet, models/gated_deltanet.h (the CPU backend only for
 // now). The hub's vision-language folder (model_type "qwen3_5_moe", weights under
 // model.language_model.) is refused by name.

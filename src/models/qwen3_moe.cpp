@@ -4,7 +4,9 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "kernels/elementwise.h"
 #include "kernels/rmsnorm.h"
+#include "kernels/swiglu.h"
 #include "models/decoder.h"
 #include "models/hf_config.h"
 
@@ -63,24 +65,26 @@ Qwen3MoeConfig parse_qwen3_moe_config(const nlohmann::json& j, const std::string
 
 namespace {
 
-// Grouped-query attention with q/k norms per head before the rotation.
+// QwenAttention's activations (one layer, one micro-batch). With the output gate, q_proj's
+// output qg [N, Hq*2Dh] splits into q and gate, and d_q is B's alone (W reads d_qg).
 struct Qwen3Acts : AttentionActs {
   Tensor q, k, v;         // projections [N,Hq*Dh], [N,Hkv*Dh]
   Tensor rstd_q, rstd_k;  // q/k norm per head [N*Hq], [N*Hkv]
   Tensor qr, kr;          // normed and rotated
   Tensor att, lse;        // attention output [N,Hq*Dh], [B,Hq,S]
   Tensor d_att, d_qr, d_kr, d_v, d_q, d_k;
+  Tensor qg, gate, att_g, d_att_g, d_gate, d_qg;  // the output gate's
 };
 
-class Qwen3Attention final : public Attention {
+class QwenAttention final : public Attention {
  public:
-  explicit Qwen3Attention(const Qwen3MoeConfig& c) : c_(c) {}
+  explicit QwenAttention(const QwenAttentionSpec& c) : c_(c) {}
 
   void add_params(int64_t l, const std::string& p, std::vector<Param>& params) override {
     const int64_t D = c_.hidden_size, Dh = c_.head_dim;
-    if (static_cast<int64_t>(w_.size()) < c_.num_layers) w_.resize(c_.num_layers);
+    if (static_cast<int64_t>(w_.size()) < c_.num_layers) w_.resize(static_cast<size_t>(c_.num_layers));
     Index& x = w_[l];
-    x.q = add_param(params, p + "q", {c_.num_heads * Dh, D});
+    x.q = add_param(params, p + "q", {(c_.output_gate ? 2 : 1) * c_.num_heads * Dh, D});
     x.k = add_param(params, p + "k", {c_.num_kv_heads * Dh, D});
     x.v = add_param(params, p + "v", {c_.num_kv_heads * Dh, D});
     x.o = add_param(params, p + "o", {D, c_.num_heads * Dh});
@@ -91,12 +95,13 @@ class Qwen3Attention final : public Attention {
   void hf_tensors(int64_t l, const std::string& p, std::vector<Param>& params, float out_scale,
                   std::vector<HfTensor>& out) const override {
     const Index& x = w_[l];
+    const float one = 1.0f - c_.norm_offset;  // the norms' initial weight
     out.push_back(hf_tensor(p + "q_proj.weight", params[x.q]));
     out.push_back(hf_tensor(p + "k_proj.weight", params[x.k]));
     out.push_back(hf_tensor(p + "v_proj.weight", params[x.v]));
     out.push_back(hf_tensor(p + "o_proj.weight", params[x.o], out_scale));
-    out.push_back(hf_tensor(p + "q_norm.weight", params[x.q_norm], 0.0f, 1.0f));
-    out.push_back(hf_tensor(p + "k_norm.weight", params[x.k_norm], 0.0f, 1.0f));
+    out.push_back(hf_tensor(p + "q_norm.weight", params[x.q_norm], 0.0f, one));
+    out.push_back(hf_tensor(p + "k_norm.weight", params[x.k_norm], 0.0f, one));
   }
 
   std::unique_ptr<AttentionActs> make_acts() const override { return std::make_unique<Qwen3Acts>(); }
@@ -104,12 +109,20 @@ class Qwen3Attention final : public Attention {
   void allocate(const std::vector<AttentionActs*>& layers, Arena& a, DType act_dtype, int64_t B,
                 int64_t S) const override {
     const int64_t N = B * S, Q = c_.num_heads * c_.head_dim, KV = c_.num_kv_heads * c_.head_dim;
+    const bool gated = c_.output_gate;
     auto f32 = [&](Shape sh) { return a.alloc(DType::f32, sh); };
     auto act = [&](Shape sh) { return a.alloc(act_dtype, sh); };
-    // What only the layer's B reads: one set for all.
+    // What only the layer's B reads: one set for all (and with the gate, its output for
+    // the forward, made again in W).
     const Tensor d_att = act({N, Q}), d_qr = act({N, Q}), d_kr = act({N, KV});
+    const Tensor att_g = gated ? act({N, Q}) : Tensor(), d_att_g = gated ? act({N, Q}) : Tensor(),
+                 d_gate = gated ? act({N, Q}) : Tensor(), d_q = gated ? act({N, Q}) : Tensor();
     for (AttentionActs* base : layers) {
       auto& x = static_cast<Qwen3Acts&>(*base);
+      if (gated) {
+        x.qg = act({N, 2 * Q});
+        x.gate = act({N, Q});
+      }
       x.q = act({N, Q});
       x.k = act({N, KV});
       x.v = act({N, KV});
@@ -123,41 +136,67 @@ class Qwen3Attention final : public Attention {
       x.d_qr = d_qr;
       x.d_kr = d_kr;
       x.d_v = act({N, KV});
-      x.d_q = act({N, Q});
+      x.d_q = gated ? d_q : act({N, Q});
       x.d_k = act({N, KV});
+      if (gated) {
+        x.att_g = att_g;
+        x.d_att_g = d_att_g;
+        x.d_gate = d_gate;
+        x.d_qg = act({N, 2 * Q});
+      }
     }
   }
 
   void forward(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<Qwen3Acts&>(base);
-    const int64_t B = io.batch, S = io.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
+    const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
     const float eps = static_cast<float>(c_.rms_norm_eps);
-    io.linear->forward(io.xn, {{P[w.q], x.q}, {P[w.k], x.k}, {P[w.v], x.v}});
+    if (c_.output_gate) {  // each head's [query | gate] halves apart
+      io.linear->forward(io.xn, {{P[w.q], x.qg}, {P[w.k], x.k}, {P[w.v], x.v}});
+      const Tensor heads = x.qg.view({N * Hq, 2 * Dh});
+      mt::copy_columns(x.q.view({N * Hq, Dh}), 0, heads, 0, Dh, false);
+      mt::copy_columns(x.gate.view({N * Hq, Dh}), 0, heads, Dh, Dh, false);
+    } else {
+      io.linear->forward(io.xn, {{P[w.q], x.q}, {P[w.k], x.k}, {P[w.v], x.v}});
+    }
     // Normed and rotated in one pass: the backward needs only q, k and rstd.
     rmsnorm_rope_forward(x.q.view({B, S, Hq, Dh}), P[w.q_norm].value, eps, io.cos, io.sin, x.qr.view({B, S, Hq, Dh}),
-                         x.rstd_q);
+                         x.rstd_q, c_.norm_offset);
     rmsnorm_rope_forward(x.k.view({B, S, Hkv, Dh}), P[w.k_norm].value, eps, io.cos, io.sin,
-                         x.kr.view({B, S, Hkv, Dh}), x.rstd_k);
+                         x.kr.view({B, S, Hkv, Dh}), x.rstd_k, c_.norm_offset);
     io.attend->forward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
                        args(), x.att.view({B, S, Hq, Dh}), x.lse);
-    io.linear->forward(x.att, {{P[w.o], io.hm, 1.0f}});
+    if (c_.output_gate) sigmoid_gate_forward(x.att, x.gate, x.att_g);
+    io.linear->forward(c_.output_gate ? x.att_g : x.att, {{P[w.o], io.hm, 1.0f}});
   }
 
   void backward_input(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<Qwen3Acts&>(base);
-    const int64_t B = io.batch, S = io.seq, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
-    io.linear->backward_input(io.d_hm, P[w.o], x.d_att);
+    const int64_t B = io.batch, S = io.seq, N = B * S, Dh = c_.head_dim, Hq = c_.num_heads, Hkv = c_.num_kv_heads;
+    if (c_.output_gate) {
+      io.linear->backward_input(io.d_hm, P[w.o], x.d_att_g);
+      sigmoid_gate_backward(x.att, x.gate, x.d_att_g, x.d_att, x.d_gate);
+    } else {
+      io.linear->backward_input(io.d_hm, P[w.o], x.d_att);
+    }
     io.attend->backward(x.qr.view({B, S, Hq, Dh}), x.kr.view({B, S, Hkv, Dh}), x.v.view({B, S, Hkv, Dh}), Tensor(),
                         args(), x.att.view({B, S, Hq, Dh}), x.lse, x.d_att.view({B, S, Hq, Dh}),
                         x.d_qr.view({B, S, Hq, Dh}), x.d_kr.view({B, S, Hkv, Dh}), x.d_v.view({B, S, Hkv, Dh}),
                         Tensor());
     rmsnorm_rope_backward(x.q.view({B, S, Hq, Dh}), P[w.q_norm].value, x.rstd_q, io.cos, io.sin,
-                          x.d_qr.view({B, S, Hq, Dh}), x.d_q.view({B, S, Hq, Dh}), grad_zeroed(P[w.q_norm]));
+                          x.d_qr.view({B, S, Hq, Dh}), x.d_q.view({B, S, Hq, Dh}), grad_zeroed(P[w.q_norm]),
+                          c_.norm_offset);
     rmsnorm_rope_backward(x.k.view({B, S, Hkv, Dh}), P[w.k_norm].value, x.rstd_k, io.cos, io.sin,
-                          x.d_kr.view({B, S, Hkv, Dh}), x.d_k.view({B, S, Hkv, Dh}), grad_zeroed(P[w.k_norm]));
-    io.linear->backward_input(x.d_q, P[w.q], io.d_xn);
+                          x.d_kr.view({B, S, Hkv, Dh}), x.d_k.view({B, S, Hkv, Dh}), grad_zeroed(P[w.k_norm]),
+                          c_.norm_offset);
+    if (c_.output_gate) {
+      const Tensor d_heads = x.d_qg.view({N * Hq, 2 * Dh});
+      mt::copy_columns(d_heads, 0, x.d_q.view({N * Hq, Dh}), 0, Dh, false);
+      mt::copy_columns(d_heads, Dh, x.d_gate.view({N * Hq, Dh}), 0, Dh, false);
+    }
+    io.linear->backward_input(c_.output_gate ? x.d_qg : x.d_q, P[w.q], io.d_xn);
     io.linear->backward_input(x.d_k, P[w.k], io.d_xn, 1.0f);
     io.linear->backward_input(x.d_v, P[w.v], io.d_xn, 1.0f);
   }
@@ -165,8 +204,10 @@ class Qwen3Attention final : public Attention {
   void backward_weight(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
     const Index& w = w_[l];
     auto& x = static_cast<Qwen3Acts&>(base);
-    io.linear->backward_weight(x.att, {{io.d_hm, P[w.o]}});
-    io.linear->backward_weight(io.xn, {{x.d_q, P[w.q]}, {x.d_k, P[w.k]}, {x.d_v, P[w.v]}});
+    if (c_.output_gate) sigmoid_gate_forward(x.att, x.gate, x.att_g);  // shared by the layers: made again
+    io.linear->backward_weight(c_.output_gate ? x.att_g : x.att, {{io.d_hm, P[w.o]}});
+    io.linear->backward_weight(io.xn,
+                               {{c_.output_gate ? x.d_qg : x.d_q, P[w.q]}, {x.d_k, P[w.k]}, {x.d_v, P[w.v]}});
   }
 
  private:
@@ -176,7 +217,7 @@ class Qwen3Attention final : public Attention {
   cpu::AttentionArgs args() const {
     return {.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)))};
   }
-  Qwen3MoeConfig c_;
+  QwenAttentionSpec c_;
   std::vector<Index> w_;  // per layer, where its parameters sit in the decoder's params
 };
 
@@ -197,7 +238,15 @@ std::unique_ptr<Model> make_qwen3_moe(const Qwen3MoeConfig& c, const ModelOption
   d.router.normalize = c.norm_topk_prob;
   d.rope.theta = c.rope_theta;
   d.rope.rotary_dim = c.head_dim;
-  return make_decoder(d, every_layer(std::make_shared<Qwen3Attention>(c), d.num_layers), options);
+  return make_decoder(d, every_layer(make_qwen_attention({.hidden_size = c.hidden_size, .num_layers = c.num_layers,
+                                                          .num_heads = c.num_heads, .num_kv_heads = c.num_kv_heads,
+                                                          .head_dim = c.head_dim, .rms_norm_eps = c.rms_norm_eps}),
+                                     d.num_layers),
+                      options);
+}
+
+std::shared_ptr<Attention> make_qwen_attention(const QwenAttentionSpec& spec) {
+  return std::make_shared<QwenAttention>(spec);
 }
 
 }  // namespace mt
