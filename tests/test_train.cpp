@@ -3072,6 +3072,48 @@ TEST(Commands, DeepseekV3MtpExportsAsImported) {
   EXPECT_NE(out.find("which this run does not build (training.mtp_loss_weight = 0)"), std::string::npos) << out;
 }
 
+// Qwen3.5's hub layout (qwen3_5_moe_vl: qwen3_5_moe_b's language model under
+// model.language_model., a vision tower and an mtp. key beside it): the language model
+// trains as from the text-only folder, step for step; the banner counts what was set
+// aside; export-hf writes the language model as Qwen3_5MoeForCausalLM loads it (model.*
+// keys, model_type qwen3_5_moe_text), byte for byte the export of the text-only run.
+TEST(Commands, Qwen35HubFolderTrainsItsLanguageModel) {
+  const std::string dir = temp_dir("qwen3_5_vl");
+  auto train = [&](const std::string& name) {
+    return run(std::string(MOETRAIN_BIN) + " train --model.init=hf:" + fixture(name) + " --data.tokens=" +
+               fixture("qwen3_5_moe_b/tokens.npy") + " --training.steps=2 --training.micro_batch_size=1 " +
+               "--job.dump_folder=" + dir + "/" + name + " 2>&1");
+  };
+  auto [rc, out] = train("qwen3_5_moe_vl");
+  ASSERT_EQ(rc, 0) << out;
+  const io::HfWeights vl(fixture("qwen3_5_moe_vl"));
+  size_t aside = 0;
+  for (const std::string& n : vl.names()) aside += n.starts_with("model.visual.") || n.starts_with("mtp.");
+  ASSERT_GT(aside, 1u);
+  EXPECT_NE(out.find(std::to_string(aside) + " tensors of what no run here trains"), std::string::npos) << out;
+  std::tie(rc, out) = train("qwen3_5_moe_b");
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<nlohmann::json> a = metrics_of(dir + "/qwen3_5_moe_vl"), b = metrics_of(dir + "/qwen3_5_moe_b");
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << "step " << i + 1;
+  for (const std::string name : {"qwen3_5_moe_vl", "qwen3_5_moe_b"}) {
+    std::tie(rc, out) = run(std::string(MOETRAIN_BIN) + " export-hf --dtype fp32 --checkpoint " + dir + "/" + name +
+                            " --output " + dir + "/" + name + "_hf 2>&1");
+    ASSERT_EQ(rc, 0) << out;
+  }
+  const io::HfWeights x(dir + "/qwen3_5_moe_vl_hf"), y(dir + "/qwen3_5_moe_b_hf");
+  ASSERT_EQ(x.names(), y.names());
+  for (const std::string& name : x.names()) {
+    const std::span<const uint8_t> p = x.bytes(name), q = y.bytes(name);
+    EXPECT_TRUE(std::equal(p.begin(), p.end(), q.begin(), q.end())) << name;
+  }
+  std::vector<uint8_t> cb = io::read_file(dir + "/qwen3_5_moe_vl_hf/config.json");
+  const nlohmann::json c = nlohmann::json::parse(cb.begin(), cb.end());
+  EXPECT_EQ(c["model_type"], "qwen3_5_moe_text");
+  EXPECT_EQ(c["layer_types"].size(), 4u);
+}
+
 // What replicas do not take yet is refused at start, naming the keys: no ep, and with
 // ep 2 each of ZeRO-3, FP8, offload and a capacity.
 TEST(Commands, ExpertReplicasRefuseWhatTheyDoNotTake) {

@@ -208,6 +208,7 @@ Written write_export(const fs::path& ckpt, const fs::path& out, bool bf16, int64
   std::vector<uint8_t> cb = io::read_file((ckpt / "config.json").string());
   nlohmann::json config = nlohmann::json::parse(cb.begin(), cb.end(), nullptr, false);
   MT_CHECK(config.is_object()) << (ckpt / "config.json").string() << ": not a JSON object";
+  config = text_config(config);  // a multimodal import exports its language model alone
   config.erase("quantization_config");  // what was quantized on import is bf16 or fp32 now
   const char* torch_dtype = bf16 ? "bfloat16" : "float32";
   if (config.contains("dtype")) config["dtype"] = torch_dtype;

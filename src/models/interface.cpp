@@ -30,6 +30,31 @@ std::unique_ptr<Model> make_model(const std::string& config_json_path, const Mod
   return nullptr;
 }
 
+bool HfLayout::aside(const std::string& key) const {
+  for (const std::string& p : set_aside)
+    if (key.starts_with(p)) return true;
+  return false;
+}
+
+HfLayout hf_layout(const nlohmann::json& config) {
+  HfLayout l;
+  if (config.value("model_type", "") == "qwen3_5_moe") {
+    l.prefix = "model.language_model.";
+    l.set_aside = {"model.visual.", "mtp."};
+  }
+  return l;
+}
+
+nlohmann::json text_config(const nlohmann::json& config) {
+  if (config.value("model_type", "") != "qwen3_5_moe" || !config.contains("text_config")) return config;
+  nlohmann::json t = config["text_config"];
+  t["model_type"] = "qwen3_5_moe_text";
+  t["architectures"] = nlohmann::json::array({"Qwen3_5MoeForCausalLM"});
+  if (!t.contains("tie_word_embeddings") && config.contains("tie_word_embeddings"))
+    t["tie_word_embeddings"] = config["tie_word_embeddings"];
+  return t;
+}
+
 std::vector<int64_t> hf_shape(const HfTensor& t, int64_t experts) {
   std::vector<int64_t> s(t.value.shape.d.begin(), t.value.shape.d.begin() + t.value.ndim());
   if (t.fused.empty()) return s;

@@ -14,6 +14,8 @@
 
 #include "core/arena.h"
 #include "core/param.h"
+#include <nlohmann/json_fwd.hpp>
+
 #include "core/tensor.h"
 #include "models/linear.h"
 
@@ -338,6 +340,23 @@ class Model {
 
 // One switch on config.json's model_type.
 std::unique_ptr<Model> make_model(const std::string& config_json_path, const ModelOptions& options = {});
+
+// Where a Hugging Face folder keeps a model's keys. Most keep them as the model names them
+// (`model.`...); a multimodal release keeps its language model under another prefix and
+// towers beside it that no run here trains (Qwen3.5's hub folder, model_type qwen3_5_moe:
+// model.language_model., with model.visual. and mtp. set aside). From config.json's
+// object; `text_config` is what export-hf writes for the language model alone (the
+// config unchanged where the folder is one already).
+struct HfLayout {
+  std::string prefix = "model.";
+  std::vector<std::string> set_aside;  // key prefixes read by no one
+  std::string folder_key(const std::string& model_key) const {
+    return model_key.starts_with("model.") ? prefix + model_key.substr(6) : model_key;
+  }
+  bool aside(const std::string& key) const;
+};
+HfLayout hf_layout(const nlohmann::json& config);
+nlohmann::json text_config(const nlohmann::json& config);
 
 // Brings every Param's compute copy up to date with its master value (after an
 // optimizer step or a load); nothing to do on the CPU, where they are the same, nor

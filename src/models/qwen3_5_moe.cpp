@@ -14,12 +14,12 @@
 
 namespace mt {
 
-Qwen35MoeConfig parse_qwen3_5_moe_config(const nlohmann::json& j, const std::string& where) {
-  const std::string type = j.value("model_type", "");
-  MT_CHECK(type != "qwen3_5_moe")
-      << where << ": model_type qwen3_5_moe is the hub's vision-language folder (the language model under "
-      << "text_config, its weights under model.language_model.), which is not read yet; a folder that "
-      << "transformers' Qwen3_5MoeForCausalLM saves (model_type qwen3_5_moe_text) is";
+Qwen35MoeConfig parse_qwen3_5_moe_config(const nlohmann::json& config, const std::string& where) {
+  // The hub's folder (qwen3_5_moe): the language model's config under text_config
+  // (models/interface.h, hf_layout, says where its keys are).
+  const nlohmann::json j = text_config(config);
+  MT_CHECK(j.value("model_type", "") == "qwen3_5_moe_text")
+      << where << ": model_type qwen3_5_moe should keep its language model's config under text_config";
   Qwen35MoeConfig c;
   const HfConfig hf(j, where);
   c.vocab_size = hf.integer({"vocab_size"});

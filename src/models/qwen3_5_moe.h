@@ -9,8 +9,9 @@
 // partial_rotary_factor of the head's dims, and the attention's output is multiplied by
 // sigmoid(gate) before o_proj. The other layers (layer_types
 // "linear_attention") are gated DeltaNet, models/gated_deltanet.h (the CPU backend only for
-// now). The hub's vision-language folder (model_type "qwen3_5_moe", weights under
-// model.language_model.) is refused by name.
+// now). The hub's vision-language folder (model_type "qwen3_5_moe": the language model's
+// config under text_config, its weights under model.language_model.) imports its
+// language model; the vision tower and the MTP weights are set aside (HfLayout).
 #pragma once
 
 #include <memory>

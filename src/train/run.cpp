@@ -454,12 +454,13 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   // copies of the layers, cut into this rank's shards after.
   std::string resume;
   TrainState saved;
+  size_t set_aside = 0;  // a multimodal release's towers (HfLayout)
   if (start.tries.empty()) {
     trainer.materialize_weights();
     if (cfg.model.init == "random")
       init_random(*model, cfg.model.init_std, static_cast<uint64_t>(cfg.training.seed));
     else
-      load_hf(*model, cfg.model.init.substr(3));
+      set_aside = load_hf(*model, cfg.model.init.substr(3));
     trainer.commit_weights();
   } else {
     std::tie(resume, saved) = resume_run(cfg, start.tries, *model, trainer, world.comm(), writer);
@@ -473,6 +474,9 @@ int run_training(Config cfg, std::chrono::steady_clock::time_point started) {
   if (writer) {
     print_banner(cfg, mesh, config_json, model->num_layers(), counts, trainer);
     std::printf("  OpenMP threads a rank: %d\n%s", omp_get_max_threads(), adopted.c_str());
+    if (set_aside > 0)
+      std::printf("  set aside from %s: %zu tensors of what no run here trains (a vision tower, MTP layers)\n",
+                  cfg.model.init.substr(3).c_str(), set_aside);
     if (gpu_sharing.staged && cfg.training.device == "cuda")
       std::printf("  gpus: %s; each rank on a shared GPU may take %.2f GiB (training.device_memory_limit)\n",
                   gpu_sharing.text.c_str(), cfg.training.device_memory_limit);

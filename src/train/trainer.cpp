@@ -43,18 +43,20 @@ void init_random(Model& m, double init_std, uint64_t seed) {
   refresh_compute_weights(m.params());
 }
 
-void load_hf(Model& m, const std::string& folder) {
+size_t load_hf(Model& m, const std::string& folder) {
   io::HfWeights w(folder);
   // GPT-OSS's release keeps its experts in MXFP4 (io::dequantize_mxfp4).
   const std::string config = folder + "/config.json";
   bool mxfp4 = false;
   int64_t mtp = 0;  // DeepSeek-V3's multi-token prediction layers, after the model's
+  HfLayout layout;  // where the folder keeps the model's keys (a multimodal release)
   if (std::filesystem::exists(config)) {
     std::vector<uint8_t> b = io::read_file(config);
     nlohmann::json j = nlohmann::json::parse(b.begin(), b.end(), nullptr, false);
     const HfConfig hf(j, config);
     mxfp4 = hf.text({"quantization_config.quant_method"}, "") == "mxfp4";
     mtp = hf.integer({"num_nextn_predict_layers"}, 0);
+    if (j.is_object()) layout = hf_layout(j);
   }
   auto past_the_layers = [&](const std::string& name) {
     const std::string layers = "model.layers.";
@@ -77,24 +79,33 @@ void load_hf(Model& m, const std::string& folder) {
     return true;
   };
   std::set<std::string> used;  // the keys the model reads
+  size_t aside = 0;
   std::vector<float> host;
   std::vector<HfTensor> tensors = m.hf_tensors(), buffers = m.hf_buffers();
   tensors.insert(tensors.end(), buffers.begin(), buffers.end());
   for (const HfTensor& t : tensors) {
     std::vector<int64_t> shape = hf_shape(t, m.num_experts());
     host.resize(static_cast<size_t>(t.value.numel()));
+    const std::string key = layout.folder_key(t.fused.empty() ? t.name : t.fused);
     if (t.fused.empty())
-      w.read_f32(t.name, shape, host.data());
+      w.read_f32(key, shape, host.data());
     else  // only this expert's slice: an ep rank reads its own
-      w.read_slice_f32(t.fused, shape, t.fused_index, t.transposed, mxfp4, host.data());
+      w.read_slice_f32(key, shape, t.fused_index, t.transposed, mxfp4, host.data());
     copy(t.value, Tensor(host.data(), t.value.shape, DType::f32));
-    used.insert(t.fused.empty() ? t.name : t.fused);
+    used.insert(key);
   }
   refresh_compute_weights(m.params());
   // A key the model does not use is as suspicious as a missing one.
-  for (const std::string& name : w.names()) {
+  for (const std::string& folder_name : w.names()) {
+    if (layout.aside(folder_name)) {  // a tower no run here trains (the banner counts them)
+      ++aside;
+      continue;
+    }
+    const std::string name = folder_name.starts_with(layout.prefix) ? "model." + folder_name.substr(layout.prefix.size())
+                                                                    : folder_name;
     const bool quantized = mxfp4 && (name.ends_with("_blocks") || name.ends_with("_scales"));
-    const bool ok = used.contains(name) || (quantized && used.contains(name.substr(0, name.size() - 7))) ||
+    const bool ok = used.contains(folder_name) ||
+                    (quantized && used.contains(folder_name.substr(0, folder_name.size() - 7))) ||
                     m.held_by_another_rank(name);
       MT_CHECK(ok || copy_equal(name) || mtp == 0 || !past_the_layers(name))
         << folder << ": tensor " << name << " belongs to a multi-token prediction layer (num_nextn_predict_layers "
@@ -102,6 +113,7 @@ void load_hf(Model& m, const std::string& folder) {
         << "or import a copy of the folder without those layers' keys";
     MT_CHECK(ok || copy_equal(name)) << folder << ": tensor " << name << " is not a parameter of this model (config mismatch?)";
   }
+  return aside;
 }
 
 ModelOptions model_options(const Config& cfg) {

@@ -75,7 +75,7 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew);
 // Fills every parameter: random (seeded, per Hugging Face name, so any layout gives
 // the same values) or from a Hugging Face model folder.
 void init_random(Model& m, double init_std, uint64_t seed);
-void load_hf(Model& m, const std::string& folder);
+size_t load_hf(Model& m, const std::string& folder);
 
 // Token ids and labels of a [B, T] matrix: inputs are columns 0..T-2, labels 1..T-1.
 struct TokenBatch {
