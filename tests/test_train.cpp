@@ -2162,7 +2162,7 @@ TEST(Commands, Fp8MeshesMatchOneRank) {
 // gpt_oss), untied head: (2,1,1,1), (4,1,1,1),
 // (2,2,1,1), (2,1,1,2), (2,1,2,1), (2,2,1,2), 1F1B at pp 8, and dualpipev at pp 1 (the
 // V's two chunks on one rank). Losses, gradient norms and load-balance terms to 1e-5,
-// expert counts exactly, over 3 steps of 32 sequences of 16 tokens in micro-batches of
+// expert counts exactly, over 3 steps of 16 sequences (32 for the qwen3 config) of 16 tokens in micro-batches of
 // one: at least 8 micro-batches per rank, as dualpipev at pp 4 needs. A capacity
 // factor drops the same slots with pp as without. A checkpoint saved at pp 2 resumes at
 // pp 1 and at pp 4 and continues the same losses.
