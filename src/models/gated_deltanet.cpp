@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "comm/communicator.h"
 #include "core/check.h"
 #include "kernels/deltanet.h"
 #include "kernels/elementwise.h"
@@ -129,8 +130,6 @@ class GatedDeltaNet final : public Attention {
   }
 
   void forward(int64_t l, std::vector<Param>& P, AttentionActs& base, const AttentionIo& io) override {
-    MT_CHECK(io.attend->cp == nullptr) << "gated DeltaNet (layer " << l << ") with parallelism.cp > 1 is not built yet "
-                                       << "(the state would pass between the ranks' chunks)";
     const Index& w = w_[static_cast<size_t>(l)];
     auto& x = static_cast<DeltaActs&>(base);
     const int64_t B = io.batch, S = io.seq, N = B * S, C = channels(), Hk = s_.key_heads, Hv = s_.value_heads,
@@ -219,7 +218,14 @@ class GatedDeltaNet final : public Attention {
 
 }  // namespace
 
-std::shared_ptr<Attention> make_gated_deltanet(const GatedDeltaNetSpec& spec, int64_t num_layers) {
+std::shared_ptr<Attention> make_gated_deltanet(const GatedDeltaNetSpec& spec, int64_t num_layers,
+                                               const ModelOptions& options) {
+  MT_CHECK(options.device == Device::cpu)
+      << "gated DeltaNet layers (layer_types linear_attention) run on the CPU backend only for now: their CUDA "
+      << "kernels are not built yet (issue 61)";
+  MT_CHECK(options.cp == nullptr || options.cp->size() == 1)
+      << "gated DeltaNet layers (layer_types linear_attention) with parallelism.cp > 1 are not built yet: their state "
+      << "would pass from each rank's chunk to the next (issue 61)";
   return std::make_shared<GatedDeltaNet>(spec, num_layers);
 }
 

@@ -29,6 +29,9 @@ struct GatedDeltaNetSpec {
   double rms_norm_eps = 1e-6;
 };
 
-std::shared_ptr<Attention> make_gated_deltanet(const GatedDeltaNetSpec& spec, int64_t num_layers);
+// Refuses, by name and before any data is read, what it does not run yet: the GPU
+// (options.device) and context parallelism (options.cp over more than one rank).
+std::shared_ptr<Attention> make_gated_deltanet(const GatedDeltaNetSpec& spec, int64_t num_layers,
+                                               const ModelOptions& options);
 
 }  // namespace mt

@@ -5,7 +5,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "comm/communicator.h"
 #include "core/check.h"
 #include "models/decoder.h"
 #include "models/gated_deltanet.h"
@@ -99,24 +98,17 @@ std::unique_ptr<Model> make_qwen3_5_moe(const Qwen35MoeConfig& c, const ModelOpt
   d.router.normalize = true;  // Qwen3.5's router always renormalises the top-k
   d.rope.theta = c.rope_theta;
   d.rope.rotary_dim = c.rotary_dim;
-  const bool any_linear = std::find(c.linear.begin(), c.linear.end(), true) != c.linear.end();
-  MT_CHECK(!any_linear || options.device == Device::cpu)
-      << "Qwen3.5's gated DeltaNet layers (layer_types linear_attention) run on the CPU backend only for now: "
-      << "their CUDA kernels are not built yet (issue 61)";
-  MT_CHECK(!any_linear || options.cp == nullptr || options.cp->size() == 1)
-      << "Qwen3.5's gated DeltaNet layers (layer_types linear_attention) with parallelism.cp > 1 are not built yet: "
-      << "their state would pass from each rank's chunk to the next (issue 61)";
   Mixers mixers = every_layer(make_qwen_attention({.hidden_size = c.hidden_size, .num_layers = c.num_layers,
                                                     .num_heads = c.num_heads, .num_kv_heads = c.num_kv_heads,
                                                     .head_dim = c.head_dim, .rms_norm_eps = c.rms_norm_eps,
                                                     .output_gate = true, .norm_offset = 1.0f}),
                               d.num_layers);
-  if (any_linear) {
+  if (std::find(c.linear.begin(), c.linear.end(), true) != c.linear.end()) {
     const std::shared_ptr<Attention> delta = make_gated_deltanet(
         {.hidden_size = c.hidden_size, .key_heads = c.linear_key_heads, .value_heads = c.linear_value_heads,
          .key_dim = c.linear_key_dim, .value_dim = c.linear_value_dim, .conv_kernel = c.linear_conv_kernel,
          .rms_norm_eps = c.rms_norm_eps},
-        d.num_layers);
+        d.num_layers, options);
     for (int64_t l = 0; l < c.num_layers; ++l)
       if (c.linear[static_cast<size_t>(l)]) mixers[static_cast<size_t>(l)] = delta;
   }
