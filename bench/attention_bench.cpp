@@ -7,7 +7,12 @@
 // Then prints how far apart the two routes' results are (max |difference| of out, lse,
 // dq, dk, dv); the GPU op tests compare each route with the CPU.
 //
-//   attention_bench [T] [qwen3|gpt-oss]      (T defaults to 4096)
+// qwen3.5: one Qwen3.5-35B-A3B layer of each kind, the same way: its full attention
+// (Hq=16, Hkv=2, D=256) on cuDNN, and its gated DeltaNet's chunked rule (32 value heads
+// of 128 x 128, kernels/gated_delta.h) on our kernels, forward and forward+backward, and
+// the ratio of the two (the target: the rule within 2x of the attention).
+//
+//   attention_bench [T] [qwen3|gpt-oss|qwen3.5]      (T defaults to 4096)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +29,7 @@
 #include "kernels/attention.h"
 #include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/runtime.h"
+#include "kernels/gated_delta.h"
 #include "bench_util.h"
 
 namespace {
@@ -101,6 +107,63 @@ void run_shape(int64_t b, int64_t t, const Shape_& c) {
   std::printf("\n");
 }
 
+// The gated delta rule at Qwen3.5-35B-A3B's linear-attention shape against cuDNN's
+// attention at its full-attention shape, both bf16, B x T tokens.
+void run_qwen35(int64_t b, int64_t t) {
+  const int64_t hq = 16, hkv = 2, d = 256, h = 32, dk = 128, dv = 128;
+  const Shape qs{b, t, hq, d}, ks{b, t, hkv, d}, ls{b, hq, t};
+  cuda::set_attention_cudnn(true);
+  Buffer q(DType::bf16, qs), k(DType::bf16, ks), v(DType::bf16, ks), dout(DType::bf16, qs);
+  fill_random(q.t, -2.0f, 2.0f, 1);
+  fill_random(k.t, -1.0f, 1.0f, 2);
+  fill_random(v.t, -1.0f, 1.0f, 3);
+  fill_random(dout.t, -1.0f, 1.0f, 4);
+  cpu::AttentionArgs a;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  Buffer out(DType::bf16, qs), lse(DType::f32, ls), dq(DType::bf16, qs), dk_(DType::bf16, ks), dv_(DType::bf16, ks);
+  auto afwd = [&] { mt::attention_forward(q.t, k.t, v.t, Tensor(), a, out.t, lse.t); };
+  auto atrain = [&] {
+    afwd();
+    mt::attention_backward(q.t, k.t, v.t, Tensor(), a, out.t, lse.t, dout.t, dq.t, dk_.t, dv_.t, Tensor());
+  };
+  const int64_t calls = cuda::attention_cudnn_calls();
+  const double afwd_ms = median_ms(afwd), atrain_ms = median_ms(atrain);
+  const double flops = 2.0 * 2.0 * b * hq * visible_pairs(t, 0) * d;
+  std::printf("Qwen3.5-35B-A3B layers: B=%ld T=%ld bf16\n", static_cast<long>(b), static_cast<long>(t));
+  std::printf("  full attention (Hq=16 Hkv=2 D=256, %s): forward %8.3f ms %7.1f TFLOPS | forward+backward %8.3f ms "
+              "%7.1f TFLOPS\n",
+              cuda::attention_cudnn_calls() > calls ? "cuDNN" : "our kernel: cuDNN declined", afwd_ms,
+              flops / afwd_ms / 1e9, atrain_ms, 3.5 * flops / atrain_ms / 1e9);
+  // The rule's inputs as the mixer makes them: unit key rows (q also times 1 / sqrt(Dk)
+  // in the model; the scale does not change the work), decays and betas in range.
+  const Shape rq{b, t, h, dk}, rv{b, t, h, dv}, rs{b, t, h};
+  Buffer rq_(DType::bf16, rq), rk(DType::bf16, rq), rv_(DType::bf16, rv), rdo(DType::bf16, rv), g(DType::f32, rs),
+      beta(DType::f32, rs);
+  fill_random(rq_.t, -0.09f, 0.09f, 5);  // |row| about 0.6
+  fill_random(rk.t, -0.15f, 0.15f, 6);   // about 1
+  fill_random(rv_.t, -1.0f, 1.0f, 7);
+  fill_random(rdo.t, -1.0f, 1.0f, 8);
+  fill_random(g.t, -0.5f, -0.01f, 9);
+  fill_random(beta.t, 0.05f, 0.95f, 10);
+  Buffer o(DType::bf16, rv), gq(DType::bf16, rq), gk(DType::bf16, rq), gv(DType::bf16, rv), gg(DType::f32, rs),
+      gb(DType::f32, rs);
+  auto rfwd = [&] { mt::gated_delta_forward(rq_.t, rk.t, rv_.t, g.t, beta.t, Tensor(), o.t, Tensor()); };
+  auto rtrain = [&] {
+    rfwd();
+    mt::gated_delta_backward(rq_.t, rk.t, rv_.t, g.t, beta.t, Tensor(), rdo.t, Tensor(), gq.t, gk.t, gv.t, gg.t, gb.t,
+                             Tensor());
+  };
+  const double rfwd_ms = median_ms(rfwd), rtrain_ms = median_ms(rtrain);
+  std::printf("  gated delta rule (H=32 Dk=Dv=128, chunks of 64):             forward %8.3f ms | forward+backward "
+              "%8.3f ms\n",
+              rfwd_ms, rtrain_ms);
+  std::printf("  rule / attention: forward %.2fx, forward+backward %.2fx\n", rfwd_ms / afwd_ms, rtrain_ms / atrain_ms);
+  const std::vector<float> got = download(o.t);
+  double top = 0;
+  for (float x : got) top = std::max(top, static_cast<double>(std::fabs(x)));
+  std::printf("  max |rule output| %.3g (finite: %s)\n", top, std::isfinite(top) ? "yes" : "no");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -111,8 +174,8 @@ int main(int argc, char** argv) {
   }
   const int64_t b = 2, t = argc > 1 ? std::atoll(argv[1]) : 4096;
   const std::string model = argc > 2 ? argv[2] : "qwen3";
-  if (t <= 0 || (model != "qwen3" && model != "gpt-oss")) {
-    std::fprintf(stderr, "attention_bench: usage: attention_bench [T > 0] [qwen3|gpt-oss], got '%s' '%s'\n",
+  if (t <= 0 || (model != "qwen3" && model != "gpt-oss" && model != "qwen3.5")) {
+    std::fprintf(stderr, "attention_bench: usage: attention_bench [T > 0] [qwen3|gpt-oss|qwen3.5], got '%s' '%s'\n",
                  argc > 1 ? argv[1] : "", model.c_str());
     return 1;
   }
@@ -124,6 +187,10 @@ int main(int argc, char** argv) {
                                              {"GPT-OSS full layer", 64, 8, 64, 0, true},
                                              {"GPT-OSS window layer", 64, 8, 64, 128, true}};
   try {
+    if (model == "qwen3.5") {
+      run_qwen35(b, t);
+      return 0;
+    }
     for (const Shape_& c : shapes) run_shape(b, t, c);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "attention_bench: %s\n", e.what());

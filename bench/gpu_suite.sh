@@ -19,7 +19,7 @@
 #                       each recompute mode, each offload tier (the CPU without offload)
 #                       (cpu_v3_expert_bias: DeepSeek-V3's correction bias moving)
 #   meshes, zero3, pipeline, replicas, recompute_*, offload_*, balance_*, fp8_*, v3_meshes,
-#   cpu_v3_mtp*, v3_mtp_meshes, v3_mtp_pipeline (multi-token prediction)
+#   cpu_v3_mtp*, v3_mtp_meshes, v3_mtp_pipeline (multi-token prediction), qwen3_5_meshes
 #                       meshes of up to --ranks ranks (default 4) on the GPUs present,
 #                       against one GPU (tests/gpu/meshes.py): with more ranks than GPUs
 #                       the ranks share them and exchange through host memory
@@ -87,7 +87,10 @@ check fp8_pp2 "$on_gpus --lb micro_batch --pipeline --meshes 2,1,1,1 $fp8"
 # balanced, so the rest of the numerics agree as the other families' do).
 v3="--fixture deepseek_v3_a --rtol 0.035"
 check v3_meshes "$on_gpus $v3 --count-slack 16 --lb micro_batch --extra=--training.expert_bias_update_rate=0.001"
-for f in qwen3_moe_a deepseek_v2_a gpt_oss_a qwen3_5_moe_a; do
+# Qwen3.5's hybrid (gated DeltaNet and gated full attention): one GPU against the CPU,
+# and the meshes without cp (refused for DeltaNet layers).
+check qwen3_5_meshes "$on_gpus --fixture qwen3_5_moe_b --lb micro_batch --meshes '1,1,2 2,1,1 2,1,2 1,1,4'"
+for f in qwen3_moe_a deepseek_v2_a gpt_oss_a qwen3_5_moe_a qwen3_5_moe_b; do
   check "cpu_$f" "$vs_cpu --fixture $f"
   check "cpu_${f}_fp8" "$vs_cpu --fixture $f --rtol 0.05 $fp8"
 done

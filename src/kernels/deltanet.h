@@ -45,35 +45,43 @@ void deltanet_gates_backward(const Tensor& a, const Tensor& b, const Tensor& A_l
 
 }  // namespace mt::cpu
 
+namespace mt::cuda {
+
+// kernels/cuda/deltanet.cu: x, y, dy, dx, a, b, da, db f32 or bf16, the rest f32; the
+// convolution's K <= 8, and its dx apart from dy (other threads read the dy rows dx
+// would overwrite).
+void causal_conv1d_silu_forward(const Tensor& x, const Tensor& w, const Tensor& y);
+void causal_conv1d_silu_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                                 const Tensor& dw);
+void deltanet_gates_forward(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias,
+                            const Tensor& g, const Tensor& beta);
+void deltanet_gates_backward(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias,
+                             const Tensor& dg, const Tensor& dbeta, const Tensor& da, const Tensor& db,
+                             const Tensor& dA_log, const Tensor& ddt_bias);
+
+}  // namespace mt::cuda
+
 namespace mt {
 
-// CPU only for now: a GPU tensor fails here, by the op's name, rather than in a CPU loop.
 inline void causal_conv1d_silu_forward(const Tensor& x, const Tensor& w, const Tensor& y) {
-  MT_CHECK(y.device == Device::cpu)
-      << "causal_conv1d_silu_forward on the GPU is not built yet (issue 61: gated DeltaNet's CUDA kernels)";
-  cpu::causal_conv1d_silu_forward(x, w, y);
+  return MT_BACKEND(y.device == Device::cuda, causal_conv1d_silu_forward(x, w, y));
 }
 
 inline void causal_conv1d_silu_backward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
                                         const Tensor& dw) {
-  MT_CHECK(dx.device == Device::cpu)
-      << "causal_conv1d_silu_backward on the GPU is not built yet (issue 61: gated DeltaNet's CUDA kernels)";
-  cpu::causal_conv1d_silu_backward(x, w, dy, dx, dw);
+  return MT_BACKEND(dx.device == Device::cuda, causal_conv1d_silu_backward(x, w, dy, dx, dw));
 }
 
 inline void deltanet_gates_forward(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias,
                                    const Tensor& g, const Tensor& beta) {
-  MT_CHECK(g.device == Device::cpu)
-      << "deltanet_gates_forward on the GPU is not built yet (issue 61: gated DeltaNet's CUDA kernels)";
-  cpu::deltanet_gates_forward(a, b, A_log, dt_bias, g, beta);
+  return MT_BACKEND(g.device == Device::cuda, deltanet_gates_forward(a, b, A_log, dt_bias, g, beta));
 }
 
 inline void deltanet_gates_backward(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias,
                                     const Tensor& dg, const Tensor& dbeta, const Tensor& da, const Tensor& db,
                                     const Tensor& dA_log, const Tensor& ddt_bias) {
-  MT_CHECK(da.device == Device::cpu)
-      << "deltanet_gates_backward on the GPU is not built yet (issue 61: gated DeltaNet's CUDA kernels)";
-  cpu::deltanet_gates_backward(a, b, A_log, dt_bias, dg, dbeta, da, db, dA_log, ddt_bias);
+  return MT_BACKEND(da.device == Device::cuda,
+                    deltanet_gates_backward(a, b, A_log, dt_bias, dg, dbeta, da, db, dA_log, ddt_bias));
 }
 
 }  // namespace mt

@@ -83,22 +83,33 @@ extern template void gated_delta_chunked_backward<double>(const GatedDeltaDims&,
 
 }  // namespace mt::cpu
 
-// The CUDA kernel will add its mt::cuda declarations here; until then the dispatchers
-// refuse a GPU tensor by name.
+namespace mt::cuda {
+
+// kernels/cuda/gated_delta.cu: chunks of 64, states in f32. q, k, v, out, dout, dq, dk, dv
+// f32 or bf16; g, beta, dg, dbeta and the states f32; Dk, Dv <= 128. The backward
+// allocates a workspace of one batch row's states and stashes (that file's header).
+void gated_delta_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                         const Tensor& state_in, const Tensor& out, const Tensor& state_out);
+void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                          const Tensor& state_in, const Tensor& dout, const Tensor& d_state_out, const Tensor& dq,
+                          const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dbeta,
+                          const Tensor& d_state_in);
+
+}  // namespace mt::cuda
+
 namespace mt {
 
 inline void gated_delta_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                 const Tensor& state_in, const Tensor& out, const Tensor& state_out) {
-  MT_CHECK(out.device == Device::cpu) << "gated_delta_forward on the GPU is not built yet (issue 61)";
-  cpu::gated_delta_forward(q, k, v, g, beta, state_in, out, state_out);
+  return MT_BACKEND(out.device == Device::cuda, gated_delta_forward(q, k, v, g, beta, state_in, out, state_out));
 }
 
 inline void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                  const Tensor& beta, const Tensor& state_in, const Tensor& dout,
                                  const Tensor& d_state_out, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const Tensor& dg, const Tensor& dbeta, const Tensor& d_state_in) {
-  MT_CHECK(dq.device == Device::cpu) << "gated_delta_backward on the GPU is not built yet (issue 61)";
-  cpu::gated_delta_backward(q, k, v, g, beta, state_in, dout, d_state_out, dq, dk, dv, dg, dbeta, d_state_in);
+  return MT_BACKEND(dq.device == Device::cuda, gated_delta_backward(q, k, v, g, beta, state_in, dout, d_state_out, dq,
+                                                                    dk, dv, dg, dbeta, d_state_in));
 }
 
 }  // namespace mt

@@ -220,9 +220,6 @@ class GatedDeltaNet final : public Attention {
 
 std::shared_ptr<Attention> make_gated_deltanet(const GatedDeltaNetSpec& spec, int64_t num_layers,
                                                const ModelOptions& options) {
-  MT_CHECK(options.device == Device::cpu)
-      << "gated DeltaNet layers (layer_types linear_attention) run on the CPU backend only for now: their CUDA "
-      << "kernels are not built yet (issue 61)";
   MT_CHECK(options.cp == nullptr || options.cp->size() == 1)
       << "gated DeltaNet layers (layer_types linear_attention) with parallelism.cp > 1 are not built yet: their state "
       << "would pass from each rank's chunk to the next (issue 61)";

@@ -13,8 +13,8 @@
 // 1 / Dk for q, folding its scale): rmsnorm's rstd is sqrt(Dk) / sqrt(sum + eps). The
 // gated RMSNorm is rmsnorm, then swiglu over each head's [z | normed]. The conv's and
 // the gates' weight gradients are taken in B, with their input gradients, as the
-// decoder's norms are. The CPU backend only (the GPU's kernels come with issue 61), one
-// rank's whole sequences (parallelism.cp > 1 is refused), no state between micro-batches.
+// decoder's norms are. Both backends; one rank's whole sequences (parallelism.cp > 1 is
+// refused), no state between micro-batches.
 #pragma once
 
 #include <memory>
@@ -29,8 +29,8 @@ struct GatedDeltaNetSpec {
   double rms_norm_eps = 1e-6;
 };
 
-// Refuses, by name and before any data is read, what it does not run yet: the GPU
-// (options.device) and context parallelism (options.cp over more than one rank).
+// Refuses, by name and before any data is read, what it does not run yet: context
+// parallelism (options.cp over more than one rank).
 std::shared_ptr<Attention> make_gated_deltanet(const GatedDeltaNetSpec& spec, int64_t num_layers,
                                                const ModelOptions& options);
 

@@ -10,7 +10,9 @@
 
 #include "gpu/gpu_test.h"
 #include "kernels/cuda/runtime.h"
+#include "kernels/deltanet.h"
 #include "kernels/embedding.h"
+#include "kernels/gated_delta.h"
 #include "kernels/elementwise.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
@@ -476,6 +478,148 @@ TEST(CudaSigmoidGate, MatchesCpu) {
       for (int64_t j = 0; j < c; ++j) bound[r * gc + (row_gate ? 0 : j)] += std::fabs(d[r * c + j] * v[r * c + j]) / 4;
     for (float& b : bound) b = static_cast<float>(b * (c + 16) * kF32Round);
     EXPECT_TRUE(near("ds", download(ds.t), want_ds, Tol{round, 0, bound}));
+  }
+}
+
+// The gated delta rule against the CPU's chunked form run in float64 on the same (rounded)
+// inputs, with q and k unit rows as the model feeds them: a state in and out, the state's
+// gradient in and out, chunks past the first with a partial last one, value tiles with a
+// partial last one (Dv 72 = 32 + 32 + 8), and Qwen3.5's head (128 x 128) in bf16. The GPU
+// works in f32 through a chunk's products and 64-term triangular solves: errors of a few
+// 1e-6 of the largest value of each output, so 1e-4 of it, plus a bf16 output's rounding.
+TEST(CudaGatedDelta, MatchesFloat64) {
+  MT_SKIP_WITHOUT_GPU();
+  struct Case {
+    int64_t B, T, H, dk, dv;
+    DType act;
+    bool states;
+  };
+  uint64_t seed = 6100;
+  for (const Case& c : {Case{2, 150, 3, 40, 72, DType::f32, true}, Case{1, 64, 2, 16, 8, DType::f32, false},
+                        Case{1, 200, 2, 128, 128, DType::bf16, true}}) {
+    SCOPED_TRACE("B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " Dk=" + std::to_string(c.dk) +
+                 " Dv=" + std::to_string(c.dv) + " " + std::string(dtype_name(c.act)));
+    const int64_t nq = c.B * c.T * c.H * c.dk, nv = c.B * c.T * c.H * c.dv, ns = c.B * c.T * c.H,
+                  nst = c.B * c.H * c.dk * c.dv;
+    auto unit_rows = [&](std::vector<float> x, float scale) {
+      for (int64_t r = 0; r < nq / c.dk; ++r) {
+        double n2 = 0;
+        for (int64_t a = 0; a < c.dk; ++a) n2 += double(x[r * c.dk + a]) * x[r * c.dk + a];
+        for (int64_t a = 0; a < c.dk; ++a) x[r * c.dk + a] = float(x[r * c.dk + a] * scale / std::sqrt(n2));
+      }
+      return x;
+    };
+    auto q = unit_rows(random_floats(nq, -1, 1, ++seed), 1.0f / std::sqrt(float(c.dk)));
+    auto k = unit_rows(random_floats(nq, -1, 1, ++seed), 1.0f);
+    auto v = random_floats(nv, -1, 1, ++seed), dout = random_floats(nv, -1, 1, ++seed);
+    auto g = random_floats(ns, -0.6f, -0.01f, ++seed), beta = random_floats(ns, 0.05f, 0.95f, ++seed);
+    auto s_in = c.states ? random_floats(nst, -0.5f, 0.5f, ++seed) : std::vector<float>();
+    auto ds_out = c.states ? random_floats(nst, -0.5f, 0.5f, ++seed) : std::vector<float>();
+    if (c.act == DType::bf16) q = round_bf16(q), k = round_bf16(k), v = round_bf16(v), dout = round_bf16(dout);
+    // float64 reference
+    auto wide = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+    const auto q8 = wide(q), k8 = wide(k), v8 = wide(v), g8 = wide(g), b8 = wide(beta), si8 = wide(s_in),
+               do8 = wide(dout), dso8 = wide(ds_out);
+    std::vector<double> o8(nv), so8(nst), dq8(nq), dk8(nq), dv8(nv), dg8(ns), db8(ns), dsi8(nst);
+    const cpu::GatedDeltaDims n{c.B, c.T, c.H, c.dk, c.dv, 64};
+    cpu::gated_delta_chunked_forward<double>(n, q8.data(), k8.data(), v8.data(), g8.data(), b8.data(),
+                                             c.states ? si8.data() : nullptr, o8.data(), so8.data());
+    cpu::gated_delta_chunked_backward<double>(n, q8.data(), k8.data(), v8.data(), g8.data(), b8.data(),
+                                              c.states ? si8.data() : nullptr, do8.data(),
+                                              c.states ? dso8.data() : nullptr, dq8.data(), dk8.data(), dv8.data(),
+                                              dg8.data(), db8.data(), dsi8.data());
+    const Shape sq{c.B, c.T, c.H, c.dk}, sv{c.B, c.T, c.H, c.dv}, ss{c.B, c.T, c.H}, sst{c.B, c.H, c.dk, c.dv};
+    auto d_q = upload(q, c.act, sq), d_k = upload(k, c.act, sq), d_v = upload(v, c.act, sv),
+         d_do = upload(dout, c.act, sv), d_g = upload(g, DType::f32, ss), d_b = upload(beta, DType::f32, ss);
+    auto state = [&](const std::vector<float>& x) {  // empty (no state) when the case has none
+      return c.states ? upload(x, DType::f32, sst) : DeviceTensor(DType::f32, Shape{0});
+    };
+    auto d_si = state(s_in), d_dso = state(ds_out);
+    auto out = poisoned(c.act, sv), s_out = poisoned(DType::f32, sst), dq = poisoned(c.act, sq),
+         dk = poisoned(c.act, sq), dv = poisoned(c.act, sv), dg = poisoned(DType::f32, ss),
+         db = poisoned(DType::f32, ss), ds_in = poisoned(DType::f32, sst);
+    cuda::gated_delta_forward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, out.t, s_out.t);
+    cuda::gated_delta_backward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, d_do.t, d_dso.t, dq.t, dk.t, dv.t, dg.t,
+                               db.t, ds_in.t);
+    const double round = c.act == DType::bf16 ? kBf16Round : 0.0;
+    auto check = [&](const char* what, const Tensor& got, const std::vector<double>& want, double rounding) {
+      std::vector<float> w(want.begin(), want.end());
+      double top = 0;
+      for (double x : want) top = std::max(top, std::fabs(x));
+      EXPECT_GT(top, 0.0) << what;
+      EXPECT_TRUE(near(what, download(got), w, Tol{rounding, 1e-4 * top}));
+    };
+    check("out", out.t, o8, round);
+    check("state_out", s_out.t, so8, 0);
+    check("dq", dq.t, dq8, round);
+    check("dk", dk.t, dk8, round);
+    check("dv", dv.t, dv8, round);
+    check("dg", dg.t, dg8, 0);
+    check("dbeta", db.t, db8, 0);
+    check("d_state_in", ds_in.t, dsi8, 0);
+    // Twice: the same bits (every sum in a fixed order).
+    auto dq2 = poisoned(c.act, sq), dk2 = poisoned(c.act, sq), dv2 = poisoned(c.act, sv),
+         dg2 = poisoned(DType::f32, ss), db2 = poisoned(DType::f32, ss);
+    cuda::gated_delta_backward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, d_do.t, d_dso.t, dq2.t, dk2.t, dv2.t, dg2.t,
+                               db2.t, Tensor());
+    EXPECT_EQ(download(dq2.t), download(dq.t));
+    EXPECT_EQ(download(dg2.t), download(dg.t));
+  }
+}
+
+// The convolution and the gates against the CPU, bf16 and f32 activations. The forward
+// and dx sum K (4) products in the CPU's order: a few f32 roundings, then the storage's;
+// dw sums B T products per weight in blocks of 256 tokens (another order): (B T + 16)
+// 2^-24 of the sum of their sizes; the gates' per-head sums likewise over N rows.
+TEST(CudaDeltaNet, ConvAndGatesMatchCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 6200;
+  for (auto [B, T, C, K, act] : {std::tuple{2, 300, 70, 4, DType::bf16}, {1, 5, 9, 4, DType::f32},
+                                 {3, 17, 33, 2, DType::f32}}) {
+    SCOPED_TRACE("B=" + std::to_string(B) + " T=" + std::to_string(T) + " C=" + std::to_string(C));
+    auto x = random_floats(int64_t{B} * T * C, -2, 2, ++seed), dy = random_floats(int64_t{B} * T * C, -1, 1, ++seed);
+    auto w = random_floats(int64_t{C} * K, -0.5, 0.5, ++seed);
+    if (act == DType::bf16) x = round_bf16(x), dy = round_bf16(dy);
+    std::vector<float> y(x.size()), dx(x.size()), dw(w.size(), 0.25f);
+    const Shape sx{B, T, C}, sw{C, K};
+    cpu::causal_conv1d_silu_forward(host(x, sx), host(w, sw), host(y, sx));
+    cpu::causal_conv1d_silu_backward(host(x, sx), host(w, sw), host(dy, sx), host(dx, sx), host(dw, sw));
+    auto d_x = upload(x, act, sx), d_dy = upload(dy, act, sx), d_w = upload(w, DType::f32, sw);
+    auto d_y = poisoned(act, sx), d_dx = poisoned(act, sx);
+    auto d_dw = upload(std::vector<float>(w.size(), 0.25f), DType::f32, sw);
+    cuda::causal_conv1d_silu_forward(d_x.t, d_w.t, d_y.t);
+    cuda::causal_conv1d_silu_backward(d_x.t, d_w.t, d_dy.t, d_dx.t, d_dw.t);
+    const double round = act == DType::bf16 ? kBf16Round : 0.0;
+    EXPECT_TRUE(near("y", download(d_y.t), y, Tol{round + 32 * kF32Round, 1e-6}));
+    EXPECT_TRUE(near("dx", download(d_dx.t), dx, Tol{round + 64 * kF32Round, 1e-6}));
+    EXPECT_TRUE(near("dw", download(d_dw.t), dw, Tol{0, (B * T + 16) * kF32Round * 2.0 * K}));
+  }
+  for (auto [N, H, act] : {std::tuple{300, 5, DType::bf16}, {7, 32, DType::f32}}) {
+    auto a = random_floats(int64_t{N} * H, -3, 3, ++seed), b = random_floats(int64_t{N} * H, -3, 3, ++seed);
+    auto A_log = random_floats(H, -1, 1, ++seed), dt = random_floats(H, -1, 1, ++seed);
+    auto dg = random_floats(int64_t{N} * H, -1, 1, ++seed), dbeta = random_floats(int64_t{N} * H, -1, 1, ++seed);
+    a[0] = 30.0f;  // past softplus's threshold
+    if (act == DType::bf16) a = round_bf16(a), b = round_bf16(b);
+    std::vector<float> g(a.size()), beta(a.size()), da(a.size()), db(a.size()), dA(H, 0.5f), ddt(H, -0.5f);
+    const Shape s{N, H}, sh{H};
+    cpu::deltanet_gates_forward(host(a, s), host(b, s), host(A_log, sh), host(dt, sh), host(g, s), host(beta, s));
+    cpu::deltanet_gates_backward(host(a, s), host(b, s), host(A_log, sh), host(dt, sh), host(dg, s), host(dbeta, s),
+                                 host(da, s), host(db, s), host(dA, sh), host(ddt, sh));
+    auto d_a = upload(a, act, s), d_b = upload(b, act, s), d_A = upload(A_log, DType::f32, sh),
+         d_dt = upload(dt, DType::f32, sh), d_dg = upload(dg, DType::f32, s), d_dbeta = upload(dbeta, DType::f32, s);
+    auto d_g = poisoned(DType::f32, s), d_beta = poisoned(DType::f32, s), d_da = poisoned(act, s),
+         d_db = poisoned(act, s);
+    auto d_dA = upload(std::vector<float>(H, 0.5f), DType::f32, sh), d_ddt = upload(std::vector<float>(H, -0.5f), DType::f32, sh);
+    cuda::deltanet_gates_forward(d_a.t, d_b.t, d_A.t, d_dt.t, d_g.t, d_beta.t);
+    cuda::deltanet_gates_backward(d_a.t, d_b.t, d_A.t, d_dt.t, d_dg.t, d_dbeta.t, d_da.t, d_db.t, d_dA.t, d_ddt.t);
+    const double round = act == DType::bf16 ? kBf16Round : 0.0;
+    EXPECT_TRUE(near("g", download(d_g.t), g, Tol{32 * kF32Round}));
+    EXPECT_TRUE(near("beta", download(d_beta.t), beta, Tol{16 * kF32Round}));
+    EXPECT_TRUE(near("da", download(d_da.t), da, Tol{round + 32 * kF32Round, 1e-7}));
+    EXPECT_TRUE(near("db", download(d_db.t), db, Tol{round + 32 * kF32Round, 1e-7}));
+    const double sums = (N + 16) * kF32Round * 3.0 * 30;  // |dg| <= 1, |scale softplus| <= e 33
+    EXPECT_TRUE(near("dA_log", download(d_dA.t), dA, Tol{0, sums}));
+    EXPECT_TRUE(near("ddt_bias", download(d_ddt.t), ddt, Tol{0, sums}));
   }
 }
 

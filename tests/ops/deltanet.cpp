@@ -141,21 +141,6 @@ TEST(DeltanetGates, RejectsMismatchedShapes) {
                "deltanet_gates b should be f32[4,3], got f32[4,4]@cpu");
 }
 
-// No CUDA kernels yet: the dispatchers refuse a GPU tensor by the op's name (before any
-// pointer is read, so host memory labelled cuda is enough to check it).
-TEST(Deltanet, GpuTensorsAreRefusedByName) {
-  auto x = HostTensor::f32({1, 2, 3}), w = HostTensor::f32({3, 4}), y = HostTensor::f32({1, 2, 3});
-  Tensor y_gpu = y.t;
-  y_gpu.device = Device::cuda;
-  expect_error([&] { causal_conv1d_silu_forward(x.t, w.t, y_gpu); },
-               "causal_conv1d_silu_forward on the GPU is not built yet (issue 61: gated DeltaNet's CUDA kernels)");
-  auto a = HostTensor::f32({2, 3}), h = HostTensor::f32({3});
-  Tensor g_gpu = a.t;
-  g_gpu.device = Device::cuda;
-  expect_error([&] { deltanet_gates_forward(a.t, a.t, h.t, h.t, g_gpu, g_gpu); },
-               "deltanet_gates_forward on the GPU is not built yet");
-}
-
 }  // namespace
 
 }  // namespace mt::test
