@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def flops_per_token(cfg, seq):
     d, h, v, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    k, i = cfg["num_experts_per_tok"], cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+    k, i = cfg["num_experts_per_tok"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     if cfg["model_type"] in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
         dn, dr, dv, r, rq = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"],
                              cfg.get("q_lora_rank") or 0)
@@ -64,21 +64,37 @@ def flops_per_token(cfg, seq):
         mlp = (layers - dense) * (d * e + (k + shared) * 3 * d * i) + dense * 3 * d * cfg["intermediate_size"]
     else:
         dq = dv = cfg["head_dim"]
-        attention = d * h * dq + 2 * d * cfg["num_key_value_heads"] * dq + h * dq * d
-        mlp = layers * (d * cfg.get("num_experts", cfg.get("num_local_experts", 0)) + k * 3 * d * i)
+        gate = 2 if cfg.get("attn_output_gate") else 1  # Qwen3.5: q_proj also yields the output gate
+        attention = gate * d * h * dq + 2 * d * cfg["num_key_value_heads"] * dq + h * dq * d
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        mlp = layers * (d * cfg.get("num_experts", cfg.get("num_local_experts", 0)) + k * 3 * d * i
+                        + (3 * d * shared + d if shared else 0))
     # Attention: 12 * H * (Dqk + Dv) / 2 FLOPs per visible key (QK and PV, forward and
     # backward); a causal row sees (S + 1) / 2 keys on average, a sliding one at most W.
+    # Qwen3.5's linear_attention layers (gated DeltaNet) have no keys to count: their
+    # projections ([qkv | z | b | a] and out) count as parameters, and the rule as its
+    # recurrent form's three Dk x Dv products a token and value head (S^T k, the rank-one
+    # update, S^T q), times 3 for training; the chunked form does more (its C x C blocks),
+    # as flash attention's recomputation is not counted either.
     window = cfg.get("sliding_window") or seq
     kinds = cfg.get("layer_types") or ["full_attention"] * layers
-    keys = [sum(min(t + 1, window if kind == "sliding_attention" else seq) for t in range(seq)) / seq for kind in kinds]
-    active = layers * attention + mlp + v * d
+    linear = sum(kind == "linear_attention" for kind in kinds)
+    keys = [sum(min(t + 1, window if kind == "sliding_attention" else seq) for t in range(seq)) / seq
+            for kind in kinds if kind != "linear_attention"]
+    active = (layers - linear) * attention + mlp + v * d
+    rule = 0
+    if linear:
+        hk, hv, dk_, dv_ = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+                            cfg["linear_value_head_dim"])
+        active += linear * (d * (2 * hk * dk_ + 2 * hv * dv_ + 2 * hv) + hv * dv_ * d)
+        rule = linear * 3 * hv * 2 * 3 * dk_ * dv_
     # DeepSeek-V3's multi-token prediction depths, where moetrain builds them: each one
     # more MoE layer, eh_proj [D, 2D] and the head again, on every position.
     depths = (cfg.get("num_nextn_predict_layers") or 0) if cfg["model_type"] in ("deepseek_v3", "kimi_k2") else 0
     if depths:
         active += depths * (attention + d * e + (k + shared) * 3 * d * i + 2 * d * d + v * d)
         keys += keys[-1:] * depths
-    return 6 * active + sum(6 * h * (dq + dv) * n for n in keys), active
+    return 6 * active + sum(6 * h * (dq + dv) * n for n in keys) + rule, active
 
 
 def gemm_peak(fp8=False):
@@ -117,6 +133,12 @@ def baseline(cfg, batch, seq, steps, warmup, compiled, micro_batches=1):
         model = AutoModelForCausalLM.from_config(conf).float()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("grouped_mm")
+    for m in model.modules():  # Qwen3.5: which gated delta rule transformers runs
+        rule = getattr(m, "chunk_gated_delta_rule", None)
+        if rule is not None:
+            print(f"  transformers' gated delta rule: {getattr(rule, '__module__', '?')}."
+                  f"{getattr(rule, '__name__', type(rule).__name__)}", flush=True)
+            break
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     tokens = torch.randint(0, cfg["vocab_size"], (micro_batches, batch, seq + 1), device="cuda")
