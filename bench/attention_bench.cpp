@@ -153,11 +153,13 @@ void run_qwen35(int64_t b, int64_t t) {
     mt::gated_delta_backward(rq_.t, rk.t, rv_.t, g.t, beta.t, Tensor(), rdo.t, Tensor(), gq.t, gk.t, gv.t, gg.t, gb.t,
                              Tensor());
   };
-  const double rfwd_ms = median_ms(rfwd), rtrain_ms = median_ms(rtrain);
-  std::printf("  gated delta rule (H=32 Dk=Dv=128, chunks of 64):             forward %8.3f ms | forward+backward "
-              "%8.3f ms\n",
-              rfwd_ms, rtrain_ms);
-  std::printf("  rule / attention: forward %.2fx, forward+backward %.2fx\n", rfwd_ms / afwd_ms, rtrain_ms / atrain_ms);
+  for (const bool tc : {false, true}) {
+    cuda::set_gated_delta_tensor_cores(tc);
+    const double rfwd_ms = median_ms(rfwd), rtrain_ms = median_ms(rtrain);
+    std::printf("  gated delta rule (H=32 Dk=Dv=128, chunks of 64, %s): forward %8.3f ms | forward+backward "
+                "%8.3f ms; rule / attention: forward %.2fx, forward+backward %.2fx\n",
+                tc ? "tensor cores, tf32" : "SIMT f32", rfwd_ms, rtrain_ms, rfwd_ms / afwd_ms, rtrain_ms / atrain_ms);
+  }
   const std::vector<float> got = download(o.t);
   double top = 0;
   for (float x : got) top = std::max(top, static_cast<double>(std::fabs(x)));

@@ -1354,7 +1354,8 @@ static void expect_same_run(const std::string& a, const std::string& b) {
 
 // training.activation_checkpoint: selective and full recompute what none keeps, with the
 // same kernels on the same inputs, so every loss, gradient norm and AdamW moment after
-// three steps is the same bits as none's: on one rank for each family, and on the ep 2,
+// three steps is the same bits as none's: on one rank for each family (Qwen3.5's on its
+// hybrid fixture, DeltaNet layers included), and on the ep 2,
 // cp 2 x ep 2, pp 2 (both schedules) and pp 2 x ep 2 meshes (the pipeline fixture,
 // whose 8 layers DualPipeV needs).
 TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
@@ -1367,7 +1368,7 @@ TEST(Commands, ActivationCheckpointingGivesTheSameBits) {
   };
   auto same = [&](const std::string& a, const std::string& b) { expect_same_run(dir + "/" + a, dir + "/" + b); };
   const char* modes[] = {"none", "selective", "full"};
-  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp"}) {
+  for (std::string model : {"qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp", "qwen3_5_moe_b"}) {
     for (std::string m : modes)
       train("", model + m,
             " --model.init=hf:" + fixture(model) + " --data.tokens=" + fixture(model + "/tokens.npy") +

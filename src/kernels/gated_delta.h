@@ -94,6 +94,10 @@ void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
                           const Tensor& state_in, const Tensor& dout, const Tensor& d_state_out, const Tensor& dq,
                           const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dbeta,
                           const Tensor& d_state_in);
+// The products on the tensor cores in tf32 (the default) or on the SIMT cores in f32;
+// for the tests and attention_bench, which compare the two.
+void set_gated_delta_tensor_cores(bool enabled);
+bool gated_delta_tensor_cores();
 
 }  // namespace mt::cuda
 

@@ -487,6 +487,8 @@ TEST(CudaSigmoidGate, MatchesCpu) {
 // partial last one (Dv 72 = 32 + 32 + 8), and Qwen3.5's head (128 x 128) in bf16. The GPU
 // works in f32 through a chunk's products and 64-term triangular solves: errors of a few
 // 1e-6 of the largest value of each output, so 1e-4 of it, plus a bf16 output's rounding.
+// The tensor-core route rounds the products' operands to tf32 (2^-11 relative): sums of
+// up to 2 x 128 such terms, so 4e-3 of the largest value.
 TEST(CudaGatedDelta, MatchesFloat64) {
   MT_SKIP_WITHOUT_GPU();
   struct Case {
@@ -529,41 +531,47 @@ TEST(CudaGatedDelta, MatchesFloat64) {
                                               c.states ? dso8.data() : nullptr, dq8.data(), dk8.data(), dv8.data(),
                                               dg8.data(), db8.data(), dsi8.data());
     const Shape sq{c.B, c.T, c.H, c.dk}, sv{c.B, c.T, c.H, c.dv}, ss{c.B, c.T, c.H}, sst{c.B, c.H, c.dk, c.dv};
-    auto d_q = upload(q, c.act, sq), d_k = upload(k, c.act, sq), d_v = upload(v, c.act, sv),
-         d_do = upload(dout, c.act, sv), d_g = upload(g, DType::f32, ss), d_b = upload(beta, DType::f32, ss);
-    auto state = [&](const std::vector<float>& x) {  // empty (no state) when the case has none
-      return c.states ? upload(x, DType::f32, sst) : DeviceTensor(DType::f32, Shape{0});
-    };
-    auto d_si = state(s_in), d_dso = state(ds_out);
-    auto out = poisoned(c.act, sv), s_out = poisoned(DType::f32, sst), dq = poisoned(c.act, sq),
-         dk = poisoned(c.act, sq), dv = poisoned(c.act, sv), dg = poisoned(DType::f32, ss),
-         db = poisoned(DType::f32, ss), ds_in = poisoned(DType::f32, sst);
-    cuda::gated_delta_forward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, out.t, s_out.t);
-    cuda::gated_delta_backward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, d_do.t, d_dso.t, dq.t, dk.t, dv.t, dg.t,
-                               db.t, ds_in.t);
-    const double round = c.act == DType::bf16 ? kBf16Round : 0.0;
-    auto check = [&](const char* what, const Tensor& got, const std::vector<double>& want, double rounding) {
-      std::vector<float> w(want.begin(), want.end());
-      double top = 0;
-      for (double x : want) top = std::max(top, std::fabs(x));
-      EXPECT_GT(top, 0.0) << what;
-      EXPECT_TRUE(near(what, download(got), w, Tol{rounding, 1e-4 * top}));
-    };
-    check("out", out.t, o8, round);
-    check("state_out", s_out.t, so8, 0);
-    check("dq", dq.t, dq8, round);
-    check("dk", dk.t, dk8, round);
-    check("dv", dv.t, dv8, round);
-    check("dg", dg.t, dg8, 0);
-    check("dbeta", db.t, db8, 0);
-    check("d_state_in", ds_in.t, dsi8, 0);
-    // Twice: the same bits (every sum in a fixed order).
-    auto dq2 = poisoned(c.act, sq), dk2 = poisoned(c.act, sq), dv2 = poisoned(c.act, sv),
-         dg2 = poisoned(DType::f32, ss), db2 = poisoned(DType::f32, ss);
-    cuda::gated_delta_backward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, d_do.t, d_dso.t, dq2.t, dk2.t, dv2.t, dg2.t,
-                               db2.t, Tensor());
-    EXPECT_EQ(download(dq2.t), download(dq.t));
-    EXPECT_EQ(download(dg2.t), download(dg.t));
+    for (const bool tensor_cores : {false, true}) {
+      SCOPED_TRACE(tensor_cores ? "tensor cores (tf32)" : "SIMT (f32)");
+      cuda::set_gated_delta_tensor_cores(tensor_cores);
+      const double rel = tensor_cores ? 4e-3 : 1e-4;
+      auto d_q = upload(q, c.act, sq), d_k = upload(k, c.act, sq), d_v = upload(v, c.act, sv),
+           d_do = upload(dout, c.act, sv), d_g = upload(g, DType::f32, ss), d_b = upload(beta, DType::f32, ss);
+      auto state = [&](const std::vector<float>& x) {  // empty (no state) when the case has none
+        return c.states ? upload(x, DType::f32, sst) : DeviceTensor(DType::f32, Shape{0});
+      };
+      auto d_si = state(s_in), d_dso = state(ds_out);
+      auto out = poisoned(c.act, sv), s_out = poisoned(DType::f32, sst), dq = poisoned(c.act, sq),
+           dk = poisoned(c.act, sq), dv = poisoned(c.act, sv), dg = poisoned(DType::f32, ss),
+           db = poisoned(DType::f32, ss), ds_in = poisoned(DType::f32, sst);
+      cuda::gated_delta_forward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, out.t, s_out.t);
+      cuda::gated_delta_backward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, d_do.t, d_dso.t, dq.t, dk.t, dv.t, dg.t,
+                                 db.t, ds_in.t);
+      const double round = c.act == DType::bf16 ? kBf16Round : 0.0;
+      auto check = [&](const char* what, const Tensor& got, const std::vector<double>& want, double rounding) {
+        std::vector<float> w(want.begin(), want.end());
+        double top = 0;
+        for (double x : want) top = std::max(top, std::fabs(x));
+        EXPECT_GT(top, 0.0) << what;
+        EXPECT_TRUE(near(what, download(got), w, Tol{rounding, rel * top}));
+      };
+      check("out", out.t, o8, round);
+      check("state_out", s_out.t, so8, 0);
+      check("dq", dq.t, dq8, round);
+      check("dk", dk.t, dk8, round);
+      check("dv", dv.t, dv8, round);
+      check("dg", dg.t, dg8, 0);
+      check("dbeta", db.t, db8, 0);
+      check("d_state_in", ds_in.t, dsi8, 0);
+      // Twice: the same bits (every sum in a fixed order).
+      auto dq2 = poisoned(c.act, sq), dk2 = poisoned(c.act, sq), dv2 = poisoned(c.act, sv),
+           dg2 = poisoned(DType::f32, ss), db2 = poisoned(DType::f32, ss);
+      cuda::gated_delta_backward(d_q.t, d_k.t, d_v.t, d_g.t, d_b.t, d_si.t, d_do.t, d_dso.t, dq2.t, dk2.t, dv2.t, dg2.t,
+                                 db2.t, Tensor());
+      EXPECT_EQ(download(dq2.t), download(dq.t));
+      EXPECT_EQ(download(dg2.t), download(dg.t));
+    }
+    cuda::set_gated_delta_tensor_cores(true);
   }
 }
 

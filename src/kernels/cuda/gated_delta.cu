@@ -18,8 +18,11 @@
 // Every sum runs in a fixed order (no atomics), so results repeat bit for bit. The
 // backward's workspace, one batch row at a time: the states and their gradients,
 // 2 x H x chunks x Dk x Dv f32, and U and dR, 2 x T x H x Dv f32 (306 MB for Qwen3.5's
-// 32 heads of 128 x 128 at 4096 tokens). Products are register-tiled over shared memory
-// (SIMT f32, no tensor cores): Dk, Dv <= 128.
+// 32 heads of 128 x 128 at 4096 tokens). Dk, Dv <= 128. The products over shared memory
+// run on the tensor cores (tf32 operands, f32 sums: MmaAcc) or, with
+// set_gated_delta_tensor_cores(false), in f32 on the SIMT cores (SimtAcc: the exact
+// route, which the tests hold to float64 at 1e-4 and the tensor-core route against).
+// The triangular solves run in f32 on the SIMT cores either way.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/common.cuh"
@@ -50,12 +53,12 @@ struct Dims {
 // within kThreads, so one block per thread covers the product; add() accumulates over
 // calls, which is how a sum of products stays in registers.
 template <int TM, int TN>
-struct Acc {
+struct SimtAcc {
   int m[TM], n[TN];
   bool mv[TM], nv[TN], on;
   float v[TM][TN];
 
-  __device__ Acc(int M, int N) {
+  __device__ SimtAcc(int M, int N) {
     const int mt = (M + TM - 1) / TM, nt = (N + TN - 1) / TN, t = threadIdx.x;
     on = t < mt * nt;
     const int m0 = t / nt, n0 = t % nt;
@@ -104,6 +107,67 @@ struct Acc {
   }
 };
 
+// The same product on the tensor cores: mma.sync m16n8k8 with tf32 operands (10-bit
+// mantissas, rounded to nearest from f32) and f32 accumulators. The M x N output is cut
+// into 16 x 8 tiles dealt to the warps in turn, TM x TN / 4 a warp (the SIMT block's share:
+// the same interface covers the same products). Rows and columns past M, N are clamped
+// for the reads and skipped at the writes; k past K reads as zero.
+__device__ __forceinline__ uint32_t tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+template <int TM, int TN>
+struct MmaAcc {
+  static constexpr int kTiles = TM * TN / 4;
+  int M, N, mb, nb;
+  float v[kTiles][4];
+
+  __device__ MmaAcc(int M_, int N_) : M(M_), N(N_), mb((M_ + 15) / 16), nb((N_ + 7) / 8) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.0f;
+  }
+
+  template <class A, class B>
+  __device__ void add(int K, A a, B b) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    for (int k0 = 0; k0 < K; k0 += 8) {
+      const int k1 = k0 + t, k2 = k0 + t + 4;
+      const bool in1 = k1 < K, in2 = k2 < K;
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        const int tile = warp + i * kWarps, rb = tile / nb, cb = tile % nb;
+        if (rb >= mb) continue;  // the same for the whole warp
+        const int r1 = min(rb * 16 + g, M - 1), r2 = min(rb * 16 + g + 8, M - 1), c = min(cb * 8 + g, N - 1);
+        const uint32_t a0 = tf32(in1 ? a(r1, k1) : 0.0f), a1 = tf32(in1 ? a(r2, k1) : 0.0f),
+                       a2 = tf32(in2 ? a(r1, k2) : 0.0f), a3 = tf32(in2 ? a(r2, k2) : 0.0f),
+                       b0 = tf32(in1 ? b(k1, c) : 0.0f), b1 = tf32(in2 ? b(k2, c) : 0.0f);
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(v[i][0]), "+f"(v[i][1]), "+f"(v[i][2]), "+f"(v[i][3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      }
+    }
+  }
+
+  template <class F>
+  __device__ void each(F f) const {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      const int tile = warp + i * kWarps, rb = tile / nb, cb = tile % nb;
+      if (rb >= mb) continue;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = rb * 16 + g + (e / 2) * 8, n = cb * 8 + 2 * t + e % 2;
+        if (m < M && n < N) f(m, n, v[i][e]);
+      }
+    }
+  }
+};
+
 // One chunk's rows in shared memory: q and k [C, Dk + 1] (zero past the chunk's L tokens),
 // the cumulative log-decay G, gamma = exp(G), beta (zero past L) and e_j = exp(G_L - G_j).
 struct ChunkRows {
@@ -147,6 +211,7 @@ __device__ void load_chunk(const Dims& n, In q, In k, const float* g, const floa
 
 // A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i) and P_ij = exp(G_i - G_j) q_i.k_j (j <= i),
 // zero elsewhere, [C, C + 1].
+template <template <int, int> class Acc>
 __device__ void chunk_products(const ChunkRows& s, int dk, float* A, float* P) {
   Acc<4, 4> kk(kC, kC), qk(kC, kC);
   const float *q = s.q, *k = s.k;
@@ -199,6 +264,7 @@ size_t scan_forward_smem(int dk) {
 // Grid (tiles, H, B). out and state_out may be null; states and u (the backward's
 // recomputation) are written when not null: the state entering chunk c at
 // states[((b H + h) chunks + c) Dk Dv], U as f32 [B,T,H,Dv].
+template <template <int, int> class Acc>
 __global__ void __launch_bounds__(kThreads) scan_forward_kernel(Dims n, In q, In k, In v, const float* g,
                                                                 const float* beta, const float* state_in, Out out,
                                                                 bool has_out, float* state_out, float* states,
@@ -229,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) scan_forward_kernel(Dims n, In q, In
       U[i * kLdv + col] = i < L && col < tv ? v[n.tok(b, t0 + i, h) * n.dv + v0 + col] : 0.0f;
     }
     load_chunk(n, q, k, g, beta, b, h, t0, L, s);
-    chunk_products(s, n.dk, A, P);
+    chunk_products<Acc>(s, n.dk, A, P);
     {  // R = beta (v - gamma S0^T k), over U's v
       Acc<2, 4> w(kC, kTV);
       w.add(n.dk, [&](int i, int a) { return s.k[i * ldk + a]; }, [&](int a, int col) { return S[a * kLdv + col]; });
@@ -274,6 +340,7 @@ size_t scan_backward_smem(int dk) {
 // Grid (tiles, H, B), chunks in reverse. states and u are scan_forward's; writes dv, dS
 // leaving chunk c (ds, laid out as states), dR (dr, as u) and the tile's per-token shares
 // of dG and dbeta (pg, pb: [tiles][B T H]). d_state_out and d_state_in may be null.
+template <template <int, int> class Acc>
 __global__ void __launch_bounds__(kThreads) scan_backward_kernel(Dims n, In q, In k, In v, const float* g,
                                                                  const float* beta, In dout,
                                                                  const float* d_state_out, const float* states,
@@ -336,7 +403,7 @@ __global__ void __launch_bounds__(kThreads) scan_backward_kernel(Dims n, In q, I
       if (col < tv) ds[st + a * n.dv + col] = dS[a * kLdv + col];
     }
     load_chunk(n, q, k, g, beta, b, h, t0, L, s);
-    chunk_products(s, n.dk, A, P);
+    chunk_products<Acc>(s, n.dk, A, P);
     __syncthreads();
     {  // dU = e o K dS + P^T dO, into R
       Acc<2, 4> du(kC, kTV);
@@ -410,6 +477,7 @@ size_t chunk_grads_smem(int dk, int dv) {
 
 // Grid (chunks, H, B), every value column: dq, dk, dg, dbeta of one chunk from the scans'
 // stashes (states, ds, u, dr, pg, pb).
+template <template <int, int> class Acc>
 __global__ void __launch_bounds__(kThreads) chunk_grads_kernel(Dims n, In q, In k, const float* g,
                                                                const float* beta, In dout, const float* states,
                                                                const float* ds, const float* u, const float* dr,
@@ -549,12 +617,17 @@ Out out_from(const Tensor& t, int64_t i) { return {static_cast<char*>(t.data) + 
 const float* maybe(const Tensor& t) { return t.numel() > 0 ? t.f32() : nullptr; }
 float* maybe_out(const Tensor& t) { return t.numel() > 0 ? t.f32() : nullptr; }
 
+bool g_tensor_cores = true;
+
 template <typename K>
 void allow_smem(K kernel, size_t bytes) {
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 }  // namespace
+
+void set_gated_delta_tensor_cores(bool enabled) { g_tensor_cores = enabled; }
+bool gated_delta_tensor_cores() { return g_tensor_cores; }
 
 void gated_delta_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                          const Tensor& state_in, const Tensor& out, const Tensor& state_out) {
@@ -572,8 +645,9 @@ void gated_delta_forward(const Tensor& q, const Tensor& k, const Tensor& v, cons
     return;
   }
   const size_t smem = scan_forward_smem(n.dk);
-  allow_smem(scan_forward_kernel, smem);
-  scan_forward_kernel<<<dim3(n.tiles, n.H, n.B), kThreads, smem, stream()>>>(
+  auto* fwd = g_tensor_cores ? scan_forward_kernel<MmaAcc> : scan_forward_kernel<SimtAcc>;
+  allow_smem(fwd, smem);
+  fwd<<<dim3(n.tiles, n.H, n.B), kThreads, smem, stream()>>>(
       n, as_in(q), as_in(k), as_in(v), g.f32(), beta.f32(), maybe(state_in), as_out(out), true, maybe_out(state_out),
       nullptr, nullptr);
   CUDA_CHECK_LAUNCH();
@@ -614,24 +688,27 @@ void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
   float *states = ws, *ds = states + state_elems, *u = ds + state_elems, *dr = u + row_v, *pg = dr + row_v,
         *pb = pg + n.tiles * row_s;
   const size_t fs = scan_forward_smem(n.dk), bs = scan_backward_smem(n.dk), gs = chunk_grads_smem(n.dk, n.dv);
-  allow_smem(scan_forward_kernel, fs);
-  allow_smem(scan_backward_kernel, bs);
-  allow_smem(chunk_grads_kernel, gs);
+  auto* fwd = g_tensor_cores ? scan_forward_kernel<MmaAcc> : scan_forward_kernel<SimtAcc>;
+  auto* bwd = g_tensor_cores ? scan_backward_kernel<MmaAcc> : scan_backward_kernel<SimtAcc>;
+  auto* grads = g_tensor_cores ? chunk_grads_kernel<MmaAcc> : chunk_grads_kernel<SimtAcc>;
+  allow_smem(fwd, fs);
+  allow_smem(bwd, bs);
+  allow_smem(grads, gs);
   const float *si = maybe(state_in), *dso = maybe(d_state_out);
   float* dsi = maybe_out(d_state_in);
   for (int64_t b = 0; b < all.B; ++b) {
     const In qb = in_from(q, b * row_q), kb = in_from(k, b * row_q), vb = in_from(v, b * row_v),
              dob = in_from(dout, b * row_v);
     const float *gb = g.f32() + b * row_s, *betab = beta.f32() + b * row_s;
-    scan_forward_kernel<<<dim3(n.tiles, n.H, 1), kThreads, fs, stream()>>>(
+    fwd<<<dim3(n.tiles, n.H, 1), kThreads, fs, stream()>>>(
         n, qb, kb, vb, gb, betab, si != nullptr ? si + b * one_state : nullptr, Out{nullptr, false}, false, nullptr,
         states, u);
     CUDA_CHECK_LAUNCH();
-    scan_backward_kernel<<<dim3(n.tiles, n.H, 1), kThreads, bs, stream()>>>(
+    bwd<<<dim3(n.tiles, n.H, 1), kThreads, bs, stream()>>>(
         n, qb, kb, vb, gb, betab, dob, dso != nullptr ? dso + b * one_state : nullptr, states, u,
         out_from(dv, b * row_v), dsi != nullptr ? dsi + b * one_state : nullptr, ds, dr, pg, pb);
     CUDA_CHECK_LAUNCH();
-    chunk_grads_kernel<<<dim3(n.chunks, n.H, 1), kThreads, gs, stream()>>>(
+    grads<<<dim3(n.chunks, n.H, 1), kThreads, gs, stream()>>>(
         n, qb, kb, gb, betab, dob, states, ds, u, dr, pg, pb, out_from(dq, b * row_q), out_from(dk, b * row_q),
         out_from(dg, b * row_s), out_from(dbeta, b * row_s));
     CUDA_CHECK_LAUNCH();
