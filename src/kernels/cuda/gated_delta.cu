@@ -1,7 +1,10 @@
 // The gated delta rule on the GPU: the math and its chunked form are kernels/gated_delta.h's;
 // this file runs it in chunks of C = 64 tokens with every state and product in f32, in
-// three kernels:
+// four kernels:
 //
+//   chunk_prep     a CTA per (batch, head, chunk): the chunk's A and P (the header's
+//                  C x C matrices) and T = (I + A)^-1, which every value tile then uses
+//                  as products (U = T R, dR = T^T dU) rather than solving in its loop.
 //   scan_forward   a CTA per (batch, head, value tile of 32 columns) walks the chunks in
 //                  order. The state's columns evolve independently (A and the decays read
 //                  only q, k, g and beta), so a value tile is a whole problem and the CTAs
@@ -16,9 +19,10 @@
 //                  dg as the suffix sum of dG over the chunk.
 //
 // Every sum runs in a fixed order (no atomics), so results repeat bit for bit. The
-// backward's workspace, one batch row at a time: the states and their gradients,
-// 2 x H x chunks x Dk x Dv f32, and U and dR, 2 x T x H x Dv f32 (306 MB for Qwen3.5's
-// 32 heads of 128 x 128 at 4096 tokens). Dk, Dv <= 128. The products over shared memory
+// workspace: T and P, 2 x C x T x H f32 (67 MB a batch row at Qwen3.5's 32 heads and
+// 4096 tokens); the backward's, one batch row at a time, adds the states and their
+// gradients, 2 x H x chunks x Dk x Dv f32, and U and dR, 2 x T x H x Dv f32 (373 MB in
+// all a row at that shape). Dk, Dv <= 128. The products over shared memory
 // run on the tensor cores (tf32 operands, f32 sums: MmaAcc) or, with
 // set_gated_delta_tensor_cores(false), in f32 on the SIMT cores (SimtAcc: the exact
 // route, which the tests hold to float64 at 1e-4 and the tensor-core route against).
@@ -224,37 +228,76 @@ __device__ void chunk_products(const ChunkRows& s, int dk, float* A, float* P) {
   qk.each([&](int i, int j, float x) { P[i * kLdc + j] = j <= i ? expf(s.G[i] - s.G[j]) * x : 0.0f; });
 }
 
-// U = (I + A)^-1 U in place (forward substitution), rows < L of a [C, kLdv] value tile. A
-// warp owns columns; its lanes split each row's sum.
-__device__ void solve_lower(const float* A, float* U, int L) {
+// X = (I + A)^-1 (unit lower triangular, [C, kLdc]) by forward substitution on the
+// identity's columns: a warp owns columns, its lanes split each row's sum, the columns'
+// chains interleaved.
+__device__ void invert_unit_lower(const float* A, float* X) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int j = 1; j < L; ++j) {
+  constexpr int kCols = kC / kWarps;
+  for (int j = 0; j < kC; ++j) {
 #pragma unroll
-    for (int c = 0; c < kTV / kWarps; ++c) {
+    for (int c = 0; c < kCols; ++c) {
       const int col = warp + c * kWarps;
       float s = 0.0f;
-      for (int m = lane; m < j; m += 32) s = fmaf(A[j * kLdc + m], U[m * kLdv + col], s);
+      for (int m = col + lane; m < j; m += 32) s = fmaf(A[j * kLdc + m], X[m * kLdc + col], s);
       s = warp_sum(s);
-      if (lane == 0) U[j * kLdv + col] -= s;
+      if (lane == 0) X[j * kLdc + col] = j < col ? 0.0f : (j == col ? 1.0f : -s);
     }
     __syncwarp();
   }
 }
 
-// R = (I + A)^-T R in place (back substitution), rows < L.
-__device__ void solve_upper(const float* A, float* R, int L) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int j = L - 2; j >= 0; --j) {
-#pragma unroll
-    for (int c = 0; c < kTV / kWarps; ++c) {
-      const int col = warp + c * kWarps;
-      float s = 0.0f;
-      for (int i = j + 1 + lane; i < L; i += 32) s = fmaf(A[i * kLdc + j], R[i * kLdv + col], s);
-      s = warp_sum(s);
-      if (lane == 0) R[j * kLdv + col] -= s;
-    }
-    __syncwarp();
+// Grid (chunks, H, B): each chunk's T = (I + A)^-1 and P (kernels/gated_delta.h's A and
+// D o QK^T), f32 [B, H, chunks, 2, C, C], which the scans read instead of making them
+// again in every value tile and solving in their sequential loop.
+template <template <int, int> class Acc>
+__global__ void __launch_bounds__(kThreads) chunk_prep_kernel(Dims n, In q, In k, const float* g, const float* beta,
+                                                              float* tp) {
+  extern __shared__ float sm[];
+  const int ldk = n.dk + 1, c = blockIdx.x;
+  ChunkRows s{sm, sm + kC * ldk, nullptr, nullptr, nullptr, nullptr, ldk};
+  float* A = s.k + kC * ldk;
+  float* P = A + kC * kLdc;
+  float* X = P + kC * kLdc;
+  s.G = X + kC * kLdc;
+  s.gam = s.G + kC;
+  s.beta = s.gam + kC;
+  s.e = s.beta + kC;
+  const int64_t h = blockIdx.y, b = blockIdx.z, t0 = int64_t{c} * kC;
+  const int L = static_cast<int>(min(int64_t{kC}, n.T - t0));
+  load_chunk(n, q, k, g, beta, b, h, t0, L, s);
+  chunk_products<Acc>(s, n.dk, A, P);
+  __syncthreads();
+  invert_unit_lower(A, X);
+  __syncthreads();
+  float* dst = tp + ((b * n.H + h) * n.chunks + c) * 2 * kC * kC;
+  for (int x = threadIdx.x; x < kC * kC; x += kThreads) {
+    dst[x] = X[(x / kC) * kLdc + x % kC];
+    dst[kC * kC + x] = P[(x / kC) * kLdc + x % kC];
   }
+}
+
+size_t chunk_prep_smem(int dk) { return sizeof(float) * (2 * kC * (dk + 1) + 3 * kC * kLdc + 4 * kC); }
+
+// The chunk's T and P from chunk_prep into [C, kLdc] tiles.
+__device__ void load_tp(const float* tp, const Dims& n, int64_t bh, int c, float* T, float* P) {
+  const float* src = tp + (bh * n.chunks + c) * 2 * kC * kC;
+  for (int x = threadIdx.x; x < kC * kC; x += kThreads) {
+    T[(x / kC) * kLdc + x % kC] = src[x];
+    P[(x / kC) * kLdc + x % kC] = src[kC * kC + x];
+  }
+}
+
+// Y = T Y (transpose: T^T Y) in place over the first L rows of a [C, kLdv] value tile.
+template <template <int, int> class Acc>
+__device__ void apply_t(const float* T, float* Y, int L, bool transpose) {
+  Acc<2, 4> r(kC, kTV);
+  if (transpose)
+    r.add(L, [&](int j, int i) { return T[i * kLdc + j]; }, [&](int i, int col) { return Y[i * kLdv + col]; });
+  else
+    r.add(L, [&](int i, int j) { return T[i * kLdc + j]; }, [&](int j, int col) { return Y[j * kLdv + col]; });
+  __syncthreads();
+  r.each([&](int i, int col, float x) { Y[i * kLdv + col] = x; });
 }
 
 size_t scan_forward_smem(int dk) {
@@ -266,7 +309,8 @@ size_t scan_forward_smem(int dk) {
 // states[((b H + h) chunks + c) Dk Dv], U as f32 [B,T,H,Dv].
 template <template <int, int> class Acc>
 __global__ void __launch_bounds__(kThreads) scan_forward_kernel(Dims n, In q, In k, In v, const float* g,
-                                                                const float* beta, const float* state_in, Out out,
+                                                                const float* beta, const float* tp,
+                                                                const float* state_in, Out out,
                                                                 bool has_out, float* state_out, float* states,
                                                                 float* u) {
   extern __shared__ float sm[];
@@ -295,14 +339,14 @@ __global__ void __launch_bounds__(kThreads) scan_forward_kernel(Dims n, In q, In
       U[i * kLdv + col] = i < L && col < tv ? v[n.tok(b, t0 + i, h) * n.dv + v0 + col] : 0.0f;
     }
     load_chunk(n, q, k, g, beta, b, h, t0, L, s);
-    chunk_products<Acc>(s, n.dk, A, P);
+    load_tp(tp, n, bh, c, A, P);  // A's tile holds T
     {  // R = beta (v - gamma S0^T k), over U's v
       Acc<2, 4> w(kC, kTV);
       w.add(n.dk, [&](int i, int a) { return s.k[i * ldk + a]; }, [&](int a, int col) { return S[a * kLdv + col]; });
       w.each([&](int i, int col, float x) { U[i * kLdv + col] = s.beta[i] * (U[i * kLdv + col] - s.gam[i] * x); });
     }
     __syncthreads();
-    solve_lower(A, U, L);
+    apply_t<Acc>(A, U, L, false);  // U = T R
     __syncthreads();
     if (states != nullptr) {
       float* dst = states + (bh * n.chunks + c) * n.dk * n.dv + v0;
@@ -342,7 +386,7 @@ size_t scan_backward_smem(int dk) {
 // of dG and dbeta (pg, pb: [tiles][B T H]). d_state_out and d_state_in may be null.
 template <template <int, int> class Acc>
 __global__ void __launch_bounds__(kThreads) scan_backward_kernel(Dims n, In q, In k, In v, const float* g,
-                                                                 const float* beta, In dout,
+                                                                 const float* beta, const float* tp, In dout,
                                                                  const float* d_state_out, const float* states,
                                                                  const float* u, Out dv, float* d_state_in,
                                                                  float* ds, float* dr, float* pg, float* pb) {
@@ -403,7 +447,7 @@ __global__ void __launch_bounds__(kThreads) scan_backward_kernel(Dims n, In q, I
       if (col < tv) ds[st + a * n.dv + col] = dS[a * kLdv + col];
     }
     load_chunk(n, q, k, g, beta, b, h, t0, L, s);
-    chunk_products<Acc>(s, n.dk, A, P);
+    load_tp(tp, n, bh, c, A, P);  // A's tile holds T
     __syncthreads();
     {  // dU = e o K dS + P^T dO, into R
       Acc<2, 4> du(kC, kTV);
@@ -413,7 +457,7 @@ __global__ void __launch_bounds__(kThreads) scan_backward_kernel(Dims n, In q, I
       du.each([&](int j, int col, float x) { R[j * kLdv + col] = x; });
     }
     __syncthreads();
-    solve_upper(A, R, L);
+    apply_t<Acc>(A, R, L, true);  // dR = T^T dU
     __syncthreads();
     for (int x = threadIdx.x; x < L * tv; x += kThreads) {
       const int i = x / tv, col = x % tv;
@@ -644,13 +688,19 @@ void gated_delta_forward(const Tensor& q, const Tensor& k, const Tensor& v, cons
     }
     return;
   }
-  const size_t smem = scan_forward_smem(n.dk);
+  auto* tp = static_cast<float*>(stream_alloc(sizeof(float) * static_cast<size_t>(n.B * n.H * n.chunks * 2 * kC * kC)));
+  const size_t ps = chunk_prep_smem(n.dk), smem = scan_forward_smem(n.dk);
+  auto* prep = g_tensor_cores ? chunk_prep_kernel<MmaAcc> : chunk_prep_kernel<SimtAcc>;
   auto* fwd = g_tensor_cores ? scan_forward_kernel<MmaAcc> : scan_forward_kernel<SimtAcc>;
+  allow_smem(prep, ps);
   allow_smem(fwd, smem);
-  fwd<<<dim3(n.tiles, n.H, n.B), kThreads, smem, stream()>>>(
-      n, as_in(q), as_in(k), as_in(v), g.f32(), beta.f32(), maybe(state_in), as_out(out), true, maybe_out(state_out),
-      nullptr, nullptr);
+  prep<<<dim3(n.chunks, n.H, n.B), kThreads, ps, stream()>>>(n, as_in(q), as_in(k), g.f32(), beta.f32(), tp);
   CUDA_CHECK_LAUNCH();
+  fwd<<<dim3(n.tiles, n.H, n.B), kThreads, smem, stream()>>>(n, as_in(q), as_in(k), as_in(v), g.f32(), beta.f32(), tp,
+                                                             maybe(state_in), as_out(out), true, maybe_out(state_out),
+                                                             nullptr, nullptr);
+  CUDA_CHECK_LAUNCH();
+  stream_free(tp);
 }
 
 void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -683,11 +733,15 @@ void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
   n.B = 1;
   const int64_t state_elems = n.H * int64_t{n.chunks} * n.dk * n.dv, row_v = n.T * n.H * n.dv,
                 row_s = n.T * n.H, row_q = n.T * n.H * n.dk, one_state = n.H * int64_t{n.dk} * n.dv;
-  const size_t bytes = sizeof(float) * static_cast<size_t>(2 * state_elems + 2 * row_v + 2 * n.tiles * row_s);
+  const int64_t row_tp = n.H * int64_t{n.chunks} * 2 * kC * kC;
+  const size_t bytes = sizeof(float) * static_cast<size_t>(2 * state_elems + 2 * row_v + 2 * n.tiles * row_s + row_tp);
   auto* ws = static_cast<float*>(stream_alloc(bytes));
   float *states = ws, *ds = states + state_elems, *u = ds + state_elems, *dr = u + row_v, *pg = dr + row_v,
-        *pb = pg + n.tiles * row_s;
-  const size_t fs = scan_forward_smem(n.dk), bs = scan_backward_smem(n.dk), gs = chunk_grads_smem(n.dk, n.dv);
+        *pb = pg + n.tiles * row_s, *tp = pb + n.tiles * row_s;
+  const size_t ps = chunk_prep_smem(n.dk), fs = scan_forward_smem(n.dk), bs = scan_backward_smem(n.dk),
+               gs = chunk_grads_smem(n.dk, n.dv);
+  auto* prep = g_tensor_cores ? chunk_prep_kernel<MmaAcc> : chunk_prep_kernel<SimtAcc>;
+  allow_smem(prep, ps);
   auto* fwd = g_tensor_cores ? scan_forward_kernel<MmaAcc> : scan_forward_kernel<SimtAcc>;
   auto* bwd = g_tensor_cores ? scan_backward_kernel<MmaAcc> : scan_backward_kernel<SimtAcc>;
   auto* grads = g_tensor_cores ? chunk_grads_kernel<MmaAcc> : chunk_grads_kernel<SimtAcc>;
@@ -700,12 +754,14 @@ void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
     const In qb = in_from(q, b * row_q), kb = in_from(k, b * row_q), vb = in_from(v, b * row_v),
              dob = in_from(dout, b * row_v);
     const float *gb = g.f32() + b * row_s, *betab = beta.f32() + b * row_s;
+    prep<<<dim3(n.chunks, n.H, 1), kThreads, ps, stream()>>>(n, qb, kb, gb, betab, tp);
+    CUDA_CHECK_LAUNCH();
     fwd<<<dim3(n.tiles, n.H, 1), kThreads, fs, stream()>>>(
-        n, qb, kb, vb, gb, betab, si != nullptr ? si + b * one_state : nullptr, Out{nullptr, false}, false, nullptr,
+        n, qb, kb, vb, gb, betab, tp, si != nullptr ? si + b * one_state : nullptr, Out{nullptr, false}, false, nullptr,
         states, u);
     CUDA_CHECK_LAUNCH();
     bwd<<<dim3(n.tiles, n.H, 1), kThreads, bs, stream()>>>(
-        n, qb, kb, vb, gb, betab, dob, dso != nullptr ? dso + b * one_state : nullptr, states, u,
+        n, qb, kb, vb, gb, betab, tp, dob, dso != nullptr ? dso + b * one_state : nullptr, states, u,
         out_from(dv, b * row_v), dsi != nullptr ? dsi + b * one_state : nullptr, ds, dr, pg, pb);
     CUDA_CHECK_LAUNCH();
     grads<<<dim3(n.chunks, n.H, 1), kThreads, gs, stream()>>>(
