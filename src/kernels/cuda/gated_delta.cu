@@ -179,6 +179,31 @@ struct ChunkRows {
   int ldk;
 };
 
+// Dynamic shared memory handed out in order (each kernel's *_smem function counts it).
+struct Carve {
+  float* p;
+  __device__ float* take(int n) {
+    float* r = p;
+    p += n;
+    return r;
+  }
+};
+
+// q and k first, then the caller's tiles, then scalars() for the per-token rows.
+__device__ ChunkRows chunk_rows(Carve& m, int dk) {
+  ChunkRows s{};
+  s.ldk = dk + 1;
+  s.q = m.take(kC * s.ldk);
+  s.k = m.take(kC * s.ldk);
+  return s;
+}
+__device__ void scalars(Carve& m, ChunkRows& s) {
+  s.G = m.take(kC);
+  s.gam = m.take(kC);
+  s.beta = m.take(kC);
+  s.e = m.take(kC);
+}
+
 __device__ void load_chunk(const Dims& n, In q, In k, const float* g, const float* beta, int64_t b, int64_t h,
                            int64_t t0, int L, const ChunkRows& s) {
   for (int x = threadIdx.x; x < kC * n.dk; x += kThreads) {
@@ -254,15 +279,11 @@ template <template <int, int> class Acc>
 __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(Dims n, In q, In k, const float* g, const float* beta,
                                                               float* tp) {
   extern __shared__ float sm[];
-  const int ldk = n.dk + 1, c = blockIdx.x;
-  ChunkRows s{sm, sm + kC * ldk, nullptr, nullptr, nullptr, nullptr, ldk};
-  float* A = s.k + kC * ldk;
-  float* P = A + kC * kLdc;
-  float* X = P + kC * kLdc;
-  s.G = X + kC * kLdc;
-  s.gam = s.G + kC;
-  s.beta = s.gam + kC;
-  s.e = s.beta + kC;
+  const int c = blockIdx.x;
+  Carve m{sm};
+  ChunkRows s = chunk_rows(m, n.dk);
+  float *A = m.take(kC * kLdc), *P = m.take(kC * kLdc), *X = m.take(kC * kLdc);
+  scalars(m, s);
   const int64_t h = blockIdx.y, b = blockIdx.z, t0 = int64_t{c} * kC;
   const int L = static_cast<int>(min(int64_t{kC}, n.T - t0));
   load_chunk(n, q, k, g, beta, b, h, t0, L, s);
@@ -315,15 +336,11 @@ __global__ void __launch_bounds__(kThreads) scan_forward_kernel(Dims n, In q, In
                                                                 float* u) {
   extern __shared__ float sm[];
   const int ldk = n.dk + 1;
-  ChunkRows s{sm, sm + kC * ldk, nullptr, nullptr, nullptr, nullptr, ldk};
-  float* A = s.k + kC * ldk;
-  float* P = A + kC * kLdc;
-  float* S = P + kC * kLdc;  // [Dk, kLdv]
-  float* U = S + n.dk * kLdv;
-  s.G = U + kC * kLdv;
-  s.gam = s.G + kC;
-  s.beta = s.gam + kC;
-  s.e = s.beta + kC;
+  Carve m{sm};
+  ChunkRows s = chunk_rows(m, n.dk);
+  float *A = m.take(kC * kLdc), *P = m.take(kC * kLdc);
+  float *S = m.take(n.dk * kLdv), *U = m.take(kC * kLdv);  // [Dk, kLdv], [C, kLdv]
+  scalars(m, s);
   const int v0 = blockIdx.x * kTV, tv = min(kTV, n.dv - v0);
   const int64_t h = blockIdx.y, b = blockIdx.z, bh = b * n.H + h;
   for (int x = threadIdx.x; x < n.dk * kTV; x += kThreads) {
@@ -393,25 +410,15 @@ __global__ void __launch_bounds__(kThreads) scan_backward_kernel(Dims n, In q, I
   extern __shared__ float sm[];
   __shared__ float red[kWarps];
   const int ldk = n.dk + 1;
-  ChunkRows s{sm, sm + kC * ldk, nullptr, nullptr, nullptr, nullptr, ldk};
-  float* A = s.k + kC * ldk;
-  float* P = A + kC * kLdc;
-  float* dS = P + kC * kLdc;  // [Dk, kLdv]
-  float* S0 = dS + n.dk * kLdv;
-  float* U = S0 + n.dk * kLdv;  // [C, kLdv] each
-  float* dO = U + kC * kLdv;
-  float* R = dO + kC * kLdv;
-  float* V = R + kC * kLdv;
-  float* X = V + kC * kLdv;
-  s.G = X + kC * kLdv;
-  s.gam = s.G + kC;
-  s.beta = s.gam + kC;
-  s.e = s.beta + kC;
-  float* d1 = s.e + kC;  // per-row dots: gamma_i... see below
-  float* d2 = d1 + kC;
-  float* d3 = d2 + kC;
-  float* d4 = d3 + kC;
-  float* d5 = d4 + kC;
+  Carve m{sm};
+  ChunkRows s = chunk_rows(m, n.dk);
+  float *A = m.take(kC * kLdc), *P = m.take(kC * kLdc);
+  float *dS = m.take(n.dk * kLdv), *S0 = m.take(n.dk * kLdv);  // [Dk, kLdv]
+  float *U = m.take(kC * kLdv), *dO = m.take(kC * kLdv), *R = m.take(kC * kLdv), *V = m.take(kC * kLdv),
+        *X = m.take(kC * kLdv);  // [C, kLdv]
+  scalars(m, s);
+  // Per-row dots (below) and the chunk's state-term total.
+  float *d1 = m.take(kC), *d2 = m.take(kC), *d3 = m.take(kC), *d4 = m.take(kC), *d5 = m.take(kC);
   const int v0 = blockIdx.x * kTV, tv = min(kTV, n.dv - v0);
   const int64_t h = blockIdx.y, b = blockIdx.z, bh = b * n.H + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -529,19 +536,12 @@ __global__ void __launch_bounds__(kThreads) chunk_grads_kernel(Dims n, In q, In 
                                                                Out dg, Out dbeta) {
   extern __shared__ float sm[];
   const int ldk = n.dk + 1, ldv = n.dv + 1, c = blockIdx.x;
-  ChunkRows s{sm, sm + kC * ldk, nullptr, nullptr, nullptr, nullptr, ldk};
-  float* U = s.k + kC * ldk;  // [C, Dv + 1] each
-  float* R = U + kC * ldv;
-  float* dO = R + kC * ldv;
-  float* M1 = dO + kC * ldv;  // [C, kLdc] each
-  float* M2 = M1 + kC * kLdc;
-  s.G = M2 + kC * kLdc;
-  s.gam = s.G + kC;
-  s.beta = s.gam + kC;
-  s.e = s.beta + kC;
-  float* sg = s.e + kC;  // dG's C x C terms
-  float* sb = sg + kC;   // dbeta's
-  float* acc = sb + kC;
+  Carve m{sm};
+  ChunkRows s = chunk_rows(m, n.dk);
+  float *U = m.take(kC * ldv), *R = m.take(kC * ldv), *dO = m.take(kC * ldv);  // [C, Dv + 1]
+  float *M1 = m.take(kC * kLdc), *M2 = m.take(kC * kLdc);
+  scalars(m, s);
+  float *sg = m.take(kC), *sb = m.take(kC), *acc = m.take(kC);  // dG's and dbeta's C x C terms, dG
   const int64_t h = blockIdx.y, b = blockIdx.z, bh = b * n.H + h, t0 = int64_t{c} * kC;
   const int L = static_cast<int>(min(int64_t{kC}, n.T - t0));
   const float* S0 = states + (bh * n.chunks + c) * n.dk * n.dv;  // [Dk, Dv], read through the caches
