@@ -7,7 +7,11 @@ released, cut to 8 layers) or gpt_oss (bench/configs/gpt_oss_20b_4l.json: GPT-OS
 in bf16, cut to 4 layers; eager attention in transformers, whose sdpa takes no sinks) or
 deepseek_v3 (bench/configs/moonlight_16b_a3b_8l.json: Moonlight-16B-A3B as released, cut
 to 8 layers, as released without multi-token prediction (--mtp 1 adds a depth); bench/configs/deepseek_v3_4l.json: DeepSeek-V3's
-own shape cut to its 3 dense layers and 1 MoE layer (and its MTP depth: --mtp 0 for none).
+own shape cut to its 3 dense layers and 1 MoE layer (and its MTP depth: --mtp 0 for none)
+or qwen3_5_moe_text (bench/configs/qwen3_5_35b_a3b_8l.json: Qwen3.5-35B-A3B cut to 6 gated
+DeltaNet and 2 gated full-attention layers; 149 GiB with fp32 moments, so --state-dtypes
+bf16 on one H200 (120 GiB by `moetrain plan`); qwen3_5_35b_a3b_4l.json, 3 + 1 layers, for
+transformers, whose fp32 AdamW does not hold the 8 layers).
 One H200 holds it only without the depth (another MoE layer of 256 experts: 215.7 GiB
 even offloaded), with --mtp 0 --extra "--offload.experts=optimizer" --state-dtypes bf16
 --batch 1 --micro-batches 16 (128.1 GiB on the GPU, 84 GiB of host memory by `moetrain
