@@ -129,7 +129,9 @@ def write_pipeline_config(repo, folder, layers, source=PIPELINE_CONFIG):
 # The sizes --fp8-sizes rounds up to a multiple of 16 (FP8's e4m3 rows are 16-byte
 # aligned: every product's K and output width must be a multiple of 16).
 SIZE_KEYS = ["hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "q_lora_rank", "kv_lora_rank",
-             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "shared_expert_intermediate_size",
+             # Qwen3.5's DeltaNet: in_proj_b and in_proj_a are as wide as its value heads.
+             "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"]
 
 
 def write_fp8_config(repo, folder, source):
