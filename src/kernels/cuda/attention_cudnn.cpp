@@ -206,7 +206,7 @@ bool applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& si
   const int64_t b = q.dim(0), tq = q.dim(1), hq = q.dim(2), d = q.dim(3), tk = k.dim(1), hkv = k.dim(2);
   const int64_t d_v = v.dim(3);
   if (!state().enabled) return false;
-  const bool dims = (d == d_v && (d == 64 || d == 128)) || (d == 192 && d_v == 128);
+  const bool dims = (d == d_v && (d == 64 || d == 128 || d == 256)) || (d == 192 && d_v == 128);
   if (!dims || b == 0 || tq == 0 || tk == 0) return false;
   const bool all_visible = a.k_offset + tk - 1 <= a.q_offset;
   const bool causal = a.q_offset == a.k_offset && tq == tk;

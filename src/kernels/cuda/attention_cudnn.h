@@ -1,6 +1,6 @@
 // cuDNN's fused scaled-dot-product attention (cuDNN frontend graphs) where it computes
 // exactly what our kernel does; cuda::attention_forward/backward (attention.cu) try it
-// first. It applies with head dims (q/k, v) of (64, 64), (128, 128) or MLA's (192, 128)
+// first. It applies with head dims (q/k, v) of (64, 64), (128, 128), (256, 256) or MLA's (192, 128)
 // (cuDNN 9 has d_qk = 192, d_v = 128 on Hopper), every pointer 16-byte aligned, and a mask
 // cuDNN has:
 //   causal   q_offset == k_offset and Tq == Tk: query i sees keys 0..i (top-left diagonal),

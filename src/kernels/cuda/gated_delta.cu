@@ -634,6 +634,9 @@ __global__ void __launch_bounds__(kThreads) chunk_grads_kernel(Dims n, In q, In 
   }
 }
 
+// An optional tensor (a state) is given: an empty Tensor is 0-dimensional, numel 1.
+bool present(const Tensor& t) { return t.data != nullptr && t.numel() > 0; }
+
 // The checks both directions share; returns the dimensions.
 Dims check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                   const Tensor& state_in) {
@@ -645,7 +648,7 @@ Dims check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   check_arg(v, "gated_delta v", {DType::bf16, DType::f32}, {n.B, n.T, n.H, n.dv});
   check_arg(g, "gated_delta g", {DType::f32}, {n.B, n.T, n.H});
   check_arg(beta, "gated_delta beta", {DType::f32}, {n.B, n.T, n.H});
-  if (state_in.numel() > 0) check_arg(state_in, "gated_delta state_in", {DType::f32}, {n.B, n.H, n.dk, n.dv});
+  if (present(state_in)) check_arg(state_in, "gated_delta state_in", {DType::f32}, {n.B, n.H, n.dk, n.dv});
   MT_CHECK(q.dim(3) >= 1 && q.dim(3) <= kMaxDim && v.dim(3) >= 1 && v.dim(3) <= kMaxDim)
       << "gated_delta on the GPU takes head dims of 1 to " << kMaxDim << ", got Dk " << q.dim(3) << ", Dv "
       << v.dim(3);
@@ -658,8 +661,8 @@ Dims check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
 In in_from(const Tensor& t, int64_t i) { return {static_cast<const char*>(t.data) + i * dtype_size(t.dtype), t.dtype == DType::bf16}; }
 Out out_from(const Tensor& t, int64_t i) { return {static_cast<char*>(t.data) + i * dtype_size(t.dtype), t.dtype == DType::bf16}; }
 
-const float* maybe(const Tensor& t) { return t.numel() > 0 ? t.f32() : nullptr; }
-float* maybe_out(const Tensor& t) { return t.numel() > 0 ? t.f32() : nullptr; }
+const float* maybe(const Tensor& t) { return present(t) ? t.f32() : nullptr; }
+float* maybe_out(const Tensor& t) { return present(t) ? t.f32() : nullptr; }
 
 bool g_tensor_cores = true;
 
@@ -677,11 +680,11 @@ void gated_delta_forward(const Tensor& q, const Tensor& k, const Tensor& v, cons
                          const Tensor& state_in, const Tensor& out, const Tensor& state_out) {
   const Dims n = check_inputs(q, k, v, g, beta, state_in);
   check_arg(out, "gated_delta out", {DType::bf16, DType::f32}, v.shape);
-  if (state_out.numel() > 0) check_arg(state_out, "gated_delta state_out", {DType::f32}, {n.B, n.H, n.dk, n.dv});
+  if (present(state_out)) check_arg(state_out, "gated_delta state_out", {DType::f32}, {n.B, n.H, n.dk, n.dv});
   if (n.B * n.H == 0) return;
   if (n.T == 0) {  // no tokens: the state passes through
-    if (state_out.numel() > 0) {
-      if (state_in.numel() > 0)
+    if (present(state_out)) {
+      if (present(state_in))
         CUDA_CHECK(cudaMemcpyAsync(state_out.data, state_in.data, state_out.nbytes(), cudaMemcpyDeviceToDevice, stream()));
       else
         CUDA_CHECK(cudaMemsetAsync(state_out.data, 0, state_out.nbytes(), stream()));
@@ -710,17 +713,17 @@ void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
   const Dims all = check_inputs(q, k, v, g, beta, state_in);
   const Shape state{all.B, all.H, all.dk, all.dv};
   check_arg(dout, "gated_delta dout", {DType::bf16, DType::f32}, v.shape);
-  if (d_state_out.numel() > 0) check_arg(d_state_out, "gated_delta d_state_out", {DType::f32}, state);
+  if (present(d_state_out)) check_arg(d_state_out, "gated_delta d_state_out", {DType::f32}, state);
   check_arg(dq, "gated_delta dq", {DType::bf16, DType::f32}, q.shape);
   check_arg(dk, "gated_delta dk", {DType::bf16, DType::f32}, q.shape);
   check_arg(dv, "gated_delta dv", {DType::bf16, DType::f32}, v.shape);
   check_arg(dg, "gated_delta dg", {DType::f32}, g.shape);
   check_arg(dbeta, "gated_delta dbeta", {DType::f32}, g.shape);
-  if (d_state_in.numel() > 0) check_arg(d_state_in, "gated_delta d_state_in", {DType::f32}, state);
+  if (present(d_state_in)) check_arg(d_state_in, "gated_delta d_state_in", {DType::f32}, state);
   if (all.B * all.H == 0) return;
   if (all.T == 0) {
-    if (d_state_in.numel() > 0) {
-      if (d_state_out.numel() > 0)
+    if (present(d_state_in)) {
+      if (present(d_state_out))
         CUDA_CHECK(cudaMemcpyAsync(d_state_in.data, d_state_out.data, d_state_in.nbytes(), cudaMemcpyDeviceToDevice,
                                    stream()));
       else
