@@ -36,6 +36,10 @@ Tensor group(const Tensor& t, int64_t dims) {
   return t.view(s);
 }
 
+// The decoder keeps one-column products (a shared expert's gate) out of FP8: such a
+// weight has no copy and runs in bf16 (models/decoder.cpp, quantized).
+bool has_fp8(const Param& w) { return w.fp8.q.data != nullptr; }
+
 const Fp8Copy& cache(const Param& w) {
   MT_CHECK(w.fp8.q.data != nullptr) << w.name << " has no FP8 copy: training.fp8 = blockwise quantizes only the "
                                     << "weights of linear layers";
@@ -51,16 +55,19 @@ Shape fp8_block_scale_shape(const Shape& w, bool transposed) {
 }
 
 void Linear::forward(const Tensor& x, std::initializer_list<Out> outs) const {
-  if (!fp8()) {
-    for (const Out& o : outs) gemm(x, o.w.compute, o.y, false, true, 1.0f, o.beta);
-    return;
+  bool any = false;
+  for (const Out& o : outs) {
+    if (fp8() && has_fp8(o.w)) any = true;
+    else gemm(x, o.w.compute, o.y, false, true, 1.0f, o.beta);
   }
+  if (!any) return;
   const Rows xq = quantized_rows(x, pow2_);
-  for (const Out& o : outs) gemm_fp8(xq.q.t, xq.scale.t, cache(o.w).q, o.w.fp8.scale, true, o.y, 1.0f, o.beta);
+  for (const Out& o : outs)
+    if (has_fp8(o.w)) gemm_fp8(xq.q.t, xq.scale.t, cache(o.w).q, o.w.fp8.scale, true, o.y, 1.0f, o.beta);
 }
 
 void Linear::backward_input(const Tensor& dy, const Param& w, const Tensor& dx, float beta) const {
-  if (!fp8()) return gemm(dy, w.compute, dx, false, false, 1.0f, beta);
+  if (!fp8() || !has_fp8(w)) return gemm(dy, w.compute, dx, false, false, 1.0f, beta);
   const Rows dq = quantized_rows(dy, pow2_);
   gemm_fp8(dq.q.t, dq.scale.t, cache(w).qt, w.fp8.scale_t, true, dx, 1.0f, beta);
 }

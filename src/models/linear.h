@@ -1,6 +1,8 @@
 // Every linear layer of a model runs through Linear, so that training.fp8 is one switch
 // in one place. What stays out: the router, the embedding, the LM head, the norms and
-// the attention core (DeepSeek-V3 keeps them in bf16; so do we).
+// the attention core (DeepSeek-V3 keeps them in bf16; so do we), and a shared expert's
+// one-column gate (Qwen3.5), which goes through Linear without an FP8 copy: a weight
+// without one runs in bf16 in either mode (the decoder decides which have one).
 //
 // none: the products read Param::compute (bf16 on the GPU, f32 on the CPU).
 // blockwise: DeepSeek-V3's recipe, kernels/fp8_quant.h: e4m3 codes with one f32 scale

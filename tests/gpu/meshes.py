@@ -108,7 +108,9 @@ def write_tokens(repo, folder, pipeline, fixture):
         b = ((i * 29 + i // 5 + i // 17) % 80).astype("<i8").reshape(PIPELINE_ROWS, POSITIONS + 1)
     else:
         a = np.load(os.path.join(repo, "tests/fixtures", fixture, "tokens.npy")).astype("<i8")
-        b = np.concatenate([a, a[:1]], axis=0)
+        # qwen3_5_moe_b has 3 x 70 tokens (two chunks of its DeltaNet rule on the CPU's
+        # test): its rows again, cut to 17 positions, as Commands.MeshesMatchOneRank does.
+        b = np.concatenate([a, a], axis=0)[:ROWS, :POSITIONS + 1]
         assert b.shape[0] == ROWS and b.shape[1] == POSITIONS + 1, b.shape
     path = os.path.join(folder, "tokens.npy")
     np.save(path, b)

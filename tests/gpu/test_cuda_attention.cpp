@@ -264,7 +264,10 @@ INSTANTIATE_TEST_SUITE_P(
                                .cudnn = true},
                       AttnCase{.tq = 200, .tk = 200, .hq = 4, .hkv = 2, .d = 192, .dv = 128, .window = 70,
                                .sinks = true, .cudnn = true},
-                      AttnCase{.tq = 100, .tk = 300, .hq = 2, .hkv = 1, .d = 192, .dv = 64, .q_offset = 200}),
+                      AttnCase{.tq = 100, .tk = 300, .hq = 2, .hkv = 1, .d = 192, .dv = 64, .q_offset = 200},
+                      // Qwen3.5's full attention: head dim 256, GQA, causal.
+                      AttnCase{.b = 2, .tq = 200, .tk = 200, .hq = 4, .hkv = 2, .d = 256, .cudnn = true},
+                      AttnCase{.tq = 70, .tk = 90, .hq = 2, .hkv = 1, .d = 256, .dv = 200, .q_offset = 20}),
     [](const ::testing::TestParamInfo<AttnCase>& i) { return "case" + std::to_string(i.index); });
 
 // B=2, T=4096, Hq=32, Hkv=4, D=128 (Qwen3-30B-A3B), causal, on cuDNN and on our kernel:

@@ -1,7 +1,8 @@
 // Causal flash attention on the GPU (docs/architecture.md, src/kernels, has the design):
 // bf16 q/k/v/out/dout, f32 softmax statistics, mma.sync m16n8k16 on the tensor cores, 4 warps
-// a block of 16 rows each, heads zero-padded in shared memory: q/k to DQ = 64, 128 or 192
-// columns, v/out to DV = 64 or 128 (DV = DQ up to 128, then 128: MLA's 192/128).
+// a block of 16 rows each, heads zero-padded in shared memory: q/k to DQ = 64, 128, 192 or
+// 256 columns, v/out to DV = 64, 128 or 256 (DV = DQ but MLA's 192/128; 256/256 is
+// Qwen3.5's full attention, whose per-thread accumulators spill: cuDNN's route first).
 //   forward  a block per 64 query rows of one (b, h), over 64-key tiles, online softmax
 //   dK, dV   a block per 64-key tile of one (b, kv head), over its group's query heads
 //   dQ       a block per 64 query rows of one (b, h), over 32-key tiles, recomputing Q K^T
@@ -605,9 +606,8 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   check_arg(k, "attention k", {DType::bf16}, {b, tk, hkv, d});
   check_arg(v, "attention v", {DType::bf16}, {b, tk, hkv, d_v});
   MT_CHECK(hkv > 0 && hq % hkv == 0) << "attention query heads " << hq << " not a multiple of kv heads " << hkv;
-  MT_CHECK(d >= 1 && d <= 192 && d_v >= 1 && d_v <= 128)
-      << "cuda attention supports q/k head dims 1..192 and v head dims 1..128, got q " << q.str() << ", v "
-      << v.str();
+  MT_CHECK(d >= 1 && d <= 256 && d_v >= 1 && d_v <= 256)
+      << "cuda attention supports head dims 1..256, got q " << q.str() << ", v " << v.str();
   MT_CHECK(a.window >= 0) << "attention window must be >= 0, got " << a.window;
   const bool has_sinks = sinks.defined() && sinks.numel() > 0;
   if (has_sinks) check_arg(sinks, "attention sinks", {DType::f32}, {hq});
@@ -665,10 +665,12 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   const dim3 grid(tiles(p.tq, 64), p.hq, p.b);
   if (p.d <= 64 && p.d_v <= 64)
     launch(forward_kernel<64, 64>, grid, forward_smem<64, 64>, p);
-  else if (p.d <= 128)
+  else if (p.d <= 128 && p.d_v <= 128)
     launch(forward_kernel<128, 128>, grid, forward_smem<128, 128>, p);
-  else
+  else if (p.d <= 192 && p.d_v <= 128)
     launch(forward_kernel<192, 128>, grid, forward_smem<192, 128>, p);
+  else
+    launch(forward_kernel<256, 256>, grid, forward_smem<256, 256>, p);
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& sinks,
@@ -706,12 +708,15 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   if (p.d <= 64 && p.d_v <= 64) {
     launch(dkdv_kernel<64, 64>, kv_grid, backward_smem<64, 64>, p);
     launch(dq_kernel<64, 64>, q_grid, backward_smem<64, 64>, p);
-  } else if (p.d <= 128) {
+  } else if (p.d <= 128 && p.d_v <= 128) {
     launch(dkdv_kernel<128, 128>, kv_grid, backward_smem<128, 128>, p);
     launch(dq_kernel<128, 128>, q_grid, backward_smem<128, 128>, p);
-  } else {
+  } else if (p.d <= 192 && p.d_v <= 128) {
     launch(dkdv_kernel<192, 128>, kv_grid, backward_smem<192, 128>, p);
     launch(dq_kernel<192, 128>, q_grid, backward_smem<192, 128>, p);
+  } else {
+    launch(dkdv_kernel<256, 256>, kv_grid, backward_smem<256, 256>, p);
+    launch(dq_kernel<256, 256>, q_grid, backward_smem<256, 256>, p);
   }
   add_dsinks(p);
 }
