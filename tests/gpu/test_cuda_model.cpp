@@ -1,5 +1,6 @@
-// Qwen3-MoE, DeepSeek-V2 and GPT-OSS on the GPU against the CPU backend on the Hugging Face
-// fixtures: the same five AdamW steps (loss, gradient norm, final weights), and the forward loss.
+// Qwen3-MoE, DeepSeek-V2, DeepSeek-V3, GPT-OSS and Qwen3.5-MoE on the GPU against the CPU backend on the Hugging Face
+// fixtures: the same five AdamW steps (loss, gradient norm, final weights), each tensor's gradient of
+// one step, and the forward loss.
 // Then GPT-OSS with heads of 64 from random weights, so its sinks and windows take cuDNN's
 // attention (the fixtures' heads of 16 run on our kernel), checked the same way.
 //
@@ -16,6 +17,7 @@
 // relative error in norm 1e-2 of weights of norm ~O(1).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +41,21 @@ std::vector<float> weights_on_host(Model& m) {
     out.insert(out.end(), v.begin(), v.end());
   }
   return out;
+}
+
+// The gradients' tolerances (the header's 3e-2 for the norm), but for qwen3_5_moe_b: its DeltaNet layers
+// (key heads of 8, value heads of 6) amplify bf16 rounding. Measured: on the CPU, rounding
+// only the DeltaNet layers' activations and their gradients to bf16 moves the whole
+// gradient 4% and A_log's and dt_bias's of layer 1 8%; the GPU rounds every activation and
+// moves it 13% (A_log 32%), the same tensors leading (CudaModel.EachGradientMatchesTheCpuBackend,
+// the kernels themselves being held to float64 by CudaGatedDelta and CudaDeltaNet).
+// Its tolerances: the gradient norm over five steps (measured: 11% at most, with routing
+// flips), the whole gradient of one step with round-robin routing (measured 13%).
+struct GradientTolerance {
+  double norm, whole;
+};
+GradientTolerance gradient_tolerance(const std::string& fixture) {
+  return fixture == "qwen3_5_moe_b" ? GradientTolerance{0.15, 0.2} : GradientTolerance{3e-2, 6e-2};
 }
 
 // Five AdamW steps of the model of config.json on the CPU and on the GPU, each model set up
@@ -66,7 +83,8 @@ void five_steps_match(const std::string& name, const std::string& config, const 
   }
   for (int i = 0; i < 5; ++i) {
     EXPECT_NEAR(runs[1][i].loss, runs[0][i].loss, 1e-2 * runs[0][i].loss) << "step " << i + 1;
-    EXPECT_NEAR(runs[1][i].grad_norm, runs[0][i].grad_norm, 3e-2 * runs[0][i].grad_norm) << "step " << i + 1;
+    EXPECT_NEAR(runs[1][i].grad_norm, runs[0][i].grad_norm, gradient_tolerance(name).norm * runs[0][i].grad_norm)
+        << "step " << i + 1;
     EXPECT_NEAR(runs[1][i].lb_loss, runs[0][i].lb_loss, 2e-2 * runs[0][i].lb_loss) << "step " << i + 1;
     std::printf("%s step %d: loss cpu %.6f gpu %.6f, grad norm cpu %.6f gpu %.6f\n", name.c_str(), i + 1,
                 runs[0][i].loss, runs[1][i].loss, runs[0][i].grad_norm, runs[1][i].grad_norm);
@@ -103,9 +121,65 @@ TEST_P(CudaModel, EvalLossMatchesTheCpuBackend) {
   EXPECT_NEAR(l[1].sum / l[1].count, l[0].sum / l[0].count, 1e-2 * l[0].sum / l[0].count);
 }
 
+// The whole gradient of one step against the CPU's, as a vector (a gradient norm can match
+// with the direction wrong), with the tensors that differ most printed. Routing is the
+// round-robin one (ModelOptions::force_balanced_routing), so no token near a routing tie
+// changes experts between the backends and the difference is the roundings' alone:
+// measured on an H100, 1.2-3.7% for every fixture but the DeltaNet one (13%).
+TEST_P(CudaModel, EachGradientMatchesTheCpuBackend) {
+  MT_SKIP_WITHOUT_GPU();
+  const std::string name = GetParam();
+  Config c;
+  c.data.tokens = fixture(name + "/tokens.npy");
+  c.training.steps = 1;
+  c.training.load_balance_coef = 0.01;
+  std::vector<std::vector<float>> grads[2];
+  std::vector<std::string> names;
+  for (int gpu = 0; gpu < 2; ++gpu) {
+    ModelOptions o;
+    o.device = gpu ? Device::cuda : Device::cpu;
+    Config cc = c;
+    cc.training.device = gpu ? "cuda" : "cpu";
+    o.force_balanced_routing = cc.training.force_balanced_routing = true;
+    std::unique_ptr<Model> m = make_model(fixture(name + "/config.json"), o);
+    load_hf(*m, fixture(name));
+    Trainer t(cc, *m, read_token_batch(c.data.tokens, m->vocab_size()));
+    t.step();
+    names.clear();
+    for (const HfTensor& h : m->hf_tensors()) {
+      if (h.grad.data == nullptr) continue;
+      std::vector<float> g(static_cast<size_t>(h.grad.numel()));
+      copy(Tensor(g.data(), h.grad.shape, DType::f32), h.grad);
+      grads[gpu].push_back(std::move(g));
+      names.push_back(h.name);
+    }
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  // The whole gradient's relative difference, and the tensors that differ most.
+  std::vector<std::pair<double, std::string>> worst;
+  double num_all = 0, den_all = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    double num = 0, den = 0;
+    for (size_t j = 0; j < grads[0][i].size(); ++j) {
+      const double d = static_cast<double>(grads[1][i][j]) - grads[0][i][j];
+      num += d * d;
+      den += static_cast<double>(grads[0][i][j]) * grads[0][i][j];
+    }
+    num_all += num;
+    den_all += den;
+    worst.emplace_back(std::sqrt(num / std::max(den, 1e-30)), names[i]);
+  }
+  std::sort(worst.rbegin(), worst.rend());
+  std::printf("%s: |g_gpu - g_cpu| / |g_cpu| = %.4f; most apart:", name.c_str(), std::sqrt(num_all / den_all));
+  for (size_t i = 0; i < std::min<size_t>(5, worst.size()); ++i)
+    std::printf(" %s %.3f", worst[i].second.c_str(), worst[i].first);
+  std::printf("\n");
+  EXPECT_LT(std::sqrt(num_all / den_all), gradient_tolerance(name).whole) << name;
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModel,
                          ::testing::Values("qwen3_moe_a", "qwen3_moe_b", "deepseek_v2_a", "deepseek_v2_b",
-                                           "gpt_oss_a", "deepseek_v3_a"));
+                                           "gpt_oss_a", "deepseek_v3_a", "qwen3_5_moe_a", "qwen3_5_moe_b"));
 
 // gpt_oss_a's config with heads of 64 (its tokens: 3 rows of 16 positions, so the 5-key
 // window cuts the sliding layer's rows), random weights: both layers' attention runs on
