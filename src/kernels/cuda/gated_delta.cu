@@ -20,7 +20,7 @@
 //
 // Every sum runs in a fixed order (no atomics), so results repeat bit for bit. The
 // workspace: T and P, 2 x C x T x H f32 (67 MB a batch row at Qwen3.5's 32 heads and
-// 4096 tokens); the backward's, one batch row at a time, adds the states and their
+// 4096 tokens); the backward's, every batch row at once, adds the states and their
 // gradients, 2 x H x chunks x Dk x Dv f32, and U and dR, 2 x T x H x Dv f32 (373 MB in
 // all a row at that shape). Dk, Dv <= 128. The products over shared memory
 // run on the tensor cores (tf32 operands, f32 sums: MmaAcc) or, with
@@ -657,10 +657,6 @@ Dims check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   return n;
 }
 
-// A tensor's elements from element i on (one batch row), on the host.
-In in_from(const Tensor& t, int64_t i) { return {static_cast<const char*>(t.data) + i * dtype_size(t.dtype), t.dtype == DType::bf16}; }
-Out out_from(const Tensor& t, int64_t i) { return {static_cast<char*>(t.data) + i * dtype_size(t.dtype), t.dtype == DType::bf16}; }
-
 const float* maybe(const Tensor& t) { return present(t) ? t.f32() : nullptr; }
 float* maybe_out(const Tensor& t) { return present(t) ? t.f32() : nullptr; }
 
@@ -731,16 +727,15 @@ void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
     }
     return;
   }
-  // One batch row at a time: the workspace is a row's.
-  Dims n = all;
-  n.B = 1;
-  const int64_t state_elems = n.H * int64_t{n.chunks} * n.dk * n.dv, row_v = n.T * n.H * n.dv,
-                row_s = n.T * n.H, row_q = n.T * n.H * n.dk, one_state = n.H * int64_t{n.dk} * n.dv;
-  const int64_t row_tp = n.H * int64_t{n.chunks} * 2 * kC * kC;
-  const size_t bytes = sizeof(float) * static_cast<size_t>(2 * state_elems + 2 * row_v + 2 * n.tiles * row_s + row_tp);
+  // Every batch row at once: a grid of (tiles, H, B) for the scans fills the GPU where a
+  // row's alone (4 x 32 CTAs at Qwen3.5's shape) would not.
+  const Dims n = all;
+  const int64_t state_elems = n.B * n.H * int64_t{n.chunks} * n.dk * n.dv, all_v = n.B * n.T * n.H * n.dv,
+                all_s = n.B * n.T * n.H, all_tp = n.B * n.H * int64_t{n.chunks} * 2 * kC * kC;
+  const size_t bytes = sizeof(float) * static_cast<size_t>(2 * state_elems + 2 * all_v + 2 * n.tiles * all_s + all_tp);
   auto* ws = static_cast<float*>(stream_alloc(bytes));
-  float *states = ws, *ds = states + state_elems, *u = ds + state_elems, *dr = u + row_v, *pg = dr + row_v,
-        *pb = pg + n.tiles * row_s, *tp = pb + n.tiles * row_s;
+  float *states = ws, *ds = states + state_elems, *u = ds + state_elems, *dr = u + all_v, *pg = dr + all_v,
+        *pb = pg + n.tiles * all_s, *tp = pb + n.tiles * all_s;
   const size_t ps = chunk_prep_smem(n.dk), fs = scan_forward_smem(n.dk), bs = scan_backward_smem(n.dk),
                gs = chunk_grads_smem(n.dk, n.dv);
   auto* prep = g_tensor_cores ? chunk_prep_kernel<MmaAcc> : chunk_prep_kernel<SimtAcc>;
@@ -751,27 +746,20 @@ void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
   allow_smem(fwd, fs);
   allow_smem(bwd, bs);
   allow_smem(grads, gs);
-  const float *si = maybe(state_in), *dso = maybe(d_state_out);
-  float* dsi = maybe_out(d_state_in);
-  for (int64_t b = 0; b < all.B; ++b) {
-    const In qb = in_from(q, b * row_q), kb = in_from(k, b * row_q), vb = in_from(v, b * row_v),
-             dob = in_from(dout, b * row_v);
-    const float *gb = g.f32() + b * row_s, *betab = beta.f32() + b * row_s;
-    prep<<<dim3(n.chunks, n.H, 1), kThreads, ps, stream()>>>(n, qb, kb, gb, betab, tp);
-    CUDA_CHECK_LAUNCH();
-    fwd<<<dim3(n.tiles, n.H, 1), kThreads, fs, stream()>>>(
-        n, qb, kb, vb, gb, betab, tp, si != nullptr ? si + b * one_state : nullptr, Out{nullptr, false}, false, nullptr,
-        states, u);
-    CUDA_CHECK_LAUNCH();
-    bwd<<<dim3(n.tiles, n.H, 1), kThreads, bs, stream()>>>(
-        n, qb, kb, vb, gb, betab, tp, dob, dso != nullptr ? dso + b * one_state : nullptr, states, u,
-        out_from(dv, b * row_v), dsi != nullptr ? dsi + b * one_state : nullptr, ds, dr, pg, pb);
-    CUDA_CHECK_LAUNCH();
-    grads<<<dim3(n.chunks, n.H, 1), kThreads, gs, stream()>>>(
-        n, qb, kb, gb, betab, dob, states, ds, u, dr, pg, pb, out_from(dq, b * row_q), out_from(dk, b * row_q),
-        out_from(dg, b * row_s), out_from(dbeta, b * row_s));
-    CUDA_CHECK_LAUNCH();
-  }
+  const In qi = as_in(q), ki = as_in(k), vi = as_in(v), doi = as_in(dout);
+  prep<<<dim3(n.chunks, n.H, n.B), kThreads, ps, stream()>>>(n, qi, ki, g.f32(), beta.f32(), tp);
+  CUDA_CHECK_LAUNCH();
+  fwd<<<dim3(n.tiles, n.H, n.B), kThreads, fs, stream()>>>(n, qi, ki, vi, g.f32(), beta.f32(), tp, maybe(state_in),
+                                                           Out{nullptr, false}, false, nullptr, states, u);
+  CUDA_CHECK_LAUNCH();
+  bwd<<<dim3(n.tiles, n.H, n.B), kThreads, bs, stream()>>>(n, qi, ki, vi, g.f32(), beta.f32(), tp, doi,
+                                                           maybe(d_state_out), states, u, as_out(dv),
+                                                           maybe_out(d_state_in), ds, dr, pg, pb);
+  CUDA_CHECK_LAUNCH();
+  grads<<<dim3(n.chunks, n.H, n.B), kThreads, gs, stream()>>>(n, qi, ki, g.f32(), beta.f32(), doi, states, ds, u, dr,
+                                                              pg, pb, as_out(dq), as_out(dk), as_out(dg),
+                                                              as_out(dbeta));
+  CUDA_CHECK_LAUNCH();
   stream_free(ws);
 }
 
