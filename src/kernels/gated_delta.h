@@ -87,7 +87,7 @@ namespace mt::cuda {
 
 // kernels/cuda/gated_delta.cu: chunks of 64, states in f32. q, k, v, out, dout, dq, dk, dv
 // f32 or bf16; g, beta, dg, dbeta and the states f32; Dk, Dv <= 128. The backward
-// allocates a workspace of one batch row's states and stashes (that file's header).
+// allocates a workspace of every batch row's states and stashes (that file's header).
 void gated_delta_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                          const Tensor& state_in, const Tensor& out, const Tensor& state_out);
 void gated_delta_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
