@@ -85,14 +85,15 @@ std::vector<float> all_weights(Model& m) {
 
 // Eight steps straight against four, a checkpoint, a fresh model and four more.
 void check_exact_resume(const std::string& state_dtype, const std::string& model = "qwen3_moe_a",
-                        Fp8 fp8 = Fp8::none) {
+                        Fp8 fp8 = Fp8::none, const std::string& optimizer = "adamw") {
   const int64_t n = 4;
-  std::string dump = temp_dir("resume_" + state_dtype + model + (fp8 == Fp8::none ? "" : "_fp8"));
+  std::string dump = temp_dir("resume_" + state_dtype + model + (fp8 == Fp8::none ? "" : "_fp8") + optimizer);
   ModelOptions options;
   options.fp8 = fp8;
   options.mtp = has_mtp_weights(fixture(model));  // DeepSeek-V3's depths, where the fixture has them
   Config straight_cfg = resume_config(dump, 2 * n, model);
   straight_cfg.optimizer.state_dtype = state_dtype;
+  straight_cfg.optimizer.name = optimizer;
   std::unique_ptr<Model> straight = make_model(fixture(model + "/config.json"), options);
   load_hf(*straight, fixture(model));
   Trainer a(straight_cfg, *straight, read_token_batch(straight_cfg.data.tokens, straight->vocab_size()));
@@ -143,11 +144,19 @@ TEST(Checkpoint, ResumeIsBitwiseExactWithBf16Moments) { check_exact_resume("bf16
 // the resumed run quantizes exactly as the straight one.
 TEST(Checkpoint, ResumeIsBitwiseExactWithFp8) { check_exact_resume("fp32", "deepseek_v2_a", Fp8::blockwise); }
 
+// Muon: the momentum (bf16 here, rounded stochastically) saved as "<key>.momentum" for its
+// matrices and AdamW's moments for the rest; on the hybrid Qwen3.5 fixture (DeltaNet's
+// projections Muon's, its A_log, dt_bias and conv AdamW's) and on DeepSeek-V2 (MLA).
+TEST(Checkpoint, ResumeIsBitwiseExactWithMuon) {
+  check_exact_resume("bf16", "qwen3_5_moe_b", Fp8::none, "muon");
+  check_exact_resume("fp32", "deepseek_v2_a", Fp8::none, "muon");
+}
+
 TEST(Checkpoint, KeepsTheNewestCompleteOnes) {
   std::string dump = temp_dir("keep");
   std::unique_ptr<Model> m = make_model(fixture("qwen3_moe_b/config.json"));
   load_hf(*m, fixture("qwen3_moe_b"));
-  AdamW opt(m->params());
+  Optimizer opt(m->params());
   for (int64_t s : {1, 2, 3, 4}) {
     TrainState st;
     st.step = s;
@@ -168,7 +177,7 @@ TEST(Checkpoint, BranchesAreWrittenAndLaterStepsKept) {
   std::string dump = temp_dir("branch");
   std::unique_ptr<Model> m = make_model(fixture("qwen3_moe_b/config.json"));
   load_hf(*m, fixture("qwen3_moe_b"));
-  AdamW opt(m->params());
+  Optimizer opt(m->params());
   auto save = [&](int64_t step) {
     TrainState st;
     st.step = step;
@@ -217,7 +226,7 @@ class BrokenCheckpoint : public ::testing::Test {
     dump_ = temp_dir(::testing::UnitTest::GetInstance()->current_test_info()->name());
     model_ = make_model(fixture("qwen3_moe_a/config.json"));
     load_hf(*model_, fixture("qwen3_moe_a"));
-    opt_ = std::make_unique<AdamW>(model_->params());
+    opt_ = std::make_unique<Optimizer>(model_->params());
     TrainState st;
     st.step = 3;
     dir_ = save_checkpoint(dump_, *model_, *opt_, st, fixture("qwen3_moe_a/config.json"), "", 1);
@@ -246,7 +255,7 @@ class BrokenCheckpoint : public ::testing::Test {
   }
   std::string dump_, dir_;
   std::unique_ptr<Model> model_;
-  std::unique_ptr<AdamW> opt_;
+  std::unique_ptr<Optimizer> opt_;
 };
 
 TEST_F(BrokenCheckpoint, MissingKey) {

@@ -219,9 +219,9 @@ TEST(Config, ReferenceListsEveryKey) {
     EXPECT_NE(text.find("  " + key + " "), std::string::npos) << key;
     EXPECT_NE(md.find("| `" + key + "` |"), std::string::npos) << key;
   }
-  EXPECT_EQ(keys, 65);
+  EXPECT_EQ(keys, 69);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), keys);
-  EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments in fp32"),
+  EXPECT_NE(text.find("  optimizer.state_dtype           string   'fp32'         AdamW's moments (and Muon's momentum) in fp32"),
             std::string::npos)
       << text;
   EXPECT_NE(md.find("| `data.seq_len` | integer | `0` | tokens a sequence; 0: T - 1 of data.tokens (set it with "
@@ -1943,9 +1943,9 @@ TEST(Sharding, ExpertsAloneOnTheirRankKeepNoGradientShard) {
       a.alloc(DType::f32, {scratch});
       return a.peak();
     };
-    EXPECT_EQ(AdamW::sharded_bytes(layout, state), bytes(dense)) << dtype_name(state);
+    EXPECT_EQ(Optimizer::sharded_bytes(layout, state), bytes(dense)) << dtype_name(state);
     // 4 x 9216: whole multiples of the arena's alignment, so the saving is exact.
-    EXPECT_EQ(bytes(dense + experts) - AdamW::sharded_bytes(layout, state), size_t{4} * experts)
+    EXPECT_EQ(bytes(dense + experts) - Optimizer::sharded_bytes(layout, state), size_t{4} * experts)
         << dtype_name(state);
   }
 }
@@ -2121,6 +2121,37 @@ INSTANTIATE_TEST_SUITE_P(Models, Meshes,
                          ::testing::Values("qwen3_moe_a", "deepseek_v2_a", "gpt_oss_a", "deepseek_v3_mtp", "qwen3_5_moe_a",
                                            "qwen3_5_moe_b"));
 
+// qwen3_moe_a's four sequences (write_four_sequences in dir) trained 3 steps in
+// micro-batches of one on each mesh, with `flags`: each run's metrics lines.
+struct FixtureMesh {
+  int pp = 1, dp = 1, cp = 1, ep = 1;
+  double tol = 1e-5;  // against the first mesh's loss and gradient norm
+};
+std::vector<std::vector<nlohmann::json>> train_on_meshes(const std::string& dir, const std::vector<FixtureMesh>& meshes,
+                                                         const std::string& flags) {
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (const FixtureMesh& m : meshes) {
+    const std::string dump = dir + "/run" + std::to_string(m.pp) + std::to_string(m.dp) + std::to_string(m.cp) +
+                             std::to_string(m.ep);
+    auto [rc, out] = run(kMpirun + std::to_string(m.pp * m.dp * m.cp * m.ep) + " " + MOETRAIN_BIN +
+                         " train --model.init=hf:" + fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
+                         " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1 " + flags +
+                         " --parallelism.pp=" + std::to_string(m.pp) + " --parallelism.ep=" + std::to_string(m.ep) +
+                         " --parallelism.cp=" + std::to_string(m.cp) +
+                         (m.pp > 1 ? " --parallelism.pipeline_schedule=1f1b" : "") + " --job.dump_folder=" + dump);
+    EXPECT_EQ(rc, 0) << out;
+    runs.push_back(metrics_of(dump));
+    EXPECT_EQ(runs.back().size(), 3u) << out;
+  }
+  for (size_t m = 1; m < runs.size(); ++m)
+    for (size_t i = 0; i < 3 && i < runs[m].size() && i < runs[0].size(); ++i)
+      for (const char* key : {"loss", "grad_norm"}) {
+        const double want = runs[0][i][key], got = runs[m][i][key];
+        EXPECT_NEAR(got, want, meshes[m].tol * std::fabs(want)) << "mesh " << m << " step " << i + 1 << " " << key;
+      }
+  return runs;
+}
+
 // training.fp8 = blockwise on meshes. Quantization along the tokens (the weight
 // gradients' 1x128 tiles) sees whatever rows a rank's product has: with dp each rank's
 // micro-batch is the one-rank run's (micro-batches of one sequence); with cp (half of
@@ -2133,29 +2164,31 @@ TEST(Commands, Fp8MeshesMatchOneRank) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
   std::string dir = temp_dir("fp8_meshes");
   write_four_sequences("qwen3_moe_a", dir);
-  struct Mesh {
-    int dp, cp, ep;
-    double tol;
-  };
-  std::vector<std::vector<nlohmann::json>> runs;
-  const std::vector<Mesh> meshes{{1, 1, 1, 0}, {2, 1, 1, 1e-5}, {1, 2, 1, 1e-5}, {1, 1, 2, 1e-5}};
-  for (const Mesh& m : meshes) {
-    const std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(m.ep);
-    auto [rc, out] = run(kMpirun + std::to_string(m.dp * m.cp * m.ep) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
-                         fixture("qwen3_moe_a") + " --data.tokens=" + dir + "/tokens.npy" +
-                         " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
-                         " --training.fp8=blockwise --parallelism.ep=" + std::to_string(m.ep) +
-                         " --parallelism.cp=" + std::to_string(m.cp) + " --job.dump_folder=" + dump);
-    ASSERT_EQ(rc, 0) << out;
-    runs.push_back(metrics_of(dump));
-    ASSERT_EQ(runs.back().size(), 3u) << out;
-  }
-  for (size_t m = 1; m < runs.size(); ++m)
-    for (size_t i = 0; i < 3; ++i)
-      for (const char* key : {"loss", "grad_norm"}) {
-        const double want = runs[0][i][key], got = runs[m][i][key];
-        EXPECT_NEAR(got, want, meshes[m].tol * std::fabs(want)) << "mesh " << m << " step " << i + 1 << " " << key;
-      }
+  train_on_meshes(dir, {{}, {.dp = 2}, {.cp = 2}, {.ep = 2}}, "--training.fp8=blockwise");
+}
+
+// optimizer.name = muon on meshes against one rank: dp 2 and cp 2 (Muon's units sharded
+// over two ranks: the momentum on the shards, U all-gathered, each matrix orthogonalised
+// by one rank and the result reduce-scattered), ep 2 (the experts whole on their rank, the
+// dense units sharded over both), dp 2 x ep 2, and pp 2 under 1F1B (each stage its own
+// layers' matrices). Losses and gradient norms to 1e-5 over 3 steps: the sums of gradients are
+// ordered differently on each mesh, so the bits differ; the method does not.
+TEST(Commands, MuonMeshesMatchOneRank) {
+  if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
+  std::string dir = temp_dir("muon_meshes");
+  write_four_sequences("qwen3_moe_a", dir);
+  const std::vector<std::vector<nlohmann::json>> runs =
+      train_on_meshes(dir, {{}, {.dp = 2}, {.cp = 2}, {.ep = 2}, {.dp = 2, .ep = 2}, {.pp = 2}},
+                      "--optimizer.name=muon --optimizer.lr=0.01");
+  ASSERT_EQ(runs[0].size(), 3u);
+  // Muon moved the weights unlike AdamW: step 3's loss differs from an AdamW run's.
+  auto [rc, out] = run(kMpirun + "1 " + MOETRAIN_BIN + " train --model.init=hf:" + fixture("qwen3_moe_a") +
+                       " --data.tokens=" + dir + "/tokens.npy --training.steps=3 --training.load_balance_coef=0.1" +
+                       " --training.micro_batch_size=1 --optimizer.lr=0.01 --job.dump_folder=" + dir + "/adamw");
+  ASSERT_EQ(rc, 0) << out;
+  const std::vector<nlohmann::json> adamw = metrics_of(dir + "/adamw");
+  ASSERT_EQ(adamw.size(), 3u);
+  EXPECT_GT(std::fabs(adamw[2]["loss"].get<double>() - runs[0][2]["loss"].get<double>()), 1e-4);
 }
 
 // Pipeline meshes (pp, dp, cp, ep) against one rank, both schedules where each applies,

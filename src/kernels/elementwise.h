@@ -103,6 +103,8 @@ inline void add(const Tensor& a, const Tensor& b, const Tensor& out) {
   return MT_BACKEND(out.device == Device::cuda, add(a, b, out));
 }
 
+inline void scale(const Tensor& x, float s) { return MT_BACKEND(x.device == Device::cuda, scale(x, s)); }
+
 inline void fill(const Tensor& x, float value) {
   return MT_BACKEND(x.device == Device::cuda, fill(x, value));
 }

@@ -22,6 +22,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// A tensor's optimizer state as saved: AdamW's two moments, or Muon's momentum (the
+// optimizer's first moment).
+std::vector<const char*> optimizer_state(const Optimizer& opt, const HfTensor& t) {
+  if (opt.is_muon(t.value)) return {".momentum"};
+  return {".exp_avg", ".exp_avg_sq"};
+}
+
 constexpr const char* kTokenizerFiles[] = {"tokenizer.json",   "tokenizer_config.json", "special_tokens_map.json",
                                            "vocab.json",       "merges.txt",            "added_tokens.json",
                                            "chat_template.jinja", "generation_config.json"};
@@ -142,7 +149,7 @@ DamagedCheckpoint::DamagedCheckpoint(const std::string& dir, const std::string& 
             ""),
       why(why) {}
 
-std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
+std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const Optimizer& opt, const TrainState& st,
                             const std::string& model_config_path, const std::string& tokenizer_dir, int64_t keep,
                             comm::Communicator* writers, bool write_dense) {
   const int rank = writers ? writers->rank() : 0, ranks = writers ? writers->size() : 1;
@@ -175,10 +182,10 @@ std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, co
   for (const HfTensor& t : tensors) {
     host.push_back(to_host(t.value));
     weights.push_back(io::st_f32(t.name, dims(t.value), host.back().data()));
-    host.push_back(to_host(opt.exp_avg(t.value)));
-    moments.push_back(io::st_f32(t.name + ".exp_avg", dims(t.value), host.back().data()));
-    host.push_back(to_host(opt.exp_avg_sq(t.value)));
-    moments.push_back(io::st_f32(t.name + ".exp_avg_sq", dims(t.value), host.back().data()));
+    for (const char* suffix : optimizer_state(opt, t)) {
+      host.push_back(to_host(std::string_view(suffix) == ".exp_avg_sq" ? opt.exp_avg_sq(t.value) : opt.exp_avg(t.value)));
+      moments.push_back(io::st_f32(t.name + suffix, dims(t.value), host.back().data()));
+    }
   }
   auto part = [&](int r) { return ranks > 1 ? "-part" + std::to_string(r) : std::string(); };
   auto path = [&](const std::string& stem) { return (tmp / (stem + part(rank) + ".safetensors")).string(); };
@@ -514,7 +521,7 @@ void verify_checkpoint(const std::string& dir, bool optimizer, comm::Communicato
   if (!why.empty()) throw DamagedCheckpoint(dir, why);
 }
 
-TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt, comm::Communicator* ranks) {
+TrainState load_checkpoint(const std::string& dir, Model& model, Optimizer* opt, comm::Communicator* ranks) {
   MT_CHECK(complete(dir)) << dir << " is not a complete checkpoint (no COMPLETE marker)";
   verify_checkpoint(dir, opt != nullptr, ranks);
   io::HfWeights weights(dir);
@@ -537,14 +544,14 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt, com
   if (opt != nullptr) {
     io::HfWeights moments(dir, "optimizer");
     for (const HfTensor& t : tensors) {
-      for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
+      for (const char* suffix : optimizer_state(*opt, t)) {
         host.resize(static_cast<size_t>(t.value.numel()));
         moments.read_f32(t.name + suffix, dims(t.value), host.data());
         from_host(std::string_view(suffix) == ".exp_avg_sq" ? opt->exp_avg_sq(t.value) : opt->exp_avg(t.value), host);
       }
     }
     for (const std::string& name : moments.names())
-      MT_CHECK(owned(name.substr(0, name.rfind(".exp_avg"))))
+      MT_CHECK(owned(name.substr(0, name.rfind('.'))))
           << dir << ": optimizer state " << name << " belongs to no parameter of this model";
   }
   return read_train_state(dir);
@@ -696,7 +703,14 @@ std::pair<std::string, TrainState> resume_run(const Config& cfg, const std::vect
     try {
       saved = read_train_state(dir);
       if (!saved.config_toml.empty()) compare_with_checkpoint(cfg, dir, saved, false);
-      load_checkpoint(dir, model, &trainer.optimizer(), &world);
+      // Another optimizer (allowed by checkpoint.allow_config_change): its state starts afresh.
+      const std::vector<ConfigChange> changed =
+          saved.config_toml.empty() ? std::vector<ConfigChange>{} : config_changes(saved.config_toml, cfg);
+      const bool other_optimizer = std::any_of(changed.begin(), changed.end(),
+                                               [](const ConfigChange& c) { return c.key == "optimizer.name"; });
+      if (other_optimizer && print)
+        std::printf("optimizer.name changed since %s was saved: the optimizer's state starts afresh\n", dir.c_str());
+      load_checkpoint(dir, model, other_optimizer ? nullptr : &trainer.optimizer(), &world);
       resume = dir;
       break;
     } catch (const DamagedCheckpoint& e) {

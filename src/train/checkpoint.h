@@ -2,7 +2,8 @@
 //
 //   checkpoints/step-00001000/
 //     model.safetensors      fp32 master weights under their Hugging Face keys
-//     optimizer.safetensors  AdamW moments: "<key>.exp_avg", "<key>.exp_avg_sq"
+//     optimizer.safetensors  AdamW moments: "<key>.exp_avg", "<key>.exp_avg_sq"; Muon's
+//                            matrices (optimizer.name = muon) "<key>.momentum"
 //       (with expert or pipeline parallelism: model-part<r>/optimizer-part<r>.safetensors,
 //       one per writer, and a <stem>.safetensors.index.json naming each key's file)
 //     train_state.json       step, seed, learning rate, data cursor, expert placement, the run's config
@@ -69,7 +70,7 @@ struct TrainState {
 // and optimizer-part<r> with its experts, and with its layers' dense weights where
 // `write_dense` (the first of each ep group); rank 0 adds the indices and the rest,
 // renames and marks the folder.
-std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const AdamW& opt, const TrainState& st,
+std::string save_checkpoint(const std::string& checkpoints_dir, Model& model, const Optimizer& opt, const TrainState& st,
                             const std::string& model_config_path, const std::string& tokenizer_dir, int64_t keep,
                             comm::Communicator* writers = nullptr, bool write_dense = true);
 
@@ -167,6 +168,6 @@ void verify_checkpoint(const std::string& dir, bool optimizer, comm::Communicato
 // Reads a checkpoint into the model and (when given) the optimizer, once
 // verify_checkpoint passes. Every key the model has must be there with its shape and no
 // other key may be; errors name the file, the key and the shapes.
-TrainState load_checkpoint(const std::string& dir, Model& model, AdamW* opt, comm::Communicator* ranks = nullptr);
+TrainState load_checkpoint(const std::string& dir, Model& model, Optimizer* opt, comm::Communicator* ranks = nullptr);
 
 }  // namespace mt

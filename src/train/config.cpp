@@ -104,15 +104,24 @@ void visit(C& c, F&& f) {
     c.training.force_balanced_routing);
   f({"training", "max_skipped_steps", 0, "steps with a non-finite loss or gradient norm skipped before the run stops"},
     c.training.max_skipped_steps);
-  f({"optimizer", "name", 0, "adamw (the one optimizer)"}, c.optimizer.name);
+  f({"optimizer", "name", kFixed,
+     "adamw, or muon: Muon on the hidden matrices, AdamW (same lr, decay and betas) on the embedding, head, norms, "
+     "biases and routers"},
+    c.optimizer.name);
   f({"optimizer", "lr", 0, "the peak learning rate"}, c.optimizer.lr);
   f({"optimizer", "beta1", 0, "AdamW's first-moment decay"}, c.optimizer.beta1);
   f({"optimizer", "beta2", 0, "AdamW's second-moment decay"}, c.optimizer.beta2);
   f({"optimizer", "eps", 0, "AdamW's epsilon"}, c.optimizer.eps);
   f({"optimizer", "weight_decay", 0, "decoupled weight decay"}, c.optimizer.weight_decay);
   f({"optimizer", "decay", 0, "which parameters decay: matrices (2-D and up) or all"}, c.optimizer.decay);
-  f({"optimizer", "state_dtype", 0, "AdamW's moments in fp32, or in bf16 rounded stochastically"},
+  f({"optimizer", "state_dtype", 0, "AdamW's moments (and Muon's momentum) in fp32, or in bf16 rounded stochastically"},
     c.optimizer.state_dtype);
+  f({"optimizer", "muon_momentum", 0, "Muon's momentum"}, c.optimizer.muon_momentum);
+  f({"optimizer", "muon_nesterov", 0, "Muon orthogonalises g + momentum m (Nesterov) rather than m"},
+    c.optimizer.muon_nesterov);
+  f({"optimizer", "muon_ns_steps", 0, "Muon's Newton-Schulz iterations"}, c.optimizer.muon_ns_steps);
+  f({"optimizer", "muon_lr", 0, "Muon's peak learning rate (0: optimizer.lr); its update is scaled by "
+     "0.2 sqrt(max(rows, cols)) so one lr serves both"}, c.optimizer.muon_lr);
   f({"lr_scheduler", "warmup_steps", 0, "steps of linear warmup from 0 to optimizer.lr"}, c.lr_scheduler.warmup_steps);
   f({"lr_scheduler", "decay", 0, "after warmup: constant, linear, cosine or wsd"}, c.lr_scheduler.decay);
   f({"lr_scheduler", "min_lr_ratio", 0, "where the decay ends, as a fraction of optimizer.lr"},
@@ -308,7 +317,17 @@ void validate(const Config& c) {
   check_one_of(c.training.activation_checkpoint, {"none", "selective", "full"}, "training.activation_checkpoint");
   check_one_of(c.training.load_balance_type, {"micro_batch", "global_batch", "sequence"}, "training.load_balance_type");
   check_one_of(c.parallelism.pipeline_schedule, {"auto", "dualpipev", "1f1b"}, "parallelism.pipeline_schedule");
-  check_one_of(c.optimizer.name, {"adamw"}, "optimizer.name");
+  check_one_of(c.optimizer.name, {"adamw", "muon"}, "optimizer.name");
+  if (c.optimizer.name == "muon") {
+    MT_CHECK(c.optimizer.muon_momentum >= 0 && c.optimizer.muon_momentum < 1 && c.optimizer.muon_lr >= 0 &&
+             c.optimizer.muon_ns_steps >= 1)
+        << "optimizer.muon_momentum should be in [0, 1), muon_lr >= 0 and muon_ns_steps >= 1, got "
+        << c.optimizer.muon_momentum << ", " << c.optimizer.muon_lr << " and " << c.optimizer.muon_ns_steps;
+    MT_CHECK(!c.parallelism.zero3 && c.offload.experts == "none")
+        << "optimizer.name = muon with parallelism.zero3 = " << (c.parallelism.zero3 ? "true" : "false")
+        << " and offload.experts = " << c.offload.experts << ": Muon with ZeRO-3 or offloaded experts is not built "
+        << "yet (issue 62); use zero3 = false and offload.experts = none, or optimizer.name = adamw";
+  }
   check_one_of(c.optimizer.decay, {"matrices", "all"}, "optimizer.decay");
   check_one_of(c.optimizer.state_dtype, {"fp32", "bf16"}, "optimizer.state_dtype");
   check_one_of(c.offload.experts, {"none", "optimizer", "weights"}, "offload.experts");

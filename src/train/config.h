@@ -89,6 +89,12 @@ struct OptimizerConfig {
   // traffic; the update itself is computed in fp32 either way).
   std::string state_dtype = "fp32";
   DType state() const { return state_dtype == "bf16" ? DType::bf16 : DType::f32; }
+  // name = muon (train/optimizer.h): its momentum, Nesterov or not, Newton-Schulz steps,
+  // and learning rate (0: lr), under the same schedule.
+  double muon_momentum = 0.95;
+  bool muon_nesterov = true;
+  int64_t muon_ns_steps = 5;
+  double muon_lr = 0;
 };
 
 struct SchedulerConfig {

@@ -1,8 +1,13 @@
 #include "train/optimizer.h"
 
 #include "core/check.h"
+#include <cmath>
+#include <map>
+#include <set>
+
 #include "kernels/adamw.h"
 #include "kernels/elementwise.h"
+#include "kernels/muon.h"
 
 namespace mt {
 
@@ -15,7 +20,7 @@ uint64_t noise_key(size_t param, int64_t offset) {
 
 }  // namespace
 
-AdamW::AdamW(std::vector<Param>& params, DType state, double staging_mib) : params_(params), state_(state) {
+Optimizer::Optimizer(std::vector<Param>& params, DType state, double staging_mib) : params_(params), state_(state) {
   MT_CHECK(state == DType::f32 || state == DType::bf16)
       << "AdamW keeps its moments in f32 or bf16, not " << dtype_name(state);
   const Device device = params_.empty() ? Device::cpu : params_.front().grad.device;
@@ -35,18 +40,18 @@ AdamW::AdamW(std::vector<Param>& params, DType state, double staging_mib) : para
   }
 }
 
-size_t AdamW::moment_bytes(const std::vector<Param>& params, DType state, bool offloaded) {
+size_t Optimizer::moment_bytes(const std::vector<Param>& params, DType state, bool offloaded) {
   Arena count = Arena::counting(offloaded ? "optimizer (host)" : "optimizer", Device::cpu);
   for (const Param& p : params)
     for (int j = 0; j < 2 && p.offloaded == offloaded; ++j) count.alloc(state, p.value.shape);
   return count.peak();
 }
 
-size_t AdamW::staging_bytes(const std::vector<Param>& params, DType state, double staging_mib) {
+size_t Optimizer::staging_bytes(const std::vector<Param>& params, DType state, double staging_mib) {
   return StreamedUpdate::bytes(state, StreamedUpdate::set_elements(params, state, staging_mib));
 }
 
-void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t weight_layers) {
+void Optimizer::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t weight_layers) {
   layout_ = parallel::ShardLayout(params_, dense, expert, weight_layers);
   const Device device = params_.empty() ? Device::cpu : params_.front().grad.device;
   const Shape shard{layout_.shard_elements()};
@@ -80,7 +85,7 @@ void AdamW::shard(comm::Communicator* dense, comm::Communicator* expert, int64_t
   sharded_ = true;
 }
 
-size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout, DType state) {
+size_t Optimizer::sharded_bytes(const parallel::ShardLayout& layout, DType state) {
   Arena count = Arena::counting("optimizer", Device::cpu);
   for (int j = 0; j < 2; ++j) count.alloc(state, {layout.shard_elements()});  // m, v
   count.alloc(DType::f32, {layout.grad_elements()});                           // summed gradients
@@ -89,26 +94,26 @@ size_t AdamW::sharded_bytes(const parallel::ShardLayout& layout, DType state) {
   return count.peak();
 }
 
-size_t AdamW::sharded_host_bytes(const parallel::ShardLayout& layout, DType state) {
+size_t Optimizer::sharded_host_bytes(const parallel::ShardLayout& layout, DType state) {
   Arena count = Arena::counting("optimizer (host)", Device::cpu);
   for (int j = 0; j < 2; ++j) count.alloc(state, {layout.host_elements()});
   return count.peak();
 }
 
-void AdamW::reduce_start(int64_t layer) {
-  MT_CHECK(sharded_) << "AdamW::reduce_start: the optimizer is not sharded";
-  MT_CHECK(reducing_.count(layer) == 0) << "AdamW::reduce_start: part " << layer << " is already being reduced";
+void Optimizer::reduce_start(int64_t layer) {
+  MT_CHECK(sharded_) << "Optimizer::reduce_start: the optimizer is not sharded";
+  MT_CHECK(reducing_.count(layer) == 0) << "Optimizer::reduce_start: part " << layer << " is already being reduced";
   reducing_.emplace(layer, layout_.reduce_start(params_, layer, g_shard_));
 }
 
-void AdamW::reduce_finish(int64_t layer) {
+void Optimizer::reduce_finish(int64_t layer) {
   auto it = reducing_.find(layer);
-  MT_CHECK(it != reducing_.end()) << "AdamW::reduce_finish: part " << layer << " was not started";
+  MT_CHECK(it != reducing_.end()) << "Optimizer::reduce_finish: part " << layer << " was not started";
   it->second.wait();
   reducing_.erase(it);
 }
 
-double AdamW::grad_sum_squares() const {
+double Optimizer::grad_sum_squares() const {
   std::vector<Tensor> grads;
   if (!sharded_) {
     for (const Param& p : params_) grads.push_back(p.grad);
@@ -136,7 +141,7 @@ double AdamW::grad_sum_squares() const {
   return sum_squares(grads);
 }
 
-void AdamW::materialize_moments() {
+void Optimizer::materialize_moments() {
   if (!sharded_) return;
   // Host copies for the blocks whose moments are not whole already.
   Arena count = Arena::counting("optimizer moments (host)", Device::cpu);
@@ -156,9 +161,9 @@ void AdamW::materialize_moments() {
   layout_.gather(v_shard_, host_v_shard_, v_, scratch_);
 }
 
-void AdamW::commit_moments() {
+void Optimizer::commit_moments() {
   if (!sharded_) return;
-  MT_CHECK(full_.capacity() > 0 || layout_.shard_elements() == 0) << "AdamW::commit_moments without materialize_moments";
+  MT_CHECK(full_.capacity() > 0 || layout_.shard_elements() == 0) << "Optimizer::commit_moments without materialize_moments";
   // Rounded to bf16 in the exchange buffer unit by unit: exact for moments that were
   // bf16 (what this run saved).
   layout_.scatter(m_, m_shard_, host_m_shard_, scratch_);
@@ -166,14 +171,14 @@ void AdamW::commit_moments() {
   release_moments();
 }
 
-void AdamW::release_moments() {
+void Optimizer::release_moments() {
   if (!sharded_) return;
   m_ = host_m_;
   v_ = host_v_;
   full_ = Arena();
 }
 
-void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale) {
+void Optimizer::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale) {
   const cpu::AdamWStep a{.lr = lr,
                          .beta1 = cfg.beta1,
                          .beta2 = cfg.beta2,
@@ -193,14 +198,18 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   // An offloaded block: whole, its moments in host memory, streamed (train/offload.h).
   auto offload = [&](size_t i) { offloaded.push_back(whole(i, host_m_[i], host_v_[i])); };
   auto stream = [&] { traffic_ = offloaded.empty() ? OffloadTraffic{} : streamed_.update(offloaded, a); };
+  auto muon = [&](size_t i) { return !muon_.empty() && muon_[i] != 0; };
   if (!sharded_) {
     for (size_t i = 0; i < params_.size(); ++i)
-      if (params_[i].offloaded)
+      if (muon(i))
+        continue;
+      else if (params_[i].offloaded)
         offload(i);
       else
         blocks.push_back(whole(i, m_[i], v_[i]));
     mt::adamw_step_multi(blocks, a);
     stream();
+    if (!muon_.empty()) muon_step(cfg, lr, step, grad_scale);
     return;
   }
   // This rank's pieces of the weights, updated in place (the full weights', or with
@@ -215,6 +224,7 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
     // An offloaded unit's flat pieces (its weights full, its moment shards in host memory)
     // are streamed; all_gather then writes the compute copies and codes.
     for (const parallel::ShardPiece& p : u.pieces) {
+      if (muon(static_cast<size_t>(p.param))) continue;
       const Param& w = params_[p.param];
       Tensor value = u.value_at >= 0
                          ? Tensor(static_cast<float*>(w_shard_.data) + u.value_at + (p.at - u.state_at), {p.count},
@@ -233,6 +243,7 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   }
   mt::adamw_step_multi(blocks, a);
   stream();
+  if (!muon_.empty()) muon_step(cfg, lr, step, grad_scale);
   layout_.all_gather(params_, scratch_);
   // all_gather brings offloaded units' pieces in and their gathered values back out.
   traffic_.bytes_in += gathered_in;
@@ -240,18 +251,152 @@ void AdamW::step(const OptimizerConfig& cfg, double lr, int64_t step, float grad
   refresh_compute_weights(params_, false);
 }
 
-Tensor AdamW::moment(const Tensor& value, const std::vector<Tensor>& which) const {
+int Optimizer::param_of(const Tensor& value) const {
   const char* p = static_cast<const char*>(value.data);
   for (size_t i = 0; i < params_.size(); ++i) {
     const char* base = static_cast<const char*>(params_[i].value.data);
-    if (p < base || p + value.nbytes() > base + params_[i].value.nbytes()) continue;
-    MT_CHECK(which[i].data != nullptr) << "the optimizer is sharded: its moments laid out like the weights "
-                                       << "exist only between materialize_moments and release_moments";
-    return Tensor(static_cast<char*>(which[i].data) + (p - base) / dtype_size(value.dtype) * dtype_size(which[i].dtype),
-                  value.shape, which[i].dtype, which[i].device);
+    if (p >= base && p + value.nbytes() <= base + params_[i].value.nbytes()) return static_cast<int>(i);
   }
   MT_FAIL() << "tensor " << value.str() << " is not part of any parameter block";
-  return Tensor();
+  return -1;
+}
+
+Tensor Optimizer::moment(const Tensor& value, const std::vector<Tensor>& which) const {
+  const size_t i = static_cast<size_t>(param_of(value));
+  const char* p = static_cast<const char*>(value.data);
+  const char* base = static_cast<const char*>(params_[i].value.data);
+  MT_CHECK(which[i].data != nullptr) << "the optimizer is sharded: its moments laid out like the weights "
+                                     << "exist only between materialize_moments and release_moments";
+  return Tensor(static_cast<char*>(which[i].data) + (p - base) / dtype_size(value.dtype) * dtype_size(which[i].dtype),
+                value.shape, which[i].dtype, which[i].device);
+}
+
+bool Optimizer::is_muon(const Tensor& value) const {
+  return !muon_.empty() && muon_[static_cast<size_t>(param_of(value))] != 0;
+}
+
+std::vector<MuonMatrix> muon_matrices(Model& model) {
+  const std::vector<Param>& params = model.params();
+  auto adamw_keeps = [](const std::string& n) {
+    return n.find("embed_tokens") != std::string::npos || n.starts_with("lm_head") ||
+           n.find("shared_head.head") != std::string::npos || n.ends_with(".mlp.gate.weight") ||
+           n.ends_with(".mlp.router.weight") || n.ends_with(".shared_expert_gate.weight");
+  };
+  std::vector<MuonMatrix> out;
+  std::vector<int64_t> covered(params.size(), 0);
+  for (const HfTensor& t : model.hf_tensors()) {
+    if (t.value.ndim() != 2 || t.value.data == nullptr || adamw_keeps(t.name)) continue;
+    const char* p = static_cast<const char*>(t.value.data);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const char* base = static_cast<const char*>(params[i].value.data);
+      if (p < base || p + t.value.nbytes() > base + params[i].value.nbytes()) continue;
+      out.push_back({t.name, static_cast<int>(i), (p - base) / static_cast<int64_t>(sizeof(float)), t.value.dim(0),
+                     t.value.dim(1)});
+      covered[i] += t.value.numel();
+      break;
+    }
+  }
+  for (size_t i = 0; i < params.size(); ++i)
+    MT_CHECK(covered[i] == 0 || covered[i] == params[i].value.numel())
+        << "block " << params[i].name << ": Muon's matrices cover " << covered[i] << " of its "
+        << params[i].value.numel() << " elements; a block must be wholly Muon's or AdamW's";
+  return out;
+}
+
+void Optimizer::use_muon(std::vector<MuonMatrix> matrices) {
+  muon_matrices_ = std::move(matrices);
+  muon_.assign(params_.size(), 0);
+  for (const MuonMatrix& x : muon_matrices_) {
+    const Param& p = params_[static_cast<size_t>(x.param)];
+    MT_CHECK(!p.offloaded && p.value.data != nullptr)
+        << "Muon: block " << p.name << " is offloaded or sharded (ZeRO-3), which Muon does not handle yet";
+    muon_[static_cast<size_t>(x.param)] = 1;
+  }
+}
+
+void Optimizer::muon_step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale) {
+  using parallel::ShardLayout;
+  using parallel::ShardUnit;
+  // Muon's learning rate under the schedule that gave `lr`; its matrices always decay.
+  const double base = cfg.muon_lr > 0 ? cfg.muon_lr : cfg.lr;
+  const double lr_m = cfg.lr > 0 ? base * (lr / cfg.lr) : 0.0;
+  const float decay = static_cast<float>(1.0 - lr_m * cfg.weight_decay), rate = static_cast<float>(lr_m);
+  const cpu::MuonMomentum mom{.mu = static_cast<float>(cfg.muon_momentum),
+                              .nesterov = cfg.muon_nesterov,
+                              .grad_scale = grad_scale,
+                              .step = step};
+  auto is = [&](int i) { return muon_[static_cast<size_t>(i)] != 0; };
+  // The unit (sharded) each Muon block belongs to.
+  std::vector<const ShardUnit*> unit_of(params_.size(), nullptr);
+  if (sharded_)
+    for (const ShardUnit& u : layout_.units())
+      for (int i : u.params) unit_of[static_cast<size_t>(i)] = &u;
+  auto shared = [&](const ShardUnit* u) { return u != nullptr && u->group != nullptr && u->group_size > 1; };
+  // 1. The momentum and U = g + mu m, in place of the gradient (this rank's shard).
+  if (!sharded_) {
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (muon_[i]) mt::muon_momentum(params_[i].grad, m_[i], params_[i].grad, mom, noise_key(i, 0));
+  } else {
+    for (const ShardUnit& u : layout_.units())
+      for (const parallel::ShardPiece& p : u.pieces)
+        if (is(p.param)) {
+          const Tensor g = ShardLayout::grad_of(params_, g_shard_, u, p);
+          mt::muon_momentum(g, ShardLayout::piece_of(m_shard_, p), g, mom, noise_key(p.param, p.offset));
+        }
+    // 2. U whole in the blocks' gradients on every rank of a group.
+    for (const ShardUnit& u : layout_.units()) {
+      if (!shared(&u) || std::none_of(u.params.begin(), u.params.end(), is)) continue;
+      const int64_t n = u.group_size, s = u.shard;
+      const Tensor mine = parallel::flat(scratch_, n * s, s), all = parallel::flat(scratch_, 0, n * s);
+      fill(mine, 0.0f);
+      for (const parallel::ShardPiece& p : u.pieces)
+        copy(parallel::flat(mine, p.at - u.state_at, p.count), ShardLayout::grad_of(params_, g_shard_, u, p));
+      u.group->all_gather(mine, all);
+      for (size_t j = 0; j < u.params.size(); ++j)
+        if (is(u.params[j])) {
+          const Tensor& g = params_[static_cast<size_t>(u.params[j])].grad;
+          copy(parallel::flat(g, 0, g.numel()), parallel::flat(all, u.starts[j], g.numel()));
+        }
+    }
+  }
+  // 3. Each matrix orthogonalised and scaled by its rank of the group (round-robin over
+  // the unit's matrices in order), the others' zeroed; matrices of one shape together.
+  std::map<std::pair<int64_t, int64_t>, std::vector<Tensor>> mine;
+  std::vector<std::pair<Tensor, float>> scaled;
+  std::map<const ShardUnit*, int> seen;
+  std::set<int64_t> reduce_layers;
+  for (const MuonMatrix& x : muon_matrices_) {
+    const Tensor& g = params_[static_cast<size_t>(x.param)].grad;
+    const Tensor view = parallel::flat(g, x.offset, x.rows * x.cols).view({x.rows, x.cols});
+    const ShardUnit* u = unit_of[static_cast<size_t>(x.param)];
+    const int k = seen[u]++;
+    if (shared(u)) reduce_layers.insert(u->layer);
+    if (shared(u) && k % u->group_size != u->group_rank) {
+      fill(view, 0.0f);
+      continue;
+    }
+    mine[{x.rows, x.cols}].push_back(view);
+    scaled.emplace_back(view, static_cast<float>(0.2 * std::sqrt(static_cast<double>(std::max(x.rows, x.cols)))));
+  }
+  for (const auto& [shape, views] : mine) mt::newton_schulz(views, static_cast<int>(cfg.muon_ns_steps));
+  for (const auto& [view, factor] : scaled) mt::scale(view, factor);
+  // 4. Sharded: each rank's shard of O, the sum over the group of its owner's O and zeros.
+  if (sharded_) {
+    for (int64_t layer : reduce_layers) layout_.reduce_start(params_, layer, g_shard_).wait();
+    for (const ShardUnit& u : layout_.units())
+      for (const parallel::ShardPiece& p : u.pieces)
+        if (is(p.param))
+          mt::muon_apply(parallel::flat(params_[static_cast<size_t>(p.param)].value, p.offset, p.count),
+                         ShardLayout::grad_of(params_, g_shard_, u, p), decay, rate);
+    return;  // step's all_gather shares the weights and refreshes the copies
+  }
+  std::vector<Param> updated;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (muon_[i]) {
+      mt::muon_apply(params_[i].value, params_[i].grad, decay, rate);
+      updated.push_back(params_[i]);
+    }
+  refresh_compute_weights(updated, false);
 }
 
 }  // namespace mt

@@ -1,4 +1,6 @@
-// AdamW over the model's parameter blocks, with its moments laid out like them, or,
+// The optimizer: AdamW over every parameter block, or Muon (optimizer.name = muon) over
+// the model's hidden matrices with AdamW over the rest (muon_matrices says which). AdamW
+// over the model's parameter blocks, with its moments laid out like them, or,
 // sharded over the ranks that hold the same weights, with only this rank's shard of
 // the moments and of the summed gradients (parallel/sharding.h); blocks that no other
 // rank holds have no gradient shard: AdamW reads their own gradients. Blocks whose
@@ -17,12 +19,39 @@
 
 namespace mt {
 
-class AdamW {
+// One matrix Muon orthogonalises: elements [offset, offset + rows * cols) of block
+// `param`, row-major [rows, cols], which the Hugging Face tensor `name` is.
+struct MuonMatrix {
+  std::string name;
+  int param = 0;
+  int64_t offset = 0, rows = 0, cols = 0;
+};
+
+// Muon's matrices: every 2-D Hugging Face tensor of the model (each routed expert's
+// gate_proj, up_proj and down_proj apiece, MLA's and DeltaNet's projections, the MTP
+// eh_proj) but the embedding, the head, the routers and the shared expert's gate; AdamW
+// keeps those, the norms, biases, sinks, DeltaNet's A_log, dt_bias and conv. A block is
+// wholly Muon's or wholly AdamW's (checked).
+std::vector<MuonMatrix> muon_matrices(Model& model);
+
+// Muon, step by step (kernels/muon.h has the arithmetic). After the gradient clipping, on
+// each Muon block: the momentum m <- mu m + g and the Nesterov input U = g + mu m, on
+// this rank's shard when sharded; then each matrix of U, whole, is orthogonalised by
+// Newton-Schulz and scaled by 0.2 sqrt(max(rows, cols)) (Moonlight's, so optimizer.lr's
+// scale serves both), and W <- W (1 - lr wd) - lr O with lr = optimizer.muon_lr (else
+// optimizer.lr) under the schedule. Sharded (a group of more than one rank), U's shards
+// are all-gathered into the blocks' full `grad`; the group's ranks take its matrices
+// round-robin, each orthogonalising its own and zeroing the rest, and a reduce-scatter of
+// those gradients gives every rank its shard of O exactly (a sum with zeros). So the
+// result does not depend on the mesh: the same bits as one rank, given the same U.
+// Refused with ZeRO-3 and with offload.experts (not built).
+
+class Optimizer {
  public:
   // The moments in `state` (optimizer.state_dtype): f32, or bf16 rounded stochastically
   // (kernels/adamw.h), which halves their bytes.
   // offload.staging_mib sizes the staging of offloaded blocks' updates.
-  explicit AdamW(std::vector<Param>& params, DType state = DType::f32, double staging_mib = 64);
+  explicit Optimizer(std::vector<Param>& params, DType state = DType::f32, double staging_mib = 64);
   // What the unsharded moments of `params` take on the device (the blocks not offloaded),
   // or with `offloaded` the offloaded blocks' in host memory; and, on the device, their staging.
   static size_t moment_bytes(const std::vector<Param>& params, DType state, bool offloaded);
@@ -35,6 +64,12 @@ class AdamW {
   // into every rank's full weights. Either way every Param's compute copy is current
   // afterwards.
   void step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale = 1.0f);
+  // optimizer.name = muon: these matrices' blocks are Muon's from here on (call before
+  // any step; their first moment is the momentum, their second unused).
+  void use_muon(std::vector<MuonMatrix> matrices);
+  // Whether `value` (a Param's tensor or a view into one) is Muon's: its state is the
+  // momentum (exp_avg) alone.
+  bool is_muon(const Tensor& value) const;
 
   // From here on the moments (zero: call before any step or load) live as this rank's
   // shards over `dense` (dense blocks) and `expert` (expert blocks); either may be null.
@@ -82,6 +117,12 @@ class AdamW {
 
  private:
   Tensor moment(const Tensor& value, const std::vector<Tensor>& which) const;
+  int param_of(const Tensor& value) const;
+  // Muon's half of step: the momentum on `blocks` (f32 grad -> U in place; m), then the
+  // matrices orthogonalised and applied (sharded: through the blocks' full grads).
+  void muon_step(const OptimizerConfig& cfg, double lr, int64_t step, float grad_scale);
+  std::vector<MuonMatrix> muon_matrices_;
+  std::vector<char> muon_;  // per block
   std::vector<Param>& params_;
   DType state_ = DType::f32;
   Arena arena_;

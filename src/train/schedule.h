@@ -50,7 +50,7 @@ class Communicator;
 namespace parallel {
 class Zero3;
 }
-class AdamW;
+class Optimizer;
 class StepProfile;
 
 enum class Op : uint8_t {
@@ -210,7 +210,7 @@ struct ScheduleContext {
   int pp_rank = 0;
   float loss_scale = 1.0f;                  // d(loss)/d(logits) scale of head_backward_input
   parallel::Zero3* zero3 = nullptr;         // null: the layers' weights are full here
-  AdamW* optimizer = nullptr;               // for reduce_*: sharded
+  Optimizer* optimizer = nullptr;               // for reduce_*: sharded
   StepProfile* profile = nullptr;           // null: no marks
   const Pipeline* pipeline = nullptr;       // for messages: whose layers are whose
   comm::Communicator* pp = nullptr;         // ... and the pp group they go over

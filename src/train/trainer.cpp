@@ -242,12 +242,12 @@ MemoryPlan plan_memory(const Config& cfg, int world, int pp_rank, double skew) {
   const parallel::ShardLayout layout(model->params(), m.replicas, mesh.ep > 1 ? mesh.dp * mesh.cp : m.replicas,
                                      m.zero3 ? L : 0);
   const DType state = cfg.optimizer.state();
-  m.optimizer = m.sharded ? AdamW::sharded_bytes(layout, state) : AdamW::moment_bytes(model->params(), state, false);
-  m.optimizer += AdamW::staging_bytes(model->params(), state, cfg.offload.staging_mib);
+  m.optimizer = m.sharded ? Optimizer::sharded_bytes(layout, state) : Optimizer::moment_bytes(model->params(), state, false);
+  m.optimizer += Optimizer::staging_bytes(model->params(), state, cfg.offload.staging_mib);
   // Offloaded blocks: their moments (or shards of them) on the host too, and the
   // update's traffic out, the larger way: this rank's weights and moments, and with a
   // group over dp x cp the gathered weights (train/offload.h).
-  m.host += m.sharded ? AdamW::sharded_host_bytes(layout, state) : AdamW::moment_bytes(model->params(), state, true);
+  m.host += m.sharded ? Optimizer::sharded_host_bytes(layout, state) : Optimizer::moment_bytes(model->params(), state, true);
   for (const parallel::ShardUnit& u : layout.units())
     if (u.offloaded)
       m.offload_traffic += static_cast<size_t>(u.group_size == 1 ? u.length : u.shard) * (4 + 2 * dtype_size(state)) +
@@ -333,6 +333,7 @@ Trainer::Trainer(Config cfg, Model& model, std::unique_ptr<data::Dataset> corpus
 
 void Trainer::setup() {
   const TrainingConfig& t = cfg_.training;
+  if (cfg_.optimizer.name == "muon") optimizer_.use_muon(muon_matrices(model_));
   const Device want = t.device == "cuda" ? Device::cuda : Device::cpu;
   MT_CHECK(model_.device() == want) << "training.device = " << t.device << " but the model was built for the "
                                     << (model_.device() == Device::cuda ? "cuda" : "cpu") << " device";

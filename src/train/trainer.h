@@ -179,7 +179,7 @@ class Trainer {
   int64_t global_batch() const { return global_batch_; }
   // Resuming: the optimizer's state is loaded by the checkpoint reader, the step here.
   void set_steps_done(int64_t step) { step_ = step; }
-  AdamW& optimizer() { return optimizer_; }
+  Optimizer& optimizer() { return optimizer_; }
   // ZeRO-3: every layer's full weights in host memory, for init_random, load_hf and the
   // checkpoint functions, which go through the model's hf_tensors() (collective);
   // commit_weights cuts them back into this rank's shards (after an init or a load),
@@ -278,7 +278,7 @@ class Trainer {
   std::vector<std::unique_ptr<Stash>> stashes_;  // one per micro-batch in flight
   std::vector<std::unique_ptr<ActivationBlock>> blocks_;  // per chunk, one per micro-batch working there
   std::vector<std::vector<ActivationBlock*>> block_of_;  // [chunk][micro-batch]
-  AdamW optimizer_;
+  Optimizer optimizer_;
   std::unique_ptr<parallel::Zero3> zero3_;  // null: the layers' weights are full here
   // parallelism.expert_replicas: the experts' loads averaged over steps, and the
   // placements applied (place_replicas).

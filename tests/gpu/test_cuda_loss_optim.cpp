@@ -1,4 +1,4 @@
-// Cross-entropy, AdamW and the elementwise helpers on the GPU against the CPU backend.
+// Cross-entropy, AdamW, Muon and the elementwise helpers on the GPU against the CPU backend.
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -7,6 +7,7 @@
 #include "kernels/adamw.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/elementwise.h"
+#include "kernels/muon.h"
 
 namespace mt::gpu_test {
 namespace {
@@ -261,6 +262,142 @@ TEST(CudaAdamW, Bf16MomentsMatchCpuExactly) {
     EXPECT_TRUE(near("param", download(dev[4 * b].t), p[b], Tol{}));
     EXPECT_TRUE(near("m", download(dev[4 * b + 2].t), want_m, Tol{}));
     EXPECT_TRUE(near("v", download(dev[4 * b + 3].t), want_v, Tol{}));
+  }
+}
+
+// Muon's momentum is the CPU's operations in the CPU's order with no fused multiply-add:
+// equal bit for bit, for an f32 and a bf16 momentum (rounded stochastically, keyed as
+// AdamW's), with and without Nesterov, with a clipping factor, in place (out = grad) and
+// into a separate output. Sizes: one element, not a multiple of the block, several grids.
+TEST(CudaMuon, MomentumMatchesCpuExactly) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 9000;
+  const uint64_t key = (uint64_t{3} << 40) + 11;
+  for (int64_t n : {int64_t{1}, int64_t{1001}, int64_t{70001}}) {
+    for (DType m_dtype : {DType::f32, DType::bf16}) {
+      for (bool nesterov : {true, false}) {
+        for (bool in_place : {true, false}) {
+          std::ostringstream what;
+          what << "n=" << n << " m " << dtype_name(m_dtype) << " nesterov " << nesterov << " in place " << in_place;
+          SCOPED_TRACE(what.str());
+          cpu::MuonMomentum s;
+          s.mu = 0.95f;
+          s.nesterov = nesterov;
+          s.grad_scale = 0.37f;
+          s.step = 12;
+          const auto g = random_floats(n, -1, 1, ++seed);
+          auto m = random_floats(n, -0.1f, 0.1f, ++seed);
+          if (m_dtype == DType::bf16) m = round_bf16(m);
+
+          std::vector<float> want_grad = g, want_out(n), want_m = m;
+          std::vector<uint16_t> m_bits;
+          for (float x : m) m_bits.push_back(bf16_from_f32(x));
+          const Tensor cpu_m = m_dtype == DType::bf16 ? Tensor(m_bits.data(), {n}, DType::bf16) : host(want_m, {n});
+          cpu::muon_momentum(host(want_grad, {n}), cpu_m, in_place ? host(want_grad, {n}) : host(want_out, {n}), s,
+                             key);
+          if (in_place) want_out = want_grad;
+          if (m_dtype == DType::bf16)
+            for (int64_t i = 0; i < n; ++i) want_m[i] = f32_from_bf16(m_bits[i]);
+
+          auto d_grad = upload(g, DType::f32, {n}), d_m = upload(m, m_dtype, {n});
+          auto d_out = poisoned(DType::f32, {n});
+          const Tensor out = in_place ? d_grad.t : d_out.t;
+          cuda::muon_momentum(d_grad.t, d_m.t, out, s, key);
+          EXPECT_TRUE(near("out", download(out), want_out, Tol{}));
+          EXPECT_TRUE(near("m", download(d_m.t), want_m, Tol{}));
+          if (!in_place) {
+            EXPECT_TRUE(near("grad (kept)", download(d_grad.t), g, Tol{}));
+          }
+        }
+      }
+    }
+  }
+}
+
+// The update, two products and a difference, each rounded once: equal bit for bit.
+TEST(CudaMuon, ApplyMatchesCpuExactly) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 9100;
+  const float lr = 0.02f, decay = 1.0f - lr * 0.1f, step = lr * 0.2f * std::sqrt(96.0f);
+  for (int64_t n : {int64_t{1}, int64_t{1001}, int64_t{70001}}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    auto p = random_floats(n, -1, 1, ++seed), o = random_floats(n, -1.2f, 1.2f, ++seed);
+    auto d_p = upload(p, DType::f32, {n}), d_o = upload(o, DType::f32, {n});
+    cpu::muon_apply(host(p, {n}), host(o, {n}), decay, step);
+    cuda::muon_apply(d_p.t, d_o.t, decay, step);
+    EXPECT_TRUE(near("param", download(d_p.t), p, Tol{}));
+  }
+}
+
+// |got - want|_F / |want|_F.
+double relative_frobenius(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    diff += d * d;
+    norm += static_cast<double>(want[i]) * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// The diagonal of O O^T in the wide orientation (O^T O when O [r, c] is tall): NS5 leaves
+// the singular values roughly in [0.7, 1.2], so each entry, a weighted mean of their
+// squares, lies well inside [0.5, 1.5].
+::testing::AssertionResult near_orthogonal(const std::string& what, const std::vector<float>& o, int64_t r,
+                                           int64_t c) {
+  const bool tall = r > c;
+  const int64_t p = tall ? c : r, q = tall ? r : c;
+  for (int64_t i = 0; i < p; ++i) {
+    double d = 0;
+    for (int64_t j = 0; j < q; ++j) {
+      const double x = o[static_cast<size_t>(tall ? j * c + i : i * c + j)];
+      d += x * x;
+    }
+    if (!(d >= 0.5 && d <= 1.5))
+      return ::testing::AssertionFailure() << what << ": diagonal entry " << i << " of the Gram matrix is " << d
+                                           << ", outside [0.5, 1.5]";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Newton-Schulz: the GPU's products are bf16 with f32 sums and its iterate is bf16, the
+// CPU's all f32, so they agree to bf16 accuracy carried through five iterations: within
+// 3e-2 of the CPU's result in Frobenius norm. Square, tall (the transposed path) and wide
+// matrices, three in one call (the per-matrix loop, buffers reused). With no iterations
+// only the normalisation and the orientation remain: the CPU's values rounded to bf16,
+// give or take one bf16 step where the norms' sums (in double, in other orders) differ in
+// the last bit of the f32 scale.
+TEST(CudaMuon, NewtonSchulzMatchesCpu) {
+  MT_SKIP_WITHOUT_GPU();
+  uint64_t seed = 9200;
+  const Shape shapes[] = {{64, 64}, {96, 40}, {40, 96}};
+  for (const Shape& shape : shapes) {
+    for (int steps : {5, 0}) {
+      SCOPED_TRACE("shape " + shape.str() + " steps " + std::to_string(steps));
+      const int64_t r = shape[0], c = shape[1], count = 3;
+      std::vector<std::vector<float>> want;
+      std::vector<DeviceTensor> dev;
+      std::vector<Tensor> cpu_list, gpu_list;
+      for (int64_t k = 0; k < count; ++k) {
+        want.push_back(random_floats(r * c, -1, 1, ++seed));
+        dev.push_back(upload(want.back(), DType::f32, shape));
+        gpu_list.push_back(dev.back().t);
+      }
+      for (auto& w : want) cpu_list.push_back(host(w, shape));
+      cpu::newton_schulz(cpu_list, steps);
+      cuda::newton_schulz(gpu_list, steps);
+      for (int64_t k = 0; k < count; ++k) {
+        SCOPED_TRACE("matrix " + std::to_string(k));
+        const auto got = download(dev[k].t);
+        if (steps == 0) {
+          EXPECT_TRUE(near("normalised", got, round_bf16(want[k]), Tol{2 * kBf16Round}));
+          continue;
+        }
+        EXPECT_LT(relative_frobenius(got, want[k]), 3e-2);
+        EXPECT_TRUE(near_orthogonal("cpu", want[k], r, c));
+        EXPECT_TRUE(near_orthogonal("gpu", got, r, c));
+      }
+    }
   }
 }
 
