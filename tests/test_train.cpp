@@ -2044,7 +2044,9 @@ TEST(Commands, PlanDrawsTheScheduleWithThePapersBubble) {
 // (1,1,2), (2,2,2), and with training.layer_sweep (2,1,1) under ZeRO-3 and (1,1,2).
 // Each reports the single-rank run's losses,
 // gradient norms, balance terms, router z-losses (all with a z-loss coefficient) and
-// routing counts (1e-5), for both load-balance variants, for each model family. The batch: the fixture's three sequences and its first again, so that
+// routing counts (1e-5), for both load-balance variants and with optimizer.name = muon
+// (every mesh but ZeRO-3's, which refuses it), for each model family. The batch: the
+// fixture's three sequences and its first again, so that
 // it splits over 4 data ranks; its 16 positions split into 2 * cp = 4 chunks.
 class Meshes : public ::testing::TestWithParam<const char*> {};
 
@@ -2053,7 +2055,11 @@ TEST_P(Meshes, MatchOneRank) {
   const std::string model = GetParam();
   std::string dir = temp_dir("meshes_" + model);
   write_four_sequences(model, dir);
-  for (std::string lb : {"micro_batch", "global_batch"}) {
+  // The third pass trains with Muon (train/optimizer.h), the micro-batch balance term,
+  // on every mesh but ZeRO-3's, which refuse it.
+  for (std::string pass : {"micro_batch", "global_batch", "muon"}) {
+    const bool muon = pass == "muon";
+    const std::string lb = muon ? "micro_batch" : pass;
     std::vector<std::vector<nlohmann::json>> runs;
     struct Mesh {
       int dp, cp, ep;
@@ -2067,10 +2073,11 @@ TEST_P(Meshes, MatchOneRank) {
       if (m.sweep && lb == "global_batch" && model == "deepseek_v3_mtp") continue;
       const int np = m.dp * m.cp * m.ep, ep = m.ep;
       std::string dump = dir + "/run" + std::to_string(m.dp) + std::to_string(m.cp) + std::to_string(ep) +
-                         (m.zero3 ? "zero3" : "") + (m.sweep ? "sweep" : "") + lb;
+                         (m.zero3 ? "zero3" : "") + (m.sweep ? "sweep" : "") + pass;
       // Gated DeltaNet layers refuse cp > 1 (their state would cross the ranks' chunks).
       const bool refused = m.cp > 1 && model == "qwen3_5_moe_b";
-      if (refused && (lb != "micro_batch" || m.ep > 1 || m.zero3)) continue;
+      if (refused && (pass != "micro_batch" || m.ep > 1 || m.zero3)) continue;
+      if (muon && m.zero3 && (np != 2 || m.sweep)) continue;  // one refusal is enough
       auto [rc, out] = run(kMpirun + std::to_string(np) + " " + MOETRAIN_BIN + " train --model.init=hf:" +
                            fixture(model) + " --data.tokens=" + dir + "/tokens.npy" +
                            " --training.steps=3 --training.load_balance_coef=0.1 --training.micro_batch_size=1" +
@@ -2080,7 +2087,12 @@ TEST_P(Meshes, MatchOneRank) {
                            " --training.load_balance_type=" + lb + " --parallelism.ep=" + std::to_string(ep) +
                            " --parallelism.cp=" + std::to_string(m.cp) +
                            (m.zero3 ? " --parallelism.zero3=true" : "") + (m.sweep ? " --training.layer_sweep=0" : "") +
-                           " --job.dump_folder=" + dump);
+                           (muon ? " --optimizer.name=muon" : "") + " --job.dump_folder=" + dump);
+      if (muon && m.zero3) {
+        EXPECT_NE(rc, 0);
+        EXPECT_NE(out.find("Muon with ZeRO-3 or offloaded experts is not built yet"), std::string::npos) << out;
+        continue;
+      }
       if (refused) {
         EXPECT_NE(rc, 0);
         EXPECT_NE(out.find("with parallelism.cp > 1 are not built yet"), std::string::npos) << out;
@@ -2098,17 +2110,17 @@ TEST_P(Meshes, MatchOneRank) {
         for (const char* key : {"loss", "grad_norm", "lb_loss", "z_loss"}) {
           if (!runs[0][i].contains(key)) continue;  // DeepSeek-V3: no z-loss
           double want = runs[0][i][key], got = runs[m][i][key];
-          EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << lb << " mesh " << m << " step " << i + 1 << " " << key;
+          EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << pass << " mesh " << m << " step " << i + 1 << " " << key;
         }
         // DeepSeek-V3 with multi-token prediction: each depth's loss.
         ASSERT_EQ(runs[m][i].value("mtp_loss", nlohmann::json::array()).size(),
                   runs[0][i].value("mtp_loss", nlohmann::json::array()).size());
         for (size_t k = 0; k < runs[0][i].value("mtp_loss", nlohmann::json::array()).size(); ++k) {
           double want = runs[0][i]["mtp_loss"][k], got = runs[m][i]["mtp_loss"][k];
-          EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << lb << " mesh " << m << " step " << i + 1 << " depth " << k;
+          EXPECT_NEAR(got, want, 1e-5 * std::fabs(want)) << pass << " mesh " << m << " step " << i + 1 << " depth " << k;
         }
-        EXPECT_EQ(runs[m][i]["expert_counts"], runs[0][i]["expert_counts"]) << lb << " mesh " << m;
-        EXPECT_EQ(runs[m][i]["expert_bias"], runs[0][i]["expert_bias"]) << lb << " mesh " << m;
+        EXPECT_EQ(runs[m][i]["expert_counts"], runs[0][i]["expert_counts"]) << pass << " mesh " << m;
+        EXPECT_EQ(runs[m][i]["expert_bias"], runs[0][i]["expert_bias"]) << pass << " mesh " << m;
       }
   }
 }
@@ -2199,7 +2211,8 @@ TEST(Commands, MuonMeshesMatchOneRank) {
 // expert counts exactly, over 3 steps of 16 sequences (32 for the qwen3 config) of 16 tokens in micro-batches of
 // one: at least 8 micro-batches per rank, as dualpipev at pp 4 needs. A capacity
 // factor drops the same slots with pp as without. A checkpoint saved at pp 2 resumes at
-// pp 1 and at pp 4 and continues the same losses.
+// pp 1 and at pp 4 and continues the same losses. Each family also trains with Muon
+// (optimizer.name = muon) at pp 2 x ep 2 (DualPipeV) and pp 2 x dp 2 (1F1B).
 TEST(Commands, PipelineMeshesMatchOneRank) {
   if (run("command -v mpirun").first != 0) GTEST_SKIP() << "mpirun not found";
   std::string dir = temp_dir("pipeline");
@@ -2272,6 +2285,19 @@ TEST(Commands, PipelineMeshesMatchOneRank) {
                   3);
         expect_same(got, 0, 3, name);
       }
+    // Muon (train/optimizer.h) against its own one-rank run: pp 2 x ep 2 under DualPipeV,
+    // pp 2 x dp 2 under 1F1B.
+    const std::vector<nlohmann::json> adamw_one = one;
+    one = train("muon_one" + family, 1, bias + " --optimizer.name=muon", 3);
+    for (const auto& [m, schedule] : {std::pair{Mesh{2, 1, 1, 2}, "dualpipev"}, std::pair{Mesh{2, 2, 1, 1}, "1f1b"}}) {
+      const std::string name = std::string("muon_") + schedule + family;
+      expect_same(train(name, m.pp * m.dp * m.ep,
+                        "--optimizer.name=muon --parallelism.pp=2 --parallelism.ep=" + std::to_string(m.ep) +
+                            " --parallelism.pipeline_schedule=" + schedule + bias,
+                        3),
+                  0, 3, name);
+    }
+    one = adamw_one;
   }
   // A capacity factor: pp 2 x ep 2 drops what ep 2 alone drops (the capacity is over
   // the ep group's micro-batches), the same slots, with the same losses.
